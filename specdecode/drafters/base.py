@@ -1,0 +1,32 @@
+"""What every drafter offers the engine: propose a draft after a context; optionally learn from verdicts."""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from specdecode.types import Draft, SamplingParams, Verdict
+
+
+class Drafter(abc.ABC):
+    """Proposes tokens to follow a context. A drafter never decides what is output: the verifier does,
+    so any drafter is lossless under a lossless verifier; a better drafter is only a faster one."""
+
+    name: str = "drafter"
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        """A new sequence starts (forget per-sequence state)."""
+
+    @abc.abstractmethod
+    def propose(
+        self,
+        context: list[int],
+        max_tokens: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Draft:
+        """Propose at most `max_tokens` tokens to follow `context` (prompt + output so far)."""
+
+    def update(self, verdict: Verdict) -> None:
+        """Learn from how the last draft fared (adaptive draft length and the like)."""

@@ -1,0 +1,115 @@
+"""An independent draft model: a smaller model of the same family drafts token by token.
+
+The draft model keeps its own KV cache. Before each proposal it is brought in step with the context by
+cropping its cache to the longest common prefix of what it has seen and the context, then feeding the
+rest (usually the last accepted token and the correction), so no bookkeeping is shared with the engine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.drafters.base import Drafter
+from specdecode.errors import UserError
+from specdecode.models.base import CausalLM
+from specdecode.sampling import logits_to_probs, sample
+from specdecode.types import Draft, SamplingParams, Verdict
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class DraftModelDrafter(Drafter):
+    """Drafts `num_tokens` tokens autoregressively with a small model.
+
+    Adaptive draft length (on by default): the length grows by 2 after a fully accepted draft and
+    shrinks by 1 after a rejection, within [min_tokens, max_tokens]; and drafting stops early when the
+    drafter's own probability of its token falls under `confidence_threshold`, since such a token is
+    likely to be rejected and drafting it costs a draft-model forward.
+    """
+
+    name = "draft"
+
+    def __init__(
+        self,
+        model: CausalLM,
+        vocab_size: int,
+        num_tokens: int = 4,
+        adaptive: bool = True,
+        min_tokens: int = 1,
+        max_tokens: int = 16,
+        confidence_threshold: float = 0.3,
+    ):
+        if not 1 <= min_tokens <= num_tokens <= max_tokens:
+            raise UserError(
+                f"draft length needs 1 <= min ({min_tokens}) <= initial ({num_tokens}) <= max ({max_tokens})"
+            )
+        if not 0.0 <= confidence_threshold < 1.0:
+            raise UserError(f"confidence threshold must be in [0, 1), got {confidence_threshold}")
+        self.model = model
+        self.vocab_size = vocab_size  # the target's: draft distributions are laid out over its rows
+        self.initial_tokens, self.adaptive = num_tokens, adaptive
+        self.min_tokens, self.max_tokens = min_tokens, max_tokens
+        self.confidence_threshold = confidence_threshold
+        self.num_tokens = num_tokens
+        self._seen: list[int] = []  # the tokens whose keys and values the draft model holds
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self.num_tokens = self.initial_tokens
+        self.model.reset()
+        self._seen = []
+
+    def _sync(self, context: list[int]) -> list[int]:
+        """Crop the draft cache to what it shares with `context`; return the tokens still to feed."""
+        keep = min(common_prefix_length(self._seen, context), len(context) - 1)
+        self.model.crop(keep)
+        del self._seen[keep:]
+        return context[keep:]
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Lay draft logits ([vocab_draft]) over the target's rows: pad with -inf or cut."""
+        if logits.shape[-1] == self.vocab_size:
+            return logits
+        if logits.shape[-1] > self.vocab_size:
+            return logits[: self.vocab_size]
+        pad = logits.new_full((self.vocab_size - logits.shape[-1],), float("-inf"))
+        return torch.cat([logits, pad])
+
+    def propose(self, context, max_tokens, params, generator) -> Draft:
+        length = min(self.num_tokens, max_tokens)
+        if length <= 0:
+            return Draft.empty()
+        pending = self._sync(context)
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for _ in range(length):
+            logits = self.model.forward(torch.tensor(pending), num_logits=1).logits[0]  # [vocab_draft]
+            self._seen.extend(pending)
+            logits = self._fit_vocab(logits)
+            if params.greedy:
+                token = int(logits.argmax())
+                confidence = float(torch.softmax(logits, -1)[token]) if self.confidence_threshold else 1.0
+            else:
+                probs = logits_to_probs(logits, params)  # [vocab]
+                token = int(sample(probs, generator))
+                confidence = float(probs[token])
+                rows.append(probs)
+            tokens.append(token)
+            pending = [token]
+            if confidence < self.confidence_threshold:
+                break
+        probs = torch.stack(rows) if rows else None  # [draft_len, vocab] when sampling
+        return Draft(tokens=torch.tensor(tokens), probs=probs)
+
+    def update(self, verdict: Verdict) -> None:
+        if not self.adaptive:
+            return
+        if verdict.bonus and verdict.num_drafted == self.num_tokens:
+            self.num_tokens = min(self.num_tokens + 2, self.max_tokens)
+        elif not verdict.bonus:
+            self.num_tokens = max(self.num_tokens - 1, self.min_tokens)

@@ -1,0 +1,248 @@
+"""The draft-then-verify loop (Algorithm 2 of the survey), with plain decoding as its zero-draft case."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from specdecode import metrics
+from specdecode.drafters.base import Drafter
+from specdecode.engine.stopping import TextTracker
+from specdecode.errors import UserError
+from specdecode.models.base import CausalLM
+from specdecode.types import Draft, SamplingParams, StepStats, TokenOrigin, Verdict
+from specdecode.verify.chain import verify_chain
+
+MAX_NEW_TOKENS_LIMIT = 1 << 20
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()  # stop strings; the output text ends right before the first one
+    seed: int | None = None  # seeds the one torch.Generator every random choice goes through
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
+            raise UserError(f"max_new_tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got {self.max_new_tokens}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+
+
+@dataclass
+class StepEvent:
+    """What one step added to the output, for streaming."""
+
+    token_ids: list[int]
+    origins: list[TokenOrigin]  # how each token came about, parallel to token_ids
+    text: str  # the new text (may be empty while a character is incomplete)
+    stats: StepStats
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    token_ids: list[int]  # new tokens only
+    text: str
+    steps: list[StepStats]
+    seconds: float
+    finish_reason: str  # "eos", "length" (max_new_tokens or the context is full) or "stop" (a stop string)
+    method: str
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def target_forwards(self) -> int:
+        return len(self.steps)
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        return metrics.mean_accepted_tokens(self.steps)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return metrics.acceptance_rate(self.steps)
+
+    @property
+    def accepted_per_position(self) -> list[float]:
+        return metrics.accepted_per_position(self.steps)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return metrics.tokens_per_second(self.new_tokens, self.seconds)
+
+    @property
+    def draft_seconds(self) -> float:
+        return sum(s.draft_seconds for s in self.steps)
+
+    @property
+    def verify_seconds(self) -> float:
+        return sum(s.verify_seconds for s in self.steps)
+
+    def summary(self) -> dict:
+        """The figures the CLI's --json prints and the benchmark records."""
+        return {
+            "method": self.method,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "new_tokens": self.new_tokens,
+            "seconds": self.seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "target_forwards": self.target_forwards,
+            "mean_accepted_tokens": self.mean_accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "accepted_per_position": self.accepted_per_position,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "finish_reason": self.finish_reason,
+        }
+
+
+class Stream:
+    """Iterate for StepEvents; once exhausted, `result` holds the GenerationResult."""
+
+    def __init__(self, events: Iterator[StepEvent]):
+        self._events = events
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[StepEvent]:
+        self.result = yield from self._events
+
+
+def _origins(verdict: Verdict) -> list[TokenOrigin]:
+    last: TokenOrigin = "target" if verdict.num_drafted == 0 else "bonus" if verdict.bonus else "corrected"
+    return ["accepted"] * verdict.num_accepted + [last]
+
+
+class SpeculativeEngine:
+    """Runs draft-then-verify decoding of one sequence at a time on a target model.
+
+    With no drafter every step drafts nothing and the loop is plain autoregressive decoding, the
+    baseline every method is measured against.
+    """
+
+    def __init__(self, target: CausalLM, tokenizer=None, drafter: Drafter | None = None, method: str | None = None):
+        self.target = target
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.method = method or (drafter.name if drafter else "ar")
+
+    def step(self, context: list[int], room: int, params: SamplingParams, generator) -> tuple[Verdict, float, float]:
+        """One speculative step after `context`, drafting at most `room` tokens.
+
+        Returns the verdict and the seconds spent drafting and verifying.
+        """
+        # 1. Draft: the drafter proposes up to `room` tokens (none at all for plain decoding).
+        start = time.perf_counter()
+        draft = self.drafter.propose(context, room, params, generator) if self.drafter and room > 0 else Draft.empty()
+        drafted = time.perf_counter()
+        # 2. Verify: one target forward over the tokens it has not seen yet plus the draft gives the
+        #    target's distribution after the context and after every draft token.
+        fed = context[self.target.cache_length :] + draft.tokens.tolist()
+        logits = self.target.forward(torch.tensor(fed), num_logits=len(draft) + 1).logits  # [draft_len + 1, vocab]
+        # 3. Accept the longest admissible prefix and add the correction or bonus token.
+        verdict = verify_chain(logits, draft, params, generator)
+        # 4. Roll back: the cache keeps the context and the accepted drafts; the last token of the
+        #    verdict is fed in the next step's forward.
+        self.target.crop(len(context) + verdict.num_accepted)
+        verified = time.perf_counter()
+        if self.drafter is not None:
+            self.drafter.update(verdict)
+        return verdict, drafted - start, verified - drafted
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise UserError("the prompt is empty")
+        if len(prompt_ids) >= self.target.max_context:
+            raise UserError(
+                f"the prompt has {len(prompt_ids)} tokens; the model's context holds {self.target.max_context}"
+            )
+        bad = [t for t in prompt_ids if not 0 <= t < self.target.vocab_size]
+        if bad:
+            raise UserError(f"token ids out of the vocabulary (size {self.target.vocab_size}): {bad[:5]}")
+
+    def _events(self, prompt_ids: list[int], config: GenerationConfig) -> Iterator[StepEvent]:
+        self._check_prompt(prompt_ids)
+        generator = torch.Generator()
+        generator.manual_seed(config.seed if config.seed is not None else int(torch.randint(2**62, ()).item()))
+        params = config.sampling
+        eos = frozenset() if config.ignore_eos else self.target.eos_token_ids
+        tracker = TextTracker(self.tokenizer, config.stop)
+        self.target.reset()
+        if self.drafter is not None:
+            self.drafter.begin(list(prompt_ids))
+        context = list(prompt_ids)
+        output: list[int] = []
+        steps: list[StepStats] = []
+        finish_reason = "length"
+        start = time.perf_counter()
+        while True:
+            remaining = min(config.max_new_tokens - len(output), self.target.max_context - len(context))
+            if remaining <= 0:
+                break
+            forward_tokens = len(context) - self.target.cache_length
+            # Each step emits at least one token beyond its accepted drafts, hence room = remaining - 1.
+            verdict, draft_seconds, verify_seconds = self.step(context, remaining - 1, params, generator)
+            new = list(verdict.tokens[:remaining])
+            origins = _origins(verdict)[: len(new)]
+            hit_eos = next((i for i, t in enumerate(new) if t in eos), None)
+            if hit_eos is not None:
+                del new[hit_eos + 1 :], origins[hit_eos + 1 :]
+                finish_reason = "eos"
+            previous = len(output)
+            output.extend(new)
+            context.extend(new)
+            text, keep = tracker.update(output, previous)
+            if keep is not None:
+                del output[keep:]
+                finish_reason = "stop"
+            kept = len(output) - previous
+            stats = StepStats(
+                drafted=verdict.num_drafted,
+                accepted=min(verdict.num_accepted, kept),
+                new_tokens=kept,
+                draft_seconds=draft_seconds,
+                verify_seconds=verify_seconds,
+                forward_tokens=forward_tokens + verdict.num_drafted,
+            )
+            steps.append(stats)
+            yield StepEvent(token_ids=new[:kept], origins=origins[:kept], text=text, stats=stats)
+            if finish_reason != "length":
+                break
+        seconds = time.perf_counter() - start
+        tail = tracker.finish(output)
+        if tail:
+            yield StepEvent(token_ids=[], origins=[], text=tail, stats=StepStats(0, 0, 0, 0.0, 0.0, 0))
+        return GenerationResult(
+            prompt_ids=list(prompt_ids),
+            token_ids=output,
+            text=tracker.text,
+            steps=steps,
+            seconds=seconds,
+            finish_reason=finish_reason,
+            method=self.method,
+        )
+
+    def stream(self, prompt_ids: list[int], config: GenerationConfig | None = None) -> Stream:
+        """Generate step by step: iterate the returned Stream for StepEvents, then read `.result`."""
+        return Stream(self._events(list(prompt_ids), config or GenerationConfig()))
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        config: GenerationConfig | None = None,
+        on_step: Callable[[StepEvent], None] | None = None,
+    ) -> GenerationResult:
+        stream = self.stream(prompt_ids, config)
+        for event in stream:
+            if on_step is not None:
+                on_step(event)
+        assert stream.result is not None
+        return stream.result

@@ -1,0 +1,84 @@
+"""The PyTorch backend: any causal LM from transformers, through its public forward."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from specdecode.models.base import CausalLM, ForwardOutput
+
+
+def _eos_ids(model: PreTrainedModel) -> frozenset[int]:
+    ids: set[int] = set()
+    for config in (model.generation_config, model.config):
+        eos = getattr(config, "eos_token_id", None)
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else eos)
+    return frozenset(ids)
+
+
+class HFCausalLM(CausalLM):
+    """A transformers model plus a `DynamicCache` for one sequence."""
+
+    def __init__(self, model: PreTrainedModel, eos_token_ids: frozenset[int] | None = None):
+        self.model = model.eval()
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.max_context = getattr(model.config, "max_position_embeddings", 32768)
+        self.eos_token_ids = eos_token_ids if eos_token_ids is not None else _eos_ids(model)
+        self._cache = DynamicCache(config=model.config)
+        self._length = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def cache_length(self) -> int:
+        return self._length
+
+    def _attention_mask(self, tree_mask: torch.Tensor) -> torch.Tensor:
+        """[n, n] bool among new tokens -> the [1, 1, n, cached + n] additive mask transformers takes."""
+        n = tree_mask.shape[0]
+        allowed = torch.ones(n, self._length + n, dtype=torch.bool)
+        allowed[:, self._length :] = tree_mask
+        mask = torch.zeros(allowed.shape, dtype=self.dtype)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        return mask[None, None]  # [1, 1, n, cached + n]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+        num_logits: int | None = None,
+        output_hidden: bool = False,
+    ) -> ForwardOutput:
+        n = token_ids.numel()
+        if positions is None:
+            positions = torch.arange(self._length, self._length + n)
+        num_logits = n if num_logits is None else num_logits
+        out = self.model(
+            input_ids=token_ids.view(1, n),
+            position_ids=positions.view(1, n),
+            attention_mask=None if tree_mask is None else self._attention_mask(tree_mask),
+            past_key_values=self._cache,
+            use_cache=True,
+            logits_to_keep=num_logits,
+            output_hidden_states=output_hidden,
+        )
+        self._length += n
+        hidden = out.hidden_states[-1][0, n - num_logits :] if output_hidden else None
+        return ForwardOutput(logits=out.logits[0].float(), hidden=hidden)
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot crop a cache of {self._length} tokens to {length}")
+        if length < self._length:
+            self._cache.crop(length - self._length)  # transformers takes minus the count to drop
+            self._length = length
+
+    def reset(self) -> None:
+        self._cache = DynamicCache(config=self.model.config)
+        self._length = 0

@@ -1,0 +1,48 @@
+"""Turning logits into distributions and tokens. Pure functions; probability maths in float32."""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.types import SamplingParams
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Apply temperature, top-k and top-p to logits and normalise.
+
+    logits: [..., vocab] in any dtype. Returns [..., vocab] float32 that sums to 1 over the last axis.
+    Under greedy decoding (temperature 0) the result is one-hot at the argmax, so the same verification
+    maths covers both modes.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [..., vocab]
+        sorted_probs = sorted_logits.softmax(-1)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it
+        # already reaches top_p. The most likely token is always kept.
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted = mass_before >= params.top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token per row. probs: [..., vocab] float32 -> [...] int64."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    tokens = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
+    return tokens.reshape(probs.shape[:-1])
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from one row of logits ([vocab]): argmax when greedy, else a sample."""
+    if params.greedy:
+        return int(logits.argmax())
+    return int(sample(logits_to_probs(logits, params), generator))

@@ -1,0 +1,104 @@
+"""The small records that pass between drafters, verifiers and the engine.
+
+Glossary (used the same way everywhere in specdecode):
+
+- *context*: the token ids the target has seen or will see next: prompt plus the tokens generated so far.
+- *draft*: the tokens a drafter proposes to follow the context, cheaply, before the target has looked.
+- *target forward*: one forward pass of the target model; each speculative step makes exactly one.
+- *accepted* tokens: the draft tokens the verifier keeps (a prefix of a chain draft, or one root-to-node
+  path of a tree draft).
+- *correction* token (vLLM calls it *recovered*): after the first rejected draft token, the token the
+  verifier takes instead — the target's argmax under greedy decoding, a sample from the residual
+  distribution under speculative sampling.
+- *bonus* token: when every draft token is accepted, the target's forward already gives the distribution
+  of the next position for free; the token sampled from it is the bonus.
+- Every step therefore emits ``accepted + 1`` tokens (the correction or the bonus), unless a stop
+  condition cuts it short. *Mean accepted tokens* is new tokens per target forward and includes that
+  one extra token (plain decoding scores exactly 1.0); metrics are defined once in `specdecode.metrics`.
+- *lossless*: the output follows the target model's own distribution exactly (identical tokens under
+  greedy decoding). Lossy verifiers say so with ``lossless = False``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from specdecode.errors import UserError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen. ``temperature == 0`` means greedy decoding.
+
+    Temperature, top-k and top-p are applied identically to the target and draft distributions before
+    speculative sampling, which is what keeps sampling lossless with respect to the *processed* target
+    distribution.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no top-k filtering
+    top_p: float = 1.0  # 1.0: no nucleus filtering
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise UserError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.temperature > 100:
+            raise UserError(f"temperature {self.temperature} is absurd; use a value in [0, 100]")
+        if self.top_k < 0:
+            raise UserError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Draft:
+    """A chain of proposed tokens and, when the drafter sampled them, the distributions they came from."""
+
+    tokens: torch.Tensor  # [draft_len] int64
+    # [draft_len, vocab] float32, the processed distribution each token was drawn from; None for a
+    # deterministic drafter (prompt lookup, greedy drafting), which verification treats as one-hot.
+    probs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+    @staticmethod
+    def empty() -> Draft:
+        return Draft(tokens=torch.empty(0, dtype=torch.long))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What verification decided for one step."""
+
+    num_drafted: int
+    num_accepted: int  # how many leading draft tokens were accepted
+    tokens: tuple[int, ...]  # the accepted draft tokens, then the correction or bonus token
+
+    @property
+    def bonus(self) -> bool:
+        """True when every draft token was accepted, so the last token is a bonus token."""
+        return self.num_accepted == self.num_drafted
+
+
+TokenOrigin = Literal["prefill", "accepted", "corrected", "bonus"]
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Per-step statistics of the draft-then-verify loop."""
+
+    drafted: int  # draft tokens proposed
+    accepted: int  # draft tokens accepted
+    new_tokens: int  # tokens appended to the output this step (after stop conditions)
+    draft_seconds: float
+    verify_seconds: float  # the target forward plus the acceptance decision
+    forward_tokens: int  # tokens fed to the target in this step's forward (prefill included)
