@@ -55,3 +55,10 @@ def random_prompts(count: int, seed: int = 0, low: int = 3, high: int = 24, voca
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high, (count,), generator=g)
     return [torch.randint(0, vocab, (int(n),), generator=g).tolist() for n in lengths]
+
+
+class LetterTokenizer:
+    """A stand-in tokenizer for engine tests: token i decodes to one letter (a..z, cycling)."""
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + int(i) % 26) for i in ids)

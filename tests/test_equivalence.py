@@ -1,0 +1,96 @@
+"""Equivalence: for every drafter, greedy speculative output == plain greedy output of the target.
+
+Tiny randomly initialised Qwen2 models in float32 (exact arithmetic comparisons are meaningful there).
+Three kinds of draft model exercise every path of the loop: the target itself (everything accepted),
+a noisy copy of it (partial acceptance) and an unrelated model (almost everything rejected).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import VOCAB, random_prompts, tiny_qwen2
+from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+from specdecode.engine import GenerationConfig, SpeculativeEngine
+from specdecode.models.hf import HFCausalLM
+
+PROMPTS = random_prompts(12, seed=3)
+LENGTHS = [1, 2, 7, 40]
+
+
+def noisy_copy(model, scale: float, seed: int):
+    clone = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+    return clone
+
+
+def drafters(target_model, other_model):
+    return {
+        "self": lambda: DraftModelDrafter(HFCausalLM(target_model), VOCAB, num_tokens=3, confidence_threshold=0),
+        "noisy": lambda: DraftModelDrafter(HFCausalLM(noisy_copy(target_model, 0.3, 1)), VOCAB, num_tokens=4),
+        "noisy-fixed": lambda: DraftModelDrafter(
+            HFCausalLM(noisy_copy(target_model, 0.3, 2)), VOCAB, num_tokens=5, adaptive=False, confidence_threshold=0
+        ),
+        "unrelated": lambda: DraftModelDrafter(HFCausalLM(other_model), VOCAB, num_tokens=2),
+        "pld": lambda: PromptLookupDrafter(max_ngram=3, num_tokens=6),
+        "pld-unigram": lambda: PromptLookupDrafter(max_ngram=1, num_tokens=3),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target):
+    """Plain greedy continuations from transformers' own generate()."""
+    out = {}
+    for i, prompt in enumerate(PROMPTS):
+        ids = tiny_target.generate(torch.tensor([prompt]), max_new_tokens=max(LENGTHS), do_sample=False)
+        out[i] = ids[0, len(prompt) :].tolist()
+    return out
+
+
+def test_plain_decoding_equals_transformers_generate(tiny_target, reference):
+    engine = SpeculativeEngine(HFCausalLM(tiny_target))
+    for i, prompt in enumerate(PROMPTS):
+        for n in LENGTHS:
+            result = engine.generate(prompt, GenerationConfig(max_new_tokens=n))
+            assert result.token_ids == reference[i][:n]
+            assert result.target_forwards == n and result.mean_accepted_tokens == 1.0
+
+
+@pytest.mark.parametrize("kind", ["self", "noisy", "noisy-fixed", "unrelated", "pld", "pld-unigram"])
+def test_greedy_speculative_equals_plain(kind, tiny_target, tiny_drafter, reference):
+    drafter = drafters(tiny_target, tiny_drafter)[kind]()
+    engine = SpeculativeEngine(HFCausalLM(tiny_target), drafter=drafter)
+    for i, prompt in enumerate(PROMPTS):
+        for n in LENGTHS:
+            result = engine.generate(prompt, GenerationConfig(max_new_tokens=n))
+            assert result.token_ids == reference[i][:n], f"prompt {i}, {n} tokens"
+            assert sum(s.new_tokens for s in result.steps) == len(result.token_ids)
+            assert result.target_forwards <= n
+    if kind == "self":  # a perfect drafter: every draft accepted, several tokens per forward
+        assert result.acceptance_rate == 1.0 and result.mean_accepted_tokens > 3
+
+
+def test_engine_reused_across_prompts_and_methods_share_target(tiny_target, tiny_drafter, reference):
+    """One target model object serves several engines in turn; caches never leak between runs."""
+    target = HFCausalLM(tiny_target)
+    engines = [SpeculativeEngine(target, drafter=make()) for make in drafters(tiny_target, tiny_drafter).values()]
+    for i in [0, 5, 0]:
+        for engine in engines:
+            assert engine.generate(PROMPTS[i], GenerationConfig(max_new_tokens=25)).token_ids == reference[i][:25]
+
+
+def test_bfloat16_models_run_and_mostly_agree(tiny_target):
+    """bf16 is the CPU default: the loop runs there too (exactness is only asserted in float32)."""
+    model = copy.deepcopy(tiny_target).to(torch.bfloat16)
+    drafter = DraftModelDrafter(HFCausalLM(noisy_copy(model.float(), 0.1, 3).to(torch.bfloat16)), VOCAB)
+    plain = SpeculativeEngine(HFCausalLM(model)).generate(PROMPTS[1], GenerationConfig(max_new_tokens=30))
+    spec = SpeculativeEngine(HFCausalLM(model), drafter=drafter).generate(PROMPTS[1], GenerationConfig(max_new_tokens=30))
+    assert len(spec.token_ids) == 30
+    assert spec.token_ids[:5] == plain.token_ids[:5]
