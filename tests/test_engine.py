@@ -20,7 +20,7 @@ PROMPT = random_prompts(1, seed=11)[0]
 
 @pytest.fixture
 def spec_engine(tiny_target):
-    drafter = DraftModelDrafter(HFCausalLM(copy.deepcopy(tiny_target)), VOCAB, confidence_threshold=0)
+    drafter = DraftModelDrafter(HFCausalLM(copy.deepcopy(tiny_target)), confidence_threshold=0)
     return SpeculativeEngine(HFCausalLM(tiny_target), LetterTokenizer(), drafter=drafter)
 
 
@@ -116,7 +116,7 @@ def test_sampled_output_follows_target_distribution():
         seconds = target_model(torch.tensor([[*prompt, t] for t in range(vocab)])).logits[:, -1].float().softmax(-1)
     expected = (first[:, None] * seconds).flatten()  # [vocab * vocab]
 
-    drafter = DraftModelDrafter(HFCausalLM(draft_model), vocab, num_tokens=2, adaptive=False, confidence_threshold=0)
+    drafter = DraftModelDrafter(HFCausalLM(draft_model), num_tokens=2, adaptive=False, confidence_threshold=0)
     engine = SpeculativeEngine(HFCausalLM(target_model), drafter=drafter)
     counts = torch.zeros(vocab * vocab)
     runs = 1500

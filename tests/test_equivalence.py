@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from conftest import VOCAB, random_prompts, tiny_qwen2
+from conftest import random_prompts
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
@@ -33,12 +33,12 @@ def noisy_copy(model, scale: float, seed: int):
 
 def drafters(target_model, other_model):
     return {
-        "self": lambda: DraftModelDrafter(HFCausalLM(target_model), VOCAB, num_tokens=3, confidence_threshold=0),
-        "noisy": lambda: DraftModelDrafter(HFCausalLM(noisy_copy(target_model, 0.3, 1)), VOCAB, num_tokens=4),
+        "self": lambda: DraftModelDrafter(HFCausalLM(target_model), num_tokens=3, confidence_threshold=0),
+        "noisy": lambda: DraftModelDrafter(HFCausalLM(noisy_copy(target_model, 0.3, 1)), num_tokens=4),
         "noisy-fixed": lambda: DraftModelDrafter(
-            HFCausalLM(noisy_copy(target_model, 0.3, 2)), VOCAB, num_tokens=5, adaptive=False, confidence_threshold=0
+            HFCausalLM(noisy_copy(target_model, 0.3, 2)), num_tokens=5, adaptive=False, confidence_threshold=0
         ),
-        "unrelated": lambda: DraftModelDrafter(HFCausalLM(other_model), VOCAB, num_tokens=2),
+        "unrelated": lambda: DraftModelDrafter(HFCausalLM(other_model), num_tokens=2),
         "pld": lambda: PromptLookupDrafter(max_ngram=3, num_tokens=6),
         "pld-unigram": lambda: PromptLookupDrafter(max_ngram=1, num_tokens=3),
     }
@@ -89,7 +89,7 @@ def test_engine_reused_across_prompts_and_methods_share_target(tiny_target, tiny
 def test_bfloat16_models_run_and_mostly_agree(tiny_target):
     """bf16 is the CPU default: the loop runs there too (exactness is only asserted in float32)."""
     model = copy.deepcopy(tiny_target).to(torch.bfloat16)
-    drafter = DraftModelDrafter(HFCausalLM(noisy_copy(model.float(), 0.1, 3).to(torch.bfloat16)), VOCAB)
+    drafter = DraftModelDrafter(HFCausalLM(noisy_copy(model.float(), 0.1, 3).to(torch.bfloat16)))
     plain = SpeculativeEngine(HFCausalLM(model)).generate(PROMPTS[1], GenerationConfig(max_new_tokens=30))
     spec = SpeculativeEngine(HFCausalLM(model), drafter=drafter).generate(PROMPTS[1], GenerationConfig(max_new_tokens=30))
     assert len(spec.token_ids) == 30

@@ -38,7 +38,6 @@ class DraftModelDrafter(Drafter):
     def __init__(
         self,
         model: CausalLM,
-        vocab_size: int,
         num_tokens: int = 4,
         adaptive: bool = True,
         min_tokens: int = 1,
@@ -52,7 +51,6 @@ class DraftModelDrafter(Drafter):
         if not 0.0 <= confidence_threshold < 1.0:
             raise UserError(f"confidence threshold must be in [0, 1), got {confidence_threshold}")
         self.model = model
-        self.vocab_size = vocab_size  # the target's: draft distributions are laid out over its rows
         self.initial_tokens, self.adaptive = num_tokens, adaptive
         self.min_tokens, self.max_tokens = min_tokens, max_tokens
         self.confidence_threshold = confidence_threshold
@@ -71,15 +69,6 @@ class DraftModelDrafter(Drafter):
         del self._seen[keep:]
         return context[keep:]
 
-    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Lay draft logits ([vocab_draft]) over the target's rows: pad with -inf or cut."""
-        if logits.shape[-1] == self.vocab_size:
-            return logits
-        if logits.shape[-1] > self.vocab_size:
-            return logits[: self.vocab_size]
-        pad = logits.new_full((self.vocab_size - logits.shape[-1],), float("-inf"))
-        return torch.cat([logits, pad])
-
     def propose(self, context, max_tokens, params, generator) -> Draft:
         length = min(self.num_tokens, max_tokens)
         if length <= 0:
@@ -90,7 +79,6 @@ class DraftModelDrafter(Drafter):
         for _ in range(length):
             logits = self.model.forward(torch.tensor(pending), num_logits=1).logits[0]  # [vocab_draft]
             self._seen.extend(pending)
-            logits = self._fit_vocab(logits)
             if params.greedy:
                 token = int(logits.argmax())
                 confidence = float(torch.softmax(logits, -1)[token]) if self.confidence_threshold else 1.0

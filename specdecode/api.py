@@ -1,0 +1,112 @@
+"""The Python API: load a target (and a draft model), pick a method, generate.
+
+    import specdecode
+    result = specdecode.generate("def fib(n):", method="draft", max_new_tokens=64)
+    print(result.text, result.tokens_per_second, result.mean_accepted_tokens)
+
+Models may be given as registered names, .gguf paths, local folders or hub ids, or as already loaded
+transformers models (then pass `tokenizer=` too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from specdecode.engine import GenerationConfig, GenerationResult, SpeculativeEngine
+from specdecode.errors import UserError
+from specdecode.methods import get_method
+from specdecode.models.hf import HFCausalLM
+from specdecode.models.loading import check_same_vocabulary, load_causal_lm
+from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
+from specdecode.types import SamplingParams
+
+
+@dataclass
+class Models:
+    """A target model, its tokenizer, and optionally a draft model with the same vocabulary."""
+
+    target: HFCausalLM
+    tokenizer: PreTrainedTokenizerBase
+    draft: HFCausalLM | None = None
+
+    def engine(self, method: str) -> SpeculativeEngine:
+        spec = get_method(method)
+        if spec.needs_draft_model and self.draft is None:
+            raise UserError(f"method {method!r} needs a draft model; pass drafter=...")
+        return SpeculativeEngine(self.target, self.tokenizer, spec.build(self.draft), method=method)
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        """Token ids of a prompt; with chat=True, as the single user turn of the chat template."""
+        if not prompt or not prompt.strip():
+            raise UserError("the prompt is empty")
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise UserError("this tokenizer has no chat template; drop --chat")
+            messages = [{"role": "user", "content": prompt}]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+
+def _load(model: str | PreTrainedModel, tokenizer, dtype, progress: bool):
+    if isinstance(model, PreTrainedModel):
+        if tokenizer is None:
+            raise UserError("pass tokenizer= together with an already loaded model")
+        return model.eval().requires_grad_(False), tokenizer
+    return load_causal_lm(model, dtype=dtype, progress=progress)
+
+
+def load_models(
+    target: str | PreTrainedModel = DEFAULT_TARGET,
+    drafter: str | PreTrainedModel | None = DEFAULT_DRAFTER,
+    *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    dtype: torch.dtype | str = torch.bfloat16,
+    progress: bool = True,
+) -> Models:
+    target_model, target_tokenizer = _load(target, tokenizer, dtype, progress)
+    draft = None
+    if drafter is not None:
+        draft_model, draft_tokenizer = _load(drafter, tokenizer, dtype, progress)
+        check_same_vocabulary(target_tokenizer, draft_tokenizer, target_model, draft_model)
+        draft = HFCausalLM(draft_model)
+    return Models(HFCausalLM(target_model), target_tokenizer, draft)
+
+
+_loaded: dict[tuple, Models] = {}
+
+
+def generate(
+    prompt: str | list[int],
+    *,
+    method: str = "draft",
+    target: str | PreTrainedModel = DEFAULT_TARGET,
+    drafter: str | PreTrainedModel | None = DEFAULT_DRAFTER,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    dtype: torch.dtype | str = torch.bfloat16,
+    chat: bool = False,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: tuple[str, ...] = (),
+) -> GenerationResult:
+    """Generate with one method; models loaded by name are kept for the next call."""
+    needs_draft = get_method(method).needs_draft_model
+    key = (id(target) if isinstance(target, PreTrainedModel) else target,
+           (id(drafter) if isinstance(drafter, PreTrainedModel) else drafter) if needs_draft else None, str(dtype))
+    if key not in _loaded:
+        _loaded[key] = load_models(target, drafter if needs_draft else None, tokenizer=tokenizer, dtype=dtype)
+    models = _loaded[key]
+    ids = list(prompt) if isinstance(prompt, list) else models.encode(prompt, chat=chat)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+        stop=tuple(stop),
+        seed=seed,
+    )
+    return models.engine(method).generate(ids, config)

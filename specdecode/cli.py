@@ -1,0 +1,130 @@
+"""The `specdecode` command."""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import Enum
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from specdecode.errors import UserError
+from specdecode.methods import METHODS
+from specdecode.models import commands as model_commands
+from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+app = typer.Typer(
+    help="Speculative decoding for large language models.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.add_typer(model_commands.app, name="models")
+console = Console(stderr=True)
+
+MethodName = Enum("MethodName", {name: name for name in METHODS}, type=str)
+DType = Enum("DType", {"bfloat16": "bfloat16", "float32": "float32"}, type=str)
+
+TargetOption = Annotated[str, typer.Option(help="Target model: registered name, .gguf file, folder or hub id.")]
+DrafterOption = Annotated[str, typer.Option(help="Draft model for --method draft (same vocabulary as the target).")]
+DTypeOption = Annotated[DType, typer.Option(help="Model weights' dtype; probabilities are always float32.")]
+
+
+def _stats_table(rows: list[dict], baseline_tps: float | None = None) -> Table:
+    table = Table(show_edge=False)
+    for column in ["method", "new tokens", "seconds", "tokens/s", "target forwards", "mean accepted", "acceptance"]:
+        table.add_column(column, justify="left" if column == "method" else "right")
+    if baseline_tps:
+        table.add_column("speedup", justify="right")
+    for row in rows:
+        acceptance = row["acceptance_rate"]
+        cells = [
+            row["method"],
+            str(row["new_tokens"]),
+            f"{row['seconds']:.2f}",
+            f"{row['tokens_per_second']:.2f}",
+            str(row["target_forwards"]),
+            f"{row['mean_accepted_tokens']:.2f}",
+            "-" if acceptance is None else f"{acceptance:.0%}",
+        ]
+        if baseline_tps:
+            cells.append(f"{row['tokens_per_second'] / baseline_tps:.2f}x")
+        table.add_row(*cells)
+    return table
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The prompt text.")],
+    method: Annotated[MethodName, typer.Option(help="Decoding method.")] = MethodName("draft"),
+    max_new_tokens: Annotated[int, typer.Option(min=1, max=1 << 20, help="Tokens to generate at most.")] = 128,
+    temperature: Annotated[float, typer.Option(min=0.0, max=100.0, help="0 means greedy decoding.")] = 0.0,
+    top_k: Annotated[int, typer.Option(min=0, help="Keep the k likeliest tokens (0: off).")] = 0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="Seed for sampling (a seed reproduces a run).")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
+    dtype: DTypeOption = DType("bfloat16"),
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text and a table.")] = False,
+    target: TargetOption = DEFAULT_TARGET,
+    drafter: DrafterOption = DEFAULT_DRAFTER,
+) -> None:
+    """Generate a continuation of PROMPT with one method and print it with its statistics."""
+    from specdecode.api import load_models
+    from specdecode.engine import GenerationConfig
+    from specdecode.types import SamplingParams
+
+    method_name = method.value
+    needs_draft = METHODS[method_name].needs_draft_model
+    models = load_models(target, drafter if needs_draft else None, dtype=dtype.value)
+    ids = models.encode(prompt, chat=chat)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+        stop=tuple(stop or ()),
+        seed=seed,
+    )
+    engine = models.engine(method_name)
+    if as_json:
+        print(json.dumps(engine.generate(ids, config).summary()))
+        return
+    result = engine.generate(ids, config, on_step=lambda event: print(event.text, end="", flush=True))
+    print()
+    console.print(_stats_table([result.summary()]))
+
+
+@app.command()
+def demo(
+    max_new_tokens: Annotated[int, typer.Option(min=1, max=4096, help="Tokens per answer.")] = 96,
+    dtype: DTypeOption = DType("bfloat16"),
+    target: TargetOption = DEFAULT_TARGET,
+    drafter: DrafterOption = DEFAULT_DRAFTER,
+) -> None:
+    """Side by side on the default models: every method answers the same prompts; text, speed, speedup."""
+    from specdecode.demo import run_demo
+
+    run_demo(target=target, drafter=drafter, dtype=dtype.value, max_new_tokens=max_new_tokens)
+
+
+@app.command("methods")
+def list_methods() -> None:
+    """List the decoding methods."""
+    table = Table(show_edge=False)
+    for column in ["method", "needs a draft model", "lossless", "what it does"]:
+        table.add_column(column)
+    for m in METHODS.values():
+        table.add_row(m.name, "yes" if m.needs_draft_model else "no", "yes" if m.lossless else "NO", m.summary)
+    Console().print(table)
+
+
+def main() -> None:
+    try:
+        app()
+    except UserError as error:
+        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)

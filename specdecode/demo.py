@@ -1,0 +1,68 @@
+"""`specdecode demo`: every method answers the same prompts on the default models, side by side."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.panel import Panel
+
+from specdecode.api import load_models
+from specdecode.bench.exactness import diagnose
+from specdecode.engine import GenerationConfig
+from specdecode.methods import METHODS
+
+DEMO_PROMPTS = [
+    "Add type hints and a docstring to this function, and return the whole function:\n\n"
+    "```python\ndef moving_average(values, window):\n    result = []\n    for i in range(len(values) - window + 1):\n"
+    "        chunk = values[i:i + window]\n        result.append(sum(chunk) / window)\n    return result\n```",
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+]
+
+
+def run_demo(target: str, drafter: str, dtype: str, max_new_tokens: int) -> None:
+    from specdecode.cli import _stats_table  # one table layout for generate and demo
+
+    console = Console()
+    models = load_models(target, drafter, dtype=dtype)
+    engines = {name: models.engine(name) for name in METHODS}
+    prompts = [models.encode(p, chat=True) for p in DEMO_PROMPTS]
+    with console.status("Warming up"):
+        for engine in engines.values():
+            engine.generate(prompts[0], GenerationConfig(max_new_tokens=4))
+    config = GenerationConfig(max_new_tokens=max_new_tokens)
+    totals = {name: {"new_tokens": 0, "seconds": 0.0, "target_forwards": 0, "drafted": 0, "accepted": 0} for name in engines}
+    for number, (text, ids) in enumerate(zip(DEMO_PROMPTS, prompts), 1):
+        console.rule(f"Prompt {number}")
+        console.print(text, highlight=False)
+        reference = None
+        for name, engine in engines.items():
+            with console.status(f"{name}: generating {max_new_tokens} tokens"):
+                result = engine.generate(ids, config)
+            total = totals[name]
+            total["new_tokens"] += result.new_tokens
+            total["seconds"] += result.seconds
+            total["target_forwards"] += result.target_forwards
+            total["drafted"] += sum(s.drafted for s in result.steps)
+            total["accepted"] += sum(s.accepted for s in result.steps)
+            note = ""
+            if reference is None:
+                reference = result.token_ids
+            elif METHODS[name].lossless:
+                divergence = diagnose(models.target, ids, reference, result.token_ids)
+                note = "identical to ar" if divergence is None else divergence.describe()
+            title = f"{name}: {result.tokens_per_second:.1f} tokens/s, {result.mean_accepted_tokens:.2f} tokens per target forward"
+            console.print(Panel(result.text, title=title, subtitle=note or None, title_align="left"), highlight=False)
+    rows = []
+    for name, t in totals.items():
+        rows.append(
+            {
+                "method": name,
+                "new_tokens": t["new_tokens"],
+                "seconds": t["seconds"],
+                "tokens_per_second": t["new_tokens"] / t["seconds"],
+                "target_forwards": t["target_forwards"],
+                "mean_accepted_tokens": t["new_tokens"] / t["target_forwards"],
+                "acceptance_rate": t["accepted"] / t["drafted"] if t["drafted"] else None,
+            }
+        )
+    console.rule("All prompts")
+    console.print(_stats_table(rows, baseline_tps=rows[0]["tokens_per_second"]))

@@ -1,0 +1,53 @@
+"""The real default pair (slow: loads 1.5B and 0.5B models). Exactness in float32."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdecode.api import load_models
+from specdecode.engine import GenerationConfig
+from specdecode.methods import METHODS
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Rename the variable x to count in this code and return the code:\n\nx = 0\nfor item in items:\n    x += 1\nprint(x)",
+    "What does the `yield` keyword do in Python? Answer in two sentences.",
+]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return load_models(dtype="float32", progress=False)
+
+
+def test_greedy_speculative_equals_plain_on_real_pair(models):
+    config = GenerationConfig(max_new_tokens=40)
+    for prompt in PROMPTS:
+        ids = models.encode(prompt, chat=True)
+        plain = models.engine("ar").generate(ids, config)
+        assert plain.new_tokens > 10
+        for name in METHODS:
+            if name == "ar":
+                continue
+            result = models.engine(name).generate(ids, config)
+            assert result.token_ids == plain.token_ids, f"{name} on {prompt[:30]!r}"
+            if name == "draft":  # the 0.5B agrees with the 1.5B most of the time
+                assert result.mean_accepted_tokens > 2.0
+
+
+def test_plain_decoding_equals_transformers_generate_on_real_target(models):
+    import torch
+
+    ids = models.encode(PROMPTS[0], chat=True)
+    ours = models.engine("ar").generate(ids, GenerationConfig(max_new_tokens=24)).token_ids
+    theirs = models.target.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
+    assert ours == theirs[0, len(ids) :].tolist()
+
+
+def test_chat_template_and_eos(models):
+    ids = models.encode("Reply with the single word: yes", chat=True)
+    result = models.engine("draft").generate(ids, GenerationConfig(max_new_tokens=20))
+    assert result.finish_reason == "eos"
+    assert "yes" in result.text.lower()
