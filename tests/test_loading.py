@@ -1,0 +1,356 @@
+"""Model loading: chunk assembly, the cache, local folders, .gguf files, hub ids, vocabulary checks.
+
+Everything here runs on fake chunk packages and tiny random Qwen2 models; tests marked `slow` use the
+real default pair (after `specdecode models fetch`).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from specdecode.errors import UserError
+from specdecode.models import loading, registry
+from specdecode.models.loading import (
+    DEFAULT_DRAFTER,
+    DEFAULT_TARGET,
+    assemble_gguf,
+    cache_dir,
+    check_same_vocabulary,
+    load_causal_lm,
+)
+from specdecode.models.registry import ChunkedGGUF
+
+# --- Fake chunk packages ----------------------------------------------------------------------------
+
+FAKE_CHUNKS = [bytes(range(256)) * 40, b"middle chunk " * 500, b"\x00tail"]  # 3 parts, uneven sizes
+FAKE_VERSION = "1.0.0"
+
+
+def _write_fake_distribution(site: Path, model: ChunkedGGUF, part: int, data: bytes) -> None:
+    """Lay out what `pip install` leaves for one chunk wheel: the data file and a dist-info with RECORD."""
+    relative = model.chunk_path_in_wheel(part)
+    (site / relative).parent.mkdir(parents=True)
+    (site / relative).write_bytes(data)
+    info = site / f"{model.distribution_name(part).replace('-', '_')}-{model.version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {model.distribution_name(part)}\nVersion: {model.version}\n"
+    )
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    (info / "RECORD").write_text(f"{relative},sha256={digest},{len(data)}\n{info.name}/METADATA,,\n")
+
+
+@pytest.fixture
+def fake_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ChunkedGGUF:
+    """A registered model whose chunk packages are 'installed' in a temporary site folder."""
+    whole = b"".join(FAKE_CHUNKS)
+    model = ChunkedGGUF(
+        name="fake-model",
+        description="fake chunks for tests",
+        package_prefix="specdecode-test-fake-part",
+        version=FAKE_VERSION,
+        num_parts=len(FAKE_CHUNKS),
+        size=len(whole),
+        sha256=hashlib.sha256(whole).hexdigest(),
+    )
+    site = tmp_path / "site"
+    for part, data in enumerate(FAKE_CHUNKS, start=1):
+        _write_fake_distribution(site, model, part, data)
+    monkeypatch.syspath_prepend(str(site))  # importlib.metadata searches sys.path
+    monkeypatch.setitem(registry.MODELS, model.name, model)
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    return model
+
+
+def _site_chunk(model: ChunkedGGUF, part: int) -> Path:
+    import importlib.metadata
+
+    dist = importlib.metadata.distribution(model.distribution_name(part))
+    return Path(dist.locate_file(model.chunk_path_in_wheel(part)))
+
+
+def test_assembly_concatenates_chunks_and_records_the_hash(fake_model: ChunkedGGUF, tmp_path: Path) -> None:
+    path = assemble_gguf(fake_model, progress=False)
+    assert path == tmp_path / "cache" / "gguf" / "fake-model.gguf"
+    assert path.read_bytes() == b"".join(FAKE_CHUNKS)
+    assert Path(f"{path}.sha256").read_text().strip() == fake_model.sha256
+    assert sorted(p.name for p in path.parent.iterdir()) == ["fake-model.gguf", "fake-model.gguf.sha256"]
+
+
+def test_assembly_is_idempotent_and_does_not_reread_chunks(fake_model: ChunkedGGUF) -> None:
+    path = assemble_gguf(fake_model, progress=False)
+    modified = path.stat().st_mtime_ns
+    for part in range(1, fake_model.num_parts + 1):
+        _site_chunk(fake_model, part).unlink()  # a second run must not need them
+    assert assemble_gguf(fake_model, progress=False) == path
+    assert path.stat().st_mtime_ns == modified
+
+
+def test_missing_part_is_named_with_the_fix(fake_model: ChunkedGGUF) -> None:
+    _site_chunk(fake_model, 2).unlink()
+    with pytest.raises(UserError, match="specdecode-test-fake-part2") as caught:
+        assemble_gguf(fake_model, progress=False)
+    message = str(caught.value)
+    assert "specdecode models fetch fake-model" in message
+    assert "part1," not in message and "part3" not in message
+    assert not (cache_dir() / "gguf" / "fake-model.gguf").exists()
+
+
+def test_missing_parts_also_reported_by_load(fake_model: ChunkedGGUF) -> None:
+    _site_chunk(fake_model, 3).unlink()
+    with pytest.raises(UserError, match="specdecode models fetch fake-model"):
+        load_causal_lm("fake-model", progress=False)
+
+
+def test_corrupt_part_is_named_and_leaves_no_file(fake_model: ChunkedGGUF) -> None:
+    chunk = _site_chunk(fake_model, 2)
+    data = bytearray(chunk.read_bytes())
+    data[7] ^= 0xFF  # same size, different bytes
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="corrupt") as caught:
+        assemble_gguf(fake_model, progress=False)
+    message = str(caught.value)
+    assert "specdecode-test-fake-part2==1.0.0" in message and "--force-reinstall --no-deps" in message
+    assert "part1" not in message
+    assert list((cache_dir() / "gguf").iterdir()) == []  # neither the file, its marker, nor a temporary
+
+
+def test_truncated_part_is_reported_as_corrupt(fake_model: ChunkedGGUF) -> None:
+    _site_chunk(fake_model, 1).write_bytes(FAKE_CHUNKS[0][:-1])
+    with pytest.raises(UserError, match="corrupt"):
+        assemble_gguf(fake_model, progress=False)
+    assert list((cache_dir() / "gguf").iterdir()) == []
+
+
+def test_assembly_redone_when_marker_is_missing(fake_model: ChunkedGGUF) -> None:
+    path = assemble_gguf(fake_model, progress=False)
+    Path(f"{path}.sha256").unlink()
+    path.write_bytes(b"half-written")
+    assert assemble_gguf(fake_model, progress=False).read_bytes() == b"".join(FAKE_CHUNKS)
+
+
+def test_cache_dir_honours_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "elsewhere"))
+    assert cache_dir() == tmp_path / "elsewhere"
+    monkeypatch.delenv("SPECDECODE_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "specdecode"
+
+
+def test_unknown_registered_name_lists_the_known_ones() -> None:
+    with pytest.raises(UserError, match=DEFAULT_TARGET):
+        registry.get_model("no-such-model")
+    assert registry.registered_models()[:2] == [DEFAULT_TARGET, DEFAULT_DRAFTER]
+
+
+# --- Tiny Qwen2 models ------------------------------------------------------------------------------
+
+BYTE_TOKENS = list(bytes_to_unicode().values())  # the 256 byte-level symbols
+MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he")]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOKENS = BYTE_TOKENS + ["".join(pair) for pair in MERGES] + SPECIAL_TOKENS
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _tiny_tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {token: index for index, token in enumerate(TOKENS[: -len(SPECIAL_TOKENS)])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=MERGES))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(token, special=True) for token in SPECIAL_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _tiny_qwen2(vocab_size: int, seed: int = 0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        eos_token_id=TOKENS.index("<|im_end|>"),
+    )
+    return Qwen2ForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A local model folder: tiny random Qwen2 with more logits rows than tokens, like Qwen2.5."""
+    folder = tmp_path_factory.mktemp("tiny-qwen2")
+    _tiny_qwen2(vocab_size=len(TOKENS) + 10).save_pretrained(folder)
+    _tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_load_local_folder(tiny_folder: Path) -> None:
+    model, tokenizer = load_causal_lm(str(tiny_folder), progress=False)
+    assert model.dtype == torch.bfloat16
+    assert not model.training
+    assert not any(parameter.requires_grad for parameter in model.parameters())
+    assert model.config._attn_implementation == "sdpa"
+    ids = tokenizer("the hello", return_tensors="pt").input_ids  # [1, seq]
+    assert model(ids).logits.shape == (1, ids.shape[1], len(TOKENS) + 10)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith(
+        "<|im_start|>user"
+    )
+
+
+@pytest.mark.parametrize(("dtype", "expected"), [("float32", torch.float32), ("bf16", torch.bfloat16)])
+def test_load_accepts_dtype_names(tiny_folder: Path, dtype: str, expected: torch.dtype) -> None:
+    model, _ = load_causal_lm(str(tiny_folder), dtype=dtype, progress=False)
+    assert model.dtype == expected
+
+
+def test_unknown_dtype_is_a_user_error(tiny_folder: Path) -> None:
+    with pytest.raises(UserError, match="dtype"):
+        load_causal_lm(str(tiny_folder), dtype="float8", progress=False)
+
+
+def test_nonexistent_path_is_a_user_error(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="No such file or folder"):
+        load_causal_lm(str(tmp_path / "no" / "such" / "model"), progress=False)
+    with pytest.raises(UserError, match="No such file or folder"):
+        load_causal_lm("missing-model.gguf", progress=False)
+
+
+def test_folder_without_config_is_a_user_error(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="config.json"):
+        load_causal_lm(str(tmp_path), progress=False)
+
+
+def test_unreachable_hub_id_is_a_user_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # the env is read at import
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty hub cache
+    with pytest.raises(UserError, match="Hugging Face hub"):
+        load_causal_lm("specdecode-nobody/no-such-model", progress=False)
+
+
+# --- Vocabulary check -------------------------------------------------------------------------------
+
+
+def test_same_vocabulary_passes(tiny_folder: Path) -> None:
+    target, target_tokenizer = load_causal_lm(str(tiny_folder), progress=False)
+    drafter, drafter_tokenizer = load_causal_lm(str(tiny_folder), progress=False)
+    check_same_vocabulary(target_tokenizer, drafter_tokenizer, target, drafter)
+
+
+def test_different_vocabulary_is_refused_even_with_equal_size(tiny_folder: Path) -> None:
+    model, tokenizer = load_causal_lm(str(tiny_folder), progress=False)
+    from tokenizers import Tokenizer, models
+
+    vocab = {token: index for index, token in enumerate(reversed(TOKENS))}  # same tokens, other ids
+    other = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="h")))
+    assert len(other) == len(tokenizer)
+    with pytest.raises(UserError, match="vocabulary differs"):
+        check_same_vocabulary(tokenizer, other, model, model)
+
+
+def test_different_logits_width_is_refused(tiny_folder: Path) -> None:
+    target, tokenizer = load_causal_lm(str(tiny_folder), progress=False)
+    narrower = _tiny_qwen2(vocab_size=len(TOKENS))
+    with pytest.raises(UserError, match="logits"):
+        check_same_vocabulary(tokenizer, tokenizer, target, narrower)
+
+
+# --- A tiny .gguf file ------------------------------------------------------------------------------
+
+
+def _write_tiny_gguf(model: Qwen2ForCausalLM, path: Path) -> None:
+    """Write `model` as an F32 GGUF with llama.cpp tensor names and a byte-level BPE tokenizer."""
+    import gguf
+
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(TOKENS)
+    normal, control = gguf.TokenType.NORMAL, gguf.TokenType.CONTROL
+    writer.add_token_types([control if token in SPECIAL_TOKENS else normal for token in TOKENS])
+    writer.add_token_merges([" ".join(pair) for pair in MERGES])
+    writer.add_bos_token_id(TOKENS.index("<|endoftext|>"))
+    writer.add_eos_token_id(TOKENS.index("<|im_end|>"))
+    writer.add_pad_token_id(TOKENS.index("<|endoftext|>"))
+    writer.add_chat_template(CHAT_TEMPLATE)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        writer.add_tensor(gguf_name, tensor.float().numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_load_gguf_file_converts_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    reference = _tiny_qwen2(vocab_size=len(TOKENS), seed=1)
+    gguf_file = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(reference, gguf_file)
+
+    model, tokenizer = load_causal_lm(str(gguf_file), dtype="float32", progress=False)
+    (converted,) = (tmp_path / "cache" / "models").iterdir()
+    assert (converted / "model.safetensors").is_file() and converted.name.startswith("gguf-tiny-")
+
+    ids = torch.tensor([[5, 70, 200, TOKENS.index("Ġthe"), 3]])  # [1, 5]
+    bf16_reference = reference.to(torch.bfloat16).float()  # the cache stores bf16 weights
+    torch.testing.assert_close(model(ids).logits, bf16_reference(ids).logits, rtol=1e-4, atol=1e-4)
+    assert tokenizer.convert_ids_to_tokens(tokenizer(" the").input_ids) == ["Ġthe"]
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    assert tokenizer.eos_token == "<|im_end|>"
+
+    modified = converted.stat().st_mtime_ns
+    load_causal_lm(str(gguf_file), progress=False)  # second load: no new conversion
+    assert [converted] == list((tmp_path / "cache" / "models").iterdir())
+    assert converted.stat().st_mtime_ns == modified
+
+
+# --- The real default pair --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_default_pair_loads_and_shares_a_vocabulary() -> None:
+    target, target_tokenizer = load_causal_lm(DEFAULT_TARGET, progress=False)
+    drafter, drafter_tokenizer = load_causal_lm(DEFAULT_DRAFTER, progress=False)
+    check_same_vocabulary(target_tokenizer, drafter_tokenizer, target, drafter)
+    assert target.get_output_embeddings().weight.shape[0] == 151_936
+    prompt = target_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write hello world in Python."}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert prompt.endswith("<|im_start|>assistant\n")
+    assert loading.is_assembled(registry.get_model(DEFAULT_TARGET))
