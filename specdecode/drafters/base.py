@@ -6,7 +6,7 @@ import abc
 
 import torch
 
-from specdecode.types import Draft, SamplingParams, Verdict
+from specdecode.types import Draft, SamplingParams, StepStats, Verdict
 
 
 class Drafter(abc.ABC):
@@ -28,5 +28,5 @@ class Drafter(abc.ABC):
     ) -> Draft:
         """Propose at most `max_tokens` tokens to follow `context` (prompt + output so far)."""
 
-    def update(self, verdict: Verdict) -> None:
-        """Learn from how the last draft fared (adaptive draft length and the like)."""
+    def update(self, verdict: Verdict, stats: StepStats) -> None:
+        """Learn from how the last step fared (adaptive draft length and the like)."""

@@ -152,10 +152,7 @@ class SpeculativeEngine:
         # 4. Roll back: the cache keeps the context and the accepted drafts; the last token of the
         #    verdict is fed in the next step's forward.
         self.target.crop(len(context) + verdict.num_accepted)
-        verified = time.perf_counter()
-        if self.drafter is not None:
-            self.drafter.update(verdict)
-        return verdict, drafted - start, verified - drafted
+        return verdict, drafted - start, time.perf_counter() - drafted
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -213,6 +210,8 @@ class SpeculativeEngine:
                 forward_tokens=forward_tokens + verdict.num_drafted,
             )
             steps.append(stats)
+            if self.drafter is not None:
+                self.drafter.update(verdict, stats)
             yield StepEvent(token_ids=new[:kept], origins=origins[:kept], text=text, stats=stats)
             if finish_reason != "length":
                 break
