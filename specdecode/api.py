@@ -36,7 +36,7 @@ class Models:
         spec = get_method(method)
         if spec.needs_draft_model and self.draft is None:
             raise UserError(f"method {method!r} needs a draft model; pass drafter=...")
-        return SpeculativeEngine(self.target, self.tokenizer, spec.build(self.draft), method=method)
+        return SpeculativeEngine(self.target, self.tokenizer, spec.build(self.target, self.draft), method=method)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids of a prompt; with chat=True, as the single user turn of the chat template."""

@@ -20,21 +20,23 @@ class Method:
     name: str
     summary: str
     needs_draft_model: bool
-    build: Callable[[CausalLM | None], Drafter | None]  # draft model (when needed) -> drafter
+    build: Callable[[CausalLM, CausalLM | None], Drafter | None]  # (target, draft model) -> drafter
     lossless: bool = True
 
 
 METHODS: dict[str, Method] = {
     m.name: m
     for m in [
-        Method("ar", "plain autoregressive decoding (the baseline)", False, lambda _: None),
+        Method("ar", "plain autoregressive decoding (the baseline)", False, lambda target, draft: None),
         Method(
             "draft",
             "an independent draft model drafts a chain, adaptive length",
             True,
-            lambda draft_model: DraftModelDrafter(draft_model),
+            lambda target, draft: DraftModelDrafter(
+                draft, draft_cost=draft.weights_per_token / target.weights_per_token
+            ),
         ),
-        Method("pld", "prompt lookup: copy what followed the last n-gram earlier", False, lambda _: PromptLookupDrafter()),
+        Method("pld", "prompt lookup: copy what followed the last n-gram earlier", False, lambda target, draft: PromptLookupDrafter()),
     ]
 }
 

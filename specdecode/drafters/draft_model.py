@@ -42,12 +42,15 @@ def best_draft_length(acceptance: float, draft_cost: float, lengths: range) -> i
 class DraftModelDrafter(Drafter):
     """Drafts up to `num_tokens` tokens autoregressively with a small model.
 
-    Adaptive draft length (on by default) picks the length that maximises expected tokens per second
-    from two running estimates: the per-token acceptance probability a (so a chain of k drafts yields
-    (1 - a^(k+1)) / (1 - a) tokens per step) and the cost of one draft token relative to one target
-    verification, c (so the step costs k * c + 1 + VERIFY_SLOPE * k target forwards). Drafting also
-    stops early when the drafter's own probability of its token falls under `confidence_threshold`:
-    such a token is likely to be rejected, and drafting past it costs draft forwards for nothing.
+    Adaptive draft length (on by default) picks the length that maximises expected tokens per unit of
+    time from the per-token acceptance probability a, estimated online (a chain of k drafts then yields
+    (1 - a^(k+1)) / (1 - a) tokens per step), and the cost of one draft token relative to one target
+    forward, `draft_cost` (the step then costs k * draft_cost + 1 + VERIFY_SLOPE * k target forwards).
+    The cost is a fixed number, not a timing, so a seed still reproduces a sampled run; on a CPU,
+    where decoding is bound by reading weights, the ratio of the models' weights is a good estimate
+    (`models.base.CausalLM.weights_per_token`). Drafting also stops early when the drafter's own
+    probability of its token falls under `confidence_threshold`: such a token is likely rejected, and
+    drafting past it costs draft forwards for nothing.
     """
 
     name = "draft"
@@ -60,11 +63,14 @@ class DraftModelDrafter(Drafter):
         min_tokens: int = 1,
         max_tokens: int = 16,
         confidence_threshold: float = 0.4,
+        draft_cost: float = 0.4,
     ):
         if not 1 <= min_tokens <= num_tokens <= max_tokens:
             raise UserError(
                 f"draft length needs 1 <= min ({min_tokens}) <= initial ({num_tokens}) <= max ({max_tokens})"
             )
+        if not draft_cost > 0:
+            raise UserError(f"draft cost must be positive, got {draft_cost}")
         if not 0.0 <= confidence_threshold < 1.0:
             raise UserError(f"confidence threshold must be in [0, 1), got {confidence_threshold}")
         self.model = model
@@ -72,8 +78,8 @@ class DraftModelDrafter(Drafter):
         self.min_tokens, self.max_tokens = min_tokens, max_tokens
         self.confidence_threshold = confidence_threshold
         self.num_tokens = num_tokens
+        self.draft_cost = draft_cost
         self._accepted = self._rejected = 0.0  # decayed counts of accepted and rejected draft tokens
-        self._draft_seconds = self._verify_seconds = 0.0  # decayed time per draft token, per verification
         self._seen: list[int] = []  # the tokens whose keys and values the draft model holds
 
     def begin(self, prompt_ids: list[int]) -> None:
@@ -117,19 +123,8 @@ class DraftModelDrafter(Drafter):
     def update(self, verdict: Verdict, stats: StepStats) -> None:
         if not self.adaptive or verdict.num_drafted == 0:
             return
-        rejected = 0 if verdict.bonus else 1
         self._accepted = DECAY * self._accepted + verdict.num_accepted
-        self._rejected = DECAY * self._rejected + rejected
-        per_token = stats.draft_seconds / verdict.num_drafted
-        if stats.forward_tokens > verdict.num_drafted + 1:
-            pass  # the prefill step: its times say nothing about the cost of a draft step
-        elif self._verify_seconds == 0.0:
-            self._draft_seconds, self._verify_seconds = per_token, stats.verify_seconds
-        else:
-            self._draft_seconds = DECAY * self._draft_seconds + (1 - DECAY) * per_token
-            self._verify_seconds = DECAY * self._verify_seconds + (1 - DECAY) * stats.verify_seconds
+        self._rejected = DECAY * self._rejected + (0 if verdict.bonus else 1)
         acceptance = (self._accepted + 1) / (self._accepted + self._rejected + 2)  # with a uniform prior
-        if self._verify_seconds == 0.0:
-            return
-        draft_cost = self._draft_seconds / self._verify_seconds
-        self.num_tokens = best_draft_length(acceptance, draft_cost, range(self.min_tokens, self.max_tokens + 1))
+        lengths = range(self.min_tokens, self.max_tokens + 1)
+        self.num_tokens = best_draft_length(acceptance, self.draft_cost, lengths)

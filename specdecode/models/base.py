@@ -35,6 +35,12 @@ class CausalLM(abc.ABC):
     def cache_length(self) -> int:
         """How many tokens the KV cache holds."""
 
+    @property
+    @abc.abstractmethod
+    def weights_per_token(self) -> int:
+        """Parameters read to decode one token (embedding lookups excluded): the cost of a forward on
+        hardware where decoding is bound by memory, as on CPUs."""
+
     @abc.abstractmethod
     def forward(
         self,

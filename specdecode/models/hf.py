@@ -33,6 +33,13 @@ class HFCausalLM(CausalLM):
         return self.model.dtype
 
     @property
+    def weights_per_token(self) -> int:
+        embedding = self.model.get_input_embeddings().weight
+        head = self.model.get_output_embeddings().weight
+        total = sum(p.numel() for p in self.model.parameters())
+        return total - (embedding.numel() if embedding is not head else 0)
+
+    @property
     def cache_length(self) -> int:
         return self._length
 
