@@ -67,6 +67,6 @@ def test_adaptive_length_follows_acceptance(tiny_target):
     for _ in range(10):
         drafter.update(Verdict(num_drafted=4, num_accepted=4, tokens=(1,) * 5), stats)
     long = drafter.num_tokens
-    for _ in range(10):
+    for _ in range(30):
         drafter.update(Verdict(num_drafted=4, num_accepted=0, tokens=(1,)), stats)
     assert long > 4 and drafter.num_tokens == 1
