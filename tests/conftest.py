@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from specdecode.models.hf import HFCausalLM
 
 VOCAB = 97
 
 
-def tiny_qwen2(seed: int, layers: int = 2, hidden: int = 64, vocab: int = VOCAB, dtype=torch.float32) -> Qwen2ForCausalLM:
+def tiny_qwen2(
+    seed: int, layers: int = 2, hidden: int = 64, vocab: int = VOCAB, dtype=torch.float32, max_positions: int = 512
+) -> Qwen2ForCausalLM:
     """A tiny Qwen2 with peaky enough logits that greedy continuations are varied but not degenerate."""
     torch.manual_seed(seed)
     config = Qwen2Config(
@@ -21,7 +24,7 @@ def tiny_qwen2(seed: int, layers: int = 2, hidden: int = 64, vocab: int = VOCAB,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=False,
         eos_token_id=None,
         bos_token_id=None,
@@ -62,3 +65,48 @@ class LetterTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(chr(ord("a") + int(i) % 26) for i in ids)
+
+
+# --- A tiny tokenizer and model folder, for loading and the command line ---------------------------
+
+BYTE_TOKENS = list(bytes_to_unicode().values())  # the 256 byte-level symbols
+MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he")]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOKENS = BYTE_TOKENS + ["".join(pair) for pair in MERGES] + SPECIAL_TOKENS
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {token: index for index, token in enumerate(TOKENS[: -len(SPECIAL_TOKENS)])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=MERGES))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(token, special=True) for token in SPECIAL_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_chat_qwen2(vocab_size: int, seed: int = 0) -> Qwen2ForCausalLM:
+    """A tiny Qwen2 that goes with tiny_tokenizer() (byte-level BPE, chat template, <|im_end|> as EOS)."""
+    model = tiny_qwen2(seed, layers=2, hidden=64, vocab=vocab_size, max_positions=128)
+    model.config.eos_token_id = model.generation_config.eos_token_id = TOKENS.index("<|im_end|>")
+    return model
+
+
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory):
+    """A local model folder: tiny random Qwen2 with more logits rows than tokens, like Qwen2.5."""
+    folder = tmp_path_factory.mktemp("tiny-qwen2")
+    tiny_chat_qwen2(vocab_size=len(TOKENS) + 10).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder

@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers import PreTrainedTokenizerFast
+
+from conftest import CHAT_TEMPLATE, SPECIAL_TOKENS, TOKENS, tiny_chat_qwen2 as _tiny_qwen2
 
 from specdecode.errors import UserError
 from specdecode.models import loading, registry
@@ -152,56 +153,6 @@ def test_unknown_registered_name_lists_the_known_ones() -> None:
 
 
 # --- Tiny Qwen2 models ------------------------------------------------------------------------------
-
-BYTE_TOKENS = list(bytes_to_unicode().values())  # the 256 byte-level symbols
-MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he")]
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TOKENS = BYTE_TOKENS + ["".join(pair) for pair in MERGES] + SPECIAL_TOKENS
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def _tiny_tokenizer() -> PreTrainedTokenizerFast:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {token: index for index, token in enumerate(TOKENS[: -len(SPECIAL_TOKENS)])}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=MERGES))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(token, special=True) for token in SPECIAL_TOKENS])
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
-def _tiny_qwen2(vocab_size: int, seed: int = 0) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        eos_token_id=TOKENS.index("<|im_end|>"),
-    )
-    return Qwen2ForCausalLM(config).eval()
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A local model folder: tiny random Qwen2 with more logits rows than tokens, like Qwen2.5."""
-    folder = tmp_path_factory.mktemp("tiny-qwen2")
-    _tiny_qwen2(vocab_size=len(TOKENS) + 10).save_pretrained(folder)
-    _tiny_tokenizer().save_pretrained(folder)
-    return folder
-
 
 def test_load_local_folder(tiny_folder: Path) -> None:
     model, tokenizer = load_causal_lm(str(tiny_folder), progress=False)
