@@ -35,6 +35,7 @@ def test_greedy_speculative_equals_plain_on_real_pair(models):
             result = models.engine(name).generate(ids, config)
             divergence = diagnose(models.target, ids, plain.token_ids, result.token_ids)
             assert divergence is None, f"{name} on {prompt[:30]!r}: {divergence.describe()}"
+            assert result.token_ids == plain.token_ids
             if name == "draft":  # the 0.5B agrees with the 1.5B most of the time
                 assert result.mean_accepted_tokens > 2.0
 
