@@ -32,23 +32,30 @@ class Models:
     tokenizer: PreTrainedTokenizerBase
     draft: HFCausalLM | None = None
 
+    def require_draft(self) -> HFCausalLM:
+        if self.draft is None:
+            raise UserError("this method needs a draft model; pass drafter=...")
+        return self.draft
+
     def engine(self, method: str) -> SpeculativeEngine:
         spec = get_method(method)
-        if spec.needs_draft_model and self.draft is None:
-            raise UserError(f"method {method!r} needs a draft model; pass drafter=...")
-        return SpeculativeEngine(self.target, self.tokenizer, spec.build(self.target, self.draft), method=method)
+        draft = self.require_draft() if spec.needs_draft_model else None
+        return SpeculativeEngine(self.target, self.tokenizer, spec.build(self.target, draft), method=method)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids of a prompt; with chat=True, as the single user turn of the chat template."""
         if not prompt or not prompt.strip():
             raise UserError("the prompt is empty")
         if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise UserError("this tokenizer has no chat template; drop --chat")
-            messages = [{"role": "user", "content": prompt}]
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            return self.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation in the chat template, ready for the assistant's next turn."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise UserError("this tokenizer has no chat template; drop --chat")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def _load(model: str | PreTrainedModel, tokenizer, dtype, progress: bool):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from enum import Enum
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -107,6 +109,41 @@ def demo(
     from specdecode.demo import run_demo
 
     run_demo(target=target, drafter=drafter, dtype=dtype.value, max_new_tokens=max_new_tokens)
+
+
+@app.command()
+def bench(
+    methods: Annotated[str, typer.Option(help="Comma-separated methods and peers (default: all).")] = "",
+    categories: Annotated[str, typer.Option(help="Comma-separated categories (default: all).")] = "",
+    per_category: Annotated[int, typer.Option(min=1, help="Seeded sample of prompts per category.")] = 2,
+    full: Annotated[bool, typer.Option("--full", help="Every prompt of every category (hours).")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="1 prompt per category, 64 tokens, 1 repeat.")] = False,
+    max_new_tokens: Annotated[int, typer.Option(min=1, max=4096)] = 128,
+    repeats: Annotated[int, typer.Option(min=1, max=100, help="Interleaved repeats.")] = 3,
+    temperature: Annotated[float, typer.Option(min=0.0, max=100.0, help="0: greedy.")] = 0.0,
+    top_k: Annotated[int, typer.Option(min=0)] = 0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    seed: Annotated[int, typer.Option(help="Seeds the prompt sample and sampling.")] = 0,
+    threads: Annotated[int, typer.Option(min=1, max=256)] = 2,
+    out: Annotated[Path | None, typer.Option(help="Output folder (default: results/bench-<time>).")] = None,
+    dtype: DTypeOption = DType("bfloat16"),
+    target: TargetOption = DEFAULT_TARGET,
+    drafter: DrafterOption = DEFAULT_DRAFTER,
+) -> None:
+    """Spec-Bench-style evaluation: every method and peer on every category, interleaved and repeated."""
+    from specdecode.bench.main import ALL_METHODS, DEFAULT_CATEGORIES, run
+
+    if quick:
+        per_category, max_new_tokens, repeats = 1, 64, 1
+    run(
+        methods=[m for m in methods.split(",") if m] or ALL_METHODS,
+        categories=[c for c in categories.split(",") if c] or DEFAULT_CATEGORIES,
+        per_category=None if full else per_category,
+        max_new_tokens=max_new_tokens, repeats=repeats,
+        out=out or Path("results") / time.strftime("bench-%Y%m%d-%H%M%S"),
+        target=target, drafter=drafter, dtype=dtype.value, threads=threads,
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+    )
 
 
 @app.command("methods")

@@ -8,7 +8,12 @@
 - accepted per position: for draft position i (0-based), the fraction of steps that drafted at least
   i + 1 tokens in which the token at position i was accepted.
 - tokens per second: new tokens / wall-clock seconds of the whole generation, prefill included.
-- speedup: a method's tokens per second / plain decoding's, measured in the same run on the same prompts.
+- speedup: a method's tokens per second / plain decoding's (our `ar`), measured in the same run on the
+  same prompts; over repeats, the mean and standard deviation of the per-repeat ratios.
+- draft share: seconds spent drafting / (seconds drafting + seconds verifying).
+- predicted speedup: what the standard analytical model gives from the measured acceptance and the
+  measured costs of a draft token, a verification and a plain decoding step (`predicted_speedup`).
+- exact: a lossless method's new token ids equal `ar`'s on the same prompt, token for token.
 """
 
 from __future__ import annotations
@@ -39,3 +44,42 @@ def accepted_per_position(steps: Sequence[StepStats]) -> list[float]:
 
 def tokens_per_second(new_tokens: int, seconds: float) -> float:
     return new_tokens / seconds if seconds > 0 else 0.0
+
+
+def chain_acceptance(mean_accepted_drafts: float, mean_draft_length: float) -> float:
+    """The per-token acceptance probability a of the standard model (each draft token accepted
+    independently with probability a, a chain stops at the first rejection) that explains the measured
+    accepted drafts per step: a (1 - a^k) / (1 - a) = mean accepted drafts, for k = mean draft length.
+    Solved by bisection; 0 when nothing was accepted."""
+    k = mean_draft_length
+    if k <= 0 or mean_accepted_drafts <= 0:
+        return 0.0
+    if mean_accepted_drafts >= k:
+        return 1.0
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        a = (low + high) / 2
+        expected = a * (1 - a**k) / (1 - a)
+        low, high = (a, high) if expected < mean_accepted_drafts else (low, a)
+    return (low + high) / 2
+
+
+def predicted_speedup(acceptance: float, draft_length: float, draft_token_seconds: float,
+                      verify_seconds: float, plain_token_seconds: float) -> float:
+    """Speedup the standard analytical model predicts (Leviathan et al. 2023): a step yields
+    (1 - a^(k+1)) / (1 - a) tokens and costs k draft tokens plus one verification, against one plain
+    decoding step per token."""
+    k, a = draft_length, min(acceptance, 1 - 1e-9)
+    tokens_per_step = (1 - a ** (k + 1)) / (1 - a)
+    step_seconds = k * draft_token_seconds + verify_seconds
+    return tokens_per_step * plain_token_seconds / step_seconds if step_seconds > 0 else 0.0
+
+
+def mean_and_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
+    n = len(values)
+    if n == 0:
+        return float("nan"), float("nan")
+    mean = sum(values) / n
+    std = (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5 if n > 1 else 0.0
+    return mean, std

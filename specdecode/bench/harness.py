@@ -1,0 +1,97 @@
+"""Run every method on every task, interleaved and repeated, and keep one record per run.
+
+Fairness rules: the same chat-templated prompt ids for every method; the order of methods rotates for
+every task and repeat so machine drift cancels; a warm-up run is excluded; tokens are counted from ids;
+a failed run is recorded with its error and kept out of every average.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from specdecode.api import Models
+from specdecode.bench.datasets import Task
+from specdecode.bench.runners import Runner
+from specdecode.engine import GenerationConfig
+from specdecode.types import StepStats
+
+
+@dataclass
+class Record:
+    """One method on one task in one repeat (all turns of a multi-turn task together)."""
+
+    method: str
+    category: str
+    task_id: str
+    repeat: int
+    token_ids: list[int] = field(default_factory=list)  # new tokens of every turn, in order
+    seconds: float = 0.0
+    steps: list[StepStats] | None = None  # None for peers
+    error: str | None = None
+    prompt_ids: list[list[int]] = field(default_factory=list)  # per turn, as fed to the model
+    turn_lengths: list[int] = field(default_factory=list)  # new tokens per turn
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def turns(self) -> list[tuple[list[int], list[int]]]:
+        """(prompt ids, new ids) per turn."""
+        ends = [sum(self.turn_lengths[: i + 1]) for i in range(len(self.turn_lengths))]
+        starts = [0, *ends[:-1]]
+        return [(p, self.token_ids[a:b]) for p, a, b in zip(self.prompt_ids, starts, ends)]
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["steps"] = None if self.steps is None else [asdict(s) for s in self.steps]
+        return data
+
+
+def run_task(models: Models, runner: Runner, task: Task, config: GenerationConfig, repeat: int) -> Record:
+    """All turns of a task with one method; the later turns follow the method's own earlier answers."""
+    record = Record(runner.name, task.category, task.task_id, repeat, steps=None if runner.peer else [])
+    messages: list[dict] = []
+    try:
+        for turn in task.turns:
+            messages.append({"role": "user", "content": turn})
+            prompt_ids = models.encode_chat(messages)
+            output = runner.run(prompt_ids, config)
+            record.prompt_ids.append(prompt_ids)
+            record.token_ids += output.token_ids
+            record.turn_lengths.append(len(output.token_ids))
+            record.seconds += output.seconds
+            if output.steps is not None:
+                record.steps += output.steps
+            answer = models.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": answer})
+    except Exception as error:  # noqa: BLE001 - a failure is a result: recorded, reported, not averaged
+        record.error = f"{type(error).__name__}: {error}"
+        record.steps = None
+        traceback.print_exc()
+    return record
+
+
+def run_benchmark(
+    models: Models,
+    runners: dict[str, Runner],
+    tasks: list[Task],
+    config: GenerationConfig,
+    repeats: int,
+    on_record: Callable[[Record], None] = lambda record: None,
+) -> list[Record]:
+    warm = GenerationConfig(max_new_tokens=4, sampling=config.sampling, seed=config.seed)
+    warm_task = Task(tasks[0].category, "warm-up", tasks[0].turns[:1])
+    for runner in runners.values():
+        run_task(models, runner, warm_task, warm, repeat=-1)
+    names = list(runners)
+    records = []
+    for repeat in range(repeats):
+        for index, task in enumerate(tasks):
+            shift = (repeat * len(tasks) + index) % len(names)
+            for name in names[shift:] + names[:shift]:
+                record = run_task(models, runners[name], task, config, repeat)
+                records.append(record)
+                on_record(record)
+    return records

@@ -1,0 +1,108 @@
+"""`specdecode bench`: load the models, run the harness, write records, report and plots."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.markdown import Markdown
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from specdecode.api import load_models
+from specdecode.bench import report
+from specdecode.bench.datasets import CATEGORIES, TRANSLATION_SOURCE, sample_tasks
+from specdecode.bench.exactness import diagnose
+from specdecode.bench.harness import Record, run_benchmark
+from specdecode.bench.runners import PEERS, build_runners, needs_draft_model
+from specdecode.engine import GenerationConfig
+from specdecode.errors import UserError
+from specdecode.methods import METHODS
+
+ALL_METHODS = [*METHODS, *PEERS]
+
+
+def diagnose_divergences(models, records: list[Record], lossless: dict[str, bool]) -> list[str]:
+    """For each lossless run whose output differs from ar's, where and with what logit margin."""
+    reference = {(r.task_id, r.repeat): r for r in records if r.method == "ar" and r.ok}
+    notes = []
+    for r in records:
+        ar = reference.get((r.task_id, r.repeat))
+        if r.method == "ar" or not r.ok or ar is None or not lossless[r.method] or r.token_ids == ar.token_ids:
+            continue
+        for turn, ((prompt, mine), (_, theirs)) in enumerate(zip(r.turns(), ar.turns())):
+            if mine != theirs:
+                divergence = diagnose(models.target, prompt, theirs, mine)
+                what = divergence.describe() if divergence else f"lengths differ ({len(mine)} vs {len(theirs)})"
+                notes.append(f"{r.method} on {r.task_id} (repeat {r.repeat}, turn {turn + 1}): {what}")
+                break
+    return notes
+
+
+def run(
+    methods: list[str], categories: list[str], per_category: int | None, max_new_tokens: int, repeats: int,
+    out: Path, target: str, drafter: str, dtype: str, threads: int, temperature: float, top_k: int,
+    top_p: float, seed: int,
+) -> Path:
+    from specdecode.types import SamplingParams
+
+    unknown = [m for m in methods if m not in ALL_METHODS]
+    if unknown:
+        raise UserError(f"unknown methods {unknown}; choose from: {', '.join(ALL_METHODS)}")
+    if repeats < 1:
+        raise UserError("--repeats must be at least 1")
+    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p), seed=seed)
+    tasks = sample_tasks(categories, per_category, seed=seed)
+    torch.set_num_threads(threads)
+    console = Console(stderr=True)
+    models = load_models(target, drafter if needs_draft_model(methods) else None, dtype=dtype)
+    runners = build_runners(models, methods)
+    lossless = {name: runner.lossless for name, runner in runners.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    records_path = out / "records.jsonl"
+    total = repeats * len(tasks) * len(runners)
+    with records_path.open("w") as sink, Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    ) as progress:
+        bar = progress.add_task("warm-up", total=total)
+
+        def on_record(record: Record) -> None:
+            sink.write(json.dumps(record.to_json()) + "\n")
+            sink.flush()
+            progress.update(bar, advance=1, description=f"{record.method} {record.task_id}")
+
+        start = time.time()
+        records = run_benchmark(models, runners, tasks, config, repeats, on_record)
+    summaries = report.summarise(records, lossless)
+    greedy = config.sampling.greedy
+    notes = diagnose_divergences(models, records, lossless) if greedy else [
+        "Sampling run: outputs are not compared token for token (their distribution is; see "
+        "tests/test_sampling_statistical.py and tests/test_engine.py), so 'exact vs ar' only counts chance agreement."
+    ]
+    settings = {
+        "command": "specdecode bench " + " ".join(f"--{k} {v}" for k, v in {
+            "methods": ",".join(methods), "categories": ",".join(categories),
+            "per-category": per_category if per_category is not None else "all", "max-new-tokens": max_new_tokens,
+            "repeats": repeats, "temperature": temperature, "top-k": top_k, "top-p": top_p, "seed": seed,
+        }.items()),
+        "target / drafter": f"{target} / {drafter}",
+        "decoding": "greedy" if greedy else f"sampling (temperature {temperature}, top-k {top_k}, top-p {top_p})",
+        "dtype, threads": f"{dtype}, {torch.get_num_threads()}",
+        "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
+        "tasks": f"{len(tasks)} ({', '.join(f'{c}: {sum(t.category == c for t in tasks)}' for c in categories)}), "
+                 f"seeded sample, chat template for every method",
+        "translation data": TRANSLATION_SOURCE,
+        "wall time": f"{time.time() - start:.0f} s",
+    }
+    text = report.markdown(summaries, settings, notes)
+    (out / "report.md").write_text(text)
+    report.plots(summaries, out)
+    Console().print(Markdown(text))
+    console.print(f"wrote {records_path}, {out / 'report.md'}, {out / 'speedup.png'}, {out / 'acceptance_by_position.png'}")
+    return out / "report.md"
+
+
+DEFAULT_CATEGORIES = list(CATEGORIES)

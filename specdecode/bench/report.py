@@ -1,0 +1,201 @@
+"""From benchmark records to figures: per method x category and overall, a markdown report, plots."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specdecode import metrics
+from specdecode.bench.harness import Record
+from specdecode.types import StepStats
+
+OVERALL = "overall"
+DISAGREEMENT = 0.2  # measured and predicted speedups this far apart (relative) get a remark
+
+
+@dataclass
+class Cell:
+    """One method on one category (or overall), over every repeat."""
+
+    tokens_per_second: tuple[float, float]  # mean, std over repeats
+    speedup: tuple[float, float]  # mean, std over repeats of the per-repeat ratio to ar
+    mean_accepted_tokens: float | None  # None for peers
+    runs: int
+    failures: int
+
+
+@dataclass
+class MethodSummary:
+    method: str
+    cells: dict[str, Cell]  # by category, plus OVERALL
+    exact: tuple[int, int] | None  # (identical to ar, compared); None for lossy methods
+    acceptance_rate: float | None = None
+    accepted_per_position: list[float] = field(default_factory=list)
+    draft_share: float | None = None
+    predicted_speedup: float | None = None
+    errors: list[str] = field(default_factory=list)
+
+
+def _decode_steps(steps: list[StepStats]) -> list[StepStats]:
+    """The steps without a prefill: their costs are those of decoding."""
+    return [s for s in steps if s.forward_tokens <= s.drafted + 1]
+
+
+def _throughput(records: list[Record]) -> float:
+    seconds = sum(r.seconds for r in records)
+    return metrics.tokens_per_second(sum(len(r.token_ids) for r in records), seconds)
+
+
+def _cell(records: list[Record], reference: list[Record], repeats: list[int]) -> Cell:
+    ok = [r for r in records if r.ok]
+    per_repeat, ratios = [], []
+    for repeat in repeats:
+        mine = [r for r in ok if r.repeat == repeat]
+        tasks = {r.task_id for r in mine}
+        base = [r for r in reference if r.repeat == repeat and r.ok and r.task_id in tasks]
+        if mine and base:
+            per_repeat.append(_throughput(mine))
+            ratios.append(per_repeat[-1] / _throughput(base))
+    steps = [s for r in ok if r.steps is not None for s in r.steps]
+    return Cell(
+        tokens_per_second=metrics.mean_and_std(per_repeat),
+        speedup=metrics.mean_and_std(ratios),
+        mean_accepted_tokens=metrics.mean_accepted_tokens(steps) if steps else None,
+        runs=len(ok),
+        failures=len(records) - len(ok),
+    )
+
+
+def summarise(records: list[Record], lossless: dict[str, bool]) -> list[MethodSummary]:
+    by_method: dict[str, list[Record]] = defaultdict(list)
+    for r in records:
+        by_method[r.method].append(r)
+    categories = sorted({r.category for r in records})
+    repeats = sorted({r.repeat for r in records})
+    reference = by_method["ar"]
+    ar_outputs = {(r.task_id, r.repeat): r.token_ids for r in reference if r.ok}
+    ar_steps = _decode_steps([s for r in reference if r.ok and r.steps for s in r.steps])
+    plain_token_seconds = sum(s.verify_seconds for s in ar_steps) / len(ar_steps) if ar_steps else 0.0
+
+    summaries = []
+    for method, mine in by_method.items():
+        cells = {c: _cell([r for r in mine if r.category == c], reference, repeats) for c in categories}
+        cells[OVERALL] = _cell(mine, reference, repeats)
+        ok = [r for r in mine if r.ok]
+        exact = None
+        if lossless.get(method, True):
+            pairs = [(r.token_ids, ar_outputs[(r.task_id, r.repeat)]) for r in ok if (r.task_id, r.repeat) in ar_outputs]
+            exact = (sum(a == b for a, b in pairs), len(pairs))
+        summary = MethodSummary(method, cells, exact, errors=[f"{r.task_id}: {r.error}" for r in mine if not r.ok])
+        steps = [s for r in ok if r.steps is not None for s in r.steps]
+        if steps:
+            summary.acceptance_rate = metrics.acceptance_rate(steps)
+            summary.accepted_per_position = metrics.accepted_per_position(steps)
+            draft, verify = sum(s.draft_seconds for s in steps), sum(s.verify_seconds for s in steps)
+            summary.draft_share = draft / (draft + verify) if draft + verify > 0 else None
+            decode = _decode_steps(steps)
+            drafted = sum(s.drafted for s in decode)
+            if decode and drafted and plain_token_seconds:
+                k = drafted / len(decode)
+                a = metrics.chain_acceptance(sum(s.accepted for s in decode) / len(decode), k)
+                summary.predicted_speedup = metrics.predicted_speedup(
+                    a, k, sum(s.draft_seconds for s in decode) / drafted,
+                    sum(s.verify_seconds for s in decode) / len(decode), plain_token_seconds,
+                )
+        summaries.append(summary)
+    return summaries
+
+
+def _pm(pair: tuple[float, float], digits: int = 2, suffix: str = "") -> str:
+    mean, std = pair
+    if mean != mean:  # nan: no successful run
+        return "failed"
+    return f"{mean:.{digits}f}{suffix} ± {std:.{digits}f}" if std else f"{mean:.{digits}f}{suffix}"
+
+
+def markdown(summaries: list[MethodSummary], settings: dict[str, str], notes: list[str]) -> str:
+    categories = [c for c in summaries[0].cells if c != OVERALL] + [OVERALL]
+    lines = ["# specdecode benchmark", ""]
+    lines += [f"- {key}: {value}" for key, value in settings.items()]
+    lines += ["", "## Leaderboard: speedup over `ar` (mean accepted tokens per target forward)", ""]
+    lines.append("| method | " + " | ".join(categories) + " | exact vs ar |")
+    lines.append("|---" * (len(categories) + 2) + "|")
+    for s in summaries:
+        cells = []
+        for c in categories:
+            cell = s.cells[c]
+            text = _pm(cell.speedup, suffix="x")
+            if cell.mean_accepted_tokens is not None:
+                text += f" ({cell.mean_accepted_tokens:.2f})"
+            cells.append(text)
+        exact = "lossy" if s.exact is None else f"{s.exact[0]}/{s.exact[1]}"
+        lines.append(f"| {s.method} | " + " | ".join(cells) + f" | {exact} |")
+    lines += ["", "## Per method, all categories", ""]
+    lines.append("| method | tokens/s | speedup | predicted speedup | acceptance | accepted by draft position | draft share | runs | failures |")
+    lines.append("|---" * 9 + "|")
+    for s in summaries:
+        cell = s.cells[OVERALL]
+        predicted = "-" if s.predicted_speedup is None else f"{s.predicted_speedup:.2f}x"
+        positions = ", ".join(f"{p:.2f}" for p in s.accepted_per_position[:8]) or "-"
+        acceptance = "-" if s.acceptance_rate is None else f"{s.acceptance_rate:.0%}"
+        share = "-" if s.draft_share is None else f"{s.draft_share:.0%}"
+        lines.append(
+            f"| {s.method} | {_pm(cell.tokens_per_second)} | {_pm(cell.speedup, suffix='x')} | {predicted} | "
+            f"{acceptance} | {positions} | {share} | {cell.runs} | {cell.failures} |"
+        )
+    remarks = []
+    for s in summaries:
+        measured = s.cells[OVERALL].speedup[0]
+        if s.predicted_speedup and measured == measured and abs(s.predicted_speedup - measured) > DISAGREEMENT * measured:
+            remarks.append(
+                f"- {s.method}: measured {measured:.2f}x but the analytical model predicts {s.predicted_speedup:.2f}x: "
+                "its assumptions (independent acceptance per token, a fixed draft length, decoding cost only — "
+                "the prefill is excluded from the prediction but not from the measurement) do not hold here."
+            )
+        remarks += [f"- {s.method} FAILED on {e}" for e in s.errors]
+    if remarks or notes:
+        lines += ["", "## Remarks", ""] + remarks + [f"- {n}" for n in notes]
+    lines += ["", "Metrics are defined in `specdecode/metrics.py`. Failed runs are listed above and kept out of every average."]
+    return "\n".join(lines) + "\n"
+
+
+def plots(summaries: list[MethodSummary], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    categories = [c for c in summaries[0].cells if c != OVERALL] + [OVERALL]
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(categories)), 4.5))
+    width = 0.8 / len(summaries)
+    for i, s in enumerate(summaries):
+        means = [s.cells[c].speedup[0] for c in categories]
+        stds = [s.cells[c].speedup[1] for c in categories]
+        xs = [j + (i - (len(summaries) - 1) / 2) * width for j in range(len(categories))]
+        ax.bar(xs, means, width, yerr=stds, label=s.method)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(categories)), categories, rotation=20)
+    ax.set_ylabel("speedup over ar")
+    ax.legend(fontsize=8, ncols=3)
+    ax.set_title("Speedup by category and method")
+    fig.tight_layout()
+    speedup_path = out / "speedup.png"
+    fig.savefig(speedup_path, dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s in summaries:
+        if s.accepted_per_position:
+            positions = s.accepted_per_position[:16]
+            ax.plot(range(1, len(positions) + 1), positions, marker="o", label=s.method)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance (given the position was drafted)")
+    ax.set_ylim(0, 1.05)
+    ax.legend()
+    ax.set_title("Acceptance by draft position")
+    fig.tight_layout()
+    acceptance_path = out / "acceptance_by_position.png"
+    fig.savefig(acceptance_path, dpi=110)
+    plt.close(fig)
+    return [speedup_path, acceptance_path]

@@ -1,0 +1,89 @@
+"""What the benchmark runs: our methods through the engine, and the peers a user would otherwise pick
+(transformers' own generate(): plain, with assistant_model=, with prompt_lookup_num_tokens=)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.api import Models
+from specdecode.engine import GenerationConfig
+from specdecode.methods import METHODS
+from specdecode.types import StepStats
+
+
+@dataclass
+class Output:
+    token_ids: list[int]
+    seconds: float
+    steps: list[StepStats] | None  # None for peers, whose loop we cannot see into
+
+
+@dataclass(frozen=True)
+class Runner:
+    name: str
+    lossless: bool
+    peer: bool  # transformers' generate(), not ours
+    run: Callable[[list[int], GenerationConfig], Output]
+
+
+def our_runner(models: Models, method: str) -> Runner:
+    engine = models.engine(method)
+
+    def run(prompt_ids: list[int], config: GenerationConfig) -> Output:
+        result = engine.generate(prompt_ids, config)
+        return Output(result.token_ids, result.seconds, result.steps)
+
+    return Runner(method, METHODS[method].lossless, False, run)
+
+
+def peer_runner(models: Models, name: str, **generate_kwargs) -> Runner:
+    """transformers' generate() on the same target model, counted from ids like ours."""
+    model, tokenizer = models.target.model, models.tokenizer
+
+    def run(prompt_ids: list[int], config: GenerationConfig) -> Output:
+        params = config.sampling
+        sampling = {} if params.greedy else {
+            "temperature": params.temperature, "top_k": params.top_k or None, "top_p": params.top_p,
+        }
+        if config.seed is not None:
+            torch.manual_seed(config.seed)  # generate() draws from the global generator
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([prompt_ids]),
+                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                max_new_tokens=config.max_new_tokens,
+                do_sample=not params.greedy,
+                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                **sampling,
+                **generate_kwargs,
+            )
+        seconds = time.perf_counter() - start
+        return Output(out[0, len(prompt_ids) :].tolist(), seconds, None)
+
+    return Runner(name, True, True, run)
+
+
+PEERS = {
+    "hf-plain": lambda models: peer_runner(models, "hf-plain"),
+    "hf-assisted": lambda models: peer_runner(models, "hf-assisted", assistant_model=models.require_draft().model),
+    "hf-prompt-lookup": lambda models: peer_runner(models, "hf-prompt-lookup", prompt_lookup_num_tokens=10),
+}
+
+
+def needs_draft_model(names: list[str]) -> bool:
+    return any(name == "hf-assisted" or (name in METHODS and METHODS[name].needs_draft_model) for name in names)
+
+
+def build_runners(models: Models, names: list[str]) -> dict[str, Runner]:
+    """Runners by name (ours and peers); `ar` always comes first: it is the reference."""
+    runners = {"ar": our_runner(models, "ar")}
+    for name in names:
+        if name in runners:
+            continue
+        runners[name] = PEERS[name](models) if name in PEERS else our_runner(models, name)
+    return runners

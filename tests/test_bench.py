@@ -1,0 +1,105 @@
+"""The benchmark: metric definitions by hand, data loaders, and the harness on tiny models."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdecode import metrics
+from specdecode.api import load_models
+from specdecode.bench import report
+from specdecode.bench.datasets import CATEGORIES, Task, sample_tasks
+from specdecode.bench.harness import run_benchmark
+from specdecode.bench.runners import Output, Runner, build_runners
+from specdecode.engine import GenerationConfig
+from specdecode.types import StepStats
+
+
+def step(drafted, accepted, new_tokens, draft_seconds=0.0, verify_seconds=1.0, forward_tokens=None):
+    return StepStats(drafted, accepted, new_tokens, draft_seconds, verify_seconds,
+                     drafted + 1 if forward_tokens is None else forward_tokens)
+
+
+# --- metrics, by hand --------------------------------------------------------------------------------
+
+def test_metric_definitions_by_hand():
+    steps = [step(4, 4, 5), step(4, 1, 2), step(2, 0, 1), step(0, 0, 1)]
+    assert metrics.mean_accepted_tokens(steps) == 9 / 4  # bonus/correction tokens included
+    assert metrics.acceptance_rate(steps) == 5 / 10
+    # position 0 drafted in 3 steps, accepted in 2; position 2 drafted in 2 steps, accepted in 1
+    assert metrics.accepted_per_position(steps) == [2 / 3, 1 / 3, 1 / 2, 1 / 2]
+    assert metrics.acceptance_rate([step(0, 0, 1)]) is None
+    assert metrics.mean_and_std([2.0, 4.0]) == (3.0, pytest.approx(2**0.5))
+    assert metrics.mean_and_std([5.0]) == (5.0, 0.0)
+
+
+def test_chain_acceptance_inverts_the_standard_model():
+    # a = 0.5, k = 2: expected accepted drafts = 0.5 + 0.25 = 0.75
+    assert metrics.chain_acceptance(0.75, 2) == pytest.approx(0.5, abs=1e-9)
+    assert metrics.chain_acceptance(0.0, 3) == 0.0 and metrics.chain_acceptance(3.0, 3) == 1.0
+
+
+def test_predicted_speedup_by_hand():
+    # a = 0.5, k = 2 -> 1.75 tokens per step; step = 2 * 0.1 + 1.0 s; plain 1.0 s per token
+    assert metrics.predicted_speedup(0.5, 2, 0.1, 1.0, 1.0) == pytest.approx(1.75 / 1.2)
+
+
+# --- data loaders --------------------------------------------------------------------------------------
+
+def test_loaders_read_the_shipped_data():
+    counts = {name: len(load()) for name, load in CATEGORIES.items()}
+    assert counts["multi-turn"] == 80 and counts["math"] == 1319 and counts["qa"] == 817
+    assert counts["code"] == 164 + 500 and counts["rag"] == 3270
+    assert counts["summarisation"] > 100 and counts["translation"] > 100
+    mt = CATEGORIES["multi-turn"]()
+    assert all(len(t.turns) == 2 and all(t.turns) for t in mt)
+    for name, load in CATEGORIES.items():
+        tasks = load()
+        assert all(t.category == name and t.turns and all(isinstance(x, str) and x for x in t.turns) for t in tasks)
+        assert len({t.task_id for t in tasks}) == len(tasks), name
+
+
+def test_sample_is_seeded_and_per_category():
+    first = sample_tasks(["qa", "math"], 3, seed=1)
+    assert first == sample_tasks(["qa", "math"], 3, seed=1)
+    assert first != sample_tasks(["qa", "math"], 3, seed=2)
+    assert [t.category for t in first] == ["qa"] * 3 + ["math"] * 3
+
+
+# --- the harness on tiny models --------------------------------------------------------------------------
+
+def test_harness_records_failures_and_keeps_them_out(tiny_folder, tmp_path):
+    models = load_models(str(tiny_folder), str(tiny_folder), dtype="float32", progress=False)
+    runners = build_runners(models, ["draft", "pld", "hf-plain"])
+
+    calls = {"n": 0}
+
+    def flaky(prompt_ids, config):
+        calls["n"] += 1
+        if calls["n"] % 2 == 0:
+            raise RuntimeError("boom")
+        return Output(list(prompt_ids[:3]), 1e9, None)  # absurdly slow: would wreck any average
+
+    runners["broken"] = Runner("broken", True, True, flaky)
+    tasks = [Task("a", "a/1", ("the cat",)), Task("a", "a/2", ("the the", "and again")), Task("b", "b/1", ("hello",))]
+    records = run_benchmark(models, runners, tasks, GenerationConfig(max_new_tokens=6), repeats=2)
+    assert len(records) == 2 * 3 * 5
+    summaries = {s.method: s for s in report.summarise(records, {n: r.lossless for n, r in runners.items()})}
+
+    for name in ["draft", "pld", "hf-plain"]:  # lossless, float32: identical to ar, both turns included
+        assert summaries[name].exact == (6, 6)
+        assert summaries[name].cells[report.OVERALL].failures == 0
+    two_turns = [r for r in records if r.task_id == "a/2" and r.method == "ar"]
+    assert all(len(r.turn_lengths) == 2 and len(r.prompt_ids[1]) > len(r.prompt_ids[0]) for r in two_turns)
+
+    broken = summaries["broken"]
+    overall = broken.cells[report.OVERALL]
+    assert overall.failures > 0 and overall.runs + overall.failures == 6
+    assert overall.speedup[0] < 1e-6  # only the successful, slow runs count
+    assert all("boom" in e for e in broken.errors)
+    assert summaries["ar"].cells[report.OVERALL].speedup == (1.0, 0.0)
+    assert summaries["draft"].cells["a"].mean_accepted_tokens >= 1.0
+
+    text = report.markdown(list(summaries.values()), {"setting": "x"}, ["a note"])
+    assert "broken FAILED" in text and "| draft |" in text and "a note" in text
+    paths = report.plots(list(summaries.values()), tmp_path)
+    assert all(p.stat().st_size > 1000 for p in paths)
