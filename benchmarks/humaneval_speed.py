@@ -18,7 +18,6 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,12 +25,12 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from specdecode import metrics
 from specdecode.api import load_models
 from specdecode.bench.datasets import humaneval_instruction, humaneval_prompts
 from specdecode.bench.exactness import diagnose
+from specdecode.bench.runners import build_runners
 from specdecode.engine import GenerationConfig
-
-Runner = Callable[[list[int], int], tuple[list[int], float, float | None]]  # -> ids, seconds, mean accepted
 
 
 def main() -> None:
@@ -47,47 +46,24 @@ def main() -> None:
     console = Console()
 
     models = load_models(dtype="bfloat16")
-    tokenizer = models.tokenizer
-    target_hf, draft_hf = models.target.model, models.draft.model
     prompts = [models.encode(humaneval_instruction(p), chat=True) for p in humaneval_prompts(args.prompts)]
 
-    def ours(name: str) -> Runner:
-        engine = models.engine(name)
-
-        def run(ids: list[int], n: int):
-            result = engine.generate(ids, GenerationConfig(max_new_tokens=n))
-            return result.token_ids, result.seconds, result.mean_accepted_tokens
-
-        return run
-
-    def transformers_generate(**kwargs) -> Runner:
-        def run(ids: list[int], n: int):
-            start = time.perf_counter()
-            with torch.inference_mode():
-                out = target_hf.generate(
-                    torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                    max_new_tokens=n, do_sample=False, pad_token_id=tokenizer.eos_token_id, **kwargs,
-                )
-            return out[0, len(ids) :].tolist(), time.perf_counter() - start, None
-
-        return run
-
-    runners: dict[str, Runner] = {
-        "ar": ours("ar"),
-        "draft": ours("draft"),
-        "pld": ours("pld"),
-        "hf-plain": transformers_generate(),
-        "hf-assisted": transformers_generate(assistant_model=draft_hf),
-        "hf-prompt-lookup": transformers_generate(prompt_lookup_num_tokens=10),
-    }
+    names = ["ar", "draft", "pld", "hf-plain", "hf-assisted", "hf-prompt-lookup"]
     if args.methods:
-        keep = {"ar", *args.methods.split(",")}
-        runners = {k: v for k, v in runners.items() if k in keep}
+        names = ["ar", *[n for n in args.methods.split(",") if n != "ar"]]
+    runners = build_runners(models, names)
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens)
+
+    def run(name: str, ids: list[int], n: int | None = None):
+        output = runners[name].run(ids, config if n is None else GenerationConfig(max_new_tokens=n))
+        mean = metrics.mean_accepted_tokens(output.steps) if output.steps else None
+        return output.token_ids, output.seconds, mean
+
     names = list(runners)
 
     with console.status("Warm-up"):
-        for run in runners.values():
-            run(prompts[0], 8)
+        for name in runners:
+            run(name, prompts[0], 8)
 
     # records[name][repeat][prompt] = (ids, seconds, mean accepted)
     records = {name: [[None] * len(prompts) for _ in range(args.repeats)] for name in names}
@@ -97,7 +73,7 @@ def main() -> None:
             for p, ids in enumerate(prompts):
                 shift = (r * len(prompts) + p) % len(names)
                 for name in names[shift:] + names[:shift]:
-                    records[name][r][p] = runners[name](ids, args.max_new_tokens)
+                    records[name][r][p] = run(name, ids)
                     progress.advance(task)
 
     reference = [ids for ids, _, _ in records["ar"][0]]
