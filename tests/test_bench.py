@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from specdecode import metrics
@@ -103,3 +105,40 @@ def test_harness_records_failures_and_keeps_them_out(tiny_folder, tmp_path):
     assert "broken FAILED" in text and "| draft |" in text and "a note" in text
     paths = report.plots(list(summaries.values()), tmp_path)
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_two_sample_ks_matches_scipy():
+    from scipy.stats import ks_2samp
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    same_a, same_b = torch.randn(400, generator=g).tolist(), torch.randn(300, generator=g).tolist()
+    shifted = (torch.randn(300, generator=g) + 0.5).tolist()
+    for a, b in [(same_a, same_b), (same_a, shifted)]:
+        gap, p = metrics.two_sample_ks(a, b)
+        reference = ks_2samp(a, b, method="asymp")
+        assert gap == pytest.approx(reference.statistic)
+        assert p == pytest.approx(reference.pvalue, abs=0.02)
+    assert metrics.two_sample_ks(same_a, shifted)[1] < 1e-4
+    assert metrics.two_sample_ks([1, 1, 2], [1, 1, 2]) == (0.0, 1.0)
+
+
+def test_sampled_fidelity_on_tiny_models(tiny_folder):
+    from specdecode.bench.main import sampled_fidelity
+    from specdecode.types import SamplingParams
+
+    models = load_models(str(tiny_folder), str(tiny_folder), dtype="float32", progress=False)
+    runners = build_runners(models, ["draft"])
+    params = SamplingParams(temperature=1.0)
+    colder = runners["ar"].run  # a broken "method": samples at a lower temperature than asked
+
+    def biased(prompt_ids, config):
+        return colder(prompt_ids, replace(config, sampling=SamplingParams(temperature=0.3)))
+
+    runners["biased"] = Runner("biased", True, False, biased)
+    tasks = [Task("a", f"a/{i}", (f"the cat {i}",)) for i in range(16)]
+    records = run_benchmark(models, runners, tasks, GenerationConfig(max_new_tokens=24, sampling=params, seed=3), 1)
+    notes = sampled_fidelity(models, records, {"ar": True, "draft": True, "biased": True}, params)
+    assert len(notes) == 2
+    assert notes[0].startswith("draft:") and "consistent" in notes[0]
+    assert notes[1].startswith("biased:") and "DIFFERS" in notes[1]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from specdecode.api import Models
 from specdecode.bench.datasets import Task
@@ -90,8 +90,10 @@ def run_benchmark(
     for repeat in range(repeats):
         for index, task in enumerate(tasks):
             shift = (repeat * len(tasks) + index) % len(names)
+            # every method gets the same seed for a task and repeat; each task and repeat its own
+            seeded = replace(config, seed=(config.seed or 0) + 1_000_003 * repeat + index)
             for name in names[shift:] + names[:shift]:
-                record = run_task(models, runners[name], task, config, repeat)
+                record = run_task(models, runners[name], task, seeded, repeat)
                 records.append(record)
                 on_record(record)
     return records
