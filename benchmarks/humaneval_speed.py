@@ -5,32 +5,32 @@
 Runs, on the same chat-templated HumanEval prompts, greedy, bf16, 2 threads:
   ours:  ar (the reference), draft (the 0.5B drafter), pld (prompt lookup)
   peers: transformers generate() plain, with assistant_model= (the 0.5B), with prompt_lookup_num_tokens=10
-Order rotates across methods for every prompt and repeat so machine drift cancels; a warm-up run is
-excluded. Tokens are counted from ids. Prints tokens/s (median over repeats of total tokens / total
-seconds), speedup over our ar (median over repeats of the per-repeat ratio), mean accepted tokens, and
-whether each output equals ar's, with the target's logit margin where one differs.
+through the benchmark's harness (`specdecode.bench`): order rotating across methods for every prompt and
+repeat, a warm-up excluded, tokens counted from ids. Prints tokens/s and speedup over our ar (mean over
+repeats), mean accepted tokens, and whether each output equals ar's, with the target's logit margin
+where one differs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
-from specdecode import metrics
 from specdecode.api import load_models
-from specdecode.bench.datasets import humaneval_instruction, humaneval_prompts
-from specdecode.bench.exactness import diagnose
+from specdecode.bench import report
+from specdecode.bench.datasets import Task, humaneval_instruction, humaneval_prompts
+from specdecode.bench.harness import run_benchmark
+from specdecode.bench.main import diagnose_divergences
 from specdecode.bench.runners import build_runners
 from specdecode.engine import GenerationConfig
+
+METHODS = ["ar", "draft", "pld", "hf-plain", "hf-assisted", "hf-prompt-lookup"]
 
 
 def main() -> None:
@@ -46,80 +46,37 @@ def main() -> None:
     console = Console()
 
     models = load_models(dtype="bfloat16")
-    prompts = [models.encode(humaneval_instruction(p), chat=True) for p in humaneval_prompts(args.prompts)]
+    tasks = [Task("code", p["task_id"], (humaneval_instruction(p),)) for p in humaneval_prompts(args.prompts)]
+    runners = build_runners(models, [m for m in args.methods.split(",") if m] or METHODS)
+    with console.status(f"{len(runners)} methods x {len(tasks)} prompts x {args.repeats} repeats"):
+        records = run_benchmark(models, runners, tasks, GenerationConfig(max_new_tokens=args.max_new_tokens), args.repeats)
+    lossless = {name: runner.lossless for name, runner in runners.items()}
+    summaries = report.summarise(records, lossless)
+    divergences = diagnose_divergences(models, records, lossless)
 
-    names = ["ar", "draft", "pld", "hf-plain", "hf-assisted", "hf-prompt-lookup"]
-    if args.methods:
-        names = ["ar", *[n for n in args.methods.split(",") if n != "ar"]]
-    runners = build_runners(models, names)
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens)
-
-    def run(name: str, ids: list[int], n: int | None = None):
-        output = runners[name].run(ids, config if n is None else GenerationConfig(max_new_tokens=n))
-        mean = metrics.mean_accepted_tokens(output.steps) if output.steps else None
-        return output.token_ids, output.seconds, mean
-
-    names = list(runners)
-
-    with console.status("Warm-up"):
-        for name in runners:
-            run(name, prompts[0], 8)
-
-    # records[name][repeat][prompt] = (ids, seconds, mean accepted)
-    records = {name: [[None] * len(prompts) for _ in range(args.repeats)] for name in names}
-    with Progress(console=console) as progress:
-        task = progress.add_task("runs", total=args.repeats * len(prompts) * len(names))
-        for r in range(args.repeats):
-            for p, ids in enumerate(prompts):
-                shift = (r * len(prompts) + p) % len(names)
-                for name in names[shift:] + names[:shift]:
-                    records[name][r][p] = run(name, ids)
-                    progress.advance(task)
-
-    reference = [ids for ids, _, _ in records["ar"][0]]
-    rows = []
-    for name in names:
-        per_repeat_tps = [
-            sum(len(ids) for ids, _, _ in rec) / sum(sec for _, sec, _ in rec) for rec in records[name]
-        ]
-        ar_tps = [sum(len(ids) for ids, _, _ in rec) / sum(sec for _, sec, _ in rec) for rec in records["ar"]]
-        accepted = [m for m in (rec[2] for rec in records[name][0]) if m is not None]
-        divergences = []
-        for p, (ids, _, _) in enumerate(records[name][0]):
-            d = diagnose(models.target, prompts[p], reference[p], ids)
-            if d is not None:
-                divergences.append({"prompt": p, **d.__dict__, "likely_tie": d.likely_tie})
-            elif len(ids) != len(reference[p]):
-                divergences.append({"prompt": p, "length": len(ids), "reference_length": len(reference[p])})
-        rows.append(
-            {
-                "method": name,
-                "tokens": sum(len(ids) for ids, _, _ in records[name][0]),
-                "tokens_per_second": statistics.median(per_repeat_tps),
-                "speedup": statistics.median(t / a for t, a in zip(per_repeat_tps, ar_tps)),
-                "mean_accepted_tokens": statistics.mean(accepted) if accepted else None,
-                "identical_to_ar": f"{len(prompts) - len(divergences)}/{len(prompts)}",
-                "divergences": divergences,
-            }
-        )
-
-    table = Table(title=f"HumanEval x{len(prompts)}, {args.max_new_tokens} new tokens, greedy, bf16, "
-                  f"{args.threads} threads, {args.repeats} repeats")
+    table = Table(title=f"HumanEval x{len(tasks)}, {args.max_new_tokens} new tokens, greedy, bf16, "
+                  f"{torch.get_num_threads()} threads, {args.repeats} repeats")
     for column in ["method", "tokens", "tokens/s", "speedup vs ar", "mean accepted", "identical to ar"]:
         table.add_column(column, justify="left" if column == "method" else "right")
-    for row in rows:
+    rows = []
+    for s in summaries:
+        cell = s.cells[report.OVERALL]
+        tokens = sum(len(r.token_ids) for r in records if r.method == s.method and r.ok and r.repeat == 0)
+        exact = "-" if s.exact is None else f"{s.exact[0]}/{s.exact[1]}"
+        rows.append({"method": s.method, "tokens": tokens, "tokens_per_second": cell.tokens_per_second,
+                     "speedup": cell.speedup, "mean_accepted_tokens": cell.mean_accepted_tokens,
+                     "identical_to_ar": exact, "failures": cell.failures})
         table.add_row(
-            row["method"], str(row["tokens"]), f"{row['tokens_per_second']:.2f}", f"{row['speedup']:.2f}x",
-            "-" if row["mean_accepted_tokens"] is None else f"{row['mean_accepted_tokens']:.2f}",
-            row["identical_to_ar"],
+            s.method, str(tokens), f"{cell.tokens_per_second[0]:.2f}", f"{cell.speedup[0]:.2f}x",
+            "-" if cell.mean_accepted_tokens is None else f"{cell.mean_accepted_tokens:.2f}", exact,
         )
     console.print(table)
-    for row in rows:
-        for d in row["divergences"]:
-            console.print(f"  {row['method']}: prompt {d['prompt']}: {d}", highlight=False)
+    for line in divergences + [f"{s.method} FAILED on {e}" for s in summaries for e in s.errors]:
+        console.print(f"  {line}", highlight=False)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
-                                    "torch": torch.__version__, "threads": torch.get_num_threads()}, indent=1))
+                                    "divergences": divergences, "torch": torch.__version__,
+                                    "threads": torch.get_num_threads()}, indent=1))
     console.print(f"saved {args.out}")
 
 

@@ -7,7 +7,7 @@ from rich.panel import Panel
 
 from specdecode.api import load_models
 from specdecode.bench.exactness import diagnose
-from specdecode.engine import GenerationConfig
+from specdecode.engine import GenerationConfig, GenerationResult
 from specdecode.methods import METHODS
 
 DEMO_PROMPTS = [
@@ -29,7 +29,7 @@ def run_demo(target: str, drafter: str, dtype: str, max_new_tokens: int) -> None
         for engine in engines.values():
             engine.generate(prompts[0], GenerationConfig(max_new_tokens=4))
     config = GenerationConfig(max_new_tokens=max_new_tokens)
-    totals = {name: {"new_tokens": 0, "seconds": 0.0, "target_forwards": 0, "drafted": 0, "accepted": 0} for name in engines}
+    results: dict[str, list[GenerationResult]] = {name: [] for name in engines}
     for number, (text, ids) in enumerate(zip(DEMO_PROMPTS, prompts), 1):
         console.rule(f"Prompt {number}")
         console.print(text, highlight=False)
@@ -37,12 +37,7 @@ def run_demo(target: str, drafter: str, dtype: str, max_new_tokens: int) -> None
         for name, engine in engines.items():
             with console.status(f"{name}: generating {max_new_tokens} tokens"):
                 result = engine.generate(ids, config)
-            total = totals[name]
-            total["new_tokens"] += result.new_tokens
-            total["seconds"] += result.seconds
-            total["target_forwards"] += result.target_forwards
-            total["drafted"] += sum(s.drafted for s in result.steps)
-            total["accepted"] += sum(s.accepted for s in result.steps)
+            results[name].append(result)
             note = ""
             if reference is None:
                 reference = result.token_ids
@@ -51,18 +46,13 @@ def run_demo(target: str, drafter: str, dtype: str, max_new_tokens: int) -> None
                 note = "identical to ar" if divergence is None else divergence.describe()
             title = f"{name}: {result.tokens_per_second:.1f} tokens/s, {result.mean_accepted_tokens:.2f} tokens per target forward"
             console.print(Panel(result.text, title=title, subtitle=note or None, title_align="left"), highlight=False)
-    rows = []
-    for name, t in totals.items():
-        rows.append(
-            {
-                "method": name,
-                "new_tokens": t["new_tokens"],
-                "seconds": t["seconds"],
-                "tokens_per_second": t["new_tokens"] / t["seconds"],
-                "target_forwards": t["target_forwards"],
-                "mean_accepted_tokens": t["new_tokens"] / t["target_forwards"],
-                "acceptance_rate": t["accepted"] / t["drafted"] if t["drafted"] else None,
-            }
-        )
+    # all prompts of a method as one generation, so every figure comes from specdecode.metrics
+    rows = [
+        GenerationResult(
+            prompt_ids=[], token_ids=[t for r in rs for t in r.token_ids], text="", steps=[s for r in rs for s in r.steps],
+            seconds=sum(r.seconds for r in rs), finish_reason="", method=name,
+        ).summary()
+        for name, rs in results.items()
+    ]
     console.rule("All prompts")
     console.print(_stats_table(rows, baseline_tps=rows[0]["tokens_per_second"]))
