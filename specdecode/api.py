@@ -17,7 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdecode.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from specdecode.errors import UserError
-from specdecode.methods import get_method
+from specdecode.methods import DrafterOptions, name_of, resolve
 from specdecode.models.hf import HFCausalLM
 from specdecode.models.loading import check_same_vocabulary, load_causal_lm
 from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
@@ -37,10 +37,25 @@ class Models:
             raise UserError("this method needs a draft model; pass drafter=...")
         return self.draft
 
-    def engine(self, method: str) -> SpeculativeEngine:
-        spec = get_method(method)
+    def engine(
+        self,
+        method: str,
+        *,
+        tree: bool = False,
+        budget: int | None = None,
+        choices: tuple[tuple[int, ...], ...] | None = None,
+    ) -> SpeculativeEngine:
+        """An engine for a method by name (`draft`, `draft-tree`, `pld-tree`...); `tree=True` switches a
+        method to its tree form, `budget` fixes the tree nodes verified per step (default: chosen from
+        the target's measured cost curve), `choices` gives the tree a fixed shape."""
+        spec, options = resolve(method)
+        if tree or budget is not None or choices is not None:
+            options = DrafterOptions(tree=tree or options.tree, budget=budget, choices=choices or options.choices)
         draft = self.require_draft() if spec.needs_draft_model else None
-        return SpeculativeEngine(self.target, self.tokenizer, spec.build(self.target, draft), method=method)
+        drafter = spec.drafter(self.target, draft, options)
+        tree_budget = None if not options.tree else options.budget or ("whole" if options.choices else "auto")
+        return SpeculativeEngine(self.target, self.tokenizer, drafter, method=name_of(spec, options),
+                                 tree_budget=tree_budget)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids of a prompt; with chat=True, as the single user turn of the chat template."""
@@ -101,9 +116,11 @@ def generate(
     top_p: float = 1.0,
     seed: int | None = None,
     stop: tuple[str, ...] = (),
+    tree: bool = False,
+    budget: int | None = None,
 ) -> GenerationResult:
     """Generate with one method; models loaded by name are kept for the next call."""
-    needs_draft = get_method(method).needs_draft_model
+    needs_draft = resolve(method)[0].needs_draft_model
     key = (id(target) if isinstance(target, PreTrainedModel) else target,
            (id(drafter) if isinstance(drafter, PreTrainedModel) else drafter) if needs_draft else None, str(dtype))
     if key not in _loaded:
@@ -116,4 +133,4 @@ def generate(
         stop=tuple(stop),
         seed=seed,
     )
-    return models.engine(method).generate(ids, config)
+    return models.engine(method, tree=tree, budget=budget).generate(ids, config)

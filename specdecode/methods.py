@@ -1,6 +1,8 @@
 """The registry of decoding methods: a name, what it needs, and how to build its drafter.
 
-The CLI, the Python API and the benchmark all enumerate this one table.
+The CLI, the Python API and the benchmark all enumerate this one table. A method that can draft a token
+tree as well as a chain takes `DrafterOptions(tree=True)`; by name, the tree form is `NAME-tree` (and
+`draft-tree-fixed` is the draft model's tree in a fixed shape, for comparison).
 """
 
 from __future__ import annotations
@@ -10,9 +12,28 @@ from dataclasses import dataclass
 
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+from specdecode.drafters.draft_model_tree import DEFAULT_CHOICES, DraftModelTreeDrafter
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
+
+
+@dataclass(frozen=True)
+class DrafterOptions:
+    tree: bool = False  # draft a token tree instead of a chain
+    budget: int | None = None  # tree nodes verified per step; None: chosen from the measured cost curve
+    choices: tuple[tuple[int, ...], ...] | None = None  # a fixed tree shape (draft model only)
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and not self.tree:
+            raise UserError("a budget applies to token trees; add --tree")
+        if self.budget is not None and not 1 <= self.budget <= 4096:
+            raise UserError(f"the tree budget must be between 1 and 4096 nodes, got {self.budget}")
+        if self.choices is not None and not self.tree:
+            raise UserError("tree choices apply to token trees; add --tree")
+
+
+Builder = Callable[[CausalLM, "CausalLM | None", DrafterOptions], "Drafter | None"]  # (target, draft, options)
 
 
 @dataclass(frozen=True)
@@ -20,23 +41,43 @@ class Method:
     name: str
     summary: str
     needs_draft_model: bool
-    build: Callable[[CausalLM, CausalLM | None], Drafter | None]  # (target, draft model) -> drafter
+    build: Builder
     lossless: bool = True
+    tree: bool = False  # offers a token-tree form
+    choices: bool = False  # its tree can take a fixed shape
+
+    def drafter(self, target: CausalLM, draft: CausalLM | None, options: DrafterOptions | None = None) -> Drafter | None:
+        options = options or DrafterOptions()
+        if options.tree and not self.tree:
+            raise UserError(f"method {self.name!r} has no tree form; tree methods: {', '.join(tree_methods())}")
+        if options.choices is not None and not self.choices:
+            raise UserError(f"method {self.name!r} takes no fixed tree shape")
+        return self.build(target, draft, options)
+
+
+def _draft_model(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
+    cost = draft.weights_per_token / target.weights_per_token  # a draft forward, in target forwards
+    if not options.tree:
+        return DraftModelDrafter(draft, draft_cost=cost)
+    return DraftModelTreeDrafter(
+        draft, target.cost_curve(), draft_cost=cost, budget=options.budget, choices=options.choices
+    )
+
+
+def _prompt_lookup(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
+    if not options.tree:
+        return PromptLookupDrafter()
+    return PromptLookupTreeDrafter(target.cost_curve(), budget=options.budget)
 
 
 METHODS: dict[str, Method] = {
     m.name: m
     for m in [
-        Method("ar", "plain autoregressive decoding (the baseline)", False, lambda target, draft: None),
-        Method(
-            "draft",
-            "an independent draft model drafts a chain, adaptive length",
-            True,
-            lambda target, draft: DraftModelDrafter(
-                draft, draft_cost=draft.weights_per_token / target.weights_per_token
-            ),
-        ),
-        Method("pld", "prompt lookup: copy what followed the last n-gram earlier", False, lambda target, draft: PromptLookupDrafter()),
+        Method("ar", "plain autoregressive decoding (the baseline)", False, lambda target, draft, options: None),
+        Method("draft", "an independent draft model drafts a chain (adaptive length) or an EAGLE-2-style tree",
+               True, _draft_model, tree=True, choices=True),
+        Method("pld", "prompt lookup: copy what followed the last n-gram earlier (tree: every match)",
+               False, _prompt_lookup, tree=True),
     ]
 }
 
@@ -46,3 +87,49 @@ def get_method(name: str) -> Method:
         return METHODS[name]
     except KeyError:
         raise UserError(f"unknown method {name!r}; choose one of: {', '.join(METHODS)}") from None
+
+
+def tree_methods() -> list[str]:
+    return [name for name, m in METHODS.items() if m.tree]
+
+
+def variant_names() -> list[str]:
+    """Every method by name, tree forms included: what the benchmark can run."""
+    names = []
+    for name, m in METHODS.items():
+        names += [name] + ([f"{name}-tree"] if m.tree else []) + ([f"{name}-tree-fixed"] if m.choices else [])
+    return names
+
+
+def resolve(spec: str) -> tuple[Method, DrafterOptions]:
+    """A method by name, tree forms included: `draft`, `draft-tree`, `draft-tree-fixed`, `pld-tree`..."""
+    for suffix, options in (("-tree-fixed", DrafterOptions(tree=True, choices=DEFAULT_CHOICES)),
+                            ("-tree", DrafterOptions(tree=True))):
+        if spec.endswith(suffix) and spec[: -len(suffix)] in METHODS:
+            method = METHODS[spec[: -len(suffix)]]
+            if (options.choices and method.choices) or (not options.choices and method.tree):
+                return method, options
+    if spec in METHODS:
+        return METHODS[spec], DrafterOptions()
+    raise UserError(f"unknown method {spec!r}; choose one of: {', '.join(variant_names())}")
+
+
+def parse_choices(text: str) -> tuple[tuple[int, ...], ...]:
+    """A choices list as the CLI takes it: JSON such as [[0], [1], [0, 0]], or `default`."""
+    import json
+
+    if text == "default":
+        return DEFAULT_CHOICES
+    try:
+        value = json.loads(text)
+        return tuple(tuple(int(r) for r in choice) for choice in value)
+    except (ValueError, TypeError) as error:
+        raise UserError(f"tree choices must be a JSON list of lists of ranks, e.g. [[0], [1], [0, 0]]: {error}") from None
+
+
+def name_of(method: Method, options: DrafterOptions) -> str:
+    """The display name of a method in a form: `draft`, `draft-tree`, `draft-tree-fixed`."""
+    if not options.tree:
+        return method.name
+    return f"{method.name}-tree" + ("-fixed" if options.choices is not None else "")
+

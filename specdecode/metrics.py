@@ -4,9 +4,13 @@
 - target forwards: forward passes of the target model; the prefill is the first.
 - mean accepted tokens: new tokens / target forwards. Includes the correction or bonus token each step
   makes, so plain decoding scores exactly 1.0 and a step that accepts 3 drafts scores 4.
+- mean draft tokens: draft tokens (tree nodes) verified per target forward, the prefill included.
 - acceptance rate: accepted draft tokens / drafted tokens (0 drafted: undefined, reported as None).
 - accepted per position: for draft position i (0-based), the fraction of steps that drafted at least
-  i + 1 tokens in which the token at position i was accepted.
+  i + 1 tokens in which the token at position i was accepted. For a token tree, position i is depth
+  i + 1: the fraction of steps whose tree reached that depth in which a node at that depth was accepted.
+- acceptance rate of a tree counts every node as drafted, so it is lower than a chain's for the same
+  accepted tokens; compare trees and chains by mean accepted tokens and tokens per second.
 - tokens per second: new tokens / wall-clock seconds of the whole generation, prefill included.
 - speedup: a method's tokens per second / plain decoding's (our `ar`), measured in the same run on the
   same prompts; over repeats, the mean and standard deviation of the per-repeat ratios.
@@ -29,16 +33,24 @@ def mean_accepted_tokens(steps: Sequence[StepStats]) -> float:
     return sum(s.new_tokens for s in steps) / forwards if forwards else 0.0
 
 
+def mean_drafted(steps: Sequence[StepStats]) -> float:
+    """Draft tokens (tree nodes) verified per target forward."""
+    return sum(s.drafted for s in steps) / len(steps) if steps else 0.0
+
+
 def acceptance_rate(steps: Sequence[StepStats]) -> float | None:
     drafted = sum(s.drafted for s in steps)
     return sum(s.accepted for s in steps) / drafted if drafted else None
 
 
 def accepted_per_position(steps: Sequence[StepStats]) -> list[float]:
-    longest = max((s.drafted for s in steps), default=0)
+    def depth(s: StepStats) -> int:
+        return s.drafted if s.draft_depth is None else s.draft_depth
+
+    longest = max((depth(s) for s in steps), default=0)
     rates = []
     for i in range(longest):
-        reached = [s for s in steps if s.drafted > i]
+        reached = [s for s in steps if depth(s) > i]
         rates.append(sum(s.accepted > i for s in reached) / len(reached))
     return rates
 

@@ -5,6 +5,9 @@ Glossary (used the same way everywhere in specdecode):
 - *context*: the token ids the target has seen or will see next: prompt plus the tokens generated so far.
 - *draft*: the tokens a drafter proposes to follow the context, cheaply, before the target has looked.
 - *target forward*: one forward pass of the target model; each speculative step makes exactly one.
+- *token tree*: a draft of several candidate continuations sharing prefixes; node i holds one token and
+  the index of its parent node (-1: the node follows the context directly). A chain is the tree whose
+  node i has parent i - 1. The *depth* of a node is its distance from the context (1 for its children).
 - *accepted* tokens: the draft tokens the verifier keeps (a prefix of a chain draft, or one root-to-node
   path of a tree draft).
 - *correction* token (vLLM calls it *recovered*): after the first rejected draft token, the token the
@@ -60,15 +63,24 @@ class SamplingParams:
 
 @dataclass
 class Draft:
-    """A chain of proposed tokens and, when the drafter sampled them, the distributions they came from."""
+    """Proposed tokens (a chain, or a token tree when `parents` is given) and, when the drafter sampled
+    them, the distributions they came from."""
 
     tokens: torch.Tensor  # [draft_len] int64
     # [draft_len, vocab] float32, the processed distribution each token was drawn from; None for a
-    # deterministic drafter (prompt lookup, greedy drafting), which verification treats as one-hot.
+    # deterministic drafter (prompt lookup, greedy or top-k drafting), which verification treats as one-hot.
+    # In a tree, siblings drawn independently from one distribution each carry a copy of it.
     probs: torch.Tensor | None = None
+    # [draft_len] int64, the parent node of each node (-1: follows the context), parents before children;
+    # None: a chain.
+    parents: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
 
     @staticmethod
     def empty() -> Draft:
@@ -79,14 +91,20 @@ class Draft:
 class Verdict:
     """What verification decided for one step."""
 
-    num_drafted: int
-    num_accepted: int  # how many leading draft tokens were accepted
+    num_drafted: int  # draft tokens (tree nodes) the target verified
+    num_accepted: int  # how many draft tokens were accepted
     tokens: tuple[int, ...]  # the accepted draft tokens, then the correction or bonus token
+    # The accepted nodes, root to deepest (default: the chain's first num_accepted positions).
+    path: tuple[int, ...] | None = None
+    # True when the last token is a bonus token: no draft was offered after the accepted ones (the whole
+    # chain was accepted, or the accepted path ends at a leaf of the tree). Default: the chain rule.
+    bonus: bool | None = None
 
-    @property
-    def bonus(self) -> bool:
-        """True when every draft token was accepted, so the last token is a bonus token."""
-        return self.num_accepted == self.num_drafted
+    def __post_init__(self) -> None:
+        if self.path is None:
+            object.__setattr__(self, "path", tuple(range(self.num_accepted)))
+        if self.bonus is None:
+            object.__setattr__(self, "bonus", self.num_accepted == self.num_drafted)
 
 
 TokenOrigin = Literal["prefill", "accepted", "corrected", "bonus"]
@@ -102,3 +120,4 @@ class StepStats:
     draft_seconds: float
     verify_seconds: float  # the target forward plus the acceptance decision
     forward_tokens: int  # tokens fed to the target in this step's forward (prefill included)
+    draft_depth: int | None = None  # the longest root-to-leaf path of a tree draft; None: a chain (= drafted)

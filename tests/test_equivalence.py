@@ -14,12 +14,17 @@ import torch
 
 from conftest import random_prompts
 from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+from specdecode.drafters.draft_model_tree import DEFAULT_CHOICES, DraftModelTreeDrafter
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
+from specdecode.models.costs import CostCurve
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.models.hf import HFCausalLM
 
 PROMPTS = random_prompts(12, seed=3)
 LENGTHS = [1, 2, 7, 40]
+CURVE = CostCurve.linear(0.05)  # a fixed cost curve: tests do not time anything
+KINDS = ["self", "noisy", "noisy-fixed", "unrelated", "pld", "pld-unigram", "tree-self", "tree-noisy",
+         "tree-noisy-budget", "tree-unrelated", "tree-fixed", "pld-tree", "pld-tree-budget"]
 
 
 def noisy_copy(model, scale: float, seed: int):
@@ -41,6 +46,19 @@ def drafters(target_model, other_model):
         "unrelated": lambda: DraftModelDrafter(HFCausalLM(other_model), num_tokens=2),
         "pld": lambda: PromptLookupDrafter(max_ngram=3, num_tokens=6),
         "pld-unigram": lambda: PromptLookupDrafter(max_ngram=1, num_tokens=3),
+        # token trees
+        "tree-self": lambda: DraftModelTreeDrafter(
+            HFCausalLM(target_model), CURVE, top_k=2, width=2, max_depth=4, budget=8
+        ),
+        "tree-noisy": lambda: DraftModelTreeDrafter(HFCausalLM(noisy_copy(target_model, 0.3, 1)), CURVE),
+        "tree-noisy-budget": lambda: DraftModelTreeDrafter(
+            HFCausalLM(noisy_copy(target_model, 0.5, 4)), CURVE, top_k=3, width=2, max_depth=5, budget=7
+        ),
+        "tree-unrelated": lambda: DraftModelTreeDrafter(HFCausalLM(other_model), CURVE, budget=10),
+        "tree-fixed": lambda: DraftModelTreeDrafter(HFCausalLM(noisy_copy(target_model, 0.3, 2)), CURVE,
+                                                    choices=DEFAULT_CHOICES),
+        "pld-tree": lambda: PromptLookupTreeDrafter(CURVE, max_ngram=2, num_tokens=6),
+        "pld-tree-budget": lambda: PromptLookupTreeDrafter(CURVE, max_ngram=1, num_tokens=4, budget=5),
     }
 
 
@@ -63,7 +81,7 @@ def test_plain_decoding_equals_transformers_generate(tiny_target, reference):
             assert result.target_forwards == n and result.mean_accepted_tokens == 1.0
 
 
-@pytest.mark.parametrize("kind", ["self", "noisy", "noisy-fixed", "unrelated", "pld", "pld-unigram"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_greedy_speculative_equals_plain(kind, tiny_target, tiny_drafter, reference):
     drafter = drafters(tiny_target, tiny_drafter)[kind]()
     engine = SpeculativeEngine(HFCausalLM(tiny_target), drafter=drafter)
@@ -75,6 +93,8 @@ def test_greedy_speculative_equals_plain(kind, tiny_target, tiny_drafter, refere
             assert result.target_forwards <= n
     if kind == "self":  # a perfect drafter: every draft accepted, several tokens per forward
         assert result.acceptance_rate == 1.0 and result.mean_accepted_tokens > 3
+    if kind == "tree-self":  # the target's own argmax path is in every tree: several tokens per forward
+        assert result.mean_accepted_tokens > 3
 
 
 def test_engine_reused_across_prompts_and_methods_share_target(tiny_target, tiny_drafter, reference):

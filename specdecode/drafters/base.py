@@ -26,7 +26,8 @@ class Drafter(abc.ABC):
         params: SamplingParams,
         generator: torch.Generator | None,
     ) -> Draft:
-        """Propose at most `max_tokens` tokens to follow `context` (prompt + output so far)."""
+        """Propose tokens to follow `context` (prompt + output so far): a chain of at most `max_tokens`
+        tokens, or a token tree at most `max_tokens` deep."""
 
     def update(self, verdict: Verdict, stats: StepStats) -> None:
         """Learn from how the last step fared (adaptive draft length and the like)."""

@@ -24,6 +24,26 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     return i
 
 
+class SyncedCache:
+    """A draft model's KV cache kept in step with the context by its longest common prefix."""
+
+    def __init__(self, model: CausalLM):
+        self.model = model
+        self.seen: list[int] = []  # the tokens whose keys and values the draft model holds
+
+    def reset(self) -> None:
+        self.model.reset()
+        self.seen = []
+
+    def sync(self, context: list[int]) -> list[int]:
+        """Crop the draft cache to what it shares with `context`; return the tokens still to feed (at
+        least one, so the next forward gives the distribution after the context)."""
+        keep = min(common_prefix_length(self.seen, context), len(context) - 1)
+        self.model.crop(keep)
+        del self.seen[keep:]
+        return context[keep:]
+
+
 VERIFY_SLOPE = 0.03  # extra cost of verifying one more token, relative to a 1-token target forward
 DECAY = 0.9  # weight of the past in the running estimates
 
@@ -80,31 +100,23 @@ class DraftModelDrafter(Drafter):
         self.num_tokens = num_tokens
         self.draft_cost = draft_cost
         self._accepted = self._rejected = 0.0  # decayed counts of accepted and rejected draft tokens
-        self._seen: list[int] = []  # the tokens whose keys and values the draft model holds
+        self._cache = SyncedCache(model)
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.num_tokens = self.initial_tokens
         self._accepted = self._rejected = 0.0
-        self.model.reset()
-        self._seen = []
-
-    def _sync(self, context: list[int]) -> list[int]:
-        """Crop the draft cache to what it shares with `context`; return the tokens still to feed."""
-        keep = min(common_prefix_length(self._seen, context), len(context) - 1)
-        self.model.crop(keep)
-        del self._seen[keep:]
-        return context[keep:]
+        self._cache.reset()
 
     def propose(self, context, max_tokens, params, generator) -> Draft:
         length = min(self.num_tokens, max_tokens)
         if length <= 0:
             return Draft.empty()
-        pending = self._sync(context)
+        pending = self._cache.sync(context)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for _ in range(length):
             logits = self.model.forward(torch.tensor(pending), num_logits=1).logits[0]  # [vocab_draft]
-            self._seen.extend(pending)
+            self._cache.seen.extend(pending)
             if params.greedy:
                 token = int(logits.argmax())
                 confidence = float(torch.softmax(logits, -1)[token]) if self.confidence_threshold else 1.0

@@ -11,7 +11,10 @@ import torch
 
 from specdecode.drafters.base import Drafter
 from specdecode.errors import UserError
-from specdecode.types import Draft, SamplingParams
+from specdecode.models.costs import CostCurve
+from specdecode.tree import structure
+from specdecode.tree.budget import DECAY, best_budget
+from specdecode.types import Draft, SamplingParams, StepStats, Verdict
 
 
 def find_continuation(context: np.ndarray, ngram: int, max_tokens: int) -> np.ndarray | None:
@@ -53,3 +56,94 @@ class PromptLookupDrafter(Drafter):
                 if found is not None and found.size:
                     return Draft(tokens=torch.from_numpy(found.copy()))
         return Draft.empty()
+
+
+def find_continuations(context: np.ndarray, ngram: int, max_tokens: int, max_matches: int) -> list[np.ndarray]:
+    """What followed each earlier occurrence of the last `ngram` tokens, most recent first (at most
+    `max_matches`, each at most `max_tokens` long and non-empty)."""
+    length = context.shape[0]
+    if length <= ngram or max_matches <= 0:
+        return []
+    tail = context[length - ngram :]
+    windows = np.lib.stride_tricks.sliding_window_view(context[: length - 1], ngram)  # [length - ngram, ngram]
+    starts = np.flatnonzero((windows == tail).all(axis=1))[::-1][:max_matches]
+    return [context[s + ngram : s + ngram + max_tokens] for s in starts]
+
+
+class PromptLookupTreeDrafter(Drafter):
+    """Prompt lookup with every match at once: the continuations of up to `max_matches` earlier
+    occurrences (longest n-grams first) merged into a trie by shared prefixes.
+
+    A node scores the weighted share of the continuations through it (a match of a longer n-gram weighs
+    more) times a^depth, where a is the running per-token acceptance; the budget keeps the best nodes,
+    a fixed number or the number that maximises expected tokens per unit of time on the cost curve.
+    """
+
+    name = "pld-tree"
+
+    def __init__(
+        self,
+        curve: CostCurve,
+        max_ngram: int = 3,
+        min_ngram: int = 1,
+        num_tokens: int = 10,
+        max_matches: int = 8,
+        budget: int | None = None,
+    ):
+        PromptLookupDrafter(max_ngram, min_ngram, num_tokens)  # the same argument checks
+        if max_matches < 1:
+            raise UserError(f"prompt lookup needs max_matches >= 1, got {max_matches}")
+        if budget is not None and not 1 <= budget <= 4096:
+            raise UserError(f"the tree budget must be between 1 and 4096 nodes, got {budget}")
+        self.curve, self.budget = curve, budget
+        self.max_ngram, self.min_ngram, self.num_tokens, self.max_matches = max_ngram, min_ngram, num_tokens, max_matches
+        self._accepted = self._rejected = 0.0
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self._accepted = self._rejected = 0.0
+
+    @property
+    def acceptance(self) -> float:
+        """Running chance that the next token of an accepted continuation is accepted (prior 2/3)."""
+        return (self._accepted + 2) / (self._accepted + self._rejected + 3)
+
+    def propose(self, context, max_tokens, params, generator) -> Draft:
+        limit = min(self.num_tokens, max_tokens)
+        if limit <= 0:
+            return Draft.empty()
+        ids = np.asarray(context, dtype=np.int64)
+        # 1. Continuations, longest n-gram first; a shorter n-gram's matches weigh 1/4 as much per level.
+        weighted: list[tuple[np.ndarray, float]] = []
+        for ngram in range(self.max_ngram, self.min_ngram - 1, -1):
+            found = find_continuations(ids, ngram, limit, self.max_matches - len(weighted))
+            weighted += [(c, 4.0 ** (ngram - self.max_ngram)) for c in found if c.size]
+        if not weighted:
+            return Draft.empty()
+        # 2. Merge them into a trie; parents are created before their children.
+        tokens: list[int] = []
+        parents: list[int] = []
+        mass: list[float] = []
+        index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+        for continuation, weight in weighted:
+            parent = -1
+            for token in continuation.tolist():
+                node = index.get((parent, token))
+                if node is None:
+                    node = index[(parent, token)] = len(tokens)
+                    tokens.append(token)
+                    parents.append(parent)
+                    mass.append(0.0)
+                mass[node] += weight
+                parent = node
+        parents_t = torch.tensor(parents)
+        total = sum(w for _, w in weighted)
+        scores = torch.tensor(mass) / total * self.acceptance ** structure.depths(parents_t).float()  # [n]
+        # 3. Keep the best nodes.
+        budget = self.budget or max(best_budget(sorted(scores.tolist(), reverse=True), self.curve, 0.0, cap=64), 1)
+        keep = structure.top_nodes(parents_t, scores, budget)
+        return Draft(tokens=torch.tensor(tokens)[keep], parents=structure.select(parents_t, keep))
+
+    def update(self, verdict: Verdict, stats: StepStats) -> None:
+        if verdict.num_drafted:
+            self._accepted = DECAY * self._accepted + verdict.num_accepted
+            self._rejected = DECAY * self._rejected + (0 if verdict.bonus else 1)

@@ -14,7 +14,8 @@ from specdecode.engine.stopping import TextTracker
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.types import Draft, SamplingParams, StepStats, TokenOrigin, Verdict
-from specdecode.verify.chain import verify_chain
+from specdecode.tree import structure as tree
+from specdecode.verify.tree import verify
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 
@@ -53,6 +54,9 @@ class GenerationResult:
     seconds: float
     finish_reason: str  # "eos", "length" (max_new_tokens or the context is full) or "stop" (a stop string)
     method: str
+    # Tree nodes verified per step: a fixed number, "auto" (chosen each step from the cost curve),
+    # "whole" (a fixed shape verified whole); None for chains.
+    tree_budget: int | str | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -102,6 +106,8 @@ class GenerationResult:
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "finish_reason": self.finish_reason,
+            "tree_budget": self.tree_budget,
+            "mean_draft_tokens": metrics.mean_drafted(self.steps),
         }
 
 
@@ -128,31 +134,46 @@ class SpeculativeEngine:
     baseline every method is measured against.
     """
 
-    def __init__(self, target: CausalLM, tokenizer=None, drafter: Drafter | None = None, method: str | None = None):
+    def __init__(
+        self,
+        target: CausalLM,
+        tokenizer=None,
+        drafter: Drafter | None = None,
+        method: str | None = None,
+        tree_budget: int | str | None = None,
+    ):
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.method = method or (drafter.name if drafter else "ar")
+        self.tree_budget = tree_budget
 
-    def step(self, context: list[int], room: int, params: SamplingParams, generator) -> tuple[Verdict, float, float]:
+    def step(
+        self, context: list[int], room: int, params: SamplingParams, generator
+    ) -> tuple[Draft, Verdict, float, float]:
         """One speculative step after `context`, drafting at most `room` tokens.
 
-        Returns the verdict and the seconds spent drafting and verifying.
+        Returns the draft, the verdict and the seconds spent drafting and verifying.
         """
         # 1. Draft: the drafter proposes up to `room` tokens (none at all for plain decoding).
         start = time.perf_counter()
         draft = self.drafter.propose(context, room, params, generator) if self.drafter and room > 0 else Draft.empty()
         drafted = time.perf_counter()
         # 2. Verify: one target forward over the tokens it has not seen yet plus the draft gives the
-        #    target's distribution after the context and after every draft token.
-        fed = context[self.target.cache_length :] + draft.tokens.tolist()
-        logits = self.target.forward(torch.tensor(fed), num_logits=len(draft) + 1).logits  # [draft_len + 1, vocab]
-        # 3. Accept the longest admissible prefix and add the correction or bonus token.
-        verdict = verify_chain(logits, draft, params, generator)
+        #    target's distribution after the context and after every draft token (for a tree, after every
+        #    node's path, through the tree attention mask and the nodes' positions).
+        pending = context[self.target.cache_length :]
+        fed = torch.tensor(pending + draft.tokens.tolist())
+        positions = tree_mask = None
+        if draft.is_tree:
+            positions, tree_mask = tree.verification_inputs(draft.parents, len(pending), len(context))
+        logits = self.target.forward(fed, positions=positions, tree_mask=tree_mask, num_logits=len(draft) + 1).logits
+        # 3. Accept the longest admissible prefix (or tree path) and add the correction or bonus token.
+        verdict = verify(logits, draft, params, generator)  # logits: [draft_len + 1, vocab]
         # 4. Roll back: the cache keeps the context and the accepted drafts; the last token of the
         #    verdict is fed in the next step's forward.
-        self.target.crop(len(context) + verdict.num_accepted)
-        return verdict, drafted - start, time.perf_counter() - drafted
+        self.target.compact(len(context), verdict.path)
+        return draft, verdict, drafted - start, time.perf_counter() - drafted
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -186,7 +207,7 @@ class SpeculativeEngine:
                 break
             forward_tokens = len(context) - self.target.cache_length
             # Each step emits at least one token beyond its accepted drafts, hence room = remaining - 1.
-            verdict, draft_seconds, verify_seconds = self.step(context, remaining - 1, params, generator)
+            draft, verdict, draft_seconds, verify_seconds = self.step(context, remaining - 1, params, generator)
             new = list(verdict.tokens[:remaining])
             origins = _origins(verdict)[: len(new)]
             hit_eos = next((i for i, t in enumerate(new) if t in eos), None)
@@ -208,6 +229,7 @@ class SpeculativeEngine:
                 draft_seconds=draft_seconds,
                 verify_seconds=verify_seconds,
                 forward_tokens=forward_tokens + verdict.num_drafted,
+                draft_depth=int(tree.depths(draft.parents).max()) if draft.is_tree and len(draft) else None,
             )
             steps.append(stats)
             if self.drafter is not None:
@@ -227,6 +249,7 @@ class SpeculativeEngine:
             seconds=seconds,
             finish_reason=finish_reason,
             method=self.method,
+            tree_budget=self.tree_budget,
         )
 
     def stream(self, prompt_ids: list[int], config: GenerationConfig | None = None) -> Stream:

@@ -4,7 +4,8 @@ A backend holds one sequence and its KV cache. The engine and the drafters only 
 
 - feed new tokens (with explicit positions, and for token trees an attention mask among the new tokens)
   and get float32 logits (and, on request, last hidden states) for the last few of them;
-- crop the cache back to a length after a rejection.
+- crop the cache back to a length after a rejection, or, after a token tree, compact it to the
+  accepted path.
 
 That is all a backend has to implement; PyTorch/transformers is one backend, llama.cpp another.
 """
@@ -47,7 +48,9 @@ class CausalLM(abc.ABC):
         token_ids: torch.Tensor,  # [n] int64, appended to the cache
         *,
         positions: torch.Tensor | None = None,  # [n] int64; default: cache_length, cache_length + 1, ...
-        tree_mask: torch.Tensor | None = None,  # [n, n] bool, node i may attend to new token j
+        # [n, m] bool, m <= cache_length + n: new token i may attend to the j-th of the last m tokens (cached
+        # or new); the tokens before those m are visible to all. None: causal.
+        tree_mask: torch.Tensor | None = None,
         num_logits: int | None = None,  # logits for the last num_logits tokens only (default: all n)
         output_hidden: bool = False,
     ) -> ForwardOutput:
@@ -55,8 +58,34 @@ class CausalLM(abc.ABC):
 
     @abc.abstractmethod
     def crop(self, length: int) -> None:
-        """Drop cache entries past `length` (the only way the cache ever shrinks)."""
+        """Drop cache entries past `length`."""
+
+    def compact(self, start: int, keep: list[int] | tuple[int, ...]) -> None:
+        """Keep the cache's first `start` entries followed by entries start + keep[0], start + keep[1], ...
+        and drop the rest: after a tree, `keep` is the accepted path. The only way the cache shrinks
+        after verification; a chain's path 0, 1, ..., m - 1 is a plain crop."""
+        keep = list(keep)
+        if keep != list(range(len(keep))):
+            self._move(start, keep)
+        self.crop(start + len(keep))
+
+    def _move(self, start: int, keep: list[int]) -> None:
+        """Copy cache entries start + keep[i] to start + i (keep ascending, so nothing is overwritten
+        before it is read)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot verify token trees")
 
     def reset(self) -> None:
         """Forget the sequence."""
         self.crop(0)
+
+    @property
+    def cost_key(self) -> str:
+        """Names the weights, dtype and backend, to cache the model's cost curve under."""
+        return f"{type(self).__name__}|{self.vocab_size}|{self.weights_per_token}"
+
+    def cost_curve(self):
+        """The measured cost of a forward over n tokens relative to one (`models.costs.CostCurve`),
+        measured on first use on this machine and cached."""
+        from specdecode.models import costs
+
+        return costs.cached(self, self.cost_key)

@@ -40,14 +40,21 @@ class HFCausalLM(CausalLM):
         return total - (embedding.numel() if embedding is not head else 0)
 
     @property
+    def cost_key(self) -> str:
+        config = self.model.config
+        return f"hf|{config._name_or_path}|{config.model_type}|{self.dtype}|{self.weights_per_token}"
+
+    @property
     def cache_length(self) -> int:
         return self._length
 
     def _attention_mask(self, tree_mask: torch.Tensor) -> torch.Tensor:
-        """[n, n] bool among new tokens -> the [1, 1, n, cached + n] additive mask transformers takes."""
-        n = tree_mask.shape[0]
+        """[n, m] bool over the last m tokens -> the [1, 1, n, cached + n] additive mask transformers takes."""
+        n, m = tree_mask.shape
+        if m > self._length + n:
+            raise ValueError(f"a tree mask over {m} tokens, but the cache and the input hold {self._length + n}")
         allowed = torch.ones(n, self._length + n, dtype=torch.bool)
-        allowed[:, self._length :] = tree_mask
+        allowed[:, self._length + n - m :] = tree_mask
         mask = torch.zeros(allowed.shape, dtype=self.dtype)
         mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
         return mask[None, None]  # [1, 1, n, cached + n]
@@ -87,6 +94,13 @@ class HFCausalLM(CausalLM):
         if length < self._length:
             self._cache.crop(length - self._length)  # transformers takes minus the count to drop
             self._length = length
+
+    @torch.inference_mode()  # the cache holds inference tensors
+    def _move(self, start: int, keep: list[int]) -> None:
+        source = start + torch.tensor(keep)
+        for layer in self._cache.layers:  # keys, values: [batch, kv_heads, length, head_dim]
+            layer.keys[..., start : start + len(keep), :] = layer.keys[..., source, :]
+            layer.values[..., start : start + len(keep), :] = layer.values[..., source, :]
 
     def reset(self) -> None:
         self._cache = DynamicCache(config=self.model.config)

@@ -1,0 +1,197 @@
+"""The draft model grows a token tree instead of a chain: EAGLE-2's dynamic tree, or a fixed shape.
+
+Dynamic (EAGLE-2, Li et al. 2024): every node scores the product of the draft probabilities along its
+path, an estimate of the chance that verification accepts it. Starting from the context's top-k tokens,
+each round feeds the `width` best-scoring nodes of the newest layer through the draft model in one
+forward (a tree attention mask over the draft's own cache) and adds each one's top-k tokens as children.
+Rounds stop at `max_depth`, or earlier once the accepted tokens another round could add are worth less
+than the draft forward costs. Then the best nodes by score are kept: a fixed number (`budget`), or the
+number that maximises expected tokens per unit of time on the target's measured cost curve.
+
+Fixed shape: the same rounds, but the nodes to expand and the ranks of their children come from a
+Medusa/EAGLE "choices" list, for comparison with the dynamic tree.
+
+Children are the draft's top-k tokens, fixed rather than sampled, so the tree verifier treats them as
+one-hot proposals: lossless under sampling too, and the children of a node are accepted together with
+the target's probability of any of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specdecode.drafters.base import Drafter
+from specdecode.drafters.draft_model import SyncedCache
+from specdecode.errors import UserError
+from specdecode.models.base import CausalLM
+from specdecode.models.costs import CostCurve
+from specdecode.sampling import logits_to_probs
+from specdecode.tree import structure
+from specdecode.tree.budget import Calibration, best_budget
+from specdecode.types import Draft, SamplingParams, StepStats, Verdict
+
+MAX_BUDGET = 64  # nodes verified at most per step (the measured cost curve ends at 64)
+
+# For comparison with the dynamic tree: a main chain 8 deep with second choices along its first levels.
+DEFAULT_CHOICES: tuple[tuple[int, ...], ...] = (
+    (0,), (1,), (2,),
+    (0, 0), (0, 1), (1, 0),
+    (0, 0, 0), (0, 0, 1), (0, 1, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1),
+    (0, 0, 0, 0, 0), (0, 0, 0, 0, 1),
+    (0, 0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0, 0, 0),
+)
+
+
+class _Growing:
+    """The tree while it grows: parallel lists, one entry per node."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.scores: list[float] = []  # product of the draft probabilities from the context to the node
+        self.shape: list[int] = []  # the node's index in the fixed shape (-1 for dynamic trees)
+
+    def add(self, token: int, parent: int, score: float, shape: int = -1) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.scores.append(score)
+        self.shape.append(shape)
+        return len(self.tokens) - 1
+
+    def score(self, node: int) -> float:
+        return 1.0 if node == structure.ROOT else self.scores[node]
+
+    def ancestors(self, node: int) -> set[int]:
+        found = set()
+        while node != structure.ROOT:
+            found.add(node)
+            node = self.parents[node]
+        return found
+
+
+class DraftModelTreeDrafter(Drafter):
+    name = "draft-tree"
+
+    def __init__(
+        self,
+        model: CausalLM,
+        curve: CostCurve,
+        draft_cost: float = 0.4,
+        top_k: int = 4,
+        width: int = 4,
+        max_depth: int = 12,
+        budget: int | None = None,
+        choices: Sequence[Sequence[int]] | None = None,
+    ):
+        if not (top_k >= 1 and width >= 1 and max_depth >= 1):
+            raise UserError(f"a draft tree needs top_k, width and max_depth >= 1, got {top_k}, {width}, {max_depth}")
+        if budget is not None and not 1 <= budget <= 4096:
+            raise UserError(f"the tree budget must be between 1 and 4096 nodes, got {budget}")
+        if not draft_cost > 0:
+            raise UserError(f"draft cost must be positive, got {draft_cost}")
+        self.model, self.curve, self.draft_cost = model, curve, draft_cost
+        self.top_k, self.width, self.max_depth, self.budget = top_k, width, max_depth, budget
+        self.shape_parents = self.shape_ranks = None
+        if choices is not None:
+            self.shape_parents, self.shape_ranks = structure.from_choices(choices)
+            self.shape_children = structure.children(self.shape_parents)
+            self.max_depth = int(structure.depths(self.shape_parents).max())
+        self._cache = SyncedCache(model)
+        self._calibration = Calibration()
+        self._predicted = 0.0  # the accepted tokens the last tree's scores predicted
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self._cache.reset()
+        self._calibration.reset()
+
+    def _distributions(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """[rows, vocab] logits -> the draft's distributions the scores come from."""
+        return logits.float().softmax(-1) if params.greedy else logits_to_probs(logits, params)
+
+    def _add_children(self, tree: _Growing, parents: list[int], probs: torch.Tensor) -> list[int]:
+        """Add each parent's children (top-k, or the shape's ranks) given its distribution row."""
+        new = []
+        for parent, row in zip(parents, probs):  # row: [vocab]
+            if self.shape_parents is None:
+                ranks, shape_nodes = range(self.top_k), [-1] * self.top_k
+            else:
+                shape_nodes = self.shape_children[tree.shape[parent] + 1 if parent != structure.ROOT else 0]
+                ranks = [int(self.shape_ranks[s]) for s in shape_nodes]
+            top = torch.topk(row, max(ranks) + 1) if ranks else None
+            for rank, shape_node in zip(ranks, shape_nodes):
+                p = float(top.values[rank])
+                if p > 0:  # a token the processed distribution excludes would never be accepted
+                    new.append(tree.add(int(top.indices[rank]), parent, tree.score(parent) * p, shape_node))
+        return new
+
+    def _to_expand(self, tree: _Growing, frontier: list[int], coverage: float, sunk: float) -> list[int]:
+        """Which nodes of the newest layer the next round feeds ([] to stop growing)."""
+        if self.shape_parents is not None:
+            return [node for node in frontier if self.shape_children[tree.shape[node] + 1]]
+        best = sorted(frontier, key=lambda node: -tree.scores[node])[: self.width]
+        if self.budget is not None or not best:
+            return best
+        # Another round pays if what it may add beats the step's current rate of tokens per cost.
+        factor = self._calibration.factor
+        scores = sorted((factor * s for s in tree.scores), reverse=True)
+        n = best_budget(scores, self.curve, sunk, cap=MAX_BUDGET)
+        rate = (1 + sum(scores[:n])) / (sunk + self.curve(1 + n))
+        gain = factor * coverage * sum(tree.scores[node] for node in best)
+        cost = self.draft_cost * self.curve(len(best))
+        return best if gain > rate * cost else []
+
+    def propose(self, context, max_tokens, params, generator) -> Draft:
+        depth_limit = min(self.max_depth, max_tokens)
+        if depth_limit <= 0:
+            return Draft.empty()
+        length = len(context)
+        pending = self._cache.sync(context)
+        logits = self.model.forward(torch.tensor(pending), num_logits=1).logits  # [1, vocab]
+        self._cache.seen.extend(pending)
+        tree = _Growing()
+        frontier = self._add_children(tree, [structure.ROOT], self._distributions(logits, params))
+        sunk = self.draft_cost  # in single-token target forwards
+        coverage = sum(tree.scores)  # how much of its parents' score a round of children carries
+        fed: list[int] = []  # the nodes in the draft cache after the context, in order
+        for depth in range(2, depth_limit + 1):
+            expand = self._to_expand(tree, frontier, coverage, sunk)
+            if not expand:
+                break
+            # 1. One draft forward over the chosen nodes, each attending to the context and its ancestors.
+            mask = torch.zeros(len(expand), len(fed) + len(expand), dtype=torch.bool)  # [width, fed + width]
+            for row, node in enumerate(expand):
+                ancestors = tree.ancestors(node)
+                mask[row, : len(fed)] = torch.tensor([f in ancestors for f in fed], dtype=torch.bool)
+                mask[row, len(fed) + row] = True
+            logits = self.model.forward(
+                torch.tensor([tree.tokens[node] for node in expand]),
+                positions=torch.full((len(expand),), length - 1 + depth),
+                tree_mask=mask,
+            ).logits  # [width, vocab]
+            fed.extend(expand)
+            sunk += self.draft_cost * self.curve(len(expand))
+            # 2. Their children form the next layer.
+            frontier = self._add_children(tree, expand, self._distributions(logits, params))
+            parents_score = sum(tree.scores[node] for node in expand)
+            coverage = sum(tree.scores[node] for node in frontier) / parents_score if parents_score else 0.0
+        self.model.crop(length)  # the draft cache keeps the context only
+        if not tree.tokens:
+            return Draft.empty()
+        # 3. Keep the best nodes: the fixed budget, or the one that maximises expected tokens per cost.
+        parents, scores = torch.tensor(tree.parents), torch.tensor(tree.scores)
+        budget = self.budget
+        if budget is None and self.shape_parents is not None:
+            budget = len(tree.tokens)  # a fixed shape is verified whole
+        elif budget is None:
+            ranked = sorted((self._calibration.factor * s for s in tree.scores), reverse=True)
+            budget = max(best_budget(ranked, self.curve, sunk, cap=MAX_BUDGET), 1)
+        keep = structure.top_nodes(parents, scores, budget)
+        self._predicted = float(scores[keep].sum())
+        return Draft(tokens=torch.tensor(tree.tokens)[keep], parents=structure.select(parents, keep))
+
+    def update(self, verdict: Verdict, stats: StepStats) -> None:
+        if verdict.num_drafted:
+            self._calibration.record(self._predicted, verdict.num_accepted)

@@ -1,0 +1,1 @@
+"""Token trees: structure (masks, positions, paths), choices shapes and the verification budget."""

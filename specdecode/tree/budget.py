@@ -1,0 +1,55 @@
+"""How many tree nodes to verify: the budget that maximises expected tokens per unit of time.
+
+A node is accepted with (about) its score: the product of the draft probabilities along its path for a
+draft model (EAGLE-2's observation that draft confidence tracks acceptance), a match frequency for
+prompt lookup. Verifying the N best nodes then yields 1 + (sum of their scores) tokens in expectation
+(the 1 is the correction or bonus token) and costs the drafting already spent plus one target forward
+over N + pending tokens, read off the measured cost curve. The drafter's scores are rescaled by how
+many nodes verification actually accepted compared with how many the scores predicted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specdecode.models.costs import CostCurve
+
+DECAY = 0.9  # weight of the past in the running calibration
+
+
+def best_budget(
+    scores: Sequence[float],  # descending: the nodes' acceptance estimates
+    curve: CostCurve,
+    sunk_cost: float,  # drafting already spent this step, in single-token target forwards
+    pending: int = 1,  # context tokens the target forward also carries
+    cap: int | None = None,
+) -> int:
+    """The N in [0, min(cap, len(scores))] maximising (1 + sum(scores[:N])) / (sunk + curve(pending + N))."""
+    limit = len(scores) if cap is None else min(cap, len(scores))
+    best, best_rate, expected = 0, 1.0 / (sunk_cost + curve(pending)), 1.0
+    for n in range(1, limit + 1):
+        expected += scores[n - 1]
+        rate = expected / (sunk_cost + curve(pending + n))
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
+
+
+class Calibration:
+    """The running ratio of accepted draft tokens to the number the drafter's scores predicted."""
+
+    def __init__(self, low: float = 0.25, high: float = 1.5):
+        self.low, self.high = low, high
+        self.observed = self.predicted = 0.0
+
+    def reset(self) -> None:
+        self.observed = self.predicted = 0.0
+
+    def record(self, predicted: float, observed: int) -> None:
+        self.predicted = DECAY * self.predicted + predicted
+        self.observed = DECAY * self.observed + observed
+
+    @property
+    def factor(self) -> float:
+        """Multiply a score by this to estimate its acceptance (1 before any evidence)."""
+        return min(max((self.observed + 1) / (self.predicted + 1), self.low), self.high)

@@ -1,0 +1,157 @@
+"""Token trees as pure functions of one tensor: the parent index of every node.
+
+A tree of n nodes is `parents: [n] int64` with parents[i] < i (parents come first) and -1 for the nodes
+that follow the context directly. Everything the target needs to verify the tree in one forward is
+derived from it:
+
+- the depth of each node (1 for the children of the context), hence its position id;
+- the tree attention mask: node i attends to node j iff j is i or an ancestor of i;
+- the root-to-leaf paths, as node indices.
+
+The tuple-path "choices" format of Medusa, EAGLE and vLLM (`(0,)`, `(0, 1)`, ... each the ranks of the
+tokens along a path) converts to parents with `from_choices`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specdecode.errors import UserError
+
+ROOT = -1  # the parent of the nodes that follow the context
+
+
+def check(parents: torch.Tensor) -> None:
+    """Raise ValueError unless every parent index is -1 or an earlier node."""
+    n = parents.numel()
+    if n and not bool(((parents >= ROOT) & (parents < torch.arange(n))).all()):
+        raise ValueError(f"a tree needs -1 <= parents[i] < i for every node, got {parents.tolist()}")
+
+
+def chain(n: int) -> torch.Tensor:
+    """The parents of a chain of n nodes. -> [n]"""
+    return torch.arange(n) - 1
+
+
+def depths(parents: torch.Tensor) -> torch.Tensor:
+    """Distance of each node from the context (children of the context: 1). [n] -> [n]"""
+    depth = torch.ones(parents.numel(), dtype=torch.long)
+    for i, parent in enumerate(parents.tolist()):
+        if parent != ROOT:
+            depth[i] = depth[parent] + 1
+    return depth
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """mask[i, j] is True iff node j is node i or one of its ancestors. [n] -> [n, n] bool"""
+    n = parents.numel()
+    mask = torch.eye(n, dtype=torch.bool)
+    for i, parent in enumerate(parents.tolist()):
+        if parent != ROOT:
+            mask[i] |= mask[parent]  # the parent's row is complete: parents come first
+    return mask
+
+
+def children(parents: torch.Tensor) -> list[list[int]]:
+    """children(parents)[i + 1] lists node i's children in order; [0] lists the context's."""
+    kids: list[list[int]] = [[] for _ in range(parents.numel() + 1)]
+    for i, parent in enumerate(parents.tolist()):
+        kids[parent + 1].append(i)
+    return kids
+
+
+def leaf_paths(parents: torch.Tensor) -> torch.Tensor:
+    """Node indices of every root-to-leaf path, shallowest first, padded with -1.
+
+    [n] -> [num_leaves, max_depth] int64, leaves in node order.
+    """
+    n = parents.numel()
+    if n == 0:
+        return torch.empty(0, 0, dtype=torch.long)
+    has_child = torch.zeros(n, dtype=torch.bool)
+    has_child[parents[parents != ROOT]] = True
+    leaves = (~has_child).nonzero().flatten().tolist()
+    mask = ancestor_mask(parents)
+    depth = depths(parents)
+    paths = torch.full((len(leaves), int(depth.max())), -1, dtype=torch.long)
+    for row, leaf in enumerate(leaves):
+        nodes = mask[leaf].nonzero().flatten()  # ancestors and the leaf, in node order = by depth
+        paths[row, : nodes.numel()] = nodes
+    return paths
+
+
+def from_choices(choices: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Parents and token ranks of a tree given as Medusa/EAGLE "choices".
+
+    Each choice is the path of ranks from the context to a node: (0,) is the likeliest token after the
+    context, (0, 1) the second likeliest after that. Every prefix of a choice must be a choice too.
+    Returns (parents [n], ranks [n]), nodes sorted by depth then ranks.
+    """
+    paths = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda c: (len(c), c))
+    if not paths or any(len(c) == 0 or min(c) < 0 for c in paths):
+        raise UserError("tree choices must be non-empty tuples of ranks >= 0, e.g. [(0,), (1,), (0, 0)]")
+    index = {c: i for i, c in enumerate(paths)}
+    parents, ranks = [], []
+    for c in paths:
+        if len(c) > 1 and c[:-1] not in index:
+            raise UserError(f"tree choice {c} has no parent {c[:-1]} in the choices")
+        parents.append(index[c[:-1]] if len(c) > 1 else ROOT)
+        ranks.append(c[-1])
+    return torch.tensor(parents), torch.tensor(ranks)
+
+
+def select(parents: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The parents of the subtree made of the nodes `keep` (sorted, and closed under ancestors).
+
+    parents: [n]; keep: [m] node indices, ascending. -> [m], indexed within the subtree.
+    """
+    new_index = torch.full((parents.numel() + 1,), -2, dtype=torch.long)
+    new_index[0] = ROOT  # slot 0 stands for the context
+    new_index[keep + 1] = torch.arange(keep.numel())
+    sub = new_index[parents[keep] + 1]
+    if bool((sub == -2).any()):
+        raise ValueError("the kept nodes are not closed under ancestors")
+    return sub
+
+
+def top_nodes(parents: torch.Tensor, scores: torch.Tensor, budget: int) -> torch.Tensor:
+    """The `budget` highest-scoring nodes, closed under ancestors, ascending. -> [about budget]
+
+    With scores that never grow from a parent to its child (cumulative probabilities, match counts),
+    the top nodes are already closed under ancestors; ties go to the earlier node, i.e. the parent.
+    """
+    n = parents.numel()
+    if budget >= n:
+        return torch.arange(n)
+    order = sorted(range(n), key=lambda i: (-float(scores[i]), i))[:budget]
+    keep = set(order)
+    for i in order:  # close under ancestors all the same, should a score ever grow down a path
+        parent = int(parents[i])
+        while parent != ROOT and parent not in keep:
+            keep.add(parent)
+            parent = int(parents[parent])
+    return torch.tensor(sorted(keep), dtype=torch.long)
+
+
+def verification_inputs(
+    parents: torch.Tensor, num_pending: int, context_length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids and attention mask for one target forward over the pending context tokens followed
+    by the tree's nodes.
+
+    The last `num_pending` context tokens are not in the cache yet; they attend causally to each other,
+    and every node attends to all of them and to its own ancestors. Node i sits at position
+    context_length - 1 + depth(i). Returns (positions [p + n], mask [p + n, p + n] bool).
+    """
+    n, p = parents.numel(), num_pending
+    positions = torch.cat([
+        torch.arange(context_length - p, context_length),
+        context_length - 1 + depths(parents),
+    ])  # [p + n]
+    mask = torch.zeros(p + n, p + n, dtype=torch.bool)
+    mask[:p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
+    mask[p:, :p] = True
+    mask[p:, p:] = ancestor_mask(parents)
+    return positions, mask
