@@ -30,7 +30,7 @@ from specdecode.bench.main import diagnose_divergences
 from specdecode.bench.runners import build_runners
 from specdecode.engine import GenerationConfig
 
-METHODS = ["ar", "draft", "pld", "hf-plain", "hf-assisted", "hf-prompt-lookup"]
+METHODS = ["ar", "draft", "draft-tree", "pld", "pld-tree", "hf-plain", "hf-assisted", "hf-prompt-lookup"]
 
 
 def main() -> None:

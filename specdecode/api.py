@@ -87,12 +87,18 @@ def load_models(
     *,
     tokenizer: PreTrainedTokenizerBase | None = None,
     dtype: torch.dtype | str = torch.bfloat16,
+    draft_dtype: torch.dtype | str = "int8",
     progress: bool = True,
 ) -> Models:
+    """Load a target and (optionally) a draft model. The draft model is quantized to int8 by default
+    (`models.loading.quantize_int8`): about 3x cheaper per draft token on a CPU, and lossless all the
+    same, since the target verifies every token."""
+    if str(dtype).lower() == "int8":
+        raise UserError("int8 is for draft models (--draft-dtype); the target runs in bfloat16 or float32")
     target_model, target_tokenizer = _load(target, tokenizer, dtype, progress)
     draft = None
     if drafter is not None:
-        draft_model, draft_tokenizer = _load(drafter, tokenizer, dtype, progress)
+        draft_model, draft_tokenizer = _load(drafter, tokenizer, draft_dtype, progress)
         check_same_vocabulary(target_tokenizer, draft_tokenizer, target_model, draft_model)
         draft = HFCausalLM(draft_model)
     return Models(HFCausalLM(target_model), target_tokenizer, draft)
@@ -109,6 +115,7 @@ def generate(
     drafter: str | PreTrainedModel | None = DEFAULT_DRAFTER,
     tokenizer: PreTrainedTokenizerBase | None = None,
     dtype: torch.dtype | str = torch.bfloat16,
+    draft_dtype: torch.dtype | str = "int8",
     chat: bool = False,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
@@ -122,9 +129,11 @@ def generate(
     """Generate with one method; models loaded by name are kept for the next call."""
     needs_draft = resolve(method)[0].needs_draft_model
     key = (id(target) if isinstance(target, PreTrainedModel) else target,
-           (id(drafter) if isinstance(drafter, PreTrainedModel) else drafter) if needs_draft else None, str(dtype))
+           (id(drafter) if isinstance(drafter, PreTrainedModel) else drafter) if needs_draft else None, str(dtype),
+           str(draft_dtype))
     if key not in _loaded:
-        _loaded[key] = load_models(target, drafter if needs_draft else None, tokenizer=tokenizer, dtype=dtype)
+        _loaded[key] = load_models(target, drafter if needs_draft else None, tokenizer=tokenizer, dtype=dtype,
+                                   draft_dtype=draft_dtype)
     models = _loaded[key]
     ids = list(prompt) if isinstance(prompt, list) else models.encode(prompt, chat=chat)
     config = GenerationConfig(

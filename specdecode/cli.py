@@ -32,7 +32,15 @@ DType = Enum("DType", {"bfloat16": "bfloat16", "float32": "float32"}, type=str)
 
 TargetOption = Annotated[str, typer.Option(help="Target model: registered name, .gguf file, folder or hub id.")]
 DrafterOption = Annotated[str, typer.Option(help="Draft model for --method draft (same vocabulary as the target).")]
-DTypeOption = Annotated[DType, typer.Option(help="Model weights' dtype; probabilities are always float32.")]
+DTypeOption = Annotated[DType, typer.Option(help="Target weights' dtype; probabilities are always float32.")]
+DraftDType = Enum("DraftDType", {"int8": "int8", "bfloat16": "bfloat16", "float32": "float32"}, type=str)
+DraftDTypeOption = Annotated[DraftDType, typer.Option(
+    help="Draft model weights: int8 (default, ~3x cheaper on CPU; lossless, the target verifies), bfloat16 or float32.")]
+TreeOption = Annotated[bool, typer.Option("--tree", help="Draft a token tree instead of a chain (draft, pld).")]
+BudgetOption = Annotated[int | None, typer.Option(
+    min=1, max=4096, help="Tree nodes verified per step (default: chosen each step from the measured cost curve).")]
+ChoicesOption = Annotated[str | None, typer.Option(
+    help="A fixed tree shape for --method draft --tree: JSON choices like [[0],[1],[0,0]], or 'default'.")]
 
 
 def _stats_table(rows: list[dict], baseline_tps: float | None = None) -> Table:
@@ -69,19 +77,27 @@ def generate(
     seed: Annotated[int | None, typer.Option(help="Seed for sampling (a seed reproduces a run).")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
     dtype: DTypeOption = DType("bfloat16"),
+    draft_dtype: DraftDTypeOption = DraftDType("int8"),
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text and a table.")] = False,
+    tree: TreeOption = False,
+    budget: BudgetOption = None,
+    choices: ChoicesOption = None,
     target: TargetOption = DEFAULT_TARGET,
     drafter: DrafterOption = DEFAULT_DRAFTER,
 ) -> None:
     """Generate a continuation of PROMPT with one method and print it with its statistics."""
     from specdecode.api import load_models
     from specdecode.engine import GenerationConfig
+    from specdecode.methods import DrafterOptions, parse_choices
     from specdecode.types import SamplingParams
 
     method_name = method.value
+    options = DrafterOptions(tree=tree, budget=budget, choices=parse_choices(choices) if choices else None)
+    if options.tree and not METHODS[method_name].tree:
+        raise UserError(f"method {method_name!r} has no tree form; drop --tree")
     needs_draft = METHODS[method_name].needs_draft_model
-    models = load_models(target, drafter if needs_draft else None, dtype=dtype.value)
+    models = load_models(target, drafter if needs_draft else None, dtype=dtype.value, draft_dtype=draft_dtype.value)
     ids = models.encode(prompt, chat=chat)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
@@ -89,7 +105,7 @@ def generate(
         stop=tuple(stop or ()),
         seed=seed,
     )
-    engine = models.engine(method_name)
+    engine = models.engine(method_name, tree=tree, budget=budget, choices=options.choices)
     if as_json:
         print(json.dumps(engine.generate(ids, config).summary()))
         return
@@ -102,18 +118,21 @@ def generate(
 def demo(
     max_new_tokens: Annotated[int, typer.Option(min=1, max=4096, help="Tokens per answer.")] = 96,
     dtype: DTypeOption = DType("bfloat16"),
+    draft_dtype: DraftDTypeOption = DraftDType("int8"),
     target: TargetOption = DEFAULT_TARGET,
     drafter: DrafterOption = DEFAULT_DRAFTER,
 ) -> None:
     """Side by side on the default models: every method answers the same prompts; text, speed, speedup."""
     from specdecode.demo import run_demo
 
-    run_demo(target=target, drafter=drafter, dtype=dtype.value, max_new_tokens=max_new_tokens)
+    run_demo(target=target, drafter=drafter, dtype=dtype.value, draft_dtype=draft_dtype.value,
+             max_new_tokens=max_new_tokens)
 
 
 @app.command()
 def bench(
-    methods: Annotated[str, typer.Option(help="Comma-separated methods and peers (default: all).")] = "",
+    methods: Annotated[str, typer.Option(
+        help="Comma-separated methods (tree forms as NAME-tree) and peers (default: all).")] = "",
     categories: Annotated[str, typer.Option(help="Comma-separated categories (default: all).")] = "",
     per_category: Annotated[int, typer.Option(min=1, help="Seeded sample of prompts per category.")] = 2,
     full: Annotated[bool, typer.Option("--full", help="Every prompt of every category (hours).")] = False,
@@ -127,6 +146,7 @@ def bench(
     threads: Annotated[int, typer.Option(min=1, max=256)] = 2,
     out: Annotated[Path | None, typer.Option(help="Output folder (default: results/bench-<time>).")] = None,
     dtype: DTypeOption = DType("bfloat16"),
+    draft_dtype: DraftDTypeOption = DraftDType("int8"),
     target: TargetOption = DEFAULT_TARGET,
     drafter: DrafterOption = DEFAULT_DRAFTER,
 ) -> None:
@@ -141,7 +161,7 @@ def bench(
         per_category=None if full else per_category,
         max_new_tokens=max_new_tokens, repeats=repeats,
         out=out or Path("results") / time.strftime("bench-%Y%m%d-%H%M%S"),
-        target=target, drafter=drafter, dtype=dtype.value, threads=threads,
+        target=target, drafter=drafter, dtype=dtype.value, draft_dtype=draft_dtype.value, threads=threads,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
     )
 
@@ -150,10 +170,11 @@ def bench(
 def list_methods() -> None:
     """List the decoding methods."""
     table = Table(show_edge=False)
-    for column in ["method", "needs a draft model", "lossless", "what it does"]:
+    for column in ["method", "needs a draft model", "lossless", "tree form (--tree)", "what it does"]:
         table.add_column(column)
     for m in METHODS.values():
-        table.add_row(m.name, "yes" if m.needs_draft_model else "no", "yes" if m.lossless else "NO", m.summary)
+        table.add_row(m.name, "yes" if m.needs_draft_model else "no", "yes" if m.lossless else "NO",
+                      "yes" if m.tree else "no", m.summary)
     Console().print(table)
 
 

@@ -8,7 +8,7 @@ from rich.panel import Panel
 from specdecode.api import load_models
 from specdecode.bench.exactness import diagnose
 from specdecode.engine import GenerationConfig, GenerationResult
-from specdecode.methods import METHODS
+from specdecode.methods import resolve, variant_names
 
 DEMO_PROMPTS = [
     "Add type hints and a docstring to this function, and return the whole function:\n\n"
@@ -18,12 +18,12 @@ DEMO_PROMPTS = [
 ]
 
 
-def run_demo(target: str, drafter: str, dtype: str, max_new_tokens: int) -> None:
+def run_demo(target: str, drafter: str, dtype: str, draft_dtype: str, max_new_tokens: int) -> None:
     from specdecode.cli import _stats_table  # one table layout for generate and demo
 
     console = Console()
-    models = load_models(target, drafter, dtype=dtype)
-    engines = {name: models.engine(name) for name in METHODS}
+    models = load_models(target, drafter, dtype=dtype, draft_dtype=draft_dtype)
+    engines = {name: models.engine(name) for name in variant_names() if not name.endswith("-fixed")}
     prompts = [models.encode(p, chat=True) for p in DEMO_PROMPTS]
     with console.status("Warming up"):
         for engine in engines.values():
@@ -41,7 +41,7 @@ def run_demo(target: str, drafter: str, dtype: str, max_new_tokens: int) -> None
             note = ""
             if reference is None:
                 reference = result.token_ids
-            elif METHODS[name].lossless:
+            elif resolve(name)[0].lossless:
                 divergence = diagnose(models.target, ids, reference, result.token_ids)
                 note = "identical to ar" if divergence is None else divergence.describe()
             title = f"{name}: {result.tokens_per_second:.1f} tokens/s, {result.mean_accepted_tokens:.2f} tokens per target forward"

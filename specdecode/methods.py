@@ -15,6 +15,7 @@ from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.draft_model_tree import DEFAULT_CHOICES, DraftModelTreeDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
 from specdecode.errors import UserError
+from specdecode.models import costs
 from specdecode.models.base import CausalLM
 
 
@@ -56,11 +57,12 @@ class Method:
 
 
 def _draft_model(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
-    cost = draft.weights_per_token / target.weights_per_token  # a draft forward, in target forwards
+    cost = costs.draft_cost(draft, target)  # a draft forward, in target forwards, measured once per machine
     if not options.tree:
         return DraftModelDrafter(draft, draft_cost=cost)
     return DraftModelTreeDrafter(
-        draft, target.cost_curve(), draft_cost=cost, budget=options.budget, choices=options.choices
+        draft, target.cost_curve(), draft_cost=cost, budget=options.budget, choices=options.choices,
+        draft_curve=draft.cost_curve(),
     )
 
 
@@ -120,11 +122,14 @@ def parse_choices(text: str) -> tuple[tuple[int, ...], ...]:
 
     if text == "default":
         return DEFAULT_CHOICES
+    from specdecode.tree.structure import from_choices
+
     try:
-        value = json.loads(text)
-        return tuple(tuple(int(r) for r in choice) for choice in value)
+        choices = tuple(tuple(int(r) for r in choice) for choice in json.loads(text))
     except (ValueError, TypeError) as error:
         raise UserError(f"tree choices must be a JSON list of lists of ranks, e.g. [[0], [1], [0, 0]]: {error}") from None
+    from_choices(choices)  # every prefix present, ranks >= 0
+    return choices
 
 
 def name_of(method: Method, options: DrafterOptions) -> str:

@@ -39,6 +39,18 @@ def tiny_qwen2(
     return model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cost_curves_in_a_temporary_folder(tmp_path_factory):
+    """Tiny test models get their cost curves measured into a temporary folder, not the user's cache."""
+    from specdecode.models import costs
+
+    folder = tmp_path_factory.mktemp("costs")
+    patch = pytest.MonkeyPatch()
+    patch.setattr(costs, "cache_root", lambda: folder)
+    yield folder
+    patch.undo()
+
+
 @pytest.fixture(scope="session")
 def tiny_target() -> Qwen2ForCausalLM:
     return tiny_qwen2(seed=0, layers=3)

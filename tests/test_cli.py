@@ -9,7 +9,7 @@ import pytest
 
 from conftest import TOKENS, tiny_chat_qwen2, tiny_tokenizer
 from specdecode.cli import main
-from specdecode.methods import METHODS
+from specdecode.methods import METHODS, variant_names
 
 
 def run(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
@@ -32,15 +32,36 @@ def test_generate_json(monkeypatch, capsys, tiny_folder):
         assert key in result
     assert result["method"] == "ar" and len(result["token_ids"]) == result["new_tokens"] <= 6
     assert result["target_forwards"] == result["new_tokens"]
+    assert result["tree_budget"] is None  # a chain
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if m != "ar"])
-def test_every_method_matches_ar_through_the_cli(monkeypatch, capsys, tiny_folder, method):
+def cli_args(variant: str) -> list[str]:
+    """`draft-tree-fixed` -> --method draft --tree --choices default."""
+    base = variant.split("-")[0]
+    return ["--method", base] + (["--tree"] if "-tree" in variant else []) + (
+        ["--choices", "default"] if variant.endswith("-fixed") else [])
+
+
+@pytest.mark.parametrize("variant", [m for m in variant_names() if m != "ar"])
+def test_every_method_matches_ar_through_the_cli(monkeypatch, capsys, tiny_folder, variant):
     common = ["--target", str(tiny_folder), "--drafter", str(tiny_folder), "--json", "--max-new-tokens", "12",
               "--dtype", "float32", "--chat"]
     _, plain, _ = run(monkeypatch, capsys, "generate", "the the the", "--method", "ar", *common)
-    code, spec, _ = run(monkeypatch, capsys, "generate", "the the the", "--method", method, *common)
-    assert code == 0 and json.loads(spec)["token_ids"] == json.loads(plain)["token_ids"]
+    code, spec, _ = run(monkeypatch, capsys, "generate", "the the the", *cli_args(variant), *common)
+    result = json.loads(spec)
+    assert code == 0 and result["token_ids"] == json.loads(plain)["token_ids"]
+    assert result["method"] == variant
+    expected_budget = None if "-tree" not in variant else "whole" if variant.endswith("-fixed") else "auto"
+    assert result["tree_budget"] == expected_budget
+
+
+def test_tree_budget_in_json(monkeypatch, capsys, tiny_folder):
+    code, out, _ = run(monkeypatch, capsys, "generate", "the the the cat the", "--target", str(tiny_folder),
+                       "--method", "pld", "--tree", "--budget", "3", "--json", "--max-new-tokens", "16",
+                       "--dtype", "float32")
+    result = json.loads(out)
+    assert code == 0 and result["tree_budget"] == 3 and result["method"] == "pld-tree"
+    assert result["mean_draft_tokens"] <= 3
 
 
 def test_generate_human_output_streams_text_and_prints_table(monkeypatch, capsys, tiny_folder):
@@ -73,6 +94,14 @@ def narrow_folder(tmp_path_factory):
         ["generate", "the " * 200, "--method", "ar"],  # the tiny model holds 128 positions
         ["generate", "x", "--method", "draft", "--drafter", "NARROW"],
         ["generate", "x", "--target", "/no/such/folder"],
+        ["generate", "x", "--method", "ar", "--tree"],
+        ["generate", "x", "--method", "pld", "--budget", "4"],
+        ["generate", "x", "--method", "pld", "--tree", "--budget", "0"],
+        ["generate", "x", "--method", "pld", "--tree", "--choices", "default"],
+        ["generate", "x", "--method", "draft", "--tree", "--choices", "[[0], [0, 0, 1]]"],
+        ["generate", "x", "--method", "draft", "--tree", "--choices", "zero"],
+        ["generate", "x", "--method", "draft", "--choices", "default"],
+        ["bench", "--methods", "ar-tree"],
     ],
 )
 def test_bad_input_gives_one_line_error_and_exit_2(monkeypatch, capsys, tiny_folder, narrow_folder, args):

@@ -47,8 +47,8 @@ def drafters(target_model, other_model):
         "pld": lambda: PromptLookupDrafter(max_ngram=3, num_tokens=6),
         "pld-unigram": lambda: PromptLookupDrafter(max_ngram=1, num_tokens=3),
         # token trees
-        "tree-self": lambda: DraftModelTreeDrafter(
-            HFCausalLM(target_model), CURVE, top_k=2, width=2, max_depth=4, budget=8
+        "tree-self": lambda: DraftModelTreeDrafter(  # a fixed shape: always 4 deep
+            HFCausalLM(target_model), CURVE, choices=[(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 0, 0)]
         ),
         "tree-noisy": lambda: DraftModelTreeDrafter(HFCausalLM(noisy_copy(target_model, 0.3, 1)), CURVE),
         "tree-noisy-budget": lambda: DraftModelTreeDrafter(

@@ -21,9 +21,9 @@ from specdecode.bench.harness import Record, run_benchmark
 from specdecode.bench.runners import PEERS, build_runners, needs_draft_model
 from specdecode.engine import GenerationConfig
 from specdecode.errors import UserError
-from specdecode.methods import METHODS
+from specdecode.methods import variant_names
 
-ALL_METHODS = [*METHODS, *PEERS]
+ALL_METHODS = [*variant_names(), *PEERS]
 
 
 def diagnose_divergences(models, records: list[Record], lossless: dict[str, bool]) -> list[str]:
@@ -75,7 +75,7 @@ def sampled_fidelity(models, records: list[Record], lossless: dict[str, bool], p
 
 def run(
     methods: list[str], categories: list[str], per_category: int | None, max_new_tokens: int, repeats: int,
-    out: Path, target: str, drafter: str, dtype: str, threads: int, temperature: float, top_k: int,
+    out: Path, target: str, drafter: str, dtype: str, draft_dtype: str, threads: int, temperature: float, top_k: int,
     top_p: float, seed: int,
 ) -> Path:
     from specdecode.types import SamplingParams
@@ -89,7 +89,7 @@ def run(
     tasks = sample_tasks(categories, per_category, seed=seed)
     torch.set_num_threads(threads)
     console = Console(stderr=True)
-    models = load_models(target, drafter if needs_draft_model(methods) else None, dtype=dtype)
+    models = load_models(target, drafter if needs_draft_model(methods) else None, dtype=dtype, draft_dtype=draft_dtype)
     runners = build_runners(models, methods)
     lossless = {name: runner.lossless for name, runner in runners.items()}
     out.mkdir(parents=True, exist_ok=True)
@@ -122,7 +122,7 @@ def run(
         }.items()),
         "target / drafter": f"{target} / {drafter}",
         "decoding": "greedy" if greedy else f"sampling (temperature {temperature}, top-k {top_k}, top-p {top_p})",
-        "dtype, threads": f"{dtype}, {torch.get_num_threads()}",
+        "dtype (target, draft), threads": f"{dtype}, {draft_dtype}, {torch.get_num_threads()}",
         "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
         "tasks": f"{len(tasks)} ({', '.join(f'{c}: {sum(t.category == c for t in tasks)}' for c in categories)}), "
                  f"seeded sample, chat template for every method",

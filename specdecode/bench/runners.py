@@ -11,7 +11,7 @@ import torch
 
 from specdecode.api import Models
 from specdecode.engine import GenerationConfig
-from specdecode.methods import METHODS
+from specdecode.methods import resolve
 from specdecode.types import StepStats
 
 
@@ -37,7 +37,7 @@ def our_runner(models: Models, method: str) -> Runner:
         result = engine.generate(prompt_ids, config)
         return Output(result.token_ids, result.seconds, result.steps)
 
-    return Runner(method, METHODS[method].lossless, False, run)
+    return Runner(method, resolve(method)[0].lossless, False, run)
 
 
 def peer_runner(models: Models, name: str, **generate_kwargs) -> Runner:
@@ -76,7 +76,7 @@ PEERS = {
 
 
 def needs_draft_model(names: list[str]) -> bool:
-    return any(name == "hf-assisted" or (name in METHODS and METHODS[name].needs_draft_model) for name in names)
+    return any(name == "hf-assisted" or (name not in PEERS and resolve(name)[0].needs_draft_model) for name in names)
 
 
 def build_runners(models: Models, names: list[str]) -> dict[str, Runner]:

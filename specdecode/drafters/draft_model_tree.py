@@ -80,11 +80,12 @@ class DraftModelTreeDrafter(Drafter):
         model: CausalLM,
         curve: CostCurve,
         draft_cost: float = 0.4,
-        top_k: int = 4,
-        width: int = 4,
-        max_depth: int = 12,
+        top_k: int = 3,
+        width: int = 3,
+        max_depth: int = 20,
         budget: int | None = None,
         choices: Sequence[Sequence[int]] | None = None,
+        draft_curve: CostCurve | None = None,
     ):
         if not (top_k >= 1 and width >= 1 and max_depth >= 1):
             raise UserError(f"a draft tree needs top_k, width and max_depth >= 1, got {top_k}, {width}, {max_depth}")
@@ -93,6 +94,7 @@ class DraftModelTreeDrafter(Drafter):
         if not draft_cost > 0:
             raise UserError(f"draft cost must be positive, got {draft_cost}")
         self.model, self.curve, self.draft_cost = model, curve, draft_cost
+        self.draft_curve = draft_curve or curve  # the draft model's own width costs, else the target's shape
         self.top_k, self.width, self.max_depth, self.budget = top_k, width, max_depth, budget
         self.shape_parents = self.shape_ranks = None
         if choices is not None:
@@ -132,15 +134,15 @@ class DraftModelTreeDrafter(Drafter):
         if self.shape_parents is not None:
             return [node for node in frontier if self.shape_children[tree.shape[node] + 1]]
         best = sorted(frontier, key=lambda node: -tree.scores[node])[: self.width]
-        if self.budget is not None or not best:
+        if not best:
             return best
         # Another round pays if what it may add beats the step's current rate of tokens per cost.
         factor = self._calibration.factor
         scores = sorted((factor * s for s in tree.scores), reverse=True)
-        n = best_budget(scores, self.curve, sunk, cap=MAX_BUDGET)
+        n = self.budget or best_budget(scores, self.curve, sunk, cap=MAX_BUDGET)
         rate = (1 + sum(scores[:n])) / (sunk + self.curve(1 + n))
         gain = factor * coverage * sum(tree.scores[node] for node in best)
-        cost = self.draft_cost * self.curve(len(best))
+        cost = self.draft_cost * self.draft_curve(len(best))
         return best if gain > rate * cost else []
 
     def propose(self, context, max_tokens, params, generator) -> Draft:
@@ -153,7 +155,7 @@ class DraftModelTreeDrafter(Drafter):
         self._cache.seen.extend(pending)
         tree = _Growing()
         frontier = self._add_children(tree, [structure.ROOT], self._distributions(logits, params))
-        sunk = self.draft_cost  # in single-token target forwards
+        sunk = self.draft_cost * self.draft_curve(len(pending))  # in single-token target forwards
         coverage = sum(tree.scores)  # how much of its parents' score a round of children carries
         fed: list[int] = []  # the nodes in the draft cache after the context, in order
         for depth in range(2, depth_limit + 1):
@@ -172,7 +174,7 @@ class DraftModelTreeDrafter(Drafter):
                 tree_mask=mask,
             ).logits  # [width, vocab]
             fed.extend(expand)
-            sunk += self.draft_cost * self.curve(len(expand))
+            sunk += self.draft_cost * self.draft_curve(len(expand))
             # 2. Their children form the next layer.
             frontier = self._add_children(tree, expand, self._distributions(logits, params))
             parents_score = sum(tree.scores[node] for node in expand)

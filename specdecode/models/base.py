@@ -38,9 +38,9 @@ class CausalLM(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def weights_per_token(self) -> int:
-        """Parameters read to decode one token (embedding lookups excluded): the cost of a forward on
-        hardware where decoding is bound by memory, as on CPUs."""
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights read to decode one token (embedding lookups excluded): the cost of a forward
+        on hardware where decoding is bound by memory, as on CPUs."""
 
     @abc.abstractmethod
     def forward(
@@ -81,7 +81,7 @@ class CausalLM(abc.ABC):
     @property
     def cost_key(self) -> str:
         """Names the weights, dtype and backend, to cache the model's cost curve under."""
-        return f"{type(self).__name__}|{self.vocab_size}|{self.weights_per_token}"
+        return f"{type(self).__name__}|{self.vocab_size}|{self.weight_bytes_per_token}"
 
     def cost_curve(self):
         """The measured cost of a forward over n tokens relative to one (`models.costs.CostCurve`),

@@ -14,6 +14,7 @@ import os
 import platform
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -28,6 +29,7 @@ class CostCurve:
 
     sizes: tuple[int, ...]
     relative: tuple[float, ...]
+    seconds: float = 0.0  # a forward over one token, as measured (0: not measured)
 
     def __post_init__(self) -> None:
         if len(self.sizes) != len(self.relative) or len(self.sizes) < 2 or self.sizes[0] != 1:
@@ -53,26 +55,28 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-def measure(model: CausalLM, sizes: tuple[int, ...] = SIZES, context: int = 128, repeats: int = 3) -> CostCurve:
-    """Time forwards over each number of new tokens after a `context`-token prefix (medians)."""
+def measure(model: CausalLM, sizes: tuple[int, ...] = SIZES, context: int = 256, repeats: int = 5) -> CostCurve:
+    """Time forwards over each number of new tokens after a `context`-token prefix: sizes in turn within
+    each repeat (so a slow moment of a shared machine does not skew one size), medians over repeats."""
     generator = torch.Generator().manual_seed(0)
     vocab = min(model.vocab_size, 1000)
     model.reset()
     model.forward(torch.randint(vocab, (context,), generator=generator), num_logits=1)
-    model.forward(torch.randint(vocab, (max(sizes),), generator=generator))  # warm-up at the widest size
-    model.crop(context)
-    seconds = []
-    for n in sizes:
-        times = []
-        for _ in range(repeats):
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for repeat in range(repeats + 1):  # the first round warms up
+        for n in sizes:
             tokens = torch.randint(vocab, (n,), generator=generator)
+            # Measured as a tree is verified: an explicit attention mask (here a causal one, which costs
+            # what any tree mask costs) and the logits of every token.
+            mask = torch.ones(n, n, dtype=torch.bool).tril()
             start = time.perf_counter()
-            model.forward(tokens, num_logits=n)  # a verification needs the logits of every token
-            times.append(time.perf_counter() - start)
+            model.forward(tokens, tree_mask=mask if n > 1 else None, num_logits=n)
+            if repeat:
+                times[n].append(time.perf_counter() - start)
             model.crop(context)
-        seconds.append(_median(times))
     model.reset()
-    return CostCurve(tuple(sizes), tuple(s / seconds[0] for s in seconds))
+    seconds = [_median(times[n]) for n in sizes]
+    return CostCurve(tuple(sizes), tuple(s / seconds[0] for s in seconds), seconds[0])
 
 
 def _machine() -> str:
@@ -85,22 +89,32 @@ def _machine() -> str:
     return f"{cpu}|{torch.get_num_threads()} threads|torch {torch.__version__}"
 
 
+def cache_root() -> Path:
+    from specdecode.models.loading import cache_dir  # the package cache
+
+    return cache_dir() / "costs"
+
+
+def draft_cost(draft: CausalLM, target: CausalLM) -> float:
+    """A one-token draft forward in one-token target forwards, from both measured curves."""
+    return draft.cost_curve().seconds / target.cost_curve().seconds
+
+
 def cached(model: CausalLM, key: str) -> CostCurve:
     """The model's curve on this machine, measured on first use and cached.
 
     `key` names the model and backend (weights, dtype); the machine's CPU, thread count and torch version
     are added to it.
     """
-    from specdecode.models.loading import cache_dir  # the package cache
-
     digest = hashlib.sha256(f"{key}|{_machine()}".encode()).hexdigest()[:16]
-    path = cache_dir() / "costs" / f"{digest}.json"
+    path = cache_root() / f"{digest}.json"
     if path.exists():
         data = json.loads(path.read_text())
-        return CostCurve(tuple(data["sizes"]), tuple(data["relative"]))
+        return CostCurve(tuple(data["sizes"]), tuple(data["relative"]), data["seconds"])
     curve = measure(model)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"key": key, "machine": _machine(), "sizes": curve.sizes, "relative": curve.relative}))
+    tmp.write_text(json.dumps({"key": key, "machine": _machine(), "sizes": curve.sizes, "relative": curve.relative,
+                               "seconds": curve.seconds}))
     tmp.replace(path)
     return curve

@@ -22,7 +22,7 @@ class HFCausalLM(CausalLM):
 
     def __init__(self, model: PreTrainedModel, eos_token_ids: frozenset[int] | None = None):
         self.model = model.eval()
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = model.get_output_embeddings().out_features  # (a Linear head, int8 or not)
         self.max_context = getattr(model.config, "max_position_embeddings", 32768)
         self.eos_token_ids = eos_token_ids if eos_token_ids is not None else _eos_ids(model)
         self._cache = DynamicCache(config=model.config)
@@ -33,16 +33,21 @@ class HFCausalLM(CausalLM):
         return self.model.dtype
 
     @property
-    def weights_per_token(self) -> int:
+    def weight_bytes_per_token(self) -> int:
         embedding = self.model.get_input_embeddings().weight
-        head = self.model.get_output_embeddings().weight
-        total = sum(p.numel() for p in self.model.parameters())
-        return total - (embedding.numel() if embedding is not head else 0)
+        head = self.model.get_output_embeddings()
+        total = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if head is None or embedding is not getattr(head, "weight", None):
+            total -= embedding.numel() * embedding.element_size()  # a lookup reads one row
+        for module in self.model.modules():  # int8 Linear layers keep their weights outside parameters()
+            if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
+                total += module.weight().numel()  # one byte each
+        return total
 
     @property
     def cost_key(self) -> str:
         config = self.model.config
-        return f"hf|{config._name_or_path}|{config.model_type}|{self.dtype}|{self.weights_per_token}"
+        return f"hf|{config._name_or_path}|{config.model_type}|{self.dtype}|{self.weight_bytes_per_token}"
 
     @property
     def cache_length(self) -> int:

@@ -26,6 +26,7 @@ import importlib.metadata
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -348,13 +349,33 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0].rstrip(".") if text else type(error).__name__
 
 
-def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+INT8 = "int8"  # not a torch dtype: float32 weights quantized to int8 after loading (`quantize_int8`)
+
+
+def quantize_int8(model: PreTrainedModel) -> PreTrainedModel:
+    """Every Linear layer (the LM head included) to int8 weights with dynamic int8 activations.
+
+    For draft models on CPUs: a forward reads a quarter of the float32 bytes, and the 0.5B drafter runs
+    about 3x faster than in bfloat16 here. Lossless for every method all the same, since a drafter only
+    proposes; a target quantized this way would no longer be the user's model, so only drafters use it.
+    torch 2.13 marks torch.ao.quantization deprecated in favour of torchao; it is kept here because it
+    ships with torch (no extra package that could pull another torch) and runs well on this CPU.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module="torch.ao")
+        warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*")
+        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+
+
+def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype.lower() == INT8:
+        return INT8
     try:
         return _DTYPES[dtype.lower()]
     except KeyError:
-        raise UserError(f"Unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}.") from None
+        raise UserError(f"Unknown dtype {dtype!r}; use one of {', '.join([*_DTYPES, INT8])}.") from None
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -392,6 +413,8 @@ def load_causal_lm(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, in eval mode, without gradients, in `dtype`, with sdpa attention.
 
+    `dtype="int8"` loads float32 weights and quantizes the Linear layers (`quantize_int8`): for drafters.
+
     `spec` is a registered name (`registered_models()`; assembled and converted on first use, after
     `specdecode models fetch NAME`), a path to a `.gguf` file (converted once to a cached safetensors
     folder, in bf16), a local model folder, or a Hugging Face hub id.
@@ -412,7 +435,9 @@ def load_causal_lm(
     status = console.status(f"Loading {spec}") if progress else contextlib.nullcontext()
     try:
         with status, _transformers_progress_bars(False):  # the status line is enough for a few seconds
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=torch.float32 if dtype == INT8 else dtype, attn_implementation="sdpa"
+            )
             tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as error:
         if isinstance(folder, Path):
@@ -429,6 +454,8 @@ def load_causal_lm(
             f"{', '.join(registered_models())}."
         ) from error
     model.eval().requires_grad_(False)
+    if dtype == INT8:
+        model = quantize_int8(model)
     return model, tokenizer
 
 
@@ -437,7 +464,7 @@ def load_causal_lm(
 
 def _logits_width(model: PreTrainedModel) -> int:
     head = model.get_output_embeddings()
-    return head.weight.shape[0] if head is not None else model.config.get_text_config().vocab_size
+    return head.out_features if head is not None else model.config.get_text_config().vocab_size
 
 
 def check_same_vocabulary(

@@ -1,0 +1,201 @@
+"""The verification budget: the cost curve's interpolation, the budget that maximises expected tokens per
+unit of time (against a brute-force search), the running calibration, and measuring a curve on a tiny
+model (its shape only: timings on a shared machine are too noisy to assert ratios).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from specdecode.models import costs
+from specdecode.models.costs import CostCurve
+from specdecode.models.hf import HFCausalLM
+from specdecode.tree.budget import Calibration, best_budget
+
+CURVE = CostCurve((1, 2, 4, 8), (1.0, 1.1, 1.3, 2.1))
+
+
+# --- CostCurve -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, cost", [(1, 1.0), (2, 1.1), (4, 1.3), (8, 2.1)])
+def test_curve_at_measured_sizes(n, cost):
+    assert CURVE(n) == pytest.approx(cost, abs=1e-12)
+
+
+@pytest.mark.parametrize("n, cost", [(3, 1.2), (5, 1.5), (6, 1.7), (7, 1.9)])
+def test_curve_interpolates_linearly_between_sizes(n, cost):
+    assert CURVE(n) == pytest.approx(cost, abs=1e-12)
+
+
+@pytest.mark.parametrize("n, cost", [(9, 2.3), (12, 2.9), (16, 3.7), (100, 20.5)])
+def test_curve_extrapolates_the_last_segment(n, cost):
+    # the last segment, 4 -> 8, rises by 0.8 over 4 tokens: 0.2 per token beyond 8
+    assert CURVE(n) == pytest.approx(cost, abs=1e-9)
+
+
+def test_curve_is_never_negative():
+    falling = CostCurve((1, 2), (1.0, 0.5))  # nonsense measurements must not give negative costs
+    assert falling(2) == pytest.approx(0.5)
+    assert falling(10) == 0.0
+
+
+@pytest.mark.parametrize("slope", [0.0, 0.05, 1.0])
+def test_linear_curve(slope):
+    curve = CostCurve.linear(slope)
+    assert curve.sizes == costs.SIZES
+    for n in (1, 2, 3, 7, 8, 50, 64, 200):
+        assert curve(n) == pytest.approx(1 + slope * (n - 1), abs=1e-9)
+
+
+def test_linear_curve_with_own_sizes():
+    curve = CostCurve.linear(0.5, sizes=(1, 4))
+    assert curve.relative == (1.0, 2.5)
+    assert curve(10) == pytest.approx(5.5)
+
+
+@pytest.mark.parametrize(
+    "sizes, relative", [((1,), (1.0,)), ((1, 2), (1.0,)), ((2, 4), (1.0, 1.5)), ((), ())]
+)
+def test_curve_rejects_bad_measurements(sizes, relative):
+    with pytest.raises(ValueError):
+        CostCurve(sizes, relative)
+
+
+# --- best_budget -----------------------------------------------------------------------------------
+
+
+def test_budget_is_zero_for_worthless_nodes():
+    zeros = [0.0] * 10
+    assert best_budget(zeros, CostCurve.linear(0.1), sunk_cost=0.5) == 0
+    assert best_budget(zeros, CostCurve.linear(0.0), sunk_cost=0.5) == 0  # free but useless: still none
+    assert best_budget([], CURVE, sunk_cost=0.0) == 0
+
+
+def test_budget_takes_every_node_when_width_is_free():
+    scores = [0.9, 0.5, 0.2, 0.01, 1e-6]
+    assert best_budget(scores, CostCurve.linear(0.0), sunk_cost=0.3) == len(scores)
+    assert best_budget(scores, CostCurve.linear(0.0), sunk_cost=0.3, cap=3) == 3
+    assert best_budget(scores, CostCurve.linear(0.0), sunk_cost=0.3, cap=0) == 0
+
+
+def test_budget_by_hand():
+    # linear(1): verifying N nodes after 1 pending token costs 1 + N, no sunk cost.
+    # rates: N=0: 1/1; N=1: 1.9/2 = 0.95 -> one node at 0.9 does not pay when width costs as much as depth
+    assert best_budget([0.9, 0.9], CostCurve.linear(1.0), sunk_cost=0.0) == 0
+    # with drafting already paid for (sunk 2): N=0: 1/3, N=1: 1.9/4, N=2: 2.8/5, N=3: 3.0/6
+    assert best_budget([0.9, 0.9, 0.2], CostCurve.linear(1.0), sunk_cost=2.0) == 2
+
+
+def brute_force_rates(scores, curve, sunk, pending, cap):
+    limit = len(scores) if cap is None else min(cap, len(scores))
+    return [(1 + math.fsum(scores[:n])) / (sunk + curve(pending + n)) for n in range(limit + 1)]
+
+
+def random_curve(rng: random.Random) -> CostCurve:
+    sizes = [1] + sorted(rng.sample(range(2, 80), rng.randint(1, 6)))
+    relative = [1.0]
+    for _ in sizes[1:]:
+        relative.append(relative[-1] + rng.choice([0.0, rng.uniform(0, 0.2), rng.uniform(0, 3)]))
+    return CostCurve(tuple(sizes), tuple(relative))
+
+
+def test_budget_matches_brute_force_on_random_inputs():
+    rng = random.Random(0)
+    chosen = set()
+    for _ in range(2000):
+        count = rng.randint(0, 40)
+        scores = sorted((rng.random() ** rng.choice([1, 3, 8]) for _ in range(count)), reverse=True)
+        curve = random_curve(rng)
+        sunk = rng.choice([0.0, rng.uniform(0, 4)])
+        pending = rng.randint(1, 3)
+        cap = rng.choice([None, rng.randint(0, 50)])
+        n = best_budget(scores, curve, sunk, pending=pending, cap=cap)
+        rates = brute_force_rates(scores, curve, sunk, pending, cap)
+        assert 0 <= n < len(rates)
+        best = max(rates)
+        assert rates[n] >= best * (1 - 1e-12)  # optimal up to rounding
+        runner_up = max((r for i, r in enumerate(rates) if i != rates.index(best)), default=0.0)
+        if best - runner_up > 1e-9 * best:  # a clear winner: exactly the brute-force argmax
+            assert n == rates.index(best)
+        chosen.add(n)
+    assert len(chosen) > 10  # the random cases were not all trivial
+
+
+# --- Calibration -----------------------------------------------------------------------------------
+
+
+def test_calibration_starts_neutral_and_follows_the_evidence():
+    calibration = Calibration()
+    assert calibration.factor == 1.0
+    calibration.record(predicted=2.0, observed=3)
+    up = calibration.factor
+    assert up > 1.0  # more accepted than predicted: scores were too pessimistic
+    calibration.record(predicted=2.0, observed=3)
+    assert calibration.factor > up  # more of the same evidence pushes further
+    calibration.reset()
+    assert calibration.factor == 1.0
+    calibration.record(predicted=3.0, observed=1)
+    assert calibration.factor < 1.0
+
+
+def test_calibration_is_clamped():
+    optimistic, pessimistic = Calibration(), Calibration()
+    for _ in range(100):
+        optimistic.record(predicted=10.0, observed=0)
+        pessimistic.record(predicted=0.0, observed=10)
+    assert optimistic.factor == 0.25
+    assert pessimistic.factor == 1.5
+    custom = Calibration(low=0.5, high=1.2)
+    for _ in range(100):
+        custom.record(predicted=0.0, observed=10)
+    assert custom.factor == 1.2
+
+
+def test_calibration_forgets_old_evidence():
+    calibration = Calibration()
+    for _ in range(5):
+        calibration.record(predicted=10.0, observed=0)
+    assert calibration.factor == 0.25
+    for _ in range(100):
+        calibration.record(predicted=2.0, observed=2)  # now the scores are right
+    assert calibration.factor == pytest.approx(1.0, abs=0.01)
+
+
+# --- Measuring a curve ----------------------------------------------------------------------------
+
+
+def test_measure_on_a_tiny_model(tiny_target):
+    lm = HFCausalLM(tiny_target)
+    curve = costs.measure(lm, sizes=(1, 2, 4), context=16, repeats=2)
+    assert curve.sizes == (1, 2, 4)
+    assert curve.relative[0] == 1.0
+    assert all(math.isfinite(r) and r > 0 for r in curve.relative)
+    assert lm.cache_length == 0  # the model is left empty
+    # and it still decodes like a fresh one
+    prompt = torch.tensor([5, 6, 7, 8])
+    torch.testing.assert_close(lm.forward(prompt).logits, HFCausalLM(tiny_target).forward(prompt).logits)
+
+
+def test_cached_curve_is_measured_once(tiny_target, tmp_path, monkeypatch):
+    from specdecode.models import loading
+
+    monkeypatch.setattr(loading, "cache_dir", lambda: tmp_path)
+    calls = []
+
+    def fake_measure(model, *args, **kwargs):
+        calls.append(model)
+        return CostCurve((1, 2, 4), (1.0, 1.25, 1.75))
+
+    monkeypatch.setattr(costs, "measure", fake_measure)
+    lm = HFCausalLM(tiny_target)
+    first = costs.cached(lm, "tiny|key")
+    second = costs.cached(lm, "tiny|key")
+    assert first == second == CostCurve((1, 2, 4), (1.0, 1.25, 1.75))
+    assert len(calls) == 1
+    costs.cached(lm, "another|key")  # a different model or backend is measured separately
+    assert len(calls) == 2
