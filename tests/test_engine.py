@@ -9,9 +9,11 @@ import torch
 
 from conftest import VOCAB, LetterTokenizer, random_prompts, tiny_qwen2
 from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.errors import UserError
+from specdecode.models.costs import CostCurve
 from specdecode.models.hf import HFCausalLM
 from specdecode.types import SamplingParams
 
@@ -97,9 +99,11 @@ def test_seed_reproduces_sampled_run(spec_engine):
     assert spec_engine.generate(PROMPT, other).token_ids != first
 
 
-def test_sampled_output_follows_target_distribution():
+@pytest.mark.parametrize("kind", ["chain", "draft-tree", "pld-tree"])
+def test_sampled_output_follows_target_distribution(kind):
     """End to end through the engine: the joint distribution of the first two sampled tokens under
-    speculative sampling with a draft model equals the target's exact distribution (small vocabulary)."""
+    speculative sampling (a draft model's chain; a draft model's fixed-shape tree; a prompt-lookup trie,
+    whose branches are fixed in advance) equals the target's exact distribution (small vocabulary)."""
     from scipy.stats import chisquare
 
     vocab = 6
@@ -108,7 +112,7 @@ def test_sampled_output_follows_target_distribution():
     with torch.no_grad():  # flatten the distributions so every pair has mass
         target_model.lm_head.weight.mul_(0.15)
         draft_model.lm_head.weight.mul_(0.15)
-    prompt = [1, 4, 2]
+    prompt = [1, 4, 2, 1, 4, 2, 5, 2, 0, 2]  # "2" was followed by 1, 5 and 0: a three-branch trie
     params = SamplingParams(temperature=1.0)
     # exact joint distribution of the next two tokens
     with torch.no_grad():
@@ -116,11 +120,19 @@ def test_sampled_output_follows_target_distribution():
         seconds = target_model(torch.tensor([[*prompt, t] for t in range(vocab)])).logits[:, -1].float().softmax(-1)
     expected = (first[:, None] * seconds).flatten()  # [vocab * vocab]
 
-    drafter = DraftModelDrafter(HFCausalLM(draft_model), num_tokens=2, adaptive=False, confidence_threshold=0)
+    drafter = {
+        "chain": lambda: DraftModelDrafter(HFCausalLM(draft_model), num_tokens=2, adaptive=False, confidence_threshold=0),
+        "draft-tree": lambda: DraftModelTreeDrafter(
+            HFCausalLM(draft_model), CostCurve.linear(0.05), choices=[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)]
+        ),
+        "pld-tree": lambda: PromptLookupTreeDrafter(CostCurve.linear(0.0), max_ngram=1, num_tokens=2),
+    }[kind]()
     engine = SpeculativeEngine(HFCausalLM(target_model), drafter=drafter)
     counts = torch.zeros(vocab * vocab)
     runs = 1500
     for seed in range(runs):
         ids = engine.generate(prompt, GenerationConfig(max_new_tokens=2, sampling=params, seed=seed)).token_ids
         counts[ids[0] * vocab + ids[1]] += 1
+    if kind != "chain":
+        assert isinstance(drafter.propose(prompt, 2, params, None).parents, torch.Tensor)  # it drafts trees
     assert chisquare(counts.numpy(), (expected * runs).numpy()).pvalue > 1e-3

@@ -362,7 +362,7 @@ def quantize_int8(model: PreTrainedModel) -> PreTrainedModel:
     ships with torch (no extra package that could pull another torch) and runs well on this CPU.
     """
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=DeprecationWarning, module="torch.ao")
+        warnings.filterwarnings("ignore", message="torch.ao.quantization is deprecated")
         warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*")
         return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
 
