@@ -18,8 +18,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from specdecode.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.methods import DrafterOptions, name_of, resolve
+from specdecode.models.base import CausalLM
 from specdecode.models.hf import HFCausalLM
-from specdecode.models.loading import check_same_vocabulary, load_causal_lm
+from specdecode.models.loading import check_same_vocabulary, load_causal_lm, load_gguf_lm
 from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
 from specdecode.types import SamplingParams
 
@@ -28,11 +29,11 @@ from specdecode.types import SamplingParams
 class Models:
     """A target model, its tokenizer, and optionally a draft model with the same vocabulary."""
 
-    target: HFCausalLM
+    target: CausalLM  # HFCausalLM on the torch backend, LlamaCppLM on llama.cpp
     tokenizer: PreTrainedTokenizerBase
-    draft: HFCausalLM | None = None
+    draft: CausalLM | None = None
 
-    def require_draft(self) -> HFCausalLM:
+    def require_draft(self) -> CausalLM:
         if self.draft is None:
             raise UserError("this method needs a draft model; pass drafter=...")
         return self.draft
@@ -89,10 +90,18 @@ def load_models(
     dtype: torch.dtype | str = torch.bfloat16,
     draft_dtype: torch.dtype | str = "int8",
     progress: bool = True,
+    backend: str = "torch",
 ) -> Models:
     """Load a target and (optionally) a draft model. The draft model is quantized to int8 by default
     (`models.loading.quantize_int8`): about 3x cheaper per draft token on a CPU, and lossless all the
-    same, since the target verifies every token."""
+    same, since the target verifies every token.
+
+    backend="llamacpp" runs .gguf files (or registered models) through llama.cpp as they are; dtypes
+    do not apply there (the file's quantization is the model)."""
+    if backend == "llamacpp":
+        return _load_llamacpp(target, drafter, progress)
+    if backend != "torch":
+        raise UserError(f"unknown backend {backend!r}; choose torch or llamacpp")
     if str(dtype).lower() == "int8":
         raise UserError("int8 is for draft models (--draft-dtype); the target runs in bfloat16 or float32")
     target_model, target_tokenizer = _load(target, tokenizer, dtype, progress)
@@ -102,6 +111,18 @@ def load_models(
         check_same_vocabulary(target_tokenizer, draft_tokenizer, target_model, draft_model)
         draft = HFCausalLM(draft_model)
     return Models(HFCausalLM(target_model), target_tokenizer, draft)
+
+
+def _load_llamacpp(target, drafter, progress: bool) -> Models:
+    if isinstance(target, PreTrainedModel) or isinstance(drafter, PreTrainedModel):
+        raise UserError("the llama.cpp backend loads .gguf files, not transformers models")
+    target_lm, tokenizer = load_gguf_lm(target, progress=progress)
+    draft_lm = None
+    if drafter is not None:
+        draft_lm, draft_tokenizer = load_gguf_lm(drafter, progress=progress)
+        if draft_tokenizer.get_vocab() != tokenizer.get_vocab() or draft_lm.vocab_size != target_lm.vocab_size:
+            raise UserError("the drafter's vocabulary differs from the target's; pick one from the same family")
+    return Models(target_lm, tokenizer, draft_lm)
 
 
 _loaded: dict[tuple, Models] = {}
@@ -125,15 +146,16 @@ def generate(
     stop: tuple[str, ...] = (),
     tree: bool = False,
     budget: int | None = None,
+    backend: str = "torch",
 ) -> GenerationResult:
     """Generate with one method; models loaded by name are kept for the next call."""
     needs_draft = resolve(method)[0].needs_draft_model
     key = (id(target) if isinstance(target, PreTrainedModel) else target,
            (id(drafter) if isinstance(drafter, PreTrainedModel) else drafter) if needs_draft else None, str(dtype),
-           str(draft_dtype))
+           str(draft_dtype), backend)
     if key not in _loaded:
         _loaded[key] = load_models(target, drafter if needs_draft else None, tokenizer=tokenizer, dtype=dtype,
-                                   draft_dtype=draft_dtype)
+                                   draft_dtype=draft_dtype, backend=backend)
     models = _loaded[key]
     ids = list(prompt) if isinstance(prompt, list) else models.encode(prompt, chat=chat)
     config = GenerationConfig(

@@ -39,6 +39,9 @@ DraftDTypeOption = Annotated[DraftDType, typer.Option(
 TreeOption = Annotated[bool, typer.Option("--tree", help="Draft a token tree instead of a chain (draft, pld).")]
 BudgetOption = Annotated[int | None, typer.Option(
     min=1, max=4096, help="Tree nodes verified per step (default: chosen each step from the measured cost curve).")]
+Backend = Enum("Backend", {"torch": "torch", "llamacpp": "llamacpp"}, type=str)
+BackendOption = Annotated[Backend, typer.Option(
+    help="torch: any transformers model (bf16 target, int8 drafter); llamacpp: .gguf files through llama.cpp.")]
 ChoicesOption = Annotated[str | None, typer.Option(
     help="A fixed tree shape for --method draft --tree: JSON choices like [[0],[1],[0,0]], or 'default'.")]
 
@@ -78,6 +81,7 @@ def generate(
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
     dtype: DTypeOption = DType("bfloat16"),
     draft_dtype: DraftDTypeOption = DraftDType("int8"),
+    backend: BackendOption = Backend("torch"),
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text and a table.")] = False,
     tree: TreeOption = False,
@@ -97,7 +101,8 @@ def generate(
     if options.tree and not METHODS[method_name].tree:
         raise UserError(f"method {method_name!r} has no tree form; drop --tree")
     needs_draft = METHODS[method_name].needs_draft_model
-    models = load_models(target, drafter if needs_draft else None, dtype=dtype.value, draft_dtype=draft_dtype.value)
+    models = load_models(target, drafter if needs_draft else None, dtype=dtype.value, draft_dtype=draft_dtype.value,
+                         backend=backend.value)
     ids = models.encode(prompt, chat=chat)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,

@@ -459,6 +459,33 @@ def load_causal_lm(
     return model, tokenizer
 
 
+def load_gguf_lm(spec: str, *, progress: bool = True, n_ctx: int = 4096):
+    """The llama.cpp backend: a registered name or a .gguf file, run as it is (no dequantisation, no
+    safetensors copy). Returns (`models.llamacpp.LlamaCppLM`, tokenizer)."""
+    from specdecode.models.llamacpp import LlamaCppLM
+
+    if spec in registered_models():
+        model = get_model(spec)
+        path = assemble_gguf(model, progress=progress)
+        folder = converted_dir(model)
+    elif Path(spec).expanduser().is_file() and spec.endswith(".gguf"):
+        path, folder = Path(spec).expanduser(), None
+    else:
+        raise UserError(
+            f"the llama.cpp backend loads .gguf files and registered models ({', '.join(registered_models())}); "
+            f"got {spec!r}"
+        )
+    status = console.status(f"Loading {spec} (llama.cpp)") if progress else contextlib.nullcontext()
+    with status, _transformers_progress_bars(False):
+        if folder is not None and (folder / "tokenizer.json").is_file():
+            tokenizer = AutoTokenizer.from_pretrained(folder)  # already extracted once
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            if not tokenizer.chat_template:
+                tokenizer.chat_template = _gguf_chat_template(path)
+        return LlamaCppLM(path, n_ctx=n_ctx), tokenizer
+
+
 # --- Drafter/target compatibility -----------------------------------------------------------------
 
 
