@@ -115,6 +115,43 @@ def tiny_chat_qwen2(vocab_size: int, seed: int = 0) -> Qwen2ForCausalLM:
 
 
 
+def write_tiny_gguf(model: Qwen2ForCausalLM, path) -> None:
+    """Write `model` as an F32 GGUF with llama.cpp tensor names and a byte-level BPE tokenizer."""
+    import gguf
+    import numpy as np
+
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(TOKENS)
+    normal, control = gguf.TokenType.NORMAL, gguf.TokenType.CONTROL
+    writer.add_token_types([control if token in SPECIAL_TOKENS else normal for token in TOKENS])
+    writer.add_token_merges([" ".join(pair) for pair in MERGES])
+    writer.add_bos_token_id(TOKENS.index("<|endoftext|>"))
+    writer.add_eos_token_id(TOKENS.index("<|im_end|>"))
+    writer.add_pad_token_id(TOKENS.index("<|endoftext|>"))
+    writer.add_chat_template(CHAT_TEMPLATE)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        writer.add_tensor(gguf_name, tensor.float().numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory: pytest.TempPathFactory):
     """A local model folder: tiny random Qwen2 with more logits rows than tokens, like Qwen2.5."""

@@ -70,3 +70,30 @@ def test_adaptive_length_follows_acceptance(tiny_target):
     for _ in range(30):
         drafter.update(Verdict(num_drafted=4, num_accepted=0, tokens=(1,)), stats)
     assert long > 4 and drafter.num_tokens == 1
+
+
+def test_draft_tree_scores_are_the_draft_models_path_probabilities(tiny_target):
+    """Every node of a draft tree, grown several nodes per draft forward with a tree mask over the draft's
+    own cache, scores exactly the product of the draft model's sequential next-token probabilities
+    along its path (which also pins each node's position id: one off and this fails)."""
+    from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
+    from specdecode.models.costs import CostCurve
+    from specdecode.models.hf import HFCausalLM
+    from specdecode.tree import structure
+
+    choices = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)]
+    drafter = DraftModelTreeDrafter(HFCausalLM(tiny_target), CostCurve.linear(0.1), choices=choices)
+    context = [3, 14, 15, 92, 65, 35]
+    drafter.begin(context)
+    draft = drafter.propose(context, 10, SamplingParams(), None)
+    assert len(draft) == len(choices)
+    reference = HFCausalLM(tiny_target)
+    for node in range(len(draft)):
+        path = [int(i) for i in structure.ancestor_mask(draft.parents)[node].nonzero().flatten()]
+        score = 1.0
+        for depth, i in enumerate(path):
+            reference.reset()
+            prefix = context + draft.tokens[path[:depth]].tolist()
+            probs = reference.forward(torch.tensor(prefix), num_logits=1).logits[0].softmax(-1)  # [vocab]
+            score *= float(probs[draft.tokens[i]])
+        assert abs(float(drafter.last_scores[node]) - score) < 1e-5, (node, path)

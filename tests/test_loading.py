@@ -10,12 +10,11 @@ import base64
 import hashlib
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from conftest import CHAT_TEMPLATE, MERGES, SPECIAL_TOKENS, TOKENS, tiny_chat_qwen2 as _tiny_qwen2
+from conftest import CHAT_TEMPLATE, TOKENS, tiny_chat_qwen2 as _tiny_qwen2, write_tiny_gguf
 
 from specdecode.errors import UserError
 from specdecode.models import loading, registry
@@ -230,47 +229,11 @@ def test_different_logits_width_is_refused(tiny_folder: Path) -> None:
 # --- A tiny .gguf file ------------------------------------------------------------------------------
 
 
-def _write_tiny_gguf(model: Qwen2ForCausalLM, path: Path) -> None:
-    """Write `model` as an F32 GGUF with llama.cpp tensor names and a byte-level BPE tokenizer."""
-    import gguf
-
-    config = model.config
-    writer = gguf.GGUFWriter(str(path), "qwen2")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(TOKENS)
-    normal, control = gguf.TokenType.NORMAL, gguf.TokenType.CONTROL
-    writer.add_token_types([control if token in SPECIAL_TOKENS else normal for token in TOKENS])
-    writer.add_token_merges([" ".join(pair) for pair in MERGES])
-    writer.add_bos_token_id(TOKENS.index("<|endoftext|>"))
-    writer.add_eos_token_id(TOKENS.index("<|im_end|>"))
-    writer.add_pad_token_id(TOKENS.index("<|endoftext|>"))
-    writer.add_chat_template(CHAT_TEMPLATE)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, config.num_hidden_layers)
-    for name, tensor in model.state_dict().items():
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert gguf_name is not None, name
-        writer.add_tensor(gguf_name, tensor.float().numpy().astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def test_load_gguf_file_converts_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     reference = _tiny_qwen2(vocab_size=len(TOKENS), seed=1)
     gguf_file = tmp_path / "tiny.gguf"
-    _write_tiny_gguf(reference, gguf_file)
+    write_tiny_gguf(reference, gguf_file)
 
     model, tokenizer = load_causal_lm(str(gguf_file), dtype="float32", progress=False)
     (converted,) = (tmp_path / "cache" / "models").iterdir()

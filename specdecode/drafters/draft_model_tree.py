@@ -104,6 +104,7 @@ class DraftModelTreeDrafter(Drafter):
         self._cache = SyncedCache(model)
         self._calibration = Calibration()
         self._predicted = 0.0  # the accepted tokens the last tree's scores predicted
+        self.last_scores = torch.empty(0)
 
     def begin(self, prompt_ids: list[int]) -> None:
         self._cache.reset()
@@ -158,7 +159,7 @@ class DraftModelTreeDrafter(Drafter):
         sunk = self.draft_cost * self.draft_curve(len(pending))  # in single-token target forwards
         coverage = sum(tree.scores)  # how much of its parents' score a round of children carries
         fed: list[int] = []  # the nodes in the draft cache after the context, in order
-        for depth in range(2, depth_limit + 1):
+        for depth in range(2, depth_limit + 1):  # the depth of the children this round adds
             expand = self._to_expand(tree, frontier, coverage, sunk)
             if not expand:
                 break
@@ -170,7 +171,7 @@ class DraftModelTreeDrafter(Drafter):
                 mask[row, len(fed) + row] = True
             logits = self.model.forward(
                 torch.tensor([tree.tokens[node] for node in expand]),
-                positions=torch.full((len(expand),), length - 1 + depth),
+                positions=torch.full((len(expand),), length + depth - 2),  # a node of depth d sits at length - 1 + d
                 tree_mask=mask,
             ).logits  # [width, vocab]
             fed.extend(expand)
@@ -191,6 +192,7 @@ class DraftModelTreeDrafter(Drafter):
             ranked = sorted((self._calibration.factor * s for s in tree.scores), reverse=True)
             budget = max(best_budget(ranked, self.curve, sunk, cap=MAX_BUDGET), 1)
         keep = structure.top_nodes(parents, scores, budget)
+        self.last_scores = scores[keep]  # [kept] the kept nodes' cumulative draft probabilities
         self._predicted = float(scores[keep].sum())
         return Draft(tokens=torch.tensor(tree.tokens)[keep], parents=structure.select(parents, keep))
 

@@ -1,0 +1,130 @@
+"""The llama.cpp backend on a tiny random Qwen2 written as a float32 GGUF: logits like transformers',
+tree verification through sequence ids, compaction, and greedy speculative == greedy plain for every
+drafter it runs. Skipped when llama-cpp-python is not installed (`pip install specdecode[llamacpp]`)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import TOKENS, random_prompts, tiny_chat_qwen2, write_tiny_gguf
+from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
+from specdecode.engine import GenerationConfig, SpeculativeEngine
+from specdecode.errors import UserError
+from specdecode.models.costs import CostCurve
+from specdecode.models.llamacpp import tree_sequences
+from specdecode.tree import structure
+
+VOCAB = len(TOKENS)
+CURVE = CostCurve.linear(0.5)
+
+
+def test_tree_sequences_reproduce_the_mask():
+    # pending token p, then nodes a (root child), b (child of a), c (root child), d (child of a)
+    parents = torch.tensor([-1, 0, -1, 0])
+    _, mask = structure.verification_inputs(parents, num_pending=1, context_length=5)
+    seqs = tree_sequences(mask)
+    leaves = {1: "b", 2: "c", 3: "d"}  # one sequence per leaf, in node order
+    assert seqs == [[1, 2, 3], [1, 3], [1], [2], [3]]
+    assert len(leaves) == 3
+    assert tree_sequences(torch.ones(4, 4, dtype=torch.bool).tril()) is None  # a chain
+    with pytest.raises(ValueError):
+        tree_sequences(torch.tensor([[1, 0, 1], [0, 1, 0], [0, 0, 1]], dtype=torch.bool))  # attends ahead
+
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+from specdecode.models.llamacpp import LlamaCppLM  # noqa: E402
+
+
+def noisy(model, scale: float, seed: int):
+    clone = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+    return clone
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gguf")
+    target = tiny_chat_qwen2(vocab_size=VOCAB, seed=5)
+    write_tiny_gguf(target, folder / "target.gguf")
+    write_tiny_gguf(noisy(target, 0.3, 1), folder / "draft.gguf")
+    return target, folder / "target.gguf", folder / "draft.gguf"
+
+
+def test_logits_match_transformers(tiny_pair):
+    model, path, _ = tiny_pair
+    lm = LlamaCppLM(path, n_ctx=128)
+    prompt = [5, 70, 200, 31, 9, 44]
+    ours = lm.forward(torch.tensor(prompt)).logits  # [6, vocab]
+    with torch.no_grad():
+        theirs = model(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ours, theirs, atol=2e-3, rtol=2e-3)
+    step = lm.forward(torch.tensor([12])).logits[0]
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt + [12]])).logits[0, -1]
+    torch.testing.assert_close(step, expected, atol=2e-3, rtol=2e-3)
+    assert lm.cache_length == 7 and lm.vocab_size == VOCAB
+
+
+def test_tree_nodes_match_sequential_paths_and_compaction(tiny_pair):
+    _, path, _ = tiny_pair
+    prefix = [3, 14, 15, 92, 65]
+    parents = torch.tensor([-1, 0, -1, 2, 0])  # a, b (of a), c, d (of c), e (of a)
+    tokens = torch.tensor([7, 8, 9, 10, 11])
+    lm = LlamaCppLM(path, n_ctx=128)
+    lm.forward(torch.tensor(prefix[:-1]))
+    positions, mask = structure.verification_inputs(parents, num_pending=1, context_length=len(prefix))
+    logits = lm.forward(torch.cat([torch.tensor(prefix[-1:]), tokens]), positions=positions, tree_mask=mask).logits
+    fresh = LlamaCppLM(path, n_ctx=128)
+    paths = {0: [7], 1: [7, 8], 2: [9], 3: [9, 10], 4: [7, 11]}
+    for node, tokens_on_path in paths.items():
+        fresh.reset()
+        expected = fresh.forward(torch.tensor(prefix + tokens_on_path), num_logits=1).logits[0]
+        torch.testing.assert_close(logits[node + 1], expected, atol=2e-3, rtol=2e-3)
+    # keep the path c -> d (nodes 2, 3): the cache continues like a fresh prefill of prefix + [9, 10]
+    lm.compact(len(prefix), [2, 3])
+    assert lm.cache_length == len(prefix) + 2
+    fresh.reset()
+    fresh.forward(torch.tensor(prefix + [9, 10]))
+    torch.testing.assert_close(lm.forward(torch.tensor([4])).logits, fresh.forward(torch.tensor([4])).logits,
+                               atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("kind", ["pld", "pld-tree", "draft", "draft-fixed-length"])
+def test_greedy_speculative_equals_plain(tiny_pair, kind):
+    _, target_path, draft_path = tiny_pair
+    target = LlamaCppLM(target_path, n_ctx=128)
+    drafter = {
+        "pld": lambda: PromptLookupDrafter(max_ngram=2, num_tokens=5),
+        "pld-tree": lambda: PromptLookupTreeDrafter(CURVE, max_ngram=2, num_tokens=5),
+        "draft": lambda: DraftModelDrafter(LlamaCppLM(draft_path, n_ctx=128), num_tokens=4),
+        "draft-fixed-length": lambda: DraftModelDrafter(
+            LlamaCppLM(draft_path, n_ctx=128), num_tokens=5, adaptive=False, confidence_threshold=0
+        ),
+    }[kind]()
+    plain = SpeculativeEngine(target)
+    spec = SpeculativeEngine(target, drafter=drafter)
+    drafted = 0
+    for prompt in random_prompts(8, seed=9, vocab=VOCAB):
+        config = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+        reference = plain.generate(prompt, config).token_ids
+        result = spec.generate(prompt, config)
+        assert result.token_ids == reference
+        drafted += sum(s.drafted for s in result.steps)
+    assert drafted > 0
+
+
+def test_draft_model_tree_is_a_clear_error(tiny_pair):
+    _, target_path, draft_path = tiny_pair
+    drafter = DraftModelTreeDrafter(LlamaCppLM(draft_path, n_ctx=128), CURVE, choices=[(0,), (0, 0), (0, 0, 0)])
+    engine = SpeculativeEngine(LlamaCppLM(target_path, n_ctx=128), drafter=drafter)
+    with pytest.raises(UserError, match="cannot grow"):
+        engine.generate([1, 2, 3, 4], GenerationConfig(max_new_tokens=8))
