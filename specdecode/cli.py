@@ -152,21 +152,23 @@ def bench(
     out: Annotated[Path | None, typer.Option(help="Output folder (default: results/bench-<time>).")] = None,
     dtype: DTypeOption = DType("bfloat16"),
     draft_dtype: DraftDTypeOption = DraftDType("int8"),
+    backend: BackendOption = Backend("torch"),
     target: TargetOption = DEFAULT_TARGET,
     drafter: DrafterOption = DEFAULT_DRAFTER,
 ) -> None:
     """Spec-Bench-style evaluation: every method and peer on every category, interleaved and repeated."""
-    from specdecode.bench.main import ALL_METHODS, DEFAULT_CATEGORIES, run
+    from specdecode.bench.main import ALL_METHODS, DEFAULT_CATEGORIES, LLAMACPP_METHODS, run
 
     if quick:
         per_category, max_new_tokens, repeats = 1, 64, 1
     run(
-        methods=[m for m in methods.split(",") if m] or ALL_METHODS,
+        methods=[m for m in methods.split(",") if m] or (ALL_METHODS if backend.value == "torch" else LLAMACPP_METHODS),
         categories=[c for c in categories.split(",") if c] or DEFAULT_CATEGORIES,
         per_category=None if full else per_category,
         max_new_tokens=max_new_tokens, repeats=repeats,
         out=out or Path("results") / time.strftime("bench-%Y%m%d-%H%M%S"),
         target=target, drafter=drafter, dtype=dtype.value, draft_dtype=draft_dtype.value, threads=threads,
+        backend=backend.value,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
     )
 

@@ -128,3 +128,46 @@ def test_draft_model_tree_is_a_clear_error(tiny_pair):
     engine = SpeculativeEngine(LlamaCppLM(target_path, n_ctx=128), drafter=drafter)
     with pytest.raises(UserError, match="cannot grow"):
         engine.generate([1, 2, 3, 4], GenerationConfig(max_new_tokens=8))
+
+
+@pytest.mark.slow
+def test_real_pair_greedy_speculative_equals_plain_on_llamacpp():
+    """The default pair's GGUF files as they are (Q4_K_M) in llama.cpp: every method this backend runs
+    gives plain greedy decoding's tokens."""
+    from specdecode.api import load_models
+
+    models = load_models(backend="llamacpp", progress=False)
+    config = GenerationConfig(max_new_tokens=40)
+    for prompt in ["Write a Python function that returns the n-th Fibonacci number.",
+                   "Rename the variable x to count and return the code:\n\nx = 0\nfor item in items:\n    x += 1\n"]:
+        ids = models.encode(prompt, chat=True)
+        plain = models.engine("ar").generate(ids, config)
+        assert plain.new_tokens > 10
+        for name in ["draft", "pld", "pld-tree"]:
+            result = models.engine(name).generate(ids, config)
+            assert result.token_ids == plain.token_ids, name
+
+
+def test_cli_generate_on_llamacpp(tiny_pair, tiny_folder, monkeypatch, capsys):
+    import json
+    import sys
+
+    from specdecode.cli import main
+
+    _, target_path, draft_path = tiny_pair
+
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["specdecode", "generate", "the the the", "--backend", "llamacpp", *args])
+        with pytest.raises(SystemExit) as exit_info:
+            main()
+        out, err = capsys.readouterr()
+        return exit_info.value.code or 0, out, err
+
+    common = ["--target", str(target_path), "--drafter", str(draft_path), "--json", "--max-new-tokens", "12"]
+    code, plain, _ = run("--method", "ar", *common)
+    assert code == 0
+    for method in (["--method", "pld", "--tree"], ["--method", "draft"]):
+        code, out, _ = run(*method, *common)
+        assert code == 0 and json.loads(out)["token_ids"] == json.loads(plain)["token_ids"]
+    code, _, err = run("--method", "ar", "--target", str(tiny_folder))  # a folder, not a .gguf
+    assert code == 2 and "Traceback" not in err and "gguf" in err

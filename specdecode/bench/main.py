@@ -24,6 +24,8 @@ from specdecode.errors import UserError
 from specdecode.methods import variant_names
 
 ALL_METHODS = [*variant_names(), *PEERS]
+# llama.cpp runs our methods only, and not the draft model's tree (it cannot grow one in its own cache)
+LLAMACPP_METHODS = [m for m in variant_names() if not m.startswith("draft-tree")]
 
 
 def diagnose_divergences(models, records: list[Record], lossless: dict[str, bool]) -> list[str]:
@@ -75,7 +77,7 @@ def sampled_fidelity(models, records: list[Record], lossless: dict[str, bool], p
 
 def run(
     methods: list[str], categories: list[str], per_category: int | None, max_new_tokens: int, repeats: int,
-    out: Path, target: str, drafter: str, dtype: str, draft_dtype: str, threads: int, temperature: float, top_k: int,
+    out: Path, target: str, drafter: str, dtype: str, draft_dtype: str, threads: int, backend: str, temperature: float, top_k: int,
     top_p: float, seed: int,
 ) -> Path:
     from specdecode.types import SamplingParams
@@ -89,7 +91,11 @@ def run(
     tasks = sample_tasks(categories, per_category, seed=seed)
     torch.set_num_threads(threads)
     console = Console(stderr=True)
-    models = load_models(target, drafter if needs_draft_model(methods) else None, dtype=dtype, draft_dtype=draft_dtype)
+    peers = [m for m in methods if m in PEERS]
+    if backend != "torch" and peers:
+        raise UserError(f"the peers {peers} are transformers' generate(); they run on --backend torch only")
+    models = load_models(target, drafter if needs_draft_model(methods) else None, dtype=dtype,
+                         draft_dtype=draft_dtype, backend=backend)
     runners = build_runners(models, methods)
     lossless = {name: runner.lossless for name, runner in runners.items()}
     out.mkdir(parents=True, exist_ok=True)
@@ -122,7 +128,9 @@ def run(
         }.items()),
         "target / drafter": f"{target} / {drafter}",
         "decoding": "greedy" if greedy else f"sampling (temperature {temperature}, top-k {top_k}, top-p {top_p})",
-        "dtype (target, draft), threads": f"{dtype}, {draft_dtype}, {torch.get_num_threads()}",
+        "backend, dtype (target, draft), threads": (
+            f"{backend}, {dtype}, {draft_dtype}, {torch.get_num_threads()}" if backend == "torch"
+            else f"{backend}, the GGUF files' own quantization, {torch.get_num_threads()}"),
         "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
         "tasks": f"{len(tasks)} ({', '.join(f'{c}: {sum(t.category == c for t in tasks)}' for c in categories)}), "
                  f"seeded sample, chat template for every method",
