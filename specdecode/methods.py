@@ -17,6 +17,7 @@ from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupT
 from specdecode.errors import UserError
 from specdecode.models import costs
 from specdecode.models.base import CausalLM
+from specdecode.tree.budget import check_budget
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,7 @@ class DrafterOptions:
     def __post_init__(self) -> None:
         if self.budget is not None and not self.tree:
             raise UserError("a budget applies to token trees; add --tree")
-        if self.budget is not None and not 1 <= self.budget <= 4096:
-            raise UserError(f"the tree budget must be between 1 and 4096 nodes, got {self.budget}")
+        check_budget(self.budget)
         if self.choices is not None and not self.tree:
             raise UserError("tree choices apply to token trees; add --tree")
 

@@ -39,6 +39,19 @@ def tiny_qwen2(
     return model
 
 
+def noisy_copy(model, scale: float, seed: int):
+    """A copy of `model` with seeded Gaussian noise (scale x each tensor's std) on every weight: a drafter
+    that agrees with the model often but not always."""
+    import copy
+
+    clone = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+    return clone
+
+
 @pytest.fixture(scope="session", autouse=True)
 def cost_curves_in_a_temporary_folder(tmp_path_factory):
     """Tiny test models get their cost curves measured into a temporary folder, not the user's cache."""

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from conftest import random_prompts
+from conftest import noisy_copy, random_prompts
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.draft_model_tree import DEFAULT_CHOICES, DraftModelTreeDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
@@ -25,15 +25,6 @@ LENGTHS = [1, 2, 7, 40]
 CURVE = CostCurve.linear(0.05)  # a fixed cost curve: tests do not time anything
 KINDS = ["self", "noisy", "noisy-fixed", "unrelated", "pld", "pld-unigram", "tree-self", "tree-noisy",
          "tree-noisy-budget", "tree-unrelated", "tree-fixed", "pld-tree", "pld-tree-budget"]
-
-
-def noisy_copy(model, scale: float, seed: int):
-    clone = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in clone.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
-    return clone
 
 
 def drafters(target_model, other_model):

@@ -4,12 +4,10 @@ drafter it runs. Skipped when llama-cpp-python is not installed (`pip install sp
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-from conftest import TOKENS, random_prompts, tiny_chat_qwen2, write_tiny_gguf
+from conftest import TOKENS, noisy_copy, random_prompts, tiny_chat_qwen2, write_tiny_gguf
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
@@ -41,21 +39,12 @@ llama_cpp = pytest.importorskip("llama_cpp")
 from specdecode.models.llamacpp import LlamaCppLM  # noqa: E402
 
 
-def noisy(model, scale: float, seed: int):
-    clone = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in clone.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
-    return clone
-
-
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gguf")
     target = tiny_chat_qwen2(vocab_size=VOCAB, seed=5)
     write_tiny_gguf(target, folder / "target.gguf")
-    write_tiny_gguf(noisy(target, 0.3, 1), folder / "draft.gguf")
+    write_tiny_gguf(noisy_copy(target, 0.3, 1), folder / "draft.gguf")
     return target, folder / "target.gguf", folder / "draft.gguf"
 
 

@@ -66,9 +66,9 @@ class DraftModelDrafter(Drafter):
     time from the per-token acceptance probability a, estimated online (a chain of k drafts then yields
     (1 - a^(k+1)) / (1 - a) tokens per step), and the cost of one draft token relative to one target
     forward, `draft_cost` (the step then costs k * draft_cost + 1 + VERIFY_SLOPE * k target forwards).
-    The cost is a fixed number, not a timing, so a seed still reproduces a sampled run; on a CPU,
-    where decoding is bound by reading weights, the ratio of the bytes of weights read is a good estimate
-    (`models.base.CausalLM.weight_bytes_per_token`). Drafting also stops early when the drafter's own
+    The cost is a fixed number during a run, so a seed still reproduces a sampled run: the methods
+    registry takes it from the two models' cost curves, measured once per machine and cached
+    (`models.costs.draft_cost`). Drafting also stops early when the drafter's own
     probability of its token falls under `confidence_threshold`: such a token is likely rejected, and
     drafting past it costs draft forwards for nothing.
     """

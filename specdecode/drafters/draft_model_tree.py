@@ -29,10 +29,8 @@ from specdecode.models.base import CausalLM
 from specdecode.models.costs import CostCurve
 from specdecode.sampling import logits_to_probs
 from specdecode.tree import structure
-from specdecode.tree.budget import Calibration, best_budget
+from specdecode.tree.budget import MAX_BUDGET, Calibration, best_budget, check_budget
 from specdecode.types import Draft, SamplingParams, StepStats, Verdict
-
-MAX_BUDGET = 64  # nodes verified at most per step (the measured cost curve ends at 64)
 
 # For comparison with the dynamic tree: a main chain 8 deep with second choices along its first levels.
 DEFAULT_CHOICES: tuple[tuple[int, ...], ...] = (
@@ -89,8 +87,7 @@ class DraftModelTreeDrafter(Drafter):
     ):
         if not (top_k >= 1 and width >= 1 and max_depth >= 1):
             raise UserError(f"a draft tree needs top_k, width and max_depth >= 1, got {top_k}, {width}, {max_depth}")
-        if budget is not None and not 1 <= budget <= 4096:
-            raise UserError(f"the tree budget must be between 1 and 4096 nodes, got {budget}")
+        check_budget(budget)
         if not draft_cost > 0:
             raise UserError(f"draft cost must be positive, got {draft_cost}")
         self.model, self.curve, self.draft_cost = model, curve, draft_cost

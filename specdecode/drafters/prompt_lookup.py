@@ -13,8 +13,21 @@ from specdecode.drafters.base import Drafter
 from specdecode.errors import UserError
 from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
-from specdecode.tree.budget import DECAY, best_budget
+from specdecode.tree.budget import DECAY, MAX_BUDGET, best_budget, check_budget
 from specdecode.types import Draft, SamplingParams, StepStats, Verdict
+
+
+def find_continuations(context: np.ndarray, ngram: int, max_tokens: int, max_matches: int) -> list[np.ndarray]:
+    """What followed each earlier occurrence of the last `ngram` tokens, most recent first (at most
+    `max_matches`, each at most `max_tokens` long and non-empty)."""
+    length = context.shape[0]
+    if length <= ngram or max_matches <= 0:
+        return []
+    tail = context[length - ngram :]
+    # windows[i] = context[i : i + ngram] for every start i whose window ends before the tail begins
+    windows = np.lib.stride_tricks.sliding_window_view(context[: length - 1], ngram)  # [length - ngram, ngram]
+    starts = np.flatnonzero((windows == tail).all(axis=1))[::-1][:max_matches]
+    return [context[s + ngram : s + ngram + max_tokens] for s in starts]
 
 
 def find_continuation(context: np.ndarray, ngram: int, max_tokens: int) -> np.ndarray | None:
@@ -22,17 +35,15 @@ def find_continuation(context: np.ndarray, ngram: int, max_tokens: int) -> np.nd
 
     context: [length] int64. Returns at most max_tokens ids, or None when the n-gram never occurred before.
     """
-    length = context.shape[0]
-    if length <= ngram:
-        return None
-    tail = context[length - ngram :]
-    # windows[i] = context[i : i + ngram] for every start i whose window ends before the tail begins
-    windows = np.lib.stride_tricks.sliding_window_view(context[: length - 1], ngram)  # [length - ngram, ngram]
-    starts = np.flatnonzero((windows == tail).all(axis=1))
-    if starts.size == 0:
-        return None
-    begin = int(starts[-1]) + ngram  # the most recent occurrence: the likeliest to continue the same way
-    return context[begin : begin + max_tokens]
+    found = find_continuations(context, ngram, max_tokens, max_matches=1)  # the most recent: the likeliest
+    return found[0] if found else None
+
+
+def _check_lookup(max_ngram: int, min_ngram: int, num_tokens: int) -> None:
+    if not 1 <= min_ngram <= max_ngram:
+        raise UserError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+    if num_tokens < 1:
+        raise UserError(f"prompt lookup needs num_tokens >= 1, got {num_tokens}")
 
 
 class PromptLookupDrafter(Drafter):
@@ -41,10 +52,7 @@ class PromptLookupDrafter(Drafter):
     name = "pld"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_tokens: int = 10):
-        if not 1 <= min_ngram <= max_ngram:
-            raise UserError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        if num_tokens < 1:
-            raise UserError(f"prompt lookup needs num_tokens >= 1, got {num_tokens}")
+        _check_lookup(max_ngram, min_ngram, num_tokens)
         self.max_ngram, self.min_ngram, self.num_tokens = max_ngram, min_ngram, num_tokens
 
     def propose(self, context, max_tokens, params, generator) -> Draft:
@@ -56,18 +64,6 @@ class PromptLookupDrafter(Drafter):
                 if found is not None and found.size:
                     return Draft(tokens=torch.from_numpy(found.copy()))
         return Draft.empty()
-
-
-def find_continuations(context: np.ndarray, ngram: int, max_tokens: int, max_matches: int) -> list[np.ndarray]:
-    """What followed each earlier occurrence of the last `ngram` tokens, most recent first (at most
-    `max_matches`, each at most `max_tokens` long and non-empty)."""
-    length = context.shape[0]
-    if length <= ngram or max_matches <= 0:
-        return []
-    tail = context[length - ngram :]
-    windows = np.lib.stride_tricks.sliding_window_view(context[: length - 1], ngram)  # [length - ngram, ngram]
-    starts = np.flatnonzero((windows == tail).all(axis=1))[::-1][:max_matches]
-    return [context[s + ngram : s + ngram + max_tokens] for s in starts]
 
 
 class PromptLookupTreeDrafter(Drafter):
@@ -90,11 +86,10 @@ class PromptLookupTreeDrafter(Drafter):
         max_matches: int = 8,
         budget: int | None = None,
     ):
-        PromptLookupDrafter(max_ngram, min_ngram, num_tokens)  # the same argument checks
+        _check_lookup(max_ngram, min_ngram, num_tokens)
         if max_matches < 1:
             raise UserError(f"prompt lookup needs max_matches >= 1, got {max_matches}")
-        if budget is not None and not 1 <= budget <= 4096:
-            raise UserError(f"the tree budget must be between 1 and 4096 nodes, got {budget}")
+        check_budget(budget)
         self.curve, self.budget = curve, budget
         self.max_ngram, self.min_ngram, self.num_tokens, self.max_matches = max_ngram, min_ngram, num_tokens, max_matches
         self._accepted = self._rejected = 0.0
@@ -139,7 +134,7 @@ class PromptLookupTreeDrafter(Drafter):
         total = sum(w for _, w in weighted)
         scores = torch.tensor(mass) / total * self.acceptance ** structure.depths(parents_t).float()  # [n]
         # 3. Keep the best nodes.
-        budget = self.budget or max(best_budget(sorted(scores.tolist(), reverse=True), self.curve, 0.0, cap=64), 1)
+        budget = self.budget or max(best_budget(sorted(scores.tolist(), reverse=True), self.curve, 0.0, cap=MAX_BUDGET), 1)
         keep = structure.top_nodes(parents_t, scores, budget)
         return Draft(tokens=torch.tensor(tokens)[keep], parents=structure.select(parents_t, keep))
 

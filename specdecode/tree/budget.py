@@ -12,9 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from specdecode.errors import UserError
 from specdecode.models.costs import CostCurve
 
 DECAY = 0.9  # weight of the past in the running calibration
+MAX_BUDGET = 64  # nodes a chosen budget verifies at most per step (the measured cost curve ends at 64)
+MAX_FIXED_BUDGET = 4096  # the largest budget a user may set
+
+
+def check_budget(budget: int | None) -> None:
+    """A budget set by hand: None (chosen from the cost curve) or 1 .. MAX_FIXED_BUDGET nodes."""
+    if budget is not None and not 1 <= budget <= MAX_FIXED_BUDGET:
+        raise UserError(f"the tree budget must be between 1 and {MAX_FIXED_BUDGET} nodes, got {budget}")
 
 
 def best_budget(
