@@ -157,12 +157,12 @@ def bench(
     drafter: DrafterOption = DEFAULT_DRAFTER,
 ) -> None:
     """Spec-Bench-style evaluation: every method and peer on every category, interleaved and repeated."""
-    from specdecode.bench.main import ALL_METHODS, DEFAULT_CATEGORIES, LLAMACPP_METHODS, run
+    from specdecode.bench.main import DEFAULT_CATEGORIES, LLAMACPP_METHODS, TORCH_METHODS, run
 
     if quick:
         per_category, max_new_tokens, repeats = 1, 64, 1
     run(
-        methods=[m for m in methods.split(",") if m] or (ALL_METHODS if backend.value == "torch" else LLAMACPP_METHODS),
+        methods=[m for m in methods.split(",") if m] or (TORCH_METHODS if backend.value == "torch" else LLAMACPP_METHODS),
         categories=[c for c in categories.split(",") if c] or DEFAULT_CATEGORIES,
         per_category=None if full else per_category,
         max_new_tokens=max_new_tokens, repeats=repeats,

@@ -59,7 +59,7 @@ class Method:
 def _draft_model(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
     cost = costs.draft_cost(draft, target)  # a draft forward, in target forwards, measured once per machine
     if not options.tree:
-        return DraftModelDrafter(draft, draft_cost=cost)
+        return DraftModelDrafter(draft, draft_cost=cost, curve=target.cost_curve())
     return DraftModelTreeDrafter(
         draft, target.cost_curve(), draft_cost=cost, budget=options.budget, choices=options.choices,
         draft_curve=draft.cost_curve(),

@@ -74,9 +74,23 @@ class Draft:
     # [draft_len] int64, the parent node of each node (-1: follows the context), parents before children;
     # None: a chain.
     parents: torch.Tensor | None = None
+    # [draft_len] float32, the drafter's estimate of the chance that each node is accepted (its whole
+    # path up to it, so non-increasing along a chain); None: no estimate. With it the engine verifies
+    # only the prefix of a chain that pays on the target's cost curve, possibly none of it.
+    scores: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
+
+    def prefix(self, n: int) -> Draft:
+        """The chain's first n tokens."""
+        if self.is_tree:
+            raise ValueError("a tree draft has no prefix; prune it with tree.select")
+        return Draft(
+            tokens=self.tokens[:n],
+            probs=None if self.probs is None else self.probs[:n],
+            scores=None if self.scores is None else self.scores[:n],
+        )
 
     @property
     def is_tree(self) -> bool:

@@ -58,6 +58,19 @@ def test_linear_curve_with_own_sizes():
     assert curve(10) == pytest.approx(5.5)
 
 
+def test_curve_never_charges_more_than_a_larger_measured_size():
+    """llama.cpp's kernels favour batches of 16 here: a forward over 12 tokens is charged what 16 cost,
+    and the cost stays non-decreasing in n."""
+    curve = CostCurve((1, 8, 12, 16, 32), (1.0, 5.0, 6.1, 5.3, 9.1))
+    assert curve(12) == pytest.approx(5.3) and curve(10) == pytest.approx(5.3) and curve(16) == pytest.approx(5.3)
+    assert curve(8) == pytest.approx(5.0) and curve(4) == pytest.approx(1 + 4 * 3 / 7)
+    assert curve(17) > 5.3
+    values = [curve(n) for n in range(1, 80)]
+    assert values == sorted(values)
+    # the budget search fills the cheap batch: with 15 likely nodes and one pending token, all 15 pay
+    assert best_budget([0.95] * 15, curve, 0.0, pending=1) == 15
+
+
 @pytest.mark.parametrize(
     "sizes, relative", [((1,), (1.0,)), ((1, 2), (1.0,)), ((2, 4), (1.0, 1.5)), ((), ())]
 )

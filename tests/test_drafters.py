@@ -49,16 +49,25 @@ def test_prompt_lookup_prefers_longest_ngram_and_latest_match():
 
 
 def test_best_draft_length():
+    from specdecode.models.costs import CostCurve
+
+    flat = CostCurve.linear(0.03)
     lengths = range(1, 17)
-    assert best_draft_length(0.05, 0.4, lengths) == 1  # hopeless drafter: draft as little as possible
-    assert best_draft_length(0.999, 0.01, lengths) == 16  # near-perfect, nearly free: draft the most
-    mid = best_draft_length(0.9, 0.3, lengths)
+    assert best_draft_length(0.05, 0.4, lengths, flat) == 1  # hopeless drafter: draft as little as possible
+    assert best_draft_length(0.999, 0.01, lengths, flat) == 16  # near-perfect, nearly free: draft the most
+    mid = best_draft_length(0.9, 0.3, lengths, flat)
     assert 3 <= mid <= 8
-    assert best_draft_length(0.9, 0.6, lengths) < mid  # dearer drafts: shorter chains
+    assert best_draft_length(0.9, 0.6, lengths, flat) < mid  # dearer drafts: shorter chains
+    assert best_draft_length(0.05, 0.4, range(0, 17), flat) == 0  # hopeless, and allowed to stop: stop
+    # llama.cpp on this CPU: 2 tokens cost 1.66 forwards; a draft token 0.59. Even a 95% drafter loses.
+    llama = CostCurve((1, 2, 4, 8, 16), (1.0, 1.66, 2.59, 4.63, 5.36))
+    assert best_draft_length(0.95, 0.59, range(0, 17), llama) == 0
+    assert best_draft_length(0.95, 0.59, range(0, 17), flat) >= 4
 
 
 def test_adaptive_length_follows_acceptance(tiny_target):
-    from specdecode.drafters.draft_model import DraftModelDrafter
+    from specdecode.drafters.draft_model import PROBE_EVERY, DraftModelDrafter
+    from specdecode.models.costs import CostCurve
     from specdecode.models.hf import HFCausalLM
     from specdecode.types import StepStats, Verdict
 
@@ -69,7 +78,36 @@ def test_adaptive_length_follows_acceptance(tiny_target):
     long = drafter.num_tokens
     for _ in range(30):
         drafter.update(Verdict(num_drafted=4, num_accepted=0, tokens=(1,)), stats)
-    assert long > 4 and drafter.num_tokens == 1
+    assert long > 4 and drafter.num_tokens == 0  # off ...
+    context, params = list(range(1, 9)), SamplingParams()
+    lengths = [len(drafter.propose(context, 8, params, None)) for _ in range(3 * PROBE_EVERY)]
+    assert lengths == ([0] * (PROBE_EVERY - 1) + [1]) * 3  # ... but probing now and then
+
+    # where even a near-perfect draft could not pay, off means off: no probes
+    drafter = DraftModelDrafter(HFCausalLM(tiny_target), num_tokens=4, draft_cost=0.59,
+                                curve=CostCurve((1, 2, 4, 8, 16), (1.0, 1.66, 2.59, 4.63, 5.36)))
+    drafter.update(Verdict(num_drafted=4, num_accepted=4, tokens=(1,) * 5), stats)
+    assert drafter.num_tokens == 0
+    assert all(len(drafter.propose(context, 8, params, None)) == 0 for _ in range(3 * PROBE_EVERY))
+
+
+def test_prompt_lookup_scores_follow_the_match_length():
+    """A continuation behind a long match is scored (and learnt) as likelier than one behind a short one."""
+    from specdecode.drafters.prompt_lookup import CopyAcceptance, match_length
+
+    ids = np.array([7, 1, 2, 3, 4, 5, 9, 9, 1, 2, 3, 4, 5])
+    assert match_length(ids, 6, 64) == 5 and match_length(ids, 6, 3) == 3 and match_length(ids, 2, 64) == 0
+    drafter = PromptLookupDrafter(max_ngram=3)
+    long = drafter.propose(ids.tolist(), 8, SamplingParams(), None)  # "3 4 5" matched, 5 tokens long
+    short = drafter.propose([7, 1, 2, 3, 8, 8, 3], 8, SamplingParams(), None)  # only "3" matches
+    assert long.tokens.tolist()[:2] == [9, 9] and short.tokens.tolist()[:2] == [8, 8]
+    assert long.scores[0] > short.scores[0] and bool((long.scores[1:] < long.scores[:-1]).all())
+    # learning: a bucket whose copies keep failing scores lower than its prior
+    acceptance = CopyAcceptance()
+    prior = acceptance.estimate(3)
+    for _ in range(5):
+        acceptance.record(3, 0, True)
+    assert acceptance.estimate(3) < prior / 2 and acceptance.estimate(4) > prior
 
 
 def test_draft_tree_scores_are_the_draft_models_path_probabilities(tiny_target):

@@ -82,6 +82,26 @@ def test_context_limit_ends_generation(tiny_target):
     assert result.new_tokens == 12 and result.finish_reason == "length"
 
 
+def test_gate_verifies_only_what_pays_on_the_cost_curve(tiny_target):
+    """A scored chain is cut to the prefix that pays: all of it where width is free, none of it where a
+    forward over k tokens costs k (then no draft token can pay, except beside the prefill, whose own
+    width makes a few more tokens relatively cheap), and the output is the same either way."""
+    from specdecode.models.costs import CostCurve
+
+    prompt = PROMPT * 4  # repeats: prompt lookup finds matches at every step
+    config = GenerationConfig(max_new_tokens=40)
+    outputs, drafted = {}, {}
+    for name, curve in [("free", CostCurve.linear(0.0)), ("linear", CostCurve.linear(1.0))]:
+        engine = SpeculativeEngine(HFCausalLM(tiny_target), drafter=PromptLookupDrafter(num_tokens=8))
+        engine._curve = curve
+        result = engine.generate(prompt, config)
+        outputs[name], drafted[name] = result.token_ids, sum(s.drafted for s in result.steps[1:])
+    ungated = SpeculativeEngine(HFCausalLM(tiny_target), drafter=PromptLookupDrafter(num_tokens=8), gate=False)
+    result = ungated.generate(prompt, config)
+    assert drafted["linear"] == 0 and drafted["free"] == sum(s.drafted for s in result.steps[1:]) > 0
+    assert outputs["free"] == outputs["linear"] == result.token_ids
+
+
 @pytest.mark.parametrize(
     "prompt, config_kwargs",
     [([], {}), ([1] * 600, {}), ([VOCAB + 5], {}), (PROMPT, {"max_new_tokens": 0}), (PROMPT, {"max_new_tokens": -3})],

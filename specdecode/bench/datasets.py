@@ -75,6 +75,26 @@ def code() -> list[Task]:
     return tasks
 
 
+# Edits that leave most of the code as it is: the copy-heavy workload (an editor's "refactor this").
+EDITS = (
+    "Rename the function `{name}` to `{name}_v2` and change nothing else.",
+    "Fix any spelling mistakes in the docstring and change nothing else.",
+    "Add a short comment above each `return` statement and change nothing else.",
+)
+
+
+def code_edit() -> list[Task]:
+    """HumanEval's reference solutions, each with an edit to make; the answer copies most of the code."""
+    tasks = []
+    for i, problem in enumerate(humaneval_prompts()):
+        instruction = EDITS[i % len(EDITS)].format(name=problem["entry_point"])
+        code = problem["prompt"] + problem["canonical_solution"]
+        tasks.append(Task("code-edit", problem["task_id"], (
+            f"{instruction} Reply with the complete code only.\n\n```python\n{code}```",
+        )))
+    return tasks
+
+
 def math() -> list[Task]:
     return [
         Task("math", r["task_id"], (r["question"] + "\nReason step by step, then give the final answer.",))
@@ -138,6 +158,7 @@ def _is_sentence(text: str) -> bool:
 CATEGORIES = {
     "multi-turn": mt_bench,
     "code": code,
+    "code-edit": code_edit,
     "math": math,
     "qa": question_answering,
     "rag": retrieval_augmented,

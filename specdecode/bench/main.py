@@ -24,8 +24,11 @@ from specdecode.errors import UserError
 from specdecode.methods import variant_names
 
 ALL_METHODS = [*variant_names(), *PEERS]
+# the default selection per backend: our methods that run there and that backend's peers
+TORCH_METHODS = [*variant_names(), *(m for m, peer in PEERS.items() if peer.backend == "torch")]
 # llama.cpp runs our methods only, and not the draft model's tree (it cannot grow one in its own cache)
 LLAMACPP_METHODS = [m for m in variant_names() if not m.startswith("draft-tree")]
+LLAMACPP_METHODS += [m for m, peer in PEERS.items() if peer.backend == "llamacpp"]
 
 
 def diagnose_divergences(models, records: list[Record], lossless: dict[str, bool]) -> list[str]:
@@ -91,9 +94,10 @@ def run(
     tasks = sample_tasks(categories, per_category, seed=seed)
     torch.set_num_threads(threads)
     console = Console(stderr=True)
-    peers = [m for m in methods if m in PEERS]
-    if backend != "torch" and peers:
-        raise UserError(f"the peers {peers} are transformers' generate(); they run on --backend torch only")
+    elsewhere = [m for m in methods if m in PEERS and PEERS[m].backend != backend]
+    if elsewhere:
+        raise UserError(f"the peers {elsewhere} are compared on another backend; on --backend {backend} the peers "
+                        f"are: {', '.join(m for m, peer in PEERS.items() if peer.backend == backend)}")
     models = load_models(target, drafter if needs_draft_model(methods) else None, dtype=dtype,
                          draft_dtype=draft_dtype, backend=backend)
     runners = build_runners(models, methods)

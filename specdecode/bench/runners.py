@@ -1,5 +1,6 @@
-"""What the benchmark runs: our methods through the engine, and the peers a user would otherwise pick
-(transformers' own generate(): plain, with assistant_model=, with prompt_lookup_num_tokens=)."""
+"""What the benchmark runs: our methods through the engine, and the peers a user would otherwise pick:
+transformers' own generate() (plain, with assistant_model=, with prompt_lookup_num_tokens=) on the torch
+backend, llama.cpp's own speculative modes on the llamacpp backend (`bench.llamacpp_peers`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.api import Models
+from specdecode.bench import llamacpp_peers
 from specdecode.engine import GenerationConfig
 from specdecode.methods import resolve
 from specdecode.types import StepStats
@@ -26,7 +28,7 @@ class Output:
 class Runner:
     name: str
     lossless: bool
-    peer: bool  # transformers' generate(), not ours
+    peer: bool  # not ours: transformers' generate() or llama.cpp's own
     run: Callable[[list[int], GenerationConfig], Output]
 
 
@@ -68,15 +70,36 @@ def peer_runner(models: Models, name: str, **generate_kwargs) -> Runner:
     return Runner(name, True, True, run)
 
 
+@dataclass(frozen=True)
+class Peer:
+    backend: str  # the backend whose plain decoding it is compared with
+    needs_draft_model: bool
+    build: Callable[[Models], Runner]
+
+
+def _llamacpp_server(name: str) -> Callable[[Models], Runner]:
+    return lambda models: llamacpp_peers.server_runner(models, name)
+
+
+def _llamacpp_prompt_lookup(models: Models) -> Runner:
+    return llamacpp_peers.prompt_lookup_runner(models)
+
+
 PEERS = {
-    "hf-plain": lambda models: peer_runner(models, "hf-plain"),
-    "hf-assisted": lambda models: peer_runner(models, "hf-assisted", assistant_model=models.require_draft().model),
-    "hf-prompt-lookup": lambda models: peer_runner(models, "hf-prompt-lookup", prompt_lookup_num_tokens=10),
+    "hf-plain": Peer("torch", False, lambda models: peer_runner(models, "hf-plain")),
+    "hf-assisted": Peer("torch", True, lambda models: peer_runner(
+        models, "hf-assisted", assistant_model=models.require_draft().model)),
+    "hf-prompt-lookup": Peer("torch", False, lambda models: peer_runner(
+        models, "hf-prompt-lookup", prompt_lookup_num_tokens=10)),
+    **{name: Peer("llamacpp", name == "llama-server-draft", _llamacpp_server(name))
+       for name in llamacpp_peers.SERVER_MODES},
+    "llama-cpp-python-pld": Peer("llamacpp", False, _llamacpp_prompt_lookup),
 }
 
 
 def needs_draft_model(names: list[str]) -> bool:
-    return any(name == "hf-assisted" or (name not in PEERS and resolve(name)[0].needs_draft_model) for name in names)
+    return any(PEERS[name].needs_draft_model if name in PEERS else resolve(name)[0].needs_draft_model
+               for name in names)
 
 
 def build_runners(models: Models, names: list[str]) -> dict[str, Runner]:
@@ -85,5 +108,5 @@ def build_runners(models: Models, names: list[str]) -> dict[str, Runner]:
     for name in names:
         if name in runners:
             continue
-        runners[name] = PEERS[name](models) if name in PEERS else our_runner(models, name)
+        runners[name] = PEERS[name].build(models) if name in PEERS else our_runner(models, name)
     return runners

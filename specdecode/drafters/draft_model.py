@@ -12,6 +12,7 @@ import torch
 from specdecode.drafters.base import Drafter
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
+from specdecode.models.costs import CostCurve
 from specdecode.sampling import logits_to_probs, sample
 from specdecode.types import Draft, SamplingParams, StepStats, Verdict
 
@@ -44,17 +45,19 @@ class SyncedCache:
         return context[keep:]
 
 
-VERIFY_SLOPE = 0.03  # extra cost of verifying one more token, relative to a 1-token target forward
 DECAY = 0.9  # weight of the past in the running estimates
+BEST_ACCEPTANCE = 0.95  # about the best a separate draft model reaches (the 0.5B agrees with the 1.5B on 94%)
+PROBE_EVERY = 8  # steps between one-token probes while drafting is off but might pay
 
 
-def best_draft_length(acceptance: float, draft_cost: float, lengths: range) -> int:
-    """The draft length with the most expected tokens per unit of time (see DraftModelDrafter)."""
+def best_draft_length(acceptance: float, draft_cost: float, lengths: range, curve: CostCurve) -> int:
+    """The draft length with the most expected tokens per unit of time (see DraftModelDrafter); 0 (no
+    draft) when `lengths` offers it and no draft beats plain decoding."""
     acceptance = min(max(acceptance, 0.0), 0.999)
 
     def rate(k: int) -> float:
         tokens = (1 - acceptance ** (k + 1)) / (1 - acceptance)
-        return tokens / (k * draft_cost + 1 + VERIFY_SLOPE * k)
+        return tokens / (k * draft_cost + curve(k + 1))
 
     return max(lengths, key=rate)
 
@@ -64,11 +67,14 @@ class DraftModelDrafter(Drafter):
 
     Adaptive draft length (on by default) picks the length that maximises expected tokens per unit of
     time from the per-token acceptance probability a, estimated online (a chain of k drafts then yields
-    (1 - a^(k+1)) / (1 - a) tokens per step), and the cost of one draft token relative to one target
-    forward, `draft_cost` (the step then costs k * draft_cost + 1 + VERIFY_SLOPE * k target forwards).
-    The cost is a fixed number during a run, so a seed still reproduces a sampled run: the methods
-    registry takes it from the two models' cost curves, measured once per machine and cached
-    (`models.costs.draft_cost`). Drafting also stops early when the drafter's own
+    (1 - a^(k+1)) / (1 - a) tokens per step), the cost of one draft token relative to one target
+    forward, `draft_cost`, and the target's cost curve (the step then costs k * draft_cost + curve(k + 1)
+    target forwards). The length may be 0: where no draft beats plain decoding, drafting switches
+    off, with a one-token probe every PROBE_EVERY steps to notice when it would pay again, and for good
+    when it could not pay even at BEST_ACCEPTANCE (llama.cpp on this CPU, where verifying 2 tokens
+    costs 1.7 forwards and a 0.5B draft token 0.6). The costs are fixed numbers during a run, so a
+    seed still reproduces a sampled run: the methods registry takes them from the two models' cost
+    curves, measured once per machine and cached (`models.costs`). Drafting also stops early when the drafter's own
     probability of its token falls under `confidence_threshold`: such a token is likely rejected, and
     drafting past it costs draft forwards for nothing.
     """
@@ -84,6 +90,7 @@ class DraftModelDrafter(Drafter):
         max_tokens: int = 16,
         confidence_threshold: float = 0.4,
         draft_cost: float = 0.4,
+        curve: CostCurve | None = None,  # the target's; None: verification width nearly free
     ):
         if not 1 <= min_tokens <= num_tokens <= max_tokens:
             raise UserError(
@@ -99,16 +106,29 @@ class DraftModelDrafter(Drafter):
         self.confidence_threshold = confidence_threshold
         self.num_tokens = num_tokens
         self.draft_cost = draft_cost
+        self.curve = curve or CostCurve.linear(0.03)
+        self._idle = 0  # steps since the last draft while drafting is off
         self._accepted = self._rejected = 0.0  # decayed counts of accepted and rejected draft tokens
         self._cache = SyncedCache(model)
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.num_tokens = self.initial_tokens
+        self._idle = 0
         self._accepted = self._rejected = 0.0
         self._cache.reset()
 
+    def _length(self) -> int:
+        if self.num_tokens > 0:
+            return self.num_tokens
+        self._idle += 1
+        best_case = best_draft_length(BEST_ACCEPTANCE, self.draft_cost, self._lengths(), self.curve)
+        return self.min_tokens if best_case and self._idle % PROBE_EVERY == 0 else 0
+
+    def _lengths(self) -> range:
+        return range(0, self.max_tokens + 1)
+
     def propose(self, context, max_tokens, params, generator) -> Draft:
-        length = min(self.num_tokens, max_tokens)
+        length = min(self._length(), max_tokens)
         if length <= 0:
             return Draft.empty()
         pending = self._cache.sync(context)
@@ -138,5 +158,5 @@ class DraftModelDrafter(Drafter):
         self._accepted = DECAY * self._accepted + verdict.num_accepted
         self._rejected = DECAY * self._rejected + (0 if verdict.bonus else 1)
         acceptance = (self._accepted + 1) / (self._accepted + self._rejected + 2)  # with a uniform prior
-        lengths = range(self.min_tokens, self.max_tokens + 1)
-        self.num_tokens = best_draft_length(acceptance, self.draft_cost, lengths)
+        best = best_draft_length(acceptance, self.draft_cost, self._lengths(), self.curve)
+        self.num_tokens = best and max(best, self.min_tokens)

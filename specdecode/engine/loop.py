@@ -13,8 +13,10 @@ from specdecode.drafters.base import Drafter
 from specdecode.engine.stopping import TextTracker
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
+from specdecode.models.costs import CostCurve
 from specdecode.types import Draft, SamplingParams, StepStats, TokenOrigin, Verdict
 from specdecode.tree import structure as tree
+from specdecode.tree.budget import best_budget
 from specdecode.verify.tree import verify
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20
@@ -141,12 +143,22 @@ class SpeculativeEngine:
         drafter: Drafter | None = None,
         method: str | None = None,
         tree_budget: int | str | None = None,
+        gate: bool = True,
     ):
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.method = method or (drafter.name if drafter else "ar")
         self.tree_budget = tree_budget
+        self.gate = gate  # cut scored chains to the prefix that pays (see step)
+        self._curve: CostCurve | None = None
+
+    @property
+    def curve(self) -> CostCurve:
+        """The target's verification cost curve (measured on first use, then cached per machine)."""
+        if self._curve is None:
+            self._curve = self.target.cost_curve()
+        return self._curve
 
     def step(
         self, context: list[int], room: int, params: SamplingParams, generator
@@ -155,14 +167,19 @@ class SpeculativeEngine:
 
         Returns the draft, the verdict and the seconds spent drafting and verifying.
         """
-        # 1. Draft: the drafter proposes up to `room` tokens (none at all for plain decoding).
+        # 1. Draft: the drafter proposes up to `room` tokens (none at all for plain decoding). A chain
+        #    that comes with acceptance estimates is cut to the prefix that pays on the target's cost
+        #    curve: where a wider forward costs nearly as much as the tokens it may save, speculation
+        #    switches itself off for the step.
         start = time.perf_counter()
+        pending = context[self.target.cache_length :]
         draft = self.drafter.propose(context, room, params, generator) if self.drafter and room > 0 else Draft.empty()
+        if self.gate and draft.scores is not None and not draft.is_tree and len(draft):
+            draft = draft.prefix(best_budget(draft.scores.tolist(), self.curve, 0.0, pending=len(pending)))
         drafted = time.perf_counter()
         # 2. Verify: one target forward over the tokens it has not seen yet plus the draft gives the
         #    target's distribution after the context and after every draft token (for a tree, after every
         #    node's path, through the tree attention mask and the nodes' positions).
-        pending = context[self.target.cache_length :]
         fed = torch.tensor(pending + draft.tokens.tolist())
         positions = tree_mask = None
         if draft.is_tree:
