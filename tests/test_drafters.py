@@ -92,22 +92,42 @@ def test_adaptive_length_follows_acceptance(tiny_target):
 
 
 def test_prompt_lookup_scores_follow_the_match_length():
-    """A continuation behind a long match is scored (and learnt) as likelier than one behind a short one."""
-    from specdecode.drafters.prompt_lookup import CopyAcceptance, match_length
+    """A continuation behind a long match is scored as likelier than one behind a short one, and every
+    proposal, verified or not, is judged against the output as it arrives."""
+    from specdecode.drafters.prompt_lookup import CopyAcceptance, match_length, match_length_forward
 
     ids = np.array([7, 1, 2, 3, 4, 5, 9, 9, 1, 2, 3, 4, 5])
     assert match_length(ids, 6, 64) == 5 and match_length(ids, 6, 3) == 3 and match_length(ids, 2, 64) == 0
+    assert match_length_forward(ids, 1, 8, 5) == 5 and match_length_forward(ids, 0, 8, 5) == 0
     drafter = PromptLookupDrafter(max_ngram=3)
-    long = drafter.propose(ids.tolist(), 8, SamplingParams(), None)  # "3 4 5" matched, 5 tokens long
+    long = drafter.propose(ids.tolist(), 8, SamplingParams(), None)  # "1 2 3 4 5" matched
     short = drafter.propose([7, 1, 2, 3, 8, 8, 3], 8, SamplingParams(), None)  # only "3" matches
     assert long.tokens.tolist()[:2] == [9, 9] and short.tokens.tolist()[:2] == [8, 8]
     assert long.scores[0] > short.scores[0] and bool((long.scores[1:] < long.scores[:-1]).all())
-    # learning: a bucket whose copies keep failing scores lower than its prior
-    acceptance = CopyAcceptance()
-    prior = acceptance.estimate(3)
+    # learning: in a request whose copies keep failing, every kind of match scores lower than its prior
+    acceptance, prior = CopyAcceptance(), CopyAcceptance()
     for _ in range(5):
-        acceptance.record(3, 0, True)
-    assert acceptance.estimate(3) < prior / 2 and acceptance.estimate(4) > prior
+        acceptance.record(3, 0, 16)
+    for bucket in range(8):
+        assert acceptance.scores(bucket, 1)[0] < prior.scores(bucket, 1)[0] / 1.5
+    # copies that start right but break after 2 tokens: first tokens score higher, later ones lower
+    acceptance = CopyAcceptance()
+    for _ in range(5):
+        acceptance.record(2, 2, 16)
+    assert acceptance.scores(2, 4)[0] > prior.scores(2, 4)[0] and acceptance.scores(2, 4)[3] < prior.scores(2, 4)[3]
+    # copies that run the whole judged length: later tokens score higher than the prior says
+    acceptance = CopyAcceptance()
+    for _ in range(5):
+        acceptance.record(2, 16, 16)
+    assert acceptance.scores(2, 16)[15] > prior.scores(2, 16)[15]
+    # judging without verification: the drafter proposed [9, 9, 1, ...] after ids; the output went on 9, 9, 6
+    drafter = PromptLookupDrafter(max_ngram=3)
+    drafter.propose(ids.tolist(), 8, SamplingParams(), None)
+    (bucket, _, _), = drafter._open
+    before = drafter._acceptance.scores(bucket, 3)
+    drafter.propose(ids.tolist() + [9, 9, 6], 8, SamplingParams(), None)
+    after = drafter._acceptance.scores(bucket, 3)
+    assert after[0] > before[0] and after[2] < before[2]  # the first was right; the third wrong
 
 
 def test_draft_tree_scores_are_the_draft_models_path_probabilities(tiny_target):

@@ -32,6 +32,7 @@ class Record:
     error: str | None = None
     prompt_ids: list[list[int]] = field(default_factory=list)  # per turn, as fed to the model
     turn_lengths: list[int] = field(default_factory=list)  # new tokens per turn
+    prefill_seconds: float | None = 0.0  # until the first new token, summed over turns (None: not known)
 
     @property
     def ok(self) -> bool:
@@ -62,6 +63,10 @@ def run_task(models: Models, runner: Runner, task: Task, config: GenerationConfi
             record.token_ids += output.token_ids
             record.turn_lengths.append(len(output.token_ids))
             record.seconds += output.seconds
+            if output.prefill_seconds is None or record.prefill_seconds is None:
+                record.prefill_seconds = None
+            else:
+                record.prefill_seconds += output.prefill_seconds
             if output.steps is not None:
                 record.steps += output.steps
             answer = models.tokenizer.decode(output.token_ids, skip_special_tokens=True)

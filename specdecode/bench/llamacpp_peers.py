@@ -85,7 +85,8 @@ class LlamaServer:
         self.process.kill()
         raise UserError(f"llama-server did not come up in {timeout:.0f} s; see {self.log.name}")
 
-    def complete(self, prompt_ids: list[int], config: GenerationConfig) -> tuple[list[int], float]:
+    def complete(self, prompt_ids: list[int], config: GenerationConfig) -> tuple[list[int], float, float]:
+        """The new tokens, the request's seconds and the server's own prefill seconds."""
         params = config.sampling
         body = {
             "prompt": prompt_ids, "n_predict": config.max_new_tokens, "cache_prompt": False,
@@ -97,18 +98,18 @@ class LlamaServer:
         start = time.perf_counter()
         with urllib.request.urlopen(request, timeout=3600) as response:
             reply = json.loads(response.read())
-        return reply["tokens"], time.perf_counter() - start
+        return reply["tokens"], time.perf_counter() - start, reply["timings"]["prompt_ms"] / 1000
 
 
 def server_runner(models, name: str):
     from specdecode.bench.runners import Output, Runner
 
-    args = [a.replace("{draft}", str(models.require_draft().path)) for a in SERVER_MODES[name]]
+    args = [str(models.require_draft().path) if a == "{draft}" else a for a in SERVER_MODES[name]]
     server = LlamaServer(models.target.path, args, threads=torch.get_num_threads())
 
     def run(prompt_ids: list[int], config: GenerationConfig) -> Output:
-        tokens, seconds = server.complete(prompt_ids, config)
-        return Output(tokens, seconds, None)
+        tokens, seconds, prefill = server.complete(prompt_ids, config)
+        return Output(tokens, seconds, None, prefill)
 
     return Runner(name, True, True, run)  # the server process lives as long as `run` holds it
 
@@ -131,13 +132,15 @@ def prompt_lookup_runner(models):
             llm.set_seed(config.seed)
         out: list[int] = []
         start = time.perf_counter()
+        prefill = None
         for token in llm.generate(prompt_ids, temp=params.temperature, top_k=params.top_k, top_p=params.top_p,
                                   reset=True):
+            prefill = prefill or time.perf_counter() - start
             if token in eos and not config.ignore_eos:
                 break
             out.append(token)
             if len(out) >= config.max_new_tokens:
                 break
-        return Output(out, time.perf_counter() - start, None)
+        return Output(out, time.perf_counter() - start, None, prefill)
 
     return Runner("llama-cpp-python-pld", True, True, run)

@@ -23,6 +23,8 @@ class Cell:
     mean_accepted_tokens: float | None  # None for peers
     runs: int
     failures: int
+    # the same ratio for decoding alone: tokens after the first over the time after the first token
+    decode_speedup: tuple[float, float] | None = None  # None: the prefill time is not known
 
 
 @dataclass
@@ -47,9 +49,16 @@ def _throughput(records: list[Record]) -> float:
     return metrics.tokens_per_second(sum(len(r.token_ids) for r in records), seconds)
 
 
+def _decode_throughput(records: list[Record]) -> float | None:
+    if any(r.prefill_seconds is None for r in records):
+        return None
+    seconds = sum(r.seconds - r.prefill_seconds for r in records)
+    return metrics.tokens_per_second(sum(len(r.token_ids) - len(r.turn_lengths) for r in records), seconds)
+
+
 def _cell(records: list[Record], reference: list[Record], repeats: list[int]) -> Cell:
     ok = [r for r in records if r.ok]
-    per_repeat, ratios = [], []
+    per_repeat, ratios, decode_ratios = [], [], []
     for repeat in repeats:
         mine = [r for r in ok if r.repeat == repeat]
         tasks = {r.task_id for r in mine}
@@ -57,6 +66,9 @@ def _cell(records: list[Record], reference: list[Record], repeats: list[int]) ->
         if mine and base:
             per_repeat.append(_throughput(mine))
             ratios.append(per_repeat[-1] / _throughput(base))
+            decode, decode_base = _decode_throughput(mine), _decode_throughput(base)
+            if decode is not None and decode_base:
+                decode_ratios.append(decode / decode_base)
     steps = [s for r in ok if r.steps is not None for s in r.steps]
     return Cell(
         tokens_per_second=metrics.mean_and_std(per_repeat),
@@ -64,6 +76,7 @@ def _cell(records: list[Record], reference: list[Record], repeats: list[int]) ->
         mean_accepted_tokens=metrics.mean_accepted_tokens(steps) if steps else None,
         runs=len(ok),
         failures=len(records) - len(ok),
+        decode_speedup=metrics.mean_and_std(decode_ratios) if decode_ratios and len(decode_ratios) == len(ratios) else None,
     )
 
 
@@ -131,6 +144,13 @@ def markdown(summaries: list[MethodSummary], settings: dict[str, str], notes: li
             cells.append(text)
         exact = "lossy" if s.exact is None else f"{s.exact[0]}/{s.exact[1]}"
         lines.append(f"| {s.method} | " + " | ".join(cells) + f" | {exact} |")
+    if any(s.cells[OVERALL].decode_speedup for s in summaries):
+        lines += ["", "## Decoding alone: speedup over `ar` with the prefill (time to the first token) left out", ""]
+        lines.append("| method | " + " | ".join(categories) + " |")
+        lines.append("|---" * (len(categories) + 1) + "|")
+        for s in summaries:
+            cells = [_pm(s.cells[c].decode_speedup, suffix="x") if s.cells[c].decode_speedup else "-" for c in categories]
+            lines.append(f"| {s.method} | " + " | ".join(cells) + " |")
     lines += ["", "## Per method, all categories", ""]
     lines.append("| method | tokens/s | speedup | predicted speedup | acceptance | accepted by draft position | draft share | runs | failures |")
     lines.append("|---" * 9 + "|")

@@ -22,6 +22,7 @@ class Output:
     token_ids: list[int]
     seconds: float
     steps: list[StepStats] | None  # None for peers, whose loop we cannot see into
+    prefill_seconds: float | None = None  # until the first new token (None: not known)
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,9 @@ def our_runner(models: Models, method: str) -> Runner:
 
     def run(prompt_ids: list[int], config: GenerationConfig) -> Output:
         result = engine.generate(prompt_ids, config)
-        return Output(result.token_ids, result.seconds, result.steps)
+        first = result.steps[0] if result.steps else None
+        prefill = first.draft_seconds + first.verify_seconds if first else None
+        return Output(result.token_ids, result.seconds, result.steps, prefill)
 
     return Runner(method, resolve(method)[0].lossless, False, run)
 

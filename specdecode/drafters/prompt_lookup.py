@@ -59,74 +59,134 @@ def match_length(context: np.ndarray, end: int, limit: int) -> int:
 
 
 MAX_MATCH = 64  # a longer match than this is no more telling
-# Per-token acceptance of a copied continuation, by how long the match behind it is (bucket b holds
-# matches of 2^b .. 2^(b+1) - 1 tokens): the prior each request starts from, then learnt from verdicts.
-# The longer the text the output already shares with the earlier occurrence, the likelier it goes on
-# copying it. The priors are what the 1.5B accepted on the benchmark's code-edit, rag and multi-turn
-# prompts under greedy decoding (`benchmarks/copy_acceptance.py` measures them again).
-PRIOR_ACCEPTANCE = (0.35, 0.5, 0.65, 0.8, 0.88, 0.92, 0.95)
-PRIOR_WEIGHT = 4.0  # the prior counts as this many observed tokens
+RESUME_WINDOW = 16  # how far past the point where a copy stopped a match still counts as resuming it
+JUDGED = 16  # tokens of each proposal judged against the output
+RUNNING = 4  # a copy this many tokens long was a real one: where it stops, the output may resume it
+# How a copied continuation fares, by the kind of match behind it: bucket b holds matches of
+# 2^b .. 2^(b+1) - 1 tokens, the last bucket short matches that resume a copy just past where it
+# stopped (an edit: the output left its source for a few new tokens and returns). Per bucket, the
+# chance that the first copied token is right, and the chance that each further one is, given the
+# ones before it were: a copy either starts or it does not, and once started it mostly runs on. These
+# priors are what the 1.5B's greedy outputs gave on the benchmark's prompts, pooled over categories
+# (40 prompts, 8 categories, `benchmarks/copy_acceptance.py`; sparse buckets interpolated). Each
+# request then learns its own from every proposal, verified or not (see PromptLookupDrafter).
+PRIOR_FIRST = (0.22, 0.48, 0.72, 0.82, 0.9, 0.99, 0.99, 0.46)
+PRIOR_RUN = (0.63, 0.78, 0.85, 0.9, 0.98, 0.98, 0.99, 0.85)
+RESUME = len(PRIOR_FIRST) - 1
+PRIOR_WEIGHT = 4.0  # the priors count as this many observations
 
 
 class CopyAcceptance:
-    """Running per-token acceptance of copied continuations, one estimate per match-length bucket."""
+    """Estimates, per kind of match, of the chance that a copy's first token is accepted and that each
+    later token is (given the earlier ones were): the priors, scaled by two factors learnt per request
+    from every judged proposal. A request that copies (an edit, a quote) beats the priors everywhere,
+    one that does not falls short of them everywhere, so one factor for all kinds of match learns
+    from a handful of proposals what separate estimates per kind would need dozens for."""
 
     def __init__(self):
-        self.accepted = [PRIOR_WEIGHT * q for q in PRIOR_ACCEPTANCE]
-        self.rejected = [PRIOR_WEIGHT * (1 - q) for q in PRIOR_ACCEPTANCE]
+        # decayed sums: first tokens right and predicted right; later tokens wrong and predicted wrong
+        self.first_right = self.first_predicted = self.run_wrong = self.run_predicted = PRIOR_WEIGHT
 
     @staticmethod
-    def bucket(matched: int) -> int:
-        return min(max(matched, 1).bit_length() - 1, len(PRIOR_ACCEPTANCE) - 1)
+    def bucket(matched: int, resumes: bool = False) -> int:
+        if resumes and matched < 8:
+            return RESUME
+        return min(max(matched, 1).bit_length() - 1, RESUME - 1)
 
-    def estimate(self, bucket: int) -> float:
-        return self.accepted[bucket] / (self.accepted[bucket] + self.rejected[bucket])
+    def rates(self, bucket: int) -> tuple[float, float]:
+        """(first token right, each later one right) for a kind of match, in this request so far."""
+        first = PRIOR_FIRST[bucket] * self.first_right / self.first_predicted
+        run = 1 - (1 - PRIOR_RUN[bucket]) * self.run_wrong / self.run_predicted
+        return min(max(first, 0.01), 0.99), min(max(run, 0.01), 0.995)
 
-    def record(self, bucket: int, accepted: int, rejected: bool) -> None:
-        self.accepted[bucket] = DECAY * self.accepted[bucket] + accepted
-        self.rejected[bucket] = DECAY * self.rejected[bucket] + rejected
+    def scores(self, bucket: int, n: int) -> torch.Tensor:
+        """[n]: the chance that the first 1, 2, ..., n tokens of a copy are all accepted."""
+        first, run = self.rates(bucket)
+        return first * run ** torch.arange(n, dtype=torch.float32)
+
+    def record(self, bucket: int, right: int, judged: int) -> None:
+        """A proposal's first `right` tokens were right, of `judged` compared with the output (a wrong
+        token ends the comparison, so right == judged means none was wrong)."""
+        self.first_right = DECAY * self.first_right + (right > 0)
+        self.first_predicted = DECAY * self.first_predicted + PRIOR_FIRST[bucket]
+        if right:
+            at_risk = right - 1 + (right < judged)
+            self.run_wrong = DECAY * self.run_wrong + (right < judged)
+            self.run_predicted = DECAY * self.run_predicted + at_risk * (1 - PRIOR_RUN[bucket])
 
 
 class PromptLookupDrafter(Drafter):
-    """Drafts by n-gram matching over the prompt and the output so far: the continuation of the most
-    recent earlier occurrence of the longest matching n-gram.
+    """Drafts by n-gram matching over the prompt and the output so far: the continuation of an earlier
+    occurrence of the longest matching n-gram, the one just past where the last copy stopped if there
+    is one (an edit resuming its source), else the most recent.
 
-    Each draft carries acceptance estimates (a^i for its i-th token, a learnt per length of the match
-    behind it, see CopyAcceptance), so the engine verifies only as much of it as pays on the target's
-    cost curve: on a backend where verification width is dear, only long, well-matched copies.
+    Each draft carries acceptance estimates (see CopyAcceptance), so the engine verifies only as much
+    of it as pays on the target's cost curve: on a backend where verification width is dear, only
+    copies that are likely to run long. The estimates are learnt from every proposal, verified or
+    not: prompt lookup costs nothing, so each step's proposal is kept and judged against the output
+    as it arrives (the tokens greedy verification would have accepted), which tells a copy-heavy
+    request from one that only echoes a word now and then before paying for a single bad draft.
     """
 
     name = "pld"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_tokens: int = 32):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_tokens: int = 64, max_matches: int = 16):
         _check_lookup(max_ngram, min_ngram, num_tokens)
-        self.max_ngram, self.min_ngram, self.num_tokens = max_ngram, min_ngram, num_tokens
-        self._acceptance = CopyAcceptance()
-        self._bucket: int | None = None
+        self.max_ngram, self.min_ngram, self.num_tokens, self.max_matches = max_ngram, min_ngram, num_tokens, max_matches
+        self.begin([])
 
     def begin(self, prompt_ids: list[int]) -> None:
         self._acceptance = CopyAcceptance()
+        self._open: list[tuple[int, int, int]] = []  # proposals not yet judged: (bucket, source, context length)
+        self._stopped: int | None = None  # where in its source the last real copy stopped being right
+
+    def _judge(self, ids: np.ndarray) -> None:
+        """Compare the open proposals with what the output turned out to be."""
+        still_open = []
+        for bucket, source, at in self._open:
+            judged = min(JUDGED, ids.shape[0] - at, at - source)
+            right = match_length_forward(ids, source, at, judged)
+            if right < judged or judged == JUDGED:
+                self._acceptance.record(bucket, right, judged)
+                if right < judged and right >= RUNNING:
+                    self._stopped = source + right
+            else:
+                still_open.append((bucket, source, at))
+        self._open = still_open
 
     def propose(self, context, max_tokens, params, generator) -> Draft:
-        self._bucket = None
+        ids = np.asarray(context, dtype=np.int64)
+        self._judge(ids)
         limit = min(self.num_tokens, max_tokens)
         if limit <= 0:
             return Draft.empty()
-        ids = np.asarray(context, dtype=np.int64)
         for ngram in range(self.max_ngram, self.min_ngram - 1, -1):
-            starts = find_starts(ids, ngram, max_matches=1)  # the most recent: the likeliest
-            if starts.size:
-                end = int(starts[0]) + ngram
-                self._bucket = self._acceptance.bucket(match_length(ids, end, MAX_MATCH))
-                tokens = torch.from_numpy(ids[end : end + limit].copy())
-                rate = self._acceptance.estimate(self._bucket)
-                scores = rate ** torch.arange(1, len(tokens) + 1, dtype=torch.float32)
-                return Draft(tokens=tokens, scores=scores)
+            ends = find_starts(ids, ngram, self.max_matches) + ngram  # continuation starts, most recent first
+            if not ends.size:
+                continue
+            # the occurrence sharing the longest stretch with the context's end (the most recent of
+            # those), unless the match is short and one resumes where the last copy stopped
+            lengths = [match_length(ids, e, MAX_MATCH) for e in ends.tolist()]
+            best = int(np.argmax(lengths))
+            end, matched = int(ends[best]), lengths[best]
+            stopped = self._stopped
+            resuming = [] if stopped is None else [e for e in ends.tolist() if stopped <= e <= stopped + RESUME_WINDOW]
+            if resuming and matched < 8:
+                end = min(resuming)
+                matched = match_length(ids, end, MAX_MATCH)
+            bucket = self._acceptance.bucket(matched, bool(resuming) and matched < 8)
+            self._open.append((bucket, end, ids.shape[0]))
+            tokens = torch.from_numpy(ids[end : end + limit].copy())
+            return Draft(tokens=tokens, scores=self._acceptance.scores(bucket, len(tokens)))
         return Draft.empty()
 
-    def update(self, verdict: Verdict, stats: StepStats) -> None:
-        if verdict.num_drafted and self._bucket is not None:
-            self._acceptance.record(self._bucket, verdict.num_accepted, not verdict.bonus)
+
+def match_length_forward(ids: np.ndarray, source: int, at: int, limit: int) -> int:
+    """How many tokens from `at` on equal those from `source` on (at most `limit`)."""
+    length = 0
+    while length < limit and ids[source + length] == ids[at + length]:
+        length += 1
+    return length
 
 
 class PromptLookupTreeDrafter(Drafter):

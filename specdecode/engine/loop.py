@@ -16,7 +16,7 @@ from specdecode.models.base import CausalLM
 from specdecode.models.costs import CostCurve
 from specdecode.types import Draft, SamplingParams, StepStats, TokenOrigin, Verdict
 from specdecode.tree import structure as tree
-from specdecode.tree.budget import best_budget
+from specdecode.tree.budget import cut_chain
 from specdecode.verify.tree import verify
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20
@@ -174,8 +174,8 @@ class SpeculativeEngine:
         start = time.perf_counter()
         pending = context[self.target.cache_length :]
         draft = self.drafter.propose(context, room, params, generator) if self.drafter and room > 0 else Draft.empty()
-        if self.gate and draft.scores is not None and not draft.is_tree and len(draft):
-            draft = draft.prefix(best_budget(draft.scores.tolist(), self.curve, 0.0, pending=len(pending)))
+        if self.gate and draft.scores is not None:
+            draft = cut_chain(draft, self.curve, pending=len(pending))
         drafted = time.perf_counter()
         # 2. Verify: one target forward over the tokens it has not seen yet plus the draft gives the
         #    target's distribution after the context and after every draft token (for a tree, after every

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from specdecode.errors import UserError
 from specdecode.models.costs import CostCurve
+from specdecode.types import Draft
 
 DECAY = 0.9  # weight of the past in the running calibration
 MAX_BUDGET = 64  # nodes a chosen budget verifies at most per step (the measured cost curve ends at 64)
@@ -62,3 +63,11 @@ class Calibration:
     def factor(self) -> float:
         """Multiply a score by this to estimate its acceptance (1 before any evidence)."""
         return min(max((self.observed + 1) / (self.predicted + 1), self.low), self.high)
+
+
+def cut_chain(draft: Draft, curve: CostCurve, pending: int = 1) -> Draft:
+    """A scored chain cut to the prefix that pays on the cost curve (maybe none of it); other drafts as
+    they are. `pending`: context tokens the same target forward carries."""
+    if draft.scores is None or draft.is_tree or not len(draft):
+        return draft
+    return draft.prefix(best_budget(draft.scores.tolist(), curve, 0.0, pending=pending))
