@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup models demo test test-fast bench
+.PHONY: setup models llama-server demo test test-fast bench
 
 setup: $(VENV)/.installed
 
@@ -24,11 +24,16 @@ $(VENV)/.installed: pyproject.toml
 models: setup
 	$(VENV)/bin/specdecode models fetch
 
+# llama.cpp's own llama-server, the llama.cpp backend's benchmark peer: built once (about 7 minutes)
+# from the llama.cpp sources the pinned llama-cpp-python ships, kept in ~/.cache/specdecode/llama.cpp.
+llama-server: setup
+	PYTHON=$(PY) scripts/build-llama-server.sh
+
 demo: models
 	$(VENV)/bin/specdecode demo
 
 # The whole suite, real-model tests included (what CI runs).
-test: models
+test: models llama-server
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Tiny models only: no model download, a minute or two.

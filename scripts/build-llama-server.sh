@@ -14,7 +14,8 @@ mkdir -p "$work"
 "$py" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$work"
 tar xzf "$work/llama_cpp_python-$version.tar.gz" -C "$work"
 src="$work/llama_cpp_python-$version/vendor/llama.cpp"
-"$py" -m pip install --quiet cmake >/dev/null 2>&1 || true
+export PATH="$(dirname "$(command -v "$py")"):$PATH"  # a pip-installed cmake lands beside python
+command -v cmake >/dev/null || "$py" -m pip install --quiet cmake
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF >"$work/build.log" 2>&1
 cmake --build "$work/build" --target llama-server -j "$(nproc)" >>"$work/build.log" 2>&1 || { tail -20 "$work/build.log"; exit 1; }

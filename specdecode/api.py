@@ -45,13 +45,18 @@ class Models:
         tree: bool = False,
         budget: int | None = None,
         choices: tuple[tuple[int, ...], ...] | None = None,
+        datastore: str | None = None,
+        reference: str | None = None,
     ) -> SpeculativeEngine:
         """An engine for a method by name (`draft`, `draft-tree`, `pld-tree`...); `tree=True` switches a
         method to its tree form, `budget` fixes the tree nodes verified per step (default: chosen from
-        the target's measured cost curve), `choices` gives the tree a fixed shape."""
+        the target's measured cost curve), `choices` gives the tree a fixed shape, `datastore` is a
+        retrieval datastore's path (`rest`; default: the Python standard library's), `reference` a
+        document's text to copy from (`pld`)."""
         spec, options = resolve(method)
-        if tree or budget is not None or choices is not None:
-            options = DrafterOptions(tree=tree or options.tree, budget=budget, choices=choices or options.choices)
+        reference_ids = tuple(self.tokenizer.encode(reference, add_special_tokens=False)) if reference else None
+        options = DrafterOptions(tree=tree or options.tree, budget=budget, choices=choices or options.choices,
+                                 datastore=datastore, reference_ids=reference_ids, tokenizer=self.tokenizer)
         draft = self.require_draft() if spec.needs_draft_model else None
         drafter = spec.drafter(self.target, draft, options)
         tree_budget = None if not options.tree else options.budget or ("whole" if options.choices else "auto")

@@ -8,7 +8,7 @@ tree as well as a chain takes `DrafterOptions(tree=True)`; by name, the tree for
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.draft_model import DraftModelDrafter
@@ -25,6 +25,9 @@ class DrafterOptions:
     tree: bool = False  # draft a token tree instead of a chain
     budget: int | None = None  # tree nodes verified per step; None: chosen from the measured cost curve
     choices: tuple[tuple[int, ...], ...] | None = None  # a fixed tree shape (draft model only)
+    datastore: str | None = None  # a retrieval datastore (`specdecode datastore build`); None: the default
+    reference_ids: tuple[int, ...] | None = None  # a document to copy from (retrieved passages, a file being edited)
+    tokenizer: object | None = field(default=None, compare=False)  # the target's, for drafters that tokenize text
 
     def __post_init__(self) -> None:
         if self.budget is not None and not self.tree:
@@ -68,7 +71,9 @@ def _draft_model(target: CausalLM, draft: CausalLM | None, options: DrafterOptio
 
 def _prompt_lookup(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
     if not options.tree:
-        return PromptLookupDrafter()
+        return PromptLookupDrafter(reference_ids=options.reference_ids)
+    if options.reference_ids:
+        raise UserError("a reference document is searched by the chain form of pld; drop --tree")
     return PromptLookupTreeDrafter(target.cost_curve(), budget=options.budget)
 
 

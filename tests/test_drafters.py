@@ -155,3 +155,15 @@ def test_draft_tree_scores_are_the_draft_models_path_probabilities(tiny_target):
             probs = reference.forward(torch.tensor(prefix), num_logits=1).logits[0].softmax(-1)  # [vocab]
             score *= float(probs[draft.tokens[i]])
         assert abs(float(drafter.last_scores[node]) - score) < 1e-5, (node, path)
+
+
+def test_prompt_lookup_copies_from_a_reference_document():
+    """With a reference, a context n-gram found only there is continued from it; the separator keeps
+    a match from running across the reference's end into the context."""
+    drafter = PromptLookupDrafter(max_ngram=2, reference_ids=[40, 41, 42, 43, 44])
+    draft = drafter.propose([1, 2, 41, 42], 8, SamplingParams(), None)
+    assert draft.tokens.tolist() == [43, 44]
+    assert len(PromptLookupDrafter(max_ngram=2).propose([1, 2, 41, 42], 8, SamplingParams(), None)) == 0
+    # the reference's last tokens are not followed by the context's first ones
+    drafter = PromptLookupDrafter(max_ngram=1, reference_ids=[7, 8])
+    assert len(drafter.propose([9, 8], 8, SamplingParams(), None)) == 0

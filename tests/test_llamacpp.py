@@ -160,3 +160,40 @@ def test_cli_generate_on_llamacpp(tiny_pair, tiny_folder, monkeypatch, capsys):
         assert code == 0 and json.loads(out)["token_ids"] == json.loads(plain)["token_ids"]
     code, _, err = run("--method", "ar", "--target", str(tiny_folder))  # a folder, not a .gguf
     assert code == 2 and "Traceback" not in err and "gguf" in err
+
+
+class _Pair:
+    """What the llama.cpp peers read from `Models`: the GGUF paths and the end-of-sequence ids."""
+
+    def __init__(self, target_path, draft_path):
+        self.target = LlamaCppLM(target_path, n_ctx=256)
+        self.draft = LlamaCppLM(draft_path, n_ctx=256)
+
+    def require_draft(self):
+        return self.draft
+
+
+@pytest.mark.parametrize("peer", ["llama-cpp-python-pld", "llama-server", "llama-server-draft",
+                                  "llama-server-ngram-simple"])
+def test_llamacpp_peers_decode_what_our_engine_decodes(tiny_pair, peer):
+    """llama.cpp's own speculative modes, as the benchmark drives them, give our plain greedy tokens
+    (token ids in, token ids out, the prefill timed apart). The llama-server peers need the binary
+    (scripts/build-llama-server.sh) and are skipped without it."""
+    from specdecode.bench import llamacpp_peers
+    from specdecode.bench.runners import PEERS
+
+    if peer.startswith("llama-server"):
+        try:
+            llamacpp_peers.server_binary()
+        except UserError:
+            pytest.skip("llama-server is not built (scripts/build-llama-server.sh)")
+    _, target_path, draft_path = tiny_pair
+    pair = _Pair(target_path, draft_path)
+    runner = PEERS[peer].build(pair)
+    # (not ignore_eos: llama.cpp then bans end-of-generation tokens, where our engine decodes past them)
+    config = GenerationConfig(max_new_tokens=24)
+    for prompt in random_prompts(3, seed=11):
+        expected = SpeculativeEngine(pair.target).generate(prompt, config).token_ids
+        output = runner.run(prompt, config)
+        assert output.token_ids == expected
+        assert 0 < output.prefill_seconds < output.seconds

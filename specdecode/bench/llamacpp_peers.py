@@ -7,13 +7,17 @@
   our engine prefills every prompt too.
 - llama-cpp-python's own prompt-lookup drafter (`LlamaPromptLookupDecoding`, 10 tokens).
 
-Timing is wall time around each request, like our engine's (prefill included).
+Timing is wall time around each request, like our engine's (prefill included). Note that llama.cpp's
+`ignore_eos` bans end-of-generation tokens while our engine's decodes past them: compare outputs with it
+off (the benchmark's default).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import shutil
 import socket
 import subprocess
@@ -55,6 +59,14 @@ def server_binary() -> Path:
                     "SPECDECODE_LLAMA_SERVER to a llama-server binary")
 
 
+def _die_with_parent() -> None:
+    """In the server's process: be killed when the benchmark dies, however it dies (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -69,7 +81,7 @@ class LlamaServer:
         self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
         command = [str(server_binary()), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
                    "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx), "-np", "1", *args]
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         weakref.finalize(self, self.process.kill)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -136,10 +148,8 @@ def prompt_lookup_runner(models):
         for token in llm.generate(prompt_ids, temp=params.temperature, top_k=params.top_k, top_p=params.top_p,
                                   reset=True):
             prefill = prefill or time.perf_counter() - start
-            if token in eos and not config.ignore_eos:
-                break
-            out.append(token)
-            if len(out) >= config.max_new_tokens:
+            out.append(token)  # the end-of-sequence token too, as our engine and llama-server count it
+            if (token in eos and not config.ignore_eos) or len(out) >= config.max_new_tokens:
                 break
         return Output(out, time.perf_counter() - start, None, prefill)
 

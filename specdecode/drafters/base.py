@@ -31,3 +31,10 @@ class Drafter(abc.ABC):
 
     def update(self, verdict: Verdict, stats: StepStats) -> None:
         """Learn from how the last step fared (adaptive draft length and the like)."""
+
+    wants_logits: bool = False  # True: the engine calls observe() after every verification
+
+    def observe(self, draft: Draft, logits: torch.Tensor, verdict: Verdict) -> None:
+        """The target's logits from the step's verification, before update(): [len(draft) + 1, vocab],
+        row i the distribution after the context and draft node i - 1 (row 0: after the context). Jacobi
+        and lookahead decoding draft from them."""

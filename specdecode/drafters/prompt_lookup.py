@@ -116,7 +116,8 @@ class CopyAcceptance:
 
 
 class PromptLookupDrafter(Drafter):
-    """Drafts by n-gram matching over the prompt and the output so far: the continuation of an earlier
+    """Drafts by n-gram matching over the prompt and the output so far (and a reference document, when
+    given): the continuation of an earlier
     occurrence of the longest matching n-gram, the one just past where the last copy stopped if there
     is one (an edit resuming its source), else the most recent.
 
@@ -130,9 +131,20 @@ class PromptLookupDrafter(Drafter):
 
     name = "pld"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_tokens: int = 64, max_matches: int = 16):
+    def __init__(
+        self,
+        max_ngram: int = 3,
+        min_ngram: int = 1,
+        num_tokens: int = 64,
+        max_matches: int = 16,
+        reference_ids: list[int] | tuple[int, ...] | None = None,
+    ):
         _check_lookup(max_ngram, min_ngram, num_tokens)
         self.max_ngram, self.min_ngram, self.num_tokens, self.max_matches = max_ngram, min_ngram, num_tokens, max_matches
+        # Reference copying (LLMA): a document the caller passes (retrieved passages, a file being edited)
+        # is searched as if it preceded the context, behind a separator no n-gram can match across.
+        reference = np.asarray(reference_ids or [], dtype=np.int64)
+        self._reference = np.concatenate([reference, [-1]]) if reference.size else reference
         self.begin([])
 
     def begin(self, prompt_ids: list[int]) -> None:
@@ -155,7 +167,7 @@ class PromptLookupDrafter(Drafter):
         self._open = still_open
 
     def propose(self, context, max_tokens, params, generator) -> Draft:
-        ids = np.asarray(context, dtype=np.int64)
+        ids = np.concatenate([self._reference, np.asarray(context, dtype=np.int64)])
         self._judge(ids)
         limit = min(self.num_tokens, max_tokens)
         if limit <= 0:
@@ -175,9 +187,12 @@ class PromptLookupDrafter(Drafter):
                 end = min(resuming)
                 matched = match_length(ids, end, MAX_MATCH)
             bucket = self._acceptance.bucket(matched, bool(resuming) and matched < 8)
+            tokens = ids[end : end + limit]
+            tokens = tokens[: int(np.argmax(tokens < 0))] if (tokens < 0).any() else tokens  # up to the separator
+            if not tokens.size:
+                continue
             self._open.append((bucket, end, ids.shape[0]))
-            tokens = torch.from_numpy(ids[end : end + limit].copy())
-            return Draft(tokens=tokens, scores=self._acceptance.scores(bucket, len(tokens)))
+            return Draft(tokens=torch.from_numpy(tokens.copy()), scores=self._acceptance.scores(bucket, len(tokens)))
         return Draft.empty()
 
 

@@ -14,7 +14,7 @@ from specdecode.engine.stopping import TextTracker
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import CostCurve
-from specdecode.types import Draft, SamplingParams, StepStats, TokenOrigin, Verdict
+from specdecode.types import AuxiliaryTokens, Draft, SamplingParams, StepStats, TokenOrigin, Verdict
 from specdecode.tree import structure as tree
 from specdecode.tree.budget import cut_chain
 from specdecode.verify.tree import verify
@@ -124,6 +124,29 @@ class Stream:
         self.result = yield from self._events
 
 
+def with_auxiliary(
+    fed: torch.Tensor,  # [p + n] the pending context tokens, then the draft's
+    positions: torch.Tensor | None,  # [p + n]; None: consecutive after the cache
+    mask: torch.Tensor | None,  # [p + n, p + n] bool; None: causal
+    auxiliary: AuxiliaryTokens,
+    num_pending: int,
+    context_length: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A forward's inputs with auxiliary tokens appended: each sees every context token (the cache and
+    the pending ones) and the auxiliary tokens its row allows, no draft node; no draft node sees them.
+    Returns (tokens [p + n + m], positions [p + n + m], mask [p + n + m, p + n + m] bool)."""
+    length, m = fed.numel(), len(auxiliary)
+    if positions is None:  # a chain
+        start = context_length - num_pending  # the cache length
+        positions = torch.arange(start, start + length)
+        mask = torch.ones(length, length, dtype=torch.bool).tril()
+    full = torch.zeros(length + m, length + m, dtype=torch.bool)
+    full[:length, :length] = mask
+    full[length:, :num_pending] = True
+    full[length:, length:] = auxiliary.mask
+    return torch.cat([fed, auxiliary.tokens]), torch.cat([positions, auxiliary.positions]), full
+
+
 def _origins(verdict: Verdict) -> list[TokenOrigin]:
     last: TokenOrigin = "target" if verdict.num_drafted == 0 else "bonus" if verdict.bonus else "corrected"
     return ["accepted"] * verdict.num_accepted + [last]
@@ -179,16 +202,23 @@ class SpeculativeEngine:
         drafted = time.perf_counter()
         # 2. Verify: one target forward over the tokens it has not seen yet plus the draft gives the
         #    target's distribution after the context and after every draft token (for a tree, after every
-        #    node's path, through the tree attention mask and the nodes' positions).
+        #    node's path, through the tree attention mask and the nodes' positions). Auxiliary tokens
+        #    (lookahead decoding's window) ride after the draft, unseen by it; their rows are the drafter's.
         fed = torch.tensor(pending + draft.tokens.tolist())
         positions = tree_mask = None
         if draft.is_tree:
             positions, tree_mask = tree.verification_inputs(draft.parents, len(pending), len(context))
-        logits = self.target.forward(fed, positions=positions, tree_mask=tree_mask, num_logits=len(draft) + 1).logits
+        if draft.auxiliary is not None:
+            fed, positions, tree_mask = with_auxiliary(
+                fed, positions, tree_mask, draft.auxiliary, len(pending), len(context))
+        rows = fed.numel() - len(pending) + 1  # from the last context token's on
+        logits = self.target.forward(fed, positions=positions, tree_mask=tree_mask, num_logits=rows).logits
         # 3. Accept the longest admissible prefix (or tree path) and add the correction or bonus token.
-        verdict = verify(logits, draft, params, generator)  # logits: [draft_len + 1, vocab]
-        # 4. Roll back: the cache keeps the context and the accepted drafts; the last token of the
-        #    verdict is fed in the next step's forward.
+        verdict = verify(logits[: len(draft) + 1], draft, params, generator)  # [draft_len + 1, vocab]
+        if self.drafter is not None and self.drafter.wants_logits:
+            self.drafter.observe(draft, logits, verdict)  # [rows, vocab], the auxiliary tokens' rows last
+        # 4. Roll back: the cache keeps the context and the accepted drafts (auxiliary tokens, past the
+        #    draft, go with the rejected nodes); the last token of the verdict is fed in the next forward.
         self.target.compact(len(context), verdict.path)
         return draft, verdict, drafted - start, time.perf_counter() - drafted
 
@@ -247,6 +277,7 @@ class SpeculativeEngine:
                 verify_seconds=verify_seconds,
                 forward_tokens=forward_tokens + verdict.num_drafted,
                 draft_depth=int(tree.depths(draft.parents).max()) if draft.is_tree and len(draft) else None,
+                auxiliary_tokens=len(draft.auxiliary) if draft.auxiliary is not None else 0,
             )
             steps.append(stats)
             if self.drafter is not None:
