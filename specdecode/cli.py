@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from specdecode.drafters.retrieval import DEFAULT_MAX_TOKENS, DEFAULT_PATTERN
 from specdecode.errors import UserError
 from specdecode.methods import METHODS
 from specdecode.models import commands as model_commands
@@ -36,7 +37,7 @@ DTypeOption = Annotated[DType, typer.Option(help="Target weights' dtype; probabi
 DraftDType = Enum("DraftDType", {"int8": "int8", "bfloat16": "bfloat16", "float32": "float32"}, type=str)
 DraftDTypeOption = Annotated[DraftDType, typer.Option(
     help="Draft model weights: int8 (default, ~3x cheaper on CPU; lossless, the target verifies), bfloat16 or float32.")]
-TreeOption = Annotated[bool, typer.Option("--tree", help="Draft a token tree instead of a chain (draft, pld).")]
+TreeOption = Annotated[bool, typer.Option("--tree", help="Draft a token tree instead of a chain (methods with a tree form).")]
 BudgetOption = Annotated[int | None, typer.Option(
     min=1, max=4096, help="Tree nodes verified per step (default: chosen each step from the measured cost curve).")]
 Backend = Enum("Backend", {"torch": "torch", "llamacpp": "llamacpp"}, type=str)
@@ -44,6 +45,35 @@ BackendOption = Annotated[Backend, typer.Option(
     help="torch: any transformers model (bf16 target, int8 drafter); llamacpp: .gguf files through llama.cpp.")]
 ChoicesOption = Annotated[str | None, typer.Option(
     help="A fixed tree shape for --method draft --tree: JSON choices like [[0],[1],[0,0]], or 'default'.")]
+DatastoreOption = Annotated[Path | None, typer.Option(
+    help="A retrieval datastore for rest and composite (`specdecode datastore build`; default: the Python "
+         "standard library's, built once).")]
+ReferenceOption = Annotated[Path | None, typer.Option(
+    help="A document pld and composite copy from (retrieved passages, a file being edited).")]
+
+
+def _check_sources(method: str, datastore: Path | None, reference: Path | None) -> str | None:
+    """Validate --datastore / --reference for a method; the reference document's text."""
+
+    def takers(source: str) -> str:
+        return " and ".join(name for name, m in METHODS.items() if source in m.takes)
+
+    if datastore is not None:
+        if "datastore" not in METHODS[method].takes:
+            raise UserError(f"--datastore applies to {takers('datastore')}, not {method}")
+        if not datastore.is_file():
+            raise UserError(f"no datastore at {datastore} (build one with `specdecode datastore build`)")
+    if reference is None:
+        return None
+    if "reference" not in METHODS[method].takes:
+        raise UserError(f"--reference applies to {takers('reference')}, not {method}")
+    try:
+        text = reference.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"cannot read the reference document {reference}: {error}") from None
+    if not text.strip():
+        raise UserError(f"the reference document {reference} is empty")
+    return text
 
 
 def _stats_table(rows: list[dict], baseline_tps: float | None = None) -> Table:
@@ -87,6 +117,8 @@ def generate(
     tree: TreeOption = False,
     budget: BudgetOption = None,
     choices: ChoicesOption = None,
+    datastore: DatastoreOption = None,
+    reference: ReferenceOption = None,
     target: TargetOption = DEFAULT_TARGET,
     drafter: DrafterOption = DEFAULT_DRAFTER,
 ) -> None:
@@ -100,6 +132,7 @@ def generate(
     options = DrafterOptions(tree=tree, budget=budget, choices=parse_choices(choices) if choices else None)
     if options.tree and not METHODS[method_name].tree:
         raise UserError(f"method {method_name!r} has no tree form; drop --tree")
+    reference_text = _check_sources(method_name, datastore, reference)
     needs_draft = METHODS[method_name].needs_draft_model
     models = load_models(target, drafter if needs_draft else None, dtype=dtype.value, draft_dtype=draft_dtype.value,
                          backend=backend.value)
@@ -110,7 +143,8 @@ def generate(
         stop=tuple(stop or ()),
         seed=seed,
     )
-    engine = models.engine(method_name, tree=tree, budget=budget, choices=options.choices)
+    engine = models.engine(method_name, tree=tree, budget=budget, choices=options.choices,
+                           datastore=str(datastore) if datastore else None, reference=reference_text)
     if as_json:
         print(json.dumps(engine.generate(ids, config).summary()))
         return
@@ -153,6 +187,7 @@ def bench(
     dtype: DTypeOption = DType("bfloat16"),
     draft_dtype: DraftDTypeOption = DraftDType("int8"),
     backend: BackendOption = Backend("torch"),
+    datastore: DatastoreOption = None,
     target: TargetOption = DEFAULT_TARGET,
     drafter: DrafterOption = DEFAULT_DRAFTER,
 ) -> None:
@@ -170,6 +205,7 @@ def bench(
         target=target, drafter=drafter, dtype=dtype.value, draft_dtype=draft_dtype.value, threads=threads,
         backend=backend.value,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        datastore=str(datastore) if datastore else None,
     )
 
 
@@ -183,6 +219,65 @@ def list_methods() -> None:
         table.add_row(m.name, "yes" if m.needs_draft_model else "no", "yes" if m.lossless else "NO",
                       "yes" if m.tree else "no", m.summary)
     Console().print(table)
+
+
+# --- specdecode datastore ... ---------------------------------------------------------------------
+
+datastore_app = typer.Typer(help="Build retrieval datastores (for REST-style retrieval drafting).",
+                            no_args_is_help=True)
+app.add_typer(datastore_app, name="datastore")
+
+
+def _load_tokenizer(spec: str):
+    """The tokenizer alone of a target given as for --target (a registered name, a .gguf file, a model
+    folder or a hub id): building a datastore needs no weights."""
+    from transformers import AutoTokenizer
+
+    from specdecode.models.loading import prepare_registered, registered_models
+
+    if spec in registered_models():
+        return AutoTokenizer.from_pretrained(prepare_registered(spec))
+    path = Path(spec).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():  # a folder holding one .gguf file
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise UserError(f"{path} is not a model folder: no config.json and {len(ggufs)} .gguf files")
+        path = ggufs[0]
+    if path.is_file() and path.suffix != ".gguf":
+        raise UserError(f"{path} is a file but not a .gguf file; pass a .gguf file or a model folder")
+    try:
+        if path.is_file():
+            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        return AutoTokenizer.from_pretrained(path if path.exists() else spec)  # a model folder or a hub id
+    except (OSError, ValueError) as error:
+        raise UserError(f"could not load the tokenizer of {spec!r}: {str(error).strip().splitlines()[0]}") from None
+
+
+@datastore_app.command("build")
+def datastore_build(
+    corpus_dir: Annotated[Path, typer.Argument(help="Folder of text files to index.")],
+    out: Annotated[Path, typer.Argument(help="The datastore file to write (.npz).")],
+    pattern: Annotated[str, typer.Option(help="Which files under CORPUS_DIR, as a glob.")] = DEFAULT_PATTERN,
+    max_tokens: Annotated[int, typer.Option(
+        min=1, help="Refuse corpora of more tokens (sorting takes about 16 bytes a token).")] = DEFAULT_MAX_TOKENS,
+    target: TargetOption = DEFAULT_TARGET,
+) -> None:
+    """Tokenize the files under CORPUS_DIR with the target's tokenizer and index them for --method rest."""
+    import resource
+
+    from specdecode.drafters.retrieval import build_datastore
+
+    if not corpus_dir.is_dir():
+        raise UserError(f"no such folder: {corpus_dir}")
+    tokenizer = _load_tokenizer(target)
+    start = time.perf_counter()
+    datastore = build_datastore(corpus_dir, tokenizer, pattern=pattern, max_tokens=max_tokens)
+    datastore.save(out)
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    info = datastore.info
+    print(f"{out}: {info.tokens:,} tokens from {info.files:,} files, {out.stat().st_size / 1e6:.1f} MB, "
+          f"built in {seconds:.1f} s, peak memory {peak / 2**30:.2f} GiB")
 
 
 def main() -> None:

@@ -14,6 +14,11 @@ from specdecode.drafters.base import Drafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.draft_model_tree import DEFAULT_CHOICES, DraftModelTreeDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
+from specdecode.drafters.jacobi import build_jacobi
+from specdecode.drafters.lookahead import build_lookahead
+from specdecode.drafters.retrieval import build_retrieval
+from specdecode.drafters.suffix import build_suffix
+from specdecode.drafters.composite import build_composite
 from specdecode.errors import UserError
 from specdecode.models import costs
 from specdecode.models.base import CausalLM
@@ -49,6 +54,7 @@ class Method:
     lossless: bool = True
     tree: bool = False  # offers a token-tree form
     choices: bool = False  # its tree can take a fixed shape
+    takes: tuple[str, ...] = ()  # the outside sources it drafts from: "datastore", "reference"
 
     def drafter(self, target: CausalLM, draft: CausalLM | None, options: DrafterOptions | None = None) -> Drafter | None:
         options = options or DrafterOptions()
@@ -84,7 +90,19 @@ METHODS: dict[str, Method] = {
         Method("draft", "an independent draft model drafts a chain (adaptive length) or an EAGLE-2-style tree",
                True, _draft_model, tree=True, choices=True),
         Method("pld", "prompt lookup: copy what followed the last n-gram earlier (tree: every match)",
-               False, _prompt_lookup, tree=True),
+               False, _prompt_lookup, tree=True, takes=("reference",)),
+        Method("rest", "retrieval (REST): the most frequent continuations of the context's longest suffix in "
+               "a corpus datastore, by default the Python standard library (tree: all of them, as a trie)",
+               False, build_retrieval, tree=True, takes=("datastore",)),
+        Method("jacobi", "Jacobi decoding: the target's own predictions from its last forward are the next "
+               "guesses, iterated to a fixed point by verification", False, build_jacobi),
+        Method("lookahead", "lookahead decoding: a Jacobi window rides in every forward and harvests n-grams; "
+               "pool n-grams starting with the last token are verified as a tree", False, build_lookahead),
+        Method("suffix", "suffix decoding: what followed the context's suffix in this request and in earlier "
+               "ones the drafter served (tree: all of it, as a trie)", False, build_suffix, tree=True),
+        Method("composite", "prompt lookup and retrieval, plus the draft model only where they promise less "
+               "than one accepted token, merged into one tree (a chain unless --tree)",
+               True, build_composite, tree=True, takes=("datastore", "reference")),
     ]
 }
 

@@ -61,6 +61,22 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+@dataclass(frozen=True)
+class AuxiliaryTokens:
+    """Tokens that ride in a step's target forward after the draft without being verified (lookahead
+    decoding's Jacobi window). Each sees the whole context and the auxiliary tokens its `mask` row
+    allows, never a draft node, and no draft node sees them, so the draft's logits are as without them.
+    Their logits follow the draft's in what the drafter's observe() receives; their cache entries lie past
+    the draft's and go with the rejected nodes."""
+
+    tokens: torch.Tensor  # [m] int64
+    positions: torch.Tensor  # [m] int64, their position ids
+    mask: torch.Tensor  # [m, m] bool, mask[i, j]: auxiliary token i attends to auxiliary token j (itself: True)
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+
 @dataclass
 class Draft:
     """Proposed tokens (a chain, or a token tree when `parents` is given) and, when the drafter sampled
@@ -78,6 +94,8 @@ class Draft:
     # path up to it, so non-increasing along a chain); None: no estimate. With it the engine verifies
     # only the prefix of a chain that pays on the target's cost curve, possibly none of it.
     scores: torch.Tensor | None = None
+    # Tokens the same target forward carries for the drafter's own use, unverified; None: none.
+    auxiliary: AuxiliaryTokens | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
@@ -90,6 +108,7 @@ class Draft:
             tokens=self.tokens[:n],
             probs=None if self.probs is None else self.probs[:n],
             scores=None if self.scores is None else self.scores[:n],
+            auxiliary=self.auxiliary,
         )
 
     @property
@@ -133,5 +152,6 @@ class StepStats:
     new_tokens: int  # tokens appended to the output this step (after stop conditions)
     draft_seconds: float
     verify_seconds: float  # the target forward plus the acceptance decision
-    forward_tokens: int  # tokens fed to the target in this step's forward (prefill included)
+    forward_tokens: int  # pending context (the prefill included) and draft tokens in this step's forward
     draft_depth: int | None = None  # the longest root-to-leaf path of a tree draft; None: a chain (= drafted)
+    auxiliary_tokens: int = 0  # unverified tokens the forward also carried (`AuxiliaryTokens`)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -50,6 +52,26 @@ def noisy_copy(model, scale: float, seed: int):
         for p in clone.parameters():
             p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
     return clone
+
+
+@pytest.fixture(scope="session", autouse=True)
+def small_default_datastore(tmp_path_factory):
+    """The default retrieval datastore (the standard library) is built, in tests, from one small stdlib
+    package into a temporary folder: the real one takes a minute and lives in the user's cache."""
+    import json as some_package
+    import shutil
+
+    from specdecode.drafters import retrieval
+
+    library = tmp_path_factory.mktemp("stdlib")
+    shutil.copytree(Path(some_package.__file__).parent, library / "json")
+    stores = tmp_path_factory.mktemp("datastores")
+    patch = pytest.MonkeyPatch()
+    patch.setattr(retrieval, "stdlib_folder", lambda: library)
+    original = retrieval.default_datastore_path
+    patch.setattr(retrieval, "default_datastore_path", lambda tokenizer: stores / original(tokenizer).name)
+    yield stores
+    patch.undo()
 
 
 @pytest.fixture(scope="session", autouse=True)

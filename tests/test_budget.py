@@ -39,9 +39,11 @@ def test_curve_extrapolates_the_last_segment(n, cost):
 
 
 def test_curve_is_never_negative():
-    falling = CostCurve((1, 2), (1.0, 0.5))  # nonsense measurements must not give negative costs
+    falling = CostCurve((1, 2), (1.0, 0.5))  # nonsense measurements must not give negative or zero costs
     assert falling(2) == pytest.approx(0.5)
-    assert falling(10) == 0.0
+    assert falling(10) == pytest.approx(0.5)  # beyond the last size: flat at worst
+    plunging = CostCurve((1, 2, 4), (1.0, 0.2, 0.1))
+    assert all(plunging(n) > 0 for n in range(1, 100))
 
 
 @pytest.mark.parametrize("slope", [0.0, 0.05, 1.0])

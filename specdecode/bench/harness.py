@@ -93,6 +93,8 @@ def run_benchmark(
     names = list(runners)
     records = []
     for repeat in range(repeats):
+        for runner in runners.values():  # methods that learn across prompts start each repeat afresh
+            runner.forget()
         for index, task in enumerate(tasks):
             shift = (repeat * len(tasks) + index) % len(names)
             # every method gets the same seed for a task and repeat; each task and repeat its own

@@ -81,7 +81,7 @@ def sampled_fidelity(models, records: list[Record], lossless: dict[str, bool], p
 def run(
     methods: list[str], categories: list[str], per_category: int | None, max_new_tokens: int, repeats: int,
     out: Path, target: str, drafter: str, dtype: str, draft_dtype: str, threads: int, backend: str, temperature: float, top_k: int,
-    top_p: float, seed: int,
+    top_p: float, seed: int, datastore: str | None = None,
 ) -> Path:
     from specdecode.types import SamplingParams
 
@@ -100,7 +100,9 @@ def run(
                         f"are: {', '.join(m for m, peer in PEERS.items() if peer.backend == backend)}")
     models = load_models(target, drafter if needs_draft_model(methods) else None, dtype=dtype,
                          draft_dtype=draft_dtype, backend=backend)
-    runners = build_runners(models, methods)
+    if datastore is not None and not Path(datastore).is_file():
+        raise UserError(f"no datastore at {datastore} (build one with `specdecode datastore build`)")
+    runners = build_runners(models, methods, datastore=datastore)
     lossless = {name: runner.lossless for name, runner in runners.items()}
     out.mkdir(parents=True, exist_ok=True)
     records_path = out / "records.jsonl"

@@ -31,10 +31,11 @@ class Runner:
     lossless: bool
     peer: bool  # not ours: transformers' generate() or llama.cpp's own
     run: Callable[[list[int], GenerationConfig], Output]
+    forget: Callable[[], None] = lambda: None  # drop what the method learnt from earlier prompts
 
 
-def our_runner(models: Models, method: str) -> Runner:
-    engine = models.engine(method)
+def our_runner(models: Models, method: str, datastore: str | None = None) -> Runner:
+    engine = models.engine(method, datastore=datastore if "datastore" in resolve(method)[0].takes else None)
 
     def run(prompt_ids: list[int], config: GenerationConfig) -> Output:
         result = engine.generate(prompt_ids, config)
@@ -42,7 +43,8 @@ def our_runner(models: Models, method: str) -> Runner:
         prefill = first.draft_seconds + first.verify_seconds if first else None
         return Output(result.token_ids, result.seconds, result.steps, prefill)
 
-    return Runner(method, resolve(method)[0].lossless, False, run)
+    forget = engine.drafter.forget if engine.drafter is not None else lambda: None
+    return Runner(method, resolve(method)[0].lossless, False, run, forget)
 
 
 def peer_runner(models: Models, name: str, **generate_kwargs) -> Runner:
@@ -105,11 +107,11 @@ def needs_draft_model(names: list[str]) -> bool:
                for name in names)
 
 
-def build_runners(models: Models, names: list[str]) -> dict[str, Runner]:
+def build_runners(models: Models, names: list[str], datastore: str | None = None) -> dict[str, Runner]:
     """Runners by name (ours and peers); `ar` always comes first: it is the reference."""
     runners = {"ar": our_runner(models, "ar")}
     for name in names:
         if name in runners:
             continue
-        runners[name] = PEERS[name].build(models) if name in PEERS else our_runner(models, name)
+        runners[name] = PEERS[name].build(models) if name in PEERS else our_runner(models, name, datastore)
     return runners

@@ -18,6 +18,9 @@ class Drafter(abc.ABC):
     def begin(self, prompt_ids: list[int]) -> None:
         """A new sequence starts (forget per-sequence state)."""
 
+    def forget(self) -> None:
+        """Forget what was learnt across sequences too (a benchmark's repeats start afresh)."""
+
     @abc.abstractmethod
     def propose(
         self,
@@ -35,6 +38,7 @@ class Drafter(abc.ABC):
     wants_logits: bool = False  # True: the engine calls observe() after every verification
 
     def observe(self, draft: Draft, logits: torch.Tensor, verdict: Verdict) -> None:
-        """The target's logits from the step's verification, before update(): [len(draft) + 1, vocab],
-        row i the distribution after the context and draft node i - 1 (row 0: after the context). Jacobi
-        and lookahead decoding draft from them."""
+        """The target's logits from the step's verification, before update(): [len(draft) + 1 + aux, vocab],
+        row i the distribution after the context and draft node i - 1 (row 0: after the context), then
+        one row per auxiliary token of the draft (`Draft.auxiliary`). Jacobi and lookahead decoding
+        draft from them."""

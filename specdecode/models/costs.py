@@ -21,6 +21,7 @@ import torch
 from specdecode.models.base import CausalLM
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+FLOOR = 1e-3  # no forward costs less than this (noisy measurements must not make one free)
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,10 @@ class CostCurve:
         while i < len(sizes) - 1 and sizes[i] < n:
             i += 1
         (x0, y0), (x1, y1) = (sizes[i - 1], costs[i - 1]), (sizes[i], costs[i])
-        interpolated = max(y0 + (y1 - y0) * (n - x0) / (x1 - x0), 0.0)
+        slope = (y1 - y0) / (x1 - x0)
+        if n > x1:  # beyond the measurements: never cheaper than the largest measured size
+            slope = max(slope, 0.0)
+        interpolated = max(y0 + slope * (n - x0), FLOOR)
         return min([interpolated, *(c for size, c in zip(sizes, costs) if size >= n)])
 
     @staticmethod
@@ -66,6 +70,7 @@ def measure(model: CausalLM, sizes: tuple[int, ...] = SIZES, context: int = 256,
     each repeat (so a slow moment of a shared machine does not skew one size), medians over repeats."""
     generator = torch.Generator().manual_seed(0)
     vocab = min(model.vocab_size, 1000)
+    context = max(1, min(context, model.max_context - max(sizes) - 1))  # a small model's context must hold it
     model.reset()
     model.forward(torch.randint(vocab, (context,), generator=generator), num_logits=1)
     times: dict[int, list[float]] = {n: [] for n in sizes}

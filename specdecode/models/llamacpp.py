@@ -6,7 +6,9 @@ A token tree is expressed with sequence ids instead of a mask: every leaf of the
 sequence, a node belongs to the sequences of the leaves below it, and the cached context is copied
 (shared, not duplicated) into every branch sequence, so each branch sees the context and its own
 ancestors only. After verification the accepted path is copied into sequence 0 and the branch sequences
-are dropped, which frees the rejected nodes.
+are dropped, which frees the rejected nodes. Lookahead decoding's window (`AuxiliaryTokens`) takes the
+same form, one sequence per window column, as in llama.cpp's own lookahead example; a mask that has no
+such form is refused.
 
 Optional: `pip install specdecode[llamacpp]` (compiles llama.cpp, a few minutes).
 """
@@ -152,11 +154,17 @@ class LlamaCppLM(CausalLM):
         positions = list(range(self._length, self._length + n)) if positions is None else positions.tolist()
         if self._tree is not None:
             raise RuntimeError("compact the cache to the accepted path before the next forward")
+        if max(positions, default=-1) >= self.max_context:  # llama.cpp would abort the process
+            raise UserError(f"position {max(positions)} is beyond this context's {self.max_context} tokens")
         seqs = None
         if tree_mask is not None:
             if tree_mask.shape[1] != n:
                 raise UserError("the llama.cpp backend verifies token trees but cannot grow one in its own cache")
-            seqs = tree_sequences(tree_mask)
+            try:
+                seqs = tree_sequences(tree_mask)
+            except ValueError:
+                raise UserError("the llama.cpp backend expresses attention masks with sequence ids, one per "
+                                "leaf; this method's mask has no such form: run it on the torch backend") from None
         if seqs is None:  # a chain: everything in sequence 0, long inputs in several decodes
             rows = []
             for begin in range(0, n, MAX_BATCH):

@@ -1,0 +1,361 @@
+"""A composite drafter: several drafters asked in turn, their proposals merged into one token tree.
+
+Cheap drafters (prompt lookup, retrieval, a suffix cache) cost next to nothing but often find nothing;
+a draft model finds something every step but costs draft forwards. The composite asks its sources in
+the order given, each with a cost class:
+
+- *free* sources are always asked;
+- an *expensive* source is asked only when what the sources asked before it promise (the expected
+  accepted tokens of the draft the composite would submit now) is below `fallback_below` (default: one
+  token). So with [prompt lookup (free), draft model (expensive)] the draft model is not run while a
+  copy is running, and takes over when the copy ends.
+
+Merging. Every proposal, chain or tree, goes into one trie from the context: a node per distinct path,
+so shared prefixes are verified once. A node's score estimates the chance that its path is accepted:
+the sub-draft's own scores when it sent them, else rate^depth split evenly among siblings, with `rate`
+the per-token acceptance the composite has seen for that source. Where several sources propose the same
+path their scores combine by `max` (the default) or by noisy-or. Max, because the scores estimate one
+event (the target's continuation going that way) from sources that mostly read the same evidence:
+prompt lookup and a suffix cache find the same n-gram in the same context, and noisy-or, which assumes
+independent evidence, would turn two 0.6 guesses of one match into 0.84. Max never overstates what one
+source believes; where sources truly agree it understates a little, which costs a little speed, never
+correctness. The composite keeps no calibration of its own: its sources learn theirs from the output
+whether or not their nodes were verified (prompt lookup and the suffix cache judge every proposal; an
+unscored source's rate counts its translated verdicts' accepted and rejected tokens), while a factor
+learnt only from verified drafts can talk itself into submitting nothing and never hear otherwise.
+Under either rule a child never scores above its parent (enforced after merging), and the tree is
+pruned to the budget: a fixed node count, or the count that maximises expected tokens per unit of time
+on the target's cost curve (`tree.budget.best_budget`). With `tree=False` the trie's best path is
+submitted as a scored chain instead, for backends without tree attention.
+
+Sampling. The merged nodes are submitted without distributions (probs None): the tree verifier treats
+them as fixed in advance (one-hot), which is lossless for any fixed set of children, and a token a
+draft model sampled is fixed by the time the verifier draws its own randomness, so conditioned on the
+draft the output follows the target's distribution exactly, hence unconditionally too. The price: a
+sampled draft token x is accepted with probability p(x) instead of min(1, p(x) / q(x)).
+
+What each sub-drafter learns. `update()` gives every source the verdict its own proposal would have
+received had it been verified alone against this step's output (the accepted tokens and the
+correction or bonus token, `verdict.tokens`): its accepted nodes are the longest path of its draft that
+follows the output, and a rejection is reported when that path stops at a node whose children all
+differ from the next output token. Under greedy decoding that is exactly what verifying its draft alone
+would have decided, even for nodes the composite pruned, since the output token at every depth is the
+target's argmax after the path so far; under sampling it is the natural estimate. When its draft
+predicted the whole output, correction included, nothing of it was rejected and what follows is
+unknown: it hears of len(output) - 1 accepted tokens and no rejection. A source not asked this step (or
+proposing nothing) hears of a step with no draft. So a source's verdict tokens are a prefix of what the
+step appended to the context, not always all of it; its StepStats carry its own drafted and accepted
+counts, the step's new_tokens and timings. Drafters that want the target's logits get observe()
+with the nodes of their draft that were verified and those nodes' rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from specdecode.drafters.base import Drafter
+from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+from specdecode.drafters.retrieval import build_retrieval
+from specdecode.drafters.suffix import best_path
+from specdecode.errors import UserError
+from specdecode.models import costs
+from specdecode.models.costs import CostCurve
+from specdecode.tree import structure
+from specdecode.tree.budget import DECAY, MAX_BUDGET, best_budget, check_budget
+from specdecode.types import Draft, SamplingParams, StepStats, Verdict
+
+if TYPE_CHECKING:
+    from specdecode.methods import DrafterOptions
+    from specdecode.models.base import CausalLM
+
+CostClass = Literal["free", "expensive"]
+COST_CLASSES = ("free", "expensive")
+DROPPED = -2  # a sub-draft node the merge left out (deeper than allowed, or under such a node)
+
+COMBINE: dict[str, Callable[[float, float], float]] = {
+    "max": max,
+    "noisy-or": lambda a, b: 1.0 - (1.0 - a) * (1.0 - b),
+}
+
+
+@dataclass(frozen=True)
+class Source:
+    """A drafter the composite asks, and its cost class (see the module docstring)."""
+
+    drafter: Drafter
+    cost: CostClass = "free"
+
+    def __post_init__(self) -> None:
+        if self.cost not in COST_CLASSES:
+            raise UserError(f"a source's cost class is one of {COST_CLASSES}, got {self.cost!r}")
+
+
+# --- Pure functions: scores, merging, selection, translation ------------------------------------
+
+
+def parents_of(draft: Draft) -> torch.Tensor:
+    """A draft's parents, a chain's included. -> [n]"""
+    return draft.parents if draft.is_tree else structure.chain(len(draft))
+
+
+def default_scores(draft: Draft, rate: float) -> torch.Tensor:
+    """Scores for a draft that came without any: each token right with chance `rate` given its path,
+    siblings sharing their parent's chance evenly. -> [n] float32 (a chain: rate, rate^2, ...)"""
+    parents = parents_of(draft).tolist()
+    siblings = [0] * (len(parents) + 1)  # [node + 1]: how many children node has; [0]: the context's
+    for parent in parents:
+        siblings[parent + 1] += 1
+    scores: list[float] = []
+    for parent in parents:
+        above = 1.0 if parent == structure.ROOT else scores[parent]
+        scores.append(above * rate / siblings[parent + 1])
+    return torch.tensor(scores, dtype=torch.float32)
+
+
+@dataclass
+class Merged:
+    """Drafts merged into one trie. Parallel lists, one entry per node, parents before children."""
+
+    tokens: list[int]
+    parents: list[int]
+    scores: list[float]
+    mappings: list[list[int]]  # per draft: its node i -> the merged node (DROPPED: left out)
+
+
+def merge(
+    drafts: Sequence[Draft],
+    scores: Sequence[torch.Tensor],  # [len(draft)] each, the chance each node's path is accepted
+    combine: str = "max",
+    max_depth: int | None = None,
+) -> Merged:
+    """Merge chains and trees into one trie by shared prefixes.
+
+    A node proposed by several drafts combines their scores with `combine` (within one draft, where a
+    sampled tree may repeat a sibling, always by max: it is one proposal). Nodes deeper than `max_depth`
+    are left out. Finally each node's score is capped by its parent's: a path is accepted no more often
+    than its prefix.
+    """
+    join = COMBINE[combine]
+    merged = Merged([], [], [], [])
+    depths: list[int] = []
+    index: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
+    for draft, draft_scores in zip(drafts, scores):
+        mapping: list[int] = []
+        best: dict[int, float] = {}  # merged node -> this draft's score for it
+        for token, parent, score in zip(draft.tokens.tolist(), parents_of(draft).tolist(), draft_scores.tolist()):
+            above = structure.ROOT if parent == structure.ROOT else mapping[parent]
+            depth = 1 if above == structure.ROOT else depths[above] + 1 if above != DROPPED else None
+            if depth is None or (max_depth is not None and depth > max_depth):
+                mapping.append(DROPPED)
+                continue
+            node = index.get((above, token))
+            if node is None:
+                node = index[(above, token)] = len(merged.tokens)
+                merged.tokens.append(token)
+                merged.parents.append(above)
+                merged.scores.append(0.0)
+                depths.append(depth)
+            best[node] = max(best.get(node, 0.0), min(max(float(score), 0.0), 1.0))
+            mapping.append(node)
+        for node, score in best.items():
+            merged.scores[node] = join(merged.scores[node], score)  # join(0, s) == s for both rules
+        merged.mappings.append(mapping)
+    for node, parent in enumerate(merged.parents):  # parents come first
+        if parent != structure.ROOT:
+            merged.scores[node] = min(merged.scores[node], merged.scores[parent])
+    return merged
+
+
+def select(
+    parents: torch.Tensor,  # [n]
+    scores: torch.Tensor,  # [n] acceptance estimates, never growing from a parent to its child
+    curve: CostCurve,
+    budget: int | None = None,
+    tree: bool = True,
+) -> torch.Tensor:
+    """The nodes to submit, ascending and closed under ancestors. A tree: the `budget` best, or as many
+    as pay on the cost curve (at most MAX_BUDGET). A chain: the best path, cut to the prefix that pays.
+    -> [kept]"""
+    if not parents.numel():
+        return torch.empty(0, dtype=torch.long)
+    if tree:
+        count = budget or best_budget(sorted(scores.tolist(), reverse=True), curve, 0.0, cap=MAX_BUDGET)
+        return structure.top_nodes(parents, scores, count) if count else torch.empty(0, dtype=torch.long)
+    path = best_path(parents, scores)
+    return path[: best_budget(scores[path].tolist(), curve, 0.0)]
+
+
+def translate(draft: Draft, output: Sequence[int]) -> Verdict:
+    """The verdict `draft` would have had, verified alone, in a step whose output (accepted tokens, then
+    the correction or bonus token) was `output` (see the module docstring)."""
+    tokens = draft.tokens.tolist()
+    kids = structure.children(parents_of(draft))
+    node, path = structure.ROOT, []
+    for token in output:
+        child = next((c for c in kids[node + 1] if tokens[c] == token), None)
+        if child is None:
+            break
+        path.append(child)
+        node = child
+    if output and len(path) == len(output):  # it foresaw even the last token: nothing rejected, the rest unknown
+        path.pop()
+        bonus = True
+    else:
+        bonus = not kids[node + 1]
+    return Verdict(num_drafted=len(tokens), num_accepted=len(path), tokens=tuple(output[: len(path) + 1]),
+                   path=tuple(path), bonus=bonus)
+
+
+# --- The drafter ---------------------------------------------------------------------------------
+
+
+class CompositeDrafter(Drafter):
+    """Asks its sources in order (free ones always, expensive ones only when the others promise fewer
+    than `fallback_below` accepted tokens) and merges their proposals into one tree (see the module
+    docstring)."""
+
+    name = "composite"
+
+    def __init__(
+        self,
+        sources: Sequence[Source | Drafter],
+        curve: CostCurve,
+        tree: bool = True,
+        budget: int | None = None,
+        fallback_below: float = 1.0,
+        combine: str = "max",
+    ):
+        self.sources = [s if isinstance(s, Source) else Source(s) for s in sources]
+        if not self.sources:
+            raise UserError("a composite drafter needs at least one source")
+        check_budget(budget)
+        if budget is not None and not tree:
+            raise UserError("a budget applies to token trees")
+        if combine not in COMBINE:
+            raise UserError(f"scores combine by one of {', '.join(COMBINE)}, got {combine!r}")
+        if math.isnan(fallback_below) or fallback_below < 0:
+            raise UserError(f"fallback_below must be >= 0 expected tokens, got {fallback_below}")
+        self.curve, self.tree, self.budget = curve, tree, budget
+        self.fallback_below, self.combine = fallback_below, combine
+        self.wants_logits = any(s.drafter.wants_logits for s in self.sources)
+        # What the composite learns describes its sources and the target, not one request: kept across.
+        self._counts = [[0.0, 0.0] for _ in self.sources]  # per source: decayed accepted, rejected tokens
+        self._proposals: list[Draft | None] = []  # this step's, per source (None: not asked)
+        self._merged: Merged | None = None
+        self._submitted: dict[int, int] = {}  # merged node -> its index in the submitted draft
+
+    def rate(self, source: int) -> float:
+        """Running per-token acceptance of a source's proposals (prior 2/3), for drafts without scores."""
+        accepted, rejected = self._counts[source]
+        return (accepted + 2) / (accepted + rejected + 3)
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        for source in self.sources:
+            source.drafter.begin(list(prompt_ids))
+        self._proposals, self._merged, self._submitted = [], None, {}
+
+    def forget(self) -> None:
+        for source in self.sources:
+            source.drafter.forget()
+
+    def _merge(self, depth: int) -> Merged:
+        asked = [(i, d) for i, d in enumerate(self._proposals) if d is not None]
+        scores = [d.scores if d.scores is not None else default_scores(d, self.rate(i)) for i, d in asked]
+        return merge([d for _, d in asked], scores, self.combine, max_depth=depth)
+
+    def _choose(self, merged: Merged) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kept nodes, their scores) of a merged trie."""
+        scores = torch.tensor(merged.scores, dtype=torch.float32)  # [n]
+        keep = select(torch.tensor(merged.parents, dtype=torch.long), scores, self.curve, self.budget, self.tree)
+        return keep, scores[keep]
+
+    def promised(self, merged: Merged) -> float:
+        """The expected accepted tokens of the draft the composite would submit from `merged`."""
+        return float(self._choose(merged)[1].sum())
+
+    def propose(self, context, max_tokens, params: SamplingParams, generator) -> Draft:
+        self._proposals, self._merged, self._submitted = [], None, {}
+        if max_tokens <= 0:
+            return Draft.empty()
+        # 1. Ask the sources in order; an expensive one only while the others promise too little.
+        for source in self.sources:
+            if source.cost == "expensive" and self.promised(self._merge(max_tokens)) >= self.fallback_below:
+                self._proposals.append(None)
+                continue
+            self._proposals.append(source.drafter.propose(context, max_tokens, params, generator))
+        # 2. Merge into one trie and keep the nodes that pay.
+        merged = self._merged = self._merge(max_tokens)
+        keep, scores = self._choose(merged)
+        auxiliary = next((d.auxiliary for d in self._proposals if d is not None and d.auxiliary is not None), None)
+        self._submitted = {node: i for i, node in enumerate(keep.tolist())}
+        tokens = torch.tensor(merged.tokens, dtype=torch.long)[keep]
+        # 3. Deterministic nodes, no probs: lossless under sampling (see the module docstring).
+        parents = structure.select(torch.tensor(merged.parents, dtype=torch.long), keep) if self.tree else None
+        return Draft(tokens=tokens, parents=parents, scores=scores, auxiliary=auxiliary)
+
+    def _verified_part(self, source: int, draft: Draft) -> tuple[Draft, list[int]]:
+        """The nodes of a source's draft that were verified, as a draft, and their submitted indices."""
+        mapping = self._merged.mappings[[i for i, d in enumerate(self._proposals) if d is not None].index(source)]
+        nodes = [n for n, m in enumerate(mapping) if m in self._submitted]  # closed under ancestors
+        keep = torch.tensor(nodes, dtype=torch.long)
+        parents = structure.select(parents_of(draft), keep) if draft.is_tree else None
+        return Draft(tokens=draft.tokens[keep], parents=parents), [self._submitted[mapping[n]] for n in nodes]
+
+    def observe(self, draft: Draft, logits: torch.Tensor, verdict: Verdict) -> None:
+        """logits: [len(draft) + 1 (+ auxiliary), vocab]. Each logits-wanting source gets the rows of
+        its verified nodes (and of the auxiliary tokens, if they were its own)."""
+        # the engine's gate may have cut a chain: only the nodes it kept were verified
+        self._submitted = {node: i for node, i in self._submitted.items() if i < len(draft)}
+        for i, source in enumerate(self.sources):
+            proposal = self._proposals[i] if i < len(self._proposals) else None
+            if not source.drafter.wants_logits or proposal is None:
+                continue
+            part, rows = self._verified_part(i, proposal)
+            own_auxiliary = proposal.auxiliary is not None and proposal.auxiliary is draft.auxiliary
+            part.auxiliary = proposal.auxiliary if own_auxiliary else None
+            picked = [logits[:1], logits[[r + 1 for r in rows]]]
+            if own_auxiliary:
+                picked.append(logits[len(draft) + 1 :])
+            source.drafter.observe(part, torch.cat(picked), translate(part, verdict.tokens))
+
+    def update(self, verdict: Verdict, stats: StepStats) -> None:
+        for i, source in enumerate(self.sources):
+            proposal = self._proposals[i] if i < len(self._proposals) else None
+            if proposal is None or not len(proposal):
+                own = Verdict(num_drafted=0, num_accepted=0, tokens=verdict.tokens[:1])
+            else:
+                own = translate(proposal, verdict.tokens)
+                counts = self._counts[i]
+                counts[0] = DECAY * counts[0] + own.num_accepted
+                counts[1] = DECAY * counts[1] + (0 if own.bonus else 1)
+            depth = int(structure.depths(proposal.parents).max()) if own.num_drafted and proposal.is_tree else None
+            source.drafter.update(own, dataclasses.replace(
+                stats, drafted=own.num_drafted, accepted=own.num_accepted, draft_depth=depth))
+        self._proposals, self._merged, self._submitted = [], None, {}
+
+
+def default_sources(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> list[Source]:
+    """What `build_composite` composes, in the order asked: prompt lookup (with the reference document,
+    if any), retrieval (the datastore given, or the default one when the tokenizer is known), then the
+    draft model when there is one. Add a source by adding a line (a free one before the draft model)."""
+    sources = [Source(PromptLookupDrafter(reference_ids=options.reference_ids), "free")]
+    if options.datastore is not None or options.tokenizer is not None:  # retrieval, as `rest` has it
+        sources.append(Source(build_retrieval(target, None, dataclasses.replace(options, tree=False, budget=None)), "free"))
+    if draft is not None:
+        cost = costs.draft_cost(draft, target)  # a draft forward, in target forwards, measured once per machine
+        sources.append(Source(DraftModelDrafter(draft, draft_cost=cost, curve=target.cost_curve()), "expensive"))
+    return sources
+
+
+def build_composite(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
+    """The `composite` method: `default_sources` merged into a tree sized on the target's cost curve
+    (options.tree; options.budget fixes its size), or into its best chain."""
+    return CompositeDrafter(default_sources(target, draft, options), target.cost_curve(),
+                            tree=options.tree, budget=options.budget)
