@@ -17,6 +17,7 @@ from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupT
 from specdecode.drafters.jacobi import build_jacobi
 from specdecode.drafters.lookahead import build_lookahead
 from specdecode.drafters.retrieval import build_retrieval
+from specdecode.drafters.self_speculative import build_earlyexit, build_layerskip
 from specdecode.drafters.suffix import build_suffix
 from specdecode.drafters.composite import build_composite
 from specdecode.errors import UserError
@@ -98,6 +99,10 @@ METHODS: dict[str, Method] = {
                "guesses, iterated to a fixed point by verification", False, build_jacobi),
         Method("lookahead", "lookahead decoding: a Jacobi window rides in every forward and harvests n-grams; "
                "pool n-grams starting with the last token are verified as a tree", False, build_lookahead),
+        Method("layerskip", "self-speculation: the target drafts with a searched subset of its own layers over "
+               "its own KV cache (Draft & Verify, SWIFT)", False, build_layerskip),
+        Method("earlyexit", "self-speculation by early exit: the target's first k layers (k searched), then its "
+               "final norm and LM head", False, build_earlyexit),
         Method("suffix", "suffix decoding: what followed the context's suffix in this request and in earlier "
                "ones the drafter served (tree: all of it, as a trie)", False, build_suffix, tree=True),
         Method("composite", "prompt lookup and retrieval, plus the draft model only where they promise less "

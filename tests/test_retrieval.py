@@ -275,6 +275,8 @@ def test_default_datastore_is_built_once_and_cached(tmp_path, monkeypatch, targe
     write_corpus(tmp_path / "lib")
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr("specdecode.drafters.retrieval.stdlib_folder", lambda: tmp_path / "lib")
+    # the real cache path (conftest sends the suite's default datastore to a temporary folder)
+    monkeypatch.setattr("specdecode.drafters.retrieval.default_datastore_path", default_datastore_path)
     tokenizer = tiny_tokenizer()
     path = default_datastore_path(tokenizer)
     assert path.parent == tmp_path / "cache" / "datastores" and not path.exists()

@@ -616,7 +616,9 @@ CALIBRATION_TEXTS = (
 CALIBRATION_REQUEST = "Write a Python function that merges two sorted lists into one sorted list."
 
 
-def calibration_prompts(tokenizer, vocab_size: int, count: int = 3, length: int = 24) -> list[list[int]]:
+def calibration_prompts(
+    tokenizer, vocab_size: int, count: int = 3, length: int = 24, max_length: int | None = None
+) -> list[list[int]]:
     """Token ids of the calibration texts and, when the tokenizer has a chat template, of a short coding
     request as a chat turn. Without a tokenizer (tiny test models), `count` seeded random sequences of
     `length` ids: only the model's own greedy continuations of them are scored, which keeps them usable."""
@@ -628,7 +630,7 @@ def calibration_prompts(tokenizer, vocab_size: int, count: int = 3, length: int 
         messages = [{"role": "user", "content": CALIBRATION_REQUEST}]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return prompts
+    return [p[-max_length:] for p in prompts] if max_length else prompts  # a small model's context holds them
 
 
 def _torch_target(target: CausalLM, method: str) -> HFCausalLM:
@@ -641,7 +643,8 @@ def _torch_target(target: CausalLM, method: str) -> HFCausalLM:
 def build_layerskip(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
     """`layerskip`: the target drafts with the layers the search (`search_skip`, cached) leaves in."""
     target = _torch_target(target, "layerskip")
-    result = search_skip(target, calibration_prompts(options.tokenizer, target.vocab_size),
+    prompts = calibration_prompts(options.tokenizer, target.vocab_size, max_length=target.max_context - CONTINUATION - 1)
+    result = search_skip(target, prompts,
                          budget_seconds=SEARCH_SECONDS, continuation=CONTINUATION)
     return LayerSkipDrafter(target, result.best.skip, num_tokens=result.best.draft_length,
                             draft_cost=result.best.draft_cost, curve=target.cost_curve())
@@ -650,7 +653,8 @@ def build_layerskip(target: CausalLM, draft: CausalLM | None, options: DrafterOp
 def build_earlyexit(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
     """`earlyexit`: the target drafts with its first k layers, k from the search (`search_exit`, cached)."""
     target = _torch_target(target, "earlyexit")
-    result = search_exit(target, calibration_prompts(options.tokenizer, target.vocab_size),
+    prompts = calibration_prompts(options.tokenizer, target.vocab_size, max_length=target.max_context - CONTINUATION - 1)
+    result = search_exit(target, prompts,
                          budget_seconds=SEARCH_SECONDS, continuation=CONTINUATION)
     num_layers = target.model.config.num_hidden_layers
     exit_layer = min(result.best.skip, default=num_layers)

@@ -240,6 +240,8 @@ class SpeculativeEngine:
         params = config.sampling
         eos = frozenset() if config.ignore_eos else self.target.eos_token_ids
         tracker = TextTracker(self.tokenizer, config.stop)
+        if self.gate and self.drafter is not None:
+            _ = self.curve  # measured (once per model and machine) before the target's cache is in use
         self.target.reset()
         if self.drafter is not None:
             self.drafter.begin(list(prompt_ids))

@@ -51,8 +51,10 @@ class CostCurve:
         (x0, y0), (x1, y1) = (sizes[i - 1], costs[i - 1]), (sizes[i], costs[i])
         slope = (y1 - y0) / (x1 - x0)
         if n > x1:  # beyond the measurements: never cheaper than the largest measured size
-            slope = max(slope, 0.0)
-        interpolated = max(y0 + slope * (n - x0), FLOOR)
+            interpolated = y1 + max(slope, 0.0) * (n - x1)
+        else:
+            interpolated = y0 + slope * (n - x0)
+        interpolated = max(interpolated, FLOOR)
         return min([interpolated, *(c for size, c in zip(sizes, costs) if size >= n)])
 
     @staticmethod
