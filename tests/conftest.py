@@ -194,3 +194,20 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory):
     tiny_chat_qwen2(vocab_size=len(TOKENS) + 10).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and where another job shares the cores two threads contend
+    (10-20x slower here); use with `pytestmark = pytest.mark.usefixtures("one_thread")`. The setting is
+    restored after the module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def greedy_references(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Plain greedy continuations of each prompt from transformers' own generate()."""
+    return [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(p) :].tolist()
+            for p in prompts]

@@ -37,14 +37,7 @@ GREEDY = SamplingParams()
 STATS = StepStats(0, 0, 0, 0.0, 0.0, 0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and where cores are shared two threads contend (here 20x
-    slower); the setting is restored after this module's tests."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def chain(tokens, scores=None) -> Draft:

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from conftest import noisy_copy, random_prompts
+from conftest import greedy_references, noisy_copy, random_prompts
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.draft_model_tree import DEFAULT_CHOICES, DraftModelTreeDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
@@ -56,11 +56,7 @@ def drafters(target_model, other_model):
 @pytest.fixture(scope="module")
 def reference(tiny_target):
     """Plain greedy continuations from transformers' own generate()."""
-    out = {}
-    for i, prompt in enumerate(PROMPTS):
-        ids = tiny_target.generate(torch.tensor([prompt]), max_new_tokens=max(LENGTHS), do_sample=False)
-        out[i] = ids[0, len(prompt) :].tolist()
-    return out
+    return dict(enumerate(greedy_references(tiny_target, PROMPTS, max(LENGTHS))))
 
 
 def test_plain_decoding_equals_transformers_generate(tiny_target, reference):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TOKENS, random_prompts, tiny_chat_qwen2, tiny_qwen2, write_tiny_gguf
+from conftest import TOKENS, greedy_references, random_prompts, tiny_chat_qwen2, tiny_qwen2, write_tiny_gguf
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.jacobi import JacobiDrafter, build_jacobi, extend_guesses, jacobi_fixed_point
 from specdecode.drafters.lookahead import LookaheadDrafter, NgramPool, build_lookahead, trie, window_tokens
@@ -37,11 +37,7 @@ KINDS = {
 @pytest.fixture(scope="module")
 def reference(tiny_target):
     """Plain greedy continuations from transformers' own generate()."""
-    out = {}
-    for i, prompt in enumerate(PROMPTS):
-        ids = tiny_target.generate(torch.tensor([prompt]), max_new_tokens=max(LENGTHS), do_sample=False)
-        out[i] = ids[0, len(prompt) :].tolist()
-    return out
+    return dict(enumerate(greedy_references(tiny_target, PROMPTS, max(LENGTHS))))
 
 
 # --- Exact cases ------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import VOCAB, random_prompts, tiny_tokenizer
+from conftest import VOCAB, greedy_references, random_prompts, tiny_tokenizer
 from specdecode.drafters.retrieval import (
     SEPARATOR,
     Datastore,
@@ -298,11 +298,7 @@ LENGTHS = [1, 5, 40]
 @pytest.fixture(scope="module")
 def reference(tiny_target):
     """Plain greedy continuations from transformers' own generate()."""
-    out = []
-    for prompt in PROMPTS:
-        ids = tiny_target.generate(torch.tensor([prompt]), max_new_tokens=max(LENGTHS), do_sample=False)
-        out.append(ids[0, len(prompt):].tolist())
-    return out
+    return greedy_references(tiny_target, PROMPTS, max(LENGTHS))
 
 
 @pytest.fixture(scope="module")

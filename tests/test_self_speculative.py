@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from conftest import TOKENS, random_prompts, tiny_qwen2, tiny_tokenizer
+from conftest import TOKENS, greedy_references, random_prompts, tiny_qwen2, tiny_tokenizer
 from specdecode.drafters import self_speculative as ss
 from specdecode.drafters.self_speculative import (
     Calibration,
@@ -41,13 +41,7 @@ LENGTHS = [1, 2, 7, 40]
 CURVE = CostCurve.linear(0.05)  # a fixed cost curve: tests do not time anything
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and far faster than on two when another job shares the CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def full_logits(model, prompt: list[int]) -> torch.Tensor:
@@ -177,10 +171,7 @@ def drafters(target: HFCausalLM):
 @pytest.fixture(scope="module")
 def reference(tiny_target):
     """Plain greedy continuations from transformers' own generate()."""
-    return [
-        tiny_target.generate(torch.tensor([p]), max_new_tokens=max(LENGTHS), do_sample=False)[0, len(p) :].tolist()
-        for p in PROMPTS
-    ]
+    return greedy_references(tiny_target, PROMPTS, max(LENGTHS))
 
 
 @pytest.mark.parametrize("kind", list(drafters(None)))

@@ -26,14 +26,7 @@ PROMPTS = random_prompts(6, seed=5)
 LENGTHS = [1, 2, 7, 40]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and where cores are shared two threads contend (here 20x
-    slower); the setting is restored after this module's tests."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class SlowIndex:
