@@ -27,8 +27,8 @@ def test_curve_at_measured_sizes(n, cost):
     assert CURVE(n) == pytest.approx(cost, abs=1e-12)
 
 
-@pytest.mark.parametrize("n, cost", [(3, 1.2), (5, 1.5), (6, 1.7), (7, 1.9)])
-def test_curve_interpolates_linearly_between_sizes(n, cost):
+@pytest.mark.parametrize("n, cost", [(3, 1.3), (5, 2.1), (6, 2.1), (7, 2.1)])
+def test_curve_charges_the_next_measured_size_between_sizes(n, cost):
     assert CURVE(n) == pytest.approx(cost, abs=1e-12)
 
 
@@ -50,8 +50,10 @@ def test_curve_is_never_negative():
 def test_linear_curve(slope):
     curve = CostCurve.linear(slope)
     assert curve.sizes == costs.SIZES
-    for n in (1, 2, 3, 7, 8, 50, 64, 200):
+    for n in (1, 2, 3, 8, 64, 200):  # measured sizes, and beyond them
         assert curve(n) == pytest.approx(1 + slope * (n - 1), abs=1e-9)
+    for n, padded in ((7, 8), (50, 64)):  # between sizes: charged as the next measured size
+        assert curve(n) == pytest.approx(1 + slope * (padded - 1), abs=1e-9)
 
 
 def test_linear_curve_with_own_sizes():
@@ -65,8 +67,8 @@ def test_curve_never_charges_more_than_a_larger_measured_size():
     and the cost stays non-decreasing in n."""
     curve = CostCurve((1, 8, 12, 16, 32), (1.0, 5.0, 6.1, 5.3, 9.1))
     assert curve(12) == pytest.approx(5.3) and curve(10) == pytest.approx(5.3) and curve(16) == pytest.approx(5.3)
-    assert curve(8) == pytest.approx(5.0) and curve(4) == pytest.approx(1 + 4 * 3 / 7)
-    assert curve(17) > 5.3
+    assert curve(8) == pytest.approx(5.0) and curve(4) == pytest.approx(5.0)  # charged as padded to 8
+    assert curve(17) == pytest.approx(9.1)
     values = [curve(n) for n in range(1, 80)]
     assert values == sorted(values)
     # the budget search fills the cheap batch: with 15 likely nodes and one pending token, all 15 pay

@@ -54,7 +54,9 @@ def test_best_draft_length():
     flat = CostCurve.linear(0.03)
     lengths = range(1, 17)
     assert best_draft_length(0.05, 0.4, lengths, flat) == 1  # hopeless drafter: draft as little as possible
-    assert best_draft_length(0.999, 0.01, lengths, flat) == 16  # near-perfect, nearly free: draft the most
+    # near-perfect, nearly free: draft the most that fills a measured batch size (15 + 1 = 16 tokens;
+    # 17 would be charged as 24)
+    assert best_draft_length(0.999, 0.01, lengths, flat) == 15
     mid = best_draft_length(0.9, 0.3, lengths, flat)
     assert 3 <= mid <= 8
     assert best_draft_length(0.9, 0.6, lengths, flat) < mid  # dearer drafts: shorter chains
@@ -62,7 +64,7 @@ def test_best_draft_length():
     # llama.cpp on this CPU: 2 tokens cost 1.66 forwards; a draft token 0.59. Even a 95% drafter loses.
     llama = CostCurve((1, 2, 4, 8, 16), (1.0, 1.66, 2.59, 4.63, 5.36))
     assert best_draft_length(0.95, 0.59, range(0, 17), llama) == 0
-    assert best_draft_length(0.95, 0.59, range(0, 17), flat) >= 4
+    assert best_draft_length(0.95, 0.59, range(0, 17), flat) >= 3
 
 
 def test_adaptive_length_follows_acceptance(tiny_target):

@@ -112,7 +112,10 @@ class DraftModelDrafter(Drafter):
         self._cache = SyncedCache(model)
 
     def begin(self, prompt_ids: list[int]) -> None:
-        self.num_tokens = self.initial_tokens
+        # where even a near-perfect draft could not pay, do not draft at all (not even the draft
+        # model's prefill of the prompt)
+        hopeless = self.adaptive and not best_draft_length(BEST_ACCEPTANCE, self.draft_cost, self._lengths(), self.curve)
+        self.num_tokens = 0 if hopeless else self.initial_tokens
         self._idle = 0
         self._accepted = self._rejected = 0.0
         self._cache.reset()

@@ -37,25 +37,20 @@ class CostCurve:
             raise ValueError("a cost curve needs at least two sizes, starting at 1")
 
     def __call__(self, n: int) -> float:
-        """Cost of a forward over n >= 1 tokens, in forwards over one token: piecewise linear between
-        the measured sizes (linear beyond the last), and never more than a larger measured size costs.
+        """Cost of a forward over n >= 1 tokens, in forwards over one token: what the smallest measured
+        size of at least n costs (the cheapest of it and every larger size), linear beyond the last.
 
-        The second rule matters on llama.cpp here, whose matrix kernels favour some batch sizes: 16
-        tokens cost 5.3 forwards where 12 cost 6.1 and 17 cost 7.1. A drafter that can offer more tokens
-        (a longer copy) then fills the batch up to the cheap size, as the budget search finds on its own.
+        A step rather than a line between sizes because batch sizes are not smooth on every backend:
+        llama.cpp's matrix kernels here take 16 tokens in 5.3 forwards but 17 in 7.1 and 12 in 6.1. A
+        forward of a size that was not measured is charged as if padded to one that was, and a drafter
+        that can offer more tokens (a longer copy, more tree nodes) fills the batch up to it, as the
+        budget search finds on its own.
         """
         sizes, costs = self.sizes, self.relative
-        i = 1
-        while i < len(sizes) - 1 and sizes[i] < n:
-            i += 1
-        (x0, y0), (x1, y1) = (sizes[i - 1], costs[i - 1]), (sizes[i], costs[i])
-        slope = (y1 - y0) / (x1 - x0)
-        if n > x1:  # beyond the measurements: never cheaper than the largest measured size
-            interpolated = y1 + max(slope, 0.0) * (n - x1)
-        else:
-            interpolated = y0 + slope * (n - x0)
-        interpolated = max(interpolated, FLOOR)
-        return min([interpolated, *(c for size, c in zip(sizes, costs) if size >= n)])
+        if n > sizes[-1]:  # beyond the measurements: the last segment's slope, never falling
+            slope = max((costs[-1] - costs[-2]) / (sizes[-1] - sizes[-2]), 0.0)
+            return max(costs[-1] + slope * (n - sizes[-1]), FLOOR)
+        return max(min(c for size, c in zip(sizes, costs) if size >= n), FLOOR)
 
     @staticmethod
     def linear(slope: float, sizes: tuple[int, ...] = SIZES) -> CostCurve:
