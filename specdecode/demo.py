@@ -8,7 +8,7 @@ from rich.panel import Panel
 from specdecode.api import load_models
 from specdecode.bench.exactness import diagnose
 from specdecode.engine import GenerationConfig, GenerationResult
-from specdecode.methods import resolve, variant_names
+from specdecode.methods import resolve
 
 DEMO_PROMPTS = [
     "Add type hints and a docstring to this function, and return the whole function:\n\n"
@@ -18,12 +18,17 @@ DEMO_PROMPTS = [
 ]
 
 
+# One of each family, in a few minutes: the self-speculative methods (layerskip, earlyexit) search their
+# layers on first use (minutes), so they are left to `specdecode generate` and the benchmark.
+DEMO_METHODS = ["ar", "draft", "draft-tree", "pld", "pld-tree", "rest", "lookahead", "jacobi", "suffix", "composite"]
+
+
 def run_demo(target: str, drafter: str, dtype: str, draft_dtype: str, max_new_tokens: int) -> None:
     from specdecode.cli import _stats_table  # one table layout for generate and demo
 
     console = Console()
     models = load_models(target, drafter, dtype=dtype, draft_dtype=draft_dtype)
-    engines = {name: models.engine(name) for name in variant_names() if not name.endswith("-fixed")}
+    engines = {name: models.engine(name) for name in DEMO_METHODS}
     prompts = [models.encode(p, chat=True) for p in DEMO_PROMPTS]
     with console.status("Warming up"):
         for engine in engines.values():
