@@ -3,7 +3,6 @@ trie and its pruning, datastore files, building from text, greedy equivalence an
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 
 import numpy as np
@@ -334,14 +333,7 @@ def test_greedy_retrieval_equals_plain(kind, tiny_target, tiny_store, reference)
 # --- The command line ------------------------------------------------------------------------------
 
 
-def run(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    from specdecode.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["specdecode", *args])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    out, err = capsys.readouterr()
-    return exit_info.value.code or 0, out, err
+from test_cli import run  # noqa: E402  (the CLI runner of the CLI tests)
 
 
 def test_cli_builds_a_datastore(monkeypatch, capsys, tmp_path, tiny_folder):

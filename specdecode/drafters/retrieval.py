@@ -400,6 +400,12 @@ class _RetrievalDrafter(Drafter):
         if verdict.num_drafted:
             self._calibration.record(float(self._shares[: verdict.num_drafted].sum()), verdict.num_accepted)
 
+    def _rows(self, context: list[int], max_tokens: int) -> np.ndarray | None:
+        """The continuations (at most `num_tokens` and `max_tokens` deep) of the context's longest match."""
+        self._shares = np.empty(0)
+        depth = min(self.num_tokens, max_tokens)
+        return self._continuations(context, depth) if depth > 0 else None
+
 
 class RetrievalDrafter(_RetrievalDrafter):
     """REST as a chain: the most frequent continuation of the context's longest suffix found in the
@@ -419,9 +425,7 @@ class RetrievalDrafter(_RetrievalDrafter):
         super().__init__(datastore, num_tokens, max_match, min_match, max_occurrences)
 
     def propose(self, context, max_tokens, params: SamplingParams, generator) -> Draft:
-        self._shares = np.empty(0)
-        depth = min(self.num_tokens, max_tokens)
-        rows = self._continuations(context, depth) if depth > 0 else None
+        rows = self._rows(context, max_tokens)
         if rows is None:
             return Draft.empty()
         tokens, counts = heaviest_path(rows)
@@ -454,9 +458,7 @@ class RetrievalTreeDrafter(_RetrievalDrafter):
         self.curve, self.budget = curve, budget
 
     def propose(self, context, max_tokens, params: SamplingParams, generator) -> Draft:
-        self._shares = np.empty(0)
-        depth = min(self.num_tokens, max_tokens)
-        rows = self._continuations(context, depth) if depth > 0 else None
+        rows = self._rows(context, max_tokens)
         if rows is None:
             return Draft.empty()
         # 1. Merge the continuations into a trie; score each node.
