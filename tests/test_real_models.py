@@ -23,14 +23,19 @@ def models():
     return load_models(dtype="float32", progress=False)
 
 
+# every method on the first prompt; on the others those that draw on a separate model or the prompt (the
+# target-only methods are as exact on tiny models, and float32 decoding of the 1.5B is slow)
+ON_EVERY_PROMPT = ("draft", "draft-tree", "draft-tree-fixed", "pld", "pld-tree", "composite")
+
+
 def test_greedy_speculative_equals_plain_on_real_pair(models):
     config = GenerationConfig(max_new_tokens=40)
-    for prompt in PROMPTS:
+    for number, prompt in enumerate(PROMPTS):
         ids = models.encode(prompt, chat=True)
         plain = models.engine("ar").generate(ids, config)
         assert plain.new_tokens > 10
         for name in variant_names():  # chains and trees
-            if name == "ar":
+            if name == "ar" or (number and name not in ON_EVERY_PROMPT):
                 continue
             result = models.engine(name).generate(ids, config)
             divergence = diagnose(models.target, ids, plain.token_ids, result.token_ids)
