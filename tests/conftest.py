@@ -211,3 +211,18 @@ def greedy_references(model, prompts: list[list[int]], max_new_tokens: int) -> l
     """Plain greedy continuations of each prompt from transformers' own generate()."""
     return [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(p) :].tolist()
             for p in prompts]
+
+
+def greedy_runs(engine, prompts: list[list[int]], references: list[list[int]], lengths: list[int]):
+    """Generate every prompt at every length with `engine` (greedy), checking that each output is plain
+    greedy decoding's first n tokens, made in at most n target forwards, with per-step statistics that
+    add up to it; yields (prompt index, n, result) for each module's own further checks."""
+    from specdecode.engine import GenerationConfig
+
+    for i, prompt in enumerate(prompts):
+        for n in lengths:
+            result = engine.generate(prompt, GenerationConfig(max_new_tokens=n))
+            assert result.token_ids == references[i][:n], f"prompt {i}, {n} tokens"
+            assert sum(s.new_tokens for s in result.steps) == len(result.token_ids)
+            assert result.target_forwards <= n
+            yield i, n, result

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from conftest import greedy_references, noisy_copy, random_prompts
+from conftest import greedy_references, greedy_runs, noisy_copy, random_prompts
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.draft_model_tree import DEFAULT_CHOICES, DraftModelTreeDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
@@ -72,12 +72,7 @@ def test_plain_decoding_equals_transformers_generate(tiny_target, reference):
 def test_greedy_speculative_equals_plain(kind, tiny_target, tiny_drafter, reference):
     drafter = drafters(tiny_target, tiny_drafter)[kind]()
     engine = SpeculativeEngine(HFCausalLM(tiny_target), drafter=drafter)
-    for i, prompt in enumerate(PROMPTS):
-        for n in LENGTHS:
-            result = engine.generate(prompt, GenerationConfig(max_new_tokens=n))
-            assert result.token_ids == reference[i][:n], f"prompt {i}, {n} tokens"
-            assert sum(s.new_tokens for s in result.steps) == len(result.token_ids)
-            assert result.target_forwards <= n
+    *_, (_, _, result) = greedy_runs(engine, PROMPTS, reference, LENGTHS)  # checked as it runs; the last kept
     if kind == "self":  # a perfect drafter: every draft accepted, several tokens per forward
         assert result.acceptance_rate == 1.0 and result.mean_accepted_tokens > 3
     if kind == "tree-self":  # the target's own argmax path is in every tree: several tokens per forward

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TOKENS, greedy_references, random_prompts, tiny_chat_qwen2, tiny_qwen2, write_tiny_gguf
+from conftest import TOKENS, greedy_references, greedy_runs, random_prompts, tiny_chat_qwen2, tiny_qwen2, write_tiny_gguf
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.jacobi import JacobiDrafter, build_jacobi, extend_guesses, jacobi_fixed_point
 from specdecode.drafters.lookahead import LookaheadDrafter, NgramPool, build_lookahead, trie, window_tokens
@@ -131,15 +131,10 @@ def test_greedy_speculative_equals_plain(kind, tiny_target, reference):
     drafter = KINDS[kind]()
     engine = SpeculativeEngine(HFCausalLM(tiny_target), drafter=drafter)
     accepted = 0
-    for i, prompt in enumerate(PROMPTS):
-        for n in LENGTHS:
-            result = engine.generate(prompt, GenerationConfig(max_new_tokens=n))
-            assert result.token_ids == reference[i][:n], f"prompt {i}, {n} tokens"
-            assert sum(s.new_tokens for s in result.steps) == len(result.token_ids)
-            assert result.target_forwards <= n
-            accepted += sum(s.accepted for s in result.steps)
-            if kind.startswith("lookahead"):  # the window rode every forward but the last (room for no draft)
-                assert all(s.auxiliary_tokens > 0 for s in result.steps[:-1])
+    for _, _, result in greedy_runs(engine, PROMPTS, reference, LENGTHS):
+        accepted += sum(s.accepted for s in result.steps)
+        if kind.startswith("lookahead"):  # the window rode every forward but the last (room for no draft)
+            assert all(s.auxiliary_tokens > 0 for s in result.steps[:-1])
     assert accepted > 0  # not vacuous: the drafts were right at times (the loops of a tiny model)
     if kind == "lookahead-window-only":  # n-grams from the Jacobi trajectories alone were accepted
         assert accepted > 20

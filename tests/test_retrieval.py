@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import VOCAB, greedy_references, random_prompts, tiny_tokenizer
+from conftest import VOCAB, greedy_references, greedy_runs, random_prompts, tiny_tokenizer
 from specdecode.drafters.retrieval import (
     SEPARATOR,
     Datastore,
@@ -25,7 +25,7 @@ from specdecode.drafters.retrieval import (
     join_documents,
     suffix_array,
 )
-from specdecode.engine import GenerationConfig, SpeculativeEngine
+from specdecode.engine import SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.methods import DrafterOptions
 from specdecode.models.costs import CostCurve
@@ -319,14 +319,10 @@ def test_greedy_retrieval_equals_plain(kind, tiny_target, tiny_store, reference)
     }[kind]
     engine = SpeculativeEngine(HFCausalLM(tiny_target), drafter=make())
     accepted = 0
-    for i, prompt in enumerate(PROMPTS):
-        for n in LENGTHS:
-            result = engine.generate(prompt, GenerationConfig(max_new_tokens=n))
-            assert result.token_ids == reference[i][:n], f"prompt {i}, {n} tokens"
-            assert sum(s.new_tokens for s in result.steps) == n
-            accepted += sum(s.accepted for s in result.steps)
-            if i % 2 == 0 and n == 40:  # its output is in the corpus: far fewer forwards than tokens
-                assert result.target_forwards <= n // 3, f"prompt {i}"
+    for i, n, result in greedy_runs(engine, PROMPTS, reference, LENGTHS):
+        accepted += sum(s.accepted for s in result.steps)
+        if i % 2 == 0 and n == 40:  # its output is in the corpus: far fewer forwards than tokens
+            assert result.target_forwards <= n // 3, f"prompt {i}"
     assert accepted > 0
 
 

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from conftest import TOKENS, greedy_references, random_prompts, tiny_qwen2, tiny_tokenizer
+from conftest import TOKENS, greedy_references, greedy_runs, random_prompts, tiny_qwen2, tiny_tokenizer
 from specdecode.drafters import self_speculative as ss
 from specdecode.drafters.self_speculative import (
     Calibration,
@@ -178,11 +178,8 @@ def reference(tiny_target):
 def test_greedy_speculative_equals_plain(kind, tiny_target, reference):
     target = HFCausalLM(tiny_target)
     engine = SpeculativeEngine(target, drafter=drafters(target)[kind]())
-    for i, prompt in enumerate(PROMPTS):
-        for n in LENGTHS:
-            result = engine.generate(prompt, GenerationConfig(max_new_tokens=n))
-            assert result.token_ids == reference[i][:n], (kind, i, n)
-            assert target.cache_length == len(prompt) + n - 1  # the cache as plain decoding leaves it
+    for i, n, _ in greedy_runs(engine, PROMPTS, reference, LENGTHS):
+        assert target.cache_length == len(PROMPTS[i]) + n - 1  # the cache as plain decoding leaves it
 
 
 @pytest.mark.parametrize("skip, least", [((), 0.95), ((1,), 0.1), ((2,), 0.1)])

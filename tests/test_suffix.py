@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import random_prompts
+from conftest import greedy_runs, random_prompts
 from specdecode.bench.replay import replay
 from specdecode.drafters.suffix import SuffixDrafter, SuffixIndex, build_suffix
 from specdecode.engine import GenerationConfig, SpeculativeEngine
@@ -267,11 +267,7 @@ def test_greedy_suffix_equals_plain(kind, tiny_target, plain):
     from the earlier runs, and the output is plain greedy decoding's all the same."""
     engine = SpeculativeEngine(HFCausalLM(tiny_target), drafter=KINDS[kind]())
     engine._curve = CURVE
-    for i, prompt in enumerate(PROMPTS):
-        for n in LENGTHS:
-            result = engine.generate(prompt, GenerationConfig(max_new_tokens=n))
-            assert result.token_ids == plain[i][:n], f"prompt {i}, {n} tokens"
-            assert sum(s.new_tokens for s in result.steps) == n and result.target_forwards <= n
+    list(greedy_runs(engine, PROMPTS, plain, LENGTHS))  # each run is checked as it comes
 
 
 def test_second_identical_request_drafts_from_the_first(tiny_target, plain):
