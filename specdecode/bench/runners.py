@@ -12,7 +12,7 @@ import torch
 
 from specdecode.api import Models
 from specdecode.bench import llamacpp_peers
-from specdecode.engine import GenerationConfig
+from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.methods import resolve
 from specdecode.types import StepStats
 
@@ -36,6 +36,11 @@ class Runner:
 
 def our_runner(models: Models, method: str, datastore: str | None = None) -> Runner:
     engine = models.engine(method, datastore=datastore if "datastore" in resolve(method)[0].takes else None)
+    return engine_runner(engine, resolve(method)[0].lossless)
+
+
+def engine_runner(engine: SpeculativeEngine, lossless: bool = True) -> Runner:
+    """Any engine, for instance one whose drafter has settings no method name gives (tuning scripts)."""
 
     def run(prompt_ids: list[int], config: GenerationConfig) -> Output:
         result = engine.generate(prompt_ids, config)
@@ -44,7 +49,7 @@ def our_runner(models: Models, method: str, datastore: str | None = None) -> Run
         return Output(result.token_ids, result.seconds, result.steps, prefill)
 
     forget = engine.drafter.forget if engine.drafter is not None else lambda: None
-    return Runner(method, resolve(method)[0].lossless, False, run, forget)
+    return Runner(engine.method, lossless, False, run, forget)
 
 
 def peer_runner(models: Models, name: str, **generate_kwargs) -> Runner:
