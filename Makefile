@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup models llama-server demo test test-fast bench
+.PHONY: setup models llama-server chromium demo test test-fast bench
 
 setup: $(VENV)/.installed
 
@@ -29,11 +29,15 @@ models: setup
 llama-server: setup
 	PYTHON=$(PY) scripts/build-llama-server.sh
 
+# Debian's chromium, for the demo page's headless-browser test (apt; skipped where it is already there).
+chromium:
+	scripts/install-chromium.sh
+
 demo: models
 	$(VENV)/bin/specdecode demo
 
 # The whole suite, real-model tests included (what CI runs).
-test: models llama-server
+test: models llama-server chromium
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Tiny models only: no model download, a minute or two.

@@ -209,6 +209,39 @@ def bench(
     )
 
 
+@app.command()
+def serve(
+    method: Annotated[MethodName, typer.Option(help="The method of requests that name none.")] = MethodName("pld"),
+    host: Annotated[str, typer.Option(help="Address to listen on (127.0.0.1: this machine only).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
+    model_name: Annotated[str | None, typer.Option(
+        help="The model id clients send (default: the target's name).")] = None,
+    no_drafter: Annotated[bool, typer.Option(
+        "--no-drafter", help="Load no draft model (saves its memory; the draft-model methods are then off).")] = False,
+    dtype: DTypeOption = DType("bfloat16"),
+    draft_dtype: DraftDTypeOption = DraftDType("int8"),
+    backend: BackendOption = Backend("torch"),
+    datastore: DatastoreOption = None,
+    target: TargetOption = DEFAULT_TARGET,
+    drafter: DrafterOption = DEFAULT_DRAFTER,
+) -> None:
+    """An OpenAI-compatible server (/v1/completions, /v1/chat/completions, streaming) and the demo page at /."""
+    import uvicorn
+
+    from specdecode.api import load_models
+    from specdecode.serve.app import Server, create_app
+
+    if no_drafter and METHODS[method.value].needs_draft_model:
+        raise UserError(f"method {method.value!r} needs the draft model; drop --no-drafter or pick another --method")
+    _check_sources(method.value, datastore, None)
+    models = load_models(target, None if no_drafter else drafter, dtype=dtype.value, draft_dtype=draft_dtype.value,
+                         backend=backend.value)
+    name = model_name or Path(target.rstrip("/")).name.removesuffix(".gguf")
+    server = Server(models, name, method.value, datastore=str(datastore) if datastore else None)
+    console.print(f"serving [bold]{name}[/] ({method.value} by default) on http://{host}:{port}/ ; Ctrl-C stops")
+    uvicorn.run(create_app(server), host=host, port=port, log_level="warning")
+
+
 @app.command("methods")
 def list_methods() -> None:
     """List the decoding methods."""

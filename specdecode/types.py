@@ -140,7 +140,9 @@ class Verdict:
             object.__setattr__(self, "bonus", self.num_accepted == self.num_drafted)
 
 
-TokenOrigin = Literal["prefill", "accepted", "corrected", "bonus"]
+# accepted: a draft token the target agreed with; corrected: the target's token where it rejected one;
+# bonus: the target's token after a wholly accepted draft; target: a step that drafted nothing
+TokenOrigin = Literal["accepted", "corrected", "bonus", "target"]
 
 
 @dataclass(frozen=True)

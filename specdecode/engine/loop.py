@@ -45,6 +45,7 @@ class StepEvent:
     origins: list[TokenOrigin]  # how each token came about, parallel to token_ids
     text: str  # the new text (may be empty while a character is incomplete)
     stats: StepStats
+    rejected_ids: list[int] = field(default_factory=list)  # a chain draft's tokens the target turned down
 
 
 @dataclass
@@ -122,6 +123,10 @@ class Stream:
 
     def __iter__(self) -> Iterator[StepEvent]:
         self.result = yield from self._events
+
+    def close(self) -> None:
+        """Stop early (a client went away): no more steps, no result."""
+        self._events.close()
 
 
 def with_auxiliary(
@@ -284,7 +289,8 @@ class SpeculativeEngine:
             steps.append(stats)
             if self.drafter is not None:
                 self.drafter.update(verdict, stats)
-            yield StepEvent(token_ids=new[:kept], origins=origins[:kept], text=text, stats=stats)
+            rejected = draft.tokens[verdict.num_accepted :].tolist() if not draft.is_tree else []
+            yield StepEvent(token_ids=new[:kept], origins=origins[:kept], text=text, stats=stats, rejected_ids=rejected)
             if finish_reason != "length":
                 break
         seconds = time.perf_counter() - start

@@ -1,0 +1,49 @@
+"""`/metrics` in Prometheus' text format (prometheus_client), one registry per server."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from specdecode.engine import GenerationResult
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160)
+MAX_POSITION = 16  # accepted-by-position counts beyond this draft position are lumped into it
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("specdecode_requests", "Requests by endpoint and HTTP status", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("specdecode_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generated_tokens = Counter("specdecode_generated_tokens", "Tokens generated", ["method"], registry=r)
+        self.target_forwards = Counter("specdecode_target_forwards", "Target forwards (steps)", ["method"], registry=r)
+        self.drafted = Counter("specdecode_drafted_tokens", "Draft tokens proposed", ["method"], registry=r)
+        self.accepted = Counter("specdecode_accepted_tokens", "Draft tokens accepted", ["method"], registry=r)
+        self.accepted_by_position = Counter(
+            "specdecode_accepted_by_position", "Steps whose draft was accepted at least to this position (1-based)",
+            ["method", "position"], registry=r)
+        self.cancelled = Counter("specdecode_cancelled_requests", "Generations stopped because the client left", registry=r)
+        self.latency = Histogram("specdecode_request_seconds", "From arrival to the last token", ["method"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.first_token = Histogram("specdecode_time_to_first_token_seconds", "From arrival to the first token",
+                                     ["method"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_seconds = Histogram("specdecode_queue_seconds", "Waiting for the model", buckets=LATENCY_BUCKETS,
+                                       registry=r)
+        self.waiting = Gauge("specdecode_waiting_requests", "Requests queued for the model", registry=r)
+        self.running = Gauge("specdecode_running_requests", "Requests being generated", registry=r)
+
+    def finished(self, result: GenerationResult, seconds: float) -> None:
+        method = result.method
+        self.prompt_tokens.inc(len(result.prompt_ids))
+        self.generated_tokens.labels(method).inc(result.new_tokens)
+        self.target_forwards.labels(method).inc(result.target_forwards)
+        self.drafted.labels(method).inc(sum(s.drafted for s in result.steps))
+        self.accepted.labels(method).inc(sum(s.accepted for s in result.steps))
+        for step in result.steps:
+            for position in range(1, min(step.accepted, MAX_POSITION) + 1):
+                self.accepted_by_position.labels(method, str(position)).inc()
+        self.latency.labels(method).observe(seconds)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

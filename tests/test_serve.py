@@ -1,0 +1,278 @@
+"""`specdecode serve` on loopback with a tiny model pair: the official `openai` client, streaming, chat,
+concurrency, bad requests, a client leaving mid-stream, /metrics, and a bounded load test."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import http.client
+import openai
+import pytest
+import uvicorn
+
+from specdecode.api import load_models
+from specdecode.engine import GenerationConfig
+from specdecode.serve.app import Server, create_app
+
+MODEL = "tiny"
+PROMPTS = ["the cat sat", "hello there", "one two three four", "the the the"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    """A uvicorn server on a thread, stopped at the end."""
+
+    def __init__(self, app):
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_folder):
+    return load_models(str(tiny_folder), str(tiny_folder), dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    state = Server(models, MODEL, default_method="pld")
+    running = Running(create_app(state))
+    yield running, state
+    running.stop()
+
+
+@pytest.fixture
+def client(server):
+    running, _ = server
+    return openai.OpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0)
+
+
+def expected(models, method: str, prompt_ids: list[int], max_tokens: int, stop=()) -> str:
+    return models.engine(method).generate(prompt_ids, GenerationConfig(max_new_tokens=max_tokens, stop=stop)).text
+
+
+def completion_ids(models, prompt: str) -> list[int]:
+    return models.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+
+def test_models_and_methods(client, server):
+    running, state = server
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    methods = get(running.url, "/v1/methods").json()
+    assert methods["default"] == "pld"
+    assert {"ar", "pld", "draft"} <= {m["id"] for m in methods["data"]}
+
+
+@pytest.mark.parametrize("method", ["pld", "draft", "ar"])
+def test_completion_equals_the_engine_greedy(client, models, method):
+    for prompt in PROMPTS[:2]:
+        response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                                             extra_body={"method": method})
+        assert response.choices[0].text == expected(models, method, completion_ids(models, prompt), 20)
+        assert response.usage.completion_tokens <= 20
+        assert response.usage.prompt_tokens == len(completion_ids(models, prompt))
+        stats = response.model_extra["speculative"]
+        assert stats["method"] == method
+        assert stats["target_forwards"] >= 1
+        if method == "ar":
+            assert stats["drafted_tokens"] == 0
+
+
+def test_streamed_completion_equals_the_plain_one(client, models):
+    prompt, max_tokens = PROMPTS[3], 24
+    # a fixed tree always drafts (the gated methods may not, with a drafter as costly as the target)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                            stream=True, extra_body={"method": "draft-tree-fixed"}))
+    text = "".join(c.choices[0].text for c in chunks)
+    assert text == expected(models, "draft-tree-fixed", completion_ids(models, prompt), max_tokens)
+    steps = [c for c in chunks if c.model_extra.get("specdecode")]
+    tokens = [t for c in steps for t in c.model_extra["specdecode"]["tokens"]]
+    assert {t["origin"] for t in tokens} == {"accepted", "corrected", "bonus"} & {t["origin"] for t in tokens}
+    assert any(t["origin"] == "accepted" for t in tokens)
+    # the page's coloured tokens spell the text (a step without tokens: a held-back partial character)
+    spelt = "".join("".join(t["text"] for t in c.model_extra["specdecode"]["tokens"]) or c.choices[0].text for c in steps)
+    assert spelt == text
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    assert chunks[-1].model_extra["speculative"]["target_forwards"] >= 1
+
+
+def test_chat_plain_and_streamed(client, models):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat"}]
+    ids = models.encode_chat(messages)
+    want = expected(models, "pld", ids, 16)
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    assert response.choices[0].message.content == want
+    assert response.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == response.usage.completion_tokens
+
+
+def test_stop_strings_and_seeded_sampling(client, models):
+    ids = completion_ids(models, PROMPTS[0])
+    full = expected(models, "pld", ids, 30)
+    stop = full[5:7]
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=30, temperature=0, stop=[stop])
+    assert response.choices[0].text == full[: full.index(stop)]
+    assert response.choices[0].finish_reason == "stop"
+    sampled = [client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=1.0, seed=7,
+                                         top_p=0.9).choices[0].text for _ in range(2)]
+    assert sampled[0] == sampled[1]  # a seed reproduces a sampled answer
+
+
+def test_concurrent_requests_each_get_their_own_answer(client, models):
+    want = {p: expected(models, "pld", completion_ids(models, p), 16) for p in PROMPTS}
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda p: client.completions.create(
+            model=MODEL, prompt=p, max_tokens=16, temperature=0).choices[0].text, PROMPTS * 2))
+    assert got == [want[p] for p in PROMPTS * 2]
+
+
+class Reply:
+    def __init__(self, status: int, text: str):
+        self.status_code, self.text = status, text
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def request(url: str, method: str, path: str, body=None) -> Reply:
+    """A raw HTTP request (stdlib), for what the official client would refuse to send."""
+    connection = http.client.HTTPConnection(url.removeprefix("http://"), timeout=30)
+    content = None if body is None else body if isinstance(body, str) else json.dumps(body)
+    connection.request(method, path, body=content, headers={"content-type": "application/json"})
+    response = connection.getresponse()
+    reply = Reply(response.status, response.read().decode())
+    connection.close()
+    return reply
+
+
+def get(url: str, path: str) -> Reply:
+    return request(url, "GET", path)
+
+
+def post(url: str, path: str, body) -> Reply:
+    return request(url, "POST", path, body)
+
+
+@pytest.mark.parametrize("path, body, status, words", [
+    ("/v1/completions", "{not json", 400, "not valid JSON"),
+    ("/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 404, "gpt-9"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "method": "telepathy"}, 400, "telepathy"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 5}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "empty"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "Token ids"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "the " * 200}, 400, "maximum context length"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1000}, 400, "maximum context length"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+])
+def test_bad_requests_get_openai_style_errors(server, path, body, status, words):
+    running, _ = server
+    response = post(running.url, path, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert words in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+def test_the_official_client_raises_on_bad_requests(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-9", prompt="hi")
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model=MODEL, prompt="the " * 200)
+
+
+def metric(url: str, name: str) -> float:
+    total = 0.0
+    for line in get(url, "/metrics").text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_client_leaving_mid_stream_stops_its_generation(server, client, models):
+    running, state = server
+    before = metric(running.url, "specdecode_cancelled_requests_total")
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 100, "temperature": 0, "stream": True,
+            "method": "ar", "ignore": "unknown fields are ignored"}
+    connection = http.client.HTTPConnection(running.url.removeprefix("http://"), timeout=30)
+    connection.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data:")
+    connection.close()  # mid-stream
+    deadline = time.monotonic() + 20
+    while metric(running.url, "specdecode_cancelled_requests_total") == before:
+        assert time.monotonic() < deadline, "the server did not notice the client leaving"
+        time.sleep(0.05)
+    # the worker is free again and the cache was dropped
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0)
+    assert response.choices[0].text == expected(models, "pld", completion_ids(models, PROMPTS[1]), 8)
+
+
+def test_metrics(server, client):
+    running, _ = server
+    client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=16, temperature=0)
+    text = get(running.url, "/metrics").text
+    for name in ["specdecode_requests_total", "specdecode_generated_tokens_total", "specdecode_drafted_tokens_total",
+                 "specdecode_accepted_tokens_total", "specdecode_accepted_by_position_total",
+                 "specdecode_request_seconds_bucket", "specdecode_time_to_first_token_seconds_bucket"]:
+        assert name in text, name
+    assert metric(running.url, 'specdecode_requests_total{endpoint="/v1/completions",status="200"}') >= 1
+    assert metric(running.url, "specdecode_generated_tokens_total") >= 16
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_load_200_requests_from_8_clients(server, client, models):
+    running, state = server
+    want = [expected(models, "ar", completion_ids(models, p), 8) for p in PROMPTS]
+
+    def one(index: int) -> str:
+        stream = index % 2 == 0
+        response = client.completions.create(model=MODEL, prompt=PROMPTS[index % 4], max_tokens=8, temperature=0,
+                                             stream=stream, extra_body={"method": ["pld", "ar", "draft"][index % 3]})
+        return "".join(c.choices[0].text for c in response) if stream else response.choices[0].text
+
+    with ThreadPoolExecutor(8) as pool:  # a first round warms every path up
+        list(pool.map(one, range(40)))
+    before = resident_bytes()
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(one, range(200)))
+    after = resident_bytes()
+    assert len(answers) == 200
+    assert answers == [want[i % 4] for i in range(200)]  # every method, streamed or not, gives greedy's answer
+    assert after - before < 50 * 2**20, f"resident memory grew by {(after - before) / 2**20:.0f} MiB"
+    assert metric(running.url, "specdecode_running_requests") == 0
+    assert metric(running.url, "specdecode_waiting_requests") == 0
