@@ -17,7 +17,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdecode.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from specdecode.errors import UserError
-from specdecode.methods import DrafterOptions, name_of, resolve
+from specdecode.drafters.base import Drafter
+from specdecode.methods import DrafterOptions, Method, name_of, resolve
 from specdecode.models.base import CausalLM
 from specdecode.models.hf import HFCausalLM
 from specdecode.models.loading import check_same_vocabulary, load_causal_lm, load_gguf_lm
@@ -53,15 +54,22 @@ class Models:
         the target's measured cost curve), `choices` gives the tree a fixed shape, `datastore` is a
         retrieval datastore's path (`rest`; default: the Python standard library's), `reference` a
         document's text to copy from (`pld`)."""
-        spec, options = resolve(method)
-        reference_ids = tuple(self.tokenizer.encode(reference, add_special_tokens=False)) if reference else None
-        options = DrafterOptions(tree=tree or options.tree, budget=budget, choices=choices or options.choices,
-                                 datastore=datastore, reference_ids=reference_ids, tokenizer=self.tokenizer)
-        draft = self.require_draft() if spec.needs_draft_model else None
-        drafter = spec.drafter(self.target, draft, options)
+        spec, options = self._options(method, tree, budget, choices, datastore, reference)
+        drafter = spec.drafter(self.target, self.require_draft() if spec.needs_draft_model else None, options)
         tree_budget = None if not options.tree else options.budget or ("whole" if options.choices else "auto")
         return SpeculativeEngine(self.target, self.tokenizer, drafter, method=name_of(spec, options),
                                  tree_budget=tree_budget)
+
+    def drafter(self, method: str, *, datastore: str | None = None) -> Drafter | None:
+        """A new drafter for one sequence (None for plain decoding), as `engine` would make it."""
+        spec, options = self._options(method, False, None, None, datastore, None)
+        return spec.drafter(self.target, self.require_draft() if spec.needs_draft_model else None, options)
+
+    def _options(self, method, tree, budget, choices, datastore, reference) -> tuple[Method, DrafterOptions]:
+        spec, options = resolve(method)
+        reference_ids = tuple(self.tokenizer.encode(reference, add_special_tokens=False)) if reference else None
+        return spec, DrafterOptions(tree=tree or options.tree, budget=budget, choices=choices or options.choices,
+                                    datastore=datastore, reference_ids=reference_ids, tokenizer=self.tokenizer)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids of a prompt; with chat=True, as the single user turn of the chat template."""

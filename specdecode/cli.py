@@ -216,6 +216,8 @@ def serve(
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
     model_name: Annotated[str | None, typer.Option(
         help="The model id clients send (default: the target's name).")] = None,
+    max_batch: Annotated[int, typer.Option(
+        min=1, max=64, help="Requests decoded together in one batch (methods that draft without a model).")] = 8,
     no_drafter: Annotated[bool, typer.Option(
         "--no-drafter", help="Load no draft model (saves its memory; the draft-model methods are then off).")] = False,
     dtype: DTypeOption = DType("bfloat16"),
@@ -237,7 +239,7 @@ def serve(
     models = load_models(target, None if no_drafter else drafter, dtype=dtype.value, draft_dtype=draft_dtype.value,
                          backend=backend.value)
     name = model_name or Path(target.rstrip("/")).name.removesuffix(".gguf")
-    server = Server(models, name, method.value, datastore=str(datastore) if datastore else None)
+    server = Server(models, name, method.value, datastore=str(datastore) if datastore else None, max_batch=max_batch)
     console.print(f"serving [bold]{name}[/] ({method.value} by default) on http://{host}:{port}/ ; Ctrl-C stops")
     uvicorn.run(create_app(server), host=host, port=port, log_level="warning")
 

@@ -56,6 +56,9 @@ class Method:
     tree: bool = False  # offers a token-tree form
     choices: bool = False  # its tree can take a fixed shape
     takes: tuple[str, ...] = ()  # the outside sources it drafts from: "datastore", "reference"
+    # drafts without running a model, so the server decodes its requests in a batch (`engine.batch`;
+    # its drafters say so too: `Drafter.batchable`)
+    batchable: bool = False
 
     def drafter(self, target: CausalLM, draft: CausalLM | None, options: DrafterOptions | None = None) -> Drafter | None:
         options = options or DrafterOptions()
@@ -87,14 +90,15 @@ def _prompt_lookup(target: CausalLM, draft: CausalLM | None, options: DrafterOpt
 METHODS: dict[str, Method] = {
     m.name: m
     for m in [
-        Method("ar", "plain autoregressive decoding (the baseline)", False, lambda target, draft, options: None),
+        Method("ar", "plain autoregressive decoding (the baseline)", False, lambda target, draft, options: None,
+               batchable=True),
         Method("draft", "an independent draft model drafts a chain (adaptive length) or an EAGLE-2-style tree",
                True, _draft_model, tree=True, choices=True),
         Method("pld", "prompt lookup: copy what followed the last n-gram earlier (tree: every match)",
-               False, _prompt_lookup, tree=True, takes=("reference",)),
+               False, _prompt_lookup, tree=True, takes=("reference",), batchable=True),
         Method("rest", "retrieval (REST): the most frequent continuations of the context's longest suffix in "
                "a corpus datastore, by default the Python standard library (tree: all of them, as a trie)",
-               False, build_retrieval, tree=True, takes=("datastore",)),
+               False, build_retrieval, tree=True, takes=("datastore",), batchable=True),
         Method("jacobi", "Jacobi decoding: the target's own predictions from its last forward are the next "
                "guesses, iterated to a fixed point by verification", False, build_jacobi),
         Method("lookahead", "lookahead decoding: a Jacobi window rides in every forward and harvests n-grams; "

@@ -116,3 +116,18 @@ def test_bad_input_gives_one_line_error_and_exit_2(monkeypatch, capsys, tiny_fol
 def test_methods_lists_every_method(monkeypatch, capsys):
     code, out, _ = run(monkeypatch, capsys, "methods")
     assert code == 0 and all(name in out for name in METHODS)
+
+
+def test_serve_starts_the_server_and_refuses_a_method_it_cannot_run(monkeypatch, capsys, tiny_folder):
+    import uvicorn
+
+    served = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, log_level: served.update(app=app, host=host, port=port))
+    code, _, _ = run(monkeypatch, capsys, "serve", "--target", str(tiny_folder), "--no-drafter", "--dtype", "float32",
+                     "--port", "8123")
+    assert code == 0 and served["port"] == 8123 and served["host"] == "127.0.0.1"
+    server = served["app"].state.server
+    assert server.model_name == tiny_folder.name and "draft" not in server.methods() and "pld" in server.methods()
+    server.worker.stop()
+    code, _, err = run(monkeypatch, capsys, "serve", "--target", str(tiny_folder), "--no-drafter", "--method", "draft")
+    assert code == 2 and "needs the draft model" in err

@@ -275,7 +275,7 @@ def kinds(target_model, other_model):
 def test_greedy_composite_equals_plain(kind, tiny_target, tiny_drafter, plain):
     drafter = kinds(tiny_target, tiny_drafter)[kind]()
     engine = SpeculativeEngine(HFCausalLM(tiny_target), drafter=drafter)
-    engine._curve = CURVE
+    engine.curve = CURVE
     *_, (_, _, result) = greedy_runs(engine, PROMPTS, plain, LENGTHS)  # checked as it runs; the last kept
     if kind == "tree":  # the noisy draft model agrees often: several tokens per forward
         assert result.mean_accepted_tokens > 1.5
@@ -303,7 +303,7 @@ def test_observe_gets_the_rows_of_the_verified_nodes(tiny_target, plain):
     composite = CompositeDrafter([watcher], FREE, budget=4)
     assert composite.wants_logits
     engine = SpeculativeEngine(HFCausalLM(tiny_target), drafter=composite)
-    engine._curve = CURVE
+    engine.curve = CURVE
     result = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=10))
     assert result.token_ids == plain[0][:10]
     tokens, rows, accepted = watcher.seen[0]

@@ -93,7 +93,7 @@ def test_gate_verifies_only_what_pays_on_the_cost_curve(tiny_target):
     outputs, drafted = {}, {}
     for name, curve in [("free", CostCurve.linear(0.0)), ("linear", CostCurve.linear(1.0))]:
         engine = SpeculativeEngine(HFCausalLM(tiny_target), drafter=PromptLookupDrafter(num_tokens=8))
-        engine._curve = curve
+        engine.curve = curve
         result = engine.generate(prompt, config)
         outputs[name], drafted[name] = result.token_ids, sum(s.drafted for s in result.steps[1:])
     ungated = SpeculativeEngine(HFCausalLM(tiny_target), drafter=PromptLookupDrafter(num_tokens=8), gate=False)

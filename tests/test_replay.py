@@ -21,7 +21,7 @@ def test_replay_takes_the_engines_steps(tiny_target, curve, make):
     config = GenerationConfig(max_new_tokens=60, ignore_eos=True)
     plain = SpeculativeEngine(target).generate(PROMPT, config)
     engine = SpeculativeEngine(target, drafter=make(curve))
-    engine._curve = curve
+    engine.curve = curve
     result = engine.generate(PROMPT, config)
     assert result.token_ids == plain.token_ids
     steps = replay(make(curve), PROMPT, plain.token_ids, curve)

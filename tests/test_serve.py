@@ -275,4 +275,5 @@ def test_load_200_requests_from_8_clients(server, client, models):
     assert answers == [want[i % 4] for i in range(200)]  # every method, streamed or not, gives greedy's answer
     assert after - before < 50 * 2**20, f"resident memory grew by {(after - before) / 2**20:.0f} MiB"
     assert metric(running.url, "specdecode_running_requests") == 0
+    assert metric(running.url, 'specdecode_batch_size_bucket{le="1.0"}') < metric(running.url, "specdecode_batch_size_count")
     assert metric(running.url, "specdecode_waiting_requests") == 0

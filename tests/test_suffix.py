@@ -266,14 +266,14 @@ def test_greedy_suffix_equals_plain(kind, tiny_target, plain):
     """One drafter across every prompt and length, as a server would keep it: repeats of a prompt draft
     from the earlier runs, and the output is plain greedy decoding's all the same."""
     engine = SpeculativeEngine(HFCausalLM(tiny_target), drafter=KINDS[kind]())
-    engine._curve = CURVE
+    engine.curve = CURVE
     list(greedy_runs(engine, PROMPTS, plain, LENGTHS))  # each run is checked as it comes
 
 
 def test_second_identical_request_drafts_from_the_first(tiny_target, plain):
     drafter = SuffixDrafter()
     engine = SpeculativeEngine(HFCausalLM(tiny_target), drafter=drafter)
-    engine._curve = CURVE
+    engine.curve = CURVE
     config = GenerationConfig(max_new_tokens=40)
     first = engine.generate(PROMPTS[2], config)
     second = engine.generate(PROMPTS[2], config)

@@ -14,6 +14,9 @@ class Drafter(abc.ABC):
     so any drafter is lossless under a lossless verifier; a better drafter is only a faster one."""
 
     name: str = "drafter"
+    # True: drafts without running a model (neither its own nor the target), so one instance per sequence
+    # can serve a batch (`engine.batch`)
+    batchable: bool = False
 
     def begin(self, prompt_ids: list[int]) -> None:
         """A new sequence starts (forget per-sequence state)."""

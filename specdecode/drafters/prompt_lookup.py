@@ -129,6 +129,8 @@ class PromptLookupDrafter(Drafter):
     request from one that only echoes a word now and then before paying for a single bad draft.
     """
 
+    batchable = True  # no model: one instance per sequence serves a batch
+
     name = "pld"
 
     def __init__(
@@ -212,6 +214,8 @@ class PromptLookupTreeDrafter(Drafter):
     more) times a^depth, where a is the running per-token acceptance; the budget keeps the best nodes,
     a fixed number or the number that maximises expected tokens per unit of time on the cost curve.
     """
+
+    batchable = True  # no model: one instance per sequence serves a batch
 
     name = "pld-tree"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -157,6 +158,92 @@ def _origins(verdict: Verdict) -> list[TokenOrigin]:
     return ["accepted"] * verdict.num_accepted + [last]
 
 
+def check_prompt(target: CausalLM, prompt_ids: list[int]) -> None:
+    """A UserError for a prompt the target cannot take."""
+    if not prompt_ids:
+        raise UserError("the prompt is empty")
+    if len(prompt_ids) >= target.max_context:
+        raise UserError(f"the prompt has {len(prompt_ids)} tokens; the model's context holds {target.max_context}")
+    bad = [t for t in prompt_ids if not 0 <= t < target.vocab_size]
+    if bad:
+        raise UserError(f"token ids out of the vocabulary (size {target.vocab_size}): {bad[:5]}")
+
+
+class Progress:
+    """One sequence's way through generation, whichever engine steps it: its context and output, EOS and
+    stop strings, the text emitted so far, per-step statistics, and its random generator."""
+
+    def __init__(self, prompt_ids: list[int], config: GenerationConfig, tokenizer, target: CausalLM):
+        self.config = config
+        self.max_context = target.max_context
+        self.eos = frozenset() if config.ignore_eos else target.eos_token_ids
+        self.generator = torch.Generator()
+        self.generator.manual_seed(config.seed if config.seed is not None else int(torch.randint(2**62, ()).item()))
+        self.tracker = TextTracker(tokenizer, config.stop)
+        self.prompt_ids = list(prompt_ids)
+        self.context = list(prompt_ids)
+        self.output: list[int] = []
+        self.steps: list[StepStats] = []
+        self.finish_reason = "length"  # until EOS or a stop string
+        self.start = time.perf_counter()
+
+    def room(self) -> int:
+        """Tokens it may still add (0: done)."""
+        if self.finish_reason != "length":
+            return 0
+        return min(self.config.max_new_tokens - len(self.output), self.max_context - len(self.context))
+
+    def advance(self, draft: Draft, verdict: Verdict, draft_seconds: float, verify_seconds: float,
+                forward_tokens: int) -> StepEvent:
+        """Append a step's tokens (cut at EOS, a stop string or the room left); forward_tokens: the context
+        tokens the step's forward carried before the draft."""
+        remaining = self.room()
+        new = list(verdict.tokens[:remaining])
+        origins = _origins(verdict)[: len(new)]
+        hit_eos = next((i for i, t in enumerate(new) if t in self.eos), None)
+        if hit_eos is not None:
+            del new[hit_eos + 1 :], origins[hit_eos + 1 :]
+            self.finish_reason = "eos"
+        previous = len(self.output)
+        self.output.extend(new)
+        self.context.extend(new)
+        text, keep = self.tracker.update(self.output, previous)
+        if keep is not None:
+            del self.output[keep:]
+            self.finish_reason = "stop"
+        kept = len(self.output) - previous
+        stats = StepStats(
+            drafted=verdict.num_drafted,
+            accepted=min(verdict.num_accepted, kept),
+            new_tokens=kept,
+            draft_seconds=draft_seconds,
+            verify_seconds=verify_seconds,
+            forward_tokens=forward_tokens + verdict.num_drafted,
+            draft_depth=int(tree.depths(draft.parents).max()) if draft.is_tree and len(draft) else None,
+            auxiliary_tokens=len(draft.auxiliary) if draft.auxiliary is not None else 0,
+        )
+        self.steps.append(stats)
+        rejected = draft.tokens[verdict.num_accepted :].tolist() if not draft.is_tree else []
+        return StepEvent(token_ids=new[:kept], origins=origins[:kept], text=text, stats=stats, rejected_ids=rejected)
+
+    def tail(self) -> StepEvent | None:
+        """Once done: the text held back so far (an incomplete character), if any."""
+        tail = self.tracker.finish(self.output)
+        return StepEvent(token_ids=[], origins=[], text=tail, stats=StepStats(0, 0, 0, 0.0, 0.0, 0)) if tail else None
+
+    def result(self, method: str, tree_budget: int | str | None = None) -> GenerationResult:
+        return GenerationResult(
+            prompt_ids=self.prompt_ids,
+            token_ids=self.output,
+            text=self.tracker.text,
+            steps=self.steps,
+            seconds=time.perf_counter() - self.start,
+            finish_reason=self.finish_reason,
+            method=method,
+            tree_budget=tree_budget,
+        )
+
+
 class SpeculativeEngine:
     """Runs draft-then-verify decoding of one sequence at a time on a target model.
 
@@ -179,14 +266,12 @@ class SpeculativeEngine:
         self.method = method or (drafter.name if drafter else "ar")
         self.tree_budget = tree_budget
         self.gate = gate  # cut scored chains to the prefix that pays (see step)
-        self._curve: CostCurve | None = None
 
-    @property
+    @functools.cached_property
     def curve(self) -> CostCurve:
-        """The target's verification cost curve (measured on first use, then cached per machine)."""
-        if self._curve is None:
-            self._curve = self.target.cost_curve()
-        return self._curve
+        """The target's verification cost curve (measured on first use, then cached per machine; a test
+        may assign its own)."""
+        return self.target.cost_curve()
 
     def step(
         self, context: list[int], room: int, params: SamplingParams, generator
@@ -227,86 +312,28 @@ class SpeculativeEngine:
         self.target.compact(len(context), verdict.path)
         return draft, verdict, drafted - start, time.perf_counter() - drafted
 
-    def _check_prompt(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
-            raise UserError("the prompt is empty")
-        if len(prompt_ids) >= self.target.max_context:
-            raise UserError(
-                f"the prompt has {len(prompt_ids)} tokens; the model's context holds {self.target.max_context}"
-            )
-        bad = [t for t in prompt_ids if not 0 <= t < self.target.vocab_size]
-        if bad:
-            raise UserError(f"token ids out of the vocabulary (size {self.target.vocab_size}): {bad[:5]}")
-
     def _events(self, prompt_ids: list[int], config: GenerationConfig) -> Iterator[StepEvent]:
-        self._check_prompt(prompt_ids)
-        generator = torch.Generator()
-        generator.manual_seed(config.seed if config.seed is not None else int(torch.randint(2**62, ()).item()))
-        params = config.sampling
-        eos = frozenset() if config.ignore_eos else self.target.eos_token_ids
-        tracker = TextTracker(self.tokenizer, config.stop)
+        check_prompt(self.target, prompt_ids)
         if self.gate and self.drafter is not None:
             _ = self.curve  # measured (once per model and machine) before the target's cache is in use
         self.target.reset()
         if self.drafter is not None:
             self.drafter.begin(list(prompt_ids))
-        context = list(prompt_ids)
-        output: list[int] = []
-        steps: list[StepStats] = []
-        finish_reason = "length"
-        start = time.perf_counter()
-        while True:
-            remaining = min(config.max_new_tokens - len(output), self.target.max_context - len(context))
-            if remaining <= 0:
-                break
-            forward_tokens = len(context) - self.target.cache_length
-            # Each step emits at least one token beyond its accepted drafts, hence room = remaining - 1.
-            draft, verdict, draft_seconds, verify_seconds = self.step(context, remaining - 1, params, generator)
-            new = list(verdict.tokens[:remaining])
-            origins = _origins(verdict)[: len(new)]
-            hit_eos = next((i for i, t in enumerate(new) if t in eos), None)
-            if hit_eos is not None:
-                del new[hit_eos + 1 :], origins[hit_eos + 1 :]
-                finish_reason = "eos"
-            previous = len(output)
-            output.extend(new)
-            context.extend(new)
-            text, keep = tracker.update(output, previous)
-            if keep is not None:
-                del output[keep:]
-                finish_reason = "stop"
-            kept = len(output) - previous
-            stats = StepStats(
-                drafted=verdict.num_drafted,
-                accepted=min(verdict.num_accepted, kept),
-                new_tokens=kept,
-                draft_seconds=draft_seconds,
-                verify_seconds=verify_seconds,
-                forward_tokens=forward_tokens + verdict.num_drafted,
-                draft_depth=int(tree.depths(draft.parents).max()) if draft.is_tree and len(draft) else None,
-                auxiliary_tokens=len(draft.auxiliary) if draft.auxiliary is not None else 0,
-            )
-            steps.append(stats)
+        progress = Progress(prompt_ids, config, self.tokenizer, self.target)
+        while (room := progress.room()) > 0:
+            forward_tokens = len(progress.context) - self.target.cache_length
+            # Each step emits at least one token beyond its accepted drafts, hence room - 1.
+            draft, verdict, draft_seconds, verify_seconds = self.step(
+                progress.context, room - 1, config.sampling, progress.generator)
+            event = progress.advance(draft, verdict, draft_seconds, verify_seconds, forward_tokens)
             if self.drafter is not None:
-                self.drafter.update(verdict, stats)
-            rejected = draft.tokens[verdict.num_accepted :].tolist() if not draft.is_tree else []
-            yield StepEvent(token_ids=new[:kept], origins=origins[:kept], text=text, stats=stats, rejected_ids=rejected)
-            if finish_reason != "length":
+                self.drafter.update(verdict, event.stats)
+            yield event
+            if progress.finish_reason != "length":
                 break
-        seconds = time.perf_counter() - start
-        tail = tracker.finish(output)
-        if tail:
-            yield StepEvent(token_ids=[], origins=[], text=tail, stats=StepStats(0, 0, 0, 0.0, 0.0, 0))
-        return GenerationResult(
-            prompt_ids=list(prompt_ids),
-            token_ids=output,
-            text=tracker.text,
-            steps=steps,
-            seconds=seconds,
-            finish_reason=finish_reason,
-            method=self.method,
-            tree_budget=self.tree_budget,
-        )
+        if (tail := progress.tail()) is not None:
+            yield tail
+        return progress.result(self.method, self.tree_budget)
 
     def stream(self, prompt_ids: list[int], config: GenerationConfig | None = None) -> Stream:
         """Generate step by step: iterate the returned Stream for StepEvents, then read `.result`."""

@@ -27,6 +27,11 @@ class ForwardOutput:
 class CausalLM(abc.ABC):
     """A causal language model with a KV cache over a single sequence."""
 
+    # True: the cache may hold several sequences side by side, told apart by full attention masks over
+    # cache and input (`tree_mask` of cache_length + n columns), logits by `rows`, slots gathered by
+    # compact(0, keep): what `engine.batch.BatchEngine` needs.
+    several_sequences: bool = False
+
     vocab_size: int  # rows of the output distribution (may exceed the tokenizer's vocabulary)
     max_context: int  # positions the model supports
     eos_token_ids: frozenset[int]
@@ -53,6 +58,9 @@ class CausalLM(abc.ABC):
         tree_mask: torch.Tensor | None = None,
         num_logits: int | None = None,  # logits for the last num_logits tokens only (default: all n)
         output_hidden: bool = False,
+        # [r] int64: logits for these rows of the n, in this order (overrides num_logits); backends with
+        # `several_sequences` only (the batch engine asks for each sequence's rows)
+        rows: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """Run the model over `token_ids`, store their keys and values, return the last logits."""
 

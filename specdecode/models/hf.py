@@ -18,7 +18,9 @@ def _eos_ids(model: PreTrainedModel) -> frozenset[int]:
 
 
 class HFCausalLM(CausalLM):
-    """A transformers model plus a `DynamicCache` for one sequence."""
+    """A transformers model plus a `DynamicCache` for one sequence (or several, through masks)."""
+
+    several_sequences = True
 
     def __init__(self, model: PreTrainedModel, eos_token_ids: frozenset[int] | None = None):
         self.model = model.eval()
@@ -73,11 +75,14 @@ class HFCausalLM(CausalLM):
         tree_mask: torch.Tensor | None = None,
         num_logits: int | None = None,
         output_hidden: bool = False,
+        rows: torch.Tensor | None = None,
     ) -> ForwardOutput:
         n = token_ids.numel()
         if positions is None:
             positions = torch.arange(self._length, self._length + n)
         num_logits = n if num_logits is None else num_logits
+        if rows is None:
+            rows = torch.arange(n - num_logits, n)
         out = self.model(
             input_ids=token_ids.view(1, n),
             position_ids=positions.view(1, n),
@@ -86,11 +91,11 @@ class HFCausalLM(CausalLM):
             use_cache=True,
             # Indices, not a count: transformers then gathers a contiguous copy of those hidden states;
             # a count gives a strided view, and the bf16 LM head on a strided input is ~10x slower on CPU.
-            logits_to_keep=torch.arange(n - num_logits, n),
+            logits_to_keep=rows,
             output_hidden_states=output_hidden,
         )
         self._length += n
-        hidden = out.hidden_states[-1][0, n - num_logits :] if output_hidden else None
+        hidden = out.hidden_states[-1][0, rows] if output_hidden else None
         return ForwardOutput(logits=out.logits[0].float(), hidden=hidden)
 
     def crop(self, length: int) -> None:

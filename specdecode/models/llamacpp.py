@@ -145,7 +145,10 @@ class LlamaCppLM(CausalLM):
         pointer = self._lib.llama_get_logits(self._ctx)
         return np.ctypeslib.as_array(pointer, shape=(outputs, self.vocab_size)).copy()
 
-    def forward(self, token_ids, *, positions=None, tree_mask=None, num_logits=None, output_hidden=False) -> ForwardOutput:
+    def forward(self, token_ids, *, positions=None, tree_mask=None, num_logits=None, output_hidden=False,
+                rows=None) -> ForwardOutput:
+        if rows is not None:
+            raise UserError("the llama.cpp backend serves one sequence at a time (no `rows`)")
         if output_hidden:
             raise UserError("the llama.cpp backend does not return hidden states (methods that need them run on torch)")
         tokens = token_ids.tolist()

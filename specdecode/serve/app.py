@@ -24,26 +24,29 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from specdecode.api import Models
+from specdecode.drafters.base import Drafter
 from specdecode.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.methods import resolve, variant_names
 from specdecode.serve import protocol
 from specdecode.serve.metrics import ServerMetrics
 from specdecode.serve.protocol import APIError, ChatRequest, CompletionRequest, SamplingRequest
-from specdecode.serve.worker import Job, Step, Worker
+from specdecode.serve.worker import DEFAULT_MAX_BATCH, Job, Step, Worker
 from specdecode.types import SamplingParams
 
 
 class Server:
     """The models, one engine per method (built on first use), the worker and the metrics."""
 
-    def __init__(self, models: Models, model_name: str, default_method: str = "pld", datastore: str | None = None):
+    def __init__(self, models: Models, model_name: str, default_method: str = "pld", datastore: str | None = None,
+                 max_batch: int = DEFAULT_MAX_BATCH):
         resolve(default_method)  # a UserError for an unknown name
         self.models, self.model_name, self.default_method = models, model_name, default_method
         self.datastore = datastore
         self.engines: dict[str, SpeculativeEngine] = {}
         self.metrics = ServerMetrics()
-        self.worker = Worker(models.tokenizer, on_finish=self._finished)
+        self.worker = Worker(models.target, models.tokenizer, self.engine, self.drafter, on_finish=self._finished,
+                             max_batch=max_batch, on_batch_step=self.metrics.batch_step)
 
     def methods(self) -> list[str]:
         """The methods this server can run, tree forms included (those needing a draft model only if one is
@@ -55,6 +58,10 @@ class Server:
             takes_datastore = "datastore" in resolve(method)[0].takes
             self.engines[method] = self.models.engine(method, datastore=self.datastore if takes_datastore else None)
         return self.engines[method]
+
+    def drafter(self, method: str) -> Drafter | None:  # on the worker thread: one per batched sequence
+        takes_datastore = "datastore" in resolve(method)[0].takes
+        return self.models.drafter(method, datastore=self.datastore if takes_datastore else None)
 
     def _finished(self, job: Job, result: GenerationResult) -> None:
         self.metrics.finished(result, time.perf_counter() - job.submitted)
@@ -86,7 +93,7 @@ class Server:
 
     async def run(self, body: SamplingRequest, prompt_ids: list[int], chat: bool) -> Response:
         method, config = self.check(body, prompt_ids)
-        job = Job(lambda: self.engine(method), prompt_ids, config, asyncio.get_running_loop(), asyncio.Queue())
+        job = Job(method, prompt_ids, config, asyncio.get_running_loop(), asyncio.Queue())
         self.metrics.waiting.inc()
         self.worker.submit(job)
         try:

@@ -30,6 +30,12 @@ class ServerMetrics:
                                      ["method"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue_seconds = Histogram("specdecode_queue_seconds", "Waiting for the model", buckets=LATENCY_BUCKETS,
                                        registry=r)
+        self.batch_size = Histogram("specdecode_batch_size", "Sequences per batched target forward",
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
+        self.batch_drafted = Counter("specdecode_batch_drafted_tokens", "Draft tokens verified in batched forwards",
+                                     ["batch_size"], registry=r)
+        self.batch_forwards = Counter("specdecode_batch_forwards", "Batched target forwards", ["batch_size"],
+                                      registry=r)
         self.waiting = Gauge("specdecode_waiting_requests", "Requests queued for the model", registry=r)
         self.running = Gauge("specdecode_running_requests", "Requests being generated", registry=r)
 
@@ -44,6 +50,12 @@ class ServerMetrics:
             for position in range(1, min(step.accepted, MAX_POSITION) + 1):
                 self.accepted_by_position.labels(method, str(position)).inc()
         self.latency.labels(method).observe(seconds)
+
+    def batch_step(self, size: int, drafted: int) -> None:
+        """One batched forward of `size` sequences that verified `drafted` draft tokens in all."""
+        self.batch_size.observe(size)
+        self.batch_forwards.labels(str(size)).inc()
+        self.batch_drafted.labels(str(size)).inc(drafted)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

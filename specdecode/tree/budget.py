@@ -33,16 +33,44 @@ def best_budget(
     sunk_cost: float,  # drafting already spent this step, in single-token target forwards
     pending: int = 1,  # context tokens the target forward also carries
     cap: int | None = None,
+    base: float = 1.0,  # tokens the forward yields with no draft at all (one per sequence it serves)
 ) -> int:
-    """The N in [0, min(cap, len(scores))] maximising (1 + sum(scores[:N])) / (sunk + curve(pending + N))."""
+    """The N in [0, min(cap, len(scores))] maximising (base + sum(scores[:N])) / (sunk + curve(pending + N))."""
     limit = len(scores) if cap is None else min(cap, len(scores))
-    best, best_rate, expected = 0, 1.0 / (sunk_cost + curve(pending)), 1.0
+    best, best_rate, expected = 0, base / (sunk_cost + curve(pending)), base
     for n in range(1, limit + 1):
         expected += scores[n - 1]
         rate = expected / (sunk_cost + curve(pending + n))
         if rate > best_rate:
             best, best_rate = n, rate
     return best
+
+
+def cut_chain(draft: Draft, curve: CostCurve, pending: int = 1) -> Draft:
+    """A scored chain cut to the prefix that pays on the cost curve (maybe none of it); other drafts as
+    they are. `pending`: context tokens the same target forward carries."""
+    return cut_batch([draft], curve, pending)[0]
+
+
+def cut_batch(drafts: list[Draft], curve: CostCurve, pending: int) -> list[Draft]:
+    """The drafts of several sequences that share one target forward, their scored chains cut together:
+    every scored token competes for the forward, the best-scored first (each chain's scores fall along
+    it, so each keeps a prefix), as many as maximise expected tokens (one per sequence plus the scores)
+    per cost of the whole forward. So the larger the batch, the less each sequence drafts, down to
+    nothing where the curve says a wider forward no longer pays. `pending`: the context tokens of all
+    sequences the forward carries. Trees and unscored drafts go as they are, their tokens counted."""
+    scored = [i for i, d in enumerate(drafts) if d.scores is not None and not d.is_tree and len(d)]
+    fixed = pending + sum(len(d) for i, d in enumerate(drafts) if i not in scored)
+    ranked = sorted(((float(s), j, i) for i in scored for j, s in enumerate(drafts[i].scores.tolist())),
+                    key=lambda c: (-c[0], c[1]))
+    # no wider than the largest measured forward: beyond it the curve is a guess (on llama.cpp here a
+    # 65-token forward costs 23.6 single-token forwards where the line through 48 and 64 says 17)
+    cap = max(curve.sizes[-1] - fixed, 0)
+    count = best_budget([c[0] for c in ranked], curve, 0.0, pending=fixed, cap=cap, base=float(len(drafts)))
+    keep = {i: 0 for i in scored}
+    for _, _, i in ranked[:count]:
+        keep[i] += 1
+    return [d.prefix(keep[i]) if i in keep else d for i, d in enumerate(drafts)]
 
 
 class Calibration:
@@ -63,14 +91,3 @@ class Calibration:
     def factor(self) -> float:
         """Multiply a score by this to estimate its acceptance (1 before any evidence)."""
         return min(max((self.observed + 1) / (self.predicted + 1), self.low), self.high)
-
-
-def cut_chain(draft: Draft, curve: CostCurve, pending: int = 1) -> Draft:
-    """A scored chain cut to the prefix that pays on the cost curve (maybe none of it); other drafts as
-    they are. `pending`: context tokens the same target forward carries."""
-    if draft.scores is None or draft.is_tree or not len(draft):
-        return draft
-    # no wider than the largest measured forward: beyond it the curve is a guess (on llama.cpp here a
-    # 65-token forward costs 23.6 single-token forwards where the line through 48 and 64 says 17)
-    cap = max(curve.sizes[-1] - pending, 0)
-    return draft.prefix(best_budget(draft.scores.tolist(), curve, 0.0, pending=pending, cap=cap))

@@ -1,0 +1,175 @@
+"""Speculative decoding of several sequences at once: one target forward per step for all of them, each
+sequence accepting its own number of draft tokens.
+
+Layout (ragged, no padding): every sequence's keys and values live side by side in the target's one KV
+cache, each sequence owning a list of cache slots. A step's forward carries, sequence after sequence, the
+context tokens each has not fed yet (a newcomer's whole prompt, then one token per step) and its draft.
+A full attention mask over cache and input lets every token see only its own sequence's slots and, within
+the step, its own causal (chain) or ancestor (tree) predecessors; position ids count per sequence. After
+verification a sequence keeps the slots of its context and accepted tokens; the rest (rejected drafts,
+finished sequences) is garbage, squeezed out of the cache once it passes a quarter of it.
+
+Why one ragged row rather than a padded batch: a forward costs what its tokens cost (the measured cost
+curve prices it, padding would waste it) and it runs through the model interface trees already use. The
+price is that attention spans every sequence's slots, masked: small on a CPU, where decoding is bound by
+reading the weights.
+
+The gate spreads speculation across the batch (`tree.budget.cut_batch`): every scored draft token of
+every sequence competes for the forward on the cost curve, so as the batch grows speculation shrinks, and
+it switches itself off where the curve says a wider forward no longer pays.
+
+Drafters here must not run a model of their own or the target (prompt lookup, retrieval, plain
+decoding: `Drafter.batchable`); each sequence gets its own drafter.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.drafters.base import Drafter
+from specdecode.engine.loop import GenerationConfig, GenerationResult, Progress, StepEvent, check_prompt
+from specdecode.errors import UserError
+from specdecode.models.base import CausalLM
+from specdecode.models.costs import CostCurve
+from specdecode.tree import structure as tree
+from specdecode.tree.budget import cut_batch
+from specdecode.types import Draft
+from specdecode.verify.tree import verify
+
+GARBAGE_SHARE = 0.25  # compact the cache once this share of it belongs to no sequence
+
+
+@dataclass
+class Member:
+    """A sequence in the batch."""
+
+    progress: Progress
+    drafter: Drafter | None
+    method: str
+    slots: list[int]  # the cache slots of context[:len(slots)], in order
+
+
+class BatchEngine:
+    """Steps every sequence added to it together; `step()` returns each one's event (and its result once
+    it ends)."""
+
+    def __init__(self, target: CausalLM, tokenizer=None, gate: bool = True):
+        if not target.several_sequences:
+            raise UserError(f"{type(target).__name__} holds one sequence at a time; batching needs the torch backend")
+        self.target, self.tokenizer, self.gate = target, tokenizer, gate
+        self.members: dict[int, Member] = {}
+        self._ids = itertools.count()
+
+    @functools.cached_property
+    def curve(self) -> CostCurve:
+        """The target's verification cost curve, as `SpeculativeEngine.curve`."""
+        return self.target.cost_curve()
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def add(self, prompt_ids: list[int], config: GenerationConfig, drafter: Drafter | None = None,
+            method: str | None = None) -> int:
+        """A new sequence; it joins at the next step. Returns its id."""
+        check_prompt(self.target, prompt_ids)
+        if drafter is not None and not drafter.batchable:
+            raise UserError(f"the {drafter.name} drafter runs a model of its own; it cannot join a batch")
+        if self.gate:
+            _ = self.curve  # measured (once per model and machine) while the cache is empty
+        if not self.members:
+            self.target.reset()
+        if drafter is not None:
+            drafter.begin(list(prompt_ids))
+        ident = next(self._ids)
+        method = method or (drafter.name if drafter else "ar")
+        self.members[ident] = Member(Progress(prompt_ids, config, self.tokenizer, self.target), drafter, method, [])
+        return ident
+
+    def remove(self, ident: int) -> None:
+        """Drop a sequence (its client went away); its slots become garbage."""
+        self.members.pop(ident, None)
+        if not self.members:
+            self.target.reset()
+
+    def step(self) -> list[tuple[int, StepEvent, GenerationResult | None]]:
+        """One forward for every sequence: (id, event, result if it ended) for each. A sequence that ends
+        also yields its held-back text as a last event."""
+        idents, members = list(self.members), list(self.members.values())
+        if not members:
+            return []
+        # 1. Draft, each sequence on its own; then the gate shares the forward out.
+        drafts, draft_seconds = [], []
+        for m in members:
+            start = time.perf_counter()
+            room = m.progress.room() - 1  # the step adds a token beyond its accepted drafts
+            params = m.progress.config.sampling
+            drafts.append(m.drafter.propose(m.progress.context, room, params, m.progress.generator)
+                          if m.drafter is not None and room > 0 else Draft.empty())
+            draft_seconds.append(time.perf_counter() - start)
+        pending = [m.progress.context[len(m.slots):] for m in members]
+        if self.gate:
+            drafts = cut_batch(drafts, self.curve, sum(len(p) for p in pending))
+        # 2. One forward over every sequence's pending tokens and draft.
+        start = time.perf_counter()
+        cached = self.target.cache_length
+        fed, positions, spans, rows = [], [], [], []
+        for m, p, draft in zip(members, pending, drafts):
+            offset, n = sum(len(f) for f in fed), len(p) + len(draft)
+            context_length = len(m.progress.context)
+            if draft.is_tree:
+                position, local = tree.verification_inputs(draft.parents, len(p), context_length)
+            else:
+                position = torch.arange(context_length - len(p), context_length + len(draft))
+                local = torch.ones(n, n, dtype=torch.bool).tril()
+            fed.append(torch.tensor(p + draft.tokens.tolist(), dtype=torch.long))
+            positions.append(position)
+            spans.append((offset, n, local))
+            rows.append(torch.arange(offset + len(p) - 1, offset + n))  # from the last context token's on
+        total = sum(len(f) for f in fed)
+        mask = torch.zeros(total, cached + total, dtype=torch.bool)
+        for m, (offset, n, local) in zip(members, spans):
+            if m.slots:
+                mask[offset : offset + n, m.slots] = True
+            mask[offset : offset + n, cached + offset : cached + offset + n] = local
+        logits = self.target.forward(torch.cat(fed), positions=torch.cat(positions), tree_mask=mask,
+                                     rows=torch.cat(rows)).logits
+        forward_seconds = time.perf_counter() - start
+        # 3. Verify each sequence on its rows; keep the slots of its context and accepted tokens.
+        out, row = [], 0
+        for ident, m, p, draft, (offset, n, _), spent in zip(idents, members, pending, drafts, spans, draft_seconds):
+            mine = logits[row : row + len(draft) + 1]
+            row += len(draft) + 1
+            verdict = verify(mine, draft, m.progress.config.sampling, m.progress.generator)
+            if m.drafter is not None and m.drafter.wants_logits:
+                m.drafter.observe(draft, mine, verdict)
+            first = cached + offset
+            m.slots += list(range(first, first + len(p))) + [first + len(p) + node for node in verdict.path]
+            event = m.progress.advance(draft, verdict, spent, forward_seconds, len(p))
+            if m.drafter is not None:
+                m.drafter.update(verdict, event.stats)
+            out.append((ident, event, None))
+            if m.progress.room() == 0:
+                if (tail := m.progress.tail()) is not None:
+                    out.append((ident, tail, None))
+                out[-1] = (ident, out[-1][1], m.progress.result(m.method))
+                del self.members[ident]
+        self._collect()
+        return out
+
+    def _collect(self) -> None:
+        """Squeeze the garbage out of the cache once it is GARBAGE_SHARE of it."""
+        if not self.members:
+            self.target.reset()
+            return
+        live = sorted(s for m in self.members.values() for s in m.slots)
+        if self.target.cache_length - len(live) <= GARBAGE_SHARE * self.target.cache_length:
+            return
+        self.target.compact(0, live)
+        moved = {old: new for new, old in enumerate(live)}
+        for m in self.members.values():
+            m.slots = [moved[s] for s in m.slots]

@@ -1,0 +1,139 @@
+"""The batch engine: several sequences per target forward, each its own accepted length, joining and
+leaving at any step; every output as the single-sequence engine's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import VOCAB, LetterTokenizer, greedy_references, tiny_qwen2
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
+from specdecode.engine import GenerationConfig, SpeculativeEngine
+from specdecode.engine import batch as batch_module
+from specdecode.engine.batch import BatchEngine
+from specdecode.errors import UserError
+from specdecode.models.costs import CostCurve
+from specdecode.models.hf import HFCausalLM
+from specdecode.tree.budget import cut_batch
+from specdecode.types import Draft, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FLAT = CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.05, 1.1, 1.2, 1.4))
+
+
+def repetitive_prompts(count: int, seed: int = 3) -> list[list[int]]:
+    """Prompts that repeat a random stretch, so prompt lookup finds something to copy."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(count):
+        stretch = torch.randint(0, VOCAB, (int(torch.randint(3, 8, (), generator=g)),), generator=g).tolist()
+        prompts.append((stretch * (2 + i % 3))[: 6 + 3 * i])
+    return prompts
+
+
+def drafter(kind: str):
+    return {"ar": None, "pld": PromptLookupDrafter(num_tokens=6),
+            "pld-tree": PromptLookupTreeDrafter(FLAT, budget=6)}[kind]
+
+
+def run_all(engine: BatchEngine, jobs: list[tuple[int, list[int], GenerationConfig, str]]) -> dict[int, object]:
+    """Add each job at its step (job: (step to join at, prompt, config, drafter kind)); step until all end.
+    Returns results by job index, checking that the events add up to each result."""
+    results, events, ids = {}, {}, {}
+    step = 0
+    while len(results) < len(jobs):
+        for index, (join, prompt, config, kind) in enumerate(jobs):
+            if join == step:
+                ids[engine.add(prompt, config, drafter(kind), kind)] = index
+        for ident, event, result in engine.step():
+            events.setdefault(ids[ident], []).append(event)
+            if result is not None:
+                results[ids[ident]] = result
+        step += 1
+        assert step < 500
+    for index, result in results.items():
+        assert [t for e in events[index] for t in e.token_ids] == result.token_ids
+        assert "".join(e.text for e in events[index]) == result.text
+    return results
+
+
+@pytest.mark.parametrize("garbage_share", [0.0, 0.25, 10.0])  # compact every step, by default, never
+def test_greedy_batch_equals_plain_decoding(tiny_target, monkeypatch, garbage_share):
+    monkeypatch.setattr(batch_module, "GARBAGE_SHARE", garbage_share)
+    prompts = repetitive_prompts(6)
+    references = greedy_references(tiny_target, prompts, 30)
+    target = HFCausalLM(tiny_target)
+    engine = BatchEngine(target, LetterTokenizer())
+    engine.curve = FLAT  # speculation pays: the gate lets drafts through
+    kinds = ["pld", "ar", "pld-tree", "pld", "pld", "ar"]
+    lengths = [30, 12, 25, 1, 30, 20]
+    jobs = [(join, p, GenerationConfig(max_new_tokens=n), kind)
+            for join, p, n, kind in zip([0, 0, 0, 3, 5, 5], prompts, lengths, kinds)]
+    results = run_all(engine, jobs)
+    for index, result in results.items():
+        assert result.token_ids == references[index][: lengths[index]], f"sequence {index} ({kinds[index]})"
+        assert result.method == kinds[index]
+    assert sum(s.accepted for i in (0, 2, 4) for s in results[i].steps) > 0  # prompt lookup did draft
+    assert len(engine) == 0 and target.cache_length == 0  # everyone left: the cache is free
+
+
+def test_sampled_batch_equals_single_sequence_sampling(tiny_target):
+    """Seeded sampling with the gate off: a batched sequence draws exactly what the single-sequence
+    engine draws (same drafts, same generator), so it inherits that engine's proven distribution."""
+    prompts = repetitive_prompts(4, seed=5)
+    params = SamplingParams(temperature=0.9, top_p=0.95)
+    configs = [GenerationConfig(max_new_tokens=24, sampling=params, seed=100 + i) for i in range(4)]
+    single = [SpeculativeEngine(HFCausalLM(tiny_target), LetterTokenizer(), drafter("pld"), gate=False)
+              .generate(p, c).token_ids for p, c in zip(prompts, configs)]
+    engine = BatchEngine(HFCausalLM(tiny_target), LetterTokenizer(), gate=False)
+    results = run_all(engine, [(i, p, c, "pld") for i, (p, c) in enumerate(zip(prompts, configs))])
+    assert [results[i].token_ids for i in range(4)] == single
+
+
+def test_removed_sequence_leaves_the_others_intact(tiny_target):
+    prompts = repetitive_prompts(3, seed=9)
+    references = greedy_references(tiny_target, prompts, 20)
+    target = HFCausalLM(tiny_target)
+    engine = BatchEngine(target, LetterTokenizer())
+    engine.curve = FLAT
+    ids = [engine.add(p, GenerationConfig(max_new_tokens=20), drafter("pld")) for p in prompts]
+    outputs = {i: [] for i in ids}
+    for step in range(40):
+        if step == 2:
+            engine.remove(ids[1])  # its client went away
+        for ident, event, _ in engine.step():
+            outputs[ident] += event.token_ids
+    assert outputs[ids[0]] == references[0] and outputs[ids[2]] == references[2]
+    assert target.cache_length == 0
+
+
+def test_bad_input(tiny_target):
+    from specdecode.drafters.draft_model import DraftModelDrafter
+
+    engine = BatchEngine(HFCausalLM(tiny_target))
+    with pytest.raises(UserError, match="empty"):
+        engine.add([], GenerationConfig())
+    with pytest.raises(UserError, match="cannot join a batch"):
+        engine.add([1, 2], GenerationConfig(), DraftModelDrafter(HFCausalLM(tiny_qwen2(1))))
+    assert engine.step() == []
+
+
+def scored(tokens: int, score: float) -> Draft:
+    """A chain whose j-th token is accepted with probability score ** (j + 1)."""
+    return Draft(tokens=torch.arange(tokens), scores=score ** torch.arange(1, tokens + 1, dtype=torch.float32))
+
+
+def test_the_batch_gate_shares_the_forward():
+    # cheap up to a few tokens, then linear (compute-bound)
+    steep = CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.3, 2.0, 3.5, 7.0, 14.0, 28.0))
+    # one sequence with a good draft: a few tokens pay
+    assert 0 < len(cut_batch([scored(8, 0.95)], steep, pending=1)[0]) < 8
+    # eight sequences: each forward already carries eight tokens, and drafting is off
+    assert [len(d) for d in cut_batch([scored(8, 0.6)] * 8, steep, pending=8)] == [0] * 8
+    # on a flat curve every sequence drafts, the better-scored ones more
+    cut = cut_batch([scored(8, 0.9), scored(8, 0.3)], FLAT, pending=2)
+    assert len(cut[0]) >= len(cut[1]) and len(cut[0]) > 0
+    # trees and unscored chains go whole, their tokens counted in the forward's cost
+    tree = Draft(tokens=torch.arange(3), parents=torch.tensor([-1, 0, 0]))
+    assert cut_batch([tree, scored(4, 0.9)], FLAT, pending=2)[0] is tree
