@@ -8,6 +8,7 @@ import base64
 import itertools
 import json
 import shutil
+import socket
 import subprocess
 import time
 import urllib.request
@@ -17,8 +18,7 @@ import pytest
 from websockets.sync.client import connect
 
 from specdecode.api import load_models
-from specdecode.serve.app import Server, create_app
-from test_serve import Running, free_port
+from specdecode.serve.app import Server, ServerThread, create_app
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = Path(__file__).resolve().parents[1] / "results" / "artifacts"
@@ -30,7 +30,9 @@ class Browser:
     """One headless Chromium page, commanded through the Chrome DevTools Protocol."""
 
     def __init__(self, profile: Path):
-        port = free_port()
+        with socket.socket() as probe:  # a free port for the DevTools protocol
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
         self.process = subprocess.Popen(
             [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--remote-debugging-port={port}",
              f"--user-data-dir={profile}", "--window-size=1200,900", "about:blank"],
@@ -79,7 +81,7 @@ class Browser:
 @pytest.fixture(scope="module")
 def page_url(tiny_folder):
     models = load_models(str(tiny_folder), str(tiny_folder), dtype="float32", progress=False)
-    running = Running(create_app(Server(models, "tiny", default_method="draft-tree-fixed")))
+    running = ServerThread(create_app(Server(models, "tiny", default_method="draft-tree-fixed")))
     yield running.url + "/"
     running.stop()
 

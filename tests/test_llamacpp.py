@@ -197,3 +197,32 @@ def test_llamacpp_peers_decode_what_our_engine_decodes(tiny_pair, peer):
         output = runner.run(prompt, config)
         assert output.token_ids == expected
         assert 0 < output.prefill_seconds < output.seconds
+
+
+def test_the_server_on_llamacpp_serves_requests_one_at_a_time(tiny_pair):
+    """`specdecode serve --backend llamacpp`: the same API, every request alone (no batching), greedy
+    answers as the engine's, concurrent requests queued."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from specdecode.api import load_models
+    from specdecode.serve.app import Server, ServerThread, create_app
+
+    _, target_path, draft_path = tiny_pair
+    models = load_models(str(target_path), str(draft_path), backend="llamacpp", progress=False)
+    server = Server(models, "tiny-gguf", default_method="pld")
+    assert server.worker.batch is None
+    running = ServerThread(create_app(server))
+    try:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0)
+        prompts = ["the cat", "the the the", "hello"]
+        want = [models.engine(m).generate(models.encode(p, chat=True), GenerationConfig(max_new_tokens=12)).text
+                for p, m in zip(prompts, ["pld", "ar", "draft"])]
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(lambda pm: client.chat.completions.create(
+                model="tiny-gguf", messages=[{"role": "user", "content": pm[0]}], max_tokens=12, temperature=0,
+                extra_body={"method": pm[1]}).choices[0].message.content, zip(prompts, ["pld", "ar", "draft"])))
+        assert got == want
+    finally:
+        running.stop()

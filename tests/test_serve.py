@@ -4,47 +4,19 @@ concurrency, bad requests, a client leaving mid-stream, /metrics, and a bounded 
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import http.client
 import openai
 import pytest
-import uvicorn
 
 from specdecode.api import load_models
 from specdecode.engine import GenerationConfig
-from specdecode.serve.app import Server, create_app
+from specdecode.serve.app import Server, ServerThread, create_app
 
 MODEL = "tiny"
 PROMPTS = ["the cat sat", "hello there", "one two three four", "the the the"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Running:
-    """A uvicorn server on a thread, stopped at the end."""
-
-    def __init__(self, app):
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +27,7 @@ def models(tiny_folder):
 @pytest.fixture(scope="module")
 def server(models):
     state = Server(models, MODEL, default_method="pld")
-    running = Running(create_app(state))
+    running = ServerThread(create_app(state))
     yield running, state
     running.stop()
 

@@ -39,6 +39,11 @@ class Drafter(abc.ABC):
         """Learn from how the last step fared (adaptive draft length and the like)."""
 
     wants_logits: bool = False  # True: the engine calls observe() after every verification
+    wants_hidden: bool = False  # True: the engine calls observe_hidden() after every verification
+
+    def observe_hidden(self, hidden: torch.Tensor, num_pending: int, draft: Draft, verdict: Verdict) -> None:
+        """The target's final-norm hidden states of every token the step's forward fed: [p + n (+ aux), d],
+        the p = num_pending context tokens first, then the draft's nodes (trained heads draft from them)."""
 
     def observe(self, draft: Draft, logits: torch.Tensor, verdict: Verdict) -> None:
         """The target's logits from the step's verification, before update(): [len(draft) + 1 + aux, vocab],

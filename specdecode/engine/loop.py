@@ -302,11 +302,16 @@ class SpeculativeEngine:
             fed, positions, tree_mask = with_auxiliary(
                 fed, positions, tree_mask, draft.auxiliary, len(pending), len(context))
         rows = fed.numel() - len(pending) + 1  # from the last context token's on
-        logits = self.target.forward(fed, positions=positions, tree_mask=tree_mask, num_logits=rows).logits
+        hidden_wanted = self.drafter is not None and self.drafter.wants_hidden
+        out = self.target.forward(fed, positions=positions, tree_mask=tree_mask, num_logits=rows,
+                                  output_hidden=hidden_wanted)
+        logits = out.logits
         # 3. Accept the longest admissible prefix (or tree path) and add the correction or bonus token.
         verdict = verify(logits[: len(draft) + 1], draft, params, generator)  # [draft_len + 1, vocab]
         if self.drafter is not None and self.drafter.wants_logits:
             self.drafter.observe(draft, logits, verdict)  # [rows, vocab], the auxiliary tokens' rows last
+        if hidden_wanted:
+            self.drafter.observe_hidden(out.hidden, len(pending), draft, verdict)
         # 4. Roll back: the cache keeps the context and the accepted drafts (auxiliary tokens, past the
         #    draft, go with the rejected nodes); the last token of the verdict is fed in the next forward.
         self.target.compact(len(context), verdict.path)

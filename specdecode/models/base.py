@@ -21,7 +21,7 @@ import torch
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [num_logits, vocab] float32
-    hidden: torch.Tensor | None = None  # [num_logits, hidden_size], final-norm hidden states, on request
+    hidden: torch.Tensor | None = None  # [n, hidden_size] final-norm hidden states of every fed token, on request
 
 
 class CausalLM(abc.ABC):

@@ -95,7 +95,7 @@ class HFCausalLM(CausalLM):
             output_hidden_states=output_hidden,
         )
         self._length += n
-        hidden = out.hidden_states[-1][0, rows] if output_hidden else None
+        hidden = out.hidden_states[-1][0] if output_hidden else None  # every fed token's
         return ForwardOutput(logits=out.logits[0].float(), hidden=hidden)
 
     def crop(self, length: int) -> None:

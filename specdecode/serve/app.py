@@ -207,6 +207,34 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     return (f"Invalid value for `{param}`: {message}" if param else message), param
 
 
+class ServerThread:
+    """The app served by uvicorn on a daemon thread (tests, benchmarks); `url`, then `stop()`."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+        import socket
+        import threading
+
+        import uvicorn
+
+        if port == 0:  # a free port
+            with socket.socket() as probe:
+                probe.bind((host, 0))
+                port = probe.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"the server did not start on {host}:{port}")
+            time.sleep(0.05)
+        self.url = f"http://{host}:{port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
 def create_app(server: Server) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

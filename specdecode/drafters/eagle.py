@@ -1,0 +1,189 @@
+"""EAGLE (Li et al. 2024): a trained head drafts at the level of the target's features.
+
+The target's last hidden state f_t at position t (after its final norm: what its LM head reads) predicts
+token t + 1. The head takes the pair (f_t, embedding of token t + 1) — the feature, and the token the
+target then actually chose, which removes the uncertainty of sampling from the feature's prediction —
+through a linear layer (2d -> d) and one decoder layer of the target's own architecture, and predicts
+f_{t+1}; the target's frozen LM head turns that into the distribution of token t + 2. Drafting repeats
+it on its own predictions: (f^_{t+1}, drafted token) -> f^_{t+2}, and so on. A draft token costs one
+small layer and an LM head over a truncated vocabulary (the most frequent tokens of the training data),
+a few percent of a target forward.
+
+The head keeps its own KV cache over the context's pairs. The target's features come from the
+verification forwards (`Drafter.wants_hidden`): each step hands the drafter the hidden states of the
+tokens it fed, and the drafter keeps those of the context; the pairs not yet in the head's cache are fed
+at the next proposal, after dropping the previous proposal's speculative entries.
+
+The head is a transformers `Qwen2Model` of one layer fed `inputs_embeds` (stock modeling code: rotary
+positions, cache, masks), so it follows the target's attention geometry; its embedding table is unused
+(one row) and the token embeddings and LM head are the target's, frozen, never stored with the head.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import DynamicCache, Qwen2Config, Qwen2Model
+
+from specdecode.drafters.base import Drafter
+from specdecode.errors import UserError
+from specdecode.types import Draft, SamplingParams, Verdict
+
+WEIGHTS, CONFIG = "eagle.safetensors", "eagle.json"
+
+
+def head_config(target_config, intermediate_size: int | None = None) -> Qwen2Config:
+    """One decoder layer with the target's width and attention, a (possibly narrower) MLP."""
+    config = Qwen2Config(**{key: value for key, value in target_config.to_dict().items() if key in Qwen2Config().to_dict()})
+    config.num_hidden_layers = 1
+    config.layer_types = ["full_attention"]
+    config.intermediate_size = intermediate_size or target_config.intermediate_size
+    config.vocab_size = 1  # inputs come as embeddings
+    config.use_sliding_window = False
+    config.tie_word_embeddings = False
+    return config
+
+
+class EagleHead(nn.Module):
+    """(feature, next token's embedding) pairs -> predicted next features; logits over `vocab_ids`."""
+
+    def __init__(self, config: Qwen2Config, vocab_ids: torch.Tensor):
+        super().__init__()
+        d = config.hidden_size
+        self.config = config
+        self.fc = nn.Linear(2 * d, d, bias=True)
+        self.layer = Qwen2Model(config)
+        self.register_buffer("vocab_ids", vocab_ids.long().clone(), persistent=True)  # draft index -> token id
+
+    def forward(
+        self,
+        features: torch.Tensor,  # [b, n, d] the target's (or predicted) features at positions t
+        embeddings: torch.Tensor,  # [b, n, d] the target's embeddings of the tokens at t + 1
+        position_ids: torch.Tensor,  # [b, n]
+        attention_mask: torch.Tensor | None = None,
+        cache: DynamicCache | None = None,
+    ) -> torch.Tensor:
+        x = self.fc(torch.cat([features, embeddings], dim=-1))
+        out = self.layer(inputs_embeds=x, position_ids=position_ids, attention_mask=attention_mask,
+                         past_key_values=cache, use_cache=cache is not None)
+        return out.last_hidden_state  # [b, n, d]
+
+    # -- storage ---------------------------------------------------------------------------------
+
+    def save(self, folder: Path, record: dict) -> None:
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        weights = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
+                   for k, v in self.state_dict().items()}
+        save_file(weights, str(folder / WEIGHTS))
+        (folder / CONFIG).write_text(json.dumps({"config": self.config.to_dict(), **record}, indent=1))
+
+    @classmethod
+    def load(cls, folder: Path, dtype: torch.dtype = torch.bfloat16) -> tuple[EagleHead, dict]:
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        if not (folder / WEIGHTS).is_file() or not (folder / CONFIG).is_file():
+            raise UserError(f"{folder} holds no EAGLE head ({WEIGHTS} and {CONFIG}); train one with "
+                            "`specdecode train eagle`")
+        record = json.loads((folder / CONFIG).read_text())
+        weights = load_file(str(folder / WEIGHTS))
+        head = cls(Qwen2Config(**record.pop("config")), weights["vocab_ids"])
+        head.load_state_dict(weights)
+        return head.to(dtype).eval(), record
+
+
+class EagleDrafter(Drafter):
+    """Drafts a chain with an EAGLE head: the head's most likely token at each step, scored by the
+    product of its probabilities (EAGLE-2: draft confidence tracks acceptance), so the engine verifies
+    the prefix that pays on the target's cost curve. Stops at `max_tokens` or once the path's confidence
+    falls under `min_confidence`. Deterministic drafts: verification treats them as one-hot, lossless
+    under sampling too."""
+
+    name = "eagle"
+    wants_hidden = True
+
+    def __init__(self, head: EagleHead, target_model, max_tokens: int = 8, min_confidence: float = 0.05):
+        if max_tokens < 1 or not 0.0 <= min_confidence < 1.0:
+            raise UserError(f"EAGLE needs max_tokens >= 1 and min_confidence in [0, 1); got {max_tokens}, {min_confidence}")
+        self.head = head
+        self.max_tokens, self.min_confidence = max_tokens, min_confidence
+        self.embed = target_model.get_input_embeddings()
+        dtype = next(head.parameters()).dtype
+        self.head_weight = target_model.get_output_embeddings().weight.detach()[head.vocab_ids].to(dtype)  # [V', d]
+        self.begin([])
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self._features: list[torch.Tensor] = []  # [d] the target's feature at each context position (but the last)
+        self._cache = DynamicCache(config=self.head.config)
+        self._fed = 0  # context pairs in the head's cache: positions 0 .. fed - 1
+        self._cached = 0  # entries in the head's cache (the fed pairs, then the last proposal's)
+        self._last: torch.Tensor | None = None  # the head's prediction after its last real pair
+
+    def observe_hidden(self, hidden: torch.Tensor, num_pending: int, draft: Draft, verdict: Verdict) -> None:
+        # the fed tokens: the pending context tokens, then the draft's nodes; the context gains the
+        # accepted nodes (their features are the target's now), the last verdict token has none yet
+        rows = list(range(num_pending)) + [num_pending + node for node in verdict.path]
+        self._features += list(hidden[rows].to(next(self.head.parameters()).dtype))
+
+    def _run(self, features: torch.Tensor, tokens: list[int], start: int) -> torch.Tensor:
+        """Feed pairs (features[i], tokens[i]) at positions start, start + 1, ... to the head's cache;
+        returns its predictions [n, d]."""
+        embeddings = self.embed(torch.tensor([tokens])).to(features.dtype)  # [1, n, d]
+        positions = torch.arange(start, start + len(tokens))[None]
+        self._cached += len(tokens)
+        return self.head(features[None], embeddings, positions, cache=self._cache)[0]
+
+    @torch.inference_mode()
+    def propose(self, context: list[int], max_tokens: int, params: SamplingParams, generator) -> Draft:
+        if max_tokens <= 0 or len(self._features) < len(context) - 1 or len(context) < 2:
+            return Draft.empty()
+        # the pairs (f_t, x_{t+1}) of the context not yet in the head's cache, after the last proposal's
+        # speculative entries are dropped
+        if self._cached > self._fed:
+            self._cache.crop(self._fed - self._cached)  # transformers takes minus the count to drop
+            self._cached = self._fed
+        end = len(context) - 1
+        if self._fed < end:
+            new = torch.stack(self._features[self._fed : end])
+            self._last = self._run(new, context[self._fed + 1 : end + 1], self._fed)[-1]
+            self._fed = end
+        feature, tokens, scores, confidence = self._last, [], [], 1.0
+        for depth in range(min(max_tokens, self.max_tokens)):
+            probs = torch.softmax((self.head_weight @ feature).float(), dim=-1)
+            p, index = probs.max(dim=-1)
+            confidence *= float(p)
+            if confidence < self.min_confidence:
+                break
+            tokens.append(int(self.head.vocab_ids[index]))
+            scores.append(confidence)
+            if depth + 1 < min(max_tokens, self.max_tokens):
+                feature = self._run(feature[None], tokens[-1:], end + depth)[-1]
+        if not tokens:
+            return Draft.empty()
+        return Draft(tokens=torch.tensor(tokens), scores=torch.tensor(scores))
+
+
+def shipped_head(target_model) -> Path:
+    """Where the repository keeps the trained head for a target: specdecode/heads/<model name>/eagle."""
+    name = Path(str(target_model.config._name_or_path).rstrip("/")).name
+    return Path(__file__).resolve().parents[1] / "heads" / name / "eagle"
+
+
+def build_eagle(target, draft, options) -> Drafter:
+    """The `eagle` method: the head trained for the target (`specdecode train eagle`), shipped in the
+    repository for the default target."""
+    model = getattr(target, "model", None)
+    if model is None:
+        raise UserError("EAGLE drafts from the target's hidden states: run it on the torch backend")
+    folder = shipped_head(model)
+    if not (folder / WEIGHTS).is_file():
+        raise UserError(f"no EAGLE head for {Path(str(model.config._name_or_path)).name}: train one with "
+                        f"`specdecode train eagle --data DIR --out {folder}`")
+    head, _ = EagleHead.load(folder, dtype=model.dtype)
+    return EagleDrafter(head, model)

@@ -1,0 +1,103 @@
+"""Teacher-forced features: the target run over the training corpus once, its last hidden state kept for
+every position (what Medusa's heads and EAGLE's head read, and from which the target's own next-token
+distribution is the LM head away, so nothing else needs keeping).
+
+Stored as safetensors shards in a folder, each with
+  tokens     [n] int32      the token ids of its sequences, one after another
+  hidden     [n, d] bf16    the target's last hidden state (after its final norm) at each token
+  assistant  [n] uint8      1 where the token belongs to an assistant turn
+  starts     [s + 1] int64  where each sequence begins (and the end)
+and `features.json` describing the target, the corpus and the shards.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdecode.errors import UserError
+from specdecode.training.corpus import Sequence
+
+SHARD_TOKENS = 65_536
+MANIFEST = "features.json"
+
+
+@dataclass
+class Shard:
+    tokens: torch.Tensor  # [n] int64
+    hidden: torch.Tensor  # [n, d] bfloat16
+    assistant: torch.Tensor  # [n] bool
+    starts: torch.Tensor  # [s + 1] int64
+
+    def sequences(self):
+        """(tokens, hidden, assistant) of each sequence."""
+        for begin, end in zip(self.starts[:-1].tolist(), self.starts[1:].tolist()):
+            yield self.tokens[begin:end], self.hidden[begin:end], self.assistant[begin:end]
+
+
+@torch.inference_mode()
+def hidden_states(model, token_ids: list[int]) -> torch.Tensor:
+    """[n, d] the model's last hidden state (after its final norm, as its LM head reads it)."""
+    out = model.model(input_ids=torch.tensor([token_ids]))
+    return out.last_hidden_state[0]
+
+
+def extract(model, sequences: list[Sequence], out: Path, describe: dict, progress: bool = True) -> Path:
+    """Run `model` (a transformers causal LM) over every sequence and write the shards to `out`."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    out.mkdir(parents=True, exist_ok=True)
+    total = sum(len(s.token_ids) for s in sequences)
+    pending: list[tuple[Sequence, torch.Tensor]] = []
+    shards, start = [], time.perf_counter()
+
+    def flush():
+        if not pending:
+            return
+        name = f"shard-{len(shards):04d}.safetensors"
+        lengths = [len(s.token_ids) for s, _ in pending]
+        save_file({
+            "tokens": torch.tensor([t for s, _ in pending for t in s.token_ids], dtype=torch.int32),
+            "hidden": torch.cat([h for _, h in pending]).to(torch.bfloat16).contiguous(),
+            "assistant": torch.tensor([a for s, _ in pending for a in s.assistant], dtype=torch.uint8),
+            "starts": torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int64),
+        }, str(out / name))
+        shards.append({"file": name, "tokens": sum(lengths), "sequences": len(lengths)})
+        pending.clear()
+
+    columns = [TextColumn("target features"), BarColumn(), TextColumn("{task.completed}/{task.total} tokens"),
+               TimeRemainingColumn()]
+    with Progress(*columns, disable=not progress) as bar:
+        task = bar.add_task("features", total=total)
+        for sequence in sequences:
+            pending.append((sequence, hidden_states(model, sequence.token_ids)))
+            bar.advance(task, len(sequence.token_ids))
+            if sum(len(s.token_ids) for s, _ in pending) >= SHARD_TOKENS:
+                flush()
+        flush()
+    manifest = {**describe, "tokens": total, "sequences": len(sequences),
+                "assistant_tokens": sum(sum(s.assistant) for s in sequences),
+                "by_source": {src: sum(len(s.token_ids) for s in sequences if s.source == src)
+                              for src in sorted({s.source for s in sequences})},
+                "hidden_size": int(model.config.hidden_size), "seconds": round(time.perf_counter() - start, 1),
+                "shards": shards}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return out
+
+
+def load(folder: Path) -> tuple[dict, list[Shard]]:
+    """The manifest and every shard of a features folder."""
+    manifest_path = Path(folder) / MANIFEST
+    if not manifest_path.is_file():
+        raise UserError(f"{folder} holds no features ({MANIFEST} is missing): run `specdecode train features` first")
+    manifest = json.loads(manifest_path.read_text())
+    shards = []
+    for entry in manifest["shards"]:
+        tensors = load_file(str(Path(folder) / entry["file"]))
+        shards.append(Shard(tensors["tokens"].long(), tensors["hidden"], tensors["assistant"].bool(), tensors["starts"]))
+    return manifest, shards

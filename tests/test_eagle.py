@@ -1,0 +1,130 @@
+"""The EAGLE head: shapes, storage, features from the engine, and lossless drafting with a random head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import LetterTokenizer, greedy_references, greedy_runs, random_prompts
+from specdecode.drafters.eagle import EagleDrafter, EagleHead, head_config
+from specdecode.engine import GenerationConfig, SpeculativeEngine
+from specdecode.errors import UserError
+from specdecode.models.costs import CostCurve
+from specdecode.models.hf import HFCausalLM
+from specdecode.types import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FLAT = CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.05, 1.1, 1.2, 1.4))
+
+
+def random_head(target, vocab: int | None = None, seed: int = 0, intermediate: int = 32) -> EagleHead:
+    torch.manual_seed(seed)
+    ids = torch.arange(target.config.vocab_size)[: vocab or target.config.vocab_size]
+    return EagleHead(head_config(target.config, intermediate), ids).float().eval()
+
+
+def test_head_shapes_and_config(tiny_target):
+    head = random_head(tiny_target, vocab=40)
+    d = tiny_target.config.hidden_size
+    out = head(torch.randn(2, 5, d), torch.randn(2, 5, d), torch.arange(5).repeat(2, 1))
+    assert out.shape == (2, 5, d)
+    assert head.config.num_hidden_layers == 1 and head.config.intermediate_size == 32
+    assert head.vocab_ids.shape == (40,)
+
+
+def test_save_and_load_round_trip(tiny_target, tmp_path):
+    head = random_head(tiny_target, vocab=50)
+    head.save(tmp_path / "head", {"trained_on": "nothing"})
+    loaded, record = EagleHead.load(tmp_path / "head", dtype=torch.float32)
+    assert record["trained_on"] == "nothing"
+    assert torch.equal(loaded.vocab_ids, head.vocab_ids)
+    d = tiny_target.config.hidden_size
+    x, e, p = torch.randn(1, 4, d), torch.randn(1, 4, d), torch.arange(4)[None]
+    assert torch.allclose(loaded(x, e, p), head.to(torch.bfloat16).float()(x, e, p), atol=1e-5)
+    with pytest.raises(UserError, match="no EAGLE head"):
+        EagleHead.load(tmp_path / "missing")
+
+
+def test_the_engine_hands_over_final_hidden_states(tiny_target):
+    target = HFCausalLM(tiny_target)
+    ids = random_prompts(1, seed=4)[0]
+    out = target.forward(torch.tensor(ids), output_hidden=True)
+    assert out.hidden.shape == (len(ids), tiny_target.config.hidden_size)
+    with torch.inference_mode():  # what the LM head reads: after the final norm
+        assert torch.allclose(tiny_target.lm_head(out.hidden), out.logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [None, 60])  # the full vocabulary, a truncated one
+def test_greedy_eagle_equals_plain_decoding(tiny_target, vocab):
+    prompts = random_prompts(4, seed=21)
+    references = greedy_references(tiny_target, prompts, 24)
+    drafter = EagleDrafter(random_head(tiny_target, vocab), tiny_target, max_tokens=5, min_confidence=0.0)
+    engine = SpeculativeEngine(HFCausalLM(tiny_target), LetterTokenizer(), drafter, gate=False)
+    drafted = 0
+    for _, _, result in greedy_runs(engine, prompts, references, [1, 9, 24]):
+        drafted += sum(s.drafted for s in result.steps)
+    assert drafted > 0
+
+
+def test_a_head_that_knows_the_target_is_accepted(tiny_target):
+    """A head whose 'prediction' is the target's own next feature (an oracle wired in by hand) must have
+    its drafts accepted: proof that features, pairs and positions line up."""
+    prompt = random_prompts(1, seed=8)[0]
+    target = HFCausalLM(tiny_target)
+    reference = greedy_references(tiny_target, [prompt], 20)[0]
+    full = prompt + reference
+    with torch.inference_mode():
+        truth = tiny_target.model(input_ids=torch.tensor([full])).last_hidden_state[0]
+
+    class Oracle(EagleHead):
+        def forward(self, features, embeddings, position_ids, attention_mask=None, cache=None):
+            return truth[(position_ids[0] + 1).clamp(max=len(full) - 1)][None]  # f_{t+1}, the target's own
+
+    head = Oracle(head_config(tiny_target.config, 32), torch.arange(tiny_target.config.vocab_size)).eval()
+    drafter = EagleDrafter(head, tiny_target, max_tokens=4, min_confidence=0.0)
+    engine = SpeculativeEngine(target, LetterTokenizer(), drafter, gate=False)
+    result = engine.generate(prompt, GenerationConfig(max_new_tokens=20))
+    assert result.token_ids == reference
+    decode_steps = result.steps[1:]
+    assert sum(s.accepted for s in decode_steps) == sum(s.drafted for s in decode_steps) > 0
+
+
+def test_sampled_eagle_is_seeded(tiny_target):
+    drafter = EagleDrafter(random_head(tiny_target, seed=3), tiny_target, max_tokens=4, min_confidence=0.0)
+    engine = SpeculativeEngine(HFCausalLM(tiny_target), LetterTokenizer(), drafter, gate=False)
+    config = GenerationConfig(max_new_tokens=16, sampling=SamplingParams(temperature=0.8), seed=5)
+    prompt = random_prompts(1, seed=2)[0]
+    assert engine.generate(prompt, config).token_ids == engine.generate(prompt, config).token_ids
+
+
+def test_training_lowers_the_losses_and_the_trained_head_drafts_losslessly(tmp_path):
+    """A few hundred steps on a tiny model's own features over repetitive text: the losses fall, the
+    held-out accuracy is measured per draft position, and the saved head drafts exact greedy output."""
+    from conftest import TOKENS, tiny_chat_qwen2, tiny_tokenizer
+    from specdecode.training import corpus, eagle, features
+
+    tokenizer, model = tiny_tokenizer(), tiny_chat_qwen2(vocab_size=len(TOKENS), seed=2)
+    texts = [("the cat sat on the mat. " * 4, "the mat was red. " * 5), ("one two three. " * 3, "four five six. " * 5)]
+    sequences = [corpus.Sequence("sharegpt", *corpus.tokenize(
+        tokenizer, [{"role": "user", "content": q}, {"role": "assistant", "content": a}], 128))
+        for q, a in texts * 6]
+    features.extract(model, sequences, tmp_path / "features", {"target": "tiny"}, progress=False)
+    _, shards = features.load(tmp_path / "features")
+    settings = eagle.TrainingSettings(intermediate_size=32, vocab_size=64, seconds=60, epochs=30,
+                                      learning_rate=3e-3, warmup_steps=5, sequence_tokens=64, batch_windows=2,
+                                      eval_positions=3)
+    head, record = eagle.train(model, shards, settings, progress=False, log=lambda *a: None)
+    assert record.losses[-1]["regression"] < record.losses[0]["regression"]
+    assert record.losses[-1]["classification"] < record.losses[0]["classification"]
+    assert len(record.held_out_accuracy) == 3 and all(0.0 <= a <= 1.0 for a in record.held_out_accuracy)
+    assert len(head.vocab_ids) <= 64 + 1 and TOKENS.index("<|im_end|>") in head.vocab_ids.tolist()
+    eagle.save(head, record, tmp_path / "head", {"target": "tiny"})
+    loaded, saved = EagleHead.load(tmp_path / "head", dtype=torch.float32)
+    assert saved["record"]["steps"] == record.steps
+    prompt = sequences[0].token_ids[:30]
+    reference = greedy_references(model, [prompt], 20)[0]
+    engine = SpeculativeEngine(HFCausalLM(model), LetterTokenizer(), EagleDrafter(loaded, model, min_confidence=0.0),
+                               gate=False)
+    result = engine.generate(prompt, GenerationConfig(max_new_tokens=20))
+    assert result.token_ids == reference
