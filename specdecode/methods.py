@@ -15,6 +15,7 @@ from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.draft_model_tree import DEFAULT_CHOICES, DraftModelTreeDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
 from specdecode.drafters.jacobi import build_jacobi
+from specdecode.drafters.eagle import build_eagle
 from specdecode.drafters.lookahead import build_lookahead
 from specdecode.drafters.retrieval import build_retrieval
 from specdecode.drafters.self_speculative import build_earlyexit, build_layerskip
@@ -59,6 +60,9 @@ class Method:
     # drafts without running a model, so the server decodes its requests in a batch (`engine.batch`;
     # its drafters say so too: `Drafter.batchable`)
     batchable: bool = False
+    # drafts with a head trained for the target (`specdecode train ...`); the repository ships one for
+    # the default target only
+    trained: bool = False
 
     def drafter(self, target: CausalLM, draft: CausalLM | None, options: DrafterOptions | None = None) -> Drafter | None:
         options = options or DrafterOptions()
@@ -109,6 +113,9 @@ METHODS: dict[str, Method] = {
                "final norm and LM head", False, build_earlyexit),
         Method("suffix", "suffix decoding: what followed the context's suffix in this request and in earlier "
                "ones the drafter served (tree: all of it, as a trie)", False, build_suffix, tree=True),
+        Method("eagle", "EAGLE: a trained one-layer head on the target's own features drafts a chain scored by "
+               "its confidence (tree: EAGLE-2's dynamic tree; the default target's head ships with the package, "
+               "`specdecode train eagle` trains one)", False, build_eagle, tree=True, trained=True),
         Method("composite", "prompt lookup and retrieval, plus the draft model only where they promise less "
                "than one accepted token, merged into one tree (a chain unless --tree)",
                True, build_composite, tree=True, takes=("datastore", "reference")),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import LetterTokenizer, greedy_references, greedy_runs, random_prompts
-from specdecode.drafters.eagle import EagleDrafter, EagleHead, head_config
+from specdecode.drafters.eagle import EagleDrafter, EagleHead, EagleTreeDrafter, head_config
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.models.costs import CostCurve
@@ -55,11 +55,18 @@ def test_the_engine_hands_over_final_hidden_states(tiny_target):
         assert torch.allclose(tiny_target.lm_head(out.hidden), out.logits, atol=1e-5)
 
 
+def eagle_drafter(kind: str, head: EagleHead, target):
+    if kind == "chain":
+        return EagleDrafter(head, target, max_tokens=5, min_confidence=0.0)
+    return EagleTreeDrafter(head, target, FLAT, draft_cost=0.001, top_k=2, width=2, max_depth=4)
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree"])
 @pytest.mark.parametrize("vocab", [None, 60])  # the full vocabulary, a truncated one
-def test_greedy_eagle_equals_plain_decoding(tiny_target, vocab):
+def test_greedy_eagle_equals_plain_decoding(tiny_target, vocab, kind):
     prompts = random_prompts(4, seed=21)
     references = greedy_references(tiny_target, prompts, 24)
-    drafter = EagleDrafter(random_head(tiny_target, vocab), tiny_target, max_tokens=5, min_confidence=0.0)
+    drafter = eagle_drafter(kind, random_head(tiny_target, vocab), tiny_target)
     engine = SpeculativeEngine(HFCausalLM(tiny_target), LetterTokenizer(), drafter, gate=False)
     drafted = 0
     for _, _, result in greedy_runs(engine, prompts, references, [1, 9, 24]):
@@ -67,7 +74,8 @@ def test_greedy_eagle_equals_plain_decoding(tiny_target, vocab):
     assert drafted > 0
 
 
-def test_a_head_that_knows_the_target_is_accepted(tiny_target):
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+def test_a_head_that_knows_the_target_is_accepted(tiny_target, kind):
     """A head whose 'prediction' is the target's own next feature (an oracle wired in by hand) must have
     its drafts accepted: proof that features, pairs and positions line up."""
     prompt = random_prompts(1, seed=8)[0]
@@ -82,12 +90,15 @@ def test_a_head_that_knows_the_target_is_accepted(tiny_target):
             return truth[(position_ids[0] + 1).clamp(max=len(full) - 1)][None]  # f_{t+1}, the target's own
 
     head = Oracle(head_config(tiny_target.config, 32), torch.arange(tiny_target.config.vocab_size)).eval()
-    drafter = EagleDrafter(head, tiny_target, max_tokens=4, min_confidence=0.0)
-    engine = SpeculativeEngine(target, LetterTokenizer(), drafter, gate=False)
+    engine = SpeculativeEngine(target, LetterTokenizer(), eagle_drafter(kind, head, tiny_target), gate=False)
     result = engine.generate(prompt, GenerationConfig(max_new_tokens=20))
     assert result.token_ids == reference
     decode_steps = result.steps[1:]
-    assert sum(s.accepted for s in decode_steps) == sum(s.drafted for s in decode_steps) > 0
+    if kind == "chain":  # every draft token is the target's
+        assert sum(s.accepted for s in decode_steps) == sum(s.drafted for s in decode_steps) > 0
+    else:  # the tree's best path is the target's, whole (up to what is left to generate)
+        assert all(s.accepted == min(s.draft_depth or 0, 4) or s.new_tokens < 5 for s in decode_steps)
+        assert sum(s.accepted for s in decode_steps) > 0
 
 
 def test_sampled_eagle_is_seeded(tiny_target):

