@@ -10,6 +10,7 @@ import torch
 from conftest import VOCAB, LetterTokenizer, random_prompts, tiny_qwen2
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
+from specdecode.drafters.eagle import EagleHead, EagleTreeDrafter, head_config
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.errors import UserError
@@ -119,11 +120,12 @@ def test_seed_reproduces_sampled_run(spec_engine):
     assert spec_engine.generate(PROMPT, other).token_ids != first
 
 
-@pytest.mark.parametrize("kind", ["chain", "draft-tree", "pld-tree"])
+@pytest.mark.parametrize("kind", ["chain", "draft-tree", "pld-tree", "eagle-tree"])
 def test_sampled_output_follows_target_distribution(kind):
     """End to end through the engine: the joint distribution of the first two sampled tokens under
     speculative sampling (a draft model's chain; a draft model's fixed-shape tree; a prompt-lookup trie,
-    whose branches are fixed in advance) equals the target's exact distribution (small vocabulary)."""
+    whose branches are fixed in advance; an EAGLE head's dynamic tree, drafting the second token from
+    the first forward's features) equals the target's exact distribution (small vocabulary)."""
     from scipy.stats import chisquare
 
     vocab = 6
@@ -146,13 +148,22 @@ def test_sampled_output_follows_target_distribution(kind):
             HFCausalLM(draft_model), CostCurve.linear(0.05), choices=[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)]
         ),
         "pld-tree": lambda: PromptLookupTreeDrafter(CostCurve.linear(0.0), max_ngram=1, num_tokens=2),
+        "eagle-tree": lambda: EagleTreeDrafter(
+            EagleHead(head_config(target_model.config, 16), torch.arange(vocab)).eval(), target_model,
+            CostCurve.linear(0.0), draft_cost=1e-3, top_k=2, width=2, max_depth=2),
     }[kind]()
     engine = SpeculativeEngine(HFCausalLM(target_model), drafter=drafter)
     counts = torch.zeros(vocab * vocab)
-    runs = 1500
+    runs, drafted_trees = 1500, 0
     for seed in range(runs):
-        ids = engine.generate(prompt, GenerationConfig(max_new_tokens=2, sampling=params, seed=seed)).token_ids
+        # (EAGLE drafts from the second step on, so it needs room for a two-deep tree after the first token)
+        new_tokens = 4 if kind == "eagle-tree" else 2
+        result = engine.generate(prompt, GenerationConfig(max_new_tokens=new_tokens, sampling=params, seed=seed))
+        ids = result.token_ids
         counts[ids[0] * vocab + ids[1]] += 1
-    if kind != "chain":
+        drafted_trees += any(s.draft_depth for s in result.steps)
+    if kind == "eagle-tree":
+        assert drafted_trees > runs // 2  # the second token came through a verified tree
+    elif kind != "chain":
         assert isinstance(drafter.propose(prompt, 2, params, None).parents, torch.Tensor)  # it drafts trees
     assert chisquare(counts.numpy(), (expected * runs).numpy()).pvalue > 1e-3
