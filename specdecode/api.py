@@ -52,7 +52,8 @@ class Models:
         """An engine for a method by name (`draft`, `draft-tree`, `pld-tree`...); `tree=True` switches a
         method to its tree form, `budget` fixes the tree nodes verified per step (default: chosen from
         the target's measured cost curve), `choices` gives the tree a fixed shape, `datastore` is a
-        retrieval datastore's path (`rest`; default: the Python standard library's), `reference` a
+        retrieval datastore's path (`rest`, `composite`; default: the Python standard library's; methods
+        that draft from none ignore it), `reference` a
         document's text to copy from (`pld`)."""
         spec, options = self._options(method, tree, budget, choices, datastore, reference)
         drafter = spec.drafter(self.target, self.require_draft() if spec.needs_draft_model else None, options)
@@ -69,7 +70,8 @@ class Models:
         spec, options = resolve(method)
         reference_ids = tuple(self.tokenizer.encode(reference, add_special_tokens=False)) if reference else None
         return spec, DrafterOptions(tree=tree or options.tree, budget=budget, choices=choices or options.choices,
-                                    datastore=datastore, reference_ids=reference_ids, tokenizer=self.tokenizer)
+                                    datastore=datastore if "datastore" in spec.takes else None,
+                                    reference_ids=reference_ids, tokenizer=self.tokenizer)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids of a prompt; with chat=True, as the single user turn of the chat template."""

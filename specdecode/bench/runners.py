@@ -35,7 +35,7 @@ class Runner:
 
 
 def our_runner(models: Models, method: str, datastore: str | None = None) -> Runner:
-    engine = models.engine(method, datastore=datastore if "datastore" in resolve(method)[0].takes else None)
+    engine = models.engine(method, datastore=datastore)
     return engine_runner(engine, resolve(method)[0].lossless)
 
 

@@ -55,13 +55,11 @@ class Server:
 
     def engine(self, method: str) -> SpeculativeEngine:  # on the worker thread
         if method not in self.engines:
-            takes_datastore = "datastore" in resolve(method)[0].takes
-            self.engines[method] = self.models.engine(method, datastore=self.datastore if takes_datastore else None)
+            self.engines[method] = self.models.engine(method, datastore=self.datastore)
         return self.engines[method]
 
     def drafter(self, method: str) -> Drafter | None:  # on the worker thread: one per batched sequence
-        takes_datastore = "datastore" in resolve(method)[0].takes
-        return self.models.drafter(method, datastore=self.datastore if takes_datastore else None)
+        return self.models.drafter(method, datastore=self.datastore)
 
     def _finished(self, job: Job, result: GenerationResult) -> None:
         self.metrics.finished(result, time.perf_counter() - job.submitted)
