@@ -147,16 +147,17 @@ class Worker:
             if job.cancelled.is_set():
                 self._waiting.popleft()
                 continue
-            job.started = job.started or time.perf_counter()
             try:
                 if self.batch is None or not resolve(job.method)[0].batchable:
                     if self._active:
                         return  # wait for the batch to drain
                     self._waiting.popleft()
+                    job.started = time.perf_counter()
                     self._run_alone(job)
                     continue
                 if len(self._active) >= self.max_batch:
                     return
+                job.started = time.perf_counter()
                 drafter = self.drafter_for(job.method)
                 self._active[self.batch.add(job.prompt_ids, job.config, drafter, job.method)] = job
                 self._waiting.popleft()
