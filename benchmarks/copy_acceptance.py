@@ -4,8 +4,10 @@
     python benchmarks/copy_acceptance.py runs/ar [--backend llamacpp]
 
 Prints (1) how prompt-lookup continuations fare by the kind of match behind them (what
-`drafters.prompt_lookup.PRIOR_FIRST` and `PRIOR_RUN` are set from), and (2) each copying drafter's predicted speedup per category on the backend's cost curve (see
-`specdecode.bench.replay`; no model runs, except a first measurement of the curve).
+`drafters.prompt_lookup.PRIOR_FIRST` and `PRIOR_RUN` are set from), and (2) each copying drafter's
+predicted speedup per category on the backend's cost curve (see `specdecode.bench.replay`; no model runs,
+except a first measurement of the curve), with an oracle that verifies exactly the copies that will
+hold: the most that choosing which copies to verify can give.
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+import torch
+
 from specdecode.bench.replay import predicted_speedup, replay
 from specdecode.drafters.prompt_lookup import RESUME, PromptLookupDrafter, PromptLookupTreeDrafter
+from specdecode.types import Draft
 
 
 def load_turns(run: Path) -> dict[str, list[tuple[list[int], list[int]]]]:
@@ -48,6 +53,23 @@ class Recording(PromptLookupDrafter):
             record(bucket, right, judged)
 
         self._acceptance.record = logged
+
+
+class OracleGate(PromptLookupDrafter):
+    """Prompt lookup's proposals, scored by an oracle that knows the output: 1 for each token that will be
+    accepted, 0 after. The engine's gate then verifies exactly the copies that pay: the upper bound of
+    what choosing which copies to verify can give on this curve."""
+
+    def __init__(self, prompt: list[int], output: list[int]):
+        super().__init__()
+        self.full = list(prompt) + list(output)
+
+    def propose(self, context, max_tokens, params, generator):
+        draft = super().propose(context, max_tokens, params, generator)
+        future, right = self.full[len(context) :], 0
+        while right < len(draft) and right < len(future) and int(draft.tokens[right]) == future[right]:
+            right += 1
+        return Draft(tokens=draft.tokens, scores=(torch.arange(len(draft)) < right).float())
 
 
 def main() -> None:
@@ -83,9 +105,10 @@ def main() -> None:
 
     # 2. Predicted speedup per category on this backend's curve.
     drafters = {
-        "pld (gated)": lambda: PromptLookupDrafter(),
-        "pld (10 tokens, ungated)": lambda: PromptLookupDrafter(num_tokens=10),
-        "pld-tree": lambda: PromptLookupTreeDrafter(curve),
+        "pld (gated)": lambda prompt, output: PromptLookupDrafter(),
+        "pld (10 tokens, ungated)": lambda prompt, output: PromptLookupDrafter(num_tokens=10),
+        "pld-tree": lambda prompt, output: PromptLookupTreeDrafter(curve),
+        "pld (oracle gate)": OracleGate,
     }
     print(f"\npredicted speedup over plain decoding on the {args.backend} curve:")
     print("  " + "method".ljust(26) + "".join(c[:12].rjust(13) for c in turns) + "overall".rjust(10))
@@ -93,7 +116,7 @@ def main() -> None:
     for name, make in drafters.items():
         row, all_runs, all_plain = [], [], []
         for category, pairs in turns.items():
-            runs = [replay(make(), p, o, curve, gate=name != "pld (10 tokens, ungated)") for p, o in pairs]
+            runs = [replay(make(p, o), p, o, curve, gate=name != "pld (10 tokens, ungated)") for p, o in pairs]
             row.append(predicted_speedup(runs, plain[category]))
             all_runs += runs
             all_plain += plain[category]

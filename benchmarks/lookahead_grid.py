@@ -15,12 +15,10 @@ from pathlib import Path
 import torch
 
 from specdecode.api import load_models
-from specdecode.bench import report
-from specdecode.bench.datasets import sample_tasks
-from specdecode.bench.harness import run_benchmark
+from specdecode.bench.harness import compare
 from specdecode.bench.runners import engine_runner, our_runner
 from specdecode.drafters.lookahead import LookaheadDrafter
-from specdecode.engine import GenerationConfig, SpeculativeEngine
+from specdecode.engine import SpeculativeEngine
 
 GRID = ["5,3,3", "7,3,5", "5,4,3", "7,4,5", "10,4,7", "7,5,5"]
 
@@ -43,13 +41,8 @@ def main() -> None:
         name = f"lookahead-W{window}N{ngram}G{candidates}"
         drafter = LookaheadDrafter(window, ngram, candidates, max_context=models.target.max_context)
         runners[name] = engine_runner(SpeculativeEngine(models.target, models.tokenizer, drafter, method=name))
-    tasks = sample_tasks(args.categories.split(","), args.prompts)
-    print(f"{len(runners)} settings x {len(tasks)} prompts x {args.repeats} repeats", flush=True)
-    records = run_benchmark(models, runners, tasks, GenerationConfig(max_new_tokens=args.max_new_tokens), args.repeats,
-                            on_record=lambda r: print(f"  {r.method} {r.task_id} {r.seconds:.1f}s", flush=True))
-    summaries = report.summarise(records, {name: True for name in runners})
-    text = report.markdown(summaries, {"grid": " ".join(args.grid), "tasks": str(len(tasks)),
-                                       "max new tokens": str(args.max_new_tokens)}, [])
+    _, text = compare(models, runners, args.categories, args.prompts, args.max_new_tokens, args.repeats,
+                      {"grid": " ".join(args.grid)})
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

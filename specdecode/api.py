@@ -59,7 +59,7 @@ class Models:
         drafter = spec.drafter(self.target, self.require_draft() if spec.needs_draft_model else None, options)
         tree_budget = None if not options.tree else options.budget or ("whole" if options.choices else "auto")
         return SpeculativeEngine(self.target, self.tokenizer, drafter, method=name_of(spec, options),
-                                 tree_budget=tree_budget)
+                                 tree_budget=tree_budget, verifier=spec.verifier)
 
     def drafter(self, method: str, *, datastore: str | None = None) -> Drafter | None:
         """A new drafter for one sequence (None for plain decoding), as `engine` would make it."""

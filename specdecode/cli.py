@@ -317,27 +317,21 @@ def datastore_build(
 
 # --- specdecode train ... ------------------------------------------------------------------------
 
-train_app = typer.Typer(help="Train drafters on the target's own features (EAGLE).", no_args_is_help=True)
+train_app = typer.Typer(help="Train drafters on the target's own features (EAGLE, Medusa).", no_args_is_help=True)
 app.add_typer(train_app, name="train")
 
+DataOption = Annotated[Path, typer.Option(help="Folder of the target's features; built there first when empty.")]
+TokensOption = Annotated[int, typer.Option(min=1000, help="Corpus size when the features are built.")]
+SecondsOption = Annotated[float, typer.Option(min=1, help="Training time budget.")]
+VocabOption = Annotated[int, typer.Option(min=16, help="Draft vocabulary: the most frequent tokens.")]
 
-@train_app.command("eagle")
-def train_eagle(
-    data: Annotated[Path, typer.Option(help="Folder of the target's features; built there first when empty.")],
-    out: Annotated[Path, typer.Option(help="Folder to write the head to (eagle.safetensors, eagle.json).")],
-    tokens: Annotated[int, typer.Option(min=1000, help="Corpus size when the features are built.")] = 300_000,
-    seconds: Annotated[float, typer.Option(min=1, help="Training time budget.")] = 3600,
-    epochs: Annotated[int, typer.Option(min=1)] = 4,
-    intermediate_size: Annotated[int, typer.Option(min=8, help="The head's MLP width.")] = 2048,
-    vocab_size: Annotated[int, typer.Option(min=16, help="Draft vocabulary: the most frequent tokens.")] = 32_768,
-    learning_rate: Annotated[float, typer.Option(min=0.0)] = 3e-4,
-    seed: Annotated[int, typer.Option()] = 0,
-    target: TargetOption = DEFAULT_TARGET,
-) -> None:
-    """Train an EAGLE head for TARGET: its features over ShareGPT and standard-library code (built once
-    into --data, about 140 tokens/s here), then the head within --seconds."""
+
+def _target_features(target: str, data: Path, tokens: int, seed: int):
+    """(the target's transformers model, a description of it and of the data, the feature shards): the
+    target's features over ShareGPT and standard-library code, extracted into `data` first when it holds
+    none."""
     from specdecode.api import load_models
-    from specdecode.training import corpus, eagle, features
+    from specdecode.training import corpus, features
 
     models = load_models(target, None, dtype="bfloat16")
     model = models.target.model
@@ -351,11 +345,57 @@ def train_eagle(
     manifest, shards = features.load(data)
     if manifest.get("target_key") != describe["target_key"]:
         raise UserError(f"{data} holds features of {manifest.get('target')!r}, not of {target!r}")
+    describe["data"] = {k: manifest[k] for k in ("tokens", "sequences", "by_source", "corpus") if k in manifest}
+    return model, describe, shards
+
+
+@train_app.command("eagle")
+def train_eagle(
+    data: DataOption,
+    out: Annotated[Path, typer.Option(help="Folder to write the head to (eagle.safetensors, eagle.json).")],
+    tokens: TokensOption = 300_000,
+    seconds: SecondsOption = 3600,
+    epochs: Annotated[int, typer.Option(min=1)] = 4,
+    intermediate_size: Annotated[int, typer.Option(min=8, help="The head's MLP width.")] = 2048,
+    vocab_size: VocabOption = 32_768,
+    learning_rate: Annotated[float, typer.Option(min=0.0)] = 3e-4,
+    seed: Annotated[int, typer.Option()] = 0,
+    target: TargetOption = DEFAULT_TARGET,
+) -> None:
+    """Train an EAGLE head for TARGET: its features over ShareGPT and standard-library code (built once
+    into --data, about 140 tokens/s here), then the head within --seconds."""
+    from specdecode.training import eagle
+
+    model, describe, shards = _target_features(target, data, tokens, seed)
     settings = eagle.TrainingSettings(intermediate_size=intermediate_size, vocab_size=vocab_size, seconds=seconds,
                                       epochs=epochs, learning_rate=learning_rate, seed=seed)
     head, record = eagle.train(model, shards, settings, log=console.print)
-    eagle.save(head, record, out, describe | {"data": {k: manifest[k] for k in ("tokens", "sequences", "by_source", "corpus")
-                                                       if k in manifest}})
+    eagle.save(head, record, out, describe)
+    console.print(f"saved {out}")
+
+
+@train_app.command("medusa")
+def train_medusa(
+    data: DataOption,
+    out: Annotated[Path, typer.Option(help="Folder to write the heads to (medusa.safetensors, medusa.json).")],
+    tokens: TokensOption = 300_000,
+    seconds: SecondsOption = 3600,
+    epochs: Annotated[int, typer.Option(min=1)] = 3,
+    heads: Annotated[int, typer.Option(min=1, max=16, help="Medusa heads: head k guesses the token k + 1 ahead.")] = 4,
+    vocab_size: VocabOption = 32_768,
+    learning_rate: Annotated[float, typer.Option(min=0.0)] = 1e-3,
+    seed: Annotated[int, typer.Option()] = 0,
+    target: TargetOption = DEFAULT_TARGET,
+) -> None:
+    """Train Medusa heads for TARGET: its features over ShareGPT and standard-library code (built once
+    into --data, about 140 tokens/s here; the same folder serves EAGLE), then the heads within --seconds."""
+    from specdecode.training import medusa
+
+    model, describe, shards = _target_features(target, data, tokens, seed)
+    settings = medusa.TrainingSettings(num_heads=heads, vocab_size=vocab_size, seconds=seconds, epochs=epochs,
+                                       learning_rate=learning_rate, seed=seed)
+    trained, record = medusa.train(model, shards, settings, log=console.print)
+    medusa.save(trained, record, out, describe)
     console.print(f"saved {out}")
 
 

@@ -21,6 +21,7 @@ DEMO_PROMPTS = [
 # One of each family, in a few minutes: the self-speculative methods (layerskip, earlyexit) search their
 # layers on first use (minutes), so they are left to `specdecode generate` and the benchmark.
 DEMO_METHODS = ["ar", "draft", "draft-tree", "pld", "pld-tree", "rest", "lookahead", "jacobi", "suffix", "eagle-tree",
+                "medusa-tree",
                 "composite"]
 
 

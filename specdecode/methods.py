@@ -16,6 +16,7 @@ from specdecode.drafters.draft_model_tree import DEFAULT_CHOICES, DraftModelTree
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
 from specdecode.drafters.jacobi import build_jacobi
 from specdecode.drafters.eagle import build_eagle
+from specdecode.drafters.medusa import build_medusa, build_medusa_tree
 from specdecode.drafters.lookahead import build_lookahead
 from specdecode.drafters.retrieval import build_retrieval
 from specdecode.drafters.self_speculative import build_earlyexit, build_layerskip
@@ -25,6 +26,8 @@ from specdecode.errors import UserError
 from specdecode.models import costs
 from specdecode.models.base import CausalLM
 from specdecode.tree.budget import check_budget
+from specdecode.verify.tree import verify
+from specdecode.verify.typical import verify_typical
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,8 @@ class Method:
     # drafts with a head trained for the target (`specdecode train ...`); the repository ships one for
     # the default target only
     trained: bool = False
+    # how drafts are verified: exact (greedy match, speculative sampling) unless the method is lossy
+    verifier: Callable = verify
 
     def drafter(self, target: CausalLM, draft: CausalLM | None, options: DrafterOptions | None = None) -> Drafter | None:
         options = options or DrafterOptions()
@@ -116,6 +121,13 @@ METHODS: dict[str, Method] = {
         Method("eagle", "EAGLE: a trained one-layer head on the target's own features drafts a chain scored by "
                "its confidence (tree: EAGLE-2's dynamic tree; the default target's head ships with the package, "
                "`specdecode train eagle` trains one)", False, build_eagle, tree=True, trained=True),
+        Method("medusa", "Medusa: trained heads on the target's last hidden state guess the next tokens at once; "
+               "a chain of their top tokens (tree: the best paths through their top-k; the default target's "
+               "heads ship with the package, `specdecode train medusa` trains them)", False, build_medusa,
+               tree=True, trained=True),
+        Method("medusa-typical", "Medusa's tree under typical acceptance: LOSSY, a drafted token the target "
+               "finds plausible enough is kept (exact under greedy decoding)", False, build_medusa_tree,
+               lossless=False, trained=True, verifier=verify_typical),
         Method("composite", "prompt lookup and retrieval, plus the draft model only where they promise less "
                "than one accepted token, merged into one tree (a chain unless --tree)",
                True, build_composite, tree=True, takes=("datastore", "reference")),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from specdecode.drafters.medusa import MedusaHeads
 from specdecode.models.hf import HFCausalLM
 
 VOCAB = 97
@@ -226,3 +228,27 @@ def greedy_runs(engine, prompts: list[list[int]], references: list[list[int]], l
             assert sum(s.new_tokens for s in result.steps) == len(result.token_ids)
             assert result.target_forwards <= n
             yield i, n, result
+
+
+def random_medusa_heads(target, num_heads: int = 3, vocab: int | None = None, seed: int = 0, scale: float = 1.0) -> MedusaHeads:
+    """Medusa heads with random blocks (`scale` sets how far each head strays from the identity)."""
+    torch.manual_seed(seed)
+    d = target.config.hidden_size
+    heads = MedusaHeads(d, num_heads, torch.arange(target.config.vocab_size)[: vocab or target.config.vocab_size])
+    with torch.no_grad():
+        for block in heads.blocks:
+            block.weight.normal_(0, scale / math.sqrt(d))
+    return heads.float().eval()
+
+
+def tiny_training_features(folder: Path):
+    """(model, sequences, shards): a tiny chat model's features over repetitive chat text, for training tests."""
+    from specdecode.training import corpus, features
+
+    tokenizer, model = tiny_tokenizer(), tiny_chat_qwen2(vocab_size=len(TOKENS), seed=2)
+    texts = [("the cat sat on the mat. " * 4, "the mat was red. " * 5), ("one two three. " * 3, "four five six. " * 5)]
+    sequences = [corpus.Sequence("sharegpt", *corpus.tokenize(
+        tokenizer, [{"role": "user", "content": q}, {"role": "assistant", "content": a}], 128))
+        for q, a in texts * 6]
+    features.extract(model, sequences, folder, {"target": "tiny"}, progress=False)
+    return model, sequences, features.load(folder)[1]

@@ -133,7 +133,9 @@ def test_serve_starts_the_server_and_refuses_a_method_it_cannot_run(monkeypatch,
     assert code == 2 and "needs the draft model" in err
 
 
-def test_a_trained_method_without_a_head_for_the_target_says_how_to_train_one(monkeypatch, capsys, tiny_folder):
-    code, _, err = run(monkeypatch, capsys, "generate", "the cat", "--target", str(tiny_folder), "--method", "eagle",
+@pytest.mark.parametrize("method, kind", [("eagle", "EAGLE"), ("medusa", "Medusa"), ("medusa-typical", "Medusa")])
+def test_a_trained_method_without_a_head_for_the_target_says_how_to_train_one(monkeypatch, capsys, tiny_folder,
+                                                                              method, kind):
+    code, _, err = run(monkeypatch, capsys, "generate", "the cat", "--target", str(tiny_folder), "--method", method,
                        "--dtype", "float32")
-    assert code == 2 and "no EAGLE head" in err and "specdecode train eagle" in err
+    assert code == 2 and f"no {kind} head" in err and f"specdecode train {kind.lower()}" in err

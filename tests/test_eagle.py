@@ -112,16 +112,10 @@ def test_sampled_eagle_is_seeded(tiny_target):
 def test_training_lowers_the_losses_and_the_trained_head_drafts_losslessly(tmp_path):
     """A few hundred steps on a tiny model's own features over repetitive text: the losses fall, the
     held-out accuracy is measured per draft position, and the saved head drafts exact greedy output."""
-    from conftest import TOKENS, tiny_chat_qwen2, tiny_tokenizer
-    from specdecode.training import corpus, eagle, features
+    from conftest import TOKENS, tiny_training_features
+    from specdecode.training import eagle
 
-    tokenizer, model = tiny_tokenizer(), tiny_chat_qwen2(vocab_size=len(TOKENS), seed=2)
-    texts = [("the cat sat on the mat. " * 4, "the mat was red. " * 5), ("one two three. " * 3, "four five six. " * 5)]
-    sequences = [corpus.Sequence("sharegpt", *corpus.tokenize(
-        tokenizer, [{"role": "user", "content": q}, {"role": "assistant", "content": a}], 128))
-        for q, a in texts * 6]
-    features.extract(model, sequences, tmp_path / "features", {"target": "tiny"}, progress=False)
-    _, shards = features.load(tmp_path / "features")
+    model, sequences, shards = tiny_training_features(tmp_path / "features")
     settings = eagle.TrainingSettings(intermediate_size=32, vocab_size=64, seconds=60, epochs=30,
                                       learning_rate=3e-3, warmup_steps=5, sequence_tokens=64, batch_windows=2,
                                       eval_positions=3)

@@ -7,10 +7,11 @@ import copy
 import pytest
 import torch
 
-from conftest import VOCAB, LetterTokenizer, random_prompts, tiny_qwen2
+from conftest import VOCAB, LetterTokenizer, random_medusa_heads, random_prompts, tiny_qwen2
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
 from specdecode.drafters.eagle import EagleHead, EagleTreeDrafter, head_config
+from specdecode.drafters.medusa import MedusaDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.errors import UserError
@@ -120,7 +121,7 @@ def test_seed_reproduces_sampled_run(spec_engine):
     assert spec_engine.generate(PROMPT, other).token_ids != first
 
 
-@pytest.mark.parametrize("kind", ["chain", "draft-tree", "pld-tree", "eagle-tree"])
+@pytest.mark.parametrize("kind", ["chain", "draft-tree", "pld-tree", "eagle-tree", "medusa-tree"])
 def test_sampled_output_follows_target_distribution(kind):
     """End to end through the engine: the joint distribution of the first two sampled tokens under
     speculative sampling (a draft model's chain; a draft model's fixed-shape tree; a prompt-lookup trie,
@@ -151,18 +152,21 @@ def test_sampled_output_follows_target_distribution(kind):
         "eagle-tree": lambda: EagleTreeDrafter(
             EagleHead(head_config(target_model.config, 16), torch.arange(vocab)).eval(), target_model,
             CostCurve.linear(0.0), draft_cost=1e-3, top_k=2, width=2, max_depth=2),
+        "medusa-tree": lambda: MedusaDrafter(random_medusa_heads(target_model), target_model, CostCurve.linear(0.0),
+                                             tree=True, top_k=2, max_nodes=6, draft_cost=1e-3),
     }[kind]()
     engine = SpeculativeEngine(HFCausalLM(target_model), drafter=drafter)
     counts = torch.zeros(vocab * vocab)
     runs, drafted_trees = 1500, 0
     for seed in range(runs):
-        # (EAGLE drafts from the second step on, so it needs room for a two-deep tree after the first token)
-        new_tokens = 4 if kind == "eagle-tree" else 2
+        # (EAGLE and Medusa draft from the second step on, so they need room for a two-deep tree after the
+        # first token)
+        new_tokens = 4 if kind in ("eagle-tree", "medusa-tree") else 2
         result = engine.generate(prompt, GenerationConfig(max_new_tokens=new_tokens, sampling=params, seed=seed))
         ids = result.token_ids
         counts[ids[0] * vocab + ids[1]] += 1
         drafted_trees += any(s.draft_depth for s in result.steps)
-    if kind == "eagle-tree":
+    if kind in ("eagle-tree", "medusa-tree"):
         assert drafted_trees > runs // 2  # the second token came through a verified tree
     elif kind != "chain":
         assert isinstance(drafter.propose(prompt, 2, params, None).parents, torch.Tensor)  # it drafts trees

@@ -104,3 +104,21 @@ def run_benchmark(
                 records.append(record)
                 on_record(record)
     return records
+
+
+def compare(models: Models, runners: dict[str, Runner], categories: str, prompts: int, max_new_tokens: int,
+            repeats: int, header: dict[str, str] | None = None) -> tuple[list[Record], str]:
+    """The benchmark scripts' common run: `prompts` seeded tasks of each comma-separated category, every
+    runner on each (greedy, progress printed), and the markdown report of them (every runner counted as
+    lossless, so each output is checked against `ar`'s)."""
+    from specdecode.bench import report
+    from specdecode.bench.datasets import sample_tasks
+
+    tasks = sample_tasks(categories.split(","), prompts)
+    print(f"{len(runners)} methods x {len(tasks)} prompts x {repeats} repeats", flush=True)
+    records = run_benchmark(models, runners, tasks, GenerationConfig(max_new_tokens=max_new_tokens), repeats,
+                            on_record=lambda r: print(f"  {r.method} {r.task_id} {r.seconds:.1f}s", flush=True))
+    summaries = report.summarise(records, {name: True for name in runners})
+    text = report.markdown(summaries, {**(header or {}), "tasks": str(len(tasks)),
+                                       "max new tokens": str(max_new_tokens)}, [])
+    return records, text

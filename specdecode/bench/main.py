@@ -21,13 +21,14 @@ from specdecode.bench.harness import Record, run_benchmark
 from specdecode.bench.runners import PEERS, build_runners, needs_draft_model
 from specdecode.engine import GenerationConfig
 from specdecode.errors import UserError
-from specdecode.methods import variant_names
+from specdecode.methods import resolve, variant_names
 
 ALL_METHODS = [*variant_names(), *PEERS]
 # the default selection per backend: our methods that run there and that backend's peers
 TORCH_METHODS = [*variant_names(), *(m for m, peer in PEERS.items() if peer.backend == "torch")]
 # llama.cpp runs our methods only, and not the draft model's tree (it cannot grow one in its own cache)
-LLAMACPP_METHODS = [m for m in variant_names() if not m.startswith(("draft-tree", "eagle"))]  # eagle: hidden states
+LLAMACPP_METHODS = [m for m in variant_names()  # trained heads read the target's hidden states: torch only
+                    if not m.startswith("draft-tree") and not resolve(m)[0].trained]
 LLAMACPP_METHODS += [m for m, peer in PEERS.items() if peer.backend == "llamacpp"]
 
 

@@ -22,7 +22,6 @@ positions, cache, masks), so it follows the target's attention geometry; its emb
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import torch
@@ -31,6 +30,7 @@ from transformers import DynamicCache, Qwen2Config, Qwen2Model
 
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
+from specdecode.drafters.heads import load_head, save_head, shipped_or_explain
 from specdecode.tree import structure
 from specdecode.errors import UserError
 from specdecode.tree.budget import Calibration
@@ -79,25 +79,12 @@ class EagleHead(nn.Module):
     # -- storage ---------------------------------------------------------------------------------
 
     def save(self, folder: Path, record: dict) -> None:
-        from safetensors.torch import save_file
-
-        folder.mkdir(parents=True, exist_ok=True)
-        weights = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
-                   for k, v in self.state_dict().items()}
-        save_file(weights, str(folder / WEIGHTS))
-        (folder / CONFIG).write_text(json.dumps({"config": self.config.to_dict(), **record}, indent=1))
+        save_head(self, folder, WEIGHTS, CONFIG, self.config.to_dict(), record)
 
     @classmethod
     def load(cls, folder: Path, dtype: torch.dtype = torch.bfloat16) -> tuple[EagleHead, dict]:
-        from safetensors.torch import load_file
-
-        folder = Path(folder)
-        if not (folder / WEIGHTS).is_file() or not (folder / CONFIG).is_file():
-            raise UserError(f"{folder} holds no EAGLE head ({WEIGHTS} and {CONFIG}); train one with "
-                            "`specdecode train eagle`")
-        record = json.loads((folder / CONFIG).read_text())
-        weights = load_file(str(folder / WEIGHTS))
-        head = cls(Qwen2Config(**record.pop("config")), weights["vocab_ids"])
+        shape, weights, record = load_head(folder, WEIGHTS, CONFIG, "EAGLE")
+        head = cls(Qwen2Config(**shape), weights["vocab_ids"])
         head.load_state_dict(weights)
         return head.to(dtype).eval(), record
 
@@ -268,22 +255,10 @@ class EagleTreeDrafter(DraftModelTreeDrafter):
         self.state.crop()
 
 
-def shipped_head(target_model) -> Path:
-    """Where the repository keeps the trained head for a target: specdecode/heads/<model name>/eagle."""
-    name = Path(str(target_model.config._name_or_path).rstrip("/")).name
-    return Path(__file__).resolve().parents[1] / "heads" / name / "eagle"
-
-
 def build_eagle(target, draft, options) -> Drafter:
     """The `eagle` method: the head trained for the target (`specdecode train eagle`), shipped in the
     repository for the default target; a chain, or EAGLE-2's dynamic tree with `options.tree`."""
-    model = getattr(target, "model", None)
-    if model is None:
-        raise UserError("EAGLE drafts from the target's hidden states: run it on the torch backend")
-    folder = shipped_head(model)
-    if not (folder / WEIGHTS).is_file():
-        raise UserError(f"no EAGLE head for {Path(str(model.config._name_or_path)).name}: train one with "
-                        f"`specdecode train eagle --data DIR --out {folder}`")
+    model, folder = shipped_or_explain(target, "EAGLE", WEIGHTS)
     head, _ = EagleHead.load(folder, dtype=model.dtype)
     if options.tree:
         return EagleTreeDrafter(head, model, target.cost_curve(), budget=options.budget)

@@ -259,6 +259,7 @@ class SpeculativeEngine:
         method: str | None = None,
         tree_budget: int | str | None = None,
         gate: bool = True,
+        verifier=verify,
     ):
         self.target = target
         self.tokenizer = tokenizer
@@ -266,6 +267,8 @@ class SpeculativeEngine:
         self.method = method or (drafter.name if drafter else "ar")
         self.tree_budget = tree_budget
         self.gate = gate  # cut scored chains to the prefix that pays (see step)
+        # exact (lossless) verification unless a lossy method brings its own (verify.typical)
+        self.verifier = verifier
 
     @functools.cached_property
     def curve(self) -> CostCurve:
@@ -307,7 +310,7 @@ class SpeculativeEngine:
                                   output_hidden=hidden_wanted)
         logits = out.logits
         # 3. Accept the longest admissible prefix (or tree path) and add the correction or bonus token.
-        verdict = verify(logits[: len(draft) + 1], draft, params, generator)  # [draft_len + 1, vocab]
+        verdict = self.verifier(logits[: len(draft) + 1], draft, params, generator)  # [draft_len + 1, vocab]
         if self.drafter is not None and self.drafter.wants_logits:
             self.drafter.observe(draft, logits, verdict)  # [rows, vocab], the auxiliary tokens' rows last
         if hidden_wanted:

@@ -15,11 +15,8 @@ with the target's most likely token there.
 
 from __future__ import annotations
 
-import math
 import random
-import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,55 +24,18 @@ import torch.nn.functional as F
 
 from specdecode.drafters.eagle import EagleHead, head_config
 from specdecode.training.features import Shard
+from specdecode.training.loop import Record, Schedule, frequent_tokens, optimise, split, windows
 
 NOISE = 0.2  # uniform noise on the input features, +-NOISE/2 (relative to their RMS of about 1)
 CLASSIFICATION_WEIGHT = 0.1
-HELD_OUT = 0.05  # share of sequences kept for evaluation
 
 
 @dataclass
-class TrainingSettings:
+class TrainingSettings(Schedule):
     intermediate_size: int = 2048
     vocab_size: int = 32_768  # the truncated draft vocabulary: the most frequent tokens
-    seconds: float = 3600.0  # the time budget
-    epochs: int = 4
-    learning_rate: float = 3e-4
-    warmup_steps: int = 50
     sequence_tokens: int = 512  # sequences are cut into windows of this many tokens
-    batch_windows: int = 4  # windows per optimiser step
-    seed: int = 0
     eval_positions: int = 4
-
-
-@dataclass
-class Record:
-    settings: dict
-    steps: int = 0
-    tokens_seen: int = 0
-    seconds: float = 0.0
-    losses: list[dict] = field(default_factory=list)  # every 20 steps: step, regression, classification
-    held_out_accuracy: list[float] = field(default_factory=list)  # by draft position, 1 first
-
-
-def frequent_tokens(shards: list[Shard], size: int, always: list[int]) -> torch.Tensor:
-    """The `size` most frequent token ids of the data (assistant tokens counted), plus `always`, sorted."""
-    counts = Counter()
-    for shard in shards:
-        counts.update(shard.tokens[shard.assistant].tolist())
-    chosen = {token for token, _ in counts.most_common(size)} | set(always)
-    return torch.tensor(sorted(chosen)[: max(size, len(always))], dtype=torch.long)
-
-
-def windows(shards: list[Shard], length: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(tokens, features, assistant) windows of at most `length` tokens, sequences cut where needed."""
-    out = []
-    for shard in shards:
-        for tokens, hidden, assistant in shard.sequences():
-            for begin in range(0, len(tokens) - 2, length):
-                end = min(begin + length, len(tokens))
-                if end - begin >= 8:
-                    out.append((tokens[begin:end], hidden[begin:end], assistant[begin:end]))
-    return out
 
 
 def losses(head: EagleHead, embed, head_weight: torch.Tensor, tokens, features, assistant, noise: float):
@@ -128,10 +88,7 @@ def held_out_accuracy(head: EagleHead, embed, head_weight, full_head, data, posi
 def train(target_model, shards: list[Shard], settings: TrainingSettings, progress: bool = True,
           log=print) -> tuple[EagleHead, Record]:
     """Train a head for `target_model` (a transformers causal LM) on its stored features."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     torch.manual_seed(settings.seed)
-    rng = random.Random(settings.seed)
     table = target_model.get_input_embeddings().weight.detach()  # frozen: the target's own
 
     def embed(ids: torch.Tensor) -> torch.Tensor:
@@ -142,64 +99,25 @@ def train(target_model, shards: list[Shard], settings: TrainingSettings, progres
 
     vocab_ids = frequent_tokens(shards, settings.vocab_size, sorted(_eos_ids(target_model)))
     head_weight = full_head[vocab_ids]
-    head = EagleHead(head_config(target_model.config, settings.intermediate_size), vocab_ids).float().train()
-    data = windows(shards, settings.sequence_tokens)
-    rng.shuffle(data)
-    held = max(1, int(len(data) * HELD_OUT))
-    evaluation, training = data[:held], data[held:]
-    total_steps = max(1, settings.epochs * len(training) // settings.batch_windows)
-    optimiser = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=settings.learning_rate,
-                                  betas=(0.9, 0.95), weight_decay=0.0)
-
-    def rate(step: int) -> float:  # linear warm-up, cosine decay
-        if step < settings.warmup_steps:
-            return (step + 1) / settings.warmup_steps
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, step / total_steps)))
-
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, rate)
+    head = EagleHead(head_config(target_model.config, settings.intermediate_size), vocab_ids).float()
+    training, evaluation = split(windows(shards, settings.sequence_tokens), settings.seed)
     record = Record(settings=vars(settings) | {"vocab": len(vocab_ids), "train_windows": len(training),
                                                "held_out_windows": len(evaluation)})
-    start = time.perf_counter()
-    columns = [TextColumn("training EAGLE"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
-               TextColumn("{task.fields[loss]}"), TimeElapsedColumn()]
-    running = [0.0, 0.0, 0]
-    with Progress(*columns, disable=not progress) as bar:
-        task = bar.add_task("train", total=total_steps, loss="")
-        step = 0
-        order = [i for _ in range(settings.epochs) for i in rng.sample(range(len(training)), len(training))]
-        for first in range(0, len(order), settings.batch_windows):
-            if time.perf_counter() - start > settings.seconds or step >= total_steps:
-                break
-            optimiser.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                parts = [losses(head, embed, head_weight, *training[i], NOISE) for i in order[first : first + settings.batch_windows]]
-            parts = [p for p in parts if p is not None]
-            if not parts:
-                continue
-            regression = sum(p[0] for p in parts) / len(parts)
-            classification = sum(p[1] for p in parts) / len(parts)
-            (regression + CLASSIFICATION_WEIGHT * classification).backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
-            optimiser.step()
-            schedule.step()
-            step += 1
-            record.tokens_seen += sum(p[2] for p in parts)
-            running = [running[0] + regression.item(), running[1] + classification.item(), running[2] + 1]
-            if step % 20 == 0:
-                record.losses.append({"step": step, "regression": running[0] / running[2],
-                                      "classification": running[1] / running[2],
-                                      "seconds": round(time.perf_counter() - start, 1)})
-                running = [0.0, 0.0, 0]
-                bar.update(task, loss=f"reg {record.losses[-1]['regression']:.3f} "
-                                      f"ce {record.losses[-1]['classification']:.3f}")
-            bar.update(task, completed=step)
-    head.eval()
-    record.steps, record.seconds = step, round(time.perf_counter() - start, 1)
+
+    def loss(window):
+        parts = losses(head, embed, head_weight, *window, NOISE)
+        if parts is None:
+            return None
+        regression, classification, positions = parts
+        return (regression + CLASSIFICATION_WEIGHT * classification,
+                {"regression": regression.detach(), "classification": classification.detach()}, positions)
+
+    optimise(head, loss, training, settings, record, "training EAGLE", progress)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         record.held_out_accuracy = held_out_accuracy(head, embed, head_weight, full_head, evaluation,
                                                      settings.eval_positions)
-    log(f"EAGLE head: {step} steps, {record.tokens_seen} tokens, {record.seconds:.0f} s; held-out accuracy by "
-        f"draft position: {', '.join(f'{a:.2f}' for a in record.held_out_accuracy)}")
+    log(f"EAGLE head: {record.steps} steps, {record.tokens_seen} tokens, {record.seconds:.0f} s; held-out accuracy "
+        f"by draft position: {', '.join(f'{a:.2f}' for a in record.held_out_accuracy)}")
     return head, record
 
 

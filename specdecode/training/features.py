@@ -94,7 +94,7 @@ def load(folder: Path) -> tuple[dict, list[Shard]]:
     """The manifest and every shard of a features folder."""
     manifest_path = Path(folder) / MANIFEST
     if not manifest_path.is_file():
-        raise UserError(f"{folder} holds no features ({MANIFEST} is missing): run `specdecode train features` first")
+        raise UserError(f"{folder} holds no features ({MANIFEST} is missing): `specdecode train eagle|medusa --data DIR` builds them")
     manifest = json.loads(manifest_path.read_text())
     shards = []
     for entry in manifest["shards"]:

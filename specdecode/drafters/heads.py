@@ -1,0 +1,56 @@
+"""Storage of the trained heads that draft from the target's features (EAGLE, Medusa): one folder per
+head, its weights in safetensors (bfloat16) and a JSON file with its shape and its training record.
+
+The repository ships the heads trained for the default target under specdecode/heads/<model>/<kind>.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdecode.errors import UserError
+
+
+def save_head(module: nn.Module, folder: Path, weights: str, config: str, shape: dict, record: dict) -> None:
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
+               for k, v in module.state_dict().items()}
+    save_file(tensors, str(folder / weights))
+    (folder / config).write_text(json.dumps({"config": shape, **record}, indent=1))
+
+
+def load_head(folder: Path, weights: str, config: str, kind: str) -> tuple[dict, dict[str, torch.Tensor], dict]:
+    """(shape, tensors, record) of a stored head; a clear error when the folder holds none."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if not (folder / weights).is_file() or not (folder / config).is_file():
+        raise UserError(f"{folder} holds no {kind} head ({weights} and {config}); train one with "
+                        f"`specdecode train {kind.lower()}`")
+    record = json.loads((folder / config).read_text())
+    return record.pop("config"), load_file(str(folder / weights)), record
+
+
+def shipped_head(target_model, kind: str) -> Path:
+    """Where the repository keeps a trained head for a target: specdecode/heads/<model name>/<kind>."""
+    name = Path(str(target_model.config._name_or_path).rstrip("/")).name
+    return Path(__file__).resolve().parents[1] / "heads" / name / kind
+
+
+def shipped_or_explain(target, kind: str, weights: str):
+    """The transformers model behind `target` and the folder of its shipped head, or a clear error."""
+    model = getattr(target, "model", None)
+    if model is None:
+        raise UserError(f"{kind} drafts from the target's hidden states: run it on the torch backend")
+    folder = shipped_head(model, kind.lower())
+    if not (folder / weights).is_file():
+        raise UserError(f"no {kind} head for {Path(str(model.config._name_or_path)).name}: train one with "
+                        f"`specdecode train {kind.lower()} --data DIR --out {folder}`")
+    return model, folder

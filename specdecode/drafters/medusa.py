@@ -1,0 +1,186 @@
+"""Medusa (Cai et al. 2024): extra decoding heads on the target's last hidden state.
+
+The target's feature f_t (its last hidden state after the final norm, what its LM head reads) gives
+token t + 1 through the LM head. Medusa head k (k = 1..K) maps the same feature through one residual
+block, f_t + SiLU(W_k f_t + b_k), and the target's frozen LM head, to a guess at token t + 1 + k: all
+K guesses come from one feature at once, with no autoregression among them, so a draft of K tokens
+costs K small matrix products and K LM-head rows. Each block starts as the identity (W_k = 0), i.e.
+as the target's own next-token prediction, and is trained to predict the target's distribution k
+positions further on (`training.medusa`).
+
+After each verification the drafter keeps the feature of the last accepted position (the one whose
+logits gave the step's correction or bonus token, the newest context token): the heads then guess the
+tokens after it. The draft is a chain of each head's top token, or (tree form) a token tree of the
+heads' top-k choices, grown best-first by the product of the heads' probabilities (the heads guess
+independently, so a path's chance is taken as the product) and cut to the budget that pays on the
+target's cost curve. Drafts are deterministic: verification treats them as one-hot, so Medusa is
+lossless under exact verification, greedy or sampled. Typical acceptance (`verify.typical`, method
+`medusa-typical`) is the paper's lossy alternative.
+
+The LM head the heads share can be the target's whole vocabulary or only the most frequent tokens of
+the training data (the head's `vocab_ids`), a tenth of the cost on a CPU; a token outside it is never
+drafted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdecode.drafters.base import Drafter
+from specdecode.drafters.heads import load_head, save_head, shipped_or_explain
+from specdecode.errors import UserError
+from specdecode.tree.budget import MAX_BUDGET, Calibration, best_budget
+from specdecode.types import Draft, SamplingParams, StepStats, Verdict
+
+WEIGHTS, CONFIG = "medusa.safetensors", "medusa.json"
+
+
+class MedusaHeads(nn.Module):
+    """K residual blocks on the target's feature: [..., d] -> [..., K, d], each read by the LM head."""
+
+    def __init__(self, hidden_size: int, num_heads: int, vocab_ids: torch.Tensor):
+        super().__init__()
+        if num_heads < 1:
+            raise UserError(f"Medusa needs at least one head, got {num_heads}")
+        self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_heads))
+        for block in self.blocks:  # each head starts as the target's own next-token prediction
+            nn.init.zeros_(block.weight)
+            nn.init.zeros_(block.bias)
+        self.register_buffer("vocab_ids", vocab_ids.long().clone(), persistent=True)  # draft index -> token id
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.blocks)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return torch.stack([features + F.silu(block(features)) for block in self.blocks], dim=-2)
+
+    def save(self, folder: Path, record: dict) -> None:
+        shape = {"hidden_size": self.blocks[0].in_features, "num_heads": self.num_heads}
+        save_head(self, folder, WEIGHTS, CONFIG, shape, record)
+
+    @classmethod
+    def load(cls, folder: Path, dtype: torch.dtype = torch.bfloat16) -> tuple[MedusaHeads, dict]:
+        shape, weights, record = load_head(folder, WEIGHTS, CONFIG, "Medusa")
+        heads = cls(shape["hidden_size"], shape["num_heads"], weights["vocab_ids"])
+        heads.load_state_dict(weights)
+        return heads.to(dtype).eval(), record
+
+
+def best_first(probs: torch.Tensor, top_k: int, max_nodes: int) -> tuple[list[int], list[int], list[float]]:
+    """The `max_nodes` most likely paths through the heads' top-k choices, as a tree.
+
+    probs: [depth, V] each head's distribution. A node at depth d takes one of head d's top-k tokens;
+    its score is the product of its path's probabilities. Nodes come out best first (so every prefix of
+    the list is closed under ancestors): (draft indices, parents, scores)."""
+    p, index = probs.topk(min(top_k, probs.shape[-1]), dim=-1)  # [depth, k]
+    p, index = p.tolist(), index.tolist()
+    depth, k = len(p), len(p[0])
+    # heap items: (-score, ranks along the path, parent score); popping a node pushes its first child
+    # and its next sibling, which enumerates the products in decreasing order
+    heap = [(-p[0][0], (0,), 1.0)]
+    node_of: dict[tuple[int, ...], int] = {}
+    ids, parents, scores = [], [], []
+    while heap and len(ids) < max_nodes:
+        negative, ranks, parent_score = heapq.heappop(heap)
+        d, r = len(ranks) - 1, ranks[-1]
+        node_of[ranks] = len(ids)
+        ids.append(index[d][r])
+        parents.append(node_of.get(ranks[:-1], -1))
+        scores.append(-negative)
+        if d + 1 < depth:
+            heapq.heappush(heap, (negative * p[d + 1][0], ranks + (0,), -negative))
+        if r + 1 < k:
+            heapq.heappush(heap, (-parent_score * p[d][r + 1], ranks[:-1] + (r + 1,), parent_score))
+    return ids, parents, scores
+
+
+class MedusaDrafter(Drafter):
+    """Drafts with Medusa heads: a chain of each head's top token, or (tree=True) the best-first tree of
+    their top-k choices. Scores (path probabilities times the running ratio of accepted tokens to
+    predicted ones) let the engine cut a chain, and set a tree's size, to what pays on the target's cost
+    curve."""
+
+    name = "medusa"
+    wants_hidden = True
+
+    def __init__(self, heads: MedusaHeads, target_model, curve=None, tree: bool = False, top_k: int = 8,
+                 max_nodes: int = 64, budget: int | None = None, full_vocabulary: bool = False,
+                 draft_cost: float = 0.03):
+        if tree and curve is None and budget is None:
+            raise ValueError("a Medusa tree needs the target's cost curve or a fixed budget")
+        if top_k < 1 or max_nodes < 1:
+            raise UserError(f"Medusa needs top_k >= 1 and max_nodes >= 1; got {top_k}, {max_nodes}")
+        self.heads = heads
+        self.dtype = next(heads.parameters()).dtype
+        weight = target_model.get_output_embeddings().weight.detach()
+        self.vocab_ids = torch.arange(weight.shape[0]) if full_vocabulary else heads.vocab_ids
+        self.head_weight = (weight if full_vocabulary else weight[heads.vocab_ids]).to(self.dtype)  # [V', d]
+        self.curve, self.tree, self.top_k, self.max_nodes, self.budget = curve, tree, top_k, max_nodes, budget
+        self.draft_cost = draft_cost
+        self._calibration = Calibration()
+        self.begin([])
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self._feature: torch.Tensor | None = None  # the target's feature at the context's last-but-one token
+        self._valid_for = -1  # the context length that feature belongs to
+        self._asked = 0  # the context length of the last proposal
+        self._scores = torch.empty(0)
+        self._calibration.reset()
+
+    def observe_hidden(self, hidden: torch.Tensor, num_pending: int, draft: Draft, verdict: Verdict) -> None:
+        # the row whose logits gave the verdict's last token: the deepest accepted node, else the last
+        # context token fed; the context then gains the accepted nodes and that token
+        row = num_pending + verdict.path[-1] if verdict.path else num_pending - 1
+        self._feature = hidden[row].to(self.dtype)
+        self._valid_for = self._asked + len(verdict.path) + 1
+
+    def update(self, verdict: Verdict, stats: StepStats) -> None:
+        if verdict.num_drafted:  # the nodes the engine verified (a chain's verified prefix)
+            self._calibration.record(float(self._scores[: verdict.num_drafted].sum()), verdict.num_accepted)
+
+    @torch.inference_mode()
+    def distributions(self, feature: torch.Tensor, depth: int) -> torch.Tensor:
+        """[depth, V'] the first `depth` heads' distributions over the draft vocabulary."""
+        states = self.heads(feature)[:depth]  # [depth, d]
+        return torch.softmax((states @ self.head_weight.T).float(), dim=-1)
+
+    def propose(self, context: list[int], max_tokens: int, params: SamplingParams, generator) -> Draft:
+        self._asked = len(context)
+        if self._feature is None or self._valid_for != len(context) or max_tokens <= 0:
+            return Draft.empty()
+        probs = self.distributions(self._feature, min(self.heads.num_heads, max_tokens))
+        factor = self._calibration.factor
+        if not self.tree:
+            p, index = probs.max(dim=-1)
+            self._scores = (torch.cumprod(p, 0) * factor).clamp(max=1.0)
+            return Draft(tokens=self.vocab_ids[index], scores=self._scores)
+        ids, parents, raw = best_first(probs, self.top_k, self.max_nodes)
+        scores = [min(s * factor, 1.0) for s in raw]  # best first, so already descending
+        n = self.budget or best_budget(scores, self.curve, self.draft_cost, cap=MAX_BUDGET)
+        n = min(n, len(ids))
+        if n == 0:
+            return Draft.empty()
+        self._scores = torch.tensor(scores[:n])
+        return Draft(tokens=self.vocab_ids[torch.tensor(ids[:n])], parents=torch.tensor(parents[:n]))
+
+
+def build_medusa(target, draft, options) -> Drafter:
+    """The `medusa` method: the heads trained for the target (`specdecode train medusa`), shipped in the
+    repository for the default target; a chain of their top tokens, or their tree with `options.tree`."""
+    model, folder = shipped_or_explain(target, "Medusa", WEIGHTS)
+    heads, _ = MedusaHeads.load(folder, dtype=model.dtype)
+    if options.tree:
+        return MedusaDrafter(heads, model, target.cost_curve(), tree=True, budget=options.budget)
+    return MedusaDrafter(heads, model)
+
+
+def build_medusa_tree(target, draft, options) -> Drafter:
+    """`medusa-typical`: Medusa's tree, always (typical acceptance judges paths through a tree)."""
+    return build_medusa(target, draft, dataclasses.replace(options, tree=True))

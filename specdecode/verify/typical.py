@@ -1,0 +1,66 @@
+"""Typical acceptance (Medusa, Cai et al. 2024): a LOSSY relaxation of speculative sampling.
+
+Instead of rejection sampling against the draft, a drafted token x is accepted where the target finds
+it plausible enough: p(x) > min(epsilon, delta * exp(-H(p))), with p the target's processed
+distribution at that point and H its entropy. A confident target (low entropy) accepts only its likely
+tokens; an unsure one accepts more. Among the tree's nodes the deepest path of accepted tokens wins
+(the first such path in node order on a tie); the token after it is sampled from the target's
+distribution there.
+
+The output no longer follows the target's distribution (it favours the drafted, typical tokens), so
+methods using it are flagged lossy. Under greedy decoding (temperature 0) it is plain greedy matching,
+exact, as in the paper.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from specdecode.sampling import logits_to_probs, sample
+from specdecode.types import Draft, SamplingParams, Verdict
+from specdecode.verify.tree import _verdict, verify
+
+EPSILON = 0.09  # the paper's hard threshold (its posterior_threshold)
+DELTA = math.sqrt(EPSILON)  # its entropy-scaled threshold (posterior_alpha)
+
+
+def typical_thresholds(probs: torch.Tensor, epsilon: float = EPSILON, delta: float = DELTA) -> torch.Tensor:
+    """[rows] min(epsilon, delta * exp(-H(p))) of each row's distribution."""
+    entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
+    return torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
+
+
+def verify_typical(
+    target_logits: torch.Tensor,  # [n + 1, vocab]
+    draft: Draft,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    epsilon: float = EPSILON,
+    delta: float = DELTA,
+) -> Verdict:
+    """Typical acceptance of a chain or tree draft (lossy under sampling; exact greedy matching at
+    temperature 0)."""
+    if params.greedy or len(draft) == 0:
+        return verify(target_logits, draft, params, generator)
+    probs = logits_to_probs(target_logits, params)  # [n + 1, vocab]
+    threshold = typical_thresholds(probs, epsilon, delta).tolist()
+    tokens = draft.tokens.tolist()
+    parents = draft.parents if draft.is_tree else torch.arange(len(tokens)) - 1
+    token_probs = probs[parents + 1, draft.tokens].tolist()  # each node's probability under its parent's row
+    # a node is accepted when it and all its ancestors are typical; nodes come parents first
+    depth, up = [0] * len(tokens), parents.tolist()
+    for node, parent in enumerate(up):
+        typical = token_probs[node] > threshold[parent + 1]
+        if typical and (parent < 0 or depth[parent] > 0):
+            depth[node] = 1 + (depth[parent] if parent >= 0 else 0)
+    deepest = max(range(len(tokens)), key=lambda node: (depth[node], -node))
+    path, node = [], deepest if depth[deepest] else -1
+    while node >= 0:
+        path.append(node)
+        node = up[node]
+    path.reverse()
+    last_row = path[-1] + 1 if path else 0
+    leaf = not bool((parents == (path[-1] if path else -1)).any())
+    return _verdict(draft.tokens, path, int(sample(probs[last_row], generator)), leaf=leaf)
