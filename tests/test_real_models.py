@@ -7,7 +7,7 @@ import pytest
 from specdecode.api import load_models
 from specdecode.bench.exactness import diagnose
 from specdecode.engine import GenerationConfig
-from specdecode.methods import variant_names
+from specdecode.methods import resolve, variant_names
 
 pytestmark = pytest.mark.slow
 
@@ -47,6 +47,8 @@ def test_greedy_speculative_equals_plain_on_real_pair(models):
                 assert result.mean_accepted_tokens > 1.3, name
                 if name == "draft":
                     assert result.acceptance_rate > 0.35
+            if resolve(name)[0].trained:  # the shipped heads guess some tokens (seen 1.4-1.9 per step in bf16);
+                assert result.mean_accepted_tokens > 1.15, name  # a head reading the wrong feature would not
 
 
 def test_plain_decoding_equals_transformers_generate_on_real_target(models):
