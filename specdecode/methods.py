@@ -66,6 +66,8 @@ class Method:
     # drafts with a head trained for the target (`specdecode train ...`); the repository ships one for
     # the default target only
     trained: bool = False
+    # runs the target's own layers or reads its hidden states: the torch backend only
+    torch_only: bool = False
     # how drafts are verified: exact (greedy match, speculative sampling) unless the method is lossy
     verifier: Callable = verify
 
@@ -113,21 +115,22 @@ METHODS: dict[str, Method] = {
         Method("lookahead", "lookahead decoding: a Jacobi window rides in every forward and harvests n-grams; "
                "pool n-grams starting with the last token are verified as a tree", False, build_lookahead),
         Method("layerskip", "self-speculation: the target drafts with a searched subset of its own layers over "
-               "its own KV cache (Draft & Verify, SWIFT)", False, build_layerskip),
+               "its own KV cache (Draft & Verify, SWIFT)", False, build_layerskip, torch_only=True),
         Method("earlyexit", "self-speculation by early exit: the target's first k layers (k searched), then its "
-               "final norm and LM head", False, build_earlyexit),
+               "final norm and LM head", False, build_earlyexit, torch_only=True),
         Method("suffix", "suffix decoding: what followed the context's suffix in this request and in earlier "
                "ones the drafter served (tree: all of it, as a trie)", False, build_suffix, tree=True),
         Method("eagle", "EAGLE: a trained one-layer head on the target's own features drafts a chain scored by "
                "its confidence (tree: EAGLE-2's dynamic tree; the default target's head ships with the package, "
-               "`specdecode train eagle` trains one)", False, build_eagle, tree=True, trained=True),
+               "`specdecode train eagle` trains one)", False, build_eagle, tree=True, trained=True,
+               torch_only=True),
         Method("medusa", "Medusa: trained heads on the target's last hidden state guess the next tokens at once; "
                "a chain of their top tokens (tree: the best paths through their top-k; the default target's "
                "heads ship with the package, `specdecode train medusa` trains them)", False, build_medusa,
-               tree=True, trained=True),
+               tree=True, trained=True, torch_only=True),
         Method("medusa-typical", "Medusa's tree under typical acceptance: LOSSY, a drafted token the target "
                "finds plausible enough is kept (exact under greedy decoding)", False, build_medusa_tree,
-               lossless=False, trained=True, verifier=verify_typical),
+               lossless=False, trained=True, torch_only=True, verifier=verify_typical),
         Method("composite", "prompt lookup and retrieval, plus the draft model only where they promise less "
                "than one accepted token, merged into one tree (a chain unless --tree)",
                True, build_composite, tree=True, takes=("datastore", "reference")),

@@ -27,8 +27,8 @@ ALL_METHODS = [*variant_names(), *PEERS]
 # the default selection per backend: our methods that run there and that backend's peers
 TORCH_METHODS = [*variant_names(), *(m for m, peer in PEERS.items() if peer.backend == "torch")]
 # llama.cpp runs our methods only, and not the draft model's tree (it cannot grow one in its own cache)
-LLAMACPP_METHODS = [m for m in variant_names()  # trained heads read the target's hidden states: torch only
-                    if not m.startswith("draft-tree") and not resolve(m)[0].trained]
+LLAMACPP_METHODS = [m for m in variant_names()  # the draft model's tree grows inside the draft's cache: torch only
+                    if not m.startswith("draft-tree") and not resolve(m)[0].torch_only]
 LLAMACPP_METHODS += [m for m, peer in PEERS.items() if peer.backend == "llamacpp"]
 
 
