@@ -61,7 +61,7 @@ class OracleGate(PromptLookupDrafter):
     what choosing which copies to verify can give on this curve."""
 
     def __init__(self, prompt: list[int], output: list[int]):
-        super().__init__()
+        super().__init__(ramp_up=False)  # the oracle knows how long each copy holds
         self.full = list(prompt) + list(output)
 
     def propose(self, context, max_tokens, params, generator):
@@ -76,6 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", type=Path, help="a `specdecode bench` output folder with ar records")
     parser.add_argument("--backend", default="llamacpp", choices=["torch", "llamacpp"])
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="the run's budget (the drafter's room)")
     args = parser.parse_args()
     from specdecode.api import load_models
 
@@ -90,7 +91,7 @@ def main() -> None:
         for category in categories:
             for prompt, output in turns.get(category, []):
                 drafter = Recording()
-                replay(drafter, prompt, output, curve)
+                replay(drafter, prompt, output, curve, max_new_tokens=args.max_new_tokens)
                 for bucket, right, judged in drafter.log:
                     c = counts[bucket]
                     c[0] += 1
@@ -113,10 +114,12 @@ def main() -> None:
     print(f"\npredicted speedup over plain decoding on the {args.backend} curve:")
     print("  " + "method".ljust(26) + "".join(c[:12].rjust(13) for c in turns) + "overall".rjust(10))
     plain = {c: [replay(None, p, o, curve) for p, o in pairs] for c, pairs in turns.items()}
+    budget = args.max_new_tokens
     for name, make in drafters.items():
         row, all_runs, all_plain = [], [], []
         for category, pairs in turns.items():
-            runs = [replay(make(p, o), p, o, curve, gate=name != "pld (10 tokens, ungated)") for p, o in pairs]
+            runs = [replay(make(p, o), p, o, curve, gate=name != "pld (10 tokens, ungated)", max_new_tokens=budget)
+                    for p, o in pairs]
             row.append(predicted_speedup(runs, plain[category]))
             all_runs += runs
             all_plain += plain[category]

@@ -7,7 +7,7 @@ import pytest
 from specdecode.api import load_models
 from specdecode.bench.exactness import diagnose
 from specdecode.engine import GenerationConfig
-from specdecode.methods import resolve, variant_names
+from specdecode.methods import variant_names
 
 pytestmark = pytest.mark.slow
 
@@ -47,8 +47,22 @@ def test_greedy_speculative_equals_plain_on_real_pair(models):
                 assert result.mean_accepted_tokens > 1.3, name
                 if name == "draft":
                     assert result.acceptance_rate > 0.35
-            if resolve(name)[0].trained:  # the shipped heads guess some tokens (seen 1.4-1.9 per step in bf16);
-                assert result.mean_accepted_tokens > 1.15, name  # a head reading the wrong feature would not
+
+
+def test_the_shipped_heads_guess_tokens_the_target_accepts(models):
+    """The trained heads' chains, verified whole (gate off: how much of a draft pays follows the cost
+    curve of the moment, which in float32 may verify none): a head reading the wrong feature, or trained
+    on the wrong target, would have next to nothing accepted. Seen: 2.35 (EAGLE) and 1.67 (Medusa) tokens per
+    step."""
+    config = GenerationConfig(max_new_tokens=40)
+    ids = models.encode(PROMPTS[0], chat=True)
+    plain = models.engine("ar").generate(ids, config)
+    for name in ("eagle", "medusa"):
+        engine = models.engine(name)
+        engine.gate = False
+        result = engine.generate(ids, config)
+        assert result.token_ids == plain.token_ids, name
+        assert result.mean_accepted_tokens > 1.15, name
 
 
 def test_plain_decoding_equals_transformers_generate_on_real_target(models):

@@ -47,10 +47,14 @@ def _accept(draft: Draft, reference: list[int]) -> tuple[int, ...]:
 
 
 def replay(
-    drafter: Drafter | None, prompt: list[int], output: list[int], curve: CostCurve, gate: bool = True
+    drafter: Drafter | None, prompt: list[int], output: list[int], curve: CostCurve, gate: bool = True,
+    max_new_tokens: int | None = None,
 ) -> list[ReplayStep]:
     """The steps speculative decoding with `drafter` takes to produce `output` (plain greedy decoding's
-    recorded output after `prompt`); None replays plain decoding."""
+    recorded output after `prompt`); None replays plain decoding. `max_new_tokens`: the generation's
+    budget, which is the drafter's room as in the engine (it cannot know the output ends early, at an
+    end-of-sequence token); None: the output's length."""
+    budget = len(output) if max_new_tokens is None else max(max_new_tokens, len(output))
     params = SamplingParams()
     if drafter is not None:
         drafter.begin(list(prompt))
@@ -58,12 +62,12 @@ def replay(
     done, cached = 0, 0
     while done < len(output):
         context = prompt + output[:done]
-        room = len(output) - done - 1
+        room = budget - done - 1
         draft = drafter.propose(context, room, params, None) if drafter is not None and room > 0 else Draft.empty()
         pending = len(context) - cached
         if gate:
             draft = cut_chain(draft, curve, pending)
-        path = _accept(draft, output[done : done + room])
+        path = _accept(draft, output[done:])  # nothing past the output's end is accepted
         verdict = Verdict(num_drafted=len(draft), num_accepted=len(path),
                           tokens=tuple(output[done : done + len(path) + 1]), path=path,
                           bonus=not structure.children(draft.parents)[path[-1] + 1] if draft.is_tree and path else None)

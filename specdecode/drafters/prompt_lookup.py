@@ -74,6 +74,13 @@ PRIOR_FIRST = (0.22, 0.48, 0.72, 0.82, 0.9, 0.99, 0.99, 0.46)
 PRIOR_RUN = (0.63, 0.78, 0.85, 0.9, 0.98, 0.98, 0.99, 0.85)
 RESUME = len(PRIOR_FIRST) - 1
 PRIOR_WEIGHT = 4.0  # the priors count as this many observations
+# A copy is offered at most twice as long as the longest draft this request has had accepted, and at
+# least this long: the estimates above are judged on 16-token windows, so past the longest run seen they
+# extrapolate, and an answer that quotes its source ends where the source goes on (a RAG answer, an
+# edit's last line). Where width is dear (llama.cpp) a 64-token decode costs 17 single-token ones, and
+# the replay of the benchmark's outputs (`benchmarks/copy_acceptance.py`) gains on code-edit and rag;
+# where it is cheap (PyTorch) the cap doubles away within a few steps.
+FIRST_CAP = 16
 
 
 class CopyAcceptance:
@@ -140,9 +147,11 @@ class PromptLookupDrafter(Drafter):
         num_tokens: int = 64,
         max_matches: int = 16,
         reference_ids: list[int] | tuple[int, ...] | None = None,
+        ramp_up: bool = True,  # offer copies of at most twice the longest accepted run (FIRST_CAP at first)
     ):
         _check_lookup(max_ngram, min_ngram, num_tokens)
         self.max_ngram, self.min_ngram, self.num_tokens, self.max_matches = max_ngram, min_ngram, num_tokens, max_matches
+        self.ramp_up = ramp_up
         # Reference copying (LLMA): a document the caller passes (retrieved passages, a file being edited)
         # is searched as if it preceded the context, behind a separator no n-gram can match across.
         reference = np.asarray(reference_ids or [], dtype=np.int64)
@@ -153,6 +162,10 @@ class PromptLookupDrafter(Drafter):
         self._acceptance = CopyAcceptance()
         self._open: list[tuple[int, int, int]] = []  # proposals not yet judged: (bucket, source, context length)
         self._stopped: int | None = None  # where in its source the last real copy stopped being right
+        self._longest = 0  # the most draft tokens a step of this request has had accepted
+
+    def update(self, verdict: Verdict, stats: StepStats) -> None:
+        self._longest = max(self._longest, verdict.num_accepted)
 
     def _judge(self, ids: np.ndarray) -> None:
         """Compare the open proposals with what the output turned out to be."""
@@ -172,6 +185,8 @@ class PromptLookupDrafter(Drafter):
         ids = np.concatenate([self._reference, np.asarray(context, dtype=np.int64)])
         self._judge(ids)
         limit = min(self.num_tokens, max_tokens)
+        if self.ramp_up:
+            limit = min(limit, max(FIRST_CAP, 2 * self._longest))
         if limit <= 0:
             return Draft.empty()
         for ngram in range(self.max_ngram, self.min_ngram - 1, -1):
