@@ -21,7 +21,6 @@ positions, cache, masks), so it follows the target's attention geometry; its emb
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import torch
@@ -179,8 +178,7 @@ class EagleDrafter(Drafter):
         self._calibration.reset()
 
     def update(self, verdict: Verdict, stats: StepStats) -> None:
-        if verdict.num_drafted:  # the prefix the engine verified
-            self._calibration.record(float(self._scores[: verdict.num_drafted].sum()), verdict.num_accepted)
+        self._calibration.record_verdict(self._scores, verdict)
 
     def observe_hidden(self, hidden: torch.Tensor, num_pending: int, draft: Draft, verdict: Verdict) -> None:
         self.state.observe(hidden, num_pending, verdict)

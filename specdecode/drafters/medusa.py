@@ -142,8 +142,7 @@ class MedusaDrafter(Drafter):
         self._valid_for = self._asked + len(verdict.path) + 1
 
     def update(self, verdict: Verdict, stats: StepStats) -> None:
-        if verdict.num_drafted:  # the nodes the engine verified (a chain's verified prefix)
-            self._calibration.record(float(self._scores[: verdict.num_drafted].sum()), verdict.num_accepted)
+        self._calibration.record_verdict(self._scores, verdict)
 
     @torch.inference_mode()
     def distributions(self, feature: torch.Tensor, depth: int) -> torch.Tensor:

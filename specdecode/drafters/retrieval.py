@@ -398,9 +398,7 @@ class _RetrievalDrafter(Drafter):
         return np.minimum(shares * self._calibration.factor, 1.0)
 
     def update(self, verdict: Verdict, stats: StepStats) -> None:
-        # The first num_drafted nodes were verified: all of a tree, the prefix of a chain the engine kept.
-        if verdict.num_drafted:
-            self._calibration.record(float(self._shares[: verdict.num_drafted].sum()), verdict.num_accepted)
+        self._calibration.record_verdict(self._shares, verdict)
 
     def _rows(self, context: list[int], max_tokens: int) -> np.ndarray | None:
         """The continuations (at most `num_tokens` and `max_tokens` deep) of the context's longest match."""

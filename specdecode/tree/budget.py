@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from specdecode.errors import UserError
 from specdecode.models.costs import CostCurve
-from specdecode.types import Draft
+from specdecode.types import Draft, Verdict
 
 DECAY = 0.9  # weight of the past in the running calibration
 MAX_BUDGET = 64  # nodes a chosen budget verifies at most per step (the measured cost curve ends at 64)
@@ -86,6 +86,12 @@ class Calibration:
     def record(self, predicted: float, observed: int) -> None:
         self.predicted = DECAY * self.predicted + predicted
         self.observed = DECAY * self.observed + observed
+
+    def record_verdict(self, scores, verdict: Verdict) -> None:
+        """Learn from a step whose draft carried `scores` (one per node, tensor or array): the first
+        `num_drafted` nodes were verified (all of a tree, the prefix of a chain the engine kept)."""
+        if verdict.num_drafted:
+            self.record(float(scores[: verdict.num_drafted].sum()), verdict.num_accepted)
 
     @property
     def factor(self) -> float:
