@@ -114,12 +114,11 @@ def main() -> None:
     print(f"\npredicted speedup over plain decoding on the {args.backend} curve:")
     print("  " + "method".ljust(26) + "".join(c[:12].rjust(13) for c in turns) + "overall".rjust(10))
     plain = {c: [replay(None, p, o, curve) for p, o in pairs] for c, pairs in turns.items()}
-    budget = args.max_new_tokens
     for name, make in drafters.items():
         row, all_runs, all_plain = [], [], []
         for category, pairs in turns.items():
-            runs = [replay(make(p, o), p, o, curve, gate=name != "pld (10 tokens, ungated)", max_new_tokens=budget)
-                    for p, o in pairs]
+            runs = [replay(make(p, o), p, o, curve, gate=name != "pld (10 tokens, ungated)",
+                           max_new_tokens=args.max_new_tokens) for p, o in pairs]
             row.append(predicted_speedup(runs, plain[category]))
             all_runs += runs
             all_plain += plain[category]

@@ -10,12 +10,11 @@ whether the outputs equal ar's. The defaults in `specdecode.drafters.lookahead` 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 
 from specdecode.api import load_models
-from specdecode.bench.harness import compare
+from specdecode.bench.harness import compare, compare_arguments, save_report
 from specdecode.bench.runners import engine_runner, our_runner
 from specdecode.drafters.lookahead import LookaheadDrafter
 from specdecode.engine import SpeculativeEngine
@@ -26,11 +25,7 @@ GRID = ["5,3,3", "7,3,5", "5,4,3", "7,4,5", "10,4,7", "7,5,5"]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--grid", nargs="+", default=GRID, help="W,N,G settings")
-    parser.add_argument("--categories", default="code")
-    parser.add_argument("--prompts", type=int, default=3, help="per category")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=Path("results/lookahead_grid.md"))
+    compare_arguments(parser, categories="code", prompts=3, out="results/lookahead_grid.md")
     args = parser.parse_args()
     torch.set_num_threads(2)
 
@@ -43,10 +38,7 @@ def main() -> None:
         runners[name] = engine_runner(SpeculativeEngine(models.target, models.tokenizer, drafter, method=name))
     _, text = compare(models, runners, args.categories, args.prompts, args.max_new_tokens, args.repeats,
                       {"grid": " ".join(args.grid)})
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(f"saved {args.out}")
+    save_report(text, args.out)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,11 @@ over ar, mean accepted tokens and, per method, the share of a step spent draftin
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 
 from specdecode.api import load_models
-from specdecode.bench.harness import compare
+from specdecode.bench.harness import compare, compare_arguments, save_report
 from specdecode.bench.runners import engine_runner, our_runner
 from specdecode.drafters.heads import shipped_head
 from specdecode.drafters.medusa import MedusaDrafter, MedusaHeads
@@ -25,11 +24,7 @@ from specdecode.engine import SpeculativeEngine
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--categories", default="code,math,qa,multi-turn")
-    parser.add_argument("--prompts", type=int, default=1, help="per category")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=Path("results/medusa_vocabulary.md"))
+    compare_arguments(parser, categories="code,math,qa,multi-turn", prompts=1, out="results/medusa_vocabulary.md")
     args = parser.parse_args()
     torch.set_num_threads(2)
 
@@ -51,11 +46,7 @@ def main() -> None:
         total = drafting + sum(s.verify_seconds for s in steps)
         shares.append(f"- {name}: drafting {100 * drafting / total:.1f}% of decode time, "
                       f"{1000 * drafting / max(1, len(steps)):.1f} ms per step")
-    text += "\n\n" + "\n".join(shares) + "\n"
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(f"saved {args.out}")
+    save_report(text + "\n\n" + "\n".join(shares) + "\n", args.out)
 
 
 if __name__ == "__main__":

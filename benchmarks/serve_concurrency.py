@@ -27,6 +27,7 @@ import torch
 from specdecode.api import load_models
 from specdecode.bench.datasets import sample_tasks
 from specdecode.bench.exactness import diagnose
+from specdecode.bench.harness import save_report
 from specdecode.serve.app import Server, ServerThread, create_app
 
 CATEGORIES = ["code", "code-edit", "summarisation", "qa", "math", "rag"]
@@ -121,10 +122,7 @@ def main() -> None:
                      f"{row['throughput'] / base['throughput']:.2f}x | {row['latency']:.1f} | {row['p90']:.1f} | "
                      f"{row['accepted']:.2f} | {drafted} | {row['identical']} |")
     lines += ["", "Answers that differ from plain decoding with one client:", ""] + (notes or ["- none"])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"saved {args.out}")
+    save_report("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

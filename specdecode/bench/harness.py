@@ -106,6 +106,25 @@ def run_benchmark(
     return records
 
 
+def compare_arguments(parser, categories: str, prompts: int, out: str) -> None:
+    """The options of a benchmark script built on `compare`: its sample and where its report goes."""
+    from pathlib import Path
+
+    parser.add_argument("--categories", default=categories)
+    parser.add_argument("--prompts", type=int, default=prompts, help="per category")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path(out))
+
+
+def save_report(text: str, out) -> None:
+    """Print a script's report and write it to `out`."""
+    print(text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"saved {out}")
+
+
 def compare(models: Models, runners: dict[str, Runner], categories: str, prompts: int, max_new_tokens: int,
             repeats: int, header: dict[str, str] | None = None) -> tuple[list[Record], str]:
     """The benchmark scripts' common run: `prompts` seeded tasks of each comma-separated category, every
