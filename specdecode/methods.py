@@ -68,6 +68,9 @@ class Method:
     trained: bool = False
     # runs the target's own layers or reads its hidden states: the torch backend only
     torch_only: bool = False
+    # drafts from the text of earlier requests its drafter served: a server keeps one drafter per owner
+    # (tenant), so that no request's drafts, rejected text or token origins carry another's text
+    remembers: bool = False
     # how drafts are verified: exact (greedy match, speculative sampling) unless the method is lossy
     verifier: Callable = verify
 
@@ -119,7 +122,8 @@ METHODS: dict[str, Method] = {
         Method("earlyexit", "self-speculation by early exit: the target's first k layers (k searched), then its "
                "final norm and LM head", False, build_earlyexit, torch_only=True),
         Method("suffix", "suffix decoding: what followed the context's suffix in this request and in earlier "
-               "ones the drafter served (tree: all of it, as a trie)", False, build_suffix, tree=True),
+               "ones the drafter served (tree: all of it, as a trie)", False, build_suffix, tree=True,
+               remembers=True),
         Method("eagle", "EAGLE: a trained one-layer head on the target's own features drafts a chain scored by "
                "its confidence (tree: EAGLE-2's dynamic tree; the default target's head ships with the package, "
                "`specdecode train eagle` trains one)", False, build_eagle, tree=True, trained=True,

@@ -26,7 +26,7 @@ def models(tiny_folder):
 
 @pytest.fixture(scope="module")
 def server(models):
-    state = Server(models, MODEL, default_method="pld")
+    state = Server(models, MODEL, default_method="pld", methods=["pld", "ar", "draft", "draft-tree-fixed"])
     running = ServerThread(create_app(state))
     yield running, state
     running.stop()
@@ -123,30 +123,42 @@ def test_concurrent_requests_each_get_their_own_answer(client, models):
 
 
 class Reply:
-    def __init__(self, status: int, text: str):
-        self.status_code, self.text = status, text
+    def __init__(self, status: int, text: str, headers: dict[str, str] | None = None):
+        self.status_code, self.text, self.headers = status, text, headers or {}
 
     def json(self):
         return json.loads(self.text)
 
 
-def request(url: str, method: str, path: str, body=None) -> Reply:
-    """A raw HTTP request (stdlib), for what the official client would refuse to send."""
-    connection = http.client.HTTPConnection(url.removeprefix("http://"), timeout=30)
-    content = None if body is None else body if isinstance(body, str) else json.dumps(body)
-    connection.request(method, path, body=content, headers={"content-type": "application/json"})
+def request(url: str, method: str, path: str, body=None, headers: dict[str, str] | None = None) -> Reply:
+    """A raw HTTP request (stdlib), for what the official client would refuse to send; `body`: bytes as
+    they are, a str as UTF-8, anything else as JSON."""
+    connection = http.client.HTTPConnection(url.removeprefix("http://"), timeout=60)
+    content = None if body is None else body if isinstance(body, (str, bytes)) else json.dumps(body)
+    connection.request(method, path, body=content, headers={"content-type": "application/json", **(headers or {})})
     response = connection.getresponse()
-    reply = Reply(response.status, response.read().decode())
+    reply = Reply(response.status, response.read().decode("utf-8", "replace"),
+                  {name.lower(): value for name, value in response.getheaders()})
     connection.close()
     return reply
 
 
-def get(url: str, path: str) -> Reply:
-    return request(url, "GET", path)
+def get(url: str, path: str, headers: dict[str, str] | None = None) -> Reply:
+    return request(url, "GET", path, headers=headers)
 
 
-def post(url: str, path: str, body) -> Reply:
-    return request(url, "POST", path, body)
+def post(url: str, path: str, body, headers: dict[str, str] | None = None) -> Reply:
+    return request(url, "POST", path, body, headers=headers)
+
+
+def openai_error(reply: Reply) -> dict:
+    """The error of an answer in OpenAI's format (and nothing else in it)."""
+    body = reply.json()
+    assert set(body) == {"error"}, reply.text
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"} and isinstance(error["message"], str), reply.text
+    assert "Traceback" not in reply.text
+    return error
 
 
 @pytest.mark.parametrize("path, body, status, words", [
@@ -170,7 +182,7 @@ def test_bad_requests_get_openai_style_errors(server, path, body, status, words)
     running, _ = server
     response = post(running.url, path, body)
     assert response.status_code == status, response.text
-    error = response.json()["error"]
+    error = openai_error(response)
     assert words in error["message"]
     assert error["type"] == "invalid_request_error"
 
@@ -182,9 +194,9 @@ def test_the_official_client_raises_on_bad_requests(client):
         client.completions.create(model=MODEL, prompt="the " * 200)
 
 
-def metric(url: str, name: str) -> float:
+def metric(url: str, name: str, headers: dict[str, str] | None = None) -> float:
     total = 0.0
-    for line in get(url, "/metrics").text.splitlines():
+    for line in get(url, "/metrics", headers).text.splitlines():
         if line.startswith(name) and not line.startswith("#"):
             total += float(line.rsplit(" ", 1)[1])
     return total
@@ -194,7 +206,7 @@ def test_a_client_leaving_mid_stream_stops_its_generation(server, client, models
     running, state = server
     before = metric(running.url, "specdecode_cancelled_requests_total")
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 100, "temperature": 0, "stream": True,
-            "method": "ar", "ignore": "unknown fields are ignored"}
+            "method": "ar"}
     connection = http.client.HTTPConnection(running.url.removeprefix("http://"), timeout=30)
     connection.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
     response = connection.getresponse()

@@ -22,12 +22,14 @@ per stored token and depth costs hundreds of bytes, and a few million tokens wou
 the sequences sit in one flat int32 log separated by a sentinel, and for each key length k (1, 2, 4, 8)
 a hash table maps the hash of the k tokens before a position to the newest such position, each position
 linking to the previous one with the same hash (the hash chains of zlib's deflate / LZ77). Memory is
-4 (1 + number of keys) bytes per log slot in numpy arrays; inserting a token is O(1) (vectorised per
-step); a lookup walks at most `max_walk` links per key length, longest key first, and checks every
-candidate against the context token by token, so hash collisions and stale links cost time, never
-correctness. What a suffix tree's counts would give exactly, the trie rebuilds from `max_candidates`
-occurrences, the longest matches first and the most recent among equals: frequencies weighted toward
-recent traffic, which is what drifts.
+4 (1 + number of keys) bytes per log slot in numpy arrays, plus hash tables that grow with the log
+(about one slot per log slot, at most 2^20 per key length: an index holding little costs little, so a
+server can keep one per tenant); inserting a token is O(1) (vectorised per step); a lookup walks at
+most `max_walk` links per key length, longest key first, and checks every candidate against the
+context token by token, so hash collisions and stale links cost time, never correctness. What a suffix
+tree's counts would give exactly, the trie rebuilds from `max_candidates` occurrences, the longest
+matches first and the most recent among equals: frequencies weighted toward recent traffic, which is
+what drifts.
 
 Memory and eviction. The cap counts stored tokens plus one sentinel per sequence. Closed sequences
 are evicted whole, least recently used first: a sequence is *used* when a shared match into it is
@@ -130,14 +132,19 @@ class SuffixIndex:
         if max_walk < 1:
             raise UserError(f"suffix index needs max_walk >= 1, got {max_walk}")
         self.capacity, self.keys, self.max_match, self.max_walk = capacity, keys, max_match, max_walk
-        self._bits = min(max(capacity.bit_length() - 1, 8), 20)  # hash table: about one slot per token, <= 1M
+        self._max_bits = min(max(capacity.bit_length() - 1, 8), 20)  # hash table: about one slot per token, <= 1M
         self._log_limit = 2 * capacity
         self.clear()
+
+    def _table_bits(self, log_size: int) -> int:
+        """Hash table slots (as a power of two) for a log of this size: about one per slot, 2^8 .. 2^20."""
+        return min(max(log_size.bit_length() - 1, 8), self._max_bits)
 
     def clear(self) -> None:
         size = min(INITIAL_LOG, self._log_limit)
         self._tokens = np.full(size, SEPARATOR, dtype=np.int32)  # [log]
         self._prev = {k: np.full(size, -1, dtype=np.int32) for k in self.keys}  # [log] per key length
+        self._bits = self._table_bits(size)
         self._head = {k: np.full(1 << self._bits, -1, dtype=np.int32) for k in self.keys}  # [table]
         self._end = 0  # the next free log slot
         self._closed: OrderedDict[int, tuple[int, int]] = OrderedDict()  # id -> (start, length), LRU first
@@ -245,6 +252,10 @@ class SuffixIndex:
 
         self._tokens = grown(self._tokens, SEPARATOR)
         self._prev = {k: grown(prev, -1) for k, prev in self._prev.items()}
+        if self._table_bits(size) > self._bits:  # a larger hash table: every position is linked again
+            self._bits = self._table_bits(size)
+            self._head = {k: np.full(1 << self._bits, -1, dtype=np.int32) for k in self.keys}
+            self._relink()
 
     def _compact(self) -> None:
         """Copy the live sequences to the front of the log, in order, and rebuild the chains."""
@@ -265,6 +276,10 @@ class SuffixIndex:
             end += length + 1
         self._tokens, self._starts, self._ids = tokens, starts, ids
         self._end = self._open_start + self._open_length if self._open is not None else end
+        self._relink()
+
+    def _relink(self) -> None:
+        """Rebuild every hash chain from the log, in one vectorised pass."""
         for k in self.keys:
             self._prev[k].fill(-1)
             self._head[k].fill(-1)
@@ -558,7 +573,8 @@ def best_path(parents: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
 def build_suffix(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
     """The `suffix` method: no draft model; a chain gated by the engine, or (options.tree) a tree sized
     on the target's cost curve. Its index lives as long as the drafter, so reuse one drafter across
-    requests (a server, a benchmark's prompts) to learn across them."""
+    requests (a benchmark's prompts, one owner's requests to a server) to learn across them; a server
+    keeps one per owner (`Method.remembers`), never one for all its clients."""
     if not options.tree:
         return SuffixDrafter()
     return SuffixDrafter(target.cost_curve(), tree=True, budget=options.budget)

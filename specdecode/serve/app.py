@@ -1,13 +1,30 @@
 """`specdecode serve`: an OpenAI-compatible HTTP server over the speculative engine.
 
 Endpoints: `/v1/models`, `/v1/completions` and `/v1/chat/completions` (with `stream: true` as server-sent
-events in OpenAI's chunk format), `/v1/methods` (ours: what `method` may name), `/metrics` (Prometheus),
-`/health`, and the demonstration page at `/`.
+events in OpenAI's chunk format), `/v1/methods` (ours: what `method` may name, and whether each is ready),
+`/metrics` (Prometheus), `/health`, and the demonstration page at `/`.
 
 Beside OpenAI's fields, a request may name its `method` (default: the server's) and `top_k`; a response
 carries `speculative` next to `usage` (target forwards, drafted and accepted tokens, mean accepted tokens,
 acceptance rate), and every streamed chunk carries `specdecode.tokens`: each new token's id, text and
 origin (accepted draft, target's correction, bonus), which the page colours.
+
+Several users at once (see also `serve.guard` for keys, hosts and the HTTP limits):
+
+- *Memory*: a method that drafts from earlier requests' text (`Method.remembers`: suffix decoding) gets
+  one drafter per *owner*: with `memory_scope="tenant"` (the default) an owner is an API key's tenant
+  and the request's OpenAI `user` field; a request with neither (no keys, no `user`) has a drafter of its
+  own that forgets it afterwards. "request" never shares; "server" shares one memory among all (one
+  trusted user). So a request's drafts, rejected text and token origins carry only its owner's text.
+- *Cost*: `Limits` caps a request's tokens, its time (past its deadline a generation ends where it is,
+  as at max_tokens) and the requests waiting (429 beyond); a client that disconnects, streaming or not,
+  stops its generation within one step.
+- *Preparation*: what a method costs once (the target's and draft's cost curves, a layer search, a
+  retrieval datastore) is paid at start-up for the methods a server is given (`methods`; without them,
+  for the default method, the others being prepared in the background and answering 503 until ready);
+  never inside a request.
+- *The event loop*: tokenizing and templating run on a thread pool; a prompt whose bytes already exceed
+  what the context could hold is refused before it is tokenized.
 """
 
 from __future__ import annotations
@@ -15,13 +32,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import math
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from importlib import resources
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from specdecode.api import Models
 from specdecode.drafters.base import Drafter
@@ -29,97 +52,315 @@ from specdecode.engine import GenerationConfig, GenerationResult, SpeculativeEng
 from specdecode.errors import UserError
 from specdecode.methods import resolve, variant_names
 from specdecode.serve import protocol
+from specdecode.serve.guard import ClientGone, Guard, GuardMiddleware, check_exposure, uvicorn_config
 from specdecode.serve.metrics import ServerMetrics
 from specdecode.serve.protocol import APIError, ChatRequest, CompletionRequest, SamplingRequest
-from specdecode.serve.worker import DEFAULT_MAX_BATCH, Job, Step, Worker
+from specdecode.serve.worker import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, Busy, Job, Step, Worker
 from specdecode.types import SamplingParams
+
+log = logging.getLogger("specdecode.serve")
+
+MEMORY_SCOPES = ("tenant", "request", "server")
+TOKENIZER_THREADS = 2
+NOT_READY_RETRY_SECONDS = 10
+NORMALISED_SHRINK = 3  # a Unicode normaliser (NFC) turns at most three characters into one of a third their bytes
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may cost."""
+
+    max_tokens: int = 4096  # the most a request may ask to generate
+    default_max_tokens: int = 512  # a chat request that names none (completions: OpenAI's 16)
+    request_seconds: float = 300.0  # from arrival; then the generation ends where it is
+    max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting for the model; beyond: 429
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.default_max_tokens <= self.max_tokens:
+            raise UserError(f"the default max_tokens ({self.default_max_tokens}) must lie in 1 .. the maximum "
+                            f"({self.max_tokens})")
+        if not self.request_seconds > 0 or self.max_queue < 1:
+            raise UserError("the request timeout must be positive and the queue hold at least one request")
+
+
+def prompt_byte_limit(tokenizer, context: int) -> int | None:
+    """Above this many UTF-8 bytes a prompt cannot fit in `context` tokens, whatever it says: no token
+    stands for more bytes than its own text in the vocabulary (a byte-level symbol, a SentencePiece `▁`
+    or `<0x..>` is never shorter than what it stands for), times NORMALISED_SHRINK when the tokenizer
+    normalises the text first. None when the vocabulary cannot be read."""
+    try:
+        longest = max(len(token.encode("utf-8", "replace")) for token in tokenizer.get_vocab())
+    except Exception:
+        return None
+    normaliser = getattr(getattr(tokenizer, "backend_tokenizer", None), "normalizer", None)
+    return context * longest * (NORMALISED_SHRINK if normaliser is not None else 1)
 
 
 class Server:
-    """The models, one engine per method (built on first use), the worker and the metrics."""
+    """The models, the engines (one per method, or per method and owner for those that remember), the
+    worker, the methods' preparation and the metrics."""
 
     def __init__(self, models: Models, model_name: str, default_method: str = "pld", datastore: str | None = None,
-                 max_batch: int = DEFAULT_MAX_BATCH):
-        resolve(default_method)  # a UserError for an unknown name
+                 max_batch: int = DEFAULT_MAX_BATCH, limits: Limits = Limits(), methods: Sequence[str] | None = None,
+                 prepare: Sequence[str] | None = None, memory_scope: str = "tenant", memory_owners: int = 64):
+        """`methods`: those clients may name (default: every one the models can run); `prepare`: those
+        prepared before the server takes requests (default: all of `methods` when given, else the default
+        method), the others being prepared in the background."""
+        runnable = [name for name in variant_names()
+                    if models.draft is not None or not resolve(name)[0].needs_draft_model]
+        for name in [default_method, *(methods or ())]:
+            resolve(name)  # a UserError for an unknown name
+            if name not in runnable:
+                raise UserError(f"method {name!r} needs the draft model, which this server has not loaded")
+        self.offered = tuple(dict.fromkeys(methods)) if methods else tuple(runnable)
+        if prepare is None:
+            prepare = self.offered if methods else ()
+        first = list(dict.fromkeys([default_method, *prepare]))
+        if not set(first) <= set(self.offered):
+            raise UserError("the default method and those to prepare must be among the methods offered")
+        if memory_scope not in MEMORY_SCOPES or memory_owners < 1:
+            raise UserError(f"the memory scope is one of {', '.join(MEMORY_SCOPES)}, with at least one owner")
         self.models, self.model_name, self.default_method = models, model_name, default_method
-        self.datastore = datastore
-        self.engines: dict[str, SpeculativeEngine] = {}
+        self.datastore, self.limits = datastore, limits
+        self.memory_scope, self.memory_owners = memory_scope, memory_owners
+        self.engines: dict[str, SpeculativeEngine] = {}  # methods that remember nothing: one each
+        self._owned: OrderedDict[tuple[str, Hashable], SpeculativeEngine] = OrderedDict()  # least recent first
+        self.ready: set[str] = set()
+        self.unavailable: dict[str, str] = {}  # method -> why it cannot run here
         self.metrics = ServerMetrics()
+        self._recent_seconds = 1.0  # a moving average of request latency, for Retry-After
+        self.prompt_bytes = prompt_byte_limit(models.tokenizer, models.target.max_context)
+        self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="specdecode-tokenize")
+        self._closing = False
         self.worker = Worker(models.target, models.tokenizer, self.engine, self.drafter, on_finish=self._finished,
-                             max_batch=max_batch, on_batch_step=self.metrics.batch_step)
+                             max_batch=max_batch, on_batch_step=self.metrics.batch_step, max_queue=limits.max_queue)
+        self.metrics.waiting.set_function(lambda: self.worker.queued)
+        # What the methods share, measured once per machine while the models are idle: the cost curves.
+        models.target.cost_curve()
+        if models.draft is not None and any(resolve(m)[0].needs_draft_model for m in self.offered):
+            models.draft.cost_curve()
+        for method in first:
+            self._prepare(method)
+        rest = [m for m in self.offered if m not in first]
+        self._preparer = threading.Thread(target=self._prepare_all, args=(rest,), name="specdecode-prepare",
+                                          daemon=True)
+        self._preparer.start()
+
+    # -- methods ------------------------------------------------------------------------------------
 
     def methods(self) -> list[str]:
-        """The methods this server can run, tree forms included (those needing a draft model only if one is
-        loaded)."""
-        return [name for name in variant_names() if self.models.draft is not None or not resolve(name)[0].needs_draft_model]
+        """The methods clients may name."""
+        return list(self.offered)
 
-    def engine(self, method: str) -> SpeculativeEngine:  # on the worker thread
-        if method not in self.engines:
-            self.engines[method] = self.models.engine(method, datastore=self.datastore)
-        return self.engines[method]
+    def status(self, method: str) -> str:
+        return "ready" if method in self.ready else "unavailable" if method in self.unavailable else "preparing"
 
-    def drafter(self, method: str) -> Drafter | None:  # on the worker thread: one per batched sequence
-        return self.models.drafter(method, datastore=self.datastore)
+    def _prepare(self, method: str) -> None:
+        """Pay what a method costs once (a layer search, a datastore...): build its engine. Methods that
+        batch or remember get a drafter per sequence or owner later; building one now fills the caches."""
+        spec = resolve(method)[0]
+        try:
+            engine = self.models.engine(method, datastore=self.datastore)
+            if not spec.remembers and not (spec.batchable and self.worker.batch is not None):
+                self.engines[method] = engine
+        except UserError as error:
+            self.unavailable[method] = str(error)
+            return
+        except Exception:
+            log.exception("preparing method %s failed", method)
+            self.unavailable[method] = "it could not be prepared (the server's log says why)"
+            return
+        self.ready.add(method)
+
+    def _prepare_all(self, methods: list[str]) -> None:  # on the preparing thread
+        for method in methods:
+            if self._closing:
+                return
+            self._prepare(method)
+
+    def wait_until_prepared(self, timeout: float | None = None) -> None:
+        """Block until every method is ready or unavailable (tests, benchmarks)."""
+        self._preparer.join(timeout)
+
+    # -- the worker's factories (on the worker thread) ------------------------------------------------
+
+    def engine(self, job: Job) -> SpeculativeEngine:
+        if resolve(job.method)[0].remembers:
+            return self._owned_engine(job)
+        if job.method not in self.engines:  # a prepared method has one already
+            self.engines[job.method] = self.models.engine(job.method, datastore=self.datastore)
+        return self.engines[job.method]
+
+    def _owned_engine(self, job: Job) -> SpeculativeEngine:
+        """The engine holding the memory of the job's owner; for a job with none, a new one that forgets
+        it afterwards. At most `memory_owners` are kept, the least recently used dropped first."""
+        if job.memory is None:
+            return self.models.engine(job.method, datastore=self.datastore)
+        key = (job.method, job.memory)
+        engine = self._owned.pop(key, None) or self.models.engine(job.method, datastore=self.datastore)
+        self._owned[key] = engine
+        while len(self._owned) > self.memory_owners:
+            self._owned.popitem(last=False)
+        return engine
+
+    def drafter(self, job: Job) -> Drafter | None:  # one per batched sequence: it remembers nothing after
+        return self.models.drafter(job.method, datastore=self.datastore)
+
+    def memory_owner(self, tenant: str | None, user: str | None) -> Hashable | None:
+        """Whose cross-request memory a request may read and add to (None: its own only)."""
+        if self.memory_scope == "server":
+            return "server"
+        if self.memory_scope == "request" or (tenant is None and user is None):
+            return None
+        return (tenant, user)
 
     def _finished(self, job: Job, result: GenerationResult) -> None:
-        self.metrics.finished(result, time.perf_counter() - job.submitted)
+        seconds = time.perf_counter() - job.submitted
+        self.metrics.finished(result, seconds)
+        if job.expired:
+            self.metrics.expired.inc()
+        self._recent_seconds = 0.9 * self._recent_seconds + 0.1 * seconds
+
+    def close(self) -> None:
+        self._closing = True
+        self.worker.stop()
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     # -- a request's way through -------------------------------------------------------------------
 
-    def check(self, body: SamplingRequest, prompt_ids: list[int]) -> tuple[str, GenerationConfig]:
+    def _method(self, body: SamplingRequest) -> str:
         if body.model != self.model_name:
-            raise APIError(404, f"The model `{body.model}` does not exist; this server has `{self.model_name}`.",
-                           param="model", code="model_not_found")
+            raise APIError(404, f"The model `{protocol.quoted(body.model)}` does not exist; this server has "
+                                f"`{self.model_name}`.", param="model", code="model_not_found")
         method = body.method or self.default_method
-        if method not in self.methods():
-            raise APIError(400, f"Unknown method `{method}`; this server offers: {', '.join(self.methods())}.",
-                           param="method", code="unknown_method")
+        if method not in self.offered:
+            raise APIError(400, f"Unknown method `{protocol.quoted(method)}`; this server offers: "
+                                f"{', '.join(self.offered)}.", param="method", code="unknown_method")
+        if method in self.unavailable:
+            raise APIError(400, f"The method `{method}` cannot run on this server: {self.unavailable[method]}",
+                           param="method", code="method_unavailable")
+        if method not in self.ready:
+            raise APIError(503, f"The method `{method}` is being prepared (first use on this machine: a search "
+                                f"or an index to build); retry later.", type="server_error", code="method_not_ready",
+                           headers={"Retry-After": str(NOT_READY_RETRY_SECONDS)})
+        return method
+
+    def _answer_limit(self, body: SamplingRequest) -> int | None:
+        limit = body.answer_limit() if isinstance(body, ChatRequest) else body.max_tokens
+        if limit is not None and limit > self.limits.max_tokens:
+            raise APIError(400, f"max_tokens is at most {self.limits.max_tokens} on this server; the request "
+                                f"asks for {limit}.", param="max_tokens")
+        return limit
+
+    def _check_bytes(self, texts: list[str], param: str) -> None:
+        size = sum(len(text.encode("utf-8")) for text in texts)
+        if self.prompt_bytes is not None and size > self.prompt_bytes:
+            raise APIError(400, f"This model's maximum context length is {self.models.target.max_context} tokens; "
+                                f"the prompt's {size} bytes cannot fit in it.", param=param,
+                           code="context_length_exceeded")
+
+    def _config(self, body: SamplingRequest, prompt_ids: list[int], limit: int | None, param: str) -> GenerationConfig:
         context = self.models.target.max_context
         room = context - len(prompt_ids)
-        if room <= 0 or (body.max_tokens is not None and body.max_tokens > room):
-            asked = f" + {body.max_tokens} to generate" if body.max_tokens is not None else ""
+        if room <= 0 or (limit is not None and limit > room):
+            asked = f" + {limit} to generate" if limit is not None else ""
             raise APIError(400, f"This model's maximum context length is {context} tokens; the request has "
-                                f"{len(prompt_ids)} prompt tokens{asked}.", param="messages", code="context_length_exceeded")
+                                f"{len(prompt_ids)} prompt tokens{asked}.", param=param,
+                           code="context_length_exceeded")
+        sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
+                                  top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p)
         try:
-            config = GenerationConfig(
-                max_new_tokens=body.max_tokens or room,
-                sampling=SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p),
-                stop=tuple(body.stop or ()), seed=body.seed)
+            return GenerationConfig(max_new_tokens=limit or min(self.limits.default_max_tokens, room),
+                                    sampling=sampling, stop=tuple(body.stop or ()), seed=body.seed)
         except UserError as error:
             raise APIError(400, str(error)) from None
-        return method, config
 
-    async def run(self, body: SamplingRequest, prompt_ids: list[int], chat: bool) -> Response:
-        method, config = self.check(body, prompt_ids)
-        job = Job(method, prompt_ids, config, asyncio.get_running_loop(), asyncio.Queue())
-        self.metrics.waiting.inc()
+    def _encode_completion(self, prompt: str | list[int]) -> list[int]:  # on the tokenizing pool
+        if isinstance(prompt, str):
+            return self.models.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        vocab = self.models.target.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise APIError(400, f"Token ids must lie in [0, {vocab}).", param="prompt")
+        return prompt
+
+    def _encode_chat(self, messages: list[dict]) -> list[int]:  # on the tokenizing pool
+        from jinja2 import TemplateError
+
+        try:
+            return self.models.encode_chat(messages)
+        except UserError as error:
+            raise APIError(400, str(error), param="messages") from None
+        except TemplateError as error:  # the template refuses the conversation (e.g. roles out of order)
+            raise APIError(400, f"The chat template cannot render these messages: {error}", param="messages") from None
+
+    async def complete(self, request: Request, chat: bool) -> Response:
+        """One request to /v1/completions or /v1/chat/completions, from its body to its response."""
+        arrival = time.perf_counter()
+        body = protocol.parse(await request.body(), ChatRequest if chat else CompletionRequest)
+        method = self._method(body)
+        limit = self._answer_limit(body)
+        param = "messages" if chat else "prompt"
+        if chat:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            self._check_bytes([m["content"] for m in messages], param)
+            encode = lambda: self._encode_chat(messages)  # noqa: E731
+        else:
+            if isinstance(body.prompt, str):
+                self._check_bytes([body.prompt], param)
+            encode = lambda: self._encode_completion(body.prompt)  # noqa: E731
+        if not self.worker.enter():
+            retry = max(1, min(60, math.ceil(self._recent_seconds)))
+            raise APIError(429, f"The server is busy: {self.limits.max_queue} requests are waiting; retry in "
+                                f"{retry} s.", type="server_error", code="queue_full", headers={"Retry-After": str(retry)})
+        loop = asyncio.get_running_loop()
+        try:
+            prompt_ids = await loop.run_in_executor(self._tokenizing, encode)
+            config = self._config(body, prompt_ids, limit, param)
+        except BaseException:
+            self.worker.leave()
+            raise
+        memory = self.memory_owner(request.state.tenant, body.user)
+        job = Job(method, prompt_ids, config, loop, asyncio.Queue(), memory=memory,
+                  deadline=arrival + self.limits.request_seconds)
         self.worker.submit(job)
+        watcher = asyncio.create_task(_disconnected(request))
+        finished = False
         try:
-            first = await job.events.get()  # errors before the first token keep their 4xx status
-        except asyncio.CancelledError:
-            job.cancelled.set()
-            raise
+            first = await self._next(job, watcher)  # errors before the first token keep their status
+            if isinstance(first, BaseException):
+                raise _api_error(first)
+            self.metrics.queue_seconds.observe((job.started or time.perf_counter()) - job.submitted)
+            self.metrics.first_token.labels(method).observe(time.perf_counter() - job.submitted)
+            if body.stream:
+                watcher.cancel()  # the streaming response watches the connection from here
+                finished = True
+                return StreamingResponse(self._chunks(job, first, body, chat), media_type="text/event-stream")
+            self.metrics.running.inc()
+            try:
+                item = first
+                while not isinstance(item, GenerationResult):
+                    if isinstance(item, BaseException):
+                        raise _api_error(item)
+                    item = await self._next(job, watcher)
+            finally:
+                self.metrics.running.dec()
+            finished = True
+            return JSONResponse(self._response(item, chat))
         finally:
-            self.metrics.waiting.dec()
-        if isinstance(first, BaseException):
-            raise _api_error(first)
-        self.metrics.queue_seconds.observe((job.started or time.perf_counter()) - job.submitted)
-        self.metrics.first_token.labels(method).observe(time.perf_counter() - job.submitted)
-        if body.stream:
-            return StreamingResponse(self._chunks(job, first, body, chat), media_type="text/event-stream")
-        self.metrics.running.inc()
-        try:
-            item = first
-            while not isinstance(item, GenerationResult):
-                if isinstance(item, BaseException):
-                    raise _api_error(item)
-                item = await job.events.get()
-        except asyncio.CancelledError:
-            job.cancelled.set()
-            raise
-        finally:
-            self.metrics.running.dec()
-        return JSONResponse(self._response(item, chat))
+            watcher.cancel()
+            if not finished:  # the client left, or the request failed: stop the generation
+                job.cancelled.set()
+
+    async def _next(self, job: Job, watcher: asyncio.Task):
+        """The job's next event, or ClientGone once the client has disconnected (its job cancelled)."""
+        getter = asyncio.ensure_future(job.events.get())
+        await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if getter.done():
+            return getter.result()
+        getter.cancel()
+        job.cancelled.set()
+        self.metrics.cancelled.inc()
+        raise ClientGone
 
     def _response(self, result: GenerationResult, chat: bool) -> dict:
         choice = {"index": 0, "finish_reason": protocol.finish_reason(result), "logprobs": None}
@@ -177,6 +418,12 @@ class Server:
                 self.metrics.cancelled.inc()
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has disconnected (the body was read already: nothing else arrives)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _step_payload(step: Step) -> dict:
     event = step.event
     return {
@@ -188,21 +435,16 @@ def _step_payload(step: Step) -> dict:
 
 
 def _api_error(error: BaseException) -> APIError:
+    """What the client is told of a request's failure: its own mistakes in full, the server's in general."""
     if isinstance(error, APIError):
         return error
     if isinstance(error, UserError):
         return APIError(400, str(error))
-    return APIError(500, f"internal error: {type(error).__name__}: {error}", type="server_error")
-
-
-def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
-    first = error.errors()[0] if error.errors() else {}
-    if first.get("type") == "json_invalid":
-        return "The request body is not valid JSON.", None
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(location) or None
-    message = first.get("msg", "invalid request")
-    return (f"Invalid value for `{param}`: {message}" if param else message), param
+    if isinstance(error, Busy):
+        return APIError(503, f"{str(error).capitalize()}; retry later.", type="server_error", code="busy",
+                        headers={"Retry-After": str(NOT_READY_RETRY_SECONDS)})
+    return APIError(500, "The server had an error while processing your request (its log says what).",
+                    type="server_error")
 
 
 class ServerThread:
@@ -210,15 +452,15 @@ class ServerThread:
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
         import socket
-        import threading
 
         import uvicorn
 
+        check_exposure(host, app.state.guard)
         if port == 0:  # a free port
             with socket.socket() as probe:
                 probe.bind((host, 0))
                 port = probe.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn_config(app, host, port, app.state.guard))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -233,25 +475,40 @@ class ServerThread:
         self.thread.join(timeout=30)
 
 
-def create_app(server: Server) -> FastAPI:
+ENDPOINTS = frozenset({"/", "/health", "/metrics", "/docs", "/openapi.json", "/v1/models", "/v1/methods",
+                       "/v1/completions", "/v1/chat/completions"})
+
+
+def create_app(server: Server, guard: Guard = Guard()) -> FastAPI:
+    """The ASGI app; `guard`: keys, allowed hosts, body limit and read timeout (`Guard.for_address`)."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        server.worker.stop()
+        server.close()
 
-    app = FastAPI(title="specdecode", description="OpenAI-compatible speculative decoding server", lifespan=lifespan)
-    app.state.server = server
+    app = FastAPI(title="specdecode", description="OpenAI-compatible speculative decoding server", lifespan=lifespan,
+                  docs_url="/docs" if guard.docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if guard.docs else None)
+    app.state.server, app.state.guard = server, guard
+    app.add_middleware(GuardMiddleware, guard=guard, endpoints=ENDPOINTS,
+                       on_response=lambda endpoint, status: server.metrics.requests.labels(endpoint, str(status)).inc())
 
     @app.exception_handler(APIError)
     async def _api(request: Request, error: APIError):
-        server.metrics.requests.labels(request.url.path, str(error.status)).inc()
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, error: RequestValidationError):
-        message, param = _validation_message(error)
-        server.metrics.requests.labels(request.url.path, "400").inc()
-        return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, error: HTTPException):
+        path = protocol.quoted(request.url.path)
+        message = {404: f"Invalid URL ({request.method} {path}).",
+                   405: f"Method {request.method} is not allowed on {path}."}.get(error.status_code, str(error.detail))
+        return JSONResponse(APIError(error.status_code, message).body(), status_code=error.status_code,
+                            headers=error.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception):  # counted as 500 by the middleware
+        return JSONResponse(_api_error(error).body(), status_code=500)
 
     @app.get("/", response_class=HTMLResponse)
     async def page():
@@ -268,40 +525,25 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/v1/methods")
     async def methods():
-        return {"object": "list", "default": server.default_method, "data": [
-            {"id": name, "summary": resolve(name)[0].summary, "lossless": resolve(name)[0].lossless}
-            for name in server.methods()]}
+        data = []
+        for name in server.methods():
+            entry = {"id": name, "summary": resolve(name)[0].summary, "lossless": resolve(name)[0].lossless,
+                     "status": server.status(name)}
+            if name in server.unavailable:
+                entry["reason"] = server.unavailable[name]
+            data.append(entry)
+        return {"object": "list", "default": server.default_method, "data": data}
 
     @app.get("/metrics")
     async def metrics():
         return Response(server.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        prompt = body.prompt
-        if isinstance(prompt, str):
-            if not prompt:
-                raise APIError(400, "The prompt is empty.", param="prompt")
-            ids = server.models.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        else:
-            ids = list(prompt)
-            if any(not 0 <= t < server.models.target.vocab_size for t in ids):
-                raise APIError(400, f"Token ids must lie in [0, {server.models.target.vocab_size}).", param="prompt")
-        response = await server.run(body, ids, chat=False)
-        server.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
+    async def completions(request: Request):
+        return await server.complete(request, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            ids = server.models.encode_chat(messages)
-        except UserError as error:
-            raise APIError(400, str(error), param="messages") from None
-        except Exception as error:  # the chat template rejects the conversation (e.g. roles out of order)
-            raise APIError(400, f"The chat template cannot render these messages: {error}", param="messages") from None
-        response = await server.run(body, ids, chat=True)
-        server.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
+    async def chat(request: Request):
+        return await server.complete(request, chat=True)
 
     return app

@@ -14,7 +14,8 @@ class ServerMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("specdecode_requests", "Requests by endpoint and HTTP status", ["endpoint", "status"], registry=r)
+        self.requests = Counter("specdecode_requests", "Answers by endpoint and HTTP status (499: the client left first)",
+                                ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("specdecode_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generated_tokens = Counter("specdecode_generated_tokens", "Tokens generated", ["method"], registry=r)
         self.target_forwards = Counter("specdecode_target_forwards", "Target forwards (steps)", ["method"], registry=r)
@@ -24,6 +25,7 @@ class ServerMetrics:
             "specdecode_accepted_by_position", "Steps whose draft was accepted at least to this position (1-based)",
             ["method", "position"], registry=r)
         self.cancelled = Counter("specdecode_cancelled_requests", "Generations stopped because the client left", registry=r)
+        self.expired = Counter("specdecode_expired_requests", "Generations ended at the request deadline", registry=r)
         self.latency = Histogram("specdecode_request_seconds", "From arrival to the last token", ["method"],
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.first_token = Histogram("specdecode_time_to_first_token_seconds", "From arrival to the first token",
@@ -36,7 +38,8 @@ class ServerMetrics:
                                      ["batch_size"], registry=r)
         self.batch_forwards = Counter("specdecode_batch_forwards", "Batched target forwards", ["batch_size"],
                                       registry=r)
-        self.waiting = Gauge("specdecode_waiting_requests", "Requests queued for the model", registry=r)
+        self.waiting = Gauge("specdecode_waiting_requests", "Requests queued for the model (being tokenized or "
+                             "waiting for the worker)", registry=r)
         self.running = Gauge("specdecode_running_requests", "Requests being generated", registry=r)
 
     def finished(self, result: GenerationResult, seconds: float) -> None:

@@ -1,89 +1,225 @@
-"""OpenAI's request bodies as pydantic models, OpenAI-style errors, and the response objects."""
+"""OpenAI's request bodies as strict pydantic models, OpenAI-style errors, and the response objects.
+
+Strict, as a production client expects of a server: a field of the wrong JSON type is a 400 (no string
+is read as a number or a boolean, no number as a boolean), a field the server does not know is a 400
+naming it (OpenAI's own answer: "Unrecognized request argument supplied"), and an OpenAI field the server
+does not implement (`logprobs`, `echo`, `best_of`, the penalties, tools...) is taken only at its neutral
+value, the one that asks for nothing; any other value is a 400 saying that it is not supported. Every
+error a client can cause is an `APIError` with OpenAI's body, never a stack trace or an exception's text.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+import pydantic_core
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from specdecode.engine import GenerationResult
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_NAME = 256  # characters of a model, method or user name (errors quote them back)
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: [low, high)
+STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class APIError(Exception):
     """An error the client caused (4xx) or met (5xx), sent as OpenAI's `{"error": {...}}` body."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def quoted(text: str, limit: int = 64) -> str:
+    """A client's string for an error message, cut short (a name may be megabytes long)."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+class StreamOptions(BaseModel):
+    model_config = STRICT
+
+    include_usage: bool | None = None
+
+
 class SamplingRequest(BaseModel):
-    """The fields both endpoints share; unknown fields are ignored, as OpenAI's SDKs may send more."""
+    """The fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default and range; 0 is greedy
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # not OpenAI's; as vLLM's (0: off)
+    model: str = Field(max_length=MAX_NAME)
+    max_tokens: int | None = Field(None, ge=1)  # None: the server's default (`Limits`)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)  # None: OpenAI's default, 1; 0 is greedy
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)  # not OpenAI's; as vLLM's (0: off)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int = Field(1, ge=1, le=1)  # one choice per request
-    stream: bool = False
-    stream_options: dict | None = None
-    method: str | None = None  # ours: the speculative method for this request (default: the server's)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
+    n: int | None = Field(None, ge=1, le=1)  # one choice per request
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=MAX_NAME)  # the end user: scopes cross-request memory
+    method: str | None = Field(None, max_length=MAX_NAME)  # ours: the speculative method (default: the server's)
 
-    @field_validator("stop")
+    # OpenAI fields this server does not implement, with the values that ask for nothing (taken, then
+    # dropped); any other value is a 400
+    NEUTRAL: ClassVar[dict[str, tuple]] = {
+        "frequency_penalty": (None, 0, 0.0),
+        "presence_penalty": (None, 0, 0.0),
+        "logit_bias": (None, {}),
+    }
+
+    @field_validator("stop", mode="plain")
     @classmethod
-    def _stops(cls, stop):
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
+    def _stops(cls, stop: Any) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else [] if stop is None else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise ValueError("stop must be a string or a list of strings")
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if not all(stops):
+            raise ValueError("a stop string must not be empty")
         return stops
 
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
 
-    @field_validator("prompt")
+    NEUTRAL: ClassVar[dict[str, tuple]] = {
+        **SamplingRequest.NEUTRAL,
+        "best_of": (None, 1),
+        "echo": (None, False),
+        "logprobs": (None,),
+        "suffix": (None, ""),
+    }
+
+    @field_validator("prompt", mode="plain")
     @classmethod
-    def _one_prompt(cls, prompt):
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ValueError("one prompt per request (batch prompts are not supported; send several requests)")
-            return prompt[0]
+    def _one_prompt(cls, prompt: Any) -> str | list[int]:
         if isinstance(prompt, list) and not prompt:
             raise ValueError("the prompt is empty")
-        return prompt
+        if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1:
+                raise ValueError("one prompt per request (batch prompts are not supported; send several requests)")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return prompt
+        if isinstance(prompt, list) and all(type(p) is int for p in prompt):
+            return prompt
+        raise ValueError("the prompt must be a string, a list of one string, or a list of token ids")
+
+
+class TextPart(BaseModel):
+    """A content part of a chat message; only text ones (this server reads no images or audio)."""
+
+    model_config = STRICT
+
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict] | None = None
+    content: str | list[TextPart] | None = None  # validated to the message's text (None: none)
+
+    @field_validator("content", mode="plain")
+    @classmethod
+    def _text(cls, content: Any) -> str | None:
+        if content is None or isinstance(content, str):
+            return content
+        if not isinstance(content, list):
+            raise ValueError("content must be a string or a list of text parts")
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise ValueError('content parts must be text parts, {"type": "text", "text": ...}: this server '
+                                 "reads text only")
+            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+                raise ValueError('a text part is {"type": "text", "text": "..."} with a string text')
+            texts.append(part["text"])
+        return "".join(texts)
 
     def text(self) -> str:
-        if isinstance(self.content, list):  # content parts: the text ones
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
         return self.content or ""
 
 
 class ChatRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+
+    NEUTRAL: ClassVar[dict[str, tuple]] = {
+        **SamplingRequest.NEUTRAL,
+        "logprobs": (None, False),
+        "top_logprobs": (None, 0),
+        "tools": (None, []),
+        "tool_choice": (None, "none"),
+        "parallel_tool_calls": (None, True, False),  # about tools, which there are none of
+        "functions": (None, []),
+        "function_call": (None, "none"),
+        "response_format": (None, {"type": "text"}),
+        "modalities": (None, ["text"]),
+        "audio": (None,),
+        "prediction": (None,),
+        "store": (None, False),
+        "metadata": (None, {}),
+        "service_tier": (None, "auto", "default"),
+        "reasoning_effort": (None,),
+        "web_search_options": (None,),
+    }
+
+    def answer_limit(self) -> int | None:
+        """max_completion_tokens or max_tokens (OpenAI takes either); a 400 when both differ."""
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise APIError(400, "Give max_tokens or max_completion_tokens, not both.", param="max_completion_tokens")
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def _neutral(value: Any, neutral: tuple) -> bool:
+    return any(type(value) is type(n) and value == n for n in neutral)  # True is not 1, 0.0 is not False
+
+
+def parse(raw: bytes, model: type[SamplingRequest]) -> SamplingRequest:
+    """A request body (JSON bytes) as `model`, or an APIError (400) saying what is wrong with it."""
+    try:
+        data = pydantic_core.from_json(raw, allow_inf_nan=False)  # invalid UTF-8, lone surrogates, deep nesting
+    except ValueError as error:
+        raise APIError(400, f"The request body is not valid JSON: {error}.") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "The request body must be a JSON object.")
+    for name, neutral in model.NEUTRAL.items():
+        if name in data and not _neutral(data.pop(name), neutral):
+            raise APIError(400, f"`{name}` is not supported by this server; leave it out.", param=name,
+                           code="unsupported_parameter")
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise _invalid(error) from None
+
+
+def _invalid(error: ValidationError) -> APIError:
+    first = error.errors(include_url=False)[0]
+    loc = first["loc"]
+    param = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".") or None
+    if first["type"] == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {quoted(str(loc[-1]))}", param=param)
+    if first["type"] == "missing":
+        return APIError(400, f"Missing required parameter: `{param}`.", param=param)
+    message = first["msg"].removeprefix("Value error, ")
+    return APIError(400, f"Invalid value for `{param}`: {message}", param=param)
 
 
 def finish_reason(result: GenerationResult) -> str:

@@ -1,4 +1,4 @@
-"""The thread that owns the models: requests wait in a queue and are decoded step by step, together.
+"""The thread that owns the models: requests wait in a bounded queue and are decoded step by step, together.
 
 Requests whose method drafts without a model (plain decoding, prompt lookup, retrieval) are decoded as
 one batch (`engine.batch.BatchEngine`): one target forward per step for all of them, newcomers joining
@@ -7,27 +7,46 @@ skipping, lookahead's window...) has the target to itself: it waits for the batc
 and no new request joins the batch while it waits (so it is not starved). On a backend whose cache holds
 one sequence (llama.cpp) every request runs alone, in arrival order.
 
-Each step's event goes to the request's asyncio queue. A request that is cancelled (its client went
-away) leaves before the next step, and its cache entries are freed.
+Each step's event goes to the request's asyncio queue. Between two steps the worker looks at every job:
+
+- *cancelled* (its client went away): it leaves before the next step, and its cache entries are freed;
+- *expired* (past its deadline): it ends where it is, its answer what it has generated so far with the
+  finish reason `length`, as if it had reached max_tokens; a job that expires before it starts gets
+  `Busy` (the server answers 503).
+
+So a generation stops within one step of either. At most `max_queue` requests wait for the model: a
+request takes its place with `enter()` before the server prepares it (tokenizing, templating) and keeps
+it until the worker starts it or drops it; `enter()` is refused beyond that (the server answers 429).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
+import math
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from specdecode.drafters.base import Drafter
 from specdecode.engine import GenerationConfig, GenerationResult, SpeculativeEngine, StepEvent
 from specdecode.engine.batch import BatchEngine
+from specdecode.errors import UserError
 from specdecode.methods import resolve
 from specdecode.models.base import CausalLM
+from specdecode.types import StepStats
 
 DEFAULT_MAX_BATCH = 8
+DEFAULT_MAX_QUEUE = 64
+
+log = logging.getLogger("specdecode.serve")
+
+
+class Busy(Exception):
+    """A job that waited past its deadline before the model was free for it."""
 
 
 @dataclass
@@ -62,40 +81,77 @@ class Job:
     config: GenerationConfig
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue  # Step..., then a GenerationResult or an Exception
+    memory: Hashable | None = None  # whose cross-request memory its drafter may read (None: its own only)
+    deadline: float = math.inf  # time.perf_counter() past which it ends where it is
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None  # when the worker took it up
-    output: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)  # what it generated so far ...
+    text: str = ""
+    steps: list[StepStats] = field(default_factory=list)
+    expired: bool = False  # ended at its deadline
+
+    def past_deadline(self) -> bool:
+        return time.perf_counter() > self.deadline
+
+    def so_far(self) -> GenerationResult:
+        """What it generated up to now, as a result that reached its length."""
+        return GenerationResult(prompt_ids=self.prompt_ids, token_ids=self.output, text=self.text, steps=self.steps,
+                                seconds=time.perf_counter() - (self.started or self.submitted),
+                                finish_reason="length", method=self.method)
 
 
 class Worker:
-    """Runs jobs on a daemon thread. `engine_for(method)`: the method's engine, for a request that runs
-    alone; `drafter_for(method)`: a new drafter for one sequence of a batch (None: plain decoding), asked
-    only for methods whose `Method.batchable`; `on_finish(job, result)` sees every result."""
+    """Runs jobs on a daemon thread. `engine_for(job)`: the engine of the job's method (and memory), for
+    a job that runs alone; `drafter_for(job)`: a new drafter for one sequence of a batch (None: plain
+    decoding), asked only for methods whose `Method.batchable`; `on_finish(job, result)` sees every
+    result."""
 
     def __init__(
         self,
         target: CausalLM,
         tokenizer,
-        engine_for: Callable[[str], SpeculativeEngine],
-        drafter_for: Callable[[str], Drafter | None],
+        engine_for: Callable[[Job], SpeculativeEngine],
+        drafter_for: Callable[[Job], Drafter | None],
         on_finish: Callable[[Job, GenerationResult], None] = lambda job, result: None,
         max_batch: int = DEFAULT_MAX_BATCH,
         on_batch_step: Callable[[int, int], None] = lambda size, drafted: None,
+        max_queue: int = DEFAULT_MAX_QUEUE,
     ):
         self.tokenizer = tokenizer
         self.engine_for, self.drafter_for, self._on_finish = engine_for, drafter_for, on_finish
         self._on_batch_step = on_batch_step  # (sequences, draft tokens verified) after every batched forward
-        self.max_batch = max_batch
+        self.max_batch, self.max_queue = max_batch, max_queue
         self.batch = BatchEngine(target, tokenizer) if target.several_sequences and max_batch > 1 else None
         self._incoming: queue.Queue[Job | None] = queue.Queue()
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: dict[int, Job] = {}  # batch member id -> job
+        self._queued = 0  # places taken in the queue (`enter`)
+        self._lock = threading.Lock()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="specdecode-worker", daemon=True)
         self._thread.start()
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting for the model (being prepared, or submitted and not started)."""
+        return self._queued
+
+    def enter(self) -> bool:
+        """Take a place in the queue for a request about to be prepared; False when it is full."""
+        with self._lock:
+            if self._queued >= self.max_queue:
+                return False
+            self._queued += 1
+            return True
+
+    def leave(self) -> None:
+        """Give a place back: the request will not be submitted after all (or has left the queue)."""
+        with self._lock:
+            self._queued -= 1
+
     def submit(self, job: Job) -> None:
+        """Queue a job that holds a place (`enter`); the worker gives the place back as it takes the job."""
         self._incoming.put(job)
 
     def stop(self) -> None:
@@ -109,12 +165,24 @@ class Worker:
 
     def _emit(self, job: Job, event: StepEvent) -> None:
         job.output += event.token_ids
+        job.text += event.text
+        if event.stats.forward_tokens:  # a step (a held-back text's last event ran no forward)
+            job.steps.append(event.stats)
         rejected = self.tokenizer.decode(event.rejected_ids, skip_special_tokens=True) if event.rejected_ids else ""
         self._send(job, Step(event, token_pieces(self.tokenizer, job.output, event), rejected))
 
     def _finish(self, job: Job, result: GenerationResult) -> None:
         self._on_finish(job, result)
         self._send(job, result)
+
+    def _expire(self, job: Job) -> None:
+        job.expired = True
+        self._finish(job, job.so_far())
+
+    def _fail(self, job: Job, error: BaseException) -> None:
+        if not isinstance(error, (Busy, UserError)):  # the server's fault: its log says what happened
+            log.error("request failed (method %s)", job.method, exc_info=error)
+        self._send(job, error)
 
     def _take_incoming(self, block: bool) -> None:
         try:
@@ -133,11 +201,18 @@ class Worker:
             self._take_incoming(block=not self._active and not self._waiting)
             self._admit()
             for ident, job in list(self._active.items()):
-                if job.cancelled.is_set():
+                if job.cancelled.is_set() or job.past_deadline():
                     self.batch.remove(ident)
                     del self._active[ident]
+                    if not job.cancelled.is_set():
+                        self._expire(job)
             if self._active:
                 self._step_batch()
+
+    def _dequeue(self) -> Job:
+        job = self._waiting.popleft()
+        self.leave()
+        return job
 
     def _admit(self) -> None:
         """Move waiting jobs into the batch in arrival order; run a job that must run alone once the
@@ -145,25 +220,30 @@ class Worker:
         while self._waiting:
             job = self._waiting[0]
             if job.cancelled.is_set():
-                self._waiting.popleft()
+                self._dequeue()
+                continue
+            if job.past_deadline():
+                self._dequeue()
+                waited = time.perf_counter() - job.submitted
+                self._fail(job, Busy(f"the server is busy: the request waited {waited:.0f} s for the model"))
                 continue
             try:
                 if self.batch is None or not resolve(job.method)[0].batchable:
                     if self._active:
                         return  # wait for the batch to drain
-                    self._waiting.popleft()
+                    self._dequeue()
                     job.started = time.perf_counter()
                     self._run_alone(job)
                     continue
                 if len(self._active) >= self.max_batch:
                     return
                 job.started = time.perf_counter()
-                drafter = self.drafter_for(job.method)
+                drafter = self.drafter_for(job)
                 self._active[self.batch.add(job.prompt_ids, job.config, drafter, job.method)] = job
-                self._waiting.popleft()
+                self._dequeue()
             except Exception as error:  # reaches the request as its error (UserError: 400, others: 500)
-                self._waiting.popleft()
-                self._send(job, error)
+                self._dequeue()
+                self._fail(job, error)
 
     def _step_batch(self) -> None:
         try:
@@ -171,7 +251,7 @@ class Worker:
         except Exception as error:  # every member's request fails with it; the batch starts afresh
             for ident, job in self._active.items():
                 self.batch.remove(ident)
-                self._send(job, error)
+                self._fail(job, error)
             self._active.clear()
             return
         self._on_batch_step(len(self._active), sum(e.stats.drafted for _, e, _ in outcomes))
@@ -188,7 +268,7 @@ class Worker:
     def _run_alone(self, job: Job) -> None:
         engine = None
         try:
-            engine = self.engine_for(job.method)
+            engine = self.engine_for(job)
             stream = engine.stream(job.prompt_ids, job.config)
             for event in stream:
                 if job.cancelled.is_set():
@@ -196,8 +276,13 @@ class Worker:
                     engine.target.reset()  # frees the cancelled sequence's cache
                     return
                 self._emit(job, event)
+                if job.past_deadline():
+                    stream.close()
+                    engine.target.reset()
+                    self._expire(job)
+                    return
         except Exception as error:
-            self._send(job, error)
+            self._fail(job, error)
             if engine is not None:
                 engine.target.reset()
             return

@@ -1,0 +1,266 @@
+"""What stands between the network and the server: the Host allow-list, the API key, the size of a
+request's body and the time a client may take to send its request.
+
+- *Host allow-list* (on by default): a request whose `Host` header names none of the allowed hosts is
+  refused (400). A page on another site cannot reach a loopback server through DNS rebinding, since the
+  browser sends that site's name. Allowed: the loopback names, the address the server is bound to, the
+  machine's own names when it listens on every interface, and what the operator adds (`*`: any).
+- *API keys*: with any key configured, every request but the page (`/`) and `/health` must carry one as
+  OpenAI's clients send it, `Authorization: Bearer KEY` (401 otherwise). A server bound beyond loopback
+  refuses to start without a key (`check_exposure`). A key's identity (a digest, never the key) is the
+  request's tenant, which scopes cross-request memory (`serve.app`).
+- *Body*: refused (413) as soon as its `Content-Length`, or what has arrived of it, passes
+  `max_body_bytes`; read whole within `read_seconds` (408 otherwise) before the app sees it.
+- *Head*: a connection that has not sent a whole request head within `read_seconds` of opening (or of
+  sending its next request's first byte) is closed (`HeaderTimeoutProtocol`, uvicorn's h11 protocol with
+  that deadline added; uvicorn alone waits for ever).
+
+Every refusal is an OpenAI-style error body; the middleware also counts every response by endpoint and
+status for `/metrics`, the unhandled 500s included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import ipaddress
+import json
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from specdecode.errors import UserError
+from specdecode.serve.protocol import APIError, quoted
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+PUBLIC_PATHS = frozenset({"/", "/health"})  # the page asks for the key itself; health checks carry none
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+DEFAULT_READ_SECONDS = 15.0
+API_KEY_VARIABLE = "SPECDECODE_API_KEY"
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def key_identity(key: str) -> str:
+    """Names a key's tenant without keeping the key in it."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Guard:
+    api_keys: tuple[str, ...] = ()  # none: no authentication (loopback only)
+    allowed_hosts: tuple[str, ...] = LOOPBACK_NAMES  # "*": any Host header
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    read_seconds: float = DEFAULT_READ_SECONDS  # to send a request's head, and again its body
+    docs: bool = False  # serve /docs and /openapi.json (behind the key, if any)
+
+    def __post_init__(self) -> None:
+        if any(not key or any(c.isspace() for c in key) for key in self.api_keys):
+            raise UserError("an API key must be a non-empty word without spaces")
+        if self.max_body_bytes < 1024 or not self.read_seconds > 0:
+            raise UserError("the body limit must be at least 1 KiB and the read timeout positive")
+
+    @classmethod
+    def for_address(cls, host: str, allowed_hosts: tuple[str, ...] = (), **options) -> Guard:
+        """The rules for a server bound to `host`: the loopback names, that address (when it is one), the
+        machine's names (when it is every interface) and `allowed_hosts` may be named in `Host`."""
+        names = list(LOOPBACK_NAMES) + list(allowed_hosts)
+        if host in ("0.0.0.0", "::", ""):
+            names += [socket.gethostname(), socket.getfqdn()]
+        else:
+            names.append(host.strip("[]"))
+        guard = cls(allowed_hosts=tuple(dict.fromkeys(n.lower().rstrip(".") for n in names if n)), **options)
+        check_exposure(host, guard)
+        return guard
+
+    def host_allowed(self, header: str | None) -> bool:
+        if "*" in self.allowed_hosts:
+            return True
+        if not header:
+            return False
+        name = header[1 : header.find("]")] if header.startswith("[") else header.rsplit(":", 1)[0]
+        return name.lower().rstrip(".") in self.allowed_hosts
+
+    def tenant(self, authorization: str | None) -> str | None:
+        """The identity of the key a request carries (`Authorization: Bearer KEY`), or None for none
+        that matches. Every key is compared, in constant time."""
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            return None
+        given_digest = hashlib.sha256(given.strip().encode()).digest()
+        found = None
+        for key in self.api_keys:
+            if hmac.compare_digest(given_digest, hashlib.sha256(key.encode()).digest()):
+                found = key_identity(key)
+        return found
+
+
+def check_exposure(host: str, guard: Guard) -> None:
+    """A UserError for a server that would listen beyond this machine with no API key."""
+    if not guard.api_keys and not is_loopback(host):
+        raise UserError(f"listening on {host} exposes the server beyond this machine: give it an API key "
+                        f"(--api-key KEY or ${API_KEY_VARIABLE}), which clients send as `Authorization: Bearer KEY`")
+
+
+async def send_error(send, error: APIError, close: bool = False) -> None:
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())] + [
+        (name.lower().encode(), value.encode()) for name, value in error.headers.items()]
+    if close:  # the client may still be sending: end the connection after the answer
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer: nobody to answer (counted as status 499)."""
+
+
+class GuardMiddleware:
+    """The ASGI middleware applying a Guard; `on_response(endpoint, status)` counts every answer
+    (endpoint: one of `endpoints`, or "other")."""
+
+    def __init__(self, app, guard: Guard, endpoints: frozenset[str], on_response: Callable[[str, int], None]):
+        self.app, self.guard, self.endpoints, self.on_response = app, guard, endpoints, on_response
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status: list[int] = []
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+        try:
+            scope.setdefault("state", {})["tenant"] = self._admit(scope, headers)
+            if scope["method"] not in ("GET", "HEAD", "OPTIONS"):
+                body = await self._read_body(headers, receive)
+                receive = _replay(body, receive)
+            await self.app(scope, receive, counted)
+        except APIError as error:
+            if not status:
+                await send_error(counted, error, close=error.status in (408, 413))
+        except ClientGone:
+            pass
+        except Exception:
+            status.append(500)  # the app's error handler answers it (ServerErrorMiddleware, outside)
+            raise
+        finally:
+            endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
+            self.on_response(endpoint, status[0] if status else 499)  # 499: the client left first
+
+    def _admit(self, scope, headers: dict[str, str]) -> str | None:
+        """The request's tenant (its key's identity; None without keys), or an APIError refusing it."""
+        if not self.guard.host_allowed(headers.get("host")):
+            host = quoted(headers.get("host", ""))
+            raise APIError(400, f"This server does not answer to the host `{host}` (allow it with "
+                                f"`specdecode serve --allowed-host NAME`).", code="invalid_host")
+        if not self.guard.api_keys or scope["path"] in PUBLIC_PATHS:
+            return None
+        authorization = headers.get("authorization")
+        tenant = self.guard.tenant(authorization)
+        if tenant is None:
+            message = ("Incorrect API key provided." if authorization else
+                       "You didn't provide an API key. Send it as `Authorization: Bearer YOUR_KEY`.")
+            raise APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return tenant
+
+    async def _read_body(self, headers: dict[str, str], receive) -> bytes:
+        limit = self.guard.max_body_bytes
+        too_large = APIError(413, f"The request body is larger than this server's limit of {limit} bytes.",
+                             code="request_too_large")
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_large  # refused before a byte of it is read
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.guard.read_seconds
+        chunks, size = [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(deadline - loop.time(), 0.0))
+            except TimeoutError:
+                raise APIError(408, f"The request body did not arrive within {self.guard.read_seconds:g} s.",
+                               code="request_timeout") from None
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                raise too_large
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """A receive() that gives the body read already, then the client's later messages (a disconnect)."""
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+class HeaderTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection whose request head is not whole `head_seconds` after
+    the connection opened, or after the first byte of a later request on it (a slow-loris client)."""
+
+    head_seconds = DEFAULT_READ_SECONDS
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._head_timer = self.loop.call_later(self.head_seconds, self._head_too_slow)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if not self._awaiting_head():
+            self._stop_head_timer()
+        elif self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_seconds, self._head_too_slow)
+
+    def connection_lost(self, exc) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def _awaiting_head(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_too_slow(self) -> None:
+        self._head_timer = None
+        if self._awaiting_head() and not self.transport.is_closing():
+            try:
+                self.conn.send(h11.ConnectionClosed())
+            except h11.LocalProtocolError:
+                pass
+            self.transport.close()
+
+
+def uvicorn_config(app, host: str, port: int, guard: Guard):
+    """uvicorn's settings for the app: the head deadline, warnings only in the log."""
+    import uvicorn
+
+    protocol = type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"head_seconds": guard.read_seconds})
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", http=protocol)

@@ -1,0 +1,306 @@
+"""What one request may cost the server, on the tiny model.
+
+Clients that leave (streaming or not; batched or alone) stop their generation within one step, counted
+on a drafter that waits at every step until the test lets it go on, so no count depends on how fast the
+machine is. Also: a full queue answers 429 with Retry-After; a request past its deadline ends where it
+is; max_tokens has a server maximum and a default; a method being prepared answers 503 while the others
+run to the end; a 50 MB body is refused from its headers while health checks answer; slow clients are cut
+off; a prompt too long for the context by its bytes alone is refused before it is tokenized."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from specdecode.api import Models, load_models
+from specdecode.drafters.base import Drafter
+from specdecode.engine import SpeculativeEngine
+from specdecode.serve.app import Limits, Server, ServerThread, create_app
+from specdecode.serve.guard import Guard
+from specdecode.types import Draft
+from test_serve import get, metric, openai_error, post
+
+MODEL = "tiny"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def models(tiny_folder):
+    return load_models(str(tiny_folder), str(tiny_folder), dtype="float32", progress=False)
+
+
+class GatedDrafter(Drafter):
+    """Drafts nothing, but waits at every step until the test lets it go on; counts the steps begun."""
+
+    name = "gated"
+
+    def __init__(self, batchable: bool):
+        self.batchable = batchable
+        self.steps = 0
+        self.begun = threading.Semaphore(0)  # released as each step begins
+        self.gate = threading.Semaphore(0)  # each step takes one to end
+
+    def propose(self, context, max_tokens, params, generator) -> Draft:
+        self.steps += 1
+        self.begun.release()
+        if not self.gate.acquire(timeout=120):
+            raise RuntimeError("the test never let the step end")
+        return Draft.empty()
+
+    def wait_for_step(self) -> None:
+        assert self.begun.acquire(timeout=60), "no step began"
+
+
+@contextlib.contextmanager
+def serving(models: Models, drafter: GatedDrafter | None = None, limits: Limits = Limits(), guard: Guard = Guard(),
+            **options):
+    """A server on loopback; with a drafter, `pld` (batched) and `draft` (alone) draft with it."""
+    if drafter is not None:
+        plain = models
+        models = dataclasses.replace(plain)  # its `drafter` is replaced, the module's models are not
+        models.drafter = lambda method, datastore=None: drafter if method == "pld" else plain.drafter(method)
+    options.setdefault("methods", ["pld", "ar", "draft"])
+    state = Server(models, MODEL, default_method=options["methods"][0], limits=limits, **options)
+    if drafter is not None:
+        state.engines["draft"] = SpeculativeEngine(models.target, models.tokenizer, drafter, method="draft")
+    running = ServerThread(create_app(state, guard))
+    try:
+        yield running, state
+    finally:
+        if drafter is not None:
+            drafter.gate.release(10_000)
+        running.stop()
+
+
+def wait_until(condition, what: str, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def address(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
+def raw_post(url: str, body: bytes) -> socket.socket:
+    """A connection that has sent one POST to /v1/completions and reads nothing yet."""
+    connection = socket.create_connection(address(url), timeout=60)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    connection.sendall(head + body)
+    return connection
+
+
+def read_until(connection: socket.socket, marker: bytes) -> bytes:
+    data = b""
+    while marker not in data:
+        chunk = connection.recv(65536)
+        assert chunk, f"the connection closed before {marker!r}: {data!r}"
+        data += chunk
+    return data
+
+
+def completion(method: str, max_tokens: int, stream: bool = False, **extra) -> dict:
+    return {"model": MODEL, "prompt": "the cat sat", "max_tokens": max_tokens, "temperature": 0, "method": method,
+            "stream": stream, **extra}
+
+
+# --- Clients that leave -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["plain", "streamed"])
+@pytest.mark.parametrize("method", ["pld", "draft"], ids=["batched", "alone"])
+def test_a_client_that_leaves_stops_its_generation_within_one_step(models, method, streaming):
+    drafter = GatedDrafter(batchable=method == "pld")
+    with serving(models, drafter) as (running, state):
+        connection = raw_post(running.url, json.dumps(completion(method, 50, streaming)).encode())
+        drafter.wait_for_step()
+        if streaming:  # the first step's tokens reach the client; the second step begins
+            drafter.gate.release()
+            read_until(connection, b"data: ")
+            drafter.wait_for_step()
+        connection.close()  # while a step is under way
+        wait_until(lambda: metric(running.url, "specdecode_cancelled_requests_total") == 1,
+                   "the server to notice the client leaving")
+        steps_when_it_left = drafter.steps
+        drafter.gate.release(10_000)
+        # the worker goes on to the next request: the one that left is dropped before any further step
+        reply = post(running.url, "/v1/completions", completion("ar", 4))
+        assert reply.status_code == 200, reply.text
+        assert drafter.steps == steps_when_it_left == (2 if streaming else 1)
+        assert metric(running.url, 'specdecode_requests_total{endpoint="/v1/completions",status="499"}') == (
+            0 if streaming else 1)  # a streamed answer had begun (200)
+
+
+@pytest.mark.parametrize("method", ["pld", "draft"], ids=["batched", "alone"])
+def test_a_request_past_its_deadline_ends_where_it_is(models, method):
+    drafter = GatedDrafter(batchable=method == "pld")
+    with serving(models, drafter, limits=Limits(request_seconds=1.0)) as (running, state), ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(post, running.url, "/v1/completions", completion(method, 50))
+        drafter.wait_for_step()  # it began before its deadline
+        time.sleep(1.2)  # the step is held past the deadline
+        drafter.gate.release(10_000)
+        reply = answer.result(timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["finish_reason"] == "length"
+        assert reply.json()["usage"]["completion_tokens"] == 1  # the one step it had made
+        assert drafter.steps == 1
+        assert metric(running.url, "specdecode_expired_requests_total") == 1
+
+
+def test_a_full_queue_answers_429_with_retry_after(models):
+    drafter = GatedDrafter(batchable=True)
+    with serving(models, drafter, limits=Limits(max_queue=1)) as (running, state), ThreadPoolExecutor(2) as pool:
+        first = pool.submit(post, running.url, "/v1/completions", completion("pld", 2))
+        drafter.wait_for_step()  # the first is decoding: it left the queue
+        second = pool.submit(post, running.url, "/v1/completions", completion("pld", 2))
+        wait_until(lambda: metric(running.url, "specdecode_waiting_requests") == 1, "the second to queue")
+        third = post(running.url, "/v1/completions", completion("pld", 2))
+        assert third.status_code == 429
+        assert openai_error(third)["code"] == "queue_full"
+        assert int(third.headers["retry-after"]) >= 1
+        drafter.gate.release(10_000)
+        assert first.result(timeout=60).status_code == second.result(timeout=60).status_code == 200
+        assert metric(running.url, "specdecode_waiting_requests") == 0
+
+
+# --- Tokens ------------------------------------------------------------------------------------------
+
+
+def test_max_tokens_has_a_server_maximum_and_a_default(models):
+    with serving(models, limits=Limits(max_tokens=12, default_max_tokens=5)) as (running, _):
+        over = post(running.url, "/v1/completions", completion("ar", 13))
+        assert over.status_code == 400 and openai_error(over)["param"] == "max_tokens"
+        assert "at most 12" in openai_error(over)["message"]
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "the cat"}], "temperature": 0, "method": "ar"}
+        reply = post(running.url, "/v1/chat/completions", chat)
+        assert reply.status_code == 200, reply.text
+        usage, finish = reply.json()["usage"], reply.json()["choices"][0]["finish_reason"]
+        assert usage["completion_tokens"] == 5 or (usage["completion_tokens"] < 5 and finish == "stop")
+        both = post(running.url, "/v1/chat/completions", {**chat, "max_tokens": 3, "max_completion_tokens": 4})
+        assert both.status_code == 400 and "not both" in openai_error(both)["message"]
+        newer = post(running.url, "/v1/chat/completions", {**chat, "max_completion_tokens": 3})
+        assert newer.json()["usage"]["completion_tokens"] <= 3
+
+
+def test_a_prompt_too_long_by_its_bytes_is_refused_before_tokenizing(models):
+    with serving(models, methods=["ar"]) as (running, state):
+        calls = []
+        encode = state._encode_completion
+        state._encode_completion = lambda prompt: calls.append(prompt) or encode(prompt)
+        limit = state.prompt_bytes  # the context times the most bytes a token stands for
+        assert limit >= models.target.max_context * len("<|endoftext|>")
+        by_bytes = post(running.url, "/v1/completions", completion("ar", 4, prompt="x" * (limit + 1)))
+        assert by_bytes.status_code == 400 and "bytes cannot fit" in openai_error(by_bytes)["message"]
+        assert openai_error(by_bytes)["code"] == "context_length_exceeded" and not calls
+        by_tokens = post(running.url, "/v1/completions", completion("ar", 4, prompt="x" * (limit // 2)))
+        assert by_tokens.status_code == 400 and "prompt tokens" in openai_error(by_tokens)["message"]
+        assert openai_error(by_tokens)["param"] == "prompt" and len(calls) == 1
+
+
+# --- Methods being prepared ---------------------------------------------------------------------------
+
+
+def test_a_cold_method_answers_503_while_the_others_run(models):
+    begun, release = threading.Event(), threading.Event()
+    slow = dataclasses.replace(models)
+
+    def engine(method, **options):
+        if method == "jacobi":  # a long preparation (a layer search, say), held by the test
+            begun.set()
+            release.wait(120)
+        return Models.engine(slow, method, **options)
+
+    slow.engine = engine
+    state = Server(slow, MODEL, default_method="pld", methods=["pld", "ar", "jacobi", "eagle"], prepare=["pld", "ar"])
+    running = ServerThread(create_app(state))
+    try:
+        assert begun.wait(60)
+        cold = post(running.url, "/v1/completions", completion("jacobi", 4))
+        assert cold.status_code == 503 and openai_error(cold)["code"] == "method_not_ready"
+        assert int(cold.headers["retry-after"]) >= 1
+        status = {m["id"]: m["status"] for m in get(running.url, "/v1/methods").json()["data"]}
+        assert status["jacobi"] == "preparing" and status["pld"] == status["ar"] == "ready"
+        # meanwhile the others are served to the end: the preparation stalls them by no step at all
+        for method in ["pld", "ar"]:
+            reply = post(running.url, "/v1/completions", completion(method, 8))
+            assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 8
+        release.set()
+        state.wait_until_prepared(60)
+        methods = {m["id"]: m for m in get(running.url, "/v1/methods").json()["data"]}
+        assert methods["jacobi"]["status"] == "ready"
+        assert post(running.url, "/v1/completions", completion("jacobi", 4)).status_code == 200
+        # a method that cannot run here (no trained head for this target) says why, as a 400
+        assert methods["eagle"]["status"] == "unavailable" and methods["eagle"]["reason"]
+        eagle = post(running.url, "/v1/completions", completion("eagle", 4))
+        assert eagle.status_code == 400 and openai_error(eagle)["code"] == "method_unavailable"
+    finally:
+        release.set()
+        running.stop()
+
+
+def test_methods_can_be_restricted(models):
+    with serving(models, methods=["ar"]) as (running, _):
+        reply = post(running.url, "/v1/completions", completion("pld", 4))
+        assert reply.status_code == 400 and openai_error(reply)["code"] == "unknown_method"
+        assert [m["id"] for m in get(running.url, "/v1/methods").json()["data"]] == ["ar"]
+
+
+# --- Bodies and slow clients ----------------------------------------------------------------------------
+
+
+def read_response(connection: socket.socket) -> tuple[int, bytes]:
+    data = read_until(connection, b"\r\n\r\n")
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += connection.recv(65536)
+    return int(head.split()[1]), body
+
+
+def test_a_50_mb_body_is_refused_from_its_headers_while_health_checks_answer(models):
+    with serving(models, methods=["ar"]) as (running, _):
+        connection = socket.create_connection(address(running.url), timeout=60)
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 52428800\r\n\r\n")  # and not a byte of the body yet
+        status, body = read_response(connection)
+        assert status == 413 and b"request_too_large" in body
+        assert get(running.url, "/health").status_code == 200
+        assert connection.recv(1) == b""  # closed: the rest of the body is never read
+        connection.close()
+
+
+def test_a_chunked_body_is_refused_once_it_passes_the_limit(models):
+    with serving(models, methods=["ar"], guard=Guard(max_body_bytes=2048)) as (running, _):
+        connection = socket.create_connection(address(running.url), timeout=60)
+        chunk = b"800\r\n" + b" " * 2048 + b"\r\n"  # 2 KiB a chunk
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+                           + chunk * 2 + b"0\r\n\r\n")
+        status, _ = read_response(connection)
+        assert status == 413
+        connection.close()
+
+
+def test_slow_clients_are_cut_off(models):
+    with serving(models, methods=["ar"], guard=Guard(read_seconds=0.5)) as (running, _):
+        silent = socket.create_connection(address(running.url), timeout=30)
+        half_head = socket.create_connection(address(running.url), timeout=30)
+        half_head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        half_body = socket.create_connection(address(running.url), timeout=30)  # a body that never ends
+        half_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{\"mo")
+        assert silent.recv(1024) == b"" and half_head.recv(1024) == b""  # closed by the server
+        status, body = read_response(half_body)
+        assert status == 408 and b"request_timeout" in body
+        assert get(running.url, "/health").status_code == 200  # a whole request in time is served
+        for connection in (silent, half_head, half_body):
+            connection.close()

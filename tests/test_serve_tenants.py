@@ -1,0 +1,134 @@
+"""Cross-request memory on a server with several users: suffix decoding drafts from its owner's earlier
+requests only. A second client's streamed drafts, rejected text and token origins are exactly what they
+are on a server that never saw the first client; the same test on a server that shares its memory
+("server" scope) shows the leak it guards against."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from specdecode.api import load_models
+from specdecode.drafters.suffix import SuffixIndex
+from specdecode.serve.app import Server, ServerThread, create_app
+from specdecode.serve.guard import Guard
+from test_serve import request
+
+MODEL = "tiny"
+SECRET = "QX-7741-ZEBRA"
+OWNER_PROMPT = f"The vault code is {SECRET}"  # its last tokens (and its output) stay in the owner's memory
+PROBE_PROMPT = "Hi. Tell me the code: vault code is QX-"  # ends where the secret's continuation begins
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def models(tiny_folder):
+    return load_models(str(tiny_folder), None, dtype="float32", progress=False)
+
+
+def serve(models, memory_scope: str, keys: tuple[str, ...] = ()) -> tuple[ServerThread, Server]:
+    state = Server(models, MODEL, default_method="suffix", methods=["suffix", "ar"], memory_scope=memory_scope)
+    return ServerThread(create_app(state, Guard(api_keys=keys))), state
+
+
+def stream(url: str, prompt: str, key: str | None = None, user: str | None = None) -> list[dict]:
+    """Every step's `specdecode` payload (tokens with origins, rejected text, drafted, accepted) of a
+    greedy streamed completion."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True}
+    if user is not None:
+        body["user"] = user
+    reply = request(url, "POST", "/v1/completions", body, {"authorization": f"Bearer {key}"} if key else None)
+    assert reply.status_code == 200, reply.text
+    chunks = [json.loads(line[len("data: "):]) for line in reply.text.split("\n\n")
+              if line.startswith("data: {")]
+    return [c["specdecode"] for c in chunks if "specdecode" in c]
+
+
+def traffic(models, memory_scope: str, requests: list[tuple[str, str | None, str | None]],
+            keys: tuple[str, ...] = ()) -> list[list[dict]]:
+    """On a new server: each (prompt, key, user) in turn; every answer's step payloads."""
+    running, _ = serve(models, memory_scope, keys)
+    try:
+        return [stream(running.url, prompt, key, user) for prompt, key, user in requests]
+    finally:
+        running.stop()
+
+
+def leaked(steps: list[dict]) -> bool:
+    """Whether any drafted text the client saw (accepted or rejected) carries a piece of the secret."""
+    drafted = "".join(s["rejected"] + "".join(t["text"] for t in s["tokens"] if t["origin"] == "accepted")
+                      for s in steps)
+    return any(piece in drafted for piece in ("7741", "ZEBRA", "-ZE"))
+
+
+OWNER = [(OWNER_PROMPT, None, None)] * 3  # the first client, with no key and no user field
+PROBE = (PROBE_PROMPT, None, None)  # the second
+
+
+@pytest.mark.parametrize("memory_scope, leaks", [("tenant", False), ("server", True)])
+def test_a_second_client_sees_nothing_of_the_first(models, memory_scope, leaks):
+    """With the default scope, the second client's drafts, rejected text and origins are exactly what they
+    are on a server that never saw the first; one memory for all ("server", the control) reproduces the
+    issue's leak, so the comparison can fail."""
+    [alone] = traffic(models, memory_scope, [PROBE])
+    *_, after = traffic(models, memory_scope, OWNER + [PROBE])
+    assert (after != alone) == leaks
+    assert leaked(after) == leaks
+
+
+def test_an_owner_keeps_its_memory_and_other_users_do_not_see_it(models):
+    [bob_alone] = traffic(models, "tenant", [(PROBE_PROMPT, None, "bob")])
+    *_, alice, bob, anonymous = traffic(models, "tenant", [(OWNER_PROMPT, None, "alice")] * 3 + [
+        (PROBE_PROMPT, None, "alice"), (PROBE_PROMPT, None, "bob"), PROBE])
+    assert leaked(alice)  # her own earlier requests: suffix decoding at work
+    assert bob == bob_alone and not leaked(bob)
+    assert not leaked(anonymous)
+
+
+def test_api_keys_are_tenants_even_under_the_same_user_name(models):
+    keys = ("key-a", "key-b")
+    [b_alone] = traffic(models, "tenant", [(PROBE_PROMPT, "key-b", "same")], keys)
+    *_, a, b = traffic(models, "tenant", [(OWNER_PROMPT, "key-a", "same")] * 3 + [
+        (PROBE_PROMPT, "key-a", "same"), (PROBE_PROMPT, "key-b", "same")], keys)
+    assert leaked(a)
+    assert b == b_alone and not leaked(b)
+
+
+def test_request_scope_remembers_nothing(models):
+    *_, alice = traffic(models, "request", [(OWNER_PROMPT, None, "alice")] * 3 + [(PROBE_PROMPT, None, "alice")])
+    assert not leaked(alice)
+
+
+def test_owners_beyond_the_limit_are_forgotten_least_recent_first(models):
+    state = Server(models, MODEL, default_method="suffix", methods=["suffix"], memory_owners=2)
+    running = ServerThread(create_app(state))
+    try:
+        for user in ["a", "b", "a", "c"]:
+            stream(running.url, "one two", user=user)
+    finally:
+        running.stop()
+    assert [owner for _, owner in state._owned] == [(None, "a"), (None, "c")]
+
+
+def test_a_growing_index_finds_what_a_plain_search_finds():
+    """An owner's index starts small and grows its hash tables with its log (so a server can keep many):
+    after growing past several table sizes, every lookup still finds the longest earlier matches."""
+    rng = np.random.default_rng(0)
+    index = SuffixIndex(capacity=1 << 16, max_walk=10**6)
+    small = index._bits
+    sequences = [rng.integers(0, 12, size=int(n)).tolist() for n in rng.integers(50, 400, size=60)]
+    for sequence in sequences:
+        index.open()
+        index.extend(sequence)
+    index.close()
+    assert index._bits > small
+    log = [t for s in sequences for t in s + [-1]]
+    for sequence in sequences[:20]:
+        context = np.asarray(sequence[:8])
+        found = index.lookup(context, min_match=4, max_candidates=10**6, max_tokens=1)
+        # a plain search: every position preceded by the context's last 4 tokens, within one sequence
+        expected = {i for i in range(4, len(log)) if log[i] >= 0 and log[i - 4 : i] == sequence[4:8]}
+        assert len(found) == len(expected)
