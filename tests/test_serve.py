@@ -114,6 +114,13 @@ def test_stop_strings_and_seeded_sampling(client, models):
     assert sampled[0] == sampled[1]  # a seed reproduces a sampled answer
 
 
+def test_a_vanishing_temperature_decodes_greedily(client, models):
+    """Found by the fuzz: 1e-152 once turned the logits into inf and NaN (a 500)."""
+    texts = [client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=t).choices[0].text
+             for t in (0, 1e-152, 1e-6)]
+    assert texts[0] == texts[1] == texts[2] == expected(models, "pld", completion_ids(models, PROMPTS[0]), 8)
+
+
 def test_concurrent_requests_each_get_their_own_answer(client, models):
     want = {p: expected(models, "pld", completion_ids(models, p), 16) for p in PROMPTS}
     with ThreadPoolExecutor(4) as pool:
@@ -185,6 +192,84 @@ def test_bad_requests_get_openai_style_errors(server, path, body, status, words)
     error = openai_error(response)
     assert words in error["message"]
     assert error["type"] == "invalid_request_error"
+
+
+CHAT = {"model": MODEL, "max_tokens": 2}
+DEEP = '{"model": "tiny", "prompt": "hi", "stop": ' + "[" * 100_000 + "]" * 100_000 + "}"
+
+
+@pytest.mark.parametrize("path, body, param, words", [
+    # the cases of issue 15, each once a 500 or a silent misreading
+    ("/v1/completions", '{"model": "tiny", "prompt": "\\ud800x"}', None, "not valid JSON"),  # a lone surrogate
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages[0].content", "text part"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+     "messages[0].content", "text part"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content", "text only"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": 2**64}, "seed", "less than"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "\xff\xfe"}', None, "not valid JSON"),  # invalid UTF-8
+    ("/v1/completions", DEEP, None, "not valid JSON"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "8"}, "max_tokens", "integer"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, "stream", "boolean"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "0.5"}, "temperature", "number"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": True}, "max_tokens", "integer"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 5}, "logprobs", "not supported"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True}, "echo", "not supported"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 3}, "best_of", "not supported"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs",
+     "not supported"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     "tools", "not supported"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_token": 8}, "max_token", "Unrecognized"),
+    ("/v1/completions", {"model": MODEL, "prompt": "the " * 200}, "prompt", "maximum context length"),
+    ("/v1/completions", {"model": MODEL, "prompt": 5}, "prompt", "string"),
+    ("/v1/completions", [1, 2], None, "JSON object"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": [""]}, "stop", "empty"),
+])
+def test_client_mistakes_are_4xx_in_openai_format_without_internals(server, path, body, param, words):
+    running, _ = server
+    reply = post(running.url, path, body)
+    assert reply.status_code == 400, reply.text
+    error = openai_error(reply)
+    assert words in error["message"] and error["param"] == param
+    assert "Error:" not in error["message"] and "pydantic" not in error["message"]
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(server):
+    running, _ = server
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": None, "echo": False, "best_of": 1,
+            "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "n": 1, "user": "someone"}
+    assert post(running.url, "/v1/completions", body).status_code == 200
+
+
+@pytest.mark.parametrize("method, path, status, words", [
+    ("GET", "/v1/nowhere", 404, "Invalid URL"),
+    ("POST", "/../../etc/passwd", 404, "Invalid URL"),
+    ("GET", "/v1/completions", 405, "not allowed"),
+    ("DELETE", "/v1/models", 405, "not allowed"),
+])
+def test_unknown_paths_and_methods_are_openai_errors(server, method, path, status, words):
+    running, _ = server
+    reply = request(running.url, method, path)
+    assert reply.status_code == status and words in openai_error(reply)["message"]
+
+
+def test_a_server_error_says_nothing_of_its_cause_and_is_counted(server, monkeypatch):
+    running, state = server
+    before = metric(running.url, 'specdecode_requests_total{endpoint="/v1/completions",status="500"}')
+
+    def broken(prompt):
+        raise RuntimeError("the secret inner workings")
+
+    monkeypatch.setattr(state, "_encode_completion", broken)
+    reply = post(running.url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert reply.status_code == 500
+    error = openai_error(reply)
+    assert error["type"] == "server_error" and "secret" not in reply.text and "RuntimeError" not in reply.text
+    after = metric(running.url, 'specdecode_requests_total{endpoint="/v1/completions",status="500"}')
+    assert after == before + 1
+    assert metric(running.url, "specdecode_waiting_requests") == 0  # its place in the queue was given back
 
 
 def test_the_official_client_raises_on_bad_requests(client):

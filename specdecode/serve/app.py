@@ -63,6 +63,7 @@ log = logging.getLogger("specdecode.serve")
 MEMORY_SCOPES = ("tenant", "request", "server")
 TOKENIZER_THREADS = 2
 NOT_READY_RETRY_SECONDS = 10
+GREEDY_BELOW = 1e-5  # a smaller temperature decodes greedily
 NORMALISED_SHRINK = 3  # a Unicode normaliser (NFC) turns at most three characters into one of a third their bytes
 
 
@@ -267,8 +268,11 @@ class Server:
             raise APIError(400, f"This model's maximum context length is {context} tokens; the request has "
                                 f"{len(prompt_ids)} prompt tokens{asked}.", param=param,
                            code="context_length_exceeded")
-        sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
-                                  top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p)
+        temperature = 1.0 if body.temperature is None else body.temperature
+        if temperature < GREEDY_BELOW:  # as vLLM: below it, logits / temperature leave float32's range
+            temperature = 0.0
+        sampling = SamplingParams(temperature=temperature, top_k=body.top_k or 0,
+                                  top_p=1.0 if body.top_p is None else body.top_p)
         try:
             return GenerationConfig(max_new_tokens=limit or min(self.limits.default_max_tokens, room),
                                     sampling=sampling, stop=tuple(body.stop or ()), seed=body.seed)

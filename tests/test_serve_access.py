@@ -1,0 +1,109 @@
+"""Who may talk to the server: API keys as OpenAI's `Authorization: Bearer`, required beyond loopback;
+a Host allow-list against DNS rebinding; /docs off by default; /metrics behind the key."""
+
+from __future__ import annotations
+
+import sys
+
+import openai
+import pytest
+from fastapi import FastAPI
+
+from specdecode.api import load_models
+from specdecode.cli import main
+from specdecode.errors import UserError
+from specdecode.serve.app import Server, ServerThread, create_app
+from specdecode.serve.guard import Guard, check_exposure
+from test_serve import get, metric, openai_error, post
+
+MODEL = "tiny"
+KEYS = ("key-one", "key-two")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def models(tiny_folder):
+    return load_models(str(tiny_folder), None, dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def keyed(models):
+    running = ServerThread(create_app(Server(models, MODEL, "ar", methods=["ar"]), Guard(api_keys=KEYS)))
+    yield running
+    running.stop()
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def test_every_endpoint_but_the_page_and_health_needs_the_key(keyed):
+    for path in ["/v1/models", "/v1/methods", "/metrics"]:
+        missing, wrong = get(keyed.url, path), get(keyed.url, path, bearer("key-three"))
+        assert missing.status_code == wrong.status_code == 401
+        assert openai_error(missing)["code"] == openai_error(wrong)["code"] == "invalid_api_key"
+        assert "key-three" not in wrong.text and missing.headers["www-authenticate"] == "Bearer"
+        assert get(keyed.url, path, bearer("key-two")).status_code == 200
+    refused = post(keyed.url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert refused.status_code == 401
+    assert get(keyed.url, "/health").status_code == get(keyed.url, "/").status_code == 200
+    assert metric(keyed.url, 'specdecode_requests_total{endpoint="/metrics",status="401"}', bearer("key-one")) >= 1
+
+
+def test_the_official_client_sends_its_key(keyed):
+    reply = openai.OpenAI(base_url=keyed.url + "/v1", api_key="key-one", max_retries=0).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "the cat"}], max_tokens=3, temperature=0)
+    assert reply.usage.completion_tokens <= 3
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=keyed.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_docs_are_off_unless_asked_for_and_then_behind_the_key(keyed, models):
+    assert get(keyed.url, "/docs", bearer("key-one")).status_code == 404
+    assert get(keyed.url, "/openapi.json", bearer("key-one")).status_code == 404
+    documented = ServerThread(create_app(Server(models, MODEL, "ar", methods=["ar"]), Guard(api_keys=KEYS, docs=True)))
+    try:
+        assert get(documented.url, "/openapi.json").status_code == 401
+        assert "/v1/completions" in get(documented.url, "/openapi.json", bearer("key-one")).json()["paths"]
+        assert get(documented.url, "/docs", bearer("key-one")).status_code == 200
+    finally:
+        documented.stop()
+
+
+def test_a_wrong_host_is_refused(keyed, models):
+    port = keyed.url.rsplit(":", 1)[1]
+    for host in ["evil.example", f"evil.example:{port}", "127.0.0.1.evil.example", ""]:
+        reply = get(keyed.url, "/health", {"host": host})
+        assert reply.status_code == 400 and openai_error(reply)["code"] == "invalid_host", host
+    for host in [f"127.0.0.1:{port}", f"localhost:{port}", "LOCALHOST.", f"[::1]:{port}"]:
+        assert get(keyed.url, "/health", {"host": host}).status_code == 200, host
+    anyone = ServerThread(create_app(Server(models, MODEL, "ar", methods=["ar"]), Guard(allowed_hosts=("*",))))
+    try:
+        assert get(anyone.url, "/health", {"host": "evil.example"}).status_code == 200
+    finally:
+        anyone.stop()
+
+
+def test_a_server_beyond_loopback_needs_a_key():
+    for host in ["0.0.0.0", "::", "192.168.1.20", "example.com"]:
+        with pytest.raises(UserError, match="API key"):
+            Guard.for_address(host)
+        guard = Guard.for_address(host, api_keys=("k",), allowed_hosts=("my.server",))
+        assert "my.server" in guard.allowed_hosts and "localhost" in guard.allowed_hosts
+    for host in ["127.0.0.1", "localhost", "::1", "127.0.0.2"]:
+        check_exposure(host, Guard())
+    unkeyed = FastAPI()  # never served: refused before it binds
+    unkeyed.state.guard = Guard()
+    with pytest.raises(UserError, match="API key"):
+        ServerThread(unkeyed, host="0.0.0.0")
+
+
+def test_the_command_refuses_to_listen_beyond_loopback_without_a_key(monkeypatch, capsys, tiny_folder):
+    monkeypatch.delenv("SPECDECODE_API_KEY", raising=False)
+    monkeypatch.setattr(sys, "argv", ["specdecode", "serve", "--host", "0.0.0.0", "--target", str(tiny_folder),
+                                      "--no-drafter", "--method", "ar"])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2
+    assert "API key" in capsys.readouterr().err
