@@ -424,8 +424,9 @@ class Server:
 
 async def _disconnected(request: Request) -> None:
     """Returns once the client has disconnected (the body was read already: nothing else arrives)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    with contextlib.suppress(Exception):  # a connection that fails is one that left
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
 
 def _step_payload(step: Step) -> dict:
