@@ -8,12 +8,14 @@ import sys
 import openai
 import pytest
 from fastapi import FastAPI
+from websockets.sync.client import connect
 
 from specdecode.api import load_models
 from specdecode.cli import main
 from specdecode.errors import UserError
 from specdecode.serve.app import Server, ServerThread, create_app
 from specdecode.serve.guard import Guard, check_exposure
+from test_demo_page import CHROMIUM, Browser
 from test_serve import get, metric, openai_error, post
 
 MODEL = "tiny"
@@ -107,3 +109,22 @@ def test_the_command_refuses_to_listen_beyond_loopback_without_a_key(monkeypatch
         main()
     assert exit_info.value.code == 2
     assert "API key" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (`make chromium` installs it)")
+def test_the_page_asks_for_the_key(keyed, tmp_path):
+    browser = Browser(tmp_path / "profile")
+    try:
+        with connect(browser.address, max_size=2**26, open_timeout=30) as socket:
+            browser.socket = socket
+            browser.call("Page.navigate", url=keyed.url + "/")
+            assert "API key" in browser.wait_for("document.getElementById('panes').textContent")
+            assert browser.js("document.getElementById('key-label').hidden") is False
+            browser.js("const key = document.getElementById('api-key'); key.value = 'key-two'; "
+                       "key.dispatchEvent(new Event('change'))")
+            browser.wait_for("document.querySelectorAll('#method option').length > 0")
+            browser.js("document.getElementById('max-tokens').value = '4'; document.getElementById('run').click()")
+            browser.wait_for("!document.getElementById('run').disabled && document.querySelectorAll('.tok').length > 0")
+            assert browser.js("document.querySelectorAll('.output .tok').length") == 4
+    finally:
+        browser.close()

@@ -248,6 +248,10 @@ class Server:
 
     def _answer_limit(self, body: SamplingRequest) -> int | None:
         limit = body.answer_limit() if isinstance(body, ChatRequest) else body.max_tokens
+        context = self.models.target.max_context
+        if limit is not None and limit >= context:  # with any prompt at all
+            raise APIError(400, f"This model's maximum context length is {context} tokens; the request asks for "
+                                f"{limit} to generate.", param="max_tokens", code="context_length_exceeded")
         if limit is not None and limit > self.limits.max_tokens:
             raise APIError(400, f"max_tokens is at most {self.limits.max_tokens} on this server; the request "
                                 f"asks for {limit}.", param="max_tokens")
