@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup models llama-server chromium demo test test-fast bench
+.PHONY: setup models llama-server chromium demo test test-peers test-fast bench
 
 setup: $(VENV)/.installed
 
@@ -36,9 +36,15 @@ chromium:
 demo: models
 	$(VENV)/bin/specdecode demo
 
-# The whole suite, real-model tests included (what CI runs).
-test: models llama-server chromium
+# The whole suite, real-model tests included (what CI runs). The tests of llama-server as a peer skip
+# until `make llama-server` has built it: see test-peers.
+test: models chromium
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# llama.cpp's own server as the benchmark's peer: builds it (about 7 minutes, once) and runs the tests
+# that need it. Slow and optional, so apart from `test`; CI runs it after `test` when time allows.
+test-peers: models llama-server
+	$(PY) -m pytest -m peers $(PYTEST_ARGS)
 
 # Tiny models only: no model download, a minute or two.
 test-fast: setup

@@ -11,9 +11,11 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from specdecode.drafters.medusa import MedusaHeads
+from specdecode.models import costs
 from specdecode.models.hf import HFCausalLM
 
 VOCAB = 97
+REAL_MEASURE = costs.measure  # before the session's fixture fixes every curve (`fixed_measure`)
 
 
 def tiny_qwen2(
@@ -76,16 +78,39 @@ def small_default_datastore(tmp_path_factory):
     patch.undo()
 
 
+FIXED_SLOPE = 0.05  # the cost curve every test model gets: width nearly free, as on a bf16-capable CPU
+
+
+def fixed_measure(model, sizes=None, *args, **kwargs):
+    """A cost curve for tests that no clock decides: a forward over n tokens costs 1 + 0.05 (n - 1), and a
+    one-token forward's seconds are proportional to the model's weight bytes (so a draft model's relative
+    cost is the ratio of the two models' sizes). A measured curve follows how busy the machine is, and
+    with it what the gate verifies, which a test must not depend on."""
+    curve = costs.CostCurve.linear(FIXED_SLOPE, sizes or costs.SIZES)
+    return costs.CostCurve(curve.sizes, curve.relative, seconds=model.weight_bytes_per_token * 1e-11)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def cost_curves_in_a_temporary_folder(tmp_path_factory):
-    """Tiny test models get their cost curves measured into a temporary folder, not the user's cache."""
-    from specdecode.models import costs
+    """Test models get fixed cost curves (`fixed_measure`), cached in a temporary folder, not the user's
+    cache; tests of measurement itself ask for `real_measure`."""
+    from specdecode.models.base import CausalLM
 
     folder = tmp_path_factory.mktemp("costs")
     patch = pytest.MonkeyPatch()
     patch.setattr(costs, "cache_root", lambda: folder)
+    patch.setattr(costs, "measure", fixed_measure)
+    # the fixed curve as it is: not a LiveCurve, which would follow the timings of the test's forwards
+    patch.setattr(CausalLM, "cost_curve", lambda self: costs.cached(self, self.cost_key))
     yield folder
     patch.undo()
+
+
+@pytest.fixture
+def real_measure(monkeypatch):
+    """costs.measure as it is: timing forwards."""
+    monkeypatch.setattr(costs, "measure", REAL_MEASURE)
+    return REAL_MEASURE
 
 
 @pytest.fixture(scope="session")

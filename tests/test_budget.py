@@ -186,9 +186,9 @@ def test_calibration_forgets_old_evidence():
 # --- Measuring a curve ----------------------------------------------------------------------------
 
 
-def test_measure_on_a_tiny_model(tiny_target):
+def test_measure_on_a_tiny_model(tiny_target, real_measure):
     lm = HFCausalLM(tiny_target)
-    curve = costs.measure(lm, sizes=(1, 2, 4), context=16, repeats=2)
+    curve = real_measure(lm, sizes=(1, 2, 4), context=16, repeats=2)
     assert curve.sizes == (1, 2, 4)
     assert curve.relative[0] == 1.0
     assert all(math.isfinite(r) and r > 0 for r in curve.relative)

@@ -41,7 +41,15 @@ def plain(models) -> list[tuple[list[int], list[int]]]:
 ON_EVERY_PROMPT = ("draft", "draft-tree", "draft-tree-fixed", "pld", "pld-tree", "composite")
 
 
+# In float32 a forward over k tokens rounds differently from k one-token forwards by about 1e-5 in a
+# logit: only a top-1/top-2 margin that small can flip between the two (bf16 and llama.cpp: up to 0.25).
+FLOAT32_TIE = 1e-3
+
+
 def test_greedy_speculative_equals_plain_on_real_pair(models, plain):
+    """Every method's greedy output is plain decoding's, token for token, or parts from it only at a
+    diagnosed float32 near-tie. The cost curves are fixed (tests/conftest.py), so what the gate verifies,
+    and hence which forwards are batched, does not follow how busy the machine is."""
     for number, (prompt, (ids, reference)) in enumerate(zip(PROMPTS, plain)):
         assert len(reference) > 10
         for name in variant_names():  # chains and trees
@@ -49,14 +57,15 @@ def test_greedy_speculative_equals_plain_on_real_pair(models, plain):
                 continue
             result = models.engine(name).generate(ids, CONFIG)
             divergence = diagnose(models.target, ids, reference, result.token_ids)
-            assert divergence is None, f"{name} on {prompt[:30]!r}: {divergence.describe()}"
+            if divergence is not None:
+                assert divergence.margin < FLOAT32_TIE, f"{name} on {prompt[:30]!r}: {divergence.describe()}"
+                continue
             assert result.token_ids == reference
             if name.startswith("draft"):  # the 0.5B agrees with the 1.5B often; a broken one would not
-                # (how long the drafts are follows the cost curve measured on this machine at that
-                # moment, so tokens per step and acceptance vary from run to run: seen 1.9 and 59%)
-                assert result.mean_accepted_tokens > 1.3, name
+                # (seen: 2.6-3.0 tokens per step and 70-80% acceptance with the fixed curve)
+                assert result.mean_accepted_tokens > 1.5, name
                 if name == "draft":
-                    assert result.acceptance_rate > 0.35
+                    assert result.acceptance_rate > 0.4
 
 
 def test_the_shipped_heads_guess_tokens_the_target_accepts(models, plain):

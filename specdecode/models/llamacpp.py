@@ -69,6 +69,13 @@ def tree_sequences(mask: torch.Tensor) -> list[list[int]] | None:
     return seqs
 
 
+def shared_prefix(mask: torch.Tensor) -> int:
+    """How many leading tokens form a causal chain that every later token attends to. mask: [n, n] bool."""
+    n = mask.shape[0]
+    seen_by_all_after = mask.tril().sum(dim=0) == torch.arange(n, 0, -1)  # [n]: column j true in rows j..n-1
+    return n if bool(seen_by_all_after.all()) else int((~seen_by_all_after).nonzero()[0])
+
+
 class LlamaCppLM(CausalLM):
     """A GGUF model in a llama.cpp context, holding one sequence."""
 
@@ -160,6 +167,14 @@ class LlamaCppLM(CausalLM):
         if max(positions, default=-1) >= self.max_context:  # llama.cpp would abort the process
             raise UserError(f"position {max(positions)} is beyond this context's {self.max_context} tokens")
         seqs = None
+        if tree_mask is not None and n > MAX_BATCH and tree_mask.shape[1] == n:
+            # a long pending context (a prompt, on the first step) before a tree: decode the part of it
+            # that every tree token sees as a chain first, then the rest with the tree
+            peel = min(shared_prefix(tree_mask), n - num_logits)
+            if peel:
+                self.forward(token_ids[:peel], positions=torch.tensor(positions[:peel]), num_logits=0)
+                return self.forward(token_ids[peel:], positions=torch.tensor(positions[peel:]),
+                                    tree_mask=tree_mask[peel:, peel:], num_logits=num_logits)
         if tree_mask is not None:
             if tree_mask.shape[1] != n:
                 raise UserError("the llama.cpp backend verifies token trees but cannot grow one in its own cache")
