@@ -35,7 +35,7 @@ from specdecode.drafters.base import Drafter
 from specdecode.engine.loop import GenerationConfig, GenerationResult, Progress, StepEvent, check_prompt
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
-from specdecode.models.costs import CostCurve
+from specdecode.models.costs import CostCurve, LiveCurve
 from specdecode.tree import structure as tree
 from specdecode.tree.budget import cut_batch
 from specdecode.types import Draft
@@ -66,7 +66,7 @@ class BatchEngine:
         self._ids = itertools.count()
 
     @functools.cached_property
-    def curve(self) -> CostCurve:
+    def curve(self) -> CostCurve | LiveCurve:
         """The target's verification cost curve, as `SpeculativeEngine.curve`."""
         return self.target.cost_curve()
 
@@ -139,6 +139,8 @@ class BatchEngine:
         logits = self.target.forward(torch.cat(fed), positions=torch.cat(positions), tree_mask=mask,
                                      rows=torch.cat(rows)).logits
         forward_seconds = time.perf_counter() - start
+        if self.gate:
+            self.curve.observe(total, forward_seconds)
         # 3. Verify each sequence on its rows; keep the slots of its context and accepted tokens.
         out, row = [], 0
         for ident, m, p, draft, (offset, n, _), spent in zip(idents, members, pending, drafts, spans, draft_seconds):

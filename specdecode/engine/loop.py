@@ -14,7 +14,7 @@ from specdecode.drafters.base import Drafter
 from specdecode.engine.stopping import TextTracker
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
-from specdecode.models.costs import CostCurve
+from specdecode.models.costs import CostCurve, LiveCurve
 from specdecode.types import AuxiliaryTokens, Draft, SamplingParams, StepStats, TokenOrigin, Verdict
 from specdecode.tree import structure as tree
 from specdecode.tree.budget import cut_chain
@@ -260,6 +260,7 @@ class SpeculativeEngine:
         tree_budget: int | str | None = None,
         gate: bool = True,
         verifier=verify,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self.target = target
         self.tokenizer = tokenizer
@@ -269,11 +270,12 @@ class SpeculativeEngine:
         self.gate = gate  # cut scored chains to the prefix that pays (see step)
         # exact (lossless) verification unless a lossy method brings its own (verify.typical)
         self.verifier = verifier
+        self.clock = clock  # times the target's forwards, which keep its cost curve honest
 
     @functools.cached_property
-    def curve(self) -> CostCurve:
-        """The target's verification cost curve (measured on first use, then cached per machine; a test
-        may assign its own)."""
+    def curve(self) -> CostCurve | LiveCurve:
+        """The target's verification cost curve (measured on first use, cached per machine, corrected by
+        the forwards this engine times; a test may assign a fixed one)."""
         return self.target.cost_curve()
 
     def step(
@@ -291,7 +293,10 @@ class SpeculativeEngine:
         pending = context[self.target.cache_length :]
         draft = self.drafter.propose(context, room, params, generator) if self.drafter and room > 0 else Draft.empty()
         if self.gate and draft.scores is not None:
-            draft = cut_chain(draft, self.curve, pending=len(pending))
+            cut = cut_chain(draft, self.curve, pending=len(pending))
+            # now and then one size wider than pays, to time it again (`LiveCurve.probe`)
+            probe = self.curve.probe(len(pending) + len(cut)) if len(cut) < len(draft) else None
+            draft = cut if probe is None else draft.prefix(max(len(cut), probe - len(pending)))
         drafted = time.perf_counter()
         # 2. Verify: one target forward over the tokens it has not seen yet plus the draft gives the
         #    target's distribution after the context and after every draft token (for a tree, after every
@@ -306,8 +311,11 @@ class SpeculativeEngine:
                 fed, positions, tree_mask, draft.auxiliary, len(pending), len(context))
         rows = fed.numel() - len(pending) + 1  # from the last context token's on
         hidden_wanted = self.drafter is not None and self.drafter.wants_hidden
+        forward_start = self.clock()
         out = self.target.forward(fed, positions=positions, tree_mask=tree_mask, num_logits=rows,
                                   output_hidden=hidden_wanted)
+        if self.gate and self.drafter is not None:
+            self.curve.observe(fed.numel(), self.clock() - forward_start)
         logits = out.logits
         # 3. Accept the longest admissible prefix (or tree path) and add the correction or bonus token.
         verdict = self.verifier(logits[: len(draft) + 1], draft, params, generator)  # [draft_len + 1, vocab]

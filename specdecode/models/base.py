@@ -92,8 +92,11 @@ class CausalLM(abc.ABC):
         return f"{type(self).__name__}|{self.vocab_size}|{self.weight_bytes_per_token}"
 
     def cost_curve(self):
-        """The measured cost of a forward over n tokens relative to one (`models.costs.CostCurve`),
-        measured on first use on this machine and cached."""
+        """The cost of a forward over n tokens relative to one (`models.costs.LiveCurve`): measured on first
+        use on this machine and cached, then corrected by the forwards the engine times. One per model,
+        shared by its engines and drafters."""
         from specdecode.models import costs
 
-        return costs.cached(self, self.cost_key)
+        if getattr(self, "_live_curve", None) is None:
+            self._live_curve = costs.live(self)
+        return self._live_curve

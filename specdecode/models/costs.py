@@ -9,6 +9,7 @@ cached as JSON under the package cache; tree drafters size their trees from it.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import platform
@@ -52,10 +53,90 @@ class CostCurve:
             return max(costs[-1] + slope * (n - sizes[-1]), FLOOR)
         return max(min(c for size, c in zip(sizes, costs) if size >= n), FLOOR)
 
+    def observe(self, n: int, seconds: float) -> None:
+        """A fixed curve learns nothing from timings (`LiveCurve` does)."""
+
+    def probe(self, widest: int) -> int | None:
+        """A fixed curve has nothing to probe."""
+        return None
+
     @staticmethod
     def linear(slope: float, sizes: tuple[int, ...] = SIZES) -> CostCurve:
         """A curve 1 + slope * (n - 1): slope 1 is a machine where width costs as much as depth."""
         return CostCurve(sizes, tuple(1 + slope * (n - 1) for n in sizes))
+
+
+class LiveCurve:
+    """A cost curve that corrects itself from the forwards the engine times (`observe`).
+
+    It starts from a measured curve (the prior, measured once per machine and cached) and keeps, for each
+    measured size, the median of the latest forwards of that size (a forward of n tokens counts for the
+    smallest measured size of at least n); the first forward timed of a size replaces the prior's figure,
+    and no size is estimated cheaper than a narrower one. A curve measured in a busy moment is thus corrected within a
+    few steps, and a quiet curve follows the machine when it gets busy. Sizes the gate has stopped
+    verifying would never be timed again, so the engine asks `probe` for one size just beyond the widest
+    that paid recently, once every `PROBE_EVERY` forwards, and verifies that much: lossless, and a few
+    percent of the time at worst.
+
+    Reads like a CostCurve: `curve(n)`, `sizes`, `relative`, `seconds`."""
+
+    WINDOW = 7  # latest forwards per size whose median is the estimate
+    PROBE_EVERY = 24  # forwards between probes of a size that has not been timed for as long
+
+    def __init__(self, prior: CostCurve, on_change=None):
+        self.sizes = prior.sizes
+        seconds = prior.seconds or 1.0
+        self._times: list[list[float]] = [[r * seconds] for r in prior.relative]  # per size, latest first
+        self._timed = [False] * len(self.sizes)  # whether each size has been timed (else: the prior's figure)
+        self._last_seen = [0] * len(self.sizes)  # forward count when each size was last timed or probed
+        self._forwards = 0
+        self._snapshot: CostCurve | None = None
+        self._on_change = on_change  # called with the current curve now and then (to cache it)
+
+    def _index(self, n: int) -> int | None:
+        return next((i for i, size in enumerate(self.sizes) if size >= n), None)
+
+    def observe(self, n: int, seconds: float) -> None:
+        """A forward over n new tokens took `seconds`."""
+        self._forwards += 1
+        i = self._index(n)
+        if i is None or not seconds > 0:
+            return
+        kept = self._times[i][: self.WINDOW - 1] if self._timed[i] else []  # the first timing replaces the prior
+        self._times[i], self._timed[i] = [seconds, *kept], True
+        self._last_seen[i] = self._forwards
+        self._snapshot = None
+        if self._on_change is not None and self._forwards % 256 == 0:
+            self._on_change(self.current())
+
+    def current(self) -> CostCurve:
+        """The curve as it stands."""
+        if self._snapshot is None:
+            # never less than a narrower forward: a wide size timed in a quiet moment (or the prior's figure)
+            # must not make every narrower forward look cheap once the narrow ones are timed busy
+            estimates = list(itertools.accumulate((_median(times) for times in self._times), max))
+            self._snapshot = CostCurve(self.sizes, tuple(e / estimates[0] for e in estimates), estimates[0])
+        return self._snapshot
+
+    def probe(self, widest: int) -> int | None:
+        """A forward size worth timing again, or None: the next measured size beyond `widest` (the widest
+        forward that paid lately) when it has not been timed for PROBE_EVERY forwards."""
+        i = self._index(widest + 1)
+        if i is None or self._forwards - self._last_seen[i] < self.PROBE_EVERY:
+            return None
+        self._last_seen[i] = self._forwards  # one probe per period, whether or not the draft fills it
+        return self.sizes[i]
+
+    def __call__(self, n: int) -> float:
+        return self.current()(n)
+
+    @property
+    def relative(self) -> tuple[float, ...]:
+        return self.current().relative
+
+    @property
+    def seconds(self) -> float:
+        return self.current().seconds
 
 
 def _median(values: list[float]) -> float:
@@ -108,21 +189,38 @@ def draft_cost(draft: CausalLM, target: CausalLM) -> float:
     return draft.cost_curve().seconds / target.cost_curve().seconds
 
 
-def cached(model: CausalLM, key: str) -> CostCurve:
-    """The model's curve on this machine, measured on first use and cached.
-
-    `key` names the model and backend (weights, dtype); the machine's CPU, thread count and torch version
-    are added to it.
-    """
+def _path(key: str) -> Path:
     digest = hashlib.sha256(f"{key}|{_machine()}|{SIZES}".encode()).hexdigest()[:16]
-    path = cache_root() / f"{digest}.json"
-    if path.exists():
-        data = json.loads(path.read_text())
-        return CostCurve(tuple(data["sizes"]), tuple(data["relative"]), data["seconds"])
-    curve = measure(model)
+    return cache_root() / f"{digest}.json"
+
+
+def store(key: str, curve: CostCurve) -> None:
+    """Cache `curve` as the model's on this machine (atomically: concurrent processes may write too)."""
+    path = _path(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"key": key, "machine": _machine(), "sizes": curve.sizes, "relative": curve.relative,
                                "seconds": curve.seconds}))
     tmp.replace(path)
+
+
+def cached(model: CausalLM, key: str) -> CostCurve:
+    """The model's curve on this machine, measured on first use and cached.
+
+    `key` names the model and backend (weights, dtype); the machine's CPU, thread count and torch version
+    are added to it. A `LiveCurve` built on it stores its corrections back (`store`), so a curve measured
+    in a busy moment does not stay wrong in the cache.
+    """
+    path = _path(key)
+    if path.exists():
+        data = json.loads(path.read_text())
+        return CostCurve(tuple(data["sizes"]), tuple(data["relative"]), data["seconds"])
+    curve = measure(model)
+    store(key, curve)
     return curve
+
+
+def live(model: CausalLM) -> LiveCurve:
+    """A LiveCurve from the model's cached curve, storing its corrections back."""
+    key = model.cost_key
+    return LiveCurve(cached(model, key), on_change=lambda curve: store(key, curve))

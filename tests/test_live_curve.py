@@ -1,0 +1,131 @@
+"""The cost curve corrects itself from the forwards the engine times (`LiveCurve`), with a fake clock: a
+curve measured in a busy moment does not switch speculation off for good, and a quiet curve does not
+keep it on when the machine gets busy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+from specdecode.engine import GenerationConfig, SpeculativeEngine
+from specdecode.models.costs import CostCurve, LiveCurve
+from specdecode.models.hf import HFCausalLM
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TimedLM(HFCausalLM):
+    """A tiny model whose forwards take, on a fake clock, what `slope` says: 1 + slope * (n - 1) units."""
+
+    def __init__(self, model, clock: FakeClock, slope: float):
+        super().__init__(model)
+        self.clock, self.slope = clock, slope
+
+    def forward(self, token_ids, **kwargs):
+        self.clock.now += 1.0 + self.slope * (token_ids.numel() - 1)
+        return super().forward(token_ids, **kwargs)
+
+
+def test_estimates_are_medians_of_the_latest_forwards():
+    curve = LiveCurve(CostCurve.linear(1.0, sizes=(1, 2, 4, 8)))  # seconds 0: one unit per token
+    assert curve(4) == pytest.approx(4.0)
+    for seconds in (2.0, 2.0, 50.0):  # one outlier among the latest forwards of 4 tokens
+        curve.observe(4, seconds)
+    curve.observe(3, 2.0)  # three tokens count as a forward of the next measured size, 4
+    assert curve(4) == pytest.approx(2.0)
+    assert curve(8) == pytest.approx(8.0) and curve.seconds == pytest.approx(1.0)  # untouched sizes keep the prior
+    for _ in range(LiveCurve.WINDOW):
+        curve.observe(1, 0.5)  # single-token forwards got faster: everything relative to them is dearer
+    assert curve.seconds == pytest.approx(0.5) and curve(4) == pytest.approx(4.0)
+    curve.observe(100, 1.0)  # beyond the measured sizes: ignored
+    assert curve(8) == pytest.approx(16.0)
+
+
+def test_probes_one_size_beyond_the_widest_that_pays_once_a_period():
+    curve = LiveCurve(CostCurve.linear(1.0, sizes=(1, 2, 4, 8)))
+    assert curve.probe(1) is None  # nothing has been timed yet: the prior is fresh
+    probes = []
+    for _ in range(3 * LiveCurve.PROBE_EVERY):
+        curve.observe(1, 1.0)
+        probes.append(curve.probe(1))
+    assert [p for p in probes if p is not None] == [2, 2, 2]  # the next measured size after 1, every period
+    assert curve.probe(8) is None  # nothing measured beyond the widest size
+
+
+PROMPT = random_prompts(1, seed=21, low=20, high=21)[0] * 6  # repeats itself: prompt lookup drafts every step
+CONFIG = GenerationConfig(max_new_tokens=160, ignore_eos=True)
+
+
+def _late_drafted(result) -> int:
+    """Draft tokens verified in the second half of the steps."""
+    return sum(s.drafted for s in result.steps[len(result.steps) // 2 :])
+
+
+def _engine(target, clock, prior: CostCurve | None) -> SpeculativeEngine:
+    drafter = PromptLookupDrafter(num_tokens=8, ramp_up=False)  # offers 8 tokens whenever it finds a match
+    engine = SpeculativeEngine(target, drafter=drafter, clock=clock, gate=prior is not None)
+    if prior is not None:
+        engine.curve = LiveCurve(prior)
+    return engine
+
+
+def test_a_curve_measured_while_busy_is_corrected(tiny_target):
+    """The prior says width is dear (each token costs a full forward): no draft pays and none is verified.
+    The forwards actually cost 1 + 0.02 (n - 1): the probes time wider forwards, the curve learns that
+    they are cheap, and speculation comes back within the generation. Output as plain decoding's."""
+    clock = FakeClock()
+    target = TimedLM(tiny_target, clock, slope=0.02)
+    engine = _engine(target, clock, CostCurve.linear(1.0))
+    result = engine.generate(PROMPT, CONFIG)
+    ungated = _engine(target, clock, None).generate(PROMPT, CONFIG)
+    assert result.token_ids == ungated.token_ids
+    assert _late_drafted(result) >= 0.8 * _late_drafted(ungated) > 0  # drafting again, about all it is offered
+    assert engine.curve(2) < 1.1
+
+
+def test_a_quiet_curve_follows_the_machine_when_it_gets_busy(tiny_target):
+    """The prior says width is nearly free and drafts are verified whole; then every token a forward
+    carries costs two single-token forwards (a machine busy elsewhere), so no draft can pay, and the gate
+    stops verifying them, but for a probe now and then."""
+    clock = FakeClock()
+    target = TimedLM(tiny_target, clock, slope=0.02)
+    engine = _engine(target, clock, CostCurve.linear(0.02))
+    quiet = engine.generate(PROMPT, CONFIG)
+    assert _late_drafted(quiet) >= 0.8 * _late_drafted(_engine(target, clock, None).generate(PROMPT, CONFIG)) > 0
+    target.slope = 2.0
+    busy = engine.generate(PROMPT, CONFIG)
+    late = busy.steps[len(busy.steps) // 2 :]
+    assert _late_drafted(busy) <= len(late) // LiveCurve.PROBE_EVERY + 1  # one-token probes only
+    assert busy.token_ids == quiet.token_ids
+    assert engine.curve(2) > 2.5
+
+
+def test_a_corrected_curve_is_stored_for_the_next_process(tiny_target, monkeypatch):
+    from specdecode.models import costs
+
+    stored = []
+    monkeypatch.setattr(costs, "store", lambda key, curve: stored.append((key, curve)))
+    curve = costs.live(HFCausalLM(tiny_target))
+    before = len(stored)  # (the prior, measured and stored on first use)
+    for _ in range(256):
+        curve.observe(1, 1.0)
+    assert len(stored) == before + 1 and stored[-1][1] == curve.current()
+
+
+def test_the_engine_times_only_the_forward(tiny_target):
+    clock = FakeClock()
+    target = TimedLM(tiny_target, clock, slope=0.5)
+    engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(num_tokens=4), clock=clock)
+    engine.curve = LiveCurve(CostCurve.linear(0.5, sizes=(1, 2, 3, 4, 5, 6)))
+    engine.generate(PROMPT, GenerationConfig(max_new_tokens=30, ignore_eos=True))
+    torch.testing.assert_close(torch.tensor(engine.curve.relative), torch.tensor(CostCurve.linear(0.5, sizes=(1, 2, 3, 4, 5, 6)).relative))
