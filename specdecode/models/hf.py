@@ -6,6 +6,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specdecode.models.base import CausalLM, ForwardOutput
+from specdecode.models.int8 import InvariantInt8Linear
 
 
 def _eos_ids(model: PreTrainedModel) -> frozenset[int]:
@@ -44,6 +45,8 @@ class HFCausalLM(CausalLM):
         for module in self.model.modules():  # int8 Linear layers keep their weights outside parameters()
             if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
                 total += module.weight().numel()  # one byte each
+            elif isinstance(module, InvariantInt8Linear):
+                total += module.weight_bytes
         return total
 
     @property

@@ -1,0 +1,102 @@
+"""The batch-invariant int8 path: a row's output is bitwise the same alone or in any batch (reference vs
+fast: against the float product it approximates), and a whole int8 model decodes a token the same in a
+forward of one token as in a forward of many, so speculative decoding on it is exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import random_prompts, tiny_qwen2
+from specdecode.models.hf import HFCausalLM
+from specdecode.models.int8 import InvariantInt8Linear, quantize_invariant
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    in_features=st.integers(2, 300),
+    out_features=st.integers(1, 200),
+    rows=st.integers(1, 40),
+    outlier=st.floats(1.0, 1000.0),
+    offset=st.floats(-50.0, 50.0),
+    bias=st.booleans(),
+)
+def test_each_row_is_computed_alone(seed, in_features, out_features, rows, outlier, offset, bias):
+    g = torch.Generator().manual_seed(seed)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=g))
+    layer = InvariantInt8Linear.from_linear(linear)
+    x = torch.randn(rows, in_features, generator=g) + offset * torch.rand(rows, 1, generator=g)
+    x[:, int(torch.randint(in_features, (), generator=g))] *= outlier  # a channel of large activations
+    together = layer(x)  # [rows, out]
+    for i in range(rows):
+        assert torch.equal(layer(x[i : i + 1]), together[i : i + 1])
+    split = int(torch.randint(1, rows + 1, (), generator=g))
+    assert torch.equal(torch.cat([layer(x[:split]), layer(x[split:])]) if split < rows else layer(x), together)
+
+
+def test_close_to_the_float_product():
+    g = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(256, 128)
+    x = torch.randn(16, 256, generator=g) + 3.0  # rows far from centred: the row centres are carried exactly
+    with torch.no_grad():
+        expected = linear(x)
+        error = (InvariantInt8Linear.from_linear(linear)(x) - expected).norm() / expected.norm()
+    assert error < 0.02
+
+
+def test_constant_rows_and_leading_dimensions():
+    linear = torch.nn.Linear(8, 3)
+    layer = InvariantInt8Linear.from_linear(linear)
+    x = torch.full((2, 5, 8), 0.5)  # constant rows: their range is empty
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), linear(x), atol=0.02, rtol=0.02)
+    assert layer(torch.zeros(1, 8)).isfinite().all()
+
+
+def test_a_model_scores_a_token_the_same_in_any_forward():
+    """The tiny Qwen2 with every Linear int8: the logits of the last prompt token and of each following
+    token are bitwise equal whether the tokens come one per forward or all in one."""
+    model = quantize_invariant(tiny_qwen2(seed=3, layers=2))
+    prompt = random_prompts(1, seed=4, low=10, high=11)[0]
+    continuation = [5, 17, 42, 8, 60, 3]
+    one_by_one = HFCausalLM(model)
+    rows = [one_by_one.forward(torch.tensor(prompt), num_logits=1).logits[0]]
+    for token in continuation:
+        rows.append(one_by_one.forward(torch.tensor([token])).logits[0])
+    at_once = HFCausalLM(model)
+    at_once.forward(torch.tensor(prompt[:-1]))
+    logits = at_once.forward(torch.tensor(prompt[-1:] + continuation)).logits  # [7, vocab]
+    for i, row in enumerate(rows):
+        assert torch.equal(logits[i], row), i
+
+
+def test_tree_nodes_score_as_their_paths_decoded_one_by_one():
+    """A token tree's nodes (keys gathered from the cache, not a prefix) get the logits of decoding their
+    root-to-node paths one token at a time, bitwise."""
+    from specdecode.tree import structure
+
+    model = quantize_invariant(tiny_qwen2(seed=5, layers=2))
+    prompt = random_prompts(1, seed=6, low=12, high=13)[0]
+    parents = torch.tensor([-1, 0, -1, 2, 0, 1])
+    tokens = [7, 8, 9, 10, 11, 12]
+    tree_lm = HFCausalLM(model)
+    tree_lm.forward(torch.tensor(prompt[:-1]))
+    positions, mask = structure.verification_inputs(parents, num_pending=1, context_length=len(prompt))
+    logits = tree_lm.forward(torch.tensor(prompt[-1:] + tokens), positions=positions, tree_mask=mask).logits
+    for node in range(len(tokens)):
+        path, at = [], node
+        while at >= 0:
+            path.insert(0, tokens[at])
+            at = int(parents[at])
+        plain = HFCausalLM(model)
+        row = plain.forward(torch.tensor(prompt), num_logits=1).logits[0]
+        for token in path:
+            row = plain.forward(torch.tensor([token])).logits[0]
+        assert torch.equal(logits[node + 1], row), node
