@@ -118,7 +118,7 @@ def test_the_page_asks_for_the_key(keyed, tmp_path):
         with connect(browser.address, max_size=2**26, open_timeout=30) as socket:
             browser.socket = socket
             browser.call("Page.navigate", url=keyed.url + "/")
-            assert "API key" in browser.wait_for("document.getElementById('panes').textContent")
+            assert "API key" in browser.wait_for("document.getElementById('panes')?.textContent")
             assert browser.js("document.getElementById('key-label').hidden") is False
             browser.js("const key = document.getElementById('api-key'); key.value = 'key-two'; "
                        "key.dispatchEvent(new Event('change'))")
