@@ -52,7 +52,7 @@ def main() -> None:
     methods = args.methods.split(",")
 
     models = load_models(dtype="bfloat16", progress=False)
-    server = Server(models, "default", default_method=methods[0], max_batch=max(levels))
+    server = Server(models, "default", default_method=methods[0], max_batch=max(levels), methods=methods)
     running = ServerThread(create_app(server))
     client = openai.OpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0, timeout=3600)
     needed = args.prompts

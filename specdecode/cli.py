@@ -225,8 +225,8 @@ def serve(
              "(repeatable; '*': any). Guards against DNS rebinding.")] = None,
     methods: Annotated[str | None, typer.Option(
         help="Comma-separated methods clients may pick (tree forms included), all prepared at start-up "
-             "(default: every method; --method is prepared at start-up, the others in the background, "
-             "answering 503 until ready).")] = None,
+             "(default: every method; --method is prepared at start-up, another on its first request, in "
+             "the background, answering 503 until ready).")] = None,
     max_tokens: Annotated[int, typer.Option(min=1, help="The most tokens a request may generate.")] = 4096,
     default_max_tokens: Annotated[int, typer.Option(
         min=1, help="Tokens a chat request that names no max_tokens generates at most.")] = 512,

@@ -222,28 +222,32 @@ def test_a_cold_method_answers_503_while_the_others_run(models):
         return Models.engine(slow, method, **options)
 
     slow.engine = engine
-    state = Server(slow, MODEL, default_method="pld", methods=["pld", "ar", "jacobi", "eagle"], prepare=["pld", "ar"])
+    state = Server(slow, MODEL, default_method="pld", methods=["pld", "ar", "jacobi", "lookahead", "eagle"],
+                   prepare=["pld", "ar"])
     running = ServerThread(create_app(state))
     try:
-        assert begun.wait(60)
-        cold = post(running.url, "/v1/completions", completion("jacobi", 4))
+        status = {m["id"]: m["status"] for m in get(running.url, "/v1/methods").json()["data"]}
+        assert status == {"pld": "ready", "ar": "ready", "jacobi": "cold", "lookahead": "cold", "eagle": "cold"}
+        cold = post(running.url, "/v1/completions", completion("jacobi", 4))  # its first request starts it
+        assert begun.is_set()
         assert cold.status_code == 503 and openai_error(cold)["code"] == "method_not_ready"
         assert int(cold.headers["retry-after"]) >= 1
-        status = {m["id"]: m["status"] for m in get(running.url, "/v1/methods").json()["data"]}
-        assert status["jacobi"] == "preparing" and status["pld"] == status["ar"] == "ready"
+        assert {m["id"]: m["status"] for m in get(running.url, "/v1/methods").json()["data"]}["jacobi"] == "preparing"
         # meanwhile the others are served to the end: the preparation stalls them by no step at all
         for method in ["pld", "ar"]:
             reply = post(running.url, "/v1/completions", completion(method, 8))
             assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 8
+        # a method whose preparation is quick is served on its first request
+        assert post(running.url, "/v1/completions", completion("lookahead", 4)).status_code == 200
         release.set()
         state.wait_until_prepared(60)
-        methods = {m["id"]: m for m in get(running.url, "/v1/methods").json()["data"]}
-        assert methods["jacobi"]["status"] == "ready"
         assert post(running.url, "/v1/completions", completion("jacobi", 4)).status_code == 200
         # a method that cannot run here (no trained head for this target) says why, as a 400
-        assert methods["eagle"]["status"] == "unavailable" and methods["eagle"]["reason"]
         eagle = post(running.url, "/v1/completions", completion("eagle", 4))
         assert eagle.status_code == 400 and openai_error(eagle)["code"] == "method_unavailable"
+        methods = {m["id"]: m for m in get(running.url, "/v1/methods").json()["data"]}
+        assert methods["jacobi"]["status"] == "ready"
+        assert methods["eagle"]["status"] == "unavailable" and methods["eagle"]["reason"]
     finally:
         release.set()
         running.stop()

@@ -21,8 +21,9 @@ Several users at once (see also `serve.guard` for keys, hosts and the HTTP limit
   stops its generation within one step.
 - *Preparation*: what a method costs once (the target's and draft's cost curves, a layer search, a
   retrieval datastore) is paid at start-up for the methods a server is given (`methods`; without them,
-  for the default method, the others being prepared in the background and answering 503 until ready);
-  never inside a request.
+  for the default method), or else on a method's first request, in the background at the lowest
+  priority: the request is served if that takes under PREPARE_GRACE, and the method answers 503 until
+  ready otherwise. Never inside a request, never on the worker: no other request waits for it.
 - *The event loop*: tokenizing and templating run on a thread pool; a prompt whose bytes already exceed
   what the context could hold is refused before it is tokenized.
 """
@@ -40,7 +41,8 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Hashable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
 
@@ -65,6 +67,7 @@ log = logging.getLogger("specdecode.serve")
 MEMORY_SCOPES = ("tenant", "request", "server")
 TOKENIZER_THREADS = 2
 NOT_READY_RETRY_SECONDS = 10
+PREPARE_GRACE = 1.0  # seconds a request waits for its method's preparation before a 503
 GREEDY_BELOW = 1e-5  # a smaller temperature decodes greedily
 NORMALISED_SHRINK = 3  # a Unicode normaliser (NFC) turns at most three characters into one of a third their bytes
 
@@ -108,7 +111,7 @@ class Server:
                  prepare: Sequence[str] | None = None, memory_scope: str = "tenant", memory_owners: int = 64):
         """`methods`: those clients may name (default: every one the models can run); `prepare`: those
         prepared before the server takes requests (default: all of `methods` when given, else the default
-        method), the others being prepared in the background."""
+        method), each other one being prepared in the background on its first request."""
         runnable = [name for name in variant_names()
                     if models.draft is not None or not resolve(name)[0].needs_draft_model]
         for name in [default_method, *(methods or ())]:
@@ -130,6 +133,8 @@ class Server:
         self._owned: OrderedDict[tuple[str, Hashable], SpeculativeEngine] = OrderedDict()  # least recent first
         self.ready: set[str] = set()
         self.unavailable: dict[str, str] = {}  # method -> why it cannot run here
+        self._preparing: dict[str, Future] = {}  # method -> its preparation in the background
+        self._lock = threading.Lock()
         self.metrics = ServerMetrics()
         self._recent_seconds = 1.0  # a moving average of request latency, for Retry-After
         self.prompt_bytes = prompt_byte_limit(models.tokenizer, models.target.max_context)
@@ -138,7 +143,6 @@ class Server:
         # from decoding (a concurrent stream stalled 5 s in 0.4 s steps with it, not at all without).
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="specdecode-tokenize")
-        self._closing = False
         self.worker = Worker(models.target, models.tokenizer, self.engine, self.drafter, on_finish=self._finished,
                              max_batch=max_batch, on_batch_step=self.metrics.batch_step, max_queue=limits.max_queue)
         self.metrics.waiting.set_function(lambda: self.worker.queued)
@@ -148,10 +152,6 @@ class Server:
             models.draft.cost_curve()
         for method in first:
             self._prepare(method)
-        rest = [m for m in self.offered if m not in first]
-        self._preparer = threading.Thread(target=self._prepare_all, args=(rest,), name="specdecode-prepare",
-                                          daemon=True)
-        self._preparer.start()
 
     # -- methods ------------------------------------------------------------------------------------
 
@@ -160,7 +160,10 @@ class Server:
         return list(self.offered)
 
     def status(self, method: str) -> str:
-        return "ready" if method in self.ready else "unavailable" if method in self.unavailable else "preparing"
+        """ready; unavailable (`unavailable` says why); preparing; or cold (prepared on its first request)."""
+        if method in self.ready or method in self.unavailable:
+            return "ready" if method in self.ready else "unavailable"
+        return "preparing" if method in self._preparing else "cold"
 
     def _prepare(self, method: str) -> None:
         """Pay what a method costs once (a layer search, a datastore...): build its engine. Methods that
@@ -179,16 +182,23 @@ class Server:
             return
         self.ready.add(method)
 
-    def _prepare_all(self, methods: list[str]) -> None:  # on the preparing thread
-        _yield_the_cpu()
-        for method in methods:
-            if self._closing:
-                return
-            self._prepare(method)
+    def prepare_in_background(self, method: str) -> Future:
+        """Start preparing a method on a thread of its own at the lowest priority (once); its future."""
+        with self._lock:
+            if method not in self._preparing:
+                future = self._preparing[method] = Future()
+
+                def prepare() -> None:
+                    _yield_the_cpu()
+                    self._prepare(method)
+                    future.set_result(method)
+
+                threading.Thread(target=prepare, name=f"specdecode-prepare-{method}", daemon=True).start()
+            return self._preparing[method]
 
     def wait_until_prepared(self, timeout: float | None = None) -> None:
-        """Block until every method is ready or unavailable (tests, benchmarks)."""
-        self._preparer.join(timeout)
+        """Block until every preparation under way has ended (tests, benchmarks)."""
+        futures.wait(list(self._preparing.values()), timeout)
 
     # -- the worker's factories (on the worker thread) ------------------------------------------------
 
@@ -230,13 +240,14 @@ class Server:
         self._recent_seconds = 0.9 * self._recent_seconds + 0.1 * seconds
 
     def close(self) -> None:
-        self._closing = True
         self.worker.stop()
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     # -- a request's way through -------------------------------------------------------------------
 
-    def _method(self, body: SamplingRequest) -> str:
+    async def _method(self, body: SamplingRequest) -> str:
+        """The method a request names, once it is ready: a cold one is prepared in the background, and
+        the request waits for it PREPARE_GRACE seconds at most (enough for most), then gets 503."""
         if body.model != self.model_name:
             raise APIError(404, f"The model `{protocol.quoted(body.model)}` does not exist; this server has "
                                 f"`{self.model_name}`.", param="model", code="model_not_found")
@@ -244,6 +255,10 @@ class Server:
         if method not in self.offered:
             raise APIError(400, f"Unknown method `{protocol.quoted(method)}`; this server offers: "
                                 f"{', '.join(self.offered)}.", param="method", code="unknown_method")
+        if method not in self.ready and method not in self.unavailable:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.prepare_in_background(method))),
+                                       PREPARE_GRACE)
         if method in self.unavailable:
             raise APIError(400, f"The method `{method}` cannot run on this server: {self.unavailable[method]}",
                            param="method", code="method_unavailable")
@@ -312,7 +327,7 @@ class Server:
         """One request to /v1/completions or /v1/chat/completions, from its body to its response."""
         arrival = time.perf_counter()
         body = protocol.parse(await request.body(), ChatRequest if chat else CompletionRequest)
-        method = self._method(body)
+        method = await self._method(body)
         limit = self._answer_limit(body)
         param = "messages" if chat else "prompt"
         if chat:
