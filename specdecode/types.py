@@ -96,6 +96,14 @@ class Draft:
     scores: torch.Tensor | None = None
     # Tokens the same target forward carries for the drafter's own use, unverified; None: none.
     auxiliary: AuxiliaryTokens | None = None
+    # A tree's `probs` promise (True) that every node was drawn from its row independently of its earlier
+    # siblings: i.i.d. given its parent's path, repeats allowed (a one-hot row: a token fixed in advance).
+    # Only then is multi-draft speculative sampling lossless with them. Children picked otherwise (the
+    # top-k, distinct tokens, a pruning that looks at the tokens) and sent with the distributions they were
+    # ranked by make the output lossy (top-2 children: 0.73 total variation in tests/test_engine.py), so
+    # such a tree goes without probs and each node is verified as one-hot. Verification refuses probs on a
+    # tree without this flag (`check_probs`). A chain needs none: each token is alone after its prefix.
+    drawn_independently: bool = False
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
@@ -114,6 +122,14 @@ class Draft:
     @property
     def is_tree(self) -> bool:
         return self.parents is not None
+
+    def check_probs(self) -> None:
+        """Raise ValueError for `probs` that speculative sampling cannot use losslessly: on a tree whose
+        nodes the drafter does not promise were drawn independently (see `drawn_independently`)."""
+        if self.is_tree and self.probs is not None and not self.drawn_independently:
+            raise ValueError(
+                "a tree draft with probs must have drawn_independently=True (every node drawn from its row "
+                "independently of its earlier siblings); send fixed children (top-k, a trie) without probs")
 
     @staticmethod
     def empty() -> Draft:

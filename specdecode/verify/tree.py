@@ -59,7 +59,8 @@ def verify_tree_sampling(
     afresh with the target's distribution there; when every child is rejected, sample the correction from
     the residual. Lossless when each child is either drawn from its q independently of its earlier
     siblings (i.i.d. sampling, repeats allowed) or fixed in advance (q one-hot: the residual then removes
-    that token, and the node's children together are accepted with probability p(children)).
+    that token, and the node's children together are accepted with probability p(children)). Nothing in
+    the tensors tells which: a draft promises it with `Draft.drawn_independently`, which `verify` checks.
     """
     tokens = draft_tokens.tolist()
     kids = structure.children(parents)
@@ -91,7 +92,9 @@ def verify(
     params: SamplingParams,
     generator: torch.Generator | None,
 ) -> Verdict:
-    """Any draft, chain or tree: greedy match when decoding greedily, speculative sampling otherwise."""
+    """Any draft, chain or tree: greedy match when decoding greedily, speculative sampling otherwise.
+    Refuses a tree's probs unless its nodes were drawn independently (`Draft.check_probs`)."""
+    draft.check_probs()
     if not draft.is_tree:
         return verify_chain(target_logits, draft, params, generator)
     if params.greedy:
