@@ -261,7 +261,7 @@ def serve(
     from specdecode.api import load_models
     from specdecode.methods import resolve
     from specdecode.serve.app import Limits, Server, create_app
-    from specdecode.serve.guard import Guard, uvicorn_config
+    from specdecode.serve.guard import Guard, uvicorn_options
 
     if no_drafter and METHODS[method.value].needs_draft_model:
         raise UserError(f"method {method.value!r} needs the draft model; drop --no-drafter or pick another --method")
@@ -281,7 +281,7 @@ def serve(
                     limits=limits, methods=offered, memory_scope=memory_scope.value)
     console.print(f"serving [bold]{name}[/] ({method.value} by default) on http://{host}:{port}/ "
                   f"({'API key required' if keys else 'no API key: this machine only'}); Ctrl-C stops")
-    uvicorn.Server(uvicorn_config(create_app(server, guard), host, port, guard)).run()
+    uvicorn.run(create_app(server, guard), host=host, port=port, **uvicorn_options(guard))
 
 
 @app.command("methods")

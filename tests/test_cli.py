@@ -122,7 +122,8 @@ def test_serve_starts_the_server_and_refuses_a_method_it_cannot_run(monkeypatch,
     import uvicorn
 
     served = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, log_level: served.update(app=app, host=host, port=port))
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, log_level, **options: served.update(
+        app=app, host=host, port=port))
     code, _, _ = run(monkeypatch, capsys, "serve", "--target", str(tiny_folder), "--no-drafter", "--dtype", "float32",
                      "--port", "8123")
     assert code == 0 and served["port"] == 8123 and served["host"] == "127.0.0.1"

@@ -56,7 +56,7 @@ from specdecode.engine import GenerationConfig, GenerationResult, SpeculativeEng
 from specdecode.errors import UserError
 from specdecode.methods import resolve, variant_names
 from specdecode.serve import protocol
-from specdecode.serve.guard import ClientGone, Guard, GuardMiddleware, check_exposure, uvicorn_config
+from specdecode.serve.guard import ClientGone, Guard, GuardMiddleware, check_exposure, uvicorn_options
 from specdecode.serve.metrics import ServerMetrics
 from specdecode.serve.protocol import APIError, ChatRequest, CompletionRequest, SamplingRequest
 from specdecode.serve.worker import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, Busy, Job, Step, Worker
@@ -499,7 +499,7 @@ class ServerThread:
             with socket.socket() as probe:
                 probe.bind((host, 0))
                 port = probe.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn_config(app, host, port, app.state.guard))
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, **uvicorn_options(app.state.guard)))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -258,9 +258,8 @@ class HeaderTimeoutProtocol(H11Protocol):
             self.transport.close()
 
 
-def uvicorn_config(app, host: str, port: int, guard: Guard):
-    """uvicorn's settings for the app: the head deadline, warnings only in the log."""
-    import uvicorn
-
+def uvicorn_options(guard: Guard) -> dict:
+    """uvicorn's settings beside the address (`uvicorn.run`, `uvicorn.Config`): the head deadline,
+    warnings only in the log."""
     protocol = type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"head_seconds": guard.read_seconds})
-    return uvicorn.Config(app, host=host, port=port, log_level="warning", http=protocol)
+    return {"log_level": "warning", "http": protocol}
