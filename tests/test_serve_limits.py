@@ -22,6 +22,7 @@ import pytest
 from specdecode.api import Models, load_models
 from specdecode.drafters.base import Drafter
 from specdecode.engine import SpeculativeEngine
+from specdecode.errors import UserError
 from specdecode.serve.app import Limits, Server, ServerThread, create_app
 from specdecode.serve.guard import Guard
 from specdecode.types import Draft
@@ -258,6 +259,8 @@ def test_methods_can_be_restricted(models):
         reply = post(running.url, "/v1/completions", completion("pld", 4))
         assert reply.status_code == 400 and openai_error(reply)["code"] == "unknown_method"
         assert [m["id"] for m in get(running.url, "/v1/methods").json()["data"]] == ["ar"]
+    with pytest.raises(UserError, match="no EAGLE head"):  # named, and it cannot run: refused at start-up
+        Server(models, MODEL, default_method="ar", methods=["ar", "eagle"])
 
 
 # --- Bodies and slow clients ----------------------------------------------------------------------------

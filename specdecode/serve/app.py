@@ -152,6 +152,9 @@ class Server:
             models.draft.cost_curve()
         for method in first:
             self._prepare(method)
+        if failed := [m for m in first if m in self.unavailable]:  # asked for by name: say so now
+            self.close()
+            raise UserError("; ".join(f"method {m!r} cannot run here: {self.unavailable[m]}" for m in failed))
 
     # -- methods ------------------------------------------------------------------------------------
 
