@@ -11,6 +11,7 @@ transformers models (then pass `tokenizer=` too).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -21,8 +22,8 @@ from specdecode.drafters.base import Drafter
 from specdecode.methods import DrafterOptions, Method, name_of, resolve
 from specdecode.models.base import CausalLM
 from specdecode.models.hf import HFCausalLM
-from specdecode.models.loading import check_same_vocabulary, load_causal_lm, load_gguf_lm
-from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
+from specdecode.models.loading import check_same_vocabulary, gguf_path, load_causal_lm, load_gguf_lm
+from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET, get_model, registered_models
 from specdecode.types import SamplingParams
 
 
@@ -33,6 +34,9 @@ class Models:
     target: CausalLM  # HFCausalLM on the torch backend, LlamaCppLM on llama.cpp
     tokenizer: PreTrainedTokenizerBase
     draft: CausalLM | None = None
+    # the GGUF file the target came from (a registered model or a .gguf path), for llama.cpp as a peer of
+    # torch runs; None: loaded from a folder or the hub
+    target_gguf: Path | None = None
 
     def require_draft(self) -> CausalLM:
         if self.draft is None:
@@ -102,14 +106,15 @@ def load_models(
     drafter: str | PreTrainedModel | None = DEFAULT_DRAFTER,
     *,
     tokenizer: PreTrainedTokenizerBase | None = None,
-    dtype: torch.dtype | str = torch.bfloat16,
+    dtype: torch.dtype | str = "auto",
     draft_dtype: torch.dtype | str = "int8",
     progress: bool = True,
     backend: str = "torch",
 ) -> Models:
-    """Load a target and (optionally) a draft model. The draft model is quantized to int8 by default
-    (`models.loading.quantize_int8`): about 3x cheaper per draft token on a CPU, and lossless all the
-    same, since the target verifies every token.
+    """Load a target and (optionally) a draft model. The target runs in `dtype`: "auto" (the fastest of
+    bfloat16, float32 and int8 on this machine, `models.precision`), or one of them. The draft model is
+    int8 by default (`models.loading.quantize_int8`): cheaper per draft token on a CPU, and lossless all
+    the same, since the target verifies every token.
 
     backend="llamacpp" runs .gguf files (or registered models) through llama.cpp as they are; dtypes
     do not apply there (the file's quantization is the model)."""
@@ -117,15 +122,22 @@ def load_models(
         return _load_llamacpp(target, drafter, progress)
     if backend != "torch":
         raise UserError(f"unknown backend {backend!r}; choose torch or llamacpp")
-    if str(dtype).lower() == "int8":
-        raise UserError("int8 is for draft models (--draft-dtype); the target runs in bfloat16 or float32")
     target_model, target_tokenizer = _load(target, tokenizer, dtype, progress)
     draft = None
     if drafter is not None:
         draft_model, draft_tokenizer = _load(drafter, tokenizer, draft_dtype, progress)
         check_same_vocabulary(target_tokenizer, draft_tokenizer, target_model, draft_model)
         draft = HFCausalLM(draft_model)
-    return Models(HFCausalLM(target_model), target_tokenizer, draft)
+    return Models(HFCausalLM(target_model), target_tokenizer, draft, target_gguf=_gguf_of(target))
+
+
+def _gguf_of(spec) -> Path | None:
+    """The GGUF file a target spec names, if any."""
+    if not isinstance(spec, str):
+        return None
+    if spec in registered_models():
+        return gguf_path(get_model(spec))
+    return Path(spec).expanduser() if spec.endswith(".gguf") else None
 
 
 def _load_llamacpp(target, drafter, progress: bool) -> Models:
@@ -150,7 +162,7 @@ def generate(
     target: str | PreTrainedModel = DEFAULT_TARGET,
     drafter: str | PreTrainedModel | None = DEFAULT_DRAFTER,
     tokenizer: PreTrainedTokenizerBase | None = None,
-    dtype: torch.dtype | str = torch.bfloat16,
+    dtype: torch.dtype | str = "auto",
     draft_dtype: torch.dtype | str = "int8",
     chat: bool = False,
     max_new_tokens: int = 128,

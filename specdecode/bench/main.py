@@ -24,8 +24,9 @@ from specdecode.errors import UserError
 from specdecode.methods import resolve, variant_names
 
 ALL_METHODS = [*variant_names(), *PEERS]
-# the default selection per backend: our methods that run there and that backend's peers
-TORCH_METHODS = [*variant_names(), *(m for m, peer in PEERS.items() if peer.backend == "torch")]
+# the default selection per backend: our methods that run there and that backend's peers (llamacpp-ar, the
+# fastest plain decoder on a CPU, when asked for: it needs llama-cpp-python and the target's GGUF)
+TORCH_METHODS = [*variant_names(), *(m for m, peer in PEERS.items() if peer.backend == "torch" and m != "llamacpp-ar")]
 # llama.cpp runs our methods only, and not the draft model's tree (it cannot grow one in its own cache)
 LLAMACPP_METHODS = [m for m in variant_names()  # the draft model's tree grows inside the draft's cache: torch only
                     if not m.startswith("draft-tree") and not resolve(m)[0].torch_only]
@@ -136,7 +137,8 @@ def run(
         "target / drafter": f"{target} / {drafter}",
         "decoding": "greedy" if greedy else f"sampling (temperature {temperature}, top-k {top_k}, top-p {top_p})",
         "backend, dtype (target, draft), threads": (
-            f"{backend}, {dtype}, {draft_dtype}, {torch.get_num_threads()}" if backend == "torch"
+            f"{backend}, {models.target.precision} ({dtype}), {draft_dtype}, {torch.get_num_threads()}"
+            if backend == "torch"
             else f"{backend}, the GGUF files' own quantization, {torch.get_num_threads()}"),
         "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
         "tasks": f"{len(tasks)} ({', '.join(f'{c}: {sum(t.category == c for t in tasks)}' for c in categories)}), "

@@ -1,9 +1,11 @@
 """What the benchmark runs: our methods through the engine, and the peers a user would otherwise pick:
-transformers' own generate() (plain, with assistant_model=, with prompt_lookup_num_tokens=) on the torch
-backend, llama.cpp's own speculative modes on the llamacpp backend (`bench.llamacpp_peers`)."""
+transformers' own generate() (plain, with assistant_model=, with prompt_lookup_num_tokens=) and
+llama.cpp's plain decoding of the target's GGUF on the torch backend, llama.cpp's own speculative modes on
+the llamacpp backend (`bench.llamacpp_peers`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,6 +15,7 @@ import torch
 from specdecode.api import Models
 from specdecode.bench import llamacpp_peers
 from specdecode.engine import GenerationConfig, SpeculativeEngine
+from specdecode.errors import UserError
 from specdecode.methods import resolve
 from specdecode.types import StepStats
 
@@ -80,6 +83,19 @@ def peer_runner(models: Models, name: str, **generate_kwargs) -> Runner:
     return Runner(name, True, True, run)
 
 
+def llamacpp_plain_runner(models: Models) -> Runner:
+    """Plain decoding of the target's own GGUF file through llama.cpp, as a peer of torch runs: the
+    fastest plain decoder on a CPU, so one table shows every torch path against it. Its weights are the
+    GGUF's (Q4_K_M for the default target), not the torch model's, so its output is not compared."""
+    from specdecode.models.llamacpp import LlamaCppLM
+
+    if models.target_gguf is None:
+        raise UserError("llamacpp-ar decodes the target's GGUF file: load the target by registered name or as a "
+                        ".gguf file")
+    engine = SpeculativeEngine(LlamaCppLM(models.target_gguf), models.tokenizer, method="llamacpp-ar")
+    return dataclasses.replace(engine_runner(engine, lossless=False), peer=True)
+
+
 @dataclass(frozen=True)
 class Peer:
     backend: str  # the backend whose plain decoding it is compared with
@@ -104,6 +120,7 @@ PEERS = {
     **{name: Peer("llamacpp", name == "llama-server-draft", _llamacpp_server(name))
        for name in llamacpp_peers.SERVER_MODES},
     "llama-cpp-python-pld": Peer("llamacpp", False, _llamacpp_prompt_lookup),
+    "llamacpp-ar": Peer("torch", False, llamacpp_plain_runner),
 }
 
 

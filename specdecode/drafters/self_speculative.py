@@ -59,7 +59,7 @@ from specdecode.drafters.draft_model import DraftModelDrafter, best_draft_length
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM, ForwardOutput
 from specdecode.models.costs import CostCurve
-from specdecode.models.hf import HFCausalLM
+from specdecode.models.hf import HFCausalLM, module_bytes
 from specdecode.types import Draft
 
 if TYPE_CHECKING:
@@ -145,15 +145,6 @@ def crop_layers(cache: DynamicCache, layers: Iterable[int], length: int) -> None
         surplus = layer.get_seq_length() - length
         if surplus > 0:
             layer.crop(-surplus)  # transformers takes minus the count to drop
-
-
-def module_bytes(module: torch.nn.Module) -> int:
-    """Bytes of weights in a module, int8 dynamic Linear layers included (as HFCausalLM counts them)."""
-    total = sum(p.numel() * p.element_size() for p in module.parameters())
-    for child in module.modules():
-        if isinstance(child, torch.ao.nn.quantized.dynamic.Linear):
-            total += child.weight().numel()
-    return total
 
 
 def _kv_cache(target: HFCausalLM) -> DynamicCache:

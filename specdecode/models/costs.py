@@ -189,6 +189,11 @@ def draft_cost(draft: CausalLM, target: CausalLM) -> float:
     return draft.cost_curve().seconds / target.cost_curve().seconds
 
 
+def machine_digest() -> str:
+    """Names this machine (CPU, threads, torch) in cache file names."""
+    return hashlib.sha256(_machine().encode()).hexdigest()[:12]
+
+
 def _path(key: str) -> Path:
     digest = hashlib.sha256(f"{key}|{_machine()}|{SIZES}".encode()).hexdigest()[:16]
     return cache_root() / f"{digest}.json"

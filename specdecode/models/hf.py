@@ -18,6 +18,17 @@ def _eos_ids(model: PreTrainedModel) -> frozenset[int]:
     return frozenset(ids)
 
 
+def module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of weights in a module, int8 Linear layers included (they keep theirs outside parameters())."""
+    total = sum(p.numel() * p.element_size() for p in module.parameters())
+    for child in module.modules():
+        if isinstance(child, torch.ao.nn.quantized.dynamic.Linear):
+            total += child.weight().numel()  # one byte each
+        elif isinstance(child, InvariantInt8Linear):
+            total += child.weight_bytes
+    return total
+
+
 class HFCausalLM(CausalLM):
     """A transformers model plus a `DynamicCache` for one sequence (or several, through masks)."""
 
@@ -36,23 +47,25 @@ class HFCausalLM(CausalLM):
         return self.model.dtype
 
     @property
+    def precision(self) -> str:
+        """The path the weights run on: "int8" (`models.int8`), else the dtype's name ("bfloat16"...)."""
+        if isinstance(self.model.get_output_embeddings(), InvariantInt8Linear):
+            return "int8"
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
     def weight_bytes_per_token(self) -> int:
         embedding = self.model.get_input_embeddings().weight
         head = self.model.get_output_embeddings()
-        total = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        if head is None or embedding is not getattr(head, "weight", None):
+        total = module_bytes(self.model)
+        if not isinstance(head, InvariantInt8Linear) and embedding is not getattr(head, "weight", None):
             total -= embedding.numel() * embedding.element_size()  # a lookup reads one row
-        for module in self.model.modules():  # int8 Linear layers keep their weights outside parameters()
-            if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
-                total += module.weight().numel()  # one byte each
-            elif isinstance(module, InvariantInt8Linear):
-                total += module.weight_bytes
         return total
 
     @property
     def cost_key(self) -> str:
         config = self.model.config
-        return f"hf|{config._name_or_path}|{config.model_type}|{self.dtype}|{self.weight_bytes_per_token}"
+        return f"hf|{config._name_or_path}|{config.model_type}|{self.precision}|{self.weight_bytes_per_token}"
 
     @property
     def cache_length(self) -> int:

@@ -79,6 +79,12 @@ class InvariantInt8Linear(nn.Module):
     def weight_bytes(self) -> int:
         return self.in_features * self.out_features
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The int8 weights dequantized, [out, in] float32 (for heads that read the target's LM head)."""
+        qweight, _ = torch.ops.quantized.linear_unpack(self._packed)
+        return qweight.dequantize()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         shape = x.shape
         rows = x.reshape(-1, self.in_features).float()  # [m, in]
@@ -100,12 +106,12 @@ def quantize_invariant(model: nn.Module) -> nn.Module:
     """Every nn.Linear of `model` (the LM head included) replaced, in place, by an InvariantInt8Linear
     computing in float32, the other parameters (embeddings, norms) in float32, and attention computed
     row by row (`invariant_attention`)."""
-    model.float()
-    model.set_attn_implementation(ATTENTION)
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):  # layer by layer: the float32 copy of one weight at a time
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, InvariantInt8Linear.from_linear(child))
+    model.float()
+    model.set_attn_implementation(ATTENTION)
     return model
 
 

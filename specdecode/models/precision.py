@@ -1,0 +1,65 @@
+"""`dtype="auto"`: the target's fastest path on this machine, chosen by measurement.
+
+CPUs of the same kind differ: with AVX-512 bf16 units a bfloat16 product is about three times faster than
+float32 and nearly as cheap for 8 rows as for one; with AVX2 only, bfloat16 is emulated (one 1536 x 8960
+product: 0.78 ms for 1 row, 6.9 for 8) and fbgemm's int8 product is the fastest (0.4 and 0.7). So each
+candidate path times one product of the model's MLP shape, for 1 row (plain decoding) and 8 rows (a
+speculative step), and the cheapest per generated token wins: min(t1, t8 / 3), as if an 8-token
+verification yielded three tokens. Measured once per machine and shape, cached beside the cost curves.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from specdecode.models.int8 import InvariantInt8Linear
+
+CANDIDATES = ("bfloat16", "float32", "int8")
+TOKENS_PER_WIDE_STEP = 3  # what an 8-token verification is taken to yield
+
+
+def _time(fn, repeats: int = 9) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[repeats // 2]
+
+
+def measure_paths(hidden: int, intermediate: int) -> dict[str, tuple[float, float]]:
+    """Seconds of one [rows, hidden] x [hidden, intermediate] product per candidate path, for 1 and 8 rows."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(intermediate, hidden, generator=generator) * hidden**-0.5
+    inputs = {rows: torch.randn(rows, hidden, generator=generator) for rows in (1, 8)}
+    paths = {
+        "bfloat16": (lambda x, w=weight.bfloat16(): x.bfloat16() @ w.t()),
+        "float32": (lambda x, w=weight: x @ w.t()),
+        "int8": InvariantInt8Linear(weight),
+    }
+    with torch.inference_mode():
+        return {name: tuple(_time(lambda: path(inputs[rows])) for rows in (1, 8)) for name, path in paths.items()}
+
+
+def per_token(seconds: tuple[float, float]) -> float:
+    one, eight = seconds
+    return min(one, eight / TOKENS_PER_WIDE_STEP)
+
+
+def fastest(hidden: int, intermediate: int) -> str:
+    """The cheapest path for a model of this shape on this machine (measured once, then cached)."""
+    from specdecode.models import costs
+
+    path = costs.cache_root() / f"precision-{costs.machine_digest()}-{hidden}x{intermediate}.json"
+    if path.exists():
+        measured = {name: tuple(times) for name, times in json.loads(path.read_text()).items()}
+    else:
+        measured = measure_paths(hidden, intermediate)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(measured))
+    return min(CANDIDATES, key=lambda name: per_token(measured[name]))
