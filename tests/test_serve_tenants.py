@@ -64,17 +64,14 @@ def leaked(steps: list[dict]) -> bool:
     return any(piece in drafted for piece in ("7741", "ZEBRA", "-ZE"))
 
 
-OWNER = [(OWNER_PROMPT, None, None)] * 3  # the first client, with no key and no user field
-PROBE = (PROBE_PROMPT, None, None)  # the second
-
-
-@pytest.mark.parametrize("memory_scope, leaks", [("tenant", False), ("server", True)])
-def test_a_second_client_sees_nothing_of_the_first(models, memory_scope, leaks):
+@pytest.mark.parametrize("memory_scope, user, leaks", [("tenant", None, False), ("tenant", "", False),
+                                                        ("server", None, True)])
+def test_a_second_client_sees_nothing_of_the_first(models, memory_scope, user, leaks):
     """With the default scope, the second client's drafts, rejected text and origins are exactly what they
-    are on a server that never saw the first; one memory for all ("server", the control) reproduces the
-    issue's leak, so the comparison can fail."""
-    [alone] = traffic(models, memory_scope, [PROBE])
-    *_, after = traffic(models, memory_scope, OWNER + [PROBE])
+    are on a server that never saw the first (also when both send an empty `user`); one memory for all
+    ("server", the control) reproduces the issue's leak, so the comparison can fail."""
+    [alone] = traffic(models, memory_scope, [(PROBE_PROMPT, None, user)])
+    *_, after = traffic(models, memory_scope, [(OWNER_PROMPT, None, user)] * 3 + [(PROBE_PROMPT, None, user)])
     assert (after != alone) == leaks
     assert leaked(after) == leaks
 
@@ -82,7 +79,7 @@ def test_a_second_client_sees_nothing_of_the_first(models, memory_scope, leaks):
 def test_an_owner_keeps_its_memory_and_other_users_do_not_see_it(models):
     [bob_alone] = traffic(models, "tenant", [(PROBE_PROMPT, None, "bob")])
     *_, alice, bob, anonymous = traffic(models, "tenant", [(OWNER_PROMPT, None, "alice")] * 3 + [
-        (PROBE_PROMPT, None, "alice"), (PROBE_PROMPT, None, "bob"), PROBE])
+        (PROBE_PROMPT, None, "alice"), (PROBE_PROMPT, None, "bob"), (PROBE_PROMPT, None, None)])
     assert leaked(alice)  # her own earlier requests: suffix decoding at work
     assert bob == bob_alone and not leaked(bob)
     assert not leaked(anonymous)

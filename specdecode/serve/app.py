@@ -13,8 +13,8 @@ Several users at once (see also `serve.guard` for keys, hosts and the HTTP limit
 
 - *Memory*: a method that drafts from earlier requests' text (`Method.remembers`: suffix decoding) gets
   one drafter per *owner*: with `memory_scope="tenant"` (the default) an owner is an API key's tenant
-  and the request's OpenAI `user` field; a request with neither (no keys, no `user`) has a drafter of its
-  own that forgets it afterwards. "request" never shares; "server" shares one memory among all (one
+  and the request's OpenAI `user` field; a request with neither (no keys, no `user` or an empty one) has
+  a drafter of its own that forgets it afterwards. "request" never shares; "server" shares one memory among all (one
   trusted user). So a request's drafts, rejected text and token origins carry only its owner's text.
 - *Cost*: `Limits` caps a request's tokens, its time (past its deadline a generation ends where it is,
   as at max_tokens) and the requests waiting (429 beyond); a client that disconnects, streaming or not,
@@ -229,6 +229,7 @@ class Server:
 
     def memory_owner(self, tenant: str | None, user: str | None) -> Hashable | None:
         """Whose cross-request memory a request may read and add to (None: its own only)."""
+        user = user or None  # an empty name is none (a client library's default must not make a crowd)
         if self.memory_scope == "server":
             return "server"
         if self.memory_scope == "request" or (tenant is None and user is None):
