@@ -58,6 +58,10 @@ def test_constant_rows_and_leading_dimensions():
     with torch.no_grad():
         torch.testing.assert_close(layer(x), linear(x), atol=0.02, rtol=0.02)
     assert layer(torch.zeros(1, 8)).isfinite().all()
+    mixed = torch.cat([torch.randn(3, 8), torch.full((1, 8), -2.0), torch.randn(2, 8)])  # a constant row among others
+    together = layer(mixed)
+    for i in range(len(mixed)):
+        assert torch.equal(layer(mixed[i : i + 1]), together[i : i + 1])
 
 
 def test_a_model_scores_a_token_the_same_in_any_forward():

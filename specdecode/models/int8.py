@@ -9,13 +9,15 @@ tensor's minimum and maximum: a row's result then depends on the other rows of t
 
 `InvariantInt8Linear` gets one scale per row out of that kernel:
 
-1. each row x is mapped affinely onto [-C, C]: x' = (x - mid) * C / half, with mid and half the centre and
-   half-width of the row's own range (the per-token asymmetric quantization of SmoothQuant/LLM.int8());
-2. one guard row holding both -C and +C goes first, so the tensor's minimum and maximum, and with them
-   the kernel's scale and zero point, are the same for every batch;
+1. each row x is mapped affinely onto [-1, 1]: x' = (x - low) / half - 1, with low and half the minimum
+   and half-width of the row's own range (the per-token asymmetric quantization of SmoothQuant and
+   LLM.int8()), computed so that the row's minimum becomes exactly -1 and its maximum exactly +1;
+2. so every row, and the tensor, spans exactly [-1, 1], and the scale and zero point the kernel picks
+   from the tensor's minimum and maximum are the same for every batch (a constant row, which spans
+   nothing, travels with a guard row holding both ends);
 3. the kernel multiplies with exact int32 accumulation, and each output element is rescaled on its own:
-   y = W x = (half / C) W x' + mid * W 1, so row i of the output is a function of row i of the input only,
-   bitwise.
+   y = W x = half W x' + (low + half) W 1, so row i of the output is a function of row i of the input
+   only, bitwise.
 
 Weights are int8 with one scale per output channel (symmetric). Activations get 7 bits (fbgemm's
 `reduce_range`, which keeps its 8-bit x 8-bit products from saturating 16-bit sums on AVX2).
@@ -40,8 +42,6 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTENTION = "specdecode_invariant"  # the attention implementation's name in transformers' registry
 
-C = 1.0  # the range every row is mapped onto, [-C, C]
-_TINY = 1e-30  # a constant row (half-width 0) is kept as its centre
 
 
 def _quantize_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -65,11 +65,11 @@ class InvariantInt8Linear(nn.Module):
         # W 1 of the int8 weights as the kernel sees them: the term the row centres bring back
         self.register_buffer("weight_sums", qweight.dequantize().sum(dim=1), persistent=False)  # [out]
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone(), persistent=False)
-        guard = torch.full((1, self.in_features), C)
-        guard[0, 1::2] = -C
-        if self.in_features == 1:  # one column cannot hold both ends: add a zero row's worth of range
+        if self.in_features == 1:  # one column cannot hold both ends of the range
             raise ValueError("an int8 linear layer needs at least two input features")
-        self.register_buffer("guard", guard, persistent=False)  # [1, in]
+        guard = torch.ones(1, self.in_features)
+        guard[0, 1::2] = -1.0
+        self.register_buffer("guard", guard, persistent=False)  # [1, in], spanning [-1, 1]
 
     @staticmethod
     def from_linear(linear: nn.Linear) -> InvariantInt8Linear:
@@ -89,14 +89,26 @@ class InvariantInt8Linear(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, self.in_features).float()  # [m, in]
         low, high = torch.aminmax(rows, dim=1, keepdim=True)  # [m, 1] each
-        mid = (high + low) * 0.5
-        half = ((high - low) * 0.5).clamp_min_(_TINY)
-        scaled = torch.addcmul(-mid * (C / half), rows, C / half).clamp_(-C, C)  # [m, in], within [-C, C]
-        out = torch.ops.quantized.linear_dynamic(torch.cat([self.guard, scaled]), self._packed, True)[1:]  # [m, out]
-        out = out.mul_(half * (1 / C)).addcmul_(mid, self.weight_sums)
-        if self.bias is not None:
-            out = out.add_(self.bias)
-        return out.reshape(*shape[:-1], self.out_features)
+        half = (high - low).mul_(0.5)  # [m, 1], exact: halving a float is
+        if not bool(half.all()):  # a constant row spans nothing: it becomes -1s, and a guard row holds +1
+            return self._with_guard(rows, low, half).reshape(*shape[:-1], self.out_features)
+        # each row onto [-1, 1] with its minimum exactly -1 and its maximum exactly +1 (x - low for x = high
+        # is the very float high - low, twice half): every row spans the same range, so the scale and zero
+        # point fbgemm picks for the tensor are those of each row alone
+        scaled = (rows - low).div_(half).sub_(1.0)  # [m, in]
+        out = torch.ops.quantized.linear_dynamic(scaled, self._packed, True)  # [m, out]
+        return self._restore(out, low, half).reshape(*shape[:-1], self.out_features)
+
+    def _restore(self, out: torch.Tensor, low: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
+        """W x from W x', x = (low + half) + half x': one scale and one offset per row."""
+        out = out.mul_(half).addcmul_(low + half, self.weight_sums)  # [m, out]
+        return out if self.bias is None else out.add_(self.bias)
+
+    def _with_guard(self, rows: torch.Tensor, low: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
+        half = torch.where(half > 0, half, torch.ones_like(half))
+        scaled = torch.cat([self.guard, (rows - low).div_(half).sub_(1.0)])  # [1 + m, in]
+        out = torch.ops.quantized.linear_dynamic(scaled, self._packed, True)[1:]  # [m, out]
+        return self._restore(out, low, half)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
