@@ -93,12 +93,12 @@ class Models:
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def _load(model: str | PreTrainedModel, tokenizer, dtype, progress: bool):
+def _load(model: str | PreTrainedModel, tokenizer, dtype, progress: bool, exact_int8: bool = True):
     if isinstance(model, PreTrainedModel):
         if tokenizer is None:
             raise UserError("pass tokenizer= together with an already loaded model")
         return model.eval().requires_grad_(False), tokenizer
-    return load_causal_lm(model, dtype=dtype, progress=progress)
+    return load_causal_lm(model, dtype=dtype, progress=progress, exact_int8=exact_int8)
 
 
 def load_models(
@@ -125,7 +125,7 @@ def load_models(
     target_model, target_tokenizer = _load(target, tokenizer, dtype, progress)
     draft = None
     if drafter is not None:
-        draft_model, draft_tokenizer = _load(drafter, tokenizer, draft_dtype, progress)
+        draft_model, draft_tokenizer = _load(drafter, tokenizer, draft_dtype, progress, exact_int8=False)
         check_same_vocabulary(target_tokenizer, draft_tokenizer, target_model, draft_model)
         draft = HFCausalLM(draft_model)
     return Models(HFCausalLM(target_model), target_tokenizer, draft, target_gguf=_gguf_of(target))

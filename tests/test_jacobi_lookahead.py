@@ -281,3 +281,24 @@ def test_lookahead_on_llamacpp_equals_plain_and_torch(tmp_path):
     engine = SpeculativeEngine(lm, drafter=_Fixed(Draft(tokens=torch.empty(0, dtype=torch.long), auxiliary=bad)))
     with pytest.raises(UserError, match="torch backend"):
         engine.generate([1, 2, 3, 4], GenerationConfig(max_new_tokens=4))
+
+
+def test_window_and_guesses_follow_the_cost_curve(tiny_target, reference):
+    """Where width is dear (each token a forward costs a full forward), lookahead leaves its window out
+    and keeps only the trie nodes that pay, and Jacobi's guesses are cut by the gate; where it is nearly
+    free, both run whole. The output is plain decoding's either way."""
+    from specdecode.models.costs import CostCurve
+
+    dear, free = CostCurve.linear(1.0), CostCurve.linear(0.0)
+    config = GenerationConfig(max_new_tokens=24)
+    for curve, wide in ((dear, False), (free, True)):
+        lookahead = SpeculativeEngine(HFCausalLM(tiny_target), drafter=LookaheadDrafter(curve=curve))
+        jacobi = SpeculativeEngine(HFCausalLM(tiny_target), drafter=JacobiDrafter())
+        jacobi.curve = curve
+        for i, prompt in enumerate(PROMPTS[:3]):
+            windowed = lookahead.generate(prompt, config)
+            guessed = jacobi.generate(prompt, config)
+            assert windowed.token_ids == guessed.token_ids == reference[i][:24]
+            steps = windowed.steps[:-1]
+            assert all(s.auxiliary_tokens > 0 for s in steps) if wide else not any(s.auxiliary_tokens for s in steps)
+            assert (sum(s.drafted for s in guessed.steps[1:]) > 0) == wide

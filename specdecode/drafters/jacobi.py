@@ -41,6 +41,10 @@ LOOKUP_NGRAM = 2  # the longest n-gram matched when copying guesses (down to 1)
 # the 2-core CPU's curve (16 tokens: 1.25x). Jacobi guesses past the first few are rarely right except
 # while the text repeats itself, where the copies are; the lead tunes this by benchmark.
 DEFAULT_BLOCK = 4
+# Before any evidence a guess counts as accepted 1 time in 4: Jacobi's guesses are rarely right but where
+# the text repeats itself, so where verification width is dear the gate (which cuts the block by these
+# scores) verifies none until the probes of the live cost curve or a cheap curve let it try.
+PRIOR_HELD, PRIOR_TRIED = 1.0, 4.0
 
 
 def extend_guesses(context: list[int], guesses: list[int], size: int) -> list[int]:
@@ -109,12 +113,27 @@ class JacobiDrafter(Drafter):
     def begin(self, prompt_ids: list[int]) -> None:
         self._guesses: list[int] = []  # the next guesses, to follow a context of length self._follows
         self._follows = -1
+        # per block position k: steps that verified a guess there, and those that accepted it (with the
+        # guesses before it), for the scores the engine's gate cuts the block by
+        self._tried = np.zeros(self.block_size)
+        self._held = np.zeros(self.block_size)
+
+    def _scores(self, n: int) -> torch.Tensor:
+        """The chance that guesses 1..k are all accepted, for k = 1..n: the running rates, 1 in 4 before
+        any evidence, non-increasing."""
+        rates = (self._held[:n] + PRIOR_HELD) / (self._tried[:n] + PRIOR_TRIED)
+        return torch.from_numpy(np.minimum.accumulate(rates)).float()
 
     def propose(self, context: list[int], max_tokens: int, params: SamplingParams, generator) -> Draft:
         kept = self._guesses if self._follows == len(context) else []
         guesses = extend_guesses(context, kept, self.block_size)
         self._guesses, self._follows = guesses, len(context)
-        return Draft(tokens=torch.tensor(guesses[: min(self.block_size, max_tokens)], dtype=torch.long))
+        n = min(self.block_size, max_tokens)
+        return Draft(tokens=torch.tensor(guesses[:n], dtype=torch.long), scores=self._scores(n))
+
+    def update(self, verdict: Verdict, stats) -> None:
+        self._tried[: verdict.num_drafted] += 1
+        self._held[: verdict.num_accepted] += 1
 
     def observe(self, draft: Draft, logits: torch.Tensor, verdict: Verdict) -> None:
         """logits: [len(draft) + 1, vocab] (rows past those, if any, are not ours). Row a + 1 onwards,

@@ -34,6 +34,9 @@ from specdecode.drafters.base import Drafter
 from specdecode.drafters.jacobi import extend_guesses
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
+from specdecode.models.costs import CostCurve
+from specdecode.tree import structure
+from specdecode.tree.budget import Calibration, best_budget
 from specdecode.types import AuxiliaryTokens, Draft, SamplingParams, Verdict
 
 # Defaults for a 2-core CPU, where a bf16 forward over 16 tokens costs 1.25 one-token forwards (32: 1.78,
@@ -44,6 +47,10 @@ from specdecode.types import AuxiliaryTokens, Draft, SamplingParams, Verdict
 DEFAULT_WINDOW = 5
 DEFAULT_NGRAM = 3
 DEFAULT_CANDIDATES = 3
+# Where verification width is dear (an AVX2 CPU in bf16: 8 tokens cost 6 forwards), the window is left out
+# once it costs more than this share of a forward, and the candidates' trie is cut to the nodes that pay.
+WINDOW_SHARE = 0.25
+PRIOR_ACCEPTANCE = 0.5  # per level, before the calibration has evidence
 
 
 class NgramPool:
@@ -115,15 +122,18 @@ class LookaheadDrafter(Drafter):
         candidates: int = DEFAULT_CANDIDATES,
         max_context: int | None = None,  # the target's; the window is left out where it would not fit
         pool_from_context: bool = True,
+        curve: CostCurve | None = None,  # the target's; None: width is taken as free (window and tree always)
     ):
         if window < 1 or ngram < 2 or candidates < 0:
             raise UserError(f"lookahead decoding needs W >= 1, N >= 2 and G >= 0; got {window}, {ngram}, {candidates}")
         self.window, self.ngram, self.candidates = window, ngram, candidates
         self.max_context = max_context
         self.pool_from_context = pool_from_context
+        self.curve = curve
         self.begin([])
 
     def begin(self, prompt_ids: list[int]) -> None:
+        self.calibration = Calibration()  # accepted nodes against the candidates' expected acceptance
         self.pool = NgramPool(max(self.candidates, 1))
         self._levels: list[list[int]] = []  # oldest first, `window` tokens each; [] until the first step
         self._indexed = 0  # n-grams of the context up to this start are in the pool
@@ -142,7 +152,11 @@ class LookaheadDrafter(Drafter):
         depth = min(self.ngram - 1, max_tokens)
         found = [c[:depth] for c in self.pool.candidates(context[-1])[: self.candidates]] if depth > 0 else []
         tokens, parents = trie(found)
-        # 2. Lookahead branch: the window, its level 0 starting at the context's last token.
+        scores = None
+        if tokens and self.curve is not None:  # the nodes that pay on the cost curve
+            tokens, parents, scores = self._cut(tokens, parents)
+        # 2. Lookahead branch: the window, its level 0 starting at the context's last token, where it fits
+        #    and costs at most WINDOW_SHARE of a forward (else the pool grows from the context alone).
         if not self._levels:
             self._levels = [extend_guesses(context, [context[-1]], self.window)]
         self._levels[0][0] = context[-1]
@@ -150,9 +164,13 @@ class LookaheadDrafter(Drafter):
         auxiliary = None if self.max_context is not None and room > self.max_context else (
             window_tokens(self._levels, len(context))
         )
+        if auxiliary is not None and self.curve is not None:
+            fed = 1 + len(tokens)
+            if self.curve(fed + len(auxiliary)) - self.curve(fed) > WINDOW_SHARE:
+                auxiliary = None
         if not tokens:
             return Draft(tokens=torch.empty(0, dtype=torch.long), auxiliary=auxiliary)
-        return Draft(tokens=torch.tensor(tokens), parents=torch.tensor(parents), auxiliary=auxiliary)
+        return Draft(tokens=torch.tensor(tokens), parents=torch.tensor(parents), auxiliary=auxiliary, scores=scores)
 
     def observe(self, draft: Draft, logits: torch.Tensor, verdict: Verdict) -> None:
         """logits: [len(draft) + 1 + len(draft.auxiliary), vocab]. The top level's rows are the last W
@@ -169,7 +187,26 @@ class LookaheadDrafter(Drafter):
             self.pool.add(column[0], tuple(column[1:]))
         self._levels = self._levels[1:] + [predicted]
 
+    def _cut(self, tokens: list[int], parents: list[int]) -> tuple[list[int], list[int], torch.Tensor]:
+        """The trie's nodes that pay on the cost curve, each scored by the share of the candidates through
+        it times PRIOR_ACCEPTANCE per level, rescaled by how often such scores held (`Calibration`)."""
+        parents_t = torch.tensor(parents)
+        through = torch.zeros(len(tokens))  # candidates (root-to-leaf paths) through each node
+        for path in structure.leaf_paths(parents_t).tolist():
+            through[[node for node in path if node >= 0]] += 1
+        scores = (through / through.max() * PRIOR_ACCEPTANCE ** structure.depths(parents_t).float()
+                  * self.calibration.factor)  # [n], never higher for a child than for its parent
+        budget = best_budget(sorted(scores.tolist(), reverse=True), self.curve, 0.0, cap=len(tokens))
+        keep = structure.top_nodes(parents_t, scores, budget)
+        self._scores = scores[keep]
+        return [tokens[i] for i in keep.tolist()], structure.select(parents_t, keep).tolist(), self._scores
+
+    def update(self, verdict: Verdict, stats) -> None:
+        if self.curve is not None and verdict.num_drafted:
+            self.calibration.record_verdict(self._scores, verdict)
+
 
 def build_lookahead(target: CausalLM, draft: CausalLM | None, options) -> Drafter:
-    """The `lookahead` method: no draft model; W, N, G at their defaults."""
-    return LookaheadDrafter(max_context=target.max_context)
+    """The `lookahead` method: no draft model; W, N, G at their defaults; window and trie follow the
+    target's cost curve."""
+    return LookaheadDrafter(max_context=target.max_context, curve=target.cost_curve())
