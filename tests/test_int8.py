@@ -9,9 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import random_prompts, tiny_qwen2
+from conftest import greedy_runs, random_prompts, tiny_qwen2
+from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.models.hf import HFCausalLM
 from specdecode.models.int8 import InvariantInt8Linear, quantize_invariant
+
+from test_equivalence import KINDS as EQUIVALENCE_KINDS, LENGTHS, PROMPTS
+from test_equivalence import drafters as equivalence_drafters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -104,3 +108,27 @@ def test_tree_nodes_score_as_their_paths_decoded_one_by_one():
         for token in path:
             row = plain.forward(torch.tensor([token])).logits[0]
         assert torch.equal(logits[node + 1], row), node
+
+
+@pytest.fixture(scope="module")
+def int8_target(tiny_target):
+    import copy
+
+    return quantize_invariant(copy.deepcopy(tiny_target))
+
+
+@pytest.mark.parametrize("kind", [*EQUIVALENCE_KINDS, "jacobi", "lookahead"])
+def test_every_drafter_on_the_int8_target_equals_its_plain_decoding(kind, int8_target, tiny_drafter):
+    """The equivalence suite's drafters (chains, trees, draft models that agree, half agree or not at all)
+    and Jacobi and lookahead decoding (a window of auxiliary tokens in every forward) on the int8 target:
+    token for token its own plain greedy decoding, at every length."""
+    from specdecode.drafters.jacobi import JacobiDrafter
+    from specdecode.drafters.lookahead import LookaheadDrafter
+
+    makers = {**equivalence_drafters(int8_target, tiny_drafter), "jacobi": JacobiDrafter, "lookahead": LookaheadDrafter}
+    prompts = PROMPTS[:6]  # half the float32 suite's: each row's attention is its own call here
+    plain = SpeculativeEngine(HFCausalLM(int8_target))
+    references = [plain.generate(p, GenerationConfig(max_new_tokens=max(LENGTHS))).token_ids for p in prompts]
+    engine = SpeculativeEngine(HFCausalLM(int8_target), drafter=makers[kind]())
+    drafted = sum(s.drafted for _, _, result in greedy_runs(engine, prompts, references, LENGTHS) for s in result.steps)
+    assert drafted > 0
