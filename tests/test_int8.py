@@ -132,3 +132,19 @@ def test_every_drafter_on_the_int8_target_equals_its_plain_decoding(kind, int8_t
     engine = SpeculativeEngine(HFCausalLM(int8_target), drafter=makers[kind]())
     drafted = sum(s.drafted for _, _, result in greedy_runs(engine, prompts, references, LENGTHS) for s in result.steps)
     assert drafted > 0
+
+
+def test_auto_takes_int8_only_where_it_is_clearly_cheaper(monkeypatch, tmp_path):
+    from specdecode.models import costs, precision
+
+    monkeypatch.setattr(costs, "cache_root", lambda: tmp_path)
+    timings = {  # (1 row, 8 rows) seconds per path
+        "avx2": {"bfloat16": (0.78, 6.9), "float32": (3.4, 6.7), "int8": (0.40, 0.70)},
+        "avx512-bf16": {"bfloat16": (0.30, 0.40), "float32": (0.9, 1.2), "int8": (0.25, 0.35)},
+    }
+    for machine, expected in (("avx2", "int8"), ("avx512-bf16", "bfloat16")):
+        monkeypatch.setattr(precision, "measure_paths", lambda hidden, intermediate, t=timings[machine]: t)
+        monkeypatch.setattr(costs, "machine_digest", lambda m=machine: m)
+        assert precision.fastest(64, 128) == expected
+    monkeypatch.setattr(precision, "measure_paths", lambda *args: pytest.fail("measured twice"))
+    assert precision.fastest(64, 128) == "bfloat16"  # cached per machine and shape

@@ -5,7 +5,9 @@ float32 and nearly as cheap for 8 rows as for one; with AVX2 only, bfloat16 is e
 product: 0.78 ms for 1 row, 6.9 for 8) and fbgemm's int8 product is the fastest (0.4 and 0.7). So each
 candidate path times one product of the model's MLP shape, for 1 row (plain decoding) and 8 rows (a
 speculative step), and the cheapest per generated token wins: min(t1, t8 / 3), as if an 8-token
-verification yielded three tokens. Measured once per machine and shape, cached beside the cost curves.
+verification yielded three tokens; int8, which is not the float model, only when it is INT8_MARGIN
+times cheaper than the best float path. Measured once per machine and shape, cached beside the cost
+curves.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from specdecode.models.int8 import InvariantInt8Linear
 
 CANDIDATES = ("bfloat16", "float32", "int8")
 TOKENS_PER_WIDE_STEP = 3  # what an 8-token verification is taken to yield
+# int8 is not the float model (greedy agreement with bf16 in the README): taken only when it is at least
+# this much cheaper per token than the best float path
+INT8_MARGIN = 1.3
 
 
 def _time(fn, repeats: int = 9) -> float:
@@ -62,4 +67,5 @@ def fastest(hidden: int, intermediate: int) -> str:
         measured = measure_paths(hidden, intermediate)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(measured))
-    return min(CANDIDATES, key=lambda name: per_token(measured[name]))
+    best_float = min(("bfloat16", "float32"), key=lambda name: per_token(measured[name]))
+    return "int8" if per_token(measured["int8"]) * INT8_MARGIN <= per_token(measured[best_float]) else best_float
