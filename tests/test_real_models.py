@@ -19,8 +19,19 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def models():
-    return load_models(dtype="float32", progress=False)
+def models(tmp_path_factory):
+    """The pair in float32; the self-speculative methods' layer searches get 20 s each, not the 300 s a
+    user's first run spends (the skipped layers change speed only), cached in a temporary folder."""
+    from specdecode.drafters import self_speculative
+    from specdecode.models import loading
+
+    pair = load_models(dtype="float32", progress=False)
+    patch = pytest.MonkeyPatch()
+    patch.setattr(self_speculative, "SEARCH_SECONDS", 20.0)
+    folder = tmp_path_factory.mktemp("cache")
+    patch.setattr(loading, "cache_dir", lambda: folder)  # (the models are loaded: only the searches look there)
+    yield pair
+    patch.undo()
 
 
 CONFIG = GenerationConfig(max_new_tokens=40)

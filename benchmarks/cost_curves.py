@@ -1,0 +1,85 @@
+"""The target's cost curve on every path this machine has: what a forward over n new tokens costs,
+relative to one token, after a 256-token context.
+
+    python benchmarks/cost_curves.py [--paths bfloat16,float32,int8,llamacpp] [--quantize Q4_0,Q8_0]
+
+Paths: the torch backend in bfloat16, float32 and int8 (`--dtype int8`: batch-invariant int8), and
+llama.cpp on the target's GGUF (Q4_K_M for the default target); `--quantize` adds llama.cpp on
+requantized copies of it (`llama_model_quantize`, cached beside the GGUF). Each model is timed with
+`models.costs.measure` (sizes in turn within each repeat, medians), one model loaded at a time. Prints a
+markdown table: milliseconds for one token, then the relative cost of 2, 4, 8, 16 and 32, with what the
+CPU is (`torch.backends.cpu.get_cpu_capability()`, llama.cpp's system info).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+from pathlib import Path
+
+import torch
+
+from specdecode.api import load_models
+from specdecode.models import costs
+from specdecode.models.registry import DEFAULT_TARGET
+
+SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def requantized(gguf: Path, kind: str) -> Path:
+    """A copy of `gguf` requantized to `kind` (made once, beside it)."""
+    import ctypes
+
+    import llama_cpp
+
+    out = gguf.with_name(f"{gguf.stem}.{kind}.gguf")
+    if not out.exists():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}")
+        params.allow_requantize = True
+        if llama_cpp.llama_model_quantize(str(gguf).encode(), str(out).encode(), ctypes.byref(params)) != 0:
+            raise SystemExit(f"llama_model_quantize failed for {kind}")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--paths", default="bfloat16,float32,int8,llamacpp")
+    parser.add_argument("--quantize", default="", help="llama.cpp requantizations to add, e.g. Q4_0,Q8_0,BF16")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path("results/cost-curves.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = {}
+    paths = [p for p in args.paths.split(",") if p] + [f"llamacpp-{k}" for k in args.quantize.split(",") if k]
+    for path in paths:
+        if path.startswith("llamacpp"):
+            from specdecode.models.llamacpp import LlamaCppLM
+
+            models = load_models(args.target, None, backend="llamacpp", progress=False)
+            gguf = models.target.path
+            model = models.target if path == "llamacpp" else LlamaCppLM(requantized(gguf, path.split("-", 1)[1]))
+        else:
+            model = load_models(args.target, None, dtype=path, progress=False).target
+        curve = costs.measure(model, sizes=SIZES, repeats=args.repeats)
+        rows[path] = {"ms": curve.seconds * 1e3, "relative": dict(zip(SIZES, curve.relative))}
+        print(path, json.dumps(rows[path]), flush=True)
+        del model
+        gc.collect()
+    import llama_cpp
+
+    print(f"\ntorch CPU capability: {torch.backends.cpu.get_cpu_capability()}; llama.cpp: "
+          f"{llama_cpp.llama_print_system_info().decode().strip()}\n")
+    print("| path | 1 token | " + " | ".join(str(n) for n in SIZES[1:]) + " |")
+    print("|---" * (len(SIZES) + 1) + "|")
+    for path, row in rows.items():
+        print(f"| {path} | {row['ms']:.1f} ms | " + " | ".join(f"{row['relative'][n]:.2f}" for n in SIZES[1:]) + " |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
