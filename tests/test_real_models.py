@@ -29,13 +29,13 @@ def models(tmp_path_factory):
     """The pair, the target on the int8 path; the self-speculative methods' layer searches get 20 s each, not the 300 s a
     user's first run spends (the skipped layers change speed only), cached in a temporary folder."""
     from specdecode.drafters import self_speculative
-    from specdecode.models import loading
 
     pair = load_models(dtype="int8", progress=False)
     patch = pytest.MonkeyPatch()
     patch.setattr(self_speculative, "SEARCH_SECONDS", 20.0)
-    folder = tmp_path_factory.mktemp("cache")
-    patch.setattr(loading, "cache_dir", lambda: folder)  # (the models are loaded: only the searches look there)
+    folder = tmp_path_factory.mktemp("layerskip")
+    cache_path = self_speculative.cache_path
+    patch.setattr(self_speculative, "cache_path", lambda *args: cache_path(*args[:5], folder))
     yield pair
     patch.undo()
 
