@@ -82,12 +82,14 @@ def test_harness_records_failures_and_keeps_them_out(tiny_folder, tmp_path):
         return Output(list(prompt_ids[:3]), 1e9, None)  # absurdly slow: would wreck any average
 
     runners["broken"] = Runner("broken", True, True, flaky)
+    # a peer that runs through our engine (llamacpp-ar) reports steps: kept out, not a failure
+    runners["peer-with-steps"] = replace(runners["pld"], name="peer-with-steps", peer=True)
     tasks = [Task("a", "a/1", ("the cat",)), Task("a", "a/2", ("the the", "and again")), Task("b", "b/1", ("hello",))]
     records = run_benchmark(models, runners, tasks, GenerationConfig(max_new_tokens=6), repeats=2)
-    assert len(records) == 2 * 3 * 5
+    assert len(records) == 2 * 3 * 6
     summaries = {s.method: s for s in report.summarise(records, {n: r.lossless for n, r in runners.items()})}
 
-    for name in ["draft", "pld", "hf-plain"]:  # lossless, float32: identical to ar, both turns included
+    for name in ["draft", "pld", "hf-plain", "peer-with-steps"]:  # lossless, float32: identical to ar, both turns included
         assert summaries[name].exact == (6, 6)
         assert summaries[name].cells[report.OVERALL].failures == 0
     two_turns = [r for r in records if r.task_id == "a/2" and r.method == "ar"]

@@ -67,7 +67,7 @@ def run_task(models: Models, runner: Runner, task: Task, config: GenerationConfi
                 record.prefill_seconds = None
             else:
                 record.prefill_seconds += output.prefill_seconds
-            if output.steps is not None:
+            if record.steps is not None and output.steps is not None:  # a peer's steps are not kept
                 record.steps += output.steps
             answer = models.tokenizer.decode(output.token_ids, skip_special_tokens=True)
             messages.append({"role": "assistant", "content": answer})
