@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode.api import load_models
+from specdecode.api import gguf_of, load_models
 from specdecode.models import costs
 from specdecode.models.registry import DEFAULT_TARGET
 
@@ -59,9 +59,12 @@ def main() -> None:
         if path.startswith("llamacpp"):
             from specdecode.models.llamacpp import LlamaCppLM
 
-            models = load_models(args.target, None, backend="llamacpp", progress=False)
-            gguf = models.target.path
-            model = models.target if path == "llamacpp" else LlamaCppLM(requantized(gguf, path.split("-", 1)[1]))
+            gguf = gguf_of(args.target)  # the shipped file, loaded only when it is the path measured
+            if gguf is None:
+                raise SystemExit(f"{args.target} names no GGUF file: give a registered model or a .gguf path")
+            if not gguf.exists():
+                raise SystemExit(f"{gguf} is not there yet: run `specdecode models fetch` (or `make models`)")
+            model = LlamaCppLM(gguf if path == "llamacpp" else requantized(gguf, path.split("-", 1)[1]))
         else:
             model = load_models(args.target, None, dtype=path, progress=False).target
         curve = costs.measure(model, sizes=SIZES, repeats=args.repeats)

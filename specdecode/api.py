@@ -128,10 +128,10 @@ def load_models(
         draft_model, draft_tokenizer = _load(drafter, tokenizer, draft_dtype, progress, exact_int8=False)
         check_same_vocabulary(target_tokenizer, draft_tokenizer, target_model, draft_model)
         draft = HFCausalLM(draft_model)
-    return Models(HFCausalLM(target_model), target_tokenizer, draft, target_gguf=_gguf_of(target))
+    return Models(HFCausalLM(target_model), target_tokenizer, draft, target_gguf=gguf_of(target))
 
 
-def _gguf_of(spec) -> Path | None:
+def gguf_of(spec) -> Path | None:
     """The GGUF file a target spec names, if any."""
     if not isinstance(spec, str):
         return None

@@ -38,6 +38,11 @@ def mean_drafted(steps: Sequence[StepStats]) -> float:
     return sum(s.drafted for s in steps) / len(steps) if steps else 0.0
 
 
+def stepped_aside(steps: Sequence[StepStats]) -> float:
+    """The share of steps that did not draft because speculation was timed slower than plain decoding."""
+    return sum(s.stepped_aside for s in steps) / len(steps) if steps else 0.0
+
+
 def acceptance_rate(steps: Sequence[StepStats]) -> float | None:
     drafted = sum(s.drafted for s in steps)
     return sum(s.accepted for s in steps) / drafted if drafted else None

@@ -173,3 +173,4 @@ class StepStats:
     forward_tokens: int  # pending context (the prefill included) and draft tokens in this step's forward
     draft_depth: int | None = None  # the longest root-to-leaf path of a tree draft; None: a chain (= drafted)
     auxiliary_tokens: int = 0  # unverified tokens the forward also carried (`AuxiliaryTokens`)
+    stepped_aside: bool = False  # a plain step because speculation was timed slower (`engine.payoff`)

@@ -106,6 +106,21 @@ def cost_curves_in_a_temporary_folder(tmp_path_factory):
     patch.undo()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def layer_searches_in_a_temporary_folder(tmp_path_factory):
+    """Self-speculation's layer searches (layerskip, early-exit) cache their results in a temporary folder,
+    not the user's (a test may still name its own)."""
+    from specdecode.drafters import self_speculative
+
+    folder = tmp_path_factory.mktemp("layerskip")
+    cache_path = self_speculative.cache_path
+    patch = pytest.MonkeyPatch()
+    patch.setattr(self_speculative, "cache_path",
+                  lambda *args: cache_path(*args[:5], args[5] if len(args) > 5 and args[5] else folder))
+    yield folder
+    patch.undo()
+
+
 @pytest.fixture
 def real_measure(monkeypatch):
     """costs.measure as it is: timing forwards."""

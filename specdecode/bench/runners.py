@@ -51,8 +51,7 @@ def engine_runner(engine: SpeculativeEngine, lossless: bool = True) -> Runner:
         prefill = first.draft_seconds + first.verify_seconds if first else None
         return Output(result.token_ids, result.seconds, result.steps, prefill)
 
-    forget = engine.drafter.forget if engine.drafter is not None else lambda: None
-    return Runner(engine.method, lossless, False, run, forget)
+    return Runner(engine.method, lossless, False, run, engine.forget)
 
 
 def peer_runner(models: Models, name: str, **generate_kwargs) -> Runner:

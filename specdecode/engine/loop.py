@@ -11,6 +11,7 @@ import torch
 
 from specdecode import metrics
 from specdecode.drafters.base import Drafter
+from specdecode.engine.payoff import StepAside
 from specdecode.engine.stopping import TextTracker
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
@@ -112,6 +113,7 @@ class GenerationResult:
             "finish_reason": self.finish_reason,
             "tree_budget": self.tree_budget,
             "mean_draft_tokens": metrics.mean_drafted(self.steps),
+            "stepped_aside": metrics.stepped_aside(self.steps),
         }
 
 
@@ -194,9 +196,9 @@ class Progress:
         return min(self.config.max_new_tokens - len(self.output), self.max_context - len(self.context))
 
     def advance(self, draft: Draft, verdict: Verdict, draft_seconds: float, verify_seconds: float,
-                forward_tokens: int) -> StepEvent:
+                forward_tokens: int, stepped_aside: bool = False) -> StepEvent:
         """Append a step's tokens (cut at EOS, a stop string or the room left); forward_tokens: the context
-        tokens the step's forward carried before the draft."""
+        tokens the step's forward carried before the draft; stepped_aside: the drafter was not asked."""
         remaining = self.room()
         new = list(verdict.tokens[:remaining])
         origins = _origins(verdict)[: len(new)]
@@ -221,6 +223,7 @@ class Progress:
             forward_tokens=forward_tokens + verdict.num_drafted,
             draft_depth=int(tree.depths(draft.parents).max()) if draft.is_tree and len(draft) else None,
             auxiliary_tokens=len(draft.auxiliary) if draft.auxiliary is not None else 0,
+            stepped_aside=stepped_aside,
         )
         self.steps.append(stats)
         rejected = draft.tokens[verdict.num_accepted :].tolist() if not draft.is_tree else []
@@ -261,6 +264,7 @@ class SpeculativeEngine:
         gate: bool = True,
         verifier=verify,
         clock: Callable[[], float] = time.perf_counter,
+        step_aside: bool | None = None,
     ):
         self.target = target
         self.tokenizer = tokenizer
@@ -270,7 +274,25 @@ class SpeculativeEngine:
         self.gate = gate  # cut scored chains to the prefix that pays (see step)
         # exact (lossless) verification unless a lossy method brings its own (verify.typical)
         self.verifier = verifier
-        self.clock = clock  # times the target's forwards, which keep its cost curve honest
+        self.clock = clock  # times the target's forwards, which keep its cost curve honest, and whole steps
+        # step aside (plain steps) while speculation is timed slower than plain decoding (`engine.payoff`);
+        # None: wherever the gate follows a measured curve, not a fixed one (tests fix theirs)
+        self._step_aside = step_aside
+
+    @functools.cached_property
+    def step_aside(self) -> StepAside | None:
+        """The switch between speculative and plain steps, or None where every step speculates."""
+        wanted = self._step_aside
+        if wanted is None:
+            wanted = self.gate and self.drafter is not None and isinstance(self.curve, LiveCurve)
+        return StepAside() if wanted and self.drafter is not None else None
+
+    def forget(self) -> None:
+        """Forget what was learnt from earlier sequences (a benchmark's repeats start afresh)."""
+        if self.drafter is not None:
+            self.drafter.forget()
+        if self.step_aside is not None:
+            self.step_aside.forget()
 
     @functools.cached_property
     def curve(self) -> CostCurve | LiveCurve:
@@ -279,9 +301,9 @@ class SpeculativeEngine:
         return self.target.cost_curve()
 
     def step(
-        self, context: list[int], room: int, params: SamplingParams, generator
+        self, context: list[int], room: int, params: SamplingParams, generator, speculate: bool = True
     ) -> tuple[Draft, Verdict, float, float]:
-        """One speculative step after `context`, drafting at most `room` tokens.
+        """One speculative step after `context`, drafting at most `room` tokens (none: `speculate=False`).
 
         Returns the draft, the verdict and the seconds spent drafting and verifying.
         """
@@ -291,7 +313,8 @@ class SpeculativeEngine:
         #    switches itself off for the step.
         start = time.perf_counter()
         pending = context[self.target.cache_length :]
-        draft = self.drafter.propose(context, room, params, generator) if self.drafter and room > 0 else Draft.empty()
+        asked = self.drafter is not None and room > 0 and speculate
+        draft = self.drafter.propose(context, room, params, generator) if asked else Draft.empty()
         if self.gate and draft.scores is not None:
             cut = cut_chain(draft, self.curve, pending=len(pending))
             # now and then one size wider than pays, to time it again (`LiveCurve.probe`)
@@ -311,9 +334,10 @@ class SpeculativeEngine:
                 fed, positions, tree_mask, draft.auxiliary, len(pending), len(context))
         rows = fed.numel() - len(pending) + 1  # from the last context token's on
         hidden_wanted = self.drafter is not None and self.drafter.wants_hidden
+        hidden = (self.drafter.hidden_layers or True) if hidden_wanted else False
         forward_start = self.clock()
         out = self.target.forward(fed, positions=positions, tree_mask=tree_mask, num_logits=rows,
-                                  output_hidden=hidden_wanted)
+                                  output_hidden=hidden)
         if self.gate and self.drafter is not None:
             self.curve.observe(fed.numel(), self.clock() - forward_start)
         logits = out.logits
@@ -336,14 +360,21 @@ class SpeculativeEngine:
         if self.drafter is not None:
             self.drafter.begin(list(prompt_ids))
         progress = Progress(prompt_ids, config, self.tokenizer, self.target)
+        aside = self.step_aside
+        if aside is not None:
+            aside.begin()
         while (room := progress.room()) > 0:
             forward_tokens = len(progress.context) - self.target.cache_length
+            start, speculate = self.clock(), aside is None or aside.speculate
             # Each step emits at least one token beyond its accepted drafts, hence room - 1.
             draft, verdict, draft_seconds, verify_seconds = self.step(
-                progress.context, room - 1, config.sampling, progress.generator)
-            event = progress.advance(draft, verdict, draft_seconds, verify_seconds, forward_tokens)
+                progress.context, room - 1, config.sampling, progress.generator, speculate=speculate)
+            event = progress.advance(draft, verdict, draft_seconds, verify_seconds, forward_tokens,
+                                     stepped_aside=not speculate)
             if self.drafter is not None:
                 self.drafter.update(verdict, event.stats)
+            if aside is not None:
+                aside.record(self.clock() - start, event.stats.new_tokens)
             yield event
             if progress.finish_reason != "length":
                 break

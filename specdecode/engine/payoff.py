@@ -1,0 +1,103 @@
+"""Whether speculation pays for the sequence being decoded: the engine's step-aside switch.
+
+The gate (`tree.budget.cut_chain`) cuts scored chains on the target's cost curve, but a curve prices the
+target's forward only. Drafting, the Python around a step, attention that grows with the context, and
+the trees and windows a drafter sends whole all escape it: where width is dear (a CPU without bf16
+units) a method the curve lets through can still be slower than plain decoding.
+
+So the engine also times whole steps, from the draft to the drafter's update, and keeps for each way of
+stepping (speculate, or plain: no draft at all, the drafter not even asked) the seconds per output token
+of its latest steps. It plays the faster one (the other must beat it by MARGIN to take over) and tries the
+other again now and then, at intervals that double while the choice holds (FIRST_PERIOD up to
+LAST_PERIOD steps). A plain trial costs only the speedup it forgoes (TRIAL["plain"] steps); a speculative
+trial where speculation does not pay costs what its few steps lose. Which way a step goes never changes
+what it outputs: the verifier decides that, and a plain step is the target's own.
+
+A new sequence starts with a speculative trial unless speculation leads: acceptance depends on the
+prompt more than on anything learnt from earlier ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SPECULATE, PLAIN = "speculate", "plain"
+TRIAL = {SPECULATE: 4, PLAIN: 2}  # steps a trial of the trailing way lasts
+FIRST_PERIOD, LAST_PERIOD = 8, 64  # steps the leading way keeps before the other is tried again
+MARGIN = 0.03  # how much faster per token the trailing way must be to take the lead
+DECAY = 0.8  # weight of a way's earlier steps in its running seconds per token, per step it takes
+
+
+@dataclass
+class _Rate:
+    """Decayed seconds and tokens of one way's latest steps."""
+
+    seconds: float = 0.0
+    tokens: float = 0.0
+
+    def add(self, seconds: float, tokens: int) -> None:
+        self.seconds = DECAY * self.seconds + seconds
+        self.tokens = DECAY * self.tokens + tokens
+
+    @property
+    def per_token(self) -> float | None:
+        return self.seconds / self.tokens if self.tokens > 0 else None
+
+
+class StepAside:
+    """Decides, step by step, whether the engine drafts (`speculate`), from the steps it times (`record`)."""
+
+    def __init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        """Start afresh (a benchmark's repeat): speculation leads until timed otherwise."""
+        self.rates = {SPECULATE: _Rate(), PLAIN: _Rate()}
+        self.leader, self.period = SPECULATE, FIRST_PERIOD
+        self.way, self.left, self.trial = SPECULATE, TRIAL[SPECULATE], True
+        self._previous: str | None = None  # the way of the last step timed (None: a sequence starts)
+
+    def begin(self) -> None:
+        """A new sequence: its first step (the prompt's prefill) is not timed; a speculative trial first
+        unless speculation leads."""
+        self._previous = None
+        if self.leader == PLAIN:
+            self.way, self.left, self.trial = SPECULATE, TRIAL[SPECULATE], True
+
+    @property
+    def speculate(self) -> bool:
+        """Whether the next step drafts."""
+        return self.way == SPECULATE
+
+    def record(self, seconds: float, tokens: int) -> None:
+        """The step just taken (the way `speculate` said) took `seconds` and output `tokens` tokens."""
+        # not timed: a sequence's first step (the prompt's prefill, whatever the way) and the first
+        # speculative step after plain ones (a drafter with a cache catches up on the skipped tokens then)
+        if self._previous is not None and not (self.way == SPECULATE and self._previous == PLAIN) and tokens > 0:
+            self.rates[self.way].add(seconds, tokens)
+        self._previous = self.way
+        self.left -= 1
+        if self.left <= 0:
+            self._next_run()
+
+    def _next_run(self) -> None:
+        other = PLAIN if self.way == SPECULATE else SPECULATE
+        if self.rates[other].per_token is None:  # never timed: try it
+            self.way, self.left, self.trial = other, TRIAL[other], True
+            return
+        if not self.trial:  # the leader's period is over: try the other way
+            self.way, self.left, self.trial = other, TRIAL[other], True
+            return
+        winner = self._winner()
+        if winner == self.leader:
+            self.period = min(2 * self.period, LAST_PERIOD)
+        else:
+            self.leader, self.period = winner, FIRST_PERIOD
+        self.way, self.left, self.trial = self.leader, self.period, False
+
+    def _winner(self) -> str:
+        leader, other = self.leader, PLAIN if self.leader == SPECULATE else SPECULATE
+        ours, theirs = self.rates[leader].per_token, self.rates[other].per_token
+        if ours is None:
+            return other
+        return other if theirs is not None and theirs * (1 + MARGIN) < ours else leader
