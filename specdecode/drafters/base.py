@@ -40,9 +40,13 @@ class Drafter(abc.ABC):
 
     wants_logits: bool = False  # True: the engine calls observe() after every verification
     wants_hidden: bool = False  # True: the engine calls observe_hidden() after every verification
+    # with wants_hidden: the target layers whose inputs observe_hidden() gets, side by side (None: the
+    # final-norm state)
+    hidden_layers: tuple[int, ...] | None = None
 
     def observe_hidden(self, hidden: torch.Tensor, num_pending: int, draft: Draft, verdict: Verdict) -> None:
-        """The target's final-norm hidden states of every token the step's forward fed: [p + n (+ aux), d],
+        """The target's final-norm hidden states (or those of `hidden_layers`) of every token the step's
+        forward fed: [p + n (+ aux), d],
         the p = num_pending context tokens first, then the draft's nodes (trained heads draft from them)."""
 
     def observe(self, draft: Draft, logits: torch.Tensor, verdict: Verdict) -> None:

@@ -96,6 +96,7 @@ class HeadState:
         self.head = head
         self.dtype = next(head.parameters()).dtype
         self.embed = target_model.get_input_embeddings()
+        self.vocab_ids = head.vocab_ids  # draft index -> token id
         self.head_weight = target_model.get_output_embeddings().weight.detach()[head.vocab_ids].to(self.dtype)  # [V', d]
         self.vocab_size = target_model.get_output_embeddings().weight.shape[0]
         self.reset()
@@ -150,7 +151,7 @@ class HeadState:
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """[n, vocab] full-vocabulary logits: the head's over its vocabulary, -inf elsewhere."""
         out = torch.full((features.shape[0], self.vocab_size), float("-inf"))
-        out[:, self.head.vocab_ids] = (features @ self.head_weight.T).float()
+        out[:, self.vocab_ids] = (features @ self.head_weight.T).float()
         return out
 
 
@@ -165,10 +166,11 @@ class EagleDrafter(Drafter):
     name = "eagle"
     wants_hidden = True
 
-    def __init__(self, head: EagleHead, target_model, max_tokens: int = 8, min_confidence: float = 0.05):
+    def __init__(self, head: EagleHead, target_model, max_tokens: int = 8, min_confidence: float = 0.05,
+                 state: HeadState | None = None):
         if max_tokens < 1 or not 0.0 <= min_confidence < 1.0:
             raise UserError(f"EAGLE needs max_tokens >= 1 and min_confidence in [0, 1); got {max_tokens}, {min_confidence}")
-        self.state = HeadState(head, target_model)
+        self.state = state or HeadState(head, target_model)  # another head's state: EAGLE-3 (`drafters.eagle3`)
         self.max_tokens, self.min_confidence = max_tokens, min_confidence
         self._calibration = Calibration()
         self._scores = torch.empty(0)  # the last draft's scores
@@ -195,7 +197,7 @@ class EagleDrafter(Drafter):
             confidence *= float(p)
             if confidence < self.min_confidence:
                 break
-            tokens.append(int(self.state.head.vocab_ids[index]))
+            tokens.append(int(self.state.vocab_ids[index]))
             scores.append(confidence)
             if depth + 1 < limit:
                 feature = self.state.run(feature[None], tokens[-1:], torch.tensor([end + depth]))[-1]
@@ -214,9 +216,10 @@ class EagleTreeDrafter(DraftModelTreeDrafter):
     name = "eagle-tree"
     wants_hidden = True
 
-    def __init__(self, head: EagleHead, target_model, curve, draft_cost: float = 0.05, **tree_options):
+    def __init__(self, head: EagleHead, target_model, curve, draft_cost: float = 0.05, state: HeadState | None = None,
+                 **tree_options):
         super().__init__(model=None, curve=curve, draft_cost=draft_cost, **tree_options)
-        self.state = HeadState(head, target_model)
+        self.state = state or HeadState(head, target_model)
         self._outputs: dict[int, torch.Tensor] = {}  # node -> the head's prediction after it
 
     def begin(self, prompt_ids: list[int]) -> None:

@@ -21,7 +21,7 @@ import torch
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [num_logits, vocab] float32
-    hidden: torch.Tensor | None = None  # [n, hidden_size] final-norm hidden states of every fed token, on request
+    hidden: torch.Tensor | None = None  # [n, hidden_size (x layers)] every fed token's hidden states, on request
 
 
 class CausalLM(abc.ABC):
@@ -57,7 +57,9 @@ class CausalLM(abc.ABC):
         # or new); the tokens before those m are visible to all. None: causal.
         tree_mask: torch.Tensor | None = None,
         num_logits: int | None = None,  # logits for the last num_logits tokens only (default: all n)
-        output_hidden: bool = False,
+        # True: the final-norm hidden state of every fed token (`ForwardOutput.hidden`); a tuple of layer
+        # indices: the inputs of those decoder layers (transformers' hidden_states[i]) side by side
+        output_hidden: bool | tuple[int, ...] = False,
         # [r] int64: logits for these rows of the n, in this order (overrides num_logits); backends with
         # `several_sequences` only (the batch engine asks for each sequence's rows)
         rows: torch.Tensor | None = None,

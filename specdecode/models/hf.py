@@ -90,7 +90,7 @@ class HFCausalLM(CausalLM):
         positions: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
         num_logits: int | None = None,
-        output_hidden: bool = False,
+        output_hidden: bool | tuple[int, ...] = False,
         rows: torch.Tensor | None = None,
     ) -> ForwardOutput:
         n = token_ids.numel()
@@ -108,10 +108,14 @@ class HFCausalLM(CausalLM):
             # Indices, not a count: transformers then gathers a contiguous copy of those hidden states;
             # a count gives a strided view, and the bf16 LM head on a strided input is ~10x slower on CPU.
             logits_to_keep=rows,
-            output_hidden_states=output_hidden,
+            output_hidden_states=bool(output_hidden),
         )
         self._length += n
-        hidden = out.hidden_states[-1][0] if output_hidden else None  # every fed token's
+        hidden = None  # every fed token's: the final-norm state, or the named layers' inputs side by side
+        if output_hidden is True:
+            hidden = out.hidden_states[-1][0]
+        elif output_hidden:
+            hidden = torch.cat([out.hidden_states[i][0] for i in output_hidden], dim=-1)
         return ForwardOutput(logits=out.logits[0].float(), hidden=hidden)
 
     def crop(self, length: int) -> None:
