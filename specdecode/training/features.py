@@ -7,6 +7,7 @@ Stored as safetensors shards in a folder, each with
   hidden     [n, d] bf16    the target's last hidden state (after its final norm) at each token
   assistant  [n] uint8      1 where the token belongs to an assistant turn
   starts     [s + 1] int64  where each sequence begins (and the end)
+  aux        [n, k d] bf16  with `layers` (EAGLE-3): the inputs of k target decoder layers side by side
 and `features.json` describing the target, the corpus and the shards.
 """
 
@@ -33,22 +34,36 @@ class Shard:
     hidden: torch.Tensor  # [n, d] bfloat16
     assistant: torch.Tensor  # [n] bool
     starts: torch.Tensor  # [s + 1] int64
+    aux: torch.Tensor | None = None  # [n, k d] bfloat16: the inputs of the `aux_layers` (EAGLE-3)
 
     def sequences(self):
         """(tokens, hidden, assistant) of each sequence."""
         for begin, end in zip(self.starts[:-1].tolist(), self.starts[1:].tolist()):
             yield self.tokens[begin:end], self.hidden[begin:end], self.assistant[begin:end]
 
+    def sequences_with_aux(self):
+        """(tokens, hidden, assistant, aux) of each sequence."""
+        if self.aux is None:
+            raise UserError("these features hold no layer inputs for EAGLE-3; rebuild them into an empty folder")
+        for begin, end in zip(self.starts[:-1].tolist(), self.starts[1:].tolist()):
+            yield (self.tokens[begin:end], self.hidden[begin:end], self.assistant[begin:end],
+                   self.aux[begin:end])
+
 
 @torch.inference_mode()
-def hidden_states(model, token_ids: list[int]) -> torch.Tensor:
-    """[n, d] the model's last hidden state (after its final norm, as its LM head reads it)."""
-    out = model.model(input_ids=torch.tensor([token_ids]))
-    return out.last_hidden_state[0]
+def hidden_states(model, token_ids: list[int], layers: tuple[int, ...] | None = None):
+    """[n, d] the model's last hidden state (after its final norm, as its LM head reads it); with `layers`,
+    also [n, k d] the inputs of those decoder layers (transformers' hidden_states[i]) side by side."""
+    out = model.model(input_ids=torch.tensor([token_ids]), output_hidden_states=layers is not None)
+    if layers is None:
+        return out.last_hidden_state[0]
+    return out.last_hidden_state[0], torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
 
 
-def extract(model, sequences: list[Sequence], out: Path, describe: dict, progress: bool = True) -> Path:
-    """Run `model` (a transformers causal LM) over every sequence and write the shards to `out`."""
+def extract(model, sequences: list[Sequence], out: Path, describe: dict, progress: bool = True,
+            layers: tuple[int, ...] | None = None) -> Path:
+    """Run `model` (a transformers causal LM) over every sequence and write the shards to `out`; with
+    `layers`, the inputs of those decoder layers too (EAGLE-3)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     out.mkdir(parents=True, exist_ok=True)
@@ -63,9 +78,10 @@ def extract(model, sequences: list[Sequence], out: Path, describe: dict, progres
         lengths = [len(s.token_ids) for s, _ in pending]
         save_file({
             "tokens": torch.tensor([t for s, _ in pending for t in s.token_ids], dtype=torch.int32),
-            "hidden": torch.cat([h for _, h in pending]).to(torch.bfloat16).contiguous(),
+            "hidden": torch.cat([h[0] if layers else h for _, h in pending]).to(torch.bfloat16).contiguous(),
             "assistant": torch.tensor([a for s, _ in pending for a in s.assistant], dtype=torch.uint8),
             "starts": torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int64),
+            **({"aux": torch.cat([a for _, (_, a) in pending]).to(torch.bfloat16).contiguous()} if layers else {}),
         }, str(out / name))
         shards.append({"file": name, "tokens": sum(lengths), "sequences": len(lengths)})
         pending.clear()
@@ -75,7 +91,7 @@ def extract(model, sequences: list[Sequence], out: Path, describe: dict, progres
     with Progress(*columns, disable=not progress) as bar:
         task = bar.add_task("features", total=total)
         for sequence in sequences:
-            pending.append((sequence, hidden_states(model, sequence.token_ids)))
+            pending.append((sequence, hidden_states(model, sequence.token_ids, layers)))
             bar.advance(task, len(sequence.token_ids))
             if sum(len(s.token_ids) for s, _ in pending) >= SHARD_TOKENS:
                 flush()
@@ -84,7 +100,8 @@ def extract(model, sequences: list[Sequence], out: Path, describe: dict, progres
                 "assistant_tokens": sum(sum(s.assistant) for s in sequences),
                 "by_source": {src: sum(len(s.token_ids) for s in sequences if s.source == src)
                               for src in sorted({s.source for s in sequences})},
-                "hidden_size": int(model.config.hidden_size), "seconds": round(time.perf_counter() - start, 1),
+                "hidden_size": int(model.config.hidden_size), "aux_layers": list(layers) if layers else None,
+                "seconds": round(time.perf_counter() - start, 1),
                 "shards": shards}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return out
@@ -99,5 +116,6 @@ def load(folder: Path) -> tuple[dict, list[Shard]]:
     shards = []
     for entry in manifest["shards"]:
         tensors = load_file(str(Path(folder) / entry["file"]))
-        shards.append(Shard(tensors["tokens"].long(), tensors["hidden"], tensors["assistant"].bool(), tensors["starts"]))
+        shards.append(Shard(tensors["tokens"].long(), tensors["hidden"], tensors["assistant"].bool(), tensors["starts"],
+                            tensors.get("aux")))
     return manifest, shards

@@ -1,0 +1,443 @@
+"""The target's own answers as training data: what the published EAGLE and Medusa heads learn from.
+
+Teacher-forced text (`training.corpus`) shows the heads someone else's answers; at inference they guess
+the target's. So the target answers many prompts here, by plain decoding in the batch engine
+(`engine.batch.BatchEngine`: one target forward steps every sequence in flight), and the answers are
+stored for the feature extraction (`training.features`) and any trainer.
+
+Prompts, in an order seeded by `Settings.seed`, each with an id that does not depend on it:
+- `sharegpt:<i>`: the first user turn of ShareGPT conversation i (`corpus.sharegpt_conversations`; a
+  turn repeating an earlier conversation's is dropped: the same prompt, the same greedy answer);
+- `stdlib:<module>:write`: a request to write a standard-library module; `stdlib:<module>:<kind>@<line>`:
+  a slice of its source (SLICE_LINES lines from that line) to explain or to continue (kinds alternate
+  along the file). About `Settings.code_share` of the prompts are these.
+A prompt that contains the opening of a benchmark prompt is skipped (`corpus.mentions_any`): only the
+prompt reaches the target, so only it can leak one. Prompts go through the target's chat template and a
+prompt too long loses its middle.
+
+Answers: greedy, or (`Settings.sampled_share` of the prompts) sampled at `Settings.temperature`; which,
+and the sampling seed, follow from the prompt's id and `Settings.seed` alone.
+
+Storage, in the output folder:
+  answers.jsonl  one object per finished answer, appended and flushed line by line: id, source, mode
+                 ("greedy" or "sampled"), seed (the sampling seed; null when greedy), prompt_ids,
+                 answer_ids (the EOS token included when it ended there), finish_reason
+  answers.json   the manifest: the target (name, cost key, precision, path), the settings, the counts
+A kill loses at most the answers in flight; a rerun skips the ids already answered, for the same target
+and settings only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from specdecode.errors import UserError
+from specdecode.training import corpus
+
+ANSWERS = "answers.jsonl"
+MANIFEST = "answers.json"
+SLICE_LINES = 40  # lines of code in an explain / continue prompt
+MIN_SLICE_LINES = 8  # non-blank lines a slice needs
+CUT_MARK = "\n[...]\n"  # where a prompt too long for the limit lost its middle
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What decides the answers; a folder keeps the settings it was started with."""
+
+    max_new_tokens: int = 512
+    sampled_share: float = 0.5  # of the prompts, answered by sampling (the rest greedily)
+    temperature: float = 0.8  # of the sampled answers
+    code_share: float = 0.35  # of the prompts, standard-library code requests (the rest ShareGPT)
+    max_prompt_tokens: int = 1024  # chat-templated; a longer prompt loses its middle
+    seed: int = 0  # the prompts' order, and which are sampled with which seeds
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        for name in ("sampled_share", "code_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise UserError(f"{name} must be between 0 and 1, got {getattr(self, name)}")
+        if not 0.0 < self.temperature <= 100.0:
+            raise UserError(f"temperature must be in (0, 100], got {self.temperature}")
+        if self.max_prompt_tokens < 16:
+            raise UserError(f"max_prompt_tokens must be at least 16, got {self.max_prompt_tokens}")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str  # "sharegpt:<i>" or "stdlib:<module>:<kind>[@<line>]"
+    source: str  # "sharegpt" or "stdlib"
+    text: str  # the user turn
+
+    @property
+    def messages(self) -> list[dict]:
+        return [{"role": "user", "content": self.text}]
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One line of answers.jsonl."""
+
+    id: str
+    source: str
+    mode: str  # "greedy" or "sampled"
+    seed: int | None  # the sampling seed (None: greedy)
+    prompt_ids: list[int]  # chat-templated, as the target saw them
+    answer_ids: list[int]  # the new tokens, the EOS token included when it ended there
+    finish_reason: str  # "eos" or "length" (max_new_tokens or the context is full)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, line: str) -> Answer:
+        return cls(**json.loads(line))
+
+
+@dataclass
+class Summary:
+    """What one run did."""
+
+    answers: int  # answers written by this run
+    tokens: int  # answer tokens written by this run
+    generated: int  # tokens generated by this run, those of the answers dropped at a time limit included
+    seconds: float
+    dropped: int  # answers in flight when the time ran out (a rerun redoes them)
+    stopped_by: str  # "tokens", "seconds" or "prompts" (none left)
+    total_answers: int  # in the folder
+    total_tokens: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated / self.seconds if self.seconds > 0 else 0.0
+
+
+# --- Prompts ---------------------------------------------------------------------------------------
+
+
+def sharegpt_prompts(path: Path | None = None) -> Iterator[Prompt]:
+    """The first user turn of each ShareGPT conversation, once per text."""
+    seen = set()
+    for index, messages in enumerate(corpus.sharegpt_conversations(path)):
+        text = messages[0]["content"]
+        key = " ".join(text.split()).lower()
+        if key not in seen:
+            seen.add(key)
+            yield Prompt(f"sharegpt:{index}", "sharegpt", text)
+
+
+def stdlib_prompts(folder: Path | None = None) -> Iterator[Prompt]:
+    """Requests about each standard-library module (the files `corpus.stdlib_conversations` reads): to
+    write it, and to explain or continue each SLICE_LINES-line slice of it (alternately)."""
+    from specdecode.drafters.retrieval import STDLIB_SKIP, stdlib_folder
+
+    root = folder or stdlib_folder()
+    for path in sorted(root.rglob("*.py")):
+        if STDLIB_SKIP & set(path.relative_to(root).parts):
+            continue
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (UnicodeDecodeError, OSError):
+            continue
+        module = ".".join(path.relative_to(root).with_suffix("").parts)
+        yield Prompt(f"stdlib:{module}:write", "stdlib", f"Write the Python standard library module `{module}`.")
+        for number, start in enumerate(range(0, len(lines), SLICE_LINES)):
+            chunk = lines[start : start + SLICE_LINES]
+            if sum(1 for line in chunk if line.strip()) < MIN_SLICE_LINES:
+                continue
+            code = "\n".join(chunk)
+            kind, request = ("continue", "Continue this code") if number % 2 == 0 else ("explain", "Explain this code")
+            text = f"{request} from the Python module `{module}`:\n\n```python\n{code}\n```"
+            yield Prompt(f"stdlib:{module}:{kind}@{start + 1}", "stdlib", text)
+
+
+def prompts(settings: Settings, *, sharegpt: Path | None = None, stdlib: Path | None = None,
+            openings: frozenset[str] | None = None) -> Iterator[Prompt]:
+    """Every prompt once, in an order seeded by settings.seed: each next one code with probability
+    settings.code_share (the other source once one runs out), benchmark prompts skipped. `openings`:
+    the benchmark's (`corpus.evaluation_openings`) unless given. The sources are read now, the
+    benchmark check made as the prompts are taken."""
+    openings = corpus.evaluation_openings() if openings is None else openings
+    code, chat = list(stdlib_prompts(stdlib)), list(sharegpt_prompts(sharegpt))
+    random.Random(f"{settings.seed}:stdlib").shuffle(code)  # one stream each: a source's order is its own
+    random.Random(f"{settings.seed}:sharegpt").shuffle(chat)
+    return _mixed(iter(code), iter(chat), random.Random(f"{settings.seed}:mix"), settings.code_share, openings)
+
+
+def _mixed(code: Iterator[Prompt], chat: Iterator[Prompt], mix: random.Random, code_share: float,
+           openings: frozenset[str]) -> Iterator[Prompt]:
+    while True:
+        first, second = (code, chat) if mix.random() < code_share else (chat, code)
+        prompt = next(first, None) or next(second, None)
+        if prompt is None:
+            return
+        if not corpus.mentions_any(prompt.messages, openings):
+            yield prompt
+
+
+def sampling_of(prompt_id: str, settings: Settings) -> int | None:
+    """The seed a prompt's answer is sampled with, or None when it is answered greedily: a function of
+    the id and settings.seed alone, so neither the order nor a rerun changes it."""
+    digest = hashlib.sha256(f"{settings.seed}:{prompt_id}".encode()).digest()
+    draw = int.from_bytes(digest[:8], "big") / 2**64  # uniform in [0, 1)
+    return int.from_bytes(digest[8:16], "big") >> 2 if draw < settings.sampled_share else None
+
+
+def encode(models, prompt: Prompt, limit: int) -> list[int]:
+    """The prompt's chat-templated token ids (`Models.encode_chat`), at most `limit` of them: a longer
+    prompt keeps the beginning and end of its text (where questions and instructions are) and loses
+    the middle."""
+    ids = models.encode_chat(prompt.messages)
+    if len(ids) <= limit:
+        return ids
+    tokenizer = models.tokenizer
+    text_ids = tokenizer.encode(prompt.text, add_special_tokens=False)
+    overhead = len(ids) - len(text_ids) + len(tokenizer.encode(CUT_MARK, add_special_tokens=False))
+    keep = limit - overhead
+    for _ in range(4):  # re-encoding may merge tokens differently at the cuts
+        if keep < 2:
+            break
+        head, tail = text_ids[: keep - keep // 2], text_ids[len(text_ids) - keep // 2 :]
+        text = tokenizer.decode(head) + CUT_MARK + tokenizer.decode(tail)
+        ids = models.encode_chat([{"role": "user", "content": text}])
+        if len(ids) <= limit:
+            return ids
+        keep -= len(ids) - limit
+    raise UserError(f"the chat template alone takes more than {limit} tokens")
+
+
+def prompt_limit(settings: Settings, max_context: int) -> int:
+    """Prompt tokens at most: settings.max_prompt_tokens, less where the target's context would leave
+    the answer too little room (but never under half of it)."""
+    return min(settings.max_prompt_tokens, max(max_context - settings.max_new_tokens, max_context // 2))
+
+
+# --- Storage ---------------------------------------------------------------------------------------
+
+
+def describe_target(models, name: str) -> dict:
+    """The target as a folder's manifest names it: a rerun must find the same cost key (weights, path
+    and precision)."""
+    target = models.target
+    config = getattr(getattr(target, "model", None), "config", None)
+    return {"target": name, "target_key": target.cost_key, "dtype": getattr(target, "precision", None),
+            "path": getattr(config, "_name_or_path", None)}
+
+
+def read_answers(path: Path, repair: bool = False) -> list[Answer]:
+    """The answers of an answers.jsonl. A last line cut by a kill is dropped (and, with repair=True,
+    cut off the file, so the next line starts clean); a broken line elsewhere is an error."""
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
+    complete = data.rfind(b"\n") + 1
+    if complete < len(data) and repair:
+        with path.open("r+b") as file:
+            file.truncate(complete)
+    answers = []
+    for number, line in enumerate(data[:complete].decode("utf-8").splitlines(), 1):
+        try:
+            answers.append(Answer.from_json(line))
+        except (ValueError, TypeError):
+            raise UserError(f"line {number} of {path} is not an answer; the file is damaged") from None
+    return answers
+
+
+def load(folder: Path) -> tuple[dict, list[Answer]]:
+    """The manifest and the answers of an answers folder."""
+    folder = Path(folder)
+    if not (folder / MANIFEST).is_file():
+        raise UserError(f"{folder} holds no answers ({MANIFEST} is missing): "
+                        "`specdecode train data --out DIR` makes them")
+    return json.loads((folder / MANIFEST).read_text()), read_answers(folder / ANSWERS)
+
+
+def sequences(folder: Path) -> list[corpus.Sequence]:
+    """The stored answers as training sequences: prompt then answer, the answer's tokens marked as the
+    assistant's (source "sharegpt-answers" or "stdlib-answers"), in the file's order."""
+    return [corpus.Sequence(f"{a.source}-answers", a.prompt_ids + a.answer_ids,
+                            [False] * len(a.prompt_ids) + [True] * len(a.answer_ids))
+            for a in load(folder)[1] if a.answer_ids]
+
+
+class Store:
+    """An answers folder open for appending."""
+
+    def __init__(self, folder: Path, target: dict, settings: Settings):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        manifest_path, answers_path = self.folder / MANIFEST, self.folder / ANSWERS
+        if manifest_path.is_file():
+            self.manifest = json.loads(manifest_path.read_text())
+            check_target(self.folder, self.manifest, target)
+            check_settings(self.folder, settings)
+        elif answers_path.is_file() and answers_path.stat().st_size:
+            raise UserError(f"{answers_path} has no {MANIFEST} beside it; pick another --out")
+        else:
+            self.manifest = {**target, "settings": asdict(settings), "runs": []}
+        answers = read_answers(answers_path, repair=True)
+        self.done = {a.id for a in answers}
+        self.counts: Counter[str] = Counter()
+        self.groups: dict[str, Counter[str]] = {name: Counter() for name in
+                                                ("tokens_by_source", "tokens_by_mode", "finish_reasons")}
+        for answer in answers:
+            self._count(answer)
+        self.manifest["runs"].append({"started": time.strftime("%Y-%m-%d %H:%M:%S"), "answers": 0, "tokens": 0,
+                                      "generated": 0, "seconds": 0.0})
+        self._file = answers_path.open("a", encoding="utf-8")
+        self.write_manifest()
+
+    @property
+    def tokens(self) -> int:
+        return self.counts["answer_tokens"]
+
+    def _count(self, answer: Answer) -> None:
+        self.counts["answers"] += 1
+        self.counts["answer_tokens"] += len(answer.answer_ids)
+        self.counts["prompt_tokens"] += len(answer.prompt_ids)
+        self.groups["tokens_by_source"][answer.source] += len(answer.answer_ids)
+        self.groups["tokens_by_mode"][answer.mode] += len(answer.answer_ids)
+        self.groups["finish_reasons"][answer.finish_reason] += 1
+
+    def append(self, answer: Answer) -> None:
+        self._file.write(answer.to_json() + "\n")
+        self._file.flush()
+        self.done.add(answer.id)
+        self._count(answer)
+        run = self.manifest["runs"][-1]
+        run["answers"] += 1
+        run["tokens"] += len(answer.answer_ids)
+
+    def write_manifest(self, generated: int = 0, seconds: float = 0.0) -> None:
+        """The manifest with the counts so far, replaced whole (a kill leaves the old one or the new)."""
+        run = self.manifest["runs"][-1]
+        run["generated"], run["seconds"] = generated, round(seconds, 1)
+        self.manifest.update({key: self.counts[key] for key in ("answers", "answer_tokens", "prompt_tokens")})
+        self.manifest.update({name: dict(sorted(group.items())) for name, group in self.groups.items()})
+        temporary = self.folder / (MANIFEST + ".tmp")
+        temporary.write_text(json.dumps(self.manifest, indent=1))
+        os.replace(temporary, self.folder / MANIFEST)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def check_target(folder: Path, manifest: dict, target: dict) -> None:
+    """A UserError unless a folder's answers come from this target (`describe_target`)."""
+    if manifest.get("target_key") != target["target_key"]:
+        raise UserError(f"{folder} holds answers of {manifest.get('target')!r} ({manifest.get('dtype')}), not of "
+                        f"{target['target']!r} ({target['dtype']}); pick another --out")
+
+
+def check_settings(folder: Path, settings: Settings) -> None:
+    """A UserError if the folder holds answers made with other settings (before a model loads)."""
+    if not (Path(folder) / MANIFEST).is_file():
+        return
+    stored = json.loads((Path(folder) / MANIFEST).read_text()).get("settings", {})
+    for item in fields(Settings):
+        if stored.get(item.name) != getattr(settings, item.name):
+            raise UserError(f"{folder} holds answers made with {item.name}={stored.get(item.name)!r}, not "
+                            f"{getattr(settings, item.name)!r}; rerun with the same settings or pick another --out")
+
+
+# --- Generation ------------------------------------------------------------------------------------
+
+
+def check_limits(tokens: int, seconds: float | None, batch: int) -> None:
+    if tokens < 1:
+        raise UserError(f"--tokens must be at least 1, got {tokens}")
+    if batch < 1:
+        raise UserError(f"--batch must be at least 1, got {batch}")
+    if seconds is not None and not seconds > 0:
+        raise UserError(f"--seconds must be positive, got {seconds}")
+
+
+def generate(
+    models,
+    out: Path,
+    *,
+    target: str,
+    settings: Settings = Settings(),
+    tokens: int = 1_000_000,
+    seconds: float | None = None,
+    batch: int = 16,
+    sharegpt: Path | None = None,
+    stdlib: Path | None = None,
+    openings: frozenset[str] | None = None,
+    progress: bool = True,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Summary:
+    """Answer prompts with `models.target` (a `specdecode.api.Models` on the torch backend; `target` is
+    the name it was loaded by) into the folder `out` until it holds `tokens` answer tokens (no sequence
+    joins once the folder's and those in flight reach it; the ones in flight finish, up to batch x
+    max_new_tokens more), `seconds` have passed (the answers in flight are then dropped) or the prompts
+    run out; `batch` sequences in flight. Resumes a folder begun with the same target and settings."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from specdecode.engine.batch import BatchEngine
+    from specdecode.engine.loop import GenerationConfig
+    from specdecode.types import SamplingParams
+
+    check_limits(tokens, seconds, batch)
+    # no tokenizer: the text of the answers is not needed, and decoding it every step costs
+    engine = BatchEngine(models.target, None, gate=False)
+    store = Store(out, describe_target(models, target), settings)
+    limit = prompt_limit(settings, models.target.max_context)
+    todo = (p for p in prompts(settings, sharegpt=sharegpt, stdlib=stdlib, openings=openings) if p.id not in store.done)
+    in_flight: dict[int, tuple[Prompt, list[int], int | None]] = {}  # engine id -> (prompt, its ids, seed)
+    live: Counter[int] = Counter()  # tokens generated so far by each sequence in flight
+    written, generated, stopped_by = store.tokens, 0, "tokens"
+    start = clock()
+    columns = [TextColumn("target's answers"), BarColumn(),
+               TextColumn("{task.completed:,.0f}/{task.total:,.0f} tokens"),
+               TextColumn("{task.fields[rate]:.1f} tokens/s"), TimeElapsedColumn()]
+    try:
+        with Progress(*columns, disable=not progress) as bar:
+            task = bar.add_task("answers", total=tokens, completed=min(store.tokens, tokens), rate=0.0)
+            while True:
+                # 1. Refill the batch while the folder's tokens and those in flight fall short.
+                while len(in_flight) < batch and store.tokens + sum(live.values()) < tokens:
+                    prompt = next(todo, None)
+                    if prompt is None:
+                        stopped_by = "prompts"
+                        break
+                    prompt_ids, seed = encode(models, prompt, limit), sampling_of(prompt.id, settings)
+                    temperature = 0.0 if seed is None else settings.temperature
+                    config = GenerationConfig(max_new_tokens=settings.max_new_tokens, seed=seed,
+                                              sampling=SamplingParams(temperature=temperature))
+                    in_flight[engine.add(prompt_ids, config)] = (prompt, prompt_ids, seed)
+                if not in_flight:
+                    break
+                # 2. One forward for every sequence in flight; store the answers that ended.
+                for ident, event, result in engine.step():
+                    live[ident] += len(event.token_ids)
+                    generated += len(event.token_ids)
+                    if result is not None:
+                        prompt, prompt_ids, seed = in_flight.pop(ident)
+                        del live[ident]
+                        store.append(Answer(prompt.id, prompt.source, "greedy" if seed is None else "sampled", seed,
+                                            prompt_ids, result.token_ids, result.finish_reason))
+                        store.write_manifest(generated, clock() - start)
+                elapsed = clock() - start
+                bar.update(task, completed=min(store.tokens + sum(live.values()), tokens), rate=generated / max(elapsed, 1e-9))
+                if seconds is not None and elapsed >= seconds:
+                    stopped_by = "seconds"
+                    break
+    finally:
+        store.write_manifest(generated, clock() - start)
+        store.close()
+    dropped = len(in_flight)
+    for ident in list(in_flight):
+        engine.remove(ident)
+    return Summary(answers=store.manifest["runs"][-1]["answers"], tokens=store.tokens - written, generated=generated,
+                   seconds=clock() - start, dropped=dropped, stopped_by=stopped_by,
+                   total_answers=store.counts["answers"], total_tokens=store.tokens)

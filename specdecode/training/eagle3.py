@@ -1,0 +1,158 @@
+"""Training an EAGLE-3 head (`drafters.eagle3`) on stored target features with layer inputs
+(`training.features`, `layers=`), with training-time test.
+
+For a window of tokens x_0..x_{n-1}, the target's layer inputs a_t and final hidden states f_t, the head
+is unrolled for `steps` draft steps over rows t = 0..m-1 at once:
+- step 0 reads the pairs (fc(a_t), x_{t+1}) at positions t, as when it reads the context;
+- step j reads (o^{j-1}_t, x_{t+j+1}) at position t + j: its own previous output, as when it drafts, and
+  attends to step 0's keys up to row t (the real context up to t) and to its own earlier steps' keys of
+  row t alone (the draft path above it), the attention a draft at depth j + 1 sees;
+- step j's draft distribution is trained towards the target's own after x_{t+j+1} (its LM head on
+  f_{t+j+1}, over the draft vocabulary), a cross-entropy weighted STEP_DECAY^j; only rows whose
+  predicted token x_{t+j+2} is an assistant token count.
+So the head learns to draft on its own imperfect outputs, which is what it does at inference. The tokens
+fed are the data's; with the target's own answers as data (`specdecode train data`), they are what the
+target would have said.
+
+Held-out agreement by draft position k: the same unroll on held-out windows, draft k's most likely token
+against the target's most likely token there (k = 1 is the head reading the real context).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specdecode.drafters.eagle3 import Eagle3Config, Eagle3Head
+from specdecode.errors import UserError
+from specdecode.training.features import Shard
+from specdecode.training.loop import Record, Schedule, frequent_tokens, optimise, split
+
+STEP_DECAY = 0.8  # weight of draft step j's loss: STEP_DECAY ** j
+
+
+@dataclass
+class TrainingSettings(Schedule):
+    intermediate_size: int = 2048
+    vocab_size: int = 16_384  # the draft vocabulary: the most frequent tokens of the target's answers
+    sequence_tokens: int = 512
+    steps: int = 3  # draft steps unrolled in training (training-time test)
+    eval_positions: int = 4
+
+
+Window = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # tokens, hidden, assistant, aux
+
+
+def windows(shards: list[Shard], length: int, steps: int) -> list[Window]:
+    out = []
+    for shard in shards:
+        for tokens, hidden, assistant, aux in shard.sequences_with_aux():
+            for begin in range(0, len(tokens), length):
+                end = min(begin + length, len(tokens))
+                if end - begin >= steps + 8:
+                    out.append((tokens[begin:end], hidden[begin:end], assistant[begin:end], aux[begin:end]))
+    return out
+
+
+def _mask(rows: int, step: int) -> torch.Tensor:
+    """[rows, (step + 1) rows] bool: step 0's keys up to the row, then the row's own keys of steps 1..step."""
+    causal = torch.ones(rows, rows, dtype=torch.bool).tril()
+    if step == 0:
+        return causal
+    eye = torch.eye(rows, dtype=torch.bool)
+    return torch.cat([causal] + [eye] * step, dim=1)
+
+
+def unroll(head: Eagle3Head, embed, tokens: torch.Tensor, aux: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The head's outputs [m, d] at each of `steps` draft steps, m = len(tokens) - steps - 1 rows."""
+    m = len(tokens) - steps - 1
+    hidden = head.fuse(aux[:m].float())
+    keys, values, outputs = [], [], []
+    for step in range(steps):
+        past = None if step == 0 else (torch.cat(keys, 1), torch.cat(values, 1))
+        embeddings = embed(tokens[step + 1 : step + 1 + m]).float()
+        out, (k, v) = head(hidden, embeddings, torch.arange(m) + step, _mask(m, step), past)
+        keys.append(k)
+        values.append(v)
+        outputs.append(out)
+        hidden = out
+    return outputs
+
+
+def losses(head, embed, draft_head: torch.Tensor, window: Window, steps: int):
+    """(total, {step_k: cross-entropy}, positions) of one window, or None when it has no assistant row."""
+    tokens, hidden, assistant, aux = window
+    m = len(tokens) - steps - 1
+    outputs = unroll(head, embed, tokens, aux, steps)
+    total, parts, counted = 0.0, {}, 0
+    for step, out in enumerate(outputs):
+        mask = assistant[step + 2 : step + 2 + m].float()
+        if mask.sum() == 0:
+            return None
+        with torch.no_grad():
+            teacher = torch.softmax(hidden[step + 1 : step + 1 + m].float() @ draft_head.T, dim=-1)
+        student = torch.log_softmax(head.logits(out, draft_head).float(), dim=-1)
+        loss = (-(teacher * student).sum(-1) * mask).sum() / mask.sum()
+        total = total + STEP_DECAY**step * loss
+        parts[f"step{step + 1}"] = loss.detach()
+        counted = int(mask.sum())
+    return total, parts, counted
+
+
+@torch.no_grad()
+def held_out_agreement(head, embed, draft_head, full_head, data: list[Window], positions: int) -> list[float]:
+    """By draft position: how often the head's most likely token is the target's most likely token."""
+    hits, totals = [0] * positions, [0] * positions
+    draft_ids = head.draft_ids
+    for tokens, hidden, assistant, aux in data:
+        if len(tokens) < positions + 8:
+            continue
+        m = len(tokens) - positions - 1
+        for step, out in enumerate(unroll(head, embed, tokens, aux, positions)):
+            rows = assistant[step + 2 : step + 2 + m]
+            drafted = draft_ids[head.logits(out, draft_head).argmax(-1)]
+            wanted = (hidden[step + 1 : step + 1 + m].float() @ full_head.T).argmax(-1)
+            hits[step] += int(((drafted == wanted) & rows).sum())
+            totals[step] += int(rows.sum())
+    return [h / n if n else float("nan") for h, n in zip(hits, totals)]
+
+
+def train(target_model, shards: list[Shard], settings: TrainingSettings, layers: tuple[int, ...],
+          progress: bool = True, log=print) -> tuple[Eagle3Head, Record]:
+    """Train an EAGLE-3 head for `target_model` (a transformers causal LM) on its stored features, whose
+    layer inputs are those of `layers`."""
+    from specdecode.models.hf import _eos_ids
+
+    if settings.steps < 1:
+        raise UserError(f"training-time test needs at least one draft step, got {settings.steps}")
+    torch.manual_seed(settings.seed)
+    table = target_model.get_input_embeddings().weight.detach().float()
+
+    def embed(ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, table)
+
+    full_head = target_model.get_output_embeddings().weight.detach().float()
+    vocab_ids = frequent_tokens(shards, settings.vocab_size, sorted(_eos_ids(target_model)))
+    draft_head = full_head[vocab_ids]
+    config = Eagle3Config.for_target(target_model.config, settings.intermediate_size, len(vocab_ids))
+    config.aux_layers = tuple(layers)
+    head = Eagle3Head(config, vocab_ids).float()
+    training, evaluation = split(windows(shards, settings.sequence_tokens, settings.steps), settings.seed)
+    if not training:
+        raise UserError("the features hold no window long enough to train on")
+    record = Record(settings=vars(settings) | {"vocab": len(vocab_ids), "aux_layers": list(layers),
+                                               "train_windows": len(training), "held_out_windows": len(evaluation)})
+    optimise(head, lambda window: losses(head, embed, draft_head, window, settings.steps), training, settings,
+             record, "training EAGLE-3", progress)
+    record.held_out_accuracy = held_out_agreement(head, embed, draft_head, full_head, evaluation,
+                                                  settings.eval_positions)
+    log(f"EAGLE-3 head: {record.steps} steps, {record.tokens_seen} tokens, {record.seconds:.0f} s; held-out "
+        f"agreement by draft position: {', '.join(f'{a:.2f}' for a in record.held_out_accuracy)}")
+    return head, record
+
+
+def save(head: Eagle3Head, record: Record, out: Path, describe: dict) -> None:
+    head.save(out, {"record": vars(record), **describe})

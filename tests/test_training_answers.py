@@ -1,0 +1,168 @@
+"""The target's own answers as training data: batched answers as plain decoding's, resuming after a stop,
+benchmark prompts kept out, a folder bound to its target and settings, the answers as training sequences,
+and `specdecode train data` on the tiny model folder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_cli import run as run_cli
+from specdecode.api import load_models
+from specdecode.engine import GenerationConfig, SpeculativeEngine
+from specdecode.errors import UserError
+from specdecode.training import answers, corpus, features
+from specdecode.types import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SETTINGS = answers.Settings(max_new_tokens=10, sampled_share=0.5, code_share=0.35, seed=1)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_folder):
+    return load_models(str(tiny_folder), None, dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """(a ShareGPT file, a standard library folder), small: as tests/test_training_data.py fakes them."""
+    folder = tmp_path_factory.mktemp("sources")
+    stdlib = folder / "lib"
+    (stdlib / "pkg").mkdir(parents=True)
+    for i in range(3):  # 50 lines: one slice to continue, one to explain (too long for the tiny model: cut)
+        (stdlib / "pkg" / f"mod{i}.py").write_text("".join(f"def f{i}_{k}(x):\n    return x + {k}\n" for k in range(25)))
+    chats = [{"conversations": [{"from": "human", "value": f"the cat {i} sat"},
+                                {"from": "gpt", "value": f"the answer is {i}"}]} for i in range(30)]
+    chats.append(chats[3])  # a repeated question: asked once
+    sharegpt = folder / "sharegpt.json"
+    sharegpt.write_text(json.dumps(chats))
+    return sharegpt, stdlib
+
+
+def run_answers(models, sources, out, **kwargs):
+    sharegpt, stdlib = sources
+    options = dict(target="tiny", settings=SETTINGS, batch=4, sharegpt=sharegpt, stdlib=stdlib,
+                   openings=frozenset(), progress=False) | kwargs
+    return answers.generate(models, out, **options)
+
+
+def test_prompts_are_seeded_mixed_and_unique(sources):
+    sharegpt, stdlib = sources
+    listed = list(answers.prompts(SETTINGS, sharegpt=sharegpt, stdlib=stdlib, openings=frozenset()))
+    ids = [p.id for p in listed]
+    assert len(ids) == len(set(ids)) == 30 + 3 * 3  # 30 distinct questions; per module: write, continue, explain
+    assert "sharegpt:30" not in ids  # the repeat of conversation 3
+    assert {"stdlib:pkg.mod0:write", "stdlib:pkg.mod0:continue@1", "stdlib:pkg.mod0:explain@41"} <= set(ids)
+    again = [p.id for p in answers.prompts(SETTINGS, sharegpt=sharegpt, stdlib=stdlib, openings=frozenset())]
+    other = [p.id for p in answers.prompts(answers.Settings(seed=2), sharegpt=sharegpt, stdlib=stdlib,
+                                           openings=frozenset())]
+    assert again == ids and other != ids and sorted(other) == sorted(ids)
+    seeds = [answers.sampling_of(i, SETTINGS) for i in ids]
+    assert 0 < sum(s is None for s in seeds) < len(ids)  # some greedy, some sampled
+    assert seeds == [answers.sampling_of(i, SETTINGS) for i in ids]
+
+
+def test_benchmark_prompts_are_kept_out(tmp_path):
+    from specdecode.bench.datasets import math
+
+    leaked = "Please help. " + math()[0].turns[0]
+    chats = [{"conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "ok"}]}
+             for text in ("Write me a haiku about autumn leaves falling.", leaked)]
+    sharegpt = tmp_path / "sharegpt.json"
+    sharegpt.write_text(json.dumps(chats))
+    (tmp_path / "lib").mkdir()
+    listed = list(answers.prompts(SETTINGS, sharegpt=sharegpt, stdlib=tmp_path / "lib"))  # the real openings
+    assert [p.id for p in listed] == ["sharegpt:0"]
+
+
+def test_batched_answers_are_plain_decodings(models, sources, tmp_path):
+    summary = run_answers(models, sources, tmp_path, tokens=150)
+    manifest, stored = answers.load(tmp_path)
+    assert summary.stopped_by == "tokens" and summary.total_tokens == manifest["answer_tokens"] >= 150
+    assert {a.mode for a in stored} == {"greedy", "sampled"} and {a.source for a in stored} == {"sharegpt", "stdlib"}
+    assert manifest["target"] == "tiny" and manifest["target_key"] == models.target.cost_key
+    assert manifest["settings"]["max_new_tokens"] == 10 and manifest["answers"] == len(stored)
+    limit = answers.prompt_limit(SETTINGS, models.target.max_context)
+    by_id = {p.id: p for p in answers.prompts(SETTINGS, sharegpt=sources[0], stdlib=sources[1], openings=frozenset())}
+    engine = SpeculativeEngine(models.target, models.tokenizer)  # plain decoding, one sequence at a time
+    for answer in stored:
+        assert answer.prompt_ids == answers.encode(models, by_id[answer.id], limit)
+        assert len(answer.prompt_ids) <= limit and answer.seed == answers.sampling_of(answer.id, SETTINGS)
+        sampling = SamplingParams(temperature=0.0 if answer.seed is None else SETTINGS.temperature)
+        alone = engine.generate(answer.prompt_ids, GenerationConfig(max_new_tokens=10, sampling=sampling,
+                                                                    seed=answer.seed))
+        assert answer.answer_ids == alone.token_ids, answer.id  # sampled ones too: the stored seed replays them
+        assert answer.finish_reason == alone.finish_reason
+    assert any(answers.CUT_MARK.strip() in models.tokenizer.decode(a.prompt_ids) for a in stored
+               if a.source == "stdlib")  # a code slice too long for the tiny model lost its middle
+
+
+def test_resume_after_a_stop_keeps_every_line_and_asks_nothing_twice(models, sources, tmp_path):
+    run_answers(models, sources, tmp_path, tokens=40)
+    first = (tmp_path / answers.ANSWERS).read_bytes()
+    with (tmp_path / answers.ANSWERS).open("ab") as file:
+        file.write(b'{"id": "sharegpt:1')  # a line cut by a kill
+    ticks = iter(range(10**6))  # a clock that advances a second per reading: the time runs out mid-batch
+    summary = run_answers(models, sources, tmp_path, tokens=10**6, seconds=6, clock=lambda: float(next(ticks)))
+    assert summary.stopped_by == "seconds" and summary.dropped > 0
+    summary = run_answers(models, sources, tmp_path, tokens=140)
+    text = (tmp_path / answers.ANSWERS).read_bytes()
+    assert text.startswith(first) and summary.total_tokens >= 140
+    manifest, stored = answers.load(tmp_path)
+    assert len({a.id for a in stored}) == len(stored) == manifest["answers"] and len(manifest["runs"]) == 3
+    straight = tmp_path / "straight"  # the same answers as one uninterrupted run gives
+    run_answers(models, sources, straight, tokens=140)
+    uninterrupted = {a.id: a for a in answers.load(straight)[1]}
+    common = [a for a in stored if a.id in uninterrupted]
+    assert len(common) >= len(stored) // 2 and all(a == uninterrupted[a.id] for a in common)
+    assert run_answers(models, sources, tmp_path, tokens=100).answers == 0  # already there
+
+
+def test_a_folder_keeps_its_target_and_settings(models, sources, tmp_path):
+    run_answers(models, sources, tmp_path, tokens=20)
+    with pytest.raises(UserError, match="max_new_tokens=10, not 12"):
+        run_answers(models, sources, tmp_path, tokens=40, settings=answers.Settings(max_new_tokens=12, seed=1))
+    manifest = json.loads((tmp_path / answers.MANIFEST).read_text())
+    manifest["target_key"] = "hf|another model"
+    (tmp_path / answers.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="holds answers of 'tiny'"):
+        run_answers(models, sources, tmp_path, tokens=40)
+
+
+def test_answers_become_training_sequences(models, sources, tmp_path):
+    run_answers(models, sources, tmp_path / "answers", tokens=40)
+    stored = answers.load(tmp_path / "answers")[1]
+    sequences = answers.sequences(tmp_path / "answers")
+    assert len(sequences) == len(stored)
+    for answer, sequence in zip(stored, sequences):
+        assert sequence.token_ids == answer.prompt_ids + answer.answer_ids
+        assert sequence.assistant == [False] * len(answer.prompt_ids) + [True] * len(answer.answer_ids)
+        assert sequence.source == f"{answer.source}-answers"
+    features.extract(models.target.model, sequences, tmp_path / "features", {"target": "tiny"}, progress=False)
+    manifest, shards = features.load(tmp_path / "features")
+    assert manifest["assistant_tokens"] == sum(len(a.answer_ids) for a in stored)
+    assert isinstance(sequences[0], corpus.Sequence)
+
+
+def test_the_command(monkeypatch, capsys, tiny_folder, sources, tmp_path):
+    monkeypatch.setattr(corpus, "sharegpt_file", lambda: sources[0])  # the standard library: conftest's
+    out = tmp_path / "answers"
+    common = ["train", "data", "--out", str(out), "--target", str(tiny_folder), "--dtype", "float32",
+              "--batch", "3", "--max-new-tokens", "8"]
+    code, _, err = run_cli(monkeypatch, capsys, *common, "--tokens", "50")
+    assert code == 0, err
+    manifest, stored = answers.load(out)
+    assert manifest["answer_tokens"] >= 50 and manifest["target"] == str(tiny_folder) and manifest["dtype"] == "float32"
+    assert "tokens/s" in err and {a.source for a in stored} <= {"sharegpt", "stdlib"}
+    code, _, err = run_cli(monkeypatch, capsys, *common, "--tokens", "80")
+    assert code == 0, err
+    assert answers.load(out)[1][: len(stored)] == stored and answers.load(out)[0]["answer_tokens"] >= 80
+    for wrong, message in [(["--sampled-share", "2"], "sampled_share must be between 0 and 1"),
+                           (["--batch", "0"], "--batch must be at least 1"),
+                           (["--seed", "5"], "holds answers made with seed=0, not 5")]:
+        code, _, err = run_cli(monkeypatch, capsys, *common, "--tokens", "80", *wrong)
+        assert code == 2 and message in " ".join(err.split()) and "Traceback" not in err, err
+    code, _, err = run_cli(monkeypatch, capsys, *common, "--tokens", "80", "--target", str(tmp_path / "none"))
+    assert code == 2 and "Traceback" not in err
