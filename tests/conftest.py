@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -115,8 +116,12 @@ def layer_searches_in_a_temporary_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("layerskip")
     cache_path = self_speculative.cache_path
     patch = pytest.MonkeyPatch()
-    patch.setattr(self_speculative, "cache_path",
-                  lambda *args: cache_path(*args[:5], args[5] if len(args) > 5 and args[5] else folder))
+
+    def temporary(*args):  # a folder the caller names, or the test's own SPECDECODE_CACHE, else the session's
+        named = args[5] if len(args) > 5 else None
+        return cache_path(*args[:5], named or (None if os.environ.get("SPECDECODE_CACHE") else folder))
+
+    patch.setattr(self_speculative, "cache_path", temporary)
     yield folder
     patch.undo()
 
