@@ -1,6 +1,7 @@
 """What training any head on stored target features shares: the data windows, the draft vocabulary,
 the held-out split, the record, and the optimisation loop (AdamW, warm-up then cosine decay, gradient
-clipping, a time budget, bfloat16 autocast over float32 weights, a progress bar)."""
+clipping, a time budget, bfloat16 autocast over float32 weights where the CPU has bf16 units, a
+progress bar)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,9 @@ def optimise(module: torch.nn.Module, loss: LossFn, training: list[Window], sche
         return 0.5 * (1 + math.cos(math.pi * min(1.0, step / total_steps)))
 
     lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, rate)
+    from specdecode.models.precision import bf16_units
+
+    bf16 = bf16_units()  # bfloat16 autocast only where the CPU has bf16 units: emulated, it is far slower
     module.train()
     start = time.perf_counter()
     columns = [TextColumn(label), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
@@ -103,7 +107,7 @@ def optimise(module: torch.nn.Module, loss: LossFn, training: list[Window], sche
             if time.perf_counter() - start > schedule.seconds or step >= total_steps:
                 break
             optimiser.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 parts = [loss(training[i]) for i in order[first : first + schedule.batch_windows]]
             parts = [p for p in parts if p is not None]
             if not parts:
