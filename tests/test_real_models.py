@@ -108,7 +108,7 @@ def test_the_shipped_heads_guess_tokens_the_target_accepts(models, plain):
     on the wrong target, would have next to nothing accepted. Seen: 2.35 (EAGLE) and 1.67 (Medusa) tokens per
     step."""
     ids, reference = plain[0]
-    for name in ("eagle", "medusa"):
+    for name in ("eagle", "medusa", "eagle3"):
         engine = models.engine(name)
         engine.gate = False
         result = engine.generate(ids, CONFIG)
