@@ -282,10 +282,12 @@ class SpeculativeEngine:
     @functools.cached_property
     def step_aside(self) -> StepAside | None:
         """The switch between speculative and plain steps, or None where every step speculates."""
+        if self.drafter is None:
+            return None
         wanted = self._step_aside
         if wanted is None:
-            wanted = self.gate and self.drafter is not None and isinstance(self.curve, LiveCurve)
-        return StepAside() if wanted and self.drafter is not None else None
+            wanted = self.gate and isinstance(self.curve, LiveCurve)
+        return StepAside() if wanted else None
 
     def forget(self) -> None:
         """Forget what was learnt from earlier sequences (a benchmark's repeats start afresh)."""

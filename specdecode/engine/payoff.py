@@ -82,10 +82,8 @@ class StepAside:
 
     def _next_run(self) -> None:
         other = PLAIN if self.way == SPECULATE else SPECULATE
-        if self.rates[other].per_token is None:  # never timed: try it
-            self.way, self.left, self.trial = other, TRIAL[other], True
-            return
-        if not self.trial:  # the leader's period is over: try the other way
+        # the other way never timed, or the leader's period over: try the other way
+        if self.rates[other].per_token is None or not self.trial:
             self.way, self.left, self.trial = other, TRIAL[other], True
             return
         winner = self._winner()
