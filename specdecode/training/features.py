@@ -13,6 +13,7 @@ and `features.json` describing the target, the corpus and the shards.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -88,7 +89,7 @@ def extract(model, sequences: list[Sequence], out: Path, describe: dict, progres
 
     columns = [TextColumn("target features"), BarColumn(), TextColumn("{task.completed}/{task.total} tokens"),
                TimeRemainingColumn()]
-    with Progress(*columns, disable=not progress) as bar:
+    with _one_call_attention(model), Progress(*columns, disable=not progress) as bar:
         task = bar.add_task("features", total=total)
         for sequence in sequences:
             pending.append((sequence, hidden_states(model, sequence.token_ids, layers)))
@@ -105,6 +106,23 @@ def extract(model, sequences: list[Sequence], out: Path, describe: dict, progres
                 "shards": shards}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return out
+
+
+@contextlib.contextmanager
+def _one_call_attention(model):
+    """The int8 path's row-by-row attention keeps a token's logits batch-invariant, which features need not
+    be: within this block one attention call per layer instead of one per row (the same values to
+    rounding, many times faster on a long sequence); other models as they are."""
+    from specdecode.models.int8 import ATTENTION
+
+    invariant = getattr(model.config, "_attn_implementation", None) == ATTENTION
+    if invariant:
+        model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        if invariant:
+            model.set_attn_implementation(ATTENTION)
 
 
 def load(folder: Path) -> tuple[dict, list[Shard]]:
