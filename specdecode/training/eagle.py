@@ -6,7 +6,8 @@ the feature, and the cross-entropy of the draft distribution (the LM head over t
 applied to the prediction) against the target's own (the same head applied to the true f_{t+1}: self-
 distillation, nothing generated), weighted 0.1. Only positions whose predicted token belongs to an
 assistant turn count. Input features get uniform noise (the paper's data augmentation: drafting feeds
-the head its own imperfect predictions). Matmuls run in bfloat16 autocast with float32 weights.
+the head its own imperfect predictions). Matmuls run in bfloat16 autocast with float32 weights where the
+CPU has bf16 units.
 
 Held-out accuracy per draft position k (1 = the first draft token): the head drafts k tokens on its own
 features from a context position, fed the text's actual next tokens, and its k-th token is compared
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.drafters.eagle import EagleHead, head_config
+from specdecode.models.precision import bf16_units
 from specdecode.training.features import Shard
 from specdecode.training.loop import Record, Schedule, frequent_tokens, optimise, split, windows
 
@@ -113,7 +115,7 @@ def train(target_model, shards: list[Shard], settings: TrainingSettings, progres
                 {"regression": regression.detach(), "classification": classification.detach()}, positions)
 
     optimise(head, loss, training, settings, record, "training EAGLE", progress)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_units()):  # as in training (`loop.optimise`)
         record.held_out_accuracy = held_out_accuracy(head, embed, head_weight, full_head, evaluation,
                                                      settings.eval_positions)
     log(f"EAGLE head: {record.steps} steps, {record.tokens_seen} tokens, {record.seconds:.0f} s; held-out accuracy "

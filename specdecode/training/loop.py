@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdecode.models.precision import bf16_units
 from specdecode.training.features import Shard
 
 HELD_OUT = 0.05  # share of windows kept for evaluation
@@ -91,8 +92,6 @@ def optimise(module: torch.nn.Module, loss: LossFn, training: list[Window], sche
         return 0.5 * (1 + math.cos(math.pi * min(1.0, step / total_steps)))
 
     lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, rate)
-    from specdecode.models.precision import bf16_units
-
     bf16 = bf16_units()  # bfloat16 autocast only where the CPU has bf16 units: emulated, it is far slower
     module.train()
     start = time.perf_counter()
