@@ -36,6 +36,7 @@ from typing import Literal
 
 import torch
 
+from specdecode.drafters.eagle3 import Eagle3Config
 from specdecode.errors import UserError
 
 FORMATS = ("vllm", "sglang")
@@ -53,65 +54,49 @@ HEAD_WEIGHTS = ("fc.weight", *NORMS, "midlayer.self_attn.q_proj.weight", "midlay
                 "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight")
 
 
-@dataclass(frozen=True)
-class HeadShape:
-    """The sizes of an EAGLE-3 head, read from its config."""
+def head_shape(config: dict) -> Eagle3Config:
+    """The sizes of an EAGLE-3 head, read from a config dict with the defaults and checks an export needs."""
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "rms_norm_eps",
+                           "max_position_embeddings", "vocab_size", "draft_vocab_size", "aux_layers")
+               if config.get(k) is None]
+    if missing:
+        raise UserError(f"the head's config lacks {', '.join(missing)}")
+    heads = config["num_attention_heads"]
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = config.get("rope_theta") or rope.get("rope_theta")
+    if theta is None:
+        raise UserError("the head's config has no rope_theta (nor rope_parameters.rope_theta)")
+    if rope.get("rope_type", "default") != "default":
+        raise UserError(f"the head uses {rope['rope_type']!r} RoPE scaling; only plain RoPE is exported")
+    aux = tuple(int(i) for i in config["aux_layers"])
+    if len(aux) != 3 or any(b <= a for a, b in zip(aux, aux[1:])) or aux[0] < 0:
+        # the engines concatenate exactly three captured states, in layer order
+        raise UserError(f"aux_layers must be three increasing layer indices, not {list(aux)}")
+    return Eagle3Config(
+        hidden_size=config["hidden_size"],
+        target_hidden_size=config.get("target_hidden_size") or config["hidden_size"],
+        intermediate_size=config["intermediate_size"], num_attention_heads=heads,
+        num_key_value_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        rms_norm_eps=float(config["rms_norm_eps"]), rope_theta=float(theta),
+        max_position_embeddings=config["max_position_embeddings"], vocab_size=config["vocab_size"],
+        draft_vocab_size=config["draft_vocab_size"], aux_layers=aux)
 
-    hidden_size: int  # d
-    target_hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    vocab_size: int  # V, the target's
-    draft_vocab_size: int  # V'
-    aux_layers: tuple[int, int, int]
 
-    @staticmethod
-    def from_config(config: dict) -> HeadShape:
-        missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "rms_norm_eps",
-                               "max_position_embeddings", "vocab_size", "draft_vocab_size", "aux_layers")
-                   if config.get(k) is None]
-        if missing:
-            raise UserError(f"the head's config lacks {', '.join(missing)}")
-        heads = config["num_attention_heads"]
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        theta = config.get("rope_theta") or rope.get("rope_theta")
-        if theta is None:
-            raise UserError("the head's config has no rope_theta (nor rope_parameters.rope_theta)")
-        if rope.get("rope_type", "default") != "default":
-            raise UserError(f"the head uses {rope['rope_type']!r} RoPE scaling; only plain RoPE is exported")
-        aux = tuple(int(i) for i in config["aux_layers"])
-        if len(aux) != 3 or any(b <= a for a, b in zip(aux, aux[1:])) or aux[0] < 0:
-            # the engines concatenate exactly three captured states, in layer order
-            raise UserError(f"aux_layers must be three increasing layer indices, not {list(aux)}")
-        return HeadShape(
-            hidden_size=config["hidden_size"],
-            target_hidden_size=config.get("target_hidden_size") or config["hidden_size"],
-            intermediate_size=config["intermediate_size"], num_attention_heads=heads,
-            num_key_value_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            rms_norm_eps=float(config["rms_norm_eps"]), rope_theta=float(theta),
-            max_position_embeddings=config["max_position_embeddings"], vocab_size=config["vocab_size"],
-            draft_vocab_size=config["draft_vocab_size"], aux_layers=aux)
-
-    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        d, q, kv, inter = (self.hidden_size, self.num_attention_heads * self.head_dim,
-                           self.num_key_value_heads * self.head_dim, self.intermediate_size)
-        return {
-            "fc.weight": (d, 3 * self.target_hidden_size),  # fuses the three aux states
-            **{name: (d,) for name in NORMS},
-            "midlayer.self_attn.q_proj.weight": (q, 2 * d),  # input: [embedding, hidden] side by side
-            "midlayer.self_attn.k_proj.weight": (kv, 2 * d),
-            "midlayer.self_attn.v_proj.weight": (kv, 2 * d),
-            "midlayer.self_attn.o_proj.weight": (d, q),
-            "midlayer.mlp.gate_proj.weight": (inter, d),
-            "midlayer.mlp.up_proj.weight": (inter, d),
-            "midlayer.mlp.down_proj.weight": (d, inter),
-        }
+def weight_shapes(shape: Eagle3Config) -> dict[str, tuple[int, ...]]:
+    d, q, kv, inter = (shape.hidden_size, shape.num_attention_heads * shape.head_dim,
+                       shape.num_key_value_heads * shape.head_dim, shape.intermediate_size)
+    return {
+        "fc.weight": (d, 3 * shape.target_hidden_size),  # fuses the three aux states
+        **{name: (d,) for name in NORMS},
+        "midlayer.self_attn.q_proj.weight": (q, 2 * d),  # input: [embedding, hidden] side by side
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * d),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * d),
+        "midlayer.self_attn.o_proj.weight": (d, q),
+        "midlayer.mlp.gate_proj.weight": (inter, d),
+        "midlayer.mlp.up_proj.weight": (inter, d),
+        "midlayer.mlp.down_proj.weight": (d, inter),
+    }
 
 
 @dataclass
@@ -126,11 +111,11 @@ def export_eagle3(state: dict[str, torch.Tensor], config: dict, lm_head: torch.T
     """Write the head as `fmt`'s EAGLE-3 draft folder `out` (absent or empty).
 
     state: the head's state dict in the EAGLE-3 layout (HEAD_WEIGHTS, `d2t`, optionally `t2d`);
-    config: its config (HeadShape's fields, `rope_theta` or `rope_parameters`, `aux_layers`);
+    config: its config (`Eagle3Config`'s fields, `rope_theta` or `rope_parameters`, `aux_layers`);
     lm_head: [V, d] the target's LM head; embed: [V, d] the target's embedding, written only if given."""
     check_destination(fmt, out)
     out = Path(out)
-    shape = HeadShape.from_config(config)
+    shape = head_shape(config)
     tensors = head_tensors(state, shape, lm_head, embed, dtype)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(engine_config(shape, fmt, dtype), indent=2) + "\n")
@@ -146,11 +131,11 @@ def check_destination(fmt: str, out: Path) -> None:
         raise UserError(f"{out} exists and is not an empty folder; pick a new one")
 
 
-def head_tensors(state: dict[str, torch.Tensor], shape: HeadShape, lm_head: torch.Tensor,
+def head_tensors(state: dict[str, torch.Tensor], shape: Eagle3Config, lm_head: torch.Tensor,
                  embed: torch.Tensor | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The folder's tensors: the head's weights in `dtype`, the LM head rows of the draft vocabulary,
     d2t (int64) and t2d (bool) with the draft ids in ascending order, and the embedding if given."""
-    expected = shape.weight_shapes()
+    expected = weight_shapes(shape)
     unknown = sorted(set(state) - set(expected) - {"d2t", "t2d"})
     missing = sorted(set(expected) - set(state)) + ([] if "d2t" in state else ["d2t"])
     if unknown or missing:
@@ -177,7 +162,7 @@ def head_tensors(state: dict[str, torch.Tensor], shape: HeadShape, lm_head: torc
     return tensors
 
 
-def draft_vocabulary(state: dict[str, torch.Tensor], shape: HeadShape) -> torch.Tensor:
+def draft_vocabulary(state: dict[str, torch.Tensor], shape: Eagle3Config) -> torch.Tensor:
     """[V'] the target ids of the draft vocabulary, ascending (the head's logits come from the target's
     LM head rows, so their order is free), checked against d2t and t2d."""
     d2t = state["d2t"]
@@ -194,7 +179,7 @@ def draft_vocabulary(state: dict[str, torch.Tensor], shape: HeadShape) -> torch.
     return ids
 
 
-def engine_config(shape: HeadShape, fmt: str, dtype: torch.dtype = torch.bfloat16) -> dict:
+def engine_config(shape: Eagle3Config, fmt: str, dtype: torch.dtype = torch.bfloat16) -> dict:
     """config.json: a one-layer Llama model of the head's sizes, with the fields the engine's EAGLE-3
     loader reads (see tests/test_export.py for where each is read)."""
     aux = list(shape.aux_layers)
