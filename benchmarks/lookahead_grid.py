@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from specdecode.api import load_models
-from specdecode.bench.harness import compare, compare_arguments, save_report
+from specdecode.bench.scripts import compare, compare_arguments, save_report
 from specdecode.bench.runners import engine_runner, our_runner
 from specdecode.drafters.lookahead import LookaheadDrafter
 from specdecode.engine import SpeculativeEngine

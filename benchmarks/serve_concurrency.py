@@ -27,7 +27,7 @@ import torch
 from specdecode.api import load_models
 from specdecode.bench.datasets import sample_tasks
 from specdecode.bench.exactness import diagnose
-from specdecode.bench.harness import save_report
+from specdecode.bench.scripts import save_report
 from specdecode.serve.app import Server, ServerThread, create_app
 
 CATEGORIES = ["code", "code-edit", "summarisation", "qa", "math", "rag"]

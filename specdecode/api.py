@@ -22,14 +22,22 @@ from specdecode.drafters.base import Drafter
 from specdecode.methods import DrafterOptions, Method, name_of, resolve
 from specdecode.models.base import CausalLM
 from specdecode.models.hf import HFCausalLM
-from specdecode.models.loading import check_same_vocabulary, gguf_path, load_causal_lm, load_gguf_lm
+from specdecode.models.loading import (
+    check_logits_cover,
+    check_same_vocabulary,
+    gguf_path,
+    load_causal_lm,
+    load_gguf_lm,
+    same_vocabulary,
+)
 from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET, get_model, registered_models
 from specdecode.types import SamplingParams
 
 
 @dataclass
 class Models:
-    """A target model, its tokenizer, and optionally a draft model with the same vocabulary."""
+    """A target model, its tokenizer, and optionally a draft model: with the same vocabulary, or with
+    its own tokenizer (`draft_tokenizer`), for the methods that translate its drafts through text."""
 
     target: CausalLM  # HFCausalLM on the torch backend, LlamaCppLM on llama.cpp
     tokenizer: PreTrainedTokenizerBase
@@ -37,6 +45,8 @@ class Models:
     # the GGUF file the target came from (a registered model or a .gguf path), for llama.cpp as a peer of
     # torch runs; None: loaded from a folder or the hub
     target_gguf: Path | None = None
+    # the draft model's tokenizer when it differs from the target's; None: the draft model has the target's
+    draft_tokenizer: PreTrainedTokenizerBase | None = None
 
     def require_draft(self) -> CausalLM:
         if self.draft is None:
@@ -75,7 +85,8 @@ class Models:
         reference_ids = tuple(self.tokenizer.encode(reference, add_special_tokens=False)) if reference else None
         return spec, DrafterOptions(tree=tree or options.tree, budget=budget, choices=choices or options.choices,
                                     datastore=datastore if "datastore" in spec.takes else None,
-                                    reference_ids=reference_ids, tokenizer=self.tokenizer)
+                                    reference_ids=reference_ids, tokenizer=self.tokenizer,
+                                    draft_tokenizer=self.draft_tokenizer if spec.needs_draft_model else None)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids of a prompt; with chat=True, as the single user turn of the chat template."""
@@ -106,15 +117,19 @@ def load_models(
     drafter: str | PreTrainedModel | None = DEFAULT_DRAFTER,
     *,
     tokenizer: PreTrainedTokenizerBase | None = None,
+    draft_tokenizer: PreTrainedTokenizerBase | None = None,
     dtype: torch.dtype | str = "auto",
     draft_dtype: torch.dtype | str = "int8",
     progress: bool = True,
     backend: str = "torch",
 ) -> Models:
     """Load a target and (optionally) a draft model. The target runs in `dtype`: "auto" (the fastest of
-    bfloat16, float32 and int8 on this machine, `models.precision`), or one of them. The draft model is
+    bfloat16, float32, int8 and int4 on this machine, `models.precision`), or one of them. The draft model is
     int8 by default (`models.loading.quantize_int8`): cheaper per draft token on a CPU, and lossless all
-    the same, since the target verifies every token.
+    the same, since the target verifies every token. A drafter whose tokenizer differs from the target's
+    is kept with its tokenizer: the methods that can draft across tokenizers translate its drafts through
+    text (`specdecode methods`), the others refuse it. With already loaded models, `tokenizer` is the
+    target's and `draft_tokenizer` the drafter's (default: `tokenizer`).
 
     backend="llamacpp" runs .gguf files (or registered models) through llama.cpp as they are; dtypes
     do not apply there (the file's quantization is the model)."""
@@ -123,12 +138,19 @@ def load_models(
     if backend != "torch":
         raise UserError(f"unknown backend {backend!r}; choose torch or llamacpp")
     target_model, target_tokenizer = _load(target, tokenizer, dtype, progress)
-    draft = None
+    draft = other_tokenizer = None
     if drafter is not None:
-        draft_model, draft_tokenizer = _load(drafter, tokenizer, draft_dtype, progress, exact_int8=False)
-        check_same_vocabulary(target_tokenizer, draft_tokenizer, target_model, draft_model)
+        draft_model, draft_tokenizer = _load(drafter, draft_tokenizer or tokenizer, draft_dtype, progress,
+                                             exact_int8=False)
+        if same_vocabulary(target_tokenizer, draft_tokenizer):
+            check_same_vocabulary(target_tokenizer, draft_tokenizer, target_model, draft_model)
+        else:
+            check_logits_cover(target_tokenizer, target_model, "target")
+            check_logits_cover(draft_tokenizer, draft_model, "drafter")
+            other_tokenizer = draft_tokenizer
         draft = HFCausalLM(draft_model)
-    return Models(HFCausalLM(target_model), target_tokenizer, draft, target_gguf=gguf_of(target))
+    return Models(HFCausalLM(target_model), target_tokenizer, draft, target_gguf=gguf_of(target),
+                  draft_tokenizer=other_tokenizer)
 
 
 def gguf_of(spec) -> Path | None:
@@ -148,7 +170,8 @@ def _load_llamacpp(target, drafter, progress: bool) -> Models:
     if drafter is not None:
         draft_lm, draft_tokenizer = load_gguf_lm(drafter, progress=progress)
         if draft_tokenizer.get_vocab() != tokenizer.get_vocab() or draft_lm.vocab_size != target_lm.vocab_size:
-            raise UserError("the drafter's vocabulary differs from the target's; pick one from the same family")
+            raise UserError("the drafter's vocabulary differs from the target's: on the llama.cpp backend pick one "
+                            "from the same family (the torch backend drafts across tokenizers)")
     return Models(target_lm, tokenizer, draft_lm)
 
 

@@ -29,17 +29,19 @@ app.add_typer(model_commands.app, name="models")
 console = Console(stderr=True)
 
 MethodName = Enum("MethodName", {name: name for name in METHODS}, type=str)
-DType = Enum("DType", {name: name for name in ("auto", "bfloat16", "float32", "int8")}, type=str)
+DType = Enum("DType", {name: name for name in ("auto", "bfloat16", "float32", "int8", "int4")}, type=str)
 
 TargetOption = Annotated[str, typer.Option(help="Target model: registered name, .gguf file, folder or hub id.")]
 DrafterOption = Annotated[str, typer.Option(help="Draft model for --method draft (same vocabulary as the target).")]
 DTypeOption = Annotated[DType, typer.Option(help=(
     "Target's path: auto (the fastest here, measured once: bfloat16 where the CPU has bf16 units and it wins, "
-    "else int8), bfloat16, float32, or int8 (int8 weights and per-row int8 activations, computed row by row "
-    "so speculation stays exact; not the float model's output). Probabilities are always float32."))]
-DraftDType = Enum("DraftDType", {"int8": "int8", "bfloat16": "bfloat16", "float32": "float32"}, type=str)
+    "else int4 or int8), bfloat16, float32, int8 (int8 weights and per-row int8 activations, computed row by row "
+    "so speculation stays exact; not the float model's output), or int4 (4-bit weights, the same exactness, "
+    "AVX2 CPUs; its kernel compiles on first use). Probabilities are always float32."))]
+DraftDType = Enum("DraftDType", {n: n for n in ("int8", "int4", "bfloat16", "float32")}, type=str)
 DraftDTypeOption = Annotated[DraftDType, typer.Option(
-    help="Draft model weights: int8 (default, ~3x cheaper on CPU; lossless, the target verifies), bfloat16 or float32.")]
+    help="Draft model weights: int8 (default, ~3x cheaper on CPU; lossless, the target verifies), int4 (the "
+    "int4 path's kernel, AVX2: cheaper again per draft token), bfloat16 or float32.")]
 TreeOption = Annotated[bool, typer.Option("--tree", help="Draft a token tree instead of a chain (methods with a tree form).")]
 BudgetOption = Annotated[int | None, typer.Option(
     min=1, max=4096, help="Tree nodes verified per step (default: chosen each step from the measured cost curve).")]
@@ -78,29 +80,6 @@ def _check_sources(method: str, datastore: Path | None, reference: Path | None) 
     if not text.strip():
         raise UserError(f"the reference document {reference} is empty")
     return text
-
-
-def _stats_table(rows: list[dict], baseline_tps: float | None = None) -> Table:
-    table = Table(show_edge=False)
-    for column in ["method", "new tokens", "seconds", "tokens/s", "target forwards", "mean accepted", "acceptance"]:
-        table.add_column(column, justify="left" if column == "method" else "right")
-    if baseline_tps:
-        table.add_column("speedup", justify="right")
-    for row in rows:
-        acceptance = row["acceptance_rate"]
-        cells = [
-            row["method"],
-            str(row["new_tokens"]),
-            f"{row['seconds']:.2f}",
-            f"{row['tokens_per_second']:.2f}",
-            str(row["target_forwards"]),
-            f"{row['mean_accepted_tokens']:.2f}",
-            "-" if acceptance is None else f"{acceptance:.0%}",
-        ]
-        if baseline_tps:
-            cells.append(f"{row['tokens_per_second'] / baseline_tps:.2f}x")
-        table.add_row(*cells)
-    return table
 
 
 @app.command()
@@ -154,7 +133,9 @@ def generate(
         return
     result = engine.generate(ids, config, on_step=lambda event: print(event.text, end="", flush=True))
     print()
-    console.print(_stats_table([result.summary()]))
+    from specdecode.demo import stats_table
+
+    console.print(stats_table([result.summary()]))
 
 
 @app.command()
@@ -176,8 +157,12 @@ def demo(
 def bench(
     methods: Annotated[str, typer.Option(
         help="Comma-separated methods (tree forms as NAME-tree) and peers (default: all).")] = "",
-    categories: Annotated[str, typer.Option(help="Comma-separated categories (default: all).")] = "",
-    per_category: Annotated[int, typer.Option(min=1, help="Seeded sample of prompts per category.")] = 2,
+    categories: Annotated[str, typer.Option(help=(
+        "Comma-separated categories (default: multi-turn, code, code-edit, math, qa, rag, summarisation, "
+        "translation). long-context (prompts of 4k, 8k and 16k tokens: documents with a question, news digests, "
+        "standard-library modules to edit or summarise) runs only when named: --categories long-context."))] = "",
+    per_category: Annotated[int, typer.Option(min=1, help=(
+        "Seeded sample of prompts per category (long-context: per length)."))] = 2,
     full: Annotated[bool, typer.Option("--full", help="Every prompt of every category (hours).")] = False,
     quick: Annotated[bool, typer.Option("--quick", help="1 prompt per category, 64 tokens, 1 repeat.")] = False,
     max_new_tokens: Annotated[int, typer.Option(min=1, max=4096)] = 128,
@@ -196,7 +181,8 @@ def bench(
     drafter: DrafterOption = DEFAULT_DRAFTER,
 ) -> None:
     """Spec-Bench-style evaluation: every method and peer on every category, interleaved and repeated."""
-    from specdecode.bench.main import DEFAULT_CATEGORIES, LLAMACPP_METHODS, TORCH_METHODS, run
+    from specdecode.bench.datasets import DEFAULT_CATEGORIES
+    from specdecode.bench.main import LLAMACPP_METHODS, TORCH_METHODS, run
 
     if quick:
         per_category, max_new_tokens, repeats = 1, 64, 1
@@ -294,8 +280,10 @@ def list_methods() -> None:
     for column in ["method", "needs a draft model", "lossless", "tree form (--tree)", "what it does"]:
         table.add_column(column)
     for m in METHODS.values():
-        table.add_row(m.name, "yes" if m.needs_draft_model else "no", "yes" if m.lossless else "NO",
-                      "yes" if m.tree else "no", m.summary)
+        # a draft model with another tokenizer than the target's: its chain drafts translated through text
+        draft_model = ("yes, any tokenizer (chain)" if m.other_tokenizer else "yes, the target's tokenizer"
+                       ) if m.needs_draft_model else "no"
+        table.add_row(m.name, draft_model, "yes" if m.lossless else "NO", "yes" if m.tree else "no", m.summary)
     Console().print(table)
 
 

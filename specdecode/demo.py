@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 from rich.panel import Panel
+from rich.table import Table
 
 from specdecode.api import load_models
 from specdecode.bench.exactness import diagnose
@@ -26,8 +27,6 @@ DEMO_METHODS = ["ar", "draft", "draft-tree", "pld", "pld-tree", "rest", "lookahe
 
 
 def run_demo(target: str, drafter: str, dtype: str, draft_dtype: str, max_new_tokens: int) -> None:
-    from specdecode.cli import _stats_table  # one table layout for generate and demo
-
     console = Console()
     models = load_models(target, drafter, dtype=dtype, draft_dtype=draft_dtype)
     engines = {name: models.engine(name) for name in DEMO_METHODS}
@@ -62,4 +61,29 @@ def run_demo(target: str, drafter: str, dtype: str, draft_dtype: str, max_new_to
         for name, rs in results.items()
     ]
     console.rule("All prompts")
-    console.print(_stats_table(rows, baseline_tps=rows[0]["tokens_per_second"]))
+    console.print(stats_table(rows, baseline_tps=rows[0]["tokens_per_second"]))
+
+
+def stats_table(rows: list[dict], baseline_tps: float | None = None) -> Table:
+    """One row per run (`GenerationResult.summary()`), with speedups over `baseline_tps` if given: the
+    table of `specdecode generate` and of the demo."""
+    table = Table(show_edge=False)
+    for column in ["method", "new tokens", "seconds", "tokens/s", "target forwards", "mean accepted", "acceptance"]:
+        table.add_column(column, justify="left" if column == "method" else "right")
+    if baseline_tps:
+        table.add_column("speedup", justify="right")
+    for row in rows:
+        acceptance = row["acceptance_rate"]
+        cells = [
+            row["method"],
+            str(row["new_tokens"]),
+            f"{row['seconds']:.2f}",
+            f"{row['tokens_per_second']:.2f}",
+            str(row["target_forwards"]),
+            f"{row['mean_accepted_tokens']:.2f}",
+            "-" if acceptance is None else f"{acceptance:.0%}",
+        ]
+        if baseline_tps:
+            cells.append(f"{row['tokens_per_second'] / baseline_tps:.2f}x")
+        table.add_row(*cells)
+    return table

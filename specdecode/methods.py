@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.draft_model_tree import DEFAULT_CHOICES, DraftModelTreeDrafter
+from specdecode.drafters.other_tokenizer import OtherTokenizerDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
 from specdecode.drafters.jacobi import build_jacobi
 from specdecode.drafters.eagle import build_eagle
@@ -39,6 +40,8 @@ class DrafterOptions:
     datastore: str | None = None  # a retrieval datastore (`specdecode datastore build`); None: the default
     reference_ids: tuple[int, ...] | None = None  # a document to copy from (retrieved passages, a file being edited)
     tokenizer: object | None = field(default=None, compare=False)  # the target's, for drafters that tokenize text
+    # the draft model's when it differs from the target's (its drafts are translated through text); None: the same
+    draft_tokenizer: object | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.budget is not None and not self.tree:
@@ -74,6 +77,9 @@ class Method:
     remembers: bool = False
     # how drafts are verified: exact (greedy match, speculative sampling) unless the method is lossy
     verifier: Callable = verify
+    # its chain form drafts with a model whose tokenizer differs from the target's (through text,
+    # `drafters.other_tokenizer`)
+    other_tokenizer: bool = False
 
     def drafter(self, target: CausalLM, draft: CausalLM | None, options: DrafterOptions | None = None) -> Drafter | None:
         options = options or DrafterOptions()
@@ -81,11 +87,18 @@ class Method:
             raise UserError(f"method {self.name!r} has no tree form; tree methods: {', '.join(tree_methods())}")
         if options.choices is not None and not self.choices:
             raise UserError(f"method {self.name!r} takes no fixed tree shape")
+        if options.draft_tokenizer is not None and (options.tree or not self.other_tokenizer):
+            raise UserError(
+                f"method {name_of(self, options)!r} needs a draft model with the target's tokenizer; this one's "
+                f"differs. Drafting across tokenizers: {', '.join(other_tokenizer_methods())} (chains only)")
         return self.build(target, draft, options)
 
 
 def _draft_model(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
     cost = costs.draft_cost(draft, target)  # a draft forward, in target forwards, measured once per machine
+    if options.draft_tokenizer is not None:
+        return OtherTokenizerDrafter(draft, options.tokenizer, options.draft_tokenizer, draft_cost=cost,
+                                     curve=target.cost_curve())
     if not options.tree:
         return DraftModelDrafter(draft, draft_cost=cost, curve=target.cost_curve())
     return DraftModelTreeDrafter(
@@ -107,8 +120,9 @@ METHODS: dict[str, Method] = {
     for m in [
         Method("ar", "plain autoregressive decoding (the baseline)", False, lambda target, draft, options: None,
                batchable=True),
-        Method("draft", "an independent draft model drafts a chain (adaptive length) or an EAGLE-2-style tree",
-               True, _draft_model, tree=True, choices=True),
+        Method("draft", "an independent draft model drafts a chain (adaptive length) or an EAGLE-2-style tree; "
+               "the chain also from a model with another tokenizer, translated through text",
+               True, _draft_model, tree=True, choices=True, other_tokenizer=True),
         Method("pld", "prompt lookup: copy what followed the last n-gram earlier (tree: every match)",
                False, _prompt_lookup, tree=True, takes=("reference",), batchable=True),
         Method("rest", "retrieval (REST): the most frequent continuations of the context's longest suffix in "
@@ -156,6 +170,11 @@ def get_method(name: str) -> Method:
 
 def tree_methods() -> list[str]:
     return [name for name, m in METHODS.items() if m.tree]
+
+
+def other_tokenizer_methods() -> list[str]:
+    """The methods whose draft model may have another tokenizer than the target's."""
+    return [name for name, m in METHODS.items() if m.other_tokenizer]
 
 
 def variant_names() -> list[str]:

@@ -6,10 +6,14 @@ code. Every loader returns `Task`s; `sample_tasks` draws a fixed, seeded sample 
 
 from __future__ import annotations
 
+import ast
+import bisect
+import functools
 import gettext
 import gzip
 import json
 import random
+import sysconfig
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -117,12 +121,15 @@ def retrieval_augmented() -> list[Task]:
     ]
 
 
-def summarisation() -> list[Task]:
+def _news_articles() -> list[str]:
     path = _package_file("gensim", "gensim/test/test_data/lee_background.cor")
-    articles = [line.strip() for line in path.read_text(encoding="latin-1").splitlines() if len(line.split()) > 60]
+    return [line.strip() for line in path.read_text(encoding="latin-1").splitlines() if len(line.split()) > 60]
+
+
+def summarisation() -> list[Task]:
     return [
         Task("summarisation", f"lee_background/{i}", (f"Summarise this news article in three sentences.\n\n{a}",))
-        for i, a in enumerate(articles)
+        for i, a in enumerate(_news_articles())
     ]
 
 
@@ -156,6 +163,163 @@ def _is_sentence(text: str) -> bool:
     return 8 <= len(words) <= 60 and text[0].isupper() and text.rstrip()[-1:] in ".!?" and "%" not in text and "\n" not in text
 
 
+# --- Long inputs -------------------------------------------------------------------------------------
+#
+# Prompts of about 4k, 8k and 16k tokens of the default target's tokenizer, built from the data above
+# and the standard library's source. They are sized without the tokenizer's file, so the tasks are the
+# same on every machine: Qwen2.5's pre-tokenizer (its split pattern, run by the `tokenizers` library with
+# no vocabulary) cuts a text into pieces, and a piece is 1.08 tokens on average (measured with Qwen2.5's
+# tokenizer: 1.04-1.13 over standard-library modules, 1.06-1.10 over the passages and articles, where
+# characters per token range over 3.4-5.0). A user turn is within 10% of its nominal length in Qwen2.5
+# tokens (tests/test_long_context.py checks it when the tokenizer is in the cache); another target's
+# tokenizer counts otherwise: the records' prompt_ids hold the real lengths.
+
+LONG_CONTEXT = "long-context"
+LONG_LENGTHS = {"4k": 4096, "8k": 8192, "16k": 16384}  # nominal tokens of the user turn
+LONG_TASKS_PER_KIND = 3  # per kind and length: 4 kinds (documents, digest, module-edit, module-summary)
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")  # Qwen2/2.5's pre-tokenizer pattern (its tokenizer.json)
+TOKENS_PER_PIECE = 1.08
+
+
+def piece_ends(text: str) -> list[int]:
+    """The end offset (in characters) of each pre-token piece of `text`, in order."""
+    from tokenizers import Regex, pre_tokenizers
+
+    return [end for _, (_, end) in pre_tokenizers.Split(Regex(QWEN2_SPLIT), "isolated").pre_tokenize_str(text)]
+
+
+def estimated_tokens(text: str) -> int:
+    """About how many tokens Qwen2.5's tokenizer makes of `text` (see above)."""
+    return round(TOKENS_PER_PIECE * len(piece_ends(text)))
+
+
+def _fill(texts: list[str], budget: int, rng: random.Random, heading: int) -> list[str]:
+    """Texts in `rng`'s order, without replacement, until the next would overflow `budget` tokens (each
+    costs its estimated tokens plus `heading`)."""
+    chosen, used = [], 0
+    for text in rng.sample(texts, len(texts)):
+        cost = estimated_tokens(text) + heading
+        if used + cost > budget:
+            break
+        chosen.append(text)
+        used += cost
+    return chosen
+
+
+def _body_budget(length: str, frame: str) -> int:
+    """Tokens left for the long part of a turn of `length` whose other text is `frame`."""
+    return LONG_LENGTHS[length] - estimated_tokens(frame)
+
+
+DOCUMENTS = ("Below are {count} documents.\n\n{body}\n\nAnswer the question from the documents: say which document "
+             "answers it, and quote the sentence that supports your answer.\n\nQuestion: {question}?")
+DIGEST = ("Below are {count} news articles.\n\n{body}\n\nWrite a digest of these articles: one sentence per article "
+          "giving its main news, numbered as the articles are.")
+
+
+def _long_documents(length: str) -> list[Task]:
+    """Numbered BoolQ passages and a question about one of them (at a seeded depth), to answer with a quote."""
+    rows = {r["passage"]: r for r in _benchkit("boolq")}  # a passage asked about twice is kept once
+    budget = _body_budget(length, DOCUMENTS.format(count=100, body="", question="is this a typical question"))
+    tasks = []
+    for index in range(LONG_TASKS_PER_KIND):
+        rng = random.Random(f"{LONG_CONTEXT}/{length}/documents/{index}")
+        passages = _fill(list(rows), budget, rng, heading=estimated_tokens("Document 100: \n\n"))
+        question = rows[rng.choice(passages)]["question"]
+        body = "\n\n".join(f"Document {i + 1}: {passage}" for i, passage in enumerate(passages))
+        tasks.append(Task(LONG_CONTEXT, f"long/{length}/documents/{index}", (
+            DOCUMENTS.format(count=len(passages), body=body, question=question),)))
+    return tasks
+
+
+def _long_digests(length: str) -> list[Task]:
+    """Numbered news articles (the summarisation category's) to digest in one sentence each."""
+    articles = _news_articles()
+    budget = _body_budget(length, DIGEST.format(count=100, body=""))
+    tasks = []
+    for index in range(LONG_TASKS_PER_KIND):
+        rng = random.Random(f"{LONG_CONTEXT}/{length}/digest/{index}")
+        picked = _fill(articles, budget, rng, heading=estimated_tokens("Article 100: \n\n"))
+        body = "\n\n".join(f"Article {i + 1}: {article}" for i, article in enumerate(picked))
+        tasks.append(Task(LONG_CONTEXT, f"long/{length}/digest/{index}", (
+            DIGEST.format(count=len(picked), body=body),)))
+    return tasks
+
+
+@functools.lru_cache(maxsize=None)
+def _module(path: Path) -> tuple[str, ast.Module, list[int]]:
+    """A module's source, syntax tree and piece ends (read once: every length and kind looks at them)."""
+    source = path.read_text(encoding="utf-8")
+    return source, ast.parse(source), piece_ends(source)
+
+
+def _module_opening(path: Path, budget: int) -> tuple[str, int]:
+    """The longest opening of a module within `budget` estimated tokens that ends after a whole statement
+    of the module or of a top-level class's body (so it is still valid Python), and its estimated tokens."""
+    source, tree, ends = _module(path)
+    line_ends = [0]
+    for line in source.splitlines(keepends=True):
+        line_ends.append(line_ends[-1] + len(line))
+    members = [member for node in tree.body if isinstance(node, ast.ClassDef) for member in node.body[:-1]]
+    cut, tokens = 0, 0
+    for statement in [*tree.body, *members]:
+        end = line_ends[statement.end_lineno]
+        estimate = round(TOKENS_PER_PIECE * bisect.bisect_right(ends, end))
+        if estimate <= budget and end > cut:
+            cut, tokens = end, estimate
+    return source[:cut], tokens
+
+
+def _renamable(code: str) -> str | None:
+    """The function defined at the top level of `code` that it uses most (ties by name); None if none is used."""
+    tree = ast.parse(code)
+    uses = {n.name: 0 for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    for node in ast.walk(tree):
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+        if name in uses:
+            uses[name] += 1
+    used = sorted(name for name, count in uses.items() if count)
+    return max(used, key=lambda name: uses[name]) if used else None
+
+
+MODULE_EDIT = ("Rename the function `{name}` to `{name}_v2` (its definition and every use) and change nothing else. "
+               "Reply with the complete code only.\n\n```python\n# {file}\n{code}```")
+MODULE_SUMMARY = ("Summarise what this code does: its purpose, then its main classes and functions, one sentence "
+                  "each.\n\n```python\n# {file}\n{code}```")
+
+
+def _long_modules(length: str, kind: str) -> list[Task]:
+    """Openings of standard-library modules (a seeded choice among the public top-level modules longer than
+    the length) to edit (rename a function) or to summarise. The modules are the running Python's, so
+    another Python version may pick others; the task id names the module."""
+    template = MODULE_EDIT if kind == "edit" else MODULE_SUMMARY
+    budget = _body_budget(length, template.format(name="some_function_name", file="module.py", code=""))
+    folder = Path(sysconfig.get_paths()["stdlib"])
+    modules = [p for p in sorted(folder.glob("*.py")) if not p.name.startswith("_") and p.stat().st_size > 3 * budget]
+    tasks = []
+    for path in random.Random(f"{LONG_CONTEXT}/{length}/module-{kind}").sample(modules, len(modules)):
+        code, tokens = _module_opening(path, budget)
+        if tokens < 0.95 * budget:  # the module is too short, or a long statement cut it short
+            continue
+        name = _renamable(code) if kind == "edit" else ""
+        if name is None:
+            continue
+        tasks.append(Task(LONG_CONTEXT, f"long/{length}/module-{kind}/{path.stem}", (
+            template.format(name=name, file=path.name, code=code),)))
+        if len(tasks) == LONG_TASKS_PER_KIND:
+            break
+    return tasks
+
+
+def long_context() -> list[Task]:
+    """Long inputs at every length of LONG_LENGTHS, four kinds each: numbered documents with a question,
+    a digest of news articles, a module to edit, a module to summarise."""
+    return [task for length in LONG_LENGTHS for task in (
+        _long_documents(length) + _long_digests(length)
+        + _long_modules(length, "edit") + _long_modules(length, "summary"))]
+
+
 CATEGORIES = {
     "multi-turn": mt_bench,
     "code": code,
@@ -165,20 +329,33 @@ CATEGORIES = {
     "rag": retrieval_augmented,
     "summarisation": summarisation,
     "translation": translation,
+    LONG_CONTEXT: long_context,
 }
+# what `specdecode bench` runs unless told: long-context's prefills of up to 16k tokens would make it far
+# slower, so that category runs only when named (--categories long-context)
+DEFAULT_CATEGORIES = [c for c in CATEGORIES if c != LONG_CONTEXT]
+
+
+def _strata(category: str, pool: list[Task]) -> dict[str, list[Task]]:
+    """The groups a sample is drawn from: long-context's lengths (a sample must not miss one), else the category."""
+    if category != LONG_CONTEXT:
+        return {category: pool}
+    return {f"{category}/{length}": [t for t in pool if t.task_id.startswith(f"long/{length}/")]
+            for length in LONG_LENGTHS}
 
 
 def sample_tasks(categories: list[str], per_category: int | None, seed: int = 0) -> list[Task]:
-    """A fixed, seeded sample of `per_category` tasks from each category (all of them when None)."""
+    """A fixed, seeded sample of `per_category` tasks from each category (all of them when None); from
+    long-context, `per_category` tasks of each length."""
     unknown = [c for c in categories if c not in CATEGORIES]
     if unknown:
         raise UserError(f"unknown categories {unknown}; choose from: {', '.join(CATEGORIES)}")
     tasks = []
     for category in categories:
-        pool = CATEGORIES[category]()
-        if per_category is not None and per_category < len(pool):
-            pool = random.Random(f"{seed}/{category}").sample(pool, per_category)
-        tasks.extend(pool)
+        for stratum, pool in _strata(category, CATEGORIES[category]()).items():
+            if per_category is not None and per_category < len(pool):
+                pool = random.Random(f"{seed}/{stratum}").sample(pool, per_category)
+            tasks.extend(pool)
     return tasks
 
 

@@ -13,8 +13,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 from specdecode.api import Models
 from specdecode.bench.datasets import Task
-from specdecode.bench.runners import Runner
+from specdecode.bench.base import Runner
 from specdecode.engine import GenerationConfig
+from specdecode.errors import UserError
 from specdecode.types import StepStats
 
 
@@ -50,14 +51,26 @@ class Record:
         return data
 
 
+def check_context(runner: Runner, prompt_ids: list[int], config: GenerationConfig, max_context: int) -> None:
+    """A UserError unless the prompt and max_new_tokens fit in the runner's context: every method must be
+    able to generate the same tokens (our engine would stop short, transformers' generate() would run past
+    the positions the model was trained on, llama.cpp would fail)."""
+    limit = runner.max_context or max_context
+    if len(prompt_ids) + config.max_new_tokens > limit:
+        raise UserError(f"the prompt has {len(prompt_ids)} tokens; with {config.max_new_tokens} new tokens it needs "
+                        f"{len(prompt_ids) + config.max_new_tokens} positions, but {runner.name}'s model holds {limit}")
+
+
 def run_task(models: Models, runner: Runner, task: Task, config: GenerationConfig, repeat: int) -> Record:
-    """All turns of a task with one method; the later turns follow the method's own earlier answers."""
+    """All turns of a task with one method; the later turns follow the method's own earlier answers. A
+    failure is recorded (a UserError, such as a prompt too long for the model, without a traceback)."""
     record = Record(runner.name, task.category, task.task_id, repeat, steps=None if runner.peer else [])
     messages: list[dict] = []
     try:
         for turn in task.turns:
             messages.append({"role": "user", "content": turn})
             prompt_ids = models.encode_chat(messages)
+            check_context(runner, prompt_ids, config, models.target.max_context)
             output = runner.run(prompt_ids, config)
             record.prompt_ids.append(prompt_ids)
             record.token_ids += output.token_ids
@@ -74,7 +87,8 @@ def run_task(models: Models, runner: Runner, task: Task, config: GenerationConfi
     except Exception as error:  # noqa: BLE001 - a failure is a result: recorded, reported, not averaged
         record.error = f"{type(error).__name__}: {error}"
         record.steps = None
-        traceback.print_exc()
+        if not isinstance(error, UserError):
+            traceback.print_exc()
     return record
 
 
@@ -87,7 +101,8 @@ def run_benchmark(
     on_record: Callable[[Record], None] = lambda record: None,
 ) -> list[Record]:
     warm = GenerationConfig(max_new_tokens=4, sampling=config.sampling, seed=config.seed)
-    warm_task = Task(tasks[0].category, "warm-up", tasks[0].turns[:1])
+    shortest = min(tasks, key=lambda task: len(task.turns[0]))  # not a 16k-token prefill per method
+    warm_task = Task(shortest.category, "warm-up", shortest.turns[:1])
     for runner in runners.values():
         run_task(models, runner, warm_task, warm, repeat=-1)
     names = list(runners)
@@ -104,40 +119,3 @@ def run_benchmark(
                 records.append(record)
                 on_record(record)
     return records
-
-
-def compare_arguments(parser, categories: str, prompts: int, out: str) -> None:
-    """The options of a benchmark script built on `compare`: its sample and where its report goes."""
-    from pathlib import Path
-
-    parser.add_argument("--categories", default=categories)
-    parser.add_argument("--prompts", type=int, default=prompts, help="per category")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=Path(out))
-
-
-def save_report(text: str, out) -> None:
-    """Print a script's report and write it to `out`."""
-    print(text)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    print(f"saved {out}")
-
-
-def compare(models: Models, runners: dict[str, Runner], categories: str, prompts: int, max_new_tokens: int,
-            repeats: int, header: dict[str, str] | None = None) -> tuple[list[Record], str]:
-    """The benchmark scripts' common run: `prompts` seeded tasks of each comma-separated category, every
-    runner on each (greedy, progress printed), and the markdown report of them (every runner counted as
-    lossless, so each output is checked against `ar`'s)."""
-    from specdecode.bench import report
-    from specdecode.bench.datasets import sample_tasks
-
-    tasks = sample_tasks(categories.split(","), prompts)
-    print(f"{len(runners)} methods x {len(tasks)} prompts x {repeats} repeats", flush=True)
-    records = run_benchmark(models, runners, tasks, GenerationConfig(max_new_tokens=max_new_tokens), repeats,
-                            on_record=lambda r: print(f"  {r.method} {r.task_id} {r.seconds:.1f}s", flush=True))
-    summaries = report.summarise(records, {name: True for name in runners})
-    text = report.markdown(summaries, {**(header or {}), "tasks": str(len(tasks)),
-                                       "max new tokens": str(max_new_tokens)}, [])
-    return records, text

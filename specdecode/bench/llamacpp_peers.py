@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from specdecode.bench.base import Output, Runner
 from specdecode.engine import GenerationConfig
 from specdecode.errors import UserError
 
@@ -78,6 +79,7 @@ class LlamaServer:
 
     def __init__(self, model: Path, args: list[str], threads: int, n_ctx: int = 4096, timeout: float = 180.0):
         self.port = _free_port()
+        self.n_ctx = n_ctx
         self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
         command = [str(server_binary()), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
                    "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx), "-np", "1", *args]
@@ -114,8 +116,6 @@ class LlamaServer:
 
 
 def server_runner(models, name: str):
-    from specdecode.bench.runners import Output, Runner
-
     args = [str(models.require_draft().path) if a == "{draft}" else a for a in SERVER_MODES[name]]
     server = LlamaServer(models.target.path, args, threads=torch.get_num_threads())
 
@@ -123,7 +123,7 @@ def server_runner(models, name: str):
         tokens, seconds, prefill = server.complete(prompt_ids, config)
         return Output(tokens, seconds, None, prefill)
 
-    return Runner(name, True, True, run)  # the server process lives as long as `run` holds it
+    return Runner(name, True, True, run, max_context=server.n_ctx)  # the server lives as long as `run` holds it
 
 
 def prompt_lookup_runner(models):
@@ -131,10 +131,8 @@ def prompt_lookup_runner(models):
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-    from specdecode.bench.runners import Output, Runner
-
-    threads = torch.get_num_threads()
-    llm = Llama(model_path=str(models.target.path), n_ctx=4096, n_threads=threads, n_threads_batch=threads,
+    threads, n_ctx = torch.get_num_threads(), 4096
+    llm = Llama(model_path=str(models.target.path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                 draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10), verbose=False)
     eos = models.target.eos_token_ids
 
@@ -153,4 +151,4 @@ def prompt_lookup_runner(models):
                 break
         return Output(out, time.perf_counter() - start, None, prefill)
 
-    return Runner("llama-cpp-python-pld", True, True, run)
+    return Runner("llama-cpp-python-pld", True, True, run, max_context=n_ctx)

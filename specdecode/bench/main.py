@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from specdecode import metrics
 from specdecode.api import load_models
 from specdecode.bench import report
-from specdecode.bench.datasets import CATEGORIES, TRANSLATION_SOURCE, sample_tasks
+from specdecode.bench.datasets import TRANSLATION_SOURCE, sample_tasks
 from specdecode.bench.exactness import diagnose
 from specdecode.bench.harness import Record, run_benchmark
 from specdecode.bench.runners import PEERS, build_runners, needs_draft_model
@@ -105,6 +105,12 @@ def run(
     if datastore is not None and not Path(datastore).is_file():
         raise UserError(f"no datastore at {datastore} (build one with `specdecode datastore build`)")
     runners = build_runners(models, methods, datastore=datastore)
+    first_turns = {t.task_id: models.encode_chat([{"role": "user", "content": t.turns[0]}]) for t in tasks}
+    too_long = [task_id for task_id, ids in first_turns.items() if len(ids) + max_new_tokens > models.target.max_context]
+    if too_long:
+        console.print(f"[yellow]{len(too_long)} of {len(tasks)} tasks do not fit the target's context of "
+                      f"{models.target.max_context} tokens with --max-new-tokens {max_new_tokens}: they are recorded "
+                      f"as failures ({', '.join(too_long[:4])}{', ...' if len(too_long) > 4 else ''})")
     lossless = {name: runner.lossless for name, runner in runners.items()}
     out.mkdir(parents=True, exist_ok=True)
     records_path = out / "records.jsonl"
@@ -153,5 +159,3 @@ def run(
     console.print(f"wrote {records_path}, {out / 'report.md'}, {out / 'speedup.png'}, {out / 'acceptance_by_position.png'}")
     return out / "report.md"
 
-
-DEFAULT_CATEGORIES = list(CATEGORIES)

@@ -14,27 +14,10 @@ import torch
 
 from specdecode.api import Models
 from specdecode.bench import llamacpp_peers
+from specdecode.bench.base import Output, Runner
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.methods import resolve
-from specdecode.types import StepStats
-
-
-@dataclass
-class Output:
-    token_ids: list[int]
-    seconds: float
-    steps: list[StepStats] | None  # None for peers, whose loop we cannot see into
-    prefill_seconds: float | None = None  # until the first new token (None: not known)
-
-
-@dataclass(frozen=True)
-class Runner:
-    name: str
-    lossless: bool
-    peer: bool  # not ours: transformers' generate() or llama.cpp's own
-    run: Callable[[list[int], GenerationConfig], Output]
-    forget: Callable[[], None] = lambda: None  # drop what the method learnt from earlier prompts
 
 
 def our_runner(models: Models, method: str, datastore: str | None = None) -> Runner:
@@ -51,7 +34,7 @@ def engine_runner(engine: SpeculativeEngine, lossless: bool = True) -> Runner:
         prefill = first.draft_seconds + first.verify_seconds if first else None
         return Output(result.token_ids, result.seconds, result.steps, prefill)
 
-    return Runner(engine.method, lossless, False, run, engine.forget)
+    return Runner(engine.method, lossless, False, run, engine.forget, engine.target.max_context)
 
 
 def peer_runner(models: Models, name: str, **generate_kwargs) -> Runner:

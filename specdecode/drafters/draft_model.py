@@ -134,7 +134,14 @@ class DraftModelDrafter(Drafter):
         length = min(self._length(), max_tokens)
         if length <= 0:
             return Draft.empty()
-        pending = self._cache.sync(context)
+        tokens, rows = self._draft(self._cache.sync(context), length, params, generator)
+        probs = torch.stack(rows) if rows else None  # [draft_len, vocab] when sampling
+        return Draft(tokens=torch.tensor(tokens), probs=probs)
+
+    def _draft(self, pending: list[int], length: int, params: SamplingParams, generator: torch.Generator | None
+               ) -> tuple[list[int], list[torch.Tensor]]:
+        """Feed `pending` (what the cache lacks of the context), then draft up to `length` tokens one by
+        one; returns them and, when sampling, the distribution [vocab] each was drawn from."""
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for _ in range(length):
@@ -152,8 +159,7 @@ class DraftModelDrafter(Drafter):
             pending = [token]
             if confidence < self.confidence_threshold:
                 break
-        probs = torch.stack(rows) if rows else None  # [draft_len, vocab] when sampling
-        return Draft(tokens=torch.tensor(tokens), probs=probs)
+        return tokens, rows
 
     def update(self, verdict: Verdict, stats: StepStats) -> None:
         if not self.adaptive or verdict.num_drafted == 0:

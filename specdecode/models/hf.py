@@ -6,7 +6,10 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specdecode.models.base import CausalLM, ForwardOutput
+from specdecode.models.int4 import InvariantInt4Linear
 from specdecode.models.int8 import InvariantInt8Linear
+
+_INVARIANT = (InvariantInt8Linear, InvariantInt4Linear)  # the exact quantized paths' Linear layers
 
 
 def _eos_ids(model: PreTrainedModel) -> frozenset[int]:
@@ -19,12 +22,12 @@ def _eos_ids(model: PreTrainedModel) -> frozenset[int]:
 
 
 def module_bytes(module: torch.nn.Module) -> int:
-    """Bytes of weights in a module, int8 Linear layers included (they keep theirs outside parameters())."""
+    """Bytes of weights in a module, quantized Linear layers included (they keep theirs outside parameters())."""
     total = sum(p.numel() * p.element_size() for p in module.parameters())
     for child in module.modules():
         if isinstance(child, torch.ao.nn.quantized.dynamic.Linear):
             total += child.weight().numel()  # one byte each
-        elif isinstance(child, InvariantInt8Linear):
+        elif isinstance(child, _INVARIANT):
             total += child.weight_bytes
     return total
 
@@ -48,8 +51,12 @@ class HFCausalLM(CausalLM):
 
     @property
     def precision(self) -> str:
-        """The path the weights run on: "int8" (`models.int8`), else the dtype's name ("bfloat16"...)."""
-        if isinstance(self.model.get_output_embeddings(), InvariantInt8Linear):
+        """The path the weights run on: "int4" (`models.int4`), "int8" (`models.int8`), else the dtype's name
+        ("bfloat16"...)."""
+        head = self.model.get_output_embeddings()
+        if isinstance(head, InvariantInt4Linear):
+            return "int4"
+        if isinstance(head, InvariantInt8Linear):
             return "int8"
         return str(self.dtype).removeprefix("torch.")
 
@@ -58,7 +65,7 @@ class HFCausalLM(CausalLM):
         embedding = self.model.get_input_embeddings().weight
         head = self.model.get_output_embeddings()
         total = module_bytes(self.model)
-        if not isinstance(head, InvariantInt8Linear) and embedding is not getattr(head, "weight", None):
+        if isinstance(head, _INVARIANT) or embedding is not head.weight:
             total -= embedding.numel() * embedding.element_size()  # a lookup reads one row
         return total
 

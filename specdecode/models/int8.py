@@ -114,14 +114,18 @@ class InvariantInt8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def quantize_invariant(model: nn.Module) -> nn.Module:
+def quantize_invariant(model: nn.Module, bits: int = 8) -> nn.Module:
     """Every nn.Linear of `model` (the LM head included) replaced, in place, by an InvariantInt8Linear
-    computing in float32, the other parameters (embeddings, norms) in float32, and attention computed
-    row by row (`invariant_attention`)."""
+    (bits=8) or an `int4.InvariantInt4Linear` (bits=4; layers whose input size the 4-bit kernel cannot
+    take stay int8) computing in float32, the other parameters (embeddings, norms) in float32, and
+    attention computed row by row (`invariant_attention`)."""
+    from specdecode.models import int4
+
     for module in list(model.modules()):  # layer by layer: the float32 copy of one weight at a time
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, child_name, InvariantInt8Linear.from_linear(child))
+                four = bits == 4 and child.in_features % int4.BLOCK == 0
+                setattr(module, child_name, (int4.InvariantInt4Linear if four else InvariantInt8Linear).from_linear(child))
     model.float()
     model.set_attn_implementation(ATTENTION)
     return model

@@ -350,7 +350,8 @@ def _first_line(error: BaseException) -> str:
 
 
 INT8 = "int8"  # not a torch dtype: float32 weights quantized to int8 after loading (`quantize_int8`)
-AUTO = "auto"  # the fastest of bfloat16, float32 and int8 on this machine (`models.precision`)
+INT4 = "int4"  # not a torch dtype: 4-bit weights, int8 activations, exact (`models.int4`; AVX2 CPUs)
+AUTO = "auto"  # the fastest of bfloat16, float32, int8 and int4 on this machine (`models.precision`)
 
 
 def quantize_int8(model: PreTrainedModel, exact: bool = True) -> PreTrainedModel:
@@ -380,12 +381,18 @@ def quantize_int8(model: PreTrainedModel, exact: bool = True) -> PreTrainedModel
 def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype.lower() in (INT8, AUTO):
+    if dtype.lower() == INT4:
+        from specdecode.models import int4
+
+        if not int4.available():
+            raise UserError("dtype int4 needs an x86 CPU with AVX2 and a C++ compiler (its kernel is compiled "
+                            "on first use); use int8, which runs everywhere.")
+    if dtype.lower() in (INT8, INT4, AUTO):
         return dtype.lower()
     try:
         return _DTYPES[dtype.lower()]
     except KeyError:
-        raise UserError(f"Unknown dtype {dtype!r}; use one of {', '.join([AUTO, *_DTYPES, INT8])}.") from None
+        raise UserError(f"Unknown dtype {dtype!r}; use one of {', '.join([AUTO, *_DTYPES, INT8, INT4])}.") from None
 
 
 def _fastest_dtype(folder: Path | str) -> torch.dtype | str:
@@ -461,7 +468,7 @@ def load_causal_lm(
             if dtype == AUTO:
                 dtype = _fastest_dtype(folder)
             model = AutoModelForCausalLM.from_pretrained(  # int8: from the checkpoint's own dtype
-                folder, dtype="auto" if dtype == INT8 else dtype, attn_implementation="sdpa"
+                folder, dtype="auto" if dtype in (INT8, INT4) else dtype, attn_implementation="sdpa"
             )
             tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as error:
@@ -481,6 +488,10 @@ def load_causal_lm(
     model.eval().requires_grad_(False)
     if dtype == INT8:
         model = quantize_int8(model, exact=exact_int8)
+    elif dtype == INT4:
+        from specdecode.models.int8 import quantize_invariant
+
+        model = quantize_invariant(model, bits=4)
     return model, tokenizer
 
 
@@ -519,6 +530,22 @@ def _logits_width(model: PreTrainedModel) -> int:
     return head.out_features if head is not None else model.config.get_text_config().vocab_size
 
 
+def same_vocabulary(target_tokenizer: PreTrainedTokenizerBase, drafter_tokenizer: PreTrainedTokenizerBase) -> bool:
+    """True when both tokenizers have the same token strings with the same ids: the drafter's tokens are
+    the target's. Otherwise its drafts must be translated through text (`drafters.other_tokenizer`)."""
+    return target_tokenizer.get_vocab() == drafter_tokenizer.get_vocab()
+
+
+def check_logits_cover(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel, role: str) -> None:
+    """Raise UserError when `model` has fewer logits than `tokenizer` has tokens (they do not belong together)."""
+    width = _logits_width(model)
+    if width < len(tokenizer):
+        raise UserError(
+            f"The {role}'s logits have {width} entries, fewer than its tokenizer's "
+            f"{len(tokenizer)} tokens: the model and tokenizer do not belong together."
+        )
+
+
 def check_same_vocabulary(
     target_tokenizer: PreTrainedTokenizerBase,
     drafter_tokenizer: PreTrainedTokenizerBase,
@@ -529,6 +556,7 @@ def check_same_vocabulary(
 
     Token strings and ids must be identical (not just the counts). The logits may be wider than the
     tokenizer (Qwen2.5 pads its 151,665 tokens to 151,936 rows), as long as target and drafter agree.
+    A drafter with another vocabulary is for the methods that translate its drafts (`same_vocabulary`).
     """
     target_vocab, drafter_vocab = target_tokenizer.get_vocab(), drafter_tokenizer.get_vocab()
     if target_vocab != drafter_vocab:
@@ -546,8 +574,4 @@ def check_same_vocabulary(
             f"The drafter's logits have {drafter_width} entries and the target's {target_width}, although "
             f"their tokenizers match. Pick a drafter of the same model family and vocabulary size."
         )
-    if target_width < len(target_tokenizer):
-        raise UserError(
-            f"The target's logits have {target_width} entries, fewer than its tokenizer's "
-            f"{len(target_tokenizer)} tokens: the model and tokenizer do not belong together."
-        )
+    check_logits_cover(target_tokenizer, target_model, "target")

@@ -5,9 +5,9 @@ float32 and nearly as cheap for 8 rows as for one; with AVX2 only, bfloat16 is e
 product: 0.78 ms for 1 row, 6.9 for 8) and fbgemm's int8 product is the fastest (0.4 and 0.7). So each
 candidate path times one product of the model's MLP shape, for 1 row (plain decoding) and 8 rows (a
 speculative step), and the cheapest per generated token wins: min(t1, t8 / 3), as if an 8-token
-verification yielded three tokens; int8, which is not the float model, only when it is INT8_MARGIN
-times cheaper than the best float path. Measured once per machine and shape, cached beside the cost
-curves.
+verification yielded three tokens; a quantized path (int8, or int4 where its AVX2 kernel runs), which
+is not the float model, only when it is QUANTIZED_MARGIN times cheaper than the best float path. Measured
+once per machine and shape, cached beside the cost curves.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ import time
 
 import torch
 
+from specdecode.models import int4
 from specdecode.models.int8 import InvariantInt8Linear
 
-CANDIDATES = ("bfloat16", "float32", "int8")
+CANDIDATES = ("bfloat16", "float32", "int8", "int4")
 TOKENS_PER_WIDE_STEP = 3  # what an 8-token verification is taken to yield
-# int8 is not the float model (greedy agreement with bf16 in the README): taken only when it is at least
+# the quantized paths are not the float model (greedy agreement in the README): taken only when at least
 # this much cheaper per token than the best float path
-INT8_MARGIN = 1.3
+QUANTIZED_MARGIN = 1.3
 
 
 def bf16_units() -> bool:
@@ -49,7 +50,8 @@ def _time(fn, repeats: int = 9) -> float:
 
 
 def measure_paths(hidden: int, intermediate: int) -> dict[str, tuple[float, float]]:
-    """Seconds of one [rows, hidden] x [hidden, intermediate] product per candidate path, for 1 and 8 rows."""
+    """Seconds of one [rows, hidden] x [hidden, intermediate] product per candidate path, for 1 and 8 rows
+    (int4 only where its kernel runs)."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(intermediate, hidden, generator=generator) * hidden**-0.5
     inputs = {rows: torch.randn(rows, hidden, generator=generator) for rows in (1, 8)}
@@ -58,6 +60,8 @@ def measure_paths(hidden: int, intermediate: int) -> dict[str, tuple[float, floa
         "float32": (lambda x, w=weight: x @ w.t()),
         "int8": InvariantInt8Linear(weight),
     }
+    if int4.available():
+        paths["int4"] = int4.InvariantInt4Linear(weight)
     with torch.inference_mode():
         return {name: tuple(_time(lambda: path(inputs[rows])) for rows in (1, 8)) for name, path in paths.items()}
 
@@ -71,7 +75,7 @@ def fastest(hidden: int, intermediate: int) -> str:
     """The cheapest path for a model of this shape on this machine (measured once, then cached)."""
     from specdecode.models import costs
 
-    path = costs.cache_root() / f"precision-{costs.machine_digest()}-{hidden}x{intermediate}.json"
+    path = costs.cache_root() / f"precision2-{costs.machine_digest()}-{hidden}x{intermediate}.json"  # 2: int4
     if path.exists():
         measured = {name: tuple(times) for name, times in json.loads(path.read_text()).items()}
     else:
@@ -79,4 +83,7 @@ def fastest(hidden: int, intermediate: int) -> str:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(measured))
     best_float = min(("bfloat16", "float32"), key=lambda name: per_token(measured[name]))
-    return "int8" if per_token(measured["int8"]) * INT8_MARGIN <= per_token(measured[best_float]) else best_float
+    best_quantized = min((name for name in ("int8", "int4") if name in measured), key=lambda name: per_token(measured[name]))
+    if per_token(measured[best_quantized]) * QUANTIZED_MARGIN <= per_token(measured[best_float]):
+        return best_quantized
+    return best_float

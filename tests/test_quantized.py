@@ -1,6 +1,7 @@
-"""The batch-invariant int8 path: a row's output is bitwise the same alone or in any batch (reference vs
-fast: against the float product it approximates), and a whole int8 model decodes a token the same in a
-forward of one token as in a forward of many, so speculative decoding on it is exact."""
+"""The batch-invariant quantized paths (int8 on fbgemm, int4 on our AVX2 kernel): a row's output is bitwise
+the same alone or in any batch (reference vs fast: against the float product it approximates), and a whole
+quantized model decodes a token the same in a forward of one token as in a forward of many, so
+speculative decoding on it is exact."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from hypothesis import strategies as st
 from conftest import greedy_runs, random_prompts, tiny_qwen2
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.models.hf import HFCausalLM
+from specdecode.models import int4
+from specdecode.models.int4 import InvariantInt4Linear
 from specdecode.models.int8 import InvariantInt8Linear, quantize_invariant
 
 from test_equivalence import KINDS as EQUIVALENCE_KINDS, LENGTHS, PROMPTS
@@ -19,7 +22,12 @@ from test_equivalence import drafters as equivalence_drafters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+needs_int4 = pytest.mark.skipif(not int4.available(), reason="the 4-bit kernel needs AVX2 and a C++ compiler")
+BITS = [8, pytest.param(4, marks=needs_int4)]
+LAYERS = {8: InvariantInt8Linear, 4: InvariantInt4Linear}
 
+
+@pytest.mark.parametrize("bits", BITS)
 @settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 2**16),
@@ -30,12 +38,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
     offset=st.floats(-50.0, 50.0),
     bias=st.booleans(),
 )
-def test_each_row_is_computed_alone(seed, in_features, out_features, rows, outlier, offset, bias):
+def test_each_row_is_computed_alone(bits, seed, in_features, out_features, rows, outlier, offset, bias):
+    if bits == 4:  # the 4-bit kernel takes whole blocks of 32 inputs (odd counts of blocks padded)
+        in_features = 32 * (1 + in_features % 10)
     g = torch.Generator().manual_seed(seed)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(out_features, in_features, generator=g))
-    layer = InvariantInt8Linear.from_linear(linear)
+    layer = LAYERS[bits].from_linear(linear)
     x = torch.randn(rows, in_features, generator=g) + offset * torch.rand(rows, 1, generator=g)
     x[:, int(torch.randint(in_features, (), generator=g))] *= outlier  # a channel of large activations
     together = layer(x)  # [rows, out]
@@ -45,33 +55,57 @@ def test_each_row_is_computed_alone(seed, in_features, out_features, rows, outli
     assert torch.equal(torch.cat([layer(x[:split]), layer(x[split:])]) if split < rows else layer(x), together)
 
 
-def test_close_to_the_float_product():
+@pytest.mark.parametrize("bits, tolerance", [(8, 0.02), pytest.param(4, 0.12, marks=needs_int4)])
+def test_close_to_the_float_product(bits, tolerance):
     g = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(256, 128)
     x = torch.randn(16, 256, generator=g) + 3.0  # rows far from centred: the row centres are carried exactly
+    layer = LAYERS[bits].from_linear(linear)
     with torch.no_grad():
         expected = linear(x)
-        error = (InvariantInt8Linear.from_linear(linear)(x) - expected).norm() / expected.norm()
-    assert error < 0.02
+        error = (layer(x) - expected).norm() / expected.norm()
+        # what the activations' rounding alone costs: the product with the layer's own (dequantized) weights
+        own = x @ layer.weight.t() + linear.bias
+        assert (layer(x) - own).norm() / own.norm() < 0.02
+    assert error < tolerance
 
 
-def test_constant_rows_and_leading_dimensions():
-    linear = torch.nn.Linear(8, 3)
-    layer = InvariantInt8Linear.from_linear(linear)
-    x = torch.full((2, 5, 8), 0.5)  # constant rows: their range is empty
+@needs_int4
+def test_int4_weights_round_trip():
+    """Weights pack into pairs of blocks (an odd count gets a zero block: nibbles 8 in the high halves),
+    multipliers 1..15, and unpack close to the float weights."""
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(40, 96, generator=g)  # 3 blocks: the kernel's pairs need a padding block
+    nibbles, groups, scales = int4.quantize_weight(weight)
+    assert nibbles.shape == (40, 64) and groups.shape == (40, 4) and bool((groups >= 1).all() and (groups <= 15).all())
+    grid = int4.dequantize(nibbles, groups, scales, 96)
+    assert grid.shape == weight.shape and (grid - weight).norm() / weight.norm() < 0.12
+    assert bool(((nibbles[:, 32:] >> 4) == 8).all())  # the padding block holds zeros
+    blocks = weight.reshape(40, 3, 32)
+    worst = (grid.reshape(40, 3, 32) - blocks).abs().amax(dim=2) / blocks.abs().amax(dim=2)  # [40, 3]
+    assert float(worst.max()) < 0.25  # no block lost: each within a fraction of its own range
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_constant_rows_and_leading_dimensions(bits):
+    width = 8 if bits == 8 else 32
+    linear = torch.nn.Linear(width, 3)
+    layer = LAYERS[bits].from_linear(linear)
+    x = torch.full((2, 5, width), 0.5)  # constant rows: their range is empty
     with torch.no_grad():
-        torch.testing.assert_close(layer(x), linear(x), atol=0.02, rtol=0.02)
-    assert layer(torch.zeros(1, 8)).isfinite().all()
-    mixed = torch.cat([torch.randn(3, 8), torch.full((1, 8), -2.0), torch.randn(2, 8)])  # a constant row among others
+        torch.testing.assert_close(layer(x), x @ layer.weight.t() + linear.bias, atol=0.02, rtol=0.02)
+    assert layer(torch.zeros(1, width)).isfinite().all()
+    mixed = torch.cat([torch.randn(3, width), torch.full((1, width), -2.0), torch.randn(2, width)])  # a constant row among others
     together = layer(mixed)
     for i in range(len(mixed)):
         assert torch.equal(layer(mixed[i : i + 1]), together[i : i + 1])
 
 
-def test_a_model_scores_a_token_the_same_in_any_forward():
-    """The tiny Qwen2 with every Linear int8: the logits of the last prompt token and of each following
+@pytest.mark.parametrize("bits", BITS)
+def test_a_model_scores_a_token_the_same_in_any_forward(bits):
+    """The tiny Qwen2 with every Linear quantized: the logits of the last prompt token and of each following
     token are bitwise equal whether the tokens come one per forward or all in one."""
-    model = quantize_invariant(tiny_qwen2(seed=3, layers=2))
+    model = quantize_invariant(tiny_qwen2(seed=3, layers=2), bits=bits)
     prompt = random_prompts(1, seed=4, low=10, high=11)[0]
     continuation = [5, 17, 42, 8, 60, 3]
     one_by_one = HFCausalLM(model)
@@ -85,12 +119,13 @@ def test_a_model_scores_a_token_the_same_in_any_forward():
         assert torch.equal(logits[i], row), i
 
 
-def test_tree_nodes_score_as_their_paths_decoded_one_by_one():
+@pytest.mark.parametrize("bits", BITS)
+def test_tree_nodes_score_as_their_paths_decoded_one_by_one(bits):
     """A token tree's nodes (keys gathered from the cache, not a prefix) get the logits of decoding their
     root-to-node paths one token at a time, bitwise."""
     from specdecode.tree import structure
 
-    model = quantize_invariant(tiny_qwen2(seed=5, layers=2))
+    model = quantize_invariant(tiny_qwen2(seed=5, layers=2), bits=bits)
     prompt = random_prompts(1, seed=6, low=12, high=13)[0]
     parents = torch.tensor([-1, 0, -1, 2, 0, 1])
     tokens = [7, 8, 9, 10, 11, 12]
@@ -110,39 +145,41 @@ def test_tree_nodes_score_as_their_paths_decoded_one_by_one():
         assert torch.equal(logits[node + 1], row), node
 
 
-@pytest.fixture(scope="module")
-def int8_target(tiny_target):
+@pytest.fixture(scope="module", params=BITS, ids=["int8", "int4"])
+def quantized_target(request, tiny_target):
     import copy
 
-    return quantize_invariant(copy.deepcopy(tiny_target))
+    return quantize_invariant(copy.deepcopy(tiny_target), bits=request.param)
 
 
 @pytest.mark.parametrize("kind", [*EQUIVALENCE_KINDS, "jacobi", "lookahead"])
-def test_every_drafter_on_the_int8_target_equals_its_plain_decoding(kind, int8_target, tiny_drafter):
+def test_every_drafter_on_a_quantized_target_equals_its_plain_decoding(kind, quantized_target, tiny_drafter):
     """The equivalence suite's drafters (chains, trees, draft models that agree, half agree or not at all)
-    and Jacobi and lookahead decoding (a window of auxiliary tokens in every forward) on the int8 target:
-    token for token its own plain greedy decoding, at every length."""
+    and Jacobi and lookahead decoding (a window of auxiliary tokens in every forward) on the int8 and int4
+    targets: token for token their own plain greedy decoding, at every length."""
     from specdecode.drafters.jacobi import JacobiDrafter
     from specdecode.drafters.lookahead import LookaheadDrafter
 
-    makers = {**equivalence_drafters(int8_target, tiny_drafter), "jacobi": JacobiDrafter, "lookahead": LookaheadDrafter}
+    makers = {**equivalence_drafters(quantized_target, tiny_drafter), "jacobi": JacobiDrafter,
+              "lookahead": LookaheadDrafter}
     prompts = PROMPTS[:6]  # half the float32 suite's: each row's attention is its own call here
-    plain = SpeculativeEngine(HFCausalLM(int8_target))
+    plain = SpeculativeEngine(HFCausalLM(quantized_target))
     references = [plain.generate(p, GenerationConfig(max_new_tokens=max(LENGTHS))).token_ids for p in prompts]
-    engine = SpeculativeEngine(HFCausalLM(int8_target), drafter=makers[kind]())
+    engine = SpeculativeEngine(HFCausalLM(quantized_target), drafter=makers[kind]())
     drafted = sum(s.drafted for _, _, result in greedy_runs(engine, prompts, references, LENGTHS) for s in result.steps)
     assert drafted > 0
 
 
-def test_auto_takes_int8_only_where_it_is_clearly_cheaper(monkeypatch, tmp_path):
+def test_auto_takes_a_quantized_path_only_where_it_is_clearly_cheaper(monkeypatch, tmp_path):
     from specdecode.models import costs, precision
 
     monkeypatch.setattr(costs, "cache_root", lambda: tmp_path)
     timings = {  # (1 row, 8 rows) seconds per path
         "avx2": {"bfloat16": (0.78, 6.9), "float32": (3.4, 6.7), "int8": (0.40, 0.70)},
-        "avx512-bf16": {"bfloat16": (0.30, 0.40), "float32": (0.9, 1.2), "int8": (0.25, 0.35)},
+        "avx2-int4": {"bfloat16": (0.78, 6.9), "float32": (3.4, 6.7), "int8": (0.40, 0.70), "int4": (0.25, 0.60)},
+        "avx512-bf16": {"bfloat16": (0.30, 0.40), "float32": (0.9, 1.2), "int8": (0.25, 0.35), "int4": (0.2, 0.5)},
     }
-    for machine, expected in (("avx2", "int8"), ("avx512-bf16", "bfloat16")):
+    for machine, expected in (("avx2", "int8"), ("avx2-int4", "int4"), ("avx512-bf16", "bfloat16")):
         monkeypatch.setattr(precision, "measure_paths", lambda hidden, intermediate, t=timings[machine]: t)
         monkeypatch.setattr(costs, "machine_digest", lambda m=machine: m)
         assert precision.fastest(64, 128) == expected

@@ -1,0 +1,162 @@
+"""Batch-invariant 4-bit linear layers: the fastest target path on CPUs with AVX2 and no bf16 units.
+
+The int8 path (`models/int8.py`) is exact and its width is cheap, but a 1.5B model's int8 weights are
+1.5 GB and plain decoding reads them all for every token: memory bandwidth alone keeps it slower than
+llama.cpp's 4-bit decoding. No kernel torch ships does 4-bit weights both fast and batch-invariantly (its
+int4 weight-only product is compute-bound, slower than int8 at every width measured), so this one is
+written by hand (`kernels/int4.cpp`, AVX2, compiled on first use by torch's extension builder):
+
+- weights: per output channel one float scale, per block of 32 inputs a 4-bit integer multiplier
+  (1..15) and per weight a 4-bit value: w = scale * group * (nibble - 8), i.e. 4.125 bits a weight.
+  group * (nibble - 8) is an int8, so one byte shuffle per block unpacks it (a 16-entry table per group);
+- activations: each row on its own onto 7 bits (x = low + step * u, the per-token asymmetric
+  quantization the int8 path uses);
+- the product sums int8 x uint8 pairs exactly in int32 and rescales each output element on its own, so a
+  row's result is bitwise the same whatever other rows the call carries (integer sums do not depend on
+  their order), and rows of one call share each unpacked weight block: width costs compute, not bytes.
+
+Attention stays the int8 path's row-by-row `invariant_attention`. Layers whose input size is not a
+multiple of 32 keep the int8 linear.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdecode.errors import UserError
+
+BLOCK = 32
+_SOURCE = Path(__file__).parent / "kernels" / "int4.cpp"
+
+
+def available() -> bool:
+    """Whether this machine can run the kernel: an x86 CPU with AVX2 and a C++ compiler."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and _compiler() is not None
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+
+
+@functools.cache
+def _ops():
+    """Compiles the kernel (about half a minute, once per machine and torch version; torch keeps the build in
+    its extensions folder) and returns its operator namespace."""
+    from torch.utils import cpp_extension
+
+    from specdecode.models.loading import console
+
+    venv_bin = Path(sys.executable).parent  # the `ninja` dependency's binary, where PATH lacks the venv
+    if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
+        os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
+    build = Path(cpp_extension._get_build_directory("specdecode_int4", False))  # honours TORCH_EXTENSIONS_DIR
+    if not (build / "specdecode_int4.so").exists():
+        console.print("[dim]compiling the 4-bit kernel for this machine (once, about half a minute)...[/dim]")
+    try:
+        cpp_extension.load(
+            name="specdecode_int4", sources=[str(_SOURCE)], is_python_module=False, verbose=False,
+            # OpenMP for at::parallel_for (the soname resolves to the libgomp torch has loaded: one thread pool)
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
+        )
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
+        raise UserError(f"could not compile the int4 kernel ({str(error).strip().splitlines()[-1]}); "
+                        "use --dtype int8, which needs no compiler") from error
+    return torch.ops.specdecode_int4
+
+
+@torch.no_grad()
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float [out, in] -> (nibbles uint8 [out, padded / 2], groups uint8 [out, padded / 32], scales float32
+    [out]), padded = in rounded up to a multiple of 64 (the kernel takes blocks in pairs).
+
+    Each block's ideal step is its largest magnitude over 8 (or 7 when that value is positive, which
+    maps onto +7); the channel's scale is the largest ideal step over 15, and each block's multiplier is
+    the integer 1..15 (of the rounded one and its neighbours) that reconstructs the block best. Computed
+    1024 channels at a time (five times faster than all at once: the temporaries stay in cache)."""
+    parts = [_quantize_rows(rows) for rows in weight.detach().split(1024)]
+    return tuple(torch.cat(part) for part in zip(*parts))
+
+
+def _quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out_features, in_features = weight.shape
+    blocks = weight.float().reshape(out_features, in_features // BLOCK, BLOCK)  # [o, b, 32]
+    extreme = blocks.gather(2, blocks.abs().argmax(dim=2, keepdim=True)).squeeze(2)  # [o, b], signed
+    ideal = torch.where(extreme > 0, extreme / 7, -extreme / 8)  # [o, b]
+    scales = (ideal.amax(dim=1) / 15).clamp_min(1e-12)  # [o]
+    rounded = (ideal / scales[:, None]).round()
+    best_error, best_group = None, None
+    for shift in (-1, 0, 1):
+        group = (rounded + shift).clamp(1, 15)  # [o, b]
+        step = (scales[:, None] * group)[..., None]  # [o, b, 1]
+        error = (blocks - (blocks / step).round().clamp(-8, 7) * step).square().sum(dim=2)  # [o, b]
+        if best_error is None:
+            best_error, best_group = error, group
+        else:
+            better = error < best_error
+            best_error, best_group = torch.where(better, error, best_error), torch.where(better, group, best_group)
+    step = (scales[:, None] * best_group)[..., None]
+    values = ((blocks / step).round().clamp(-8, 7) + 8).to(torch.uint8)  # [o, b, 32], 0..15
+    groups = best_group.to(torch.uint8)
+    if values.shape[1] % 2:  # the kernel takes blocks in pairs: a zero block (nibbles 8) completes the last
+        values = torch.cat([values, torch.full_like(values[:, :1], 8)], dim=1)
+        groups = torch.cat([groups, torch.ones_like(groups[:, :1])], dim=1)
+    pairs = values.reshape(out_features, -1, 2, BLOCK)  # [o, b / 2, 2, 32]
+    nibbles = pairs[:, :, 0] | (pairs[:, :, 1] << 4)  # [o, b / 2, 32]
+    return nibbles.reshape(out_features, -1), groups, scales
+
+
+def dequantize(nibbles: torch.Tensor, groups: torch.Tensor, scales: torch.Tensor, in_features: int = 0) -> torch.Tensor:
+    """The float [out, in] weights the kernel multiplies by."""
+    out_features = nibbles.shape[0]
+    packed = nibbles.reshape(out_features, -1, 1, BLOCK)
+    values = torch.cat([packed & 0x0F, packed >> 4], dim=2).reshape(out_features, -1, BLOCK).float() - 8
+    weight = values * groups[..., None].float() * scales[:, None, None]  # [o, b, 32]
+    return weight.reshape(out_features, -1)[:, :in_features] if in_features else weight.reshape(out_features, -1)
+
+
+class InvariantInt4Linear(nn.Module):
+    """y = x W^T + b with 4-bit weights and per-row 7-bit activations; each output row depends on its
+    input row alone (bitwise), whatever else the batch holds."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        if self.in_features % BLOCK:
+            raise ValueError(f"a 4-bit linear layer needs in_features divisible by {BLOCK}, not {self.in_features}")
+        nibbles, groups, scales = quantize_weight(weight)
+        self.register_buffer("nibbles", nibbles, persistent=False)
+        self.register_buffer("groups", groups, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        integer = (dequantize(nibbles, groups, torch.ones_like(scales))).sum(dim=1)  # sum of the int8 weights
+        self.register_buffer("weight_sums", integer, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone(), persistent=False)
+        _ops()
+
+    @staticmethod
+    def from_linear(linear: nn.Linear) -> InvariantInt4Linear:
+        return InvariantInt4Linear(linear.weight, linear.bias)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.nibbles.numel() + self.groups.numel() + 4 * self.out_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The 4-bit weights dequantized, [out, in] float32 (for heads that read the target's LM head)."""
+        return dequantize(self.nibbles, self.groups, self.scales, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        rows = x.reshape(-1, self.in_features).float()
+        out = _ops().linear(rows, self.nibbles, self.groups, self.scales, self.weight_sums, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
