@@ -9,6 +9,29 @@ import torch
 from specdecode.types import Draft, SamplingParams, StepStats, Verdict
 
 
+class RunningAcceptance:
+    """The running chance that a drafted token is accepted: decayed counts of a drafter's accepted and
+    rejected tokens (the past weighs `decay` per verified draft), with a prior of `prior` worth `weight`
+    tokens. The prior keeps one unlucky first token (the opening of an answer is the least predictable)
+    from reading as a drafter that is never right, which would switch drafting off for the next steps."""
+
+    def __init__(self, prior: float = 2 / 3, weight: float = 3.0, decay: float = 0.9):
+        self.prior, self.weight, self.decay = prior, weight, decay
+        self.reset()
+
+    def reset(self) -> None:
+        self.accepted = self.rejected = 0.0
+
+    def record(self, verdict: Verdict) -> None:
+        """A verified draft: its accepted tokens, and one rejected unless every drafted token was accepted."""
+        self.accepted = self.decay * self.accepted + verdict.num_accepted
+        self.rejected = self.decay * self.rejected + (0 if verdict.bonus else 1)
+
+    @property
+    def value(self) -> float:
+        return (self.accepted + self.prior * self.weight) / (self.accepted + self.rejected + self.weight)
+
+
 class Drafter(abc.ABC):
     """Proposes tokens to follow a context. A drafter never decides what is output: the verifier does,
     so any drafter is lossless under a lossless verifier; a better drafter is only a faster one."""

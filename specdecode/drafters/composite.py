@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, RunningAcceptance
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.drafters.retrieval import build_retrieval
@@ -68,7 +68,7 @@ from specdecode.errors import UserError
 from specdecode.models import costs
 from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
-from specdecode.tree.budget import DECAY, MAX_BUDGET, best_budget, check_budget
+from specdecode.tree.budget import MAX_BUDGET, best_budget, check_budget
 from specdecode.types import Draft, SamplingParams, StepStats, Verdict
 
 if TYPE_CHECKING:
@@ -246,15 +246,14 @@ class CompositeDrafter(Drafter):
         self.fallback_below, self.combine = fallback_below, combine
         self.wants_logits = any(s.drafter.wants_logits for s in self.sources)
         # What the composite learns describes its sources and the target, not one request: kept across.
-        self._counts = [[0.0, 0.0] for _ in self.sources]  # per source: decayed accepted, rejected tokens
+        self._acceptance = [RunningAcceptance() for _ in self.sources]  # per source
         self._proposals: list[Draft | None] = []  # this step's, per source (None: not asked)
         self._merged: Merged | None = None
         self._submitted: dict[int, int] = {}  # merged node -> its index in the submitted draft
 
     def rate(self, source: int) -> float:
         """Running per-token acceptance of a source's proposals (prior 2/3), for drafts without scores."""
-        accepted, rejected = self._counts[source]
-        return (accepted + 2) / (accepted + rejected + 3)
+        return self._acceptance[source].value
 
     def begin(self, prompt_ids: list[int]) -> None:
         for source in self.sources:
@@ -332,9 +331,7 @@ class CompositeDrafter(Drafter):
                 own = Verdict(num_drafted=0, num_accepted=0, tokens=verdict.tokens[:1])
             else:
                 own = translate(proposal, verdict.tokens)
-                counts = self._counts[i]
-                counts[0] = DECAY * counts[0] + own.num_accepted
-                counts[1] = DECAY * counts[1] + (0 if own.bonus else 1)
+                self._acceptance[i].record(own)
             depth = int(structure.depths(proposal.parents).max()) if own.num_drafted and proposal.is_tree else None
             source.drafter.update(own, dataclasses.replace(
                 stats, drafted=own.num_drafted, accepted=own.num_accepted, draft_depth=depth))

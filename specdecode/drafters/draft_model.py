@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, RunningAcceptance
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import CostCurve
@@ -45,7 +45,6 @@ class SyncedCache:
         return context[keep:]
 
 
-DECAY = 0.9  # weight of the past in the running estimates
 BEST_ACCEPTANCE = 0.95  # about the best a separate draft model reaches (the 0.5B agrees with the 1.5B on 94%)
 PROBE_EVERY = 8  # steps between one-token probes while drafting is off but might pay
 
@@ -66,7 +65,7 @@ class DraftModelDrafter(Drafter):
     """Drafts up to `num_tokens` tokens autoregressively with a small model.
 
     Adaptive draft length (on by default) picks the length that maximises expected tokens per unit of
-    time from the per-token acceptance probability a, estimated online (a chain of k drafts then yields
+    time from the per-token acceptance probability a, estimated online (`RunningAcceptance`; a chain of k drafts then yields
     (1 - a^(k+1)) / (1 - a) tokens per step), the cost of one draft token relative to one target
     forward, `draft_cost`, and the target's cost curve (the step then costs k * draft_cost + curve(k + 1)
     target forwards). The length may be 0: where no draft beats plain decoding, drafting switches
@@ -108,7 +107,7 @@ class DraftModelDrafter(Drafter):
         self.draft_cost = draft_cost
         self.curve = curve or CostCurve.linear(0.03)
         self._idle = 0  # steps since the last draft while drafting is off
-        self._accepted = self._rejected = 0.0  # decayed counts of accepted and rejected draft tokens
+        self._acceptance = RunningAcceptance()
         self._cache = SyncedCache(model)
 
     def begin(self, prompt_ids: list[int]) -> None:
@@ -117,7 +116,7 @@ class DraftModelDrafter(Drafter):
         hopeless = self.adaptive and not best_draft_length(BEST_ACCEPTANCE, self.draft_cost, self._lengths(), self.curve)
         self.num_tokens = 0 if hopeless else self.initial_tokens
         self._idle = 0
-        self._accepted = self._rejected = 0.0
+        self._acceptance.reset()
         self._cache.reset()
 
     def _length(self) -> int:
@@ -164,8 +163,6 @@ class DraftModelDrafter(Drafter):
     def update(self, verdict: Verdict, stats: StepStats) -> None:
         if not self.adaptive or verdict.num_drafted == 0:
             return
-        self._accepted = DECAY * self._accepted + verdict.num_accepted
-        self._rejected = DECAY * self._rejected + (0 if verdict.bonus else 1)
-        acceptance = (self._accepted + 1) / (self._accepted + self._rejected + 2)  # with a uniform prior
-        best = best_draft_length(acceptance, self.draft_cost, self._lengths(), self.curve)
+        self._acceptance.record(verdict)
+        best = best_draft_length(self._acceptance.value, self.draft_cost, self._lengths(), self.curve)
         self.num_tokens = best and max(best, self.min_tokens)

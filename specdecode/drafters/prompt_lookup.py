@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, RunningAcceptance
 from specdecode.errors import UserError
 from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
@@ -249,15 +249,15 @@ class PromptLookupTreeDrafter(Drafter):
         check_budget(budget)
         self.curve, self.budget = curve, budget
         self.max_ngram, self.min_ngram, self.num_tokens, self.max_matches = max_ngram, min_ngram, num_tokens, max_matches
-        self._accepted = self._rejected = 0.0
+        self._acceptance = RunningAcceptance()
 
     def begin(self, prompt_ids: list[int]) -> None:
-        self._accepted = self._rejected = 0.0
+        self._acceptance.reset()
 
     @property
     def acceptance(self) -> float:
         """Running chance that the next token of an accepted continuation is accepted (prior 2/3)."""
-        return (self._accepted + 2) / (self._accepted + self._rejected + 3)
+        return self._acceptance.value
 
     def propose(self, context, max_tokens, params, generator) -> Draft:
         limit = min(self.num_tokens, max_tokens)
@@ -299,5 +299,4 @@ class PromptLookupTreeDrafter(Drafter):
 
     def update(self, verdict: Verdict, stats: StepStats) -> None:
         if verdict.num_drafted:
-            self._accepted = DECAY * self._accepted + verdict.num_accepted
-            self._rejected = DECAY * self._rejected + (0 if verdict.bonus else 1)
+            self._acceptance.record(verdict)
