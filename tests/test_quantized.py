@@ -185,3 +185,14 @@ def test_auto_takes_a_quantized_path_only_where_it_is_clearly_cheaper(monkeypatc
         assert precision.fastest(64, 128) == expected
     monkeypatch.setattr(precision, "measure_paths", lambda *args: pytest.fail("measured twice"))
     assert precision.fastest(64, 128) == "bfloat16"  # cached per machine and shape
+
+
+def test_the_paths_are_timed_on_the_same_product():
+    """measure_paths times every candidate path, for one row and for eight, on one product of the given
+    shape (the figures themselves follow the machine: only their presence and sign are asserted)."""
+    from specdecode.models import precision
+
+    measured = precision.measure_paths(64, 128)
+    expected = {"bfloat16", "float32", "int8"} | ({"int4"} if int4.available() else set())
+    assert set(measured) == expected
+    assert all(len(times) == 2 and min(times) > 0 for times in measured.values())

@@ -38,20 +38,24 @@ def bf16_units() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def _time(fn, repeats: int = 9) -> float:
+def _time_interleaved(calls: dict[str, object], repeats: int = 9) -> dict[str, float]:
+    """Median seconds of each call, timed in turn round after round (after warm-up rounds), so that a
+    moment of load elsewhere on the machine falls on every call alike, not on whichever ran then."""
     for _ in range(3):
-        fn()
-    times = []
+        for fn in calls.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[repeats // 2]
+        for name, fn in calls.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: sorted(t)[repeats // 2] for name, t in times.items()}
 
 
 def measure_paths(hidden: int, intermediate: int) -> dict[str, tuple[float, float]]:
     """Seconds of one [rows, hidden] x [hidden, intermediate] product per candidate path, for 1 and 8 rows
-    (int4 only where its kernel runs)."""
+    (int4 only where its kernel runs), every path and width timed in turn."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(intermediate, hidden, generator=generator) * hidden**-0.5
     inputs = {rows: torch.randn(rows, hidden, generator=generator) for rows in (1, 8)}
@@ -62,8 +66,10 @@ def measure_paths(hidden: int, intermediate: int) -> dict[str, tuple[float, floa
     }
     if int4.available():
         paths["int4"] = int4.InvariantInt4Linear(weight)
+    calls = {(name, rows): (lambda path=path, x=inputs[rows]: path(x)) for name, path in paths.items() for rows in (1, 8)}
     with torch.inference_mode():
-        return {name: tuple(_time(lambda: path(inputs[rows])) for rows in (1, 8)) for name, path in paths.items()}
+        seconds = _time_interleaved(calls)
+    return {name: (seconds[name, 1], seconds[name, 8]) for name in paths}
 
 
 def per_token(seconds: tuple[float, float]) -> float:
