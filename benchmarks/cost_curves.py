@@ -3,7 +3,8 @@ relative to one token, after a 256-token context.
 
     python benchmarks/cost_curves.py [--paths bfloat16,float32,int8,llamacpp] [--quantize Q4_0,Q8_0]
 
-Paths: the torch backend in bfloat16, float32 and int8 (`--dtype int8`: batch-invariant int8), and
+Paths: the torch backend in bfloat16, float32, int8 and int4 (`--dtype int8`/`int4`: batch-invariant;
+`int4:avx2`, `int4:avx-vnni`, `int4:avx512-vnni` force a variant of the int4 kernel), and
 llama.cpp on the target's GGUF (Q4_K_M for the default target); `--quantize` adds llama.cpp on
 requantized copies of it (`llama_model_quantize`, cached beside the GGUF). Each model is timed with
 `models.costs.measure` (sizes in turn within each repeat, medians), one model loaded at a time. Prints a
@@ -14,6 +15,7 @@ CPU is (`torch.backends.cpu.get_cpu_capability()`, llama.cpp's system info).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 from pathlib import Path
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 
 from specdecode.api import gguf_of, load_models
-from specdecode.models import costs
+from specdecode.models import costs, int4
 from specdecode.models.registry import DEFAULT_TARGET
 
 SIZES = (1, 2, 4, 8, 16, 32)
@@ -54,6 +56,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = {}
+    loaded = {}  # the torch model of the last dtype measured
     paths = [p for p in args.paths.split(",") if p] + [f"llamacpp-{k}" for k in args.quantize.split(",") if k]
     for path in paths:
         if path.startswith("llamacpp"):
@@ -65,16 +68,23 @@ def main() -> None:
             if not gguf.exists():
                 raise SystemExit(f"{gguf} is not there yet: run `specdecode models fetch` (or `make models`)")
             model = LlamaCppLM(gguf if path == "llamacpp" else requantized(gguf, path.split("-", 1)[1]))
-        else:
-            model = load_models(args.target, None, dtype=path, progress=False).target
-        curve = costs.measure(model, sizes=SIZES, repeats=args.repeats)
+        else:  # int4:NAME forces the int4 kernel variant NAME (`int4.KERNELS`); the weights are loaded once
+            dtype, _, kernel = path.partition(":")
+            if dtype not in loaded:
+                loaded.clear()
+                gc.collect()
+                loaded[dtype] = load_models(args.target, None, dtype=dtype, progress=False).target
+            model = loaded[dtype]
+        with int4.forced_kernel(path.partition(":")[2]) if path.startswith("int4:") else contextlib.nullcontext():
+            curve = costs.measure(model, sizes=SIZES, repeats=args.repeats)
         rows[path] = {"ms": curve.seconds * 1e3, "relative": dict(zip(SIZES, curve.relative))}
         print(path, json.dumps(rows[path]), flush=True)
         del model
         gc.collect()
     import llama_cpp
 
-    print(f"\ntorch CPU capability: {torch.backends.cpu.get_cpu_capability()}; llama.cpp: "
+    kernels = f"; int4 kernels here: {', '.join(int4.kernels())}" if int4.available() else ""
+    print(f"\ntorch CPU capability: {torch.backends.cpu.get_cpu_capability()}{kernels}; llama.cpp: "
           f"{llama_cpp.llama_print_system_info().decode().strip()}\n")
     print("| path | 1 token | " + " | ".join(str(n) for n in SIZES[1:]) + " |")
     print("|---" * (len(SIZES) + 1) + "|")

@@ -15,6 +15,7 @@ from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.models.hf import HFCausalLM
 from specdecode.models import int4
 from specdecode.models.int4 import InvariantInt4Linear
+from specdecode.errors import UserError
 from specdecode.models.int8 import InvariantInt8Linear, quantize_invariant
 
 from test_equivalence import KINDS as EQUIVALENCE_KINDS, LENGTHS, PROMPTS
@@ -68,6 +69,54 @@ def test_close_to_the_float_product(bits, tolerance):
         own = x @ layer.weight.t() + linear.bias
         assert (layer(x) - own).norm() / own.norm() < 0.02
     assert error < tolerance
+
+
+def int4_reference(layer: InvariantInt4Linear, x: torch.Tensor) -> torch.Tensor:
+    """What the 4-bit kernel computes, written plainly: each row onto 0..127 with its own range (rounded
+    half to even, as the kernel's conversion rounds), the products summed exactly in int64, then the
+    kernel's float32 rescaling, operation by operation."""
+    rows = x.reshape(-1, layer.in_features).float()  # [m, in]
+    low, high = rows.min(dim=1, keepdim=True).values, rows.max(dim=1, keepdim=True).values  # [m, 1]
+    spread = high - low
+    inverse = torch.tensor(127.0) / spread
+    u = ((rows - low) * inverse).round().clamp(0, 127)
+    u = torch.where(spread > 0, u, torch.zeros_like(u)).long()  # [m, in]; a constant row is all zeros
+    weights = int4.dequantize(layer.nibbles, layer.groups, torch.ones_like(layer.scales), layer.in_features)
+    sums = u @ weights.round().long().t()  # [m, out], exact
+    step = spread / torch.tensor(127.0)
+    out = layer.scales * (step * sums.float() + low * layer.weight_sums)
+    return out if layer.bias is None else out + layer.bias
+
+
+@needs_int4
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), blocks=st.integers(1, 9), out_features=st.integers(1, 70),
+       rows=st.integers(1, 20), offset=st.floats(-20.0, 20.0), constant_row=st.booleans())
+def test_every_int4_kernel_computes_the_exact_reference(seed, blocks, out_features, rows, offset, constant_row):
+    """Each variant of the 4-bit kernel this CPU runs (AVX2, AVX-VNNI, AVX-512 VNNI) gives, bitwise, the
+    plain computation of `int4_reference`: the instructions differ, the integer sums cannot."""
+    g = torch.Generator().manual_seed(seed)
+    linear = torch.nn.Linear(32 * blocks, out_features, bias=bool(seed % 2))
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, 32 * blocks, generator=g))
+    layer = InvariantInt4Linear.from_linear(linear)
+    x = torch.randn(rows, 32 * blocks, generator=g) * 3 + offset
+    if constant_row:
+        x[rows // 2] = offset
+    expected = int4_reference(layer, x)
+    for name in int4.kernels():
+        with int4.forced_kernel(name):
+            assert torch.equal(layer(x), expected), name
+
+
+@needs_int4
+def test_a_kernel_the_cpu_lacks_is_refused():
+    missing = [name for name in int4.KERNELS if name not in int4.kernels()]
+    assert int4.kernels()[0] == "avx2" and int4.kernel_name() == int4.kernels()[-1]
+    for name in [*missing, "avx9"]:
+        with pytest.raises(UserError, match="cannot run"):
+            with int4.forced_kernel(name):
+                pass
 
 
 @needs_int4

@@ -1,10 +1,10 @@
-"""Batch-invariant 4-bit linear layers: the fastest target path on CPUs with AVX2 and no bf16 units.
+"""Batch-invariant 4-bit linear layers: the fastest target path on x86 CPUs (AVX2 and later).
 
 The int8 path (`models/int8.py`) is exact and its width is cheap, but a 1.5B model's int8 weights are
 1.5 GB and plain decoding reads them all for every token: memory bandwidth alone keeps it slower than
 llama.cpp's 4-bit decoding. No kernel torch ships does 4-bit weights both fast and batch-invariantly (its
 int4 weight-only product is compute-bound, slower than int8 at every width measured), so this one is
-written by hand (`kernels/int4.cpp`, AVX2, compiled on first use by torch's extension builder):
+written by hand (`kernels/int4.cpp`, compiled on first use by torch's extension builder):
 
 - weights: per output channel one float scale, per block of 32 inputs a 4-bit integer multiplier
   (1..15) and per weight a 4-bit value: w = scale * group * (nibble - 8), i.e. 4.125 bits a weight.
@@ -13,7 +13,10 @@ written by hand (`kernels/int4.cpp`, AVX2, compiled on first use by torch's exte
   quantization the int8 path uses);
 - the product sums int8 x uint8 pairs exactly in int32 and rescales each output element on its own, so a
   row's result is bitwise the same whatever other rows the call carries (integer sums do not depend on
-  their order), and rows of one call share each unpacked weight block: width costs compute, not bytes.
+  their order), and rows of one call share each unpacked weight block: width costs compute, not bytes;
+- the products run on the best of three variants the CPU has (`KERNELS`, chosen at run time): AVX2's
+  u8 x s8 pair products take three instructions per 32 products and row, AVX-VNNI's dot-product
+  instruction one, AVX-512 VNNI's one per 64. Exact integer sums make their outputs bitwise the same.
 
 Attention stays the int8 path's row-by-row `invariant_attention`. Layers whose input size is not a
 multiple of 32 keep the int8 linear.
@@ -21,6 +24,7 @@ multiple of 32 keep the int8 linear.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -35,6 +39,10 @@ from specdecode.errors import UserError
 
 BLOCK = 32
 _SOURCE = Path(__file__).parent / "kernels" / "int4.cpp"
+# the kernel's variants, by the op's number for them: the same exact output from different instructions
+# (AVX2: three instructions per 32 products and row; AVX-VNNI: one per 32; AVX-512 VNNI: one per 64)
+KERNELS = ("avx2", "avx-vnni", "avx512-vnni")
+_forced: int = -1  # the variant `forced_kernel` asks for; -1: the best this CPU has
 
 
 def available() -> bool:
@@ -70,6 +78,29 @@ def _ops():
         raise UserError(f"could not compile the int4 kernel ({str(error).strip().splitlines()[-1]}); "
                         "use --dtype int8, which needs no compiler") from error
     return torch.ops.specdecode_int4
+
+
+def kernels() -> list[str]:
+    """The kernel variants this CPU runs, slowest first (the last is the one used)."""
+    return [name for number, name in enumerate(KERNELS) if _ops().supported(number)]
+
+
+def kernel_name() -> str:
+    """The variant the layers run now."""
+    return KERNELS[_forced] if _forced >= 0 else kernels()[-1]
+
+
+@contextlib.contextmanager
+def forced_kernel(name: str):
+    """Run the layers on variant `name` inside the block (tests and measurements compare variants)."""
+    global _forced
+    if name not in kernels():
+        raise UserError(f"this CPU cannot run the int4 kernel {name!r}; it runs {', '.join(kernels())}")
+    previous, _forced = _forced, KERNELS.index(name)
+    try:
+        yield
+    finally:
+        _forced = previous
 
 
 @torch.no_grad()
@@ -155,7 +186,7 @@ class InvariantInt4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.reshape(-1, self.in_features).float()
-        out = _ops().linear(rows, self.nibbles, self.groups, self.scales, self.weight_sums, self.bias)
+        out = _ops().linear(rows, self.nibbles, self.groups, self.scales, self.weight_sums, self.bias, _forced)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -1,4 +1,5 @@
-// Batch-invariant 4-bit x 7-bit linear layer for AVX2 CPUs (see specdecode/models/int4.py).
+// Batch-invariant 4-bit x 7-bit linear layer for x86 CPUs with AVX2, AVX-VNNI or AVX-512 VNNI (see
+// specdecode/models/int4.py).
 //
 // Weights: w[n, k] = scale[n] * group[n, k / 32] * (nibble[n, k] - 8), group in 1..15, nibbles packed
 // two to a byte per pair of blocks of 32 (byte j of a pair's 32 holds element j of the first block in its
@@ -82,22 +83,33 @@ void quantize_row(const float* x, int64_t k, uint8_t* u, float* low_out, float* 
 }
 
 // sums[r] = sum_k w8[k] u[r, k] for one channel and R rows. Weights come in pairs of blocks: 32 bytes
-// whose low halves are the first block's 32 nibbles and whose high halves are the second's.
+// whose low halves are the first block's 32 nibbles and whose high halves are the second's. Three
+// variants give the same exact int32 sums, bitwise, by different instructions: AVX2 (u8 x s8 pairs to
+// int16, then to int32: three instructions per 32 products and row), AVX-VNNI (one instruction per 32)
+// and AVX-512 VNNI (one per 64).
+inline __m256i unpack_first(const uint8_t* groups, int64_t p, __m256i raw) {
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kTables.bytes[groups[2 * p]])));
+  return _mm256_shuffle_epi8(table, _mm256_and_si256(raw, _mm256_set1_epi8(0x0F)));
+}
+
+inline __m256i unpack_second(const uint8_t* groups, int64_t p, __m256i raw) {
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kTables.bytes[groups[2 * p + 1]])));
+  return _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F)));
+}
+
+inline __m256i load_pair(const uint8_t* nibbles, int64_t p) {
+  _mm_prefetch(reinterpret_cast<const char*>(nibbles + 32 * p + kPrefetch), _MM_HINT_T0);  // a hint: no fault
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + 32 * p));
+}
+
 template <int R>
-void dot_rows(const uint8_t* nibbles, const uint8_t* groups, const uint8_t* u, int64_t k, int32_t* sums) {
-  const __m256i low_mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+void dot_rows_avx2(const uint8_t* nibbles, const uint8_t* groups, const uint8_t* u, int64_t k, int32_t* sums) {
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256i acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
-  const int64_t pairs = k / (2 * kBlock);
-  for (int64_t p = 0; p < pairs; ++p) {
-    _mm_prefetch(reinterpret_cast<const char*>(nibbles + 32 * p + kPrefetch), _MM_HINT_T0);  // a hint: no fault
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + 32 * p));
-    const __m256i w0 = _mm256_shuffle_epi8(
-        _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kTables.bytes[groups[2 * p]]))),
-        _mm256_and_si256(raw, low_mask));
-    const __m256i w1 = _mm256_shuffle_epi8(
-        _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kTables.bytes[groups[2 * p + 1]]))),
-        _mm256_and_si256(_mm256_srli_epi16(raw, 4), low_mask));
+  for (int64_t p = 0; p < k / (2 * kBlock); ++p) {
+    const __m256i raw = load_pair(nibbles, p);
+    const __m256i w0 = unpack_first(groups, p, raw), w1 = unpack_second(groups, p, raw);
     for (int r = 0; r < R; ++r) {
       const uint8_t* a = u + r * k + 2 * kBlock * p;
       const __m256i p0 = _mm256_maddubs_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)), w0);
@@ -108,22 +120,89 @@ void dot_rows(const uint8_t* nibbles, const uint8_t* groups, const uint8_t* u, i
   for (int r = 0; r < R; ++r) sums[r] = hsum(acc[r]);
 }
 
-void dot_tile(int rows, const uint8_t* nibbles, const uint8_t* groups, const uint8_t* u, int64_t k,
-              int32_t* sums) {
-  switch (rows) {
-    case 1: return dot_rows<1>(nibbles, groups, u, k, sums);
-    case 2: return dot_rows<2>(nibbles, groups, u, k, sums);
-    case 3: return dot_rows<3>(nibbles, groups, u, k, sums);
-    case 4: return dot_rows<4>(nibbles, groups, u, k, sums);
-    case 5: return dot_rows<5>(nibbles, groups, u, k, sums);
-    case 6: return dot_rows<6>(nibbles, groups, u, k, sums);
-    case 7: return dot_rows<7>(nibbles, groups, u, k, sums);
-    default: return dot_rows<8>(nibbles, groups, u, k, sums);
+template <int R>
+__attribute__((target("avx2,fma,avxvnni")))
+void dot_rows_avxvnni(const uint8_t* nibbles, const uint8_t* groups, const uint8_t* u, int64_t k, int32_t* sums) {
+  __m256i acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+  for (int64_t p = 0; p < k / (2 * kBlock); ++p) {
+    const __m256i raw = load_pair(nibbles, p);
+    const __m256i w0 = unpack_first(groups, p, raw), w1 = unpack_second(groups, p, raw);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* a = u + r * k + 2 * kBlock * p;
+      acc[r] = _mm256_dpbusd_avx_epi32(acc[r], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)), w0);
+      acc[r] = _mm256_dpbusd_avx_epi32(acc[r], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + kBlock)), w1);
+    }
+  }
+  for (int r = 0; r < R; ++r) sums[r] = hsum(acc[r]);
+}
+
+template <int R>
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vnni")))
+void dot_rows_avx512vnni(const uint8_t* nibbles, const uint8_t* groups, const uint8_t* u, int64_t k, int32_t* sums) {
+  const __m512i low_mask = _mm512_set1_epi8(0x0F);
+  __m512i acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+  for (int64_t p = 0; p < k / (2 * kBlock); ++p) {
+    const __m256i raw = load_pair(nibbles, p);
+    // the pair's 64 nibbles in the activations' order: the first block's (low halves), then the second's
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
+    // 128-bit lanes 0-1 look up the first block's table, lanes 2-3 the second's
+    const __m512i tables = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kTables.bytes[groups[2 * p]])))),
+        _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kTables.bytes[groups[2 * p + 1]]))), 1);
+    const __m512i w = _mm512_shuffle_epi8(tables, _mm512_and_si512(both, low_mask));
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_loadu_si512(u + r * k + 2 * kBlock * p), w);
+  }
+  for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_epi32(acc[r]);
+}
+
+enum Kernel : int64_t { kAvx2 = 0, kAvxVnni = 1, kAvx512Vnni = 2 };
+
+bool supported(int64_t kernel) {
+  __builtin_cpu_init();
+  switch (kernel) {
+    case kAvx2: return __builtin_cpu_supports("avx2");
+    case kAvxVnni: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avxvnni");
+    case kAvx512Vnni:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+    default: return false;
+  }
+}
+
+int64_t best_kernel() {
+  static const int64_t best = supported(kAvx512Vnni) ? kAvx512Vnni : supported(kAvxVnni) ? kAvxVnni : kAvx2;
+  return best;
+}
+
+using DotFn = void (*)(const uint8_t*, const uint8_t*, const uint8_t*, int64_t, int32_t*);
+
+template <template <int> class Rows>
+struct Table {
+  static constexpr DotFn fns[kRowTile] = {Rows<1>::f, Rows<2>::f, Rows<3>::f, Rows<4>::f,
+                                         Rows<5>::f, Rows<6>::f, Rows<7>::f, Rows<8>::f};
+};
+
+template <int R> struct Avx2Rows { static constexpr DotFn f = dot_rows_avx2<R>; };
+template <int R> struct AvxVnniRows { static constexpr DotFn f = dot_rows_avxvnni<R>; };
+template <int R> struct Avx512VnniRows { static constexpr DotFn f = dot_rows_avx512vnni<R>; };
+
+// fns[kernel][rows - 1]
+const DotFn* dot_functions(int64_t kernel) {
+  switch (kernel) {
+    case kAvxVnni: return Table<AvxVnniRows>::fns;
+    case kAvx512Vnni: return Table<Avx512VnniRows>::fns;
+    default: return Table<Avx2Rows>::fns;
   }
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& groups,
-                       const at::Tensor& scales, const at::Tensor& weight_sums, const c10::optional<at::Tensor>& bias) {
+                       const at::Tensor& scales, const at::Tensor& weight_sums, const c10::optional<at::Tensor>& bias,
+                       int64_t kernel) {
+  if (kernel < 0) kernel = best_kernel();
+  TORCH_CHECK(supported(kernel), "int4_linear: this CPU lacks the instructions of kernel ", kernel);
+  const DotFn* dots = dot_functions(kernel);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int4_linear: x must be float32 [m, k]");
   const int64_t m = x.size(0), k = x.size(1), n = nibbles.size(0);
   const int64_t padded = 2 * nibbles.size(1);  // in_features rounded up to whole pairs of blocks
@@ -154,7 +233,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& nibbles, const at:
       for (int64_t r0 = 0; r0 < m; r0 += kRowTile) {
         const int rows = static_cast<int>(std::min<int64_t>(kRowTile, m - r0));
         for (int64_t c = c0; c < c1; ++c) {
-          dot_tile(rows, np + c * (padded / 2), gp + c * (padded / kBlock), up + r0 * padded, padded, sums);
+          dots[rows - 1](np + c * (padded / 2), gp + c * (padded / kBlock), up + r0 * padded, padded, sums);
           for (int r = 0; r < rows; ++r) {
             float y = sp[c] * (stepp[r0 + r] * static_cast<float>(sums[r]) + lowp[r0 + r] * wsp[c]);
             op[(r0 + r) * n + c] = bp ? y + bp[c] : y;
@@ -169,7 +248,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& nibbles, const at:
 }  // namespace
 
 TORCH_LIBRARY(specdecode_int4, m) {
-  m.def("linear(Tensor x, Tensor nibbles, Tensor groups, Tensor scales, Tensor weight_sums, Tensor? bias) -> Tensor");
+  // kernel: 0 AVX2, 1 AVX-VNNI, 2 AVX-512 VNNI, -1 the best this CPU has (all give the same output)
+  m.def("linear(Tensor x, Tensor nibbles, Tensor groups, Tensor scales, Tensor weight_sums, Tensor? bias, int kernel=-1) -> Tensor");
+  m.def("supported(int kernel) -> bool", &supported);
 }
 
 TORCH_LIBRARY_IMPL(specdecode_int4, CPU, m) { m.impl("linear", &int4_linear); }
