@@ -169,3 +169,25 @@ def test_prompt_lookup_copies_from_a_reference_document():
     # the reference's last tokens are not followed by the context's first ones
     drafter = PromptLookupDrafter(max_ngram=1, reference_ids=[7, 8])
     assert len(drafter.propose([9, 8], 8, SamplingParams(), None)) == 0
+
+
+def test_draft_tree_size_does_not_grow_with_the_draft_models_catch_up():
+    """The dynamic tree's size follows what its nodes promise against the target's cost curve, not the
+    drafting already spent in the step: the same context gives the same tree whether the draft model
+    first catches up on 300 tokens (a sequence's first step, or the first after plain steps) or on one.
+    (When that catch-up counted, the real int4 target verified 47-64-node trees after every catch-up.)"""
+    import fakes
+
+    from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
+    from specdecode.models.costs import CostCurve
+
+    draft_model = fakes.FakeLM(fakes.ContextLogits(vocab=6, seed=11, scale=3.0), max_context=1024)
+    # width dear, as on a CPU without bf16 units: 8 tokens cost 3.1 one-token forwards
+    drafter = DraftModelTreeDrafter(draft_model, CostCurve.linear(0.3), draft_cost=0.4)
+    generator = torch.Generator().manual_seed(0)
+    context = torch.randint(0, 6, (300,), generator=generator).tolist()
+    drafter.begin(context)
+    cold = drafter.propose(context, 16, SamplingParams(), None)  # feeds all 300 context tokens first
+    warm = drafter.propose(context, 16, SamplingParams(), None)  # feeds the last one only
+    assert len(cold) > 0
+    assert cold.tokens.tolist() == warm.tokens.tolist() and cold.parents.tolist() == warm.parents.tolist()

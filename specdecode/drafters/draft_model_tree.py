@@ -8,6 +8,12 @@ Rounds stop at `max_depth`, or earlier once the accepted tokens another round co
 than the draft forward costs. Then the best nodes by score are kept: a fixed number (`budget`), or the
 number that maximises expected tokens per unit of time on the target's measured cost curve.
 
+Both decisions leave out the drafting already spent in the step (sunk: it is paid whatever follows). It
+used to count, and it includes the draft model catching up on the context (the whole prompt at a
+sequence's first step, the skipped tokens after plain steps), so after a long catch-up any tree looked
+cheap beside it: the int4 target, where a 64-token forward costs 18 one-token ones, verified 47-64 nodes
+for 1-2 tokens at those steps.
+
 Fixed shape: the same rounds, but the nodes to expand and the ranks of their children come from a
 Medusa/EAGLE "choices" list, for comparison with the dynamic tree.
 
@@ -127,30 +133,31 @@ class DraftModelTreeDrafter(Drafter):
                     new.append(tree.add(int(top.indices[rank]), parent, tree.score(parent) * p, shape_node))
         return new
 
-    def _to_expand(self, tree: _Growing, frontier: list[int], coverage: float, sunk: float) -> list[int]:
+    def _to_expand(self, tree: _Growing, frontier: list[int], coverage: float) -> list[int]:
         """Which nodes of the newest layer the next round feeds ([] to stop growing)."""
         if self.shape_parents is not None:
             return [node for node in frontier if self.shape_children[tree.shape[node] + 1]]
         best = sorted(frontier, key=lambda node: -tree.scores[node])[: self.width]
         if not best:
             return best
-        # Another round pays if what it may add beats the step's current rate of tokens per cost.
+        # Another round pays if what it may add, per what it costs, beats the tokens per cost that verifying
+        # the tree as it stands would give (the drafting spent so far left out: it is paid either way).
         factor = self._calibration.factor
         scores = sorted((factor * s for s in tree.scores), reverse=True)
-        n = self.budget or best_budget(scores, self.curve, sunk, cap=MAX_BUDGET)
-        rate = (1 + sum(scores[:n])) / (sunk + self.curve(1 + n))
+        n = self.budget or best_budget(scores, self.curve, 0.0, cap=MAX_BUDGET)
+        rate = (1 + sum(scores[:n])) / self.curve(1 + n)
         gain = factor * coverage * sum(tree.scores[node] for node in best)
         cost = self.draft_cost * self.draft_curve(len(best))
         return best if gain > rate * cost else []
 
     # -- the draft model's part of a step (an EAGLE head has its own: `drafters.eagle`) --------------
 
-    def _start(self, context: list[int]) -> tuple[torch.Tensor, int]:
-        """Bring the draft's cache up to the context; (logits after it [1, vocab], tokens fed)."""
+    def _start(self, context: list[int]) -> torch.Tensor | None:
+        """Bring the draft's cache up to the context; the logits after it [1, vocab] (None: no draft)."""
         pending = self._cache.sync(context)
         logits = self.model.forward(torch.tensor(pending), num_logits=1).logits  # [1, vocab]
         self._cache.seen.extend(pending)
-        return logits, len(pending)
+        return logits
 
     def _feed(self, tree: _Growing, expand: list[int], fed: list[int], length: int, depth: int) -> torch.Tensor:
         """One draft forward over the nodes `expand` (of depth - 1), each attending to the context and its
@@ -174,23 +181,20 @@ class DraftModelTreeDrafter(Drafter):
         if depth_limit <= 0:
             return Draft.empty()
         length = len(context)
-        start = self._start(context)
-        if start is None:
+        logits = self._start(context)
+        if logits is None:
             return Draft.empty()
-        logits, fed_context = start
         tree = _Growing()
         frontier = self._add_children(tree, [structure.ROOT], self._distributions(logits, params))
-        sunk = self.draft_cost * self.draft_curve(fed_context)  # in single-token target forwards
         coverage = sum(tree.scores)  # how much of its parents' score a round of children carries
         fed: list[int] = []  # the nodes in the draft cache after the context, in order
         for depth in range(2, depth_limit + 1):  # the depth of the children this round adds
-            expand = self._to_expand(tree, frontier, coverage, sunk)
+            expand = self._to_expand(tree, frontier, coverage)
             if not expand:
                 break
             # 1. One draft forward over the chosen nodes, each attending to the context and its ancestors.
             logits = self._feed(tree, expand, fed, length, depth)
             fed.extend(expand)
-            sunk += self.draft_cost * self.draft_curve(len(expand))
             # 2. Their children form the next layer.
             frontier = self._add_children(tree, expand, self._distributions(logits, params))
             parents_score = sum(tree.scores[node] for node in expand)
@@ -205,7 +209,7 @@ class DraftModelTreeDrafter(Drafter):
             budget = len(tree.tokens)  # a fixed shape is verified whole
         elif budget is None:
             ranked = sorted((self._calibration.factor * s for s in tree.scores), reverse=True)
-            budget = max(best_budget(ranked, self.curve, sunk, cap=MAX_BUDGET), 1)
+            budget = max(best_budget(ranked, self.curve, 0.0, cap=MAX_BUDGET), 1)
         keep = structure.top_nodes(parents, scores, budget)
         self.last_scores = scores[keep]  # [kept] the kept nodes' cumulative draft probabilities
         self._predicted = float(scores[keep].sum())

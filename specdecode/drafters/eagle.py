@@ -233,7 +233,7 @@ class EagleTreeDrafter(DraftModelTreeDrafter):
     def _start(self, context: list[int]):
         root = self.state.sync(context)
         self._outputs = {structure.ROOT: root}
-        return None if root is None else (self.state.logits(root[None]), 0)
+        return None if root is None else self.state.logits(root[None])
 
     @torch.inference_mode()
     def _feed(self, tree, expand: list[int], fed: list[int], length: int, depth: int) -> torch.Tensor:
