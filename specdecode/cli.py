@@ -353,7 +353,9 @@ app.add_typer(train_app, name="train")
 
 DataOption = Annotated[Path, typer.Option(help="Folder of the target's features; built there first when empty.")]
 TokensOption = Annotated[int, typer.Option(min=1000, help="Corpus size when the features are built.")]
-SecondsOption = Annotated[float, typer.Option(min=1, help="Training time budget.")]
+SecondsOption = Annotated[float, typer.Option(min=1, help=(
+    "This run's time budget in seconds. A run it stops saves --out/checkpoint.pt beside the head so far; the same "
+    "command again carries on from there (delete the checkpoint to start afresh)."))]
 VocabOption = Annotated[int, typer.Option(min=16, help="Draft vocabulary: the most frequent tokens.")]
 
 
@@ -429,6 +431,21 @@ def train_data(
 # --- end of specdecode train data ------------------------------------------------------------------
 
 
+def _checkpoint(out: Path) -> Path:
+    """Where a training run saves where it is (`training.loop.optimise`), in its output folder."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "checkpoint.pt"
+    if path.exists():
+        console.print(f"carrying on from {path}")
+    return path
+
+
+def _saved(out: Path) -> None:
+    more = " (the time budget ran out first: the same command carries on from checkpoint.pt)" if (
+        out / "checkpoint.pt").exists() else ""
+    console.print(f"saved {out}{more}")
+
+
 @train_app.command("eagle")
 def train_eagle(
     data: DataOption,
@@ -449,9 +466,9 @@ def train_eagle(
     model, describe, shards = _target_features(target, data, tokens, seed)
     settings = eagle.TrainingSettings(intermediate_size=intermediate_size, vocab_size=vocab_size, seconds=seconds,
                                       epochs=epochs, learning_rate=learning_rate, seed=seed)
-    head, record = eagle.train(model, shards, settings, log=console.print)
+    head, record = eagle.train(model, shards, settings, log=console.print, checkpoint=_checkpoint(out))
     eagle.save(head, record, out, describe)
-    console.print(f"saved {out}")
+    _saved(out)
 
 
 @train_app.command("eagle3")
@@ -480,9 +497,10 @@ def train_eagle3(
                                                answers_folder=answers)
     settings = eagle3.TrainingSettings(intermediate_size=intermediate_size, vocab_size=vocab_size, seconds=seconds,
                                        epochs=epochs, steps=steps, learning_rate=learning_rate, seed=seed)
-    head, record = eagle3.train(model, shards, settings, tuple(describe["aux_layers"]), log=console.print)
+    head, record = eagle3.train(model, shards, settings, tuple(describe["aux_layers"]), log=console.print,
+                                checkpoint=_checkpoint(out))
     eagle3.save(head, record, out, describe)
-    console.print(f"saved {out}")
+    _saved(out)
 
 
 @train_app.command("medusa")
@@ -505,9 +523,9 @@ def train_medusa(
     model, describe, shards = _target_features(target, data, tokens, seed)
     settings = medusa.TrainingSettings(num_heads=heads, vocab_size=vocab_size, seconds=seconds, epochs=epochs,
                                        learning_rate=learning_rate, seed=seed)
-    trained, record = medusa.train(model, shards, settings, log=console.print)
+    trained, record = medusa.train(model, shards, settings, log=console.print, checkpoint=_checkpoint(out))
     medusa.save(trained, record, out, describe)
-    console.print(f"saved {out}")
+    _saved(out)
 
 
 # --- specdecode export ... -----------------------------------------------------------------------

@@ -88,8 +88,9 @@ def held_out_accuracy(head: EagleHead, embed, head_weight, full_head, data, posi
 
 
 def train(target_model, shards: list[Shard], settings: TrainingSettings, progress: bool = True,
-          log=print) -> tuple[EagleHead, Record]:
-    """Train a head for `target_model` (a transformers causal LM) on its stored features."""
+          log=print, checkpoint: Path | None = None) -> tuple[EagleHead, Record]:
+    """Train a head for `target_model` (a transformers causal LM) on its stored features (carrying on from
+    `checkpoint` where it exists: `loop.optimise`)."""
     torch.manual_seed(settings.seed)
     table = target_model.get_input_embeddings().weight.detach()  # frozen: the target's own
 
@@ -114,7 +115,7 @@ def train(target_model, shards: list[Shard], settings: TrainingSettings, progres
         return (regression + CLASSIFICATION_WEIGHT * classification,
                 {"regression": regression.detach(), "classification": classification.detach()}, positions)
 
-    optimise(head, loss, training, settings, record, "training EAGLE", progress)
+    optimise(head, loss, training, settings, record, "training EAGLE", progress, checkpoint)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_units()):  # as in training (`loop.optimise`)
         record.held_out_accuracy = held_out_accuracy(head, embed, head_weight, full_head, evaluation,
                                                      settings.eval_positions)

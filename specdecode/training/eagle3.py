@@ -121,9 +121,9 @@ def held_out_agreement(head, embed, draft_head, full_head, data: list[Window], p
 
 
 def train(target_model, shards: list[Shard], settings: TrainingSettings, layers: tuple[int, ...],
-          progress: bool = True, log=print) -> tuple[Eagle3Head, Record]:
+          progress: bool = True, log=print, checkpoint: Path | None = None) -> tuple[Eagle3Head, Record]:
     """Train an EAGLE-3 head for `target_model` (a transformers causal LM) on its stored features, whose
-    layer inputs are those of `layers`."""
+    layer inputs are those of `layers` (carrying on from `checkpoint` where it exists: `loop.optimise`)."""
     from specdecode.models.hf import _eos_ids
 
     if settings.steps < 1:
@@ -146,7 +146,7 @@ def train(target_model, shards: list[Shard], settings: TrainingSettings, layers:
     record = Record(settings=vars(settings) | {"vocab": len(vocab_ids), "aux_layers": list(layers),
                                                "train_windows": len(training), "held_out_windows": len(evaluation)})
     optimise(head, lambda window: losses(head, embed, draft_head, window, settings.steps), training, settings,
-             record, "training EAGLE-3", progress)
+             record, "training EAGLE-3", progress, checkpoint)
     record.held_out_accuracy = held_out_agreement(head, embed, draft_head, full_head, evaluation,
                                                   settings.eval_positions)
     log(f"EAGLE-3 head: {record.steps} steps, {record.tokens_seen} tokens, {record.seconds:.0f} s; held-out "

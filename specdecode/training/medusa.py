@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from specdecode.drafters.medusa import MedusaHeads
+from specdecode.models.precision import bf16_units
 from specdecode.training.features import Shard
 from specdecode.training.loop import Record, Schedule, frequent_tokens, optimise, split, windows
 
@@ -78,8 +79,9 @@ def held_out_accuracy(heads: MedusaHeads, vocab_ids, head_weight, full_head, dat
 
 
 def train(target_model, shards: list[Shard], settings: TrainingSettings, progress: bool = True,
-          log=print) -> tuple[MedusaHeads, Record]:
-    """Train Medusa heads for `target_model` (a transformers causal LM) on its stored features."""
+          log=print, checkpoint: Path | None = None) -> tuple[MedusaHeads, Record]:
+    """Train Medusa heads for `target_model` (a transformers causal LM) on its stored features (carrying on
+    from `checkpoint` where it exists: `loop.optimise`)."""
     from specdecode.models.hf import _eos_ids
 
     torch.manual_seed(settings.seed)
@@ -91,8 +93,8 @@ def train(target_model, shards: list[Shard], settings: TrainingSettings, progres
     record = Record(settings=vars(settings) | {"vocab": len(vocab_ids), "train_windows": len(training),
                                                "held_out_windows": len(evaluation)})
     optimise(heads, lambda window: losses(heads, head_weight, *window), training, settings, record,
-             "training Medusa", progress)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+             "training Medusa", progress, checkpoint)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_units()):  # as in training (`loop.optimise`)
         record.held_out_accuracy = held_out_accuracy(heads, vocab_ids, head_weight, full_head, evaluation)
         record.notes["held_out_accuracy_full_vocabulary"] = held_out_accuracy(
             heads, torch.arange(full_head.shape[0]), full_head, full_head, evaluation)

@@ -1,0 +1,94 @@
+"""The shared training loop (`training.loop.optimise`) in bounded runs: a schedule cut into pieces by
+kills, carried on from its checkpoint, ends with exactly the weights of one uninterrupted run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdecode.errors import UserError
+from specdecode.training.loop import Record, Schedule, optimise
+
+SCHEDULE = Schedule(seconds=1e9, epochs=3, learning_rate=1e-2, warmup_steps=2, batch_windows=1, seed=3)
+
+
+def _windows() -> list:
+    generator = torch.Generator().manual_seed(0)
+    return [(torch.randint(0, 3, (10,), generator=generator), torch.randn(10, 4, generator=generator),
+             torch.ones(10, dtype=torch.bool)) for _ in range(11)]
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 3)
+
+
+def _loss(model):
+    def loss(window):
+        tokens, features, _ = window
+        noisy = features + 0.1 * torch.rand_like(features)  # the global generator, as EAGLE's feature noise
+        value = F.cross_entropy(model(noisy).float(), tokens)
+        return value, {"ce": value.detach()}, len(tokens)
+    return loss
+
+
+def test_a_run_killed_twice_and_carried_on_ends_like_one_run(tmp_path):
+    windows = _windows()
+    whole, whole_record = _model(), Record(settings={})
+    optimise(whole, _loss(whole), windows, SCHEDULE, whole_record, "whole", progress=False)
+
+    checkpoint, calls = tmp_path / "checkpoint.pt", 0
+    for kill_at in (5, 19, None):  # the loss call of each run that it is killed at (None: it finishes)
+        model, record = _model(), Record(settings={})  # a new process: fresh weights and record
+        loss, calls = _loss(model), 0
+
+        def dying(window, loss=loss, kill_at=kill_at):
+            nonlocal calls
+            calls += 1
+            if calls == kill_at:
+                raise KeyboardInterrupt
+            return loss(window)
+
+        try:
+            optimise(model, dying, windows, SCHEDULE, record, "piece", progress=False, checkpoint=checkpoint,
+                     checkpoint_seconds=0.0)  # saves after every step
+        except KeyboardInterrupt:
+            assert kill_at is not None and checkpoint.exists()
+            continue
+        assert kill_at is None
+    assert not checkpoint.exists()  # the schedule completed
+    assert record.steps == whole_record.steps == 33
+    assert record.tokens_seen == whole_record.tokens_seen
+    assert len(whole_record.losses) == 1  # logged every 20 steps; the piece that logged it was not the last
+    assert [entry["ce"] for entry in record.losses] == [entry["ce"] for entry in whole_record.losses]
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+
+
+def test_a_checkpoint_of_other_settings_is_refused(tmp_path):
+    windows, checkpoint = _windows(), tmp_path / "checkpoint.pt"
+    model, calls = _model(), 0
+
+    def dying(window):
+        nonlocal calls
+        calls += 1
+        if calls == 4:
+            raise KeyboardInterrupt
+        return _loss(model)(window)
+
+    with pytest.raises(KeyboardInterrupt):
+        optimise(model, dying, windows, SCHEDULE, Record(settings={}), "piece", progress=False,
+                 checkpoint=checkpoint, checkpoint_seconds=0.0)
+    assert checkpoint.exists()
+    other = Schedule(**{**vars(SCHEDULE), "learning_rate": 1e-3})
+    with pytest.raises(UserError, match="other settings"):
+        optimise(_model(), _loss(model), windows, other, Record(settings={}), "other", progress=False,
+                 checkpoint=checkpoint)
+    with pytest.raises(UserError, match="other settings"):  # other data
+        optimise(_model(), _loss(model), windows[:-1], SCHEDULE, Record(settings={}), "other", progress=False,
+                 checkpoint=checkpoint)
+    # another time budget is the same schedule: it carries on from step 3
+    longer, record = Schedule(**{**vars(SCHEDULE), "seconds": 2e9}), Record(settings={})
+    optimise(model, _loss(model), windows, longer, record, "longer", progress=False, checkpoint=checkpoint)
+    assert record.steps == 33 and not checkpoint.exists()
