@@ -181,7 +181,7 @@ _loaded: dict[tuple, Models] = {}
 def generate(
     prompt: str | list[int],
     *,
-    method: str = "draft",
+    method: str = "suffix",  # the best lossless method on the int4 path `dtype="auto"` takes (README)
     target: str | PreTrainedModel = DEFAULT_TARGET,
     drafter: str | PreTrainedModel | None = DEFAULT_DRAFTER,
     tokenizer: PreTrainedTokenizerBase | None = None,
