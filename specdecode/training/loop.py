@@ -5,8 +5,8 @@ weights where the CPU has bf16 units, a progress bar).
 
 Training on a CPU takes hours, so it runs in bounded pieces: `optimise` saves where it is to a
 checkpoint every CHECKPOINT_SECONDS and when its time budget runs out (the head's and the optimiser's
-state, the learning-rate schedule, the step, the position in the shuffled windows, the random number
-generators, the record so far), and a run given the same checkpoint, settings and data carries on from
+state, the learning-rate schedule, the step, the position in the shuffled windows (whose order the seed
+fixes), torch's global generator (feature noise draws from it), the record so far), and a run given the same checkpoint, settings and data carries on from
 there: a run cut into pieces, or killed and started again, ends with the weights one uninterrupted run
 gives. The checkpoint is removed once the schedule is complete."""
 
