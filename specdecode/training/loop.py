@@ -6,9 +6,10 @@ weights where the CPU has bf16 units, a progress bar).
 Training on a CPU takes hours, so it runs in bounded pieces: `optimise` saves where it is to a
 checkpoint every CHECKPOINT_SECONDS and when its time budget runs out (the head's and the optimiser's
 state, the learning-rate schedule, the step, the position in the shuffled windows (whose order the seed
-fixes), torch's global generator (feature noise draws from it), the record so far), and a run given the same checkpoint, settings and data carries on from
-there: a run cut into pieces, or killed and started again, ends with the weights one uninterrupted run
-gives. The checkpoint is removed once the schedule is complete."""
+fixes), torch's global generator (feature noise draws from it), the record so far), and a run given the
+same checkpoint, settings and data carries on from there: a run cut into pieces, or killed and started
+again, ends with the weights one uninterrupted run gives. The checkpoint is removed once the schedule is
+complete."""
 
 from __future__ import annotations
 
@@ -111,6 +112,10 @@ def optimise(module: torch.nn.Module, loss: LossFn, training: list[Window], sche
                 "tokens": sum(len(window[0]) for window in training)}
     sums: dict[str, float] = {}
     count = step = position = 0  # position: the first window of `order` not yet trained on
+
+    def unfinished() -> bool:
+        return position < len(order) and step < total_steps
+
     earlier_seconds = 0.0  # what earlier runs of the same schedule spent
     if checkpoint is not None and checkpoint.exists():
         state = torch.load(checkpoint, weights_only=False)
@@ -141,7 +146,7 @@ def optimise(module: torch.nn.Module, loss: LossFn, training: list[Window], sche
                TextColumn("{task.fields[loss]}"), TimeElapsedColumn()]
     with Progress(*columns, disable=not progress) as bar:
         task = bar.add_task("train", total=total_steps, completed=step, loss="")
-        while position < len(order) and step < total_steps:
+        while unfinished():
             if time.perf_counter() - start > schedule.seconds:
                 break
             batch = order[position : position + schedule.batch_windows]
@@ -172,7 +177,7 @@ def optimise(module: torch.nn.Module, loss: LossFn, training: list[Window], sche
                 save()
                 last_saved = time.perf_counter()
     if checkpoint is not None:
-        if position < len(order) and step < total_steps:
+        if unfinished():
             save()  # the time budget ran out: the next run carries on
         else:
             checkpoint.unlink(missing_ok=True)
