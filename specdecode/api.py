@@ -25,6 +25,7 @@ from specdecode.models.hf import HFCausalLM
 from specdecode.models.loading import (
     check_logits_cover,
     check_same_vocabulary,
+    draft_dtype as resolve_draft_dtype,
     gguf_path,
     load_causal_lm,
     load_gguf_lm,
@@ -119,14 +120,14 @@ def load_models(
     tokenizer: PreTrainedTokenizerBase | None = None,
     draft_tokenizer: PreTrainedTokenizerBase | None = None,
     dtype: torch.dtype | str = "auto",
-    draft_dtype: torch.dtype | str = "int8",
+    draft_dtype: torch.dtype | str = "auto",
     progress: bool = True,
     backend: str = "torch",
 ) -> Models:
     """Load a target and (optionally) a draft model. The target runs in `dtype`: "auto" (the fastest of
-    bfloat16, float32, int8 and int4 on this machine, `models.precision`), or one of them. The draft model is
-    int8 by default (`models.loading.quantize_int8`): cheaper per draft token on a CPU, and lossless all
-    the same, since the target verifies every token. A drafter whose tokenizer differs from the target's
+    bfloat16, float32, int8 and int4 on this machine, `models.precision`), or one of them. The draft model's
+    `draft_dtype` "auto" is int4 where its kernel runs, else int8 (`models.loading.draft_dtype`): cheaper per
+    draft token on a CPU, and lossless all the same, since the target verifies every token. A drafter whose tokenizer differs from the target's
     is kept with its tokenizer: the methods that can draft across tokenizers translate its drafts through
     text (`specdecode methods`), the others refuse it. With already loaded models, `tokenizer` is the
     target's and `draft_tokenizer` the drafter's (default: `tokenizer`).
@@ -140,8 +141,8 @@ def load_models(
     target_model, target_tokenizer = _load(target, tokenizer, dtype, progress)
     draft = other_tokenizer = None
     if drafter is not None:
-        draft_model, draft_tokenizer = _load(drafter, draft_tokenizer or tokenizer, draft_dtype, progress,
-                                             exact_int8=False)
+        draft_model, draft_tokenizer = _load(drafter, draft_tokenizer or tokenizer, resolve_draft_dtype(draft_dtype),
+                                             progress, exact_int8=False)
         if same_vocabulary(target_tokenizer, draft_tokenizer):
             check_same_vocabulary(target_tokenizer, draft_tokenizer, target_model, draft_model)
         else:
@@ -186,7 +187,7 @@ def generate(
     drafter: str | PreTrainedModel | None = DEFAULT_DRAFTER,
     tokenizer: PreTrainedTokenizerBase | None = None,
     dtype: torch.dtype | str = "auto",
-    draft_dtype: torch.dtype | str = "int8",
+    draft_dtype: torch.dtype | str = "auto",
     chat: bool = False,
     max_new_tokens: int = 128,
     temperature: float = 0.0,

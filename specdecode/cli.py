@@ -38,17 +38,18 @@ DTypeOption = Annotated[DType, typer.Option(help=(
     "else int4 or int8), bfloat16, float32, int8 (int8 weights and per-row int8 activations, computed row by row "
     "so speculation stays exact; not the float model's output), or int4 (4-bit weights, the same exactness, "
     "AVX2 CPUs; its kernel compiles on first use). Probabilities are always float32."))]
-DraftDType = Enum("DraftDType", {n: n for n in ("int8", "int4", "bfloat16", "float32")}, type=str)
+DraftDType = Enum("DraftDType", {n: n for n in ("auto", "int4", "int8", "bfloat16", "float32")}, type=str)
 DraftDTypeOption = Annotated[DraftDType, typer.Option(
-    help="Draft model weights: int8 (default, ~3x cheaper on CPU; lossless, the target verifies), int4 (the "
-    "int4 path's kernel, AVX2: cheaper again per draft token), bfloat16 or float32.")]
+    help="Draft model weights: auto (default: int4 where its kernel runs, else int8), int4 (4-bit weights, "
+    "AVX2 CPUs: the cheapest draft token), int8 (~3x cheaper than bfloat16 on a CPU), bfloat16 or float32. "
+    "Lossless whatever it is: the target verifies every token.")]
 TreeOption = Annotated[bool, typer.Option("--tree", help="Draft a token tree instead of a chain (methods with a tree form).")]
 BudgetOption = Annotated[int | None, typer.Option(
     min=1, max=4096, help="Tree nodes verified per step (default: chosen each step from the measured cost curve).")]
 Backend = Enum("Backend", {"torch": "torch", "llamacpp": "llamacpp"}, type=str)
 MemoryScope = Enum("MemoryScope", {name: name for name in ("tenant", "request", "server")}, type=str)
 BackendOption = Annotated[Backend, typer.Option(
-    help="torch: any transformers model (target's path per --dtype, int8 drafter); llamacpp: .gguf files through llama.cpp.")]
+    help="torch: any transformers model (target's path per --dtype, drafter per --draft-dtype); llamacpp: .gguf files through llama.cpp.")]
 ChoicesOption = Annotated[str | None, typer.Option(
     help="A fixed tree shape for --method draft --tree: JSON choices like [[0],[1],[0,0]], or 'default'.")]
 DatastoreOption = Annotated[Path | None, typer.Option(
@@ -96,7 +97,7 @@ def generate(
     seed: Annotated[int | None, typer.Option(help="Seed for sampling (a seed reproduces a run).")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
     dtype: DTypeOption = DType("auto"),
-    draft_dtype: DraftDTypeOption = DraftDType("int8"),
+    draft_dtype: DraftDTypeOption = DraftDType("auto"),
     backend: BackendOption = Backend("torch"),
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text and a table.")] = False,
@@ -145,7 +146,7 @@ def generate(
 def demo(
     max_new_tokens: Annotated[int, typer.Option(min=1, max=4096, help="Tokens per answer.")] = 96,
     dtype: DTypeOption = DType("auto"),
-    draft_dtype: DraftDTypeOption = DraftDType("int8"),
+    draft_dtype: DraftDTypeOption = DraftDType("auto"),
     target: TargetOption = DEFAULT_TARGET,
     drafter: DrafterOption = DEFAULT_DRAFTER,
 ) -> None:
@@ -177,7 +178,7 @@ def bench(
     threads: Annotated[int, typer.Option(min=1, max=256)] = 2,
     out: Annotated[Path | None, typer.Option(help="Output folder (default: results/bench-<time>).")] = None,
     dtype: DTypeOption = DType("auto"),
-    draft_dtype: DraftDTypeOption = DraftDType("int8"),
+    draft_dtype: DraftDTypeOption = DraftDType("auto"),
     backend: BackendOption = Backend("torch"),
     datastore: DatastoreOption = None,
     target: TargetOption = DEFAULT_TARGET,
@@ -241,7 +242,7 @@ def serve(
     no_drafter: Annotated[bool, typer.Option(
         "--no-drafter", help="Load no draft model (saves its memory; the draft-model methods are then off).")] = False,
     dtype: DTypeOption = DType("auto"),
-    draft_dtype: DraftDTypeOption = DraftDType("int8"),
+    draft_dtype: DraftDTypeOption = DraftDType("auto"),
     backend: BackendOption = Backend("torch"),
     datastore: DatastoreOption = None,
     target: TargetOption = DEFAULT_TARGET,

@@ -172,6 +172,22 @@ def test_load_accepts_dtype_names(tiny_folder: Path, dtype: str, expected: torch
     assert model.dtype == expected
 
 
+@pytest.mark.parametrize("kernel_runs", [True, False])
+def test_draft_model_defaults_to_int4_where_its_kernel_runs(tiny_folder: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             kernel_runs: bool) -> None:
+    from specdecode.api import load_models
+    from specdecode.models import int4
+
+    if kernel_runs and not int4.available():
+        pytest.skip("this machine cannot run the int4 kernel")
+    monkeypatch.setattr(int4, "available", lambda: kernel_runs)
+    models = load_models(str(tiny_folder), str(tiny_folder), dtype="float32", progress=False)
+    layers = {type(module).__module__ + "." + type(module).__name__ for module in models.draft.model.modules()}
+    assert any(name.endswith("InvariantInt4Linear") for name in layers) == kernel_runs
+    assert kernel_runs or any("quantized" in name for name in layers)  # else torch.ao's dynamic int8
+    assert models.target.precision == "float32"  # the target keeps its own dtype
+
+
 def test_unknown_dtype_is_a_user_error(tiny_folder: Path) -> None:
     with pytest.raises(UserError, match="dtype"):
         load_causal_lm(str(tiny_folder), dtype="float8", progress=False)

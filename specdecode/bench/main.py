@@ -21,6 +21,7 @@ from specdecode.bench.harness import Record, run_benchmark
 from specdecode.bench.runners import PEERS, build_runners, needs_draft_model
 from specdecode.engine import GenerationConfig
 from specdecode.errors import UserError
+from specdecode.models import loading
 from specdecode.methods import resolve, variant_names
 
 ALL_METHODS = [*variant_names(), *PEERS]
@@ -143,7 +144,8 @@ def run(
         "target / drafter": f"{target} / {drafter}",
         "decoding": "greedy" if greedy else f"sampling (temperature {temperature}, top-k {top_k}, top-p {top_p})",
         "backend, dtype (target, draft), threads": (
-            f"{backend}, {models.target.precision} ({dtype}), {draft_dtype}, {torch.get_num_threads()}"
+            f"{backend}, {models.target.precision} ({dtype}), {loading.draft_dtype(draft_dtype)} ({draft_dtype}), "
+            f"{torch.get_num_threads()}"
             if backend == "torch"
             else f"{backend}, the GGUF files' own quantization, {torch.get_num_threads()}"),
         "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",

@@ -395,6 +395,17 @@ def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
         raise UserError(f"Unknown dtype {dtype!r}; use one of {', '.join([AUTO, *_DTYPES, INT8, INT4])}.") from None
 
 
+def draft_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
+    """A draft model's dtype: "auto" is int4 where its kernel runs (half int8's bytes per token, and a
+    drafter's forwards are one or a few tokens wide, where bytes decide), else int8. Any other value as
+    `load_causal_lm` takes it. A drafter's precision never changes the output: the target verifies."""
+    if isinstance(dtype, str) and dtype.lower() == AUTO:
+        from specdecode.models import int4
+
+        return INT4 if int4.available() else INT8
+    return dtype
+
+
 def _fastest_dtype(folder: Path | str) -> torch.dtype | str:
     """dtype="auto": the fastest path for this model's shape on this machine."""
     from transformers import AutoConfig
