@@ -183,6 +183,16 @@ def bench(
     datastore: DatastoreOption = None,
     target: TargetOption = DEFAULT_TARGET,
     drafter: DrafterOption = DEFAULT_DRAFTER,
+    engine: Annotated[list[str] | None, typer.Option(help=(
+        "An OpenAI-compatible engine as one more row (repeatable): LABEL=openai:URL[;model=NAME][;api=completions|chat]"
+        "[;extra_body=JSON][;reference=LABEL][;lossless=false][;stats=auto|vllm|sglang|response|none], e.g. "
+        "'llama-draft=openai:http://127.0.0.1:8081/v1;extra_body={\"cache_prompt\":false}'. With --engine and no "
+        "--methods, only ar runs of ours."))] = None,
+    concurrency: Annotated[str, typer.Option(help=(
+        "Comma-separated client streams at once for the --engine rows, e.g. 1,4,16 (1: the interleaved run).")
+    )] = "1",
+    reference: Annotated[str, typer.Option(help=(
+        "The row speedups and exactness are measured against: ar, or an --engine label."))] = "ar",
 ) -> None:
     """Spec-Bench-style evaluation: every method and peer on every category, interleaved and repeated."""
     from specdecode.bench.datasets import DEFAULT_CATEGORIES
@@ -190,8 +200,13 @@ def bench(
 
     if quick:
         per_category, max_new_tokens, repeats = 1, 64, 1
+    try:
+        levels = [int(level) for level in concurrency.split(",") if level.strip()]
+    except ValueError:
+        raise UserError(f"--concurrency takes comma-separated numbers of streams, e.g. 1,4,16, not {concurrency!r}") from None
+    defaults = [] if engine else TORCH_METHODS if backend.value == "torch" else LLAMACPP_METHODS
     run(
-        methods=[m for m in methods.split(",") if m] or (TORCH_METHODS if backend.value == "torch" else LLAMACPP_METHODS),
+        methods=[m for m in methods.split(",") if m] or defaults,
         categories=[c for c in categories.split(",") if c] or DEFAULT_CATEGORIES,
         per_category=None if full else per_category,
         max_new_tokens=max_new_tokens, repeats=repeats,
@@ -200,6 +215,7 @@ def bench(
         backend=backend.value,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         datastore=str(datastore) if datastore else None,
+        engines=engine or [], concurrency=levels, reference=reference,
     )
 
 

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from specdecode.api import Models
 from specdecode.bench.datasets import Task
 from specdecode.bench.base import Runner
+from specdecode.bench.engine_stats import ServerStats
 from specdecode.engine import GenerationConfig
 from specdecode.errors import UserError
 from specdecode.types import StepStats
@@ -34,10 +35,19 @@ class Record:
     prompt_ids: list[list[int]] = field(default_factory=list)  # per turn, as fed to the model
     turn_lengths: list[int] = field(default_factory=list)  # new tokens per turn
     prefill_seconds: float | None = 0.0  # until the first new token, summed over turns (None: not known)
+    texts: list[str] = field(default_factory=list)  # each turn's answer (an engine's as it sent it)
+    ids_known: bool = True  # False: an engine that streams text only (token_ids empty, lengths from `usage`)
+    server: ServerStats | None = None  # the engine's own speculative figures, summed over turns
+    engine_prompt_tokens: list[int] | None = None  # per turn, the prompt as the engine counted it
+    concurrency: int = 1  # client streams running at once (the interleaved run: 1)
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(self.turn_lengths)
 
     def turns(self) -> list[tuple[list[int], list[int]]]:
         """(prompt ids, new ids) per turn."""
@@ -48,6 +58,7 @@ class Record:
     def to_json(self) -> dict:
         data = asdict(self)
         data["steps"] = None if self.steps is None else [asdict(s) for s in self.steps]
+        data["server"] = None if self.server is None else self.server.to_json()
         return data
 
 
@@ -71,10 +82,15 @@ def run_task(models: Models, runner: Runner, task: Task, config: GenerationConfi
             messages.append({"role": "user", "content": turn})
             prompt_ids = models.encode_chat(messages)
             check_context(runner, prompt_ids, config, models.target.max_context)
-            output = runner.run(prompt_ids, config)
+            output = runner.chat(messages, config) if runner.chat else runner.run(prompt_ids, config)
             record.prompt_ids.append(prompt_ids)
             record.token_ids += output.token_ids
-            record.turn_lengths.append(len(output.token_ids))
+            record.turn_lengths.append(len(output.token_ids) if output.new_tokens is None else output.new_tokens)
+            record.ids_known = record.ids_known and (output.new_tokens is None or len(output.token_ids) == output.new_tokens)
+            if output.server is not None:
+                record.server = output.server if record.server is None else record.server + output.server
+            if output.prompt_tokens is not None:
+                record.engine_prompt_tokens = [*(record.engine_prompt_tokens or []), output.prompt_tokens]
             record.seconds += output.seconds
             if output.prefill_seconds is None or record.prefill_seconds is None:
                 record.prefill_seconds = None
@@ -82,7 +98,9 @@ def run_task(models: Models, runner: Runner, task: Task, config: GenerationConfi
                 record.prefill_seconds += output.prefill_seconds
             if record.steps is not None and output.steps is not None:  # a peer's steps are not kept
                 record.steps += output.steps
-            answer = models.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+            answer = output.text if output.text is not None else models.tokenizer.decode(
+                output.token_ids, skip_special_tokens=True)
+            record.texts.append(answer)
             messages.append({"role": "assistant", "content": answer})
     except Exception as error:  # noqa: BLE001 - a failure is a result: recorded, reported, not averaged
         record.error = f"{type(error).__name__}: {error}"
@@ -90,6 +108,11 @@ def run_task(models: Models, runner: Runner, task: Task, config: GenerationConfi
         if not isinstance(error, UserError):
             traceback.print_exc()
     return record
+
+
+def task_config(config: GenerationConfig, repeat: int, index: int) -> GenerationConfig:
+    """Every method gets the same seed for a task and repeat; each task and repeat its own."""
+    return replace(config, seed=(config.seed or 0) + 1_000_003 * repeat + index)
 
 
 def run_benchmark(
@@ -112,8 +135,7 @@ def run_benchmark(
             runner.forget()
         for index, task in enumerate(tasks):
             shift = (repeat * len(tasks) + index) % len(names)
-            # every method gets the same seed for a task and repeat; each task and repeat its own
-            seeded = replace(config, seed=(config.seed or 0) + 1_000_003 * repeat + index)
+            seeded = task_config(config, repeat, index)
             for name in names[shift:] + names[:shift]:
                 record = run_task(models, runners[name], task, seeded, repeat)
                 records.append(record)

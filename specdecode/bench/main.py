@@ -18,6 +18,8 @@ from specdecode.bench import report
 from specdecode.bench.datasets import TRANSLATION_SOURCE, sample_tasks
 from specdecode.bench.exactness import diagnose
 from specdecode.bench.harness import Record, run_benchmark
+from specdecode.bench.openai_engines import LevelRun, build_engines, run_levels
+from specdecode.bench.report import same_output
 from specdecode.bench.runners import PEERS, build_runners, needs_draft_model
 from specdecode.engine import GenerationConfig
 from specdecode.errors import UserError
@@ -34,19 +36,35 @@ LLAMACPP_METHODS = [m for m in variant_names()  # the draft model's tree grows i
 LLAMACPP_METHODS += [m for m, peer in PEERS.items() if peer.backend == "llamacpp"]
 
 
-def diagnose_divergences(models, records: list[Record], lossless: dict[str, bool]) -> list[str]:
-    """For each lossless run whose output differs from ar's, where and with what logit margin."""
-    reference = {(r.task_id, r.repeat): r for r in records if r.method == "ar" and r.ok}
+def diagnose_divergences(models, records: list[Record], lossless: dict[str, bool],
+                         references: dict[str, str] | None = None, reference: str = "ar") -> list[str]:
+    """For each lossless run whose output differs from its reference's (`ar`, or the row `references`
+    names), where and with what logit margin; for an engine that streams text only, where the texts part
+    (no logits: a near-tie cannot be told from a bug)."""
+    runs = {(r.method, r.task_id, r.repeat): r for r in records if r.ok}
     notes = []
     for r in records:
-        ar = reference.get((r.task_id, r.repeat))
-        if r.method == "ar" or not r.ok or ar is None or not lossless[r.method] or r.token_ids == ar.token_ids:
+        name = (references or {}).get(r.method, reference)
+        other = runs.get((name, r.task_id, r.repeat))
+        if r.method == name or not r.ok or other is None or not lossless[r.method] or same_output(r, other):
             continue
-        for turn, ((prompt, mine), (_, theirs)) in enumerate(zip(r.turns(), ar.turns())):
+        against = "" if name == "ar" else f" vs {name}"
+        if not (r.ids_known and other.ids_known):
+            turn = next(i for i, (a, b) in enumerate(zip(r.texts, other.texts)) if a != b)
+            mine, theirs = r.texts[turn], other.texts[turn]
+            at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+            notes.append(f"{r.method} on {r.task_id}{against} (repeat {r.repeat}, turn {turn + 1}): the text differs at "
+                         f"character {at} ({theirs[at:at + 12]!r} vs {mine[at:at + 12]!r}); the engine streams text "
+                         "without logits, so a numerical near-tie cannot be told from a bug")
+            continue
+        engine = r.engine_prompt_tokens is not None or other.engine_prompt_tokens is not None
+        for turn, ((prompt, mine), (_, theirs)) in enumerate(zip(r.turns(), other.turns())):
             if mine != theirs:
                 divergence = diagnose(models.target, prompt, theirs, mine)
                 what = divergence.describe() if divergence else f"lengths differ ({len(mine)} vs {len(theirs)})"
-                notes.append(f"{r.method} on {r.task_id} (repeat {r.repeat}, turn {turn + 1}): {what}")
+                if divergence and engine:
+                    what += " (the margin of our local target: an engine's own weights may round otherwise)"
+                notes.append(f"{r.method} on {r.task_id}{against} (repeat {r.repeat}, turn {turn + 1}): {what}")
                 break
     return notes
 
@@ -84,7 +102,8 @@ def sampled_fidelity(models, records: list[Record], lossless: dict[str, bool], p
 def run(
     methods: list[str], categories: list[str], per_category: int | None, max_new_tokens: int, repeats: int,
     out: Path, target: str, drafter: str, dtype: str, draft_dtype: str, threads: int, backend: str, temperature: float, top_k: int,
-    top_p: float, seed: int, datastore: str | None = None,
+    top_p: float, seed: int, datastore: str | None = None, engines: list[str] | None = None,
+    concurrency: list[int] | None = None, reference: str = "ar",
 ) -> Path:
     from specdecode.types import SamplingParams
 
@@ -93,6 +112,11 @@ def run(
         raise UserError(f"unknown methods {unknown}; choose from: {', '.join(ALL_METHODS)}")
     if repeats < 1:
         raise UserError("--repeats must be at least 1")
+    levels = sorted(set(concurrency or [1]))
+    if levels[0] < 1:
+        raise UserError("--concurrency levels must be at least 1")
+    if levels != [1] and not engines:
+        raise UserError("--concurrency applies to --engine rows (our own methods run in this process, one at a time)")
     config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p), seed=seed)
     tasks = sample_tasks(categories, per_category, seed=seed)
     torch.set_num_threads(threads)
@@ -106,6 +130,13 @@ def run(
     if datastore is not None and not Path(datastore).is_file():
         raise UserError(f"no datastore at {datastore} (build one with `specdecode datastore build`)")
     runners = build_runners(models, methods, datastore=datastore)
+    probe = models.encode_chat([{"role": "user", "content": "Hello"}])
+    engine_rows = build_engines(engines or [], set(ALL_METHODS) | set(runners), probe)
+    runners.update({label: engine.runner() for label, engine in engine_rows.items()})
+    references = {label: engine.spec.reference or reference for label, engine in engine_rows.items()}
+    for name in {reference, *references.values()}:
+        if name not in runners:
+            raise UserError(f"the reference {name!r} is not a row of this run; rows: {', '.join(runners)}")
     first_turns = {t.task_id: models.encode_chat([{"role": "user", "content": t.turns[0]}]) for t in tasks}
     too_long = [task_id for task_id, ids in first_turns.items() if len(ids) + max_new_tokens > models.target.max_context]
     if too_long:
@@ -115,7 +146,7 @@ def run(
     lossless = {name: runner.lossless for name, runner in runners.items()}
     out.mkdir(parents=True, exist_ok=True)
     records_path = out / "records.jsonl"
-    total = repeats * len(tasks) * len(runners)
+    total = repeats * len(tasks) * (len(runners) + len(engine_rows) * sum(level > 1 for level in levels))
     with records_path.open("w") as sink, Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
     ) as progress:
@@ -128,9 +159,15 @@ def run(
 
         start = time.time()
         records = run_benchmark(models, runners, tasks, config, repeats, on_record)
-    summaries = report.summarise(records, lossless)
+        loaded = run_levels(models, engine_rows, runners, tasks, config, levels, repeats, on_record)
+    level_runs = [LevelRun(name, 1, repeat, sum(r.seconds for r in mine if r.ok), mine, report.summed_server(mine))
+                  for name in engine_rows for repeat in range(repeats)
+                  for mine in [[r for r in records if r.method == name and r.repeat == repeat]]] + loaded
+    if loaded:
+        (out / "levels.jsonl").write_text("".join(json.dumps(run.to_json()) + "\n" for run in level_runs))
+    summaries = report.summarise(records, lossless, reference, references)
     greedy = config.sampling.greedy
-    notes = diagnose_divergences(models, records, lossless) if greedy else [
+    notes = diagnose_divergences(models, records, lossless, references, reference) if greedy else [
         "Sampling run: outputs are judged statistically, not token for token ('exact vs ar' only counts "
         "chance agreement); the exact distribution is also proven by tests/test_sampling_statistical.py.",
         *sampled_fidelity(models, records, lossless, config.sampling),
@@ -140,7 +177,9 @@ def run(
             "methods": ",".join(methods), "categories": ",".join(categories),
             "per-category": per_category if per_category is not None else "all", "max-new-tokens": max_new_tokens,
             "repeats": repeats, "temperature": temperature, "top-k": top_k, "top-p": top_p, "seed": seed,
-        }.items()),
+            **({"reference": reference} if reference != "ar" else {}),
+            **({"concurrency": ",".join(map(str, levels))} if levels != [1] else {}),
+        }.items()) + "".join(f" --engine '{option}'" for option in engines or []),
         "target / drafter": f"{target} / {drafter}",
         "decoding": "greedy" if greedy else f"sampling (temperature {temperature}, top-k {top_k}, top-p {top_p})",
         "backend, dtype (target, draft), threads": (
@@ -154,7 +193,11 @@ def run(
         "translation data": TRANSLATION_SOURCE,
         "wall time": f"{time.time() - start:.0f} s",
     }
-    text = report.markdown(summaries, settings, notes)
+    if engine_rows:
+        settings["engines"] = "; ".join(f"{label}: {engine.spec.url} ({engine.model}, /v1/{engine.spec.api}"
+                                        f"{', token ids' if engine.spec.api == 'completions' else ', its own template'})"
+                                        for label, engine in engine_rows.items())
+    text = report.markdown(summaries, settings, notes, reference, level_runs if loaded else None)
     (out / "report.md").write_text(text)
     report.plots(summaries, out)
     Console().print(Markdown(text))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdecode import metrics
+from specdecode.bench.engine_stats import ServerStats
 from specdecode.bench.harness import Record
 from specdecode.types import StepStats
 
@@ -20,7 +21,7 @@ class Cell:
 
     tokens_per_second: tuple[float, float]  # mean, std over repeats
     speedup: tuple[float, float]  # mean, std over repeats of the per-repeat ratio to ar
-    mean_accepted_tokens: float | None  # None for peers
+    mean_accepted_tokens: float | None  # None for peers (an engine's: its own figure, when it gives one)
     runs: int
     failures: int
     # the same ratio for decoding alone: tokens after the first over the time after the first token
@@ -37,6 +38,12 @@ class MethodSummary:
     draft_share: float | None = None
     predicted_speedup: float | None = None
     errors: list[str] = field(default_factory=list)
+    reference: str = "ar"  # the row its output is compared with
+    server: ServerStats | None = None  # an engine's own speculative figures, summed over its runs
+    engine: bool = False  # an engine over HTTP (`bench.openai_engines`)
+    first_token_seconds: float | None = None  # mean per turn (engines)
+    inter_token_seconds: float | None = None  # mean gap per token after the first (engines)
+    prompt_mismatches: int = 0  # turns whose prompt the engine counted differently from ours (engines)
 
 
 def _decode_steps(steps: list[StepStats]) -> list[StepStats]:
@@ -46,14 +53,34 @@ def _decode_steps(steps: list[StepStats]) -> list[StepStats]:
 
 def _throughput(records: list[Record]) -> float:
     seconds = sum(r.seconds for r in records)
-    return metrics.tokens_per_second(sum(len(r.token_ids) for r in records), seconds)
+    return metrics.tokens_per_second(sum(r.new_tokens for r in records), seconds)
 
 
 def _decode_throughput(records: list[Record]) -> float | None:
     if any(r.prefill_seconds is None for r in records):
         return None
     seconds = sum(r.seconds - r.prefill_seconds for r in records)
-    return metrics.tokens_per_second(sum(len(r.token_ids) - len(r.turn_lengths) for r in records), seconds)
+    return metrics.tokens_per_second(sum(r.new_tokens - len(r.turn_lengths) for r in records), seconds)
+
+
+def summed_server(records: list[Record]) -> ServerStats | None:
+    stats = [r.server for r in records if r.ok and r.server is not None]
+    return sum(stats[1:], stats[0]) if stats else None
+
+
+def same_output(a: Record, b: Record) -> bool:
+    """Token for token where both runs' ids are known, else (an engine that streams text) text for text."""
+    return a.token_ids == b.token_ids if a.ids_known and b.ids_known else a.texts == b.texts
+
+
+def _latencies(records: list[Record]) -> tuple[float | None, float | None]:
+    """Mean time to the first token per turn, and mean gap per token after it."""
+    ok = [r for r in records if r.ok and r.prefill_seconds is not None]
+    turns = sum(len(r.turn_lengths) for r in ok)
+    later = sum(r.new_tokens - len(r.turn_lengths) for r in ok)
+    first = sum(r.prefill_seconds for r in ok) / turns if turns else None
+    gap = sum(r.seconds - r.prefill_seconds for r in ok) / later if later > 0 else None
+    return first, gap
 
 
 def _cell(records: list[Record], reference: list[Record], repeats: list[int]) -> Cell:
@@ -70,25 +97,32 @@ def _cell(records: list[Record], reference: list[Record], repeats: list[int]) ->
             if decode is not None and decode_base:
                 decode_ratios.append(decode / decode_base)
     steps = [s for r in ok if r.steps is not None for s in r.steps]
+    server = summed_server(ok)
+    accepted_tokens = metrics.mean_accepted_tokens(steps) if steps else None
+    if accepted_tokens is None and server is not None and server.mean_acceptance_length is None:  # not SGLang's lifetime figure
+        accepted_tokens = server.acceptance_length
     return Cell(
         tokens_per_second=metrics.mean_and_std(per_repeat),
         speedup=metrics.mean_and_std(ratios),
-        mean_accepted_tokens=metrics.mean_accepted_tokens(steps) if steps else None,
+        mean_accepted_tokens=accepted_tokens,
         runs=len(ok),
         failures=len(records) - len(ok),
         decode_speedup=metrics.mean_and_std(decode_ratios) if decode_ratios and len(decode_ratios) == len(ratios) else None,
     )
 
 
-def summarise(records: list[Record], lossless: dict[str, bool]) -> list[MethodSummary]:
+def summarise(records: list[Record], lossless: dict[str, bool], reference_name: str = "ar",
+              references: dict[str, str] | None = None) -> list[MethodSummary]:
+    """Per method: speedups over `reference_name`'s runs, exactness against `references[method]`'s
+    (default: `reference_name`'s)."""
     by_method: dict[str, list[Record]] = defaultdict(list)
     for r in records:
         by_method[r.method].append(r)
     categories = sorted({r.category for r in records})
     repeats = sorted({r.repeat for r in records})
-    reference = by_method["ar"]
-    ar_outputs = {(r.task_id, r.repeat): r.token_ids for r in reference if r.ok}
-    ar_steps = _decode_steps([s for r in reference if r.ok and r.steps for s in r.steps])
+    reference = by_method[reference_name]
+    outputs = {name: {(r.task_id, r.repeat): r for r in runs if r.ok} for name, runs in by_method.items()}
+    ar_steps = _decode_steps([s for r in by_method.get("ar", []) if r.ok and r.steps for s in r.steps])
     plain_token_seconds = sum(s.verify_seconds for s in ar_steps) / len(ar_steps) if ar_steps else 0.0
 
     summaries = []
@@ -97,10 +131,20 @@ def summarise(records: list[Record], lossless: dict[str, bool]) -> list[MethodSu
         cells[OVERALL] = _cell(mine, reference, repeats)
         ok = [r for r in mine if r.ok]
         exact = None
+        compared_with = (references or {}).get(method, reference_name)
         if lossless.get(method, True):
-            pairs = [(r.token_ids, ar_outputs[(r.task_id, r.repeat)]) for r in ok if (r.task_id, r.repeat) in ar_outputs]
-            exact = (sum(a == b for a, b in pairs), len(pairs))
-        summary = MethodSummary(method, cells, exact, errors=[f"{r.task_id}: {r.error}" for r in mine if not r.ok])
+            theirs = outputs.get(compared_with, {})
+            pairs = [(r, theirs[(r.task_id, r.repeat)]) for r in ok if (r.task_id, r.repeat) in theirs]
+            exact = (sum(same_output(a, b) for a, b in pairs), len(pairs))
+        summary = MethodSummary(method, cells, exact, errors=[f"{r.task_id}: {r.error}" for r in mine if not r.ok],
+                                reference=compared_with, server=summed_server(ok),
+                                engine=any(r.engine_prompt_tokens is not None for r in mine))
+        if summary.engine:
+            summary.first_token_seconds, summary.inter_token_seconds = _latencies(ok)
+            summary.prompt_mismatches = sum(len(p) != n for r in ok for p, n in zip(r.prompt_ids, r.engine_prompt_tokens or []))
+        if summary.server is not None:
+            summary.acceptance_rate = summary.server.acceptance_rate
+            summary.accepted_per_position = summary.server.accepted_per_position
         steps = [s for r in ok if r.steps is not None for s in r.steps]
         if steps:
             summary.acceptance_rate = metrics.acceptance_rate(steps)
@@ -127,12 +171,14 @@ def _pm(pair: tuple[float, float], digits: int = 2, suffix: str = "") -> str:
     return f"{mean:.{digits}f}{suffix} ± {std:.{digits}f}" if std else f"{mean:.{digits}f}{suffix}"
 
 
-def markdown(summaries: list[MethodSummary], settings: dict[str, str], notes: list[str]) -> str:
+def markdown(summaries: list[MethodSummary], settings: dict[str, str], notes: list[str], reference: str = "ar",
+             levels: list | None = None) -> str:
+    """The report; `levels`: the `openai_engines.LevelRun`s of engines under several client streams."""
     categories = [c for c in summaries[0].cells if c != OVERALL] + [OVERALL]
     lines = ["# specdecode benchmark", ""]
     lines += [f"- {key}: {value}" for key, value in settings.items()]
-    lines += ["", "## Leaderboard: speedup over `ar` (mean accepted tokens per target forward)", ""]
-    lines.append("| method | " + " | ".join(categories) + " | exact vs ar |")
+    lines += ["", f"## Leaderboard: speedup over `{reference}` (mean accepted tokens per target forward)", ""]
+    lines.append("| method | " + " | ".join(categories) + f" | exact vs {reference} |")
     lines.append("|---" * (len(categories) + 2) + "|")
     for s in summaries:
         cells = []
@@ -143,9 +189,11 @@ def markdown(summaries: list[MethodSummary], settings: dict[str, str], notes: li
                 text += f" ({cell.mean_accepted_tokens:.2f})"
             cells.append(text)
         exact = "lossy" if s.exact is None else f"{s.exact[0]}/{s.exact[1]}"
+        if s.exact is not None and s.reference != reference:
+            exact += f" (vs {s.reference})"
         lines.append(f"| {s.method} | " + " | ".join(cells) + f" | {exact} |")
     if any(s.cells[OVERALL].decode_speedup for s in summaries):
-        lines += ["", "## Decoding alone: speedup over `ar` with the prefill (time to the first token) left out", ""]
+        lines += ["", f"## Decoding alone: speedup over `{reference}` with the prefill (time to the first token) left out", ""]
         lines.append("| method | " + " | ".join(categories) + " |")
         lines.append("|---" * (len(categories) + 1) + "|")
         for s in summaries:
@@ -164,6 +212,7 @@ def markdown(summaries: list[MethodSummary], settings: dict[str, str], notes: li
             f"| {s.method} | {_pm(cell.tokens_per_second)} | {_pm(cell.speedup, suffix='x')} | {predicted} | "
             f"{acceptance} | {positions} | {share} | {cell.runs} | {cell.failures} |"
         )
+    lines += _engine_tables(summaries, levels or [], reference)
     remarks = []
     for s in summaries:
         measured = s.cells[OVERALL].speedup[0]
@@ -174,10 +223,55 @@ def markdown(summaries: list[MethodSummary], settings: dict[str, str], notes: li
                 "the prefill is excluded from the prediction but not from the measurement) do not hold here."
             )
         remarks += [f"- {s.method} FAILED on {e}" for e in s.errors]
+        if s.prompt_mismatches:
+            remarks.append(f"- {s.method}: on {s.prompt_mismatches} turns the engine counted a different number of "
+                           "prompt tokens than our methods were given: its prompts are not identical to theirs.")
     if remarks or notes:
         lines += ["", "## Remarks", ""] + remarks + [f"- {n}" for n in notes]
     lines += ["", "Metrics are defined in `specdecode/metrics.py`. Failed runs are listed above and kept out of every average."]
     return "\n".join(lines) + "\n"
+
+
+def _engine_tables(summaries: list[MethodSummary], levels: list, reference: str) -> list[str]:
+    engines = [s for s in summaries if s.engine]
+    if not engines:
+        return []
+
+    def number(value, digits=2, scale=1.0, suffix=""):
+        return "-" if value is None else f"{value * scale:.{digits}f}{suffix}"
+
+    lines = ["", "## Engines over HTTP, measured from the client (speculative figures: the engine's own)", ""]
+    lines.append("| engine | tokens/s | time to first token (s) | inter-token latency (ms) | drafted | accepted | "
+                 "acceptance | tokens per verification | figures from |")
+    lines.append("|---" * 9 + "|")
+    for s in engines:
+        server = s.server
+        lines.append(
+            f"| {s.method} | {_pm(s.cells[OVERALL].tokens_per_second)} | {number(s.first_token_seconds)} | "
+            f"{number(s.inter_token_seconds, 1, 1000)} | {number(server and server.drafted, 0)} | "
+            f"{number(server and server.accepted, 0)} | {number(server and server.acceptance_rate, 0, 100, '%')} | "
+            f"{number(server and server.acceptance_length)} | {server.source if server else 'not published'} |")
+    if levels:
+        lines += ["", "## Engines under load: several client streams at once (tokens/s: all new tokens over the "
+                  "level's wall time; 1 stream: the interleaved run)", ""]
+        lines.append(f"| engine | streams | tokens/s | vs {reference} at the same streams | acceptance | failures |")
+        lines.append("|---" * 6 + "|")
+        by_key: dict[tuple[str, int], list] = defaultdict(list)
+        for run in levels:
+            by_key[(run.engine, run.concurrency)].append(run)
+        for (name, level), runs in sorted(by_key.items(), key=lambda item: (item[0][1], item[0][0])):
+            rates = [run.new_tokens / run.seconds for run in runs if run.seconds > 0]
+            base = by_key.get((reference, level), [])
+            ratio = "-"
+            if base and name != reference:
+                base_rate = sum(r.new_tokens for r in base) / sum(r.seconds for r in base)
+                ratio = f"{sum(rates) / len(rates) / base_rate:.2f}x" if base_rate else "-"
+            servers = [run.server for run in runs if run.server is not None]
+            server = sum(servers[1:], servers[0]) if servers else None
+            failures = sum(not r.ok for run in runs for r in run.records)
+            lines.append(f"| {name} | {level} | {_pm(metrics.mean_and_std(rates))} | {ratio} | "
+                         f"{number(server and server.acceptance_rate, 0, 100, '%')} | {failures} |")
+    return lines
 
 
 def plots(summaries: list[MethodSummary], out: Path) -> list[Path]:

@@ -1,0 +1,235 @@
+"""OpenAI-compatible engines as benchmark rows (`bench.openai_engines`): the --engine syntax, the parsers of
+each engine's speculative figures on recorded samples (tests/fixtures/), and for real on loopback: our own
+`specdecode serve` and, where it is built, llama.cpp's llama-server plain, with a draft model and n-gram."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import TOKENS, noisy_copy, tiny_chat_qwen2, tiny_tokenizer, write_tiny_gguf
+from specdecode.api import load_models
+from specdecode.bench import engine_stats, report
+from specdecode.bench.datasets import Task
+from specdecode.bench.engine_stats import ServerStats
+from specdecode.bench.harness import run_benchmark
+from specdecode.bench.openai_engines import build_engines, parse_engine, run_levels
+from specdecode.bench.runners import build_runners
+from specdecode.engine import GenerationConfig
+from specdecode.errors import UserError
+from specdecode.serve.app import Server, ServerThread, create_app
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+FIXTURES = Path(__file__).parent / "fixtures"
+TASKS = [Task("a", "a/1", ("the cat sat",)), Task("a", "a/2", ("the the", "and again")), Task("b", "b/1", ("hello",))]
+CONFIG = GenerationConfig(max_new_tokens=10)
+
+
+# --- the option's syntax -------------------------------------------------------------------------------
+
+def test_engine_option_syntax():
+    spec = parse_engine('llama-draft=openai:http://127.0.0.1:8081/v1/;model=x;extra_body={"n_probs":0,"a":"b;c"};'
+                        "reference=llama;api=chat")
+    assert (spec.label, spec.url, spec.model, spec.api, spec.reference) == ("llama-draft", "http://127.0.0.1:8081/v1",
+                                                                           "x", "chat", "llama")
+    assert spec.extra_body == {"n_probs": 0, "a": "b;c"} and spec.root == "http://127.0.0.1:8081"
+    assert parse_engine("ours=openai:http://h:1/v1").model is None
+    for bad, says in [("openai:http://h/v1", "expected"), ("x=http://h/v1", "expected"), ("x y=openai:http://h", "label"),
+                      ("x=openai:h:8080", "URL"), ("x=openai:http://h/v1;modle=m", "unknown field 'modle'"),
+                      ("x=openai:http://h/v1;extra_body={bad", "JSON"), ("x=openai:http://h/v1;extra_body=[1]", "object"),
+                      ("x=openai:http://h/v1;api=grpc", "api"), ("x=openai:http://h/v1;stats=x", "stats")]:
+        with pytest.raises(UserError, match=says):
+            parse_engine(bad)
+
+
+def test_an_unreachable_engine_is_one_clear_error():
+    with pytest.raises(UserError, match="cannot reach http://127.0.0.1:9/v1/models"):
+        build_engines(["gone=openai:http://127.0.0.1:9/v1"], set(), [1, 2])
+    with pytest.raises(UserError, match="unique"):
+        build_engines(["ar=openai:http://127.0.0.1:9/v1"], {"ar"}, [1, 2])
+
+
+# --- each engine's figures, parsed from recorded samples ----------------------------------------------
+
+def test_vllm_metrics_sample():
+    text = (FIXTURES / "vllm_metrics.txt").read_text()
+    stats = engine_stats.from_vllm_metrics(text, "Qwen/Qwen2.5-Coder-1.5B-Instruct")
+    assert (stats.drafts, stats.drafted, stats.accepted) == (400, 1200, 600)  # both engine cores, not the other model
+    assert stats.accepted_by_position == [320, 190, 90]
+    assert stats.acceptance_rate == 0.5 and stats.acceptance_length == 1 + 600 / 400  # bonus token included
+    assert stats.accepted_per_position == [0.8, 0.475, 0.225]
+    before = engine_stats.from_vllm_metrics(text.replace("300.0", "290.0"), "Qwen/Qwen2.5-Coder-1.5B-Instruct")
+    # 300 -> 290: engine 0's drafts and engine 1's draft tokens
+    assert (stats.minus(before).drafts, stats.minus(before).drafted, stats.minus(before).accepted) == (10, 10, 0)
+    assert engine_stats.from_vllm_metrics("vllm:num_requests_running 0.0\n") is None  # speculation off
+
+
+def test_sglang_server_info_sample():
+    info = json.loads((FIXTURES / "sglang_server_info.json").read_text())
+    stats = engine_stats.from_sglang_server_info(info)
+    assert stats.mean_acceptance_length == 2.75 and stats.acceptance_length == 2.75
+    assert stats.drafted is None and stats.acceptance_rate is None  # SGLang gives no counts
+    assert engine_stats.from_sglang_server_info({"internal_states": [{"last_gen_throughput": 1.0}]}) is None
+
+
+def test_llama_timings_and_our_field():
+    timings = {"prompt_n": 10, "predicted_n": 16, "draft_n": 12, "draft_n_accepted": 9}
+    assert engine_stats.from_llama_timings(timings).acceptance_rate == 0.75
+    assert engine_stats.from_llama_timings({"prompt_n": 3, "predicted_n": 8}).drafted == 0  # drafted nothing
+    ours = engine_stats.from_specdecode({"drafted_tokens": 8, "accepted_tokens": 6, "target_forwards": 5}, 12)
+    assert ours.acceptance_length == 12 / 5 and (ours + ours).drafted == 16
+
+
+# --- our own server on loopback ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def models(tiny_folder):
+    return load_models(str(tiny_folder), str(tiny_folder), dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def our_server(models):
+    state = Server(models, "tiny", default_method="pld", methods=["pld", "ar", "draft"])
+    running = ServerThread(create_app(state))
+    yield running
+    running.stop()
+
+
+def test_our_server_as_rows_equals_ar(models, our_server):
+    """Our server, streamed as the benchmark streams any engine: token counts from usage, the time to the first
+    token, its `speculative` figures, and greedy output identical to the `ar` row (ids and text), every turn;
+    with the conversation sent to /v1/chat/completions instead, the same (our server templates it as we do)."""
+    base = f"{our_server.url}/v1"
+    options = [f"ours-pld=openai:{base};model=tiny", f'ours-draft=openai:{base};extra_body={{"method":"draft"}}',
+               f"ours-chat=openai:{base};api=chat"]
+    engines = build_engines(options, {"ar"}, models.encode_chat([{"role": "user", "content": "Hello"}]))
+    runners = build_runners(models, [])
+    runners.update({label: engine.runner() for label, engine in engines.items()})
+    records = run_benchmark(models, runners, TASKS, CONFIG, repeats=1)
+    for r in records:
+        assert r.ok, r.error
+        assert r.new_tokens == len(r.token_ids) > 0 and len(r.texts) == len(r.turn_lengths)
+        if r.method != "ar":
+            assert r.ids_known and 0 < r.prefill_seconds < r.seconds
+            assert r.server.forwards >= 1 and r.server.drafted is not None
+            assert r.engine_prompt_tokens == [len(p) for p in r.prompt_ids]  # it saw our prompts
+    summaries = {s.method: s for s in report.summarise(records, {n: True for n in runners})}
+    for label in engines:
+        assert summaries[label].exact == (3, 3), label
+        assert summaries[label].engine and summaries[label].first_token_seconds > 0
+    assert summaries["ours-draft"].server.drafted > 0
+    text = report.markdown(list(summaries.values()), {}, [])
+    assert "Engines over HTTP" in text and "specdecode `speculative` field" in text
+
+
+def test_concurrency_levels_on_our_server(models, our_server):
+    engines = build_engines([f"ours=openai:{our_server.url}/v1"], {"ar"}, [1, 2, 3])
+    runners = {"ours": engines["ours"].runner()}
+    runs = run_levels(models, engines, runners, TASKS, CONFIG, [1, 2], repeats=1)
+    assert [(run.engine, run.concurrency) for run in runs] == [("ours", 2)]
+    assert all(r.ok and r.concurrency == 2 for r in runs[0].records) and len(runs[0].records) == len(TASKS)
+    assert runs[0].new_tokens > 0 and runs[0].server.forwards > 0
+    text = report.markdown(report.summarise(runs[0].records, {"ours": True}, "ours"), {}, [], "ours", runs)
+    assert "| ours | 2 |" in text
+
+
+def test_engine_without_usage_is_a_clear_error(models, monkeypatch, our_server):
+    """A server whose stream carries no `usage`: refused at the start, in one line."""
+    from specdecode.bench import openai_engines
+
+    real = openai_engines.OpenAIEngine._body
+    monkeypatch.setattr(openai_engines.OpenAIEngine, "_body",
+                        lambda self, config: real(self, config) | {"stream_options": {"include_usage": False}})
+    with pytest.raises(UserError, match="no token counts"):
+        build_engines([f"x=openai:{our_server.url}/v1"], set(), [1, 2, 3])
+
+
+def test_the_command_line(tiny_folder, our_server, tmp_path, monkeypatch, capsys):
+    """`specdecode bench --engine ...`: the usual report with the engine's row; mistakes are one line, exit 2."""
+    from specdecode.bench import main as bench_main
+    from specdecode.cli import main
+
+    monkeypatch.setattr(bench_main, "sample_tasks", lambda categories, per_category, seed=0: TASKS)
+
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["specdecode", "bench", "--target", str(tiny_folder), "--drafter",
+                                          str(tiny_folder), "--dtype", "float32", "--repeats", "1",
+                                          "--max-new-tokens", "8", "--threads", "1", "--out", str(tmp_path), *args])
+        with pytest.raises(SystemExit) as exit_info:
+            main()
+        out, err = capsys.readouterr()
+        return exit_info.value.code or 0, (out + err).replace("\n", "")  # rich wraps long lines
+
+    code, out = run("--engine", f"ours=openai:{our_server.url}/v1;model=tiny", "--concurrency", "1,2")
+    assert code == 0, out
+    text = (tmp_path / "report.md").read_text()
+    assert "| ours |" in text and "Engines under load" in text and "3/3" in text
+    assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 2 * len(TASKS) + len(TASKS)
+    for args, says in [(["--engine", "x=http://nowhere"], "expected LABEL=openai:URL"),
+                       (["--engine", "x=openai:http://127.0.0.1:9/v1"], "cannot reach"),
+                       (["--engine", f"x=openai:{our_server.url}/v1;model=nope"], "HTTP 404"),
+                       (["--concurrency", "1,4"], "--concurrency applies to --engine"),
+                       (["--engine", f"x=openai:{our_server.url}/v1", "--reference", "y"], "the reference 'y'")]:
+        code, out = run(*args)
+        assert code == 2 and says in out and "Traceback" not in out, (args, out)
+
+
+# --- llama.cpp's llama-server on loopback (where it is built) ------------------------------------------
+
+@pytest.fixture(scope="module")
+def gguf_pair(tmp_path_factory):
+    """A tiny chat model as a model folder (for ar and our server) and as GGUF files, with a noisy copy as draft."""
+    folder = tmp_path_factory.mktemp("engines")
+    target = tiny_chat_qwen2(vocab_size=len(TOKENS), seed=5)
+    target.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    write_tiny_gguf(target, folder / "target.gguf")
+    write_tiny_gguf(noisy_copy(target, 0.3, 1), folder / "draft.gguf")
+    return folder
+
+
+@pytest.mark.peers
+def test_llama_server_plain_draft_and_ngram_beside_ours(gguf_pair):
+    """One run: ar, our server, and llama-server plain, with the draft model and with n-gram drafting, each
+    started on loopback; llama-server's rows report its draft counters, and its speculative rows equal its
+    plain row (their reference), ours equals ar. (This llama-server drafts with `-md` only when told
+    `--spec-type draft-simple`: without it the draft model loads and is never used.)"""
+    from specdecode.bench import llamacpp_peers
+
+    try:
+        llamacpp_peers.server_binary()
+    except UserError:
+        pytest.skip("llama-server is not built (make llama-server)")
+    models = load_models(str(gguf_pair), str(gguf_pair), dtype="float32", progress=False)
+    servers = {name: llamacpp_peers.LlamaServer(gguf_pair / "target.gguf", args, threads=1, n_ctx=256)
+               for name, args in [("llama", []), ("llama-draft", ["-md", str(gguf_pair / "draft.gguf"), "--spec-type", "draft-simple"]),
+                                  ("llama-ngram", ["--spec-type", "ngram-simple"])]}
+    ours = ServerThread(create_app(Server(models, "tiny", default_method="pld", methods=["pld"])))
+    try:
+        no_cache = ';extra_body={"cache_prompt":false}'
+        options = [f"ours=openai:{ours.url}/v1",
+                   *(f"{name}=openai:http://127.0.0.1:{server.port}/v1{no_cache}" + ("" if name == "llama" else ";reference=llama")
+                     for name, server in servers.items())]
+        engines = build_engines(options, {"ar"}, [1, 2, 3])
+        runners = build_runners(models, [])
+        runners.update({label: engine.runner() for label, engine in engines.items()})
+        records = run_benchmark(models, runners, TASKS, CONFIG, repeats=1)
+    finally:
+        ours.stop()
+        for server in servers.values():
+            server.process.kill()
+    assert all(r.ok for r in records), [r.error for r in records if not r.ok]
+    references = {label: engine.spec.reference or "ar" for label, engine in engines.items()}
+    summaries = {s.method: s for s in report.summarise(records, {n: True for n in runners}, "ar", references)}
+    for r in records:
+        if r.method.startswith("llama"):
+            assert not r.ids_known and r.new_tokens > 0 and r.prefill_seconds > 0 and r.texts[0]
+            assert r.server.source == "llama-server `timings`"
+    assert summaries["ours"].exact == (3, 3)
+    assert summaries["llama-draft"].exact == (3, 3) and summaries["llama-ngram"].exact == (3, 3)
+    assert summaries["llama-draft"].server.drafted > 0 and summaries["llama"].server.drafted == 0
+    text = report.markdown(list(summaries.values()), {}, [])
+    assert "3/3 (vs llama)" in text
