@@ -164,7 +164,8 @@ def bench(
     categories: Annotated[str, typer.Option(help=(
         "Comma-separated categories (default: multi-turn, code, code-edit, math, qa, rag, summarisation, "
         "translation). long-context (prompts of 4k, 8k and 16k tokens: documents with a question, news digests, "
-        "standard-library modules to edit or summarise) runs only when named: --categories long-context."))] = "",
+        "standard-library modules to edit or summarise) runs only when named: --categories long-context, or one "
+        "length of it: long-context/8k. Its report has a column per length."))] = "",
     per_category: Annotated[int, typer.Option(min=1, help=(
         "Seeded sample of prompts per category (long-context: per length)."))] = 2,
     full: Annotated[bool, typer.Option("--full", help="Every prompt of every category (hours).")] = False,

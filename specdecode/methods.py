@@ -22,6 +22,7 @@ from specdecode.drafters.medusa import build_medusa, build_medusa_tree
 from specdecode.drafters.lookahead import build_lookahead
 from specdecode.drafters.retrieval import build_retrieval
 from specdecode.drafters.self_speculative import build_earlyexit, build_layerskip
+from specdecode.drafters.sparse_kv import build_sparse_kv
 from specdecode.drafters.suffix import build_suffix
 from specdecode.drafters.composite import build_composite
 from specdecode.errors import UserError
@@ -136,6 +137,9 @@ METHODS: dict[str, Method] = {
                "its own KV cache (Draft & Verify, SWIFT)", False, build_layerskip, torch_only=True),
         Method("earlyexit", "self-speculation by early exit: the target's first k layers (k searched), then its "
                "final norm and LM head", False, build_earlyexit, torch_only=True),
+        Method("sparse-kv", "self-speculation with a compressed cache: the target drafts over StreamingLLM's "
+               "cache (4 sink entries and the last 512) and verifies over its whole cache; for long inputs",
+               False, build_sparse_kv, torch_only=True),
         Method("suffix", "suffix decoding: what followed the context's suffix in this request and in earlier "
                "ones the drafter served (tree: all of it, as a trie)", False, build_suffix, tree=True,
                remembers=True),

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import TOKENS, tiny_chat_qwen2, tiny_tokenizer
 from specdecode.cli import main
-from specdecode.methods import METHODS, variant_names
+from specdecode.methods import METHODS, resolve, variant_names
 
 
 def run(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
@@ -37,12 +37,12 @@ def test_generate_json(monkeypatch, capsys, tiny_folder):
 
 def cli_args(variant: str) -> list[str]:
     """`draft-tree-fixed` -> --method draft --tree --choices default."""
-    base = variant.split("-")[0]
+    base = resolve(variant)[0].name
     return ["--method", base] + (["--tree"] if "-tree" in variant else []) + (
         ["--choices", "default"] if variant.endswith("-fixed") else [])
 
 
-@pytest.mark.parametrize("variant", [m for m in variant_names() if m != "ar" and not METHODS[m.split("-")[0]].trained])
+@pytest.mark.parametrize("variant", [m for m in variant_names() if m != "ar" and not resolve(m)[0].trained])
 def test_every_method_matches_ar_through_the_cli(monkeypatch, capsys, tiny_folder, variant):
     common = ["--target", str(tiny_folder), "--drafter", str(tiny_folder), "--json", "--max-new-tokens", "12",
               "--dtype", "float32", "--chat"]

@@ -42,7 +42,7 @@ def test_the_category_has_every_length_and_kind(tasks):
         for kind in KINDS:
             ids = [t.task_id for t in tasks if t.task_id.startswith(f"long/{length}/{kind}/")]
             assert len(ids) == LONG_TASKS_PER_KIND, (length, kind, ids)
-    assert all(t.category == LONG_CONTEXT and len(t.turns) == 1 for t in tasks)
+    assert all(t.category == f"{LONG_CONTEXT}/{_length(t)}" and len(t.turns) == 1 for t in tasks)
 
 
 def test_tasks_reach_their_nominal_lengths_by_estimate(tasks):
@@ -83,6 +83,17 @@ def test_tasks_are_deterministic_and_sampled_per_length(tasks):
     assert sample != sample_tasks([LONG_CONTEXT], 2, seed=1)
     assert [_length(t) for t in sample] == [length for length in LONG_LENGTHS for _ in range(2)]
     assert len(sample_tasks([LONG_CONTEXT], None)) == len(tasks)
+
+
+def test_one_length_can_be_named_and_a_wrong_one_is_a_user_error(tasks):
+    from specdecode.errors import UserError
+
+    sample = sample_tasks([f"{LONG_CONTEXT}/8k"], 2, seed=0)
+    assert len(sample) == 2 and all(_length(t) == "8k" for t in sample)
+    assert sample == [t for t in sample_tasks([LONG_CONTEXT], 2, seed=0) if _length(t) == "8k"]
+    for wrong in (f"{LONG_CONTEXT}/3k", "code/8k", "novels"):
+        with pytest.raises(UserError, match="unknown category"):
+            sample_tasks([wrong], 1)
 
 
 def test_module_tasks_hold_valid_python_and_name_a_function_it_defines(tasks):

@@ -14,7 +14,7 @@ from specdecode.drafters.eagle import EagleHead, head_config
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.engine import payoff
 from specdecode.engine.payoff import StepAside
-from specdecode.methods import METHODS, variant_names
+from specdecode.methods import resolve, variant_names
 from specdecode.models.costs import CostCurve, LiveCurve
 from specdecode.models.hf import HFCausalLM
 from test_eagle import eagle_drafter
@@ -136,7 +136,7 @@ def tiny_models(tiny_folder):
     return load_models(str(tiny_folder), str(tiny_folder), dtype="float32", draft_dtype="float32", progress=False)
 
 
-@pytest.mark.parametrize("variant", [m for m in variant_names() if m != "ar" and not METHODS[m.split("-")[0]].trained])
+@pytest.mark.parametrize("variant", [m for m in variant_names() if m != "ar" and not resolve(m)[0].trained])
 def test_every_method_is_exact_when_its_steps_alternate_with_plain_ones(tiny_models, variant):
     """Drafters keep state between proposals (caches, windows, guesses, indexes); a step that never asks
     the drafter must leave it able to go on, and the output plain decoding's."""

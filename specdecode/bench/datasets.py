@@ -228,7 +228,7 @@ def _long_documents(length: str) -> list[Task]:
         passages = _fill(list(rows), budget, rng, heading=estimated_tokens("Document 100: \n\n"))
         question = rows[rng.choice(passages)]["question"]
         body = "\n\n".join(f"Document {i + 1}: {passage}" for i, passage in enumerate(passages))
-        tasks.append(Task(LONG_CONTEXT, f"long/{length}/documents/{index}", (
+        tasks.append(Task(f"{LONG_CONTEXT}/{length}", f"long/{length}/documents/{index}", (
             DOCUMENTS.format(count=len(passages), body=body, question=question),)))
     return tasks
 
@@ -242,7 +242,7 @@ def _long_digests(length: str) -> list[Task]:
         rng = random.Random(f"{LONG_CONTEXT}/{length}/digest/{index}")
         picked = _fill(articles, budget, rng, heading=estimated_tokens("Article 100: \n\n"))
         body = "\n\n".join(f"Article {i + 1}: {article}" for i, article in enumerate(picked))
-        tasks.append(Task(LONG_CONTEXT, f"long/{length}/digest/{index}", (
+        tasks.append(Task(f"{LONG_CONTEXT}/{length}", f"long/{length}/digest/{index}", (
             DIGEST.format(count=len(picked), body=body),)))
     return tasks
 
@@ -305,7 +305,7 @@ def _long_modules(length: str, kind: str) -> list[Task]:
         name = _renamable(code) if kind == "edit" else ""
         if name is None:
             continue
-        tasks.append(Task(LONG_CONTEXT, f"long/{length}/module-{kind}/{path.stem}", (
+        tasks.append(Task(f"{LONG_CONTEXT}/{length}", f"long/{length}/module-{kind}/{path.stem}", (
             template.format(name=name, file=path.name, code=code),)))
         if len(tasks) == LONG_TASKS_PER_KIND:
             break
@@ -337,22 +337,29 @@ DEFAULT_CATEGORIES = [c for c in CATEGORIES if c != LONG_CONTEXT]
 
 
 def _strata(category: str, pool: list[Task]) -> dict[str, list[Task]]:
-    """The groups a sample is drawn from: long-context's lengths (a sample must not miss one), else the category."""
-    if category != LONG_CONTEXT:
-        return {category: pool}
-    return {f"{category}/{length}": [t for t in pool if t.task_id.startswith(f"long/{length}/")]
-            for length in LONG_LENGTHS}
+    """The groups a sample is drawn from: one per category of the pool's tasks (long-context's are one
+    per length, `long-context/8k`..., so that a sample does not miss one)."""
+    strata: dict[str, list[Task]] = {}
+    for task in pool:
+        strata.setdefault(task.category, []).append(task)
+    return strata
+
+
+def _pool(category: str) -> list[Task]:
+    """A category's tasks; `long-context/LENGTH` names one length of long-context."""
+    base, _, length = category.partition("/")
+    if base not in CATEGORIES or (length and (base != LONG_CONTEXT or length not in LONG_LENGTHS)):
+        raise UserError(f"unknown category {category!r}; choose from: {', '.join(CATEGORIES)} (or one length of "
+                        f"{LONG_CONTEXT}: {', '.join(f'{LONG_CONTEXT}/{n}' for n in LONG_LENGTHS)})")
+    return [task for task in CATEGORIES[base]() if not length or task.category == category]
 
 
 def sample_tasks(categories: list[str], per_category: int | None, seed: int = 0) -> list[Task]:
     """A fixed, seeded sample of `per_category` tasks from each category (all of them when None); from
     long-context, `per_category` tasks of each length."""
-    unknown = [c for c in categories if c not in CATEGORIES]
-    if unknown:
-        raise UserError(f"unknown categories {unknown}; choose from: {', '.join(CATEGORIES)}")
     tasks = []
     for category in categories:
-        for stratum, pool in _strata(category, CATEGORIES[category]()).items():
+        for stratum, pool in _strata(category, _pool(category)).items():
             if per_category is not None and per_category < len(pool):
                 pool = random.Random(f"{seed}/{stratum}").sample(pool, per_category)
             tasks.extend(pool)
