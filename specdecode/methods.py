@@ -8,9 +8,9 @@ tree as well as a chain takes `DrafterOptions(tree=True)`; by name, the tree for
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, DrafterOptions  # DrafterOptions re-exported: callers import it here
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.draft_model_tree import DEFAULT_CHOICES, DraftModelTreeDrafter
 from specdecode.drafters.other_tokenizer import OtherTokenizerDrafter
@@ -28,28 +28,8 @@ from specdecode.drafters.composite import build_composite
 from specdecode.errors import UserError
 from specdecode.models import costs
 from specdecode.models.base import CausalLM
-from specdecode.tree.budget import check_budget
 from specdecode.verify.tree import verify
 from specdecode.verify.typical import verify_typical
-
-
-@dataclass(frozen=True)
-class DrafterOptions:
-    tree: bool = False  # draft a token tree instead of a chain
-    budget: int | None = None  # tree nodes verified per step; None: chosen from the measured cost curve
-    choices: tuple[tuple[int, ...], ...] | None = None  # a fixed tree shape (draft model only)
-    datastore: str | None = None  # a retrieval datastore (`specdecode datastore build`); None: the default
-    reference_ids: tuple[int, ...] | None = None  # a document to copy from (retrieved passages, a file being edited)
-    tokenizer: object | None = field(default=None, compare=False)  # the target's, for drafters that tokenize text
-    # the draft model's when it differs from the target's (its drafts are translated through text); None: the same
-    draft_tokenizer: object | None = field(default=None, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.budget is not None and not self.tree:
-            raise UserError("a budget applies to token trees; add --tree")
-        check_budget(self.budget)
-        if self.choices is not None and not self.tree:
-            raise UserError("tree choices apply to token trees; add --tree")
 
 
 Builder = Callable[[CausalLM, "CausalLM | None", DrafterOptions], "Drafter | None"]  # (target, draft, options)

@@ -199,9 +199,7 @@ def test_measure_on_a_tiny_model(tiny_target, real_measure):
 
 
 def test_cached_curve_is_measured_once(tiny_target, tmp_path, monkeypatch):
-    from specdecode.models import loading
-
-    monkeypatch.setattr(loading, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(costs, "cache_root", lambda: tmp_path)
     calls = []
 
     def fake_measure(model, *args, **kwargs):

@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from specdecode.drafters.base import Drafter, RunningAcceptance
+from specdecode.drafters.base import Drafter, DrafterOptions, RunningAcceptance
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.drafters.retrieval import build_retrieval
@@ -72,7 +72,6 @@ from specdecode.tree.budget import MAX_BUDGET, best_budget, check_budget
 from specdecode.types import Draft, SamplingParams, StepStats, Verdict
 
 if TYPE_CHECKING:
-    from specdecode.methods import DrafterOptions
     from specdecode.models.base import CausalLM
 
 CostClass = Literal["free", "expensive"]

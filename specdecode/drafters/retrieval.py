@@ -39,6 +39,7 @@ import torch
 
 from specdecode.drafters.base import Drafter
 from specdecode.errors import UserError
+from specdecode.paths import cache_dir, console
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
@@ -523,8 +524,6 @@ def build_datastore(
     """
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from specdecode.models.loading import console
-
     folder = Path(folder).expanduser()
     files = corpus_files(folder, pattern, skip)
     if not files:
@@ -607,8 +606,6 @@ def stdlib_folder() -> Path:
 def default_datastore_path(tokenizer) -> Path:
     """Where the standard-library datastore for `tokenizer` is cached: the file name's key covers the
     tokenizer (name and length), the library (path and Python version), what is skipped and the format."""
-    from specdecode.models.loading import cache_dir
-
     name = str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     key = "|".join([name, str(len(tokenizer)), str(stdlib_folder()), sys.version, DEFAULT_PATTERN,
@@ -621,8 +618,6 @@ def default_datastore(tokenizer, *, progress: bool = True) -> Path:
     """The path of the standard-library datastore for `tokenizer`, built on first use (about a minute)."""
     path = default_datastore_path(tokenizer)
     if not path.is_file():
-        from specdecode.models.loading import console
-
         if progress:
             console.print(f"Building the default retrieval datastore (the standard library, once): {path}")
         folder = stdlib_folder()
@@ -636,7 +631,7 @@ def default_datastore(tokenizer, *, progress: bool = True) -> Path:
 def build_retrieval(target: CausalLM, draft: CausalLM | None, options) -> Drafter:
     """The `rest` method's drafter: `options.datastore` (a path), else the standard-library datastore
     for `options.tokenizer`; a tree when `options.tree` (sized by `options.budget` or the target's cost
-    curve). `options` is a `methods.DrafterOptions`."""
+    curve). `options` is a `DrafterOptions`."""
     if options.datastore is not None:
         # The tokenizer's length when known; the logits may be wider than it (Qwen2.5 pads them).
         expected = len(options.tokenizer) if options.tokenizer is not None else None

@@ -49,21 +49,18 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, DrafterOptions
 from specdecode.drafters.draft_model import DraftModelDrafter, best_draft_length
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM, ForwardOutput
 from specdecode.models.costs import CostCurve
 from specdecode.models.hf import HFCausalLM, module_bytes
+from specdecode.paths import cache_dir
 from specdecode.types import Draft
-
-if TYPE_CHECKING:
-    from specdecode.methods import DrafterOptions
 
 SEARCH_SECONDS = 300.0  # the builders' search budget; the result is cached, so it is paid once per model
 MAX_TRIALS = 400  # skip sets proposed at most per search (each costs one partial forward over the calibration)
@@ -509,8 +506,6 @@ def cache_path(kind: str, target: HFCausalLM, prompts: Sequence[Sequence[int]], 
     """Where a search's result is cached, and what names it: the model (config, dtype, weights), the
     calibration and the search's kind. Not the cost curve, which is re-measured now and then and moves
     the scores little: the file records the curve it was found with."""
-    from specdecode.models.loading import cache_dir
-
     identity = {
         "kind": kind,
         "version": SEARCH_VERSION,

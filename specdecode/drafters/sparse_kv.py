@@ -23,11 +23,11 @@ draft tokens get theirs explicitly.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
 
+from specdecode.drafters.base import DrafterOptions
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.self_speculative import (
     _kv_cache, _torch_target, causal_allowed, check_layer_skipping, crop_layers, run_layers,
@@ -37,9 +37,6 @@ from specdecode.models.base import CausalLM, ForwardOutput
 from specdecode.models.costs import CostCurve
 from specdecode.models.hf import HFCausalLM
 from specdecode.types import Draft
-
-if TYPE_CHECKING:
-    from specdecode.methods import DrafterOptions
 
 SINKS = 4  # StreamingLLM's attention sinks: the first few entries draw attention whatever the text
 WINDOW = 512  # the most recent entries the draft sees

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, DrafterOptions
 from specdecode.drafters.prompt_lookup import JUDGED, CopyAcceptance
 from specdecode.errors import UserError
 from specdecode.models.costs import CostCurve
@@ -61,7 +61,6 @@ from specdecode.tree.budget import MAX_BUDGET, best_budget, check_budget
 from specdecode.types import Draft, SamplingParams, StepStats, Verdict
 
 if TYPE_CHECKING:
-    from specdecode.methods import DrafterOptions
     from specdecode.models.base import CausalLM
 
 SEPARATOR = -1  # the log's filler: between sequences, after the last one, and over evicted ones

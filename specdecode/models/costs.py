@@ -16,10 +16,14 @@ import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from specdecode.models.base import CausalLM
+from specdecode.paths import cache_dir
+
+if TYPE_CHECKING:
+    from specdecode.models.base import CausalLM  # whose cost_curve() imports this module
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 FLOOR = 1e-3  # no forward costs less than this (noisy measurements must not make one free)
@@ -179,8 +183,6 @@ def _machine() -> str:
 
 
 def cache_root() -> Path:
-    from specdecode.models.loading import cache_dir  # the package cache
-
     return cache_dir() / "costs"
 
 

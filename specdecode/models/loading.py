@@ -31,7 +31,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from rich.console import Console
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -50,6 +49,7 @@ from transformers import (
 from transformers.utils import logging as transformers_logging
 
 from specdecode.errors import UserError
+from specdecode.paths import cache_dir, console  # re-exported: int4.py and callers take them from here
 from specdecode.models.registry import (
     DEFAULT_DRAFTER,
     DEFAULT_TARGET,
@@ -84,16 +84,7 @@ _DTYPES = {
     "fp16": torch.float16,
 }
 
-console = Console(stderr=True)  # progress goes to stderr, so stdout stays clean for the command line
-
-
 # --- Cache layout ---------------------------------------------------------------------------------
-
-
-def cache_dir() -> Path:
-    """Root of everything this package caches: `$SPECDECODE_CACHE`, else `~/.cache/specdecode`."""
-    root = os.environ.get("SPECDECODE_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "specdecode"
 
 
 def gguf_path(model: ChunkedGGUF) -> Path:

@@ -11,10 +11,13 @@ many nodes verification actually accepted compared with how many the scores pred
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from specdecode.errors import UserError
-from specdecode.models.costs import CostCurve
 from specdecode.types import Draft, Verdict
+
+if TYPE_CHECKING:
+    from specdecode.models.costs import CostCurve
 
 DECAY = 0.9  # weight of the past in the running calibration
 MAX_BUDGET = 64  # nodes a chosen budget verifies at most per step (the measured cost curve ends at 64)
