@@ -111,17 +111,17 @@ def cost_curves_in_a_temporary_folder(tmp_path_factory):
 def layer_searches_in_a_temporary_folder(tmp_path_factory):
     """Self-speculation's layer searches (layerskip, early-exit) cache their results in a temporary folder,
     not the user's (a test may still name its own)."""
-    from specdecode.drafters import self_speculative
+    from specdecode.drafters.self_speculative import search
 
     folder = tmp_path_factory.mktemp("layerskip")
-    cache_path = self_speculative.cache_path
+    cache_path = search.cache_path
     patch = pytest.MonkeyPatch()
 
     def temporary(*args):  # a folder the caller names, or the test's own SPECDECODE_CACHE, else the session's
         named = args[5] if len(args) > 5 else None
         return cache_path(*args[:5], named or (None if os.environ.get("SPECDECODE_CACHE") else folder))
 
-    patch.setattr(self_speculative, "cache_path", temporary)
+    patch.setattr(search, "cache_path", temporary)
     yield folder
     patch.undo()
 

@@ -29,14 +29,14 @@ PROMPTS = [
 def models(tmp_path_factory):
     """The pair, the target on the int8 path; the self-speculative methods' layer searches get 20 s each, not the 300 s a
     user's first run spends (the skipped layers change speed only), cached in a temporary folder."""
-    from specdecode.drafters import self_speculative
+    from specdecode.drafters.self_speculative import drafter, search
 
     pair = load_models(dtype="int8", progress=False)
     patch = pytest.MonkeyPatch()
-    patch.setattr(self_speculative, "SEARCH_SECONDS", 20.0)
+    patch.setattr(drafter, "SEARCH_SECONDS", 20.0)
     folder = tmp_path_factory.mktemp("layerskip")
-    cache_path = self_speculative.cache_path
-    patch.setattr(self_speculative, "cache_path", lambda *args: cache_path(*args[:5], folder))
+    cache_path = search.cache_path
+    patch.setattr(search, "cache_path", lambda *args: cache_path(*args[:5], folder))
     yield pair
     patch.undo()
 

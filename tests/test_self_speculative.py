@@ -16,6 +16,7 @@ import torch
 from conftest import TOKENS, greedy_references, greedy_runs, random_prompts, tiny_qwen2, tiny_tokenizer
 from goodness_of_fit import assert_follows, continuations, engine_outcomes, model_logits
 from specdecode.drafters import self_speculative as ss
+from specdecode.drafters.self_speculative import drafter as ss_drafter, search as ss_search
 from specdecode.drafters.self_speculative import (
     Calibration,
     EarlyExitDrafter,
@@ -285,8 +286,8 @@ def test_exit_search_scores_every_exit_and_returns_a_suffix(four_layers, tmp_pat
 @pytest.fixture
 def quick_builders(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
-    monkeypatch.setattr(ss, "SEARCH_SECONDS", 4.0)
-    monkeypatch.setattr(ss, "CONTINUATION", 8)
+    monkeypatch.setattr(ss_drafter, "SEARCH_SECONDS", 4.0)
+    monkeypatch.setattr(ss_drafter, "CONTINUATION", 8)
     return tmp_path
 
 
@@ -303,7 +304,7 @@ def test_builders_search_once_then_read_the_cache(quick_builders, monkeypatch):
     def no_search(*args, **kwargs):
         raise AssertionError("searched again instead of reading the cache")
 
-    monkeypatch.setattr(ss, "_skip_strategy", no_search)
+    monkeypatch.setattr(ss_search, "_skip_strategy", no_search)
     assert build_layerskip(target, None, options).skip == skipper.skip  # from the cache
     engine = SpeculativeEngine(target, drafter=skipper)
     plain = SpeculativeEngine(HFCausalLM(model))

@@ -29,8 +29,8 @@ from transformers import DynamicCache
 
 from specdecode.drafters.base import DrafterOptions
 from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.self_speculative import (
-    _kv_cache, _torch_target, causal_allowed, check_layer_skipping, crop_layers, run_layers,
+from specdecode.drafters.self_speculative.layers import (
+    causal_allowed, check_layer_skipping, crop_layers, kv_cache, run_layers, torch_target,
 )
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM, ForwardOutput
@@ -93,7 +93,7 @@ class CompressedView(CausalLM):
         length = self.target.cache_length
         self._cache = DynamicCache(config=self.target.model.config)
         if length:
-            for index, layer in enumerate(_kv_cache(self.target).layers):
+            for index, layer in enumerate(kv_cache(self.target).layers):
                 self._cache.update(self._select(layer.keys, length), self._select(layer.values, length), index)
         self._base, self._kept, self._own = length, self.kept(length), 0
 
@@ -185,5 +185,5 @@ class SparseKVDrafter(DraftModelDrafter):
 
 def build_sparse_kv(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> SparseKVDrafter:
     """`sparse-kv`: the target drafts over StreamingLLM's cache (sinks and a recent window)."""
-    target = _torch_target(target, "sparse-kv")
+    target = torch_target(target, "sparse-kv")
     return SparseKVDrafter(target, curve=target.cost_curve())
