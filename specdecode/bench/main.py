@@ -174,7 +174,7 @@ def run(
     ]
     settings = {
         "command": "specdecode bench " + " ".join(f"--{k} {v}" for k, v in {
-            "methods": ",".join(methods), "categories": ",".join(categories),
+            "methods": ",".join(methods) or "ar", "categories": ",".join(categories),
             "per-category": per_category if per_category is not None else "all", "max-new-tokens": max_new_tokens,
             "repeats": repeats, "temperature": temperature, "top-k": top_k, "top-p": top_p, "seed": seed,
             **({"reference": reference} if reference != "ar" else {}),
