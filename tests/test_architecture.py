@@ -64,7 +64,6 @@ KNOWN_UPWARD: set[tuple[str, str]] = {
 KNOWN_LONG_MODULES: set[str] = {
     "specdecode/cli.py",  # being reworked elsewhere
     "specdecode/drafters/retrieval.py",
-    "specdecode/drafters/suffix.py",
     "specdecode/engine/loop.py",
     "specdecode/models/loading.py",
     "specdecode/serve/app.py",

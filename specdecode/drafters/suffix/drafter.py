@@ -1,0 +1,247 @@
+"""The suffix drafter: continuations from a `SuffixIndex`, merged into a weighted trie and drafted as a
+chain or a tree; judged against the output to rank and evict the index's sequences."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from specdecode.drafters.base import Drafter, DrafterOptions
+from specdecode.drafters.prompt_lookup import JUDGED, CopyAcceptance
+from specdecode.drafters.suffix.index import SuffixIndex
+from specdecode.errors import UserError
+from specdecode.models.costs import CostCurve
+from specdecode.tree import structure
+from specdecode.tree.budget import MAX_BUDGET, best_budget, check_budget
+from specdecode.types import Draft, SamplingParams, StepStats, Verdict
+
+if TYPE_CHECKING:
+    from specdecode.models.base import CausalLM
+
+
+@dataclass
+class _Judgment:
+    """A proposal's leading match, to be compared with the output as it arrives."""
+
+    own: bool  # found in the current request (else in an earlier one)
+    bucket: int  # CopyAcceptance's kind of match
+    tokens: list[int]  # [<= JUDGED] its continuation
+    at: int  # the context length it was proposed after
+    sequence: int
+
+
+class SuffixDrafter(Drafter):
+    """Drafts from a `SuffixIndex` of this request and the earlier ones this drafter handled.
+
+    Each step the context's new tokens are appended to the open sequence (the request is indexed as it
+    grows; the next `begin()` closes it, keeping its output and, unless `include_prompts`, only the last
+    `max_match` tokens of its prompt, which key the output's start). Then the lookup's matches are
+    merged into a trie by shared prefixes, and a node scores the chance that its path is accepted under
+    a mixture: match i is the right source with probability w_i / sum(w), and then its continuation's
+    first token is right with chance f and each later one with chance r, (f, r) being CopyAcceptance's
+    rates for its match length. So score(node) = sum over the matches through the node of
+    w_i / sum(w) * f_i * r_i^(depth - 1), which never grows from a parent to its child, is a match's own
+    copy chance when it is alone, and splits it by frequency when earlier occurrences disagree.
+
+    How the two sources are weighted: w_i = 2^matched_i, times `own_weight` (2) for a match in the
+    current request. A longer match is the likelier source (each matched token halves the odds of a
+    coincidence); at equal length the current request's own text is the likelier one (outputs quote
+    their own prompt more than they repeat another request), and among earlier requests frequency
+    decides. Shared matches also need `min_shared_match` (2) tokens: a single token matches almost
+    anywhere in millions. The rates are learnt separately: for own matches per request, as prompt
+    lookup does; for shared ones over the drafter's lifetime, since whether traffic repeats is a
+    property of the workload, not of one request.
+
+    Learning needs no verdict: as in PromptLookupDrafter, each proposal's leading own and shared match
+    is judged against the output as it arrives (what greedy verification would accept), so the
+    drafter learns the same way whether the engine verified its draft, cut it, or a composite drafter
+    merged it with others. A shared match judged right marks its sequence used (evicted last). The
+    output arrives through the contexts of propose() and through update(), whose verdict's tokens (as
+    many as the step kept, `stats.new_tokens`) must be a prefix of what the step appended to the
+    context: so the last step of a request, which no propose() follows, is indexed and judged too.
+
+    `tree=False` proposes the trie's best path as a scored chain (the engine's gate cuts it on the cost
+    curve); `tree=True` the trie's best nodes: `budget` of them, or as many as pay on `curve`.
+    """
+
+    name = "suffix"
+
+    def __init__(
+        self,
+        curve: CostCurve | None = None,
+        tree: bool = False,
+        budget: int | None = None,
+        index: SuffixIndex | None = None,  # owned by this drafter; default: SuffixIndex()
+        num_tokens: int = 32,
+        min_match: int = 1,
+        min_shared_match: int = 2,
+        max_candidates: int = 16,
+        include_prompts: bool = False,
+        own_weight: float = 2.0,
+    ):
+        check_budget(budget)
+        if tree and curve is None and budget is None:
+            raise UserError("a suffix tree draft needs the target's cost curve or a fixed budget")
+        if budget is not None and not tree:
+            raise UserError("a budget applies to token trees")
+        self.index = index if index is not None else SuffixIndex()
+        shortest, longest = min(min_match, min_shared_match), max(min_match, min_shared_match)
+        if not self.index.keys[0] <= shortest <= longest <= self.index.max_match:
+            raise UserError(f"suffix matches need {self.index.keys[0]} <= min_match <= {self.index.max_match}, "
+                            f"got {min_match} and {min_shared_match}")
+        if num_tokens < 1 or max_candidates < 1 or not own_weight > 0:
+            raise UserError("suffix drafting needs num_tokens >= 1, max_candidates >= 1 and own_weight > 0")
+        self.curve, self.tree, self.budget = curve, tree, budget
+        self.num_tokens, self.max_candidates = num_tokens, max_candidates
+        self.min_match, self.min_shared_match = min_match, min_shared_match
+        self.include_prompts, self.own_weight = include_prompts, own_weight
+        self._shared = CopyAcceptance()  # matches into earlier requests: learnt over the drafter's lifetime
+        self._own = CopyAcceptance()  # matches into this request: learnt per request
+        self._judgments: list[_Judgment] = []
+        self._prompt_length = 0
+        self._seen: list[int] = []  # the current request's tokens so far (the index may hold fewer: the cap)
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        """Close the previous request's sequence and open this one's, indexing the prompt at once."""
+        if self.index.open_id is not None:
+            keep = self.include_prompts
+            self.index.close(drop_first=0 if keep else max(self._prompt_length - self.index.max_match, 0))
+        self.index.open()
+        self.index.extend(prompt_ids)
+        self._prompt_length = len(prompt_ids)
+        self._seen = list(prompt_ids)
+        self._own = CopyAcceptance()
+        self._judgments = []
+
+    def forget(self) -> None:
+        """Drop everything learnt from earlier requests (the index and the shared rates), e.g. between a
+        benchmark's repeats, so that a prompt is not drafted from its own earlier run."""
+        self.index.clear()
+        self._shared, self._own = CopyAcceptance(), CopyAcceptance()
+        self._seen, self._judgments, self._prompt_length = [], [], 0
+
+    def _sync(self, context: list[int]) -> None:
+        """Take in the context's new tokens; a context that does not extend the request begun is
+        indexed as a new request."""
+        known = len(self._seen)
+        if self.index.open_id is None or len(context) < known or context[:known] != self._seen:
+            self.begin(list(context))
+        else:
+            self._absorb(context[known:])
+
+    def _absorb(self, tokens: list[int]) -> None:
+        self._seen.extend(tokens)
+        self.index.extend(tokens)
+        self._judge()
+
+    def update(self, verdict: Verdict, stats: StepStats) -> None:
+        """Take in the step's tokens (see the class docstring)."""
+        if self.index.open_id is not None:
+            self._absorb(list(verdict.tokens[: stats.new_tokens]))
+
+    def _judge(self) -> None:
+        """Compare the open judgments with the output so far; record those decided."""
+        seen, waiting = self._seen, []
+        for judgment in self._judgments:
+            judged = min(len(judgment.tokens), len(seen) - judgment.at)
+            right = 0
+            while right < judged and judgment.tokens[right] == seen[judgment.at + right]:
+                right += 1
+            if right < judged or judged == len(judgment.tokens):
+                (self._own if judgment.own else self._shared).record(judgment.bucket, right, judged)
+                if right and not judgment.own:
+                    self.index.touch(judgment.sequence)
+            else:
+                waiting.append(judgment)
+        self._judgments = waiting
+
+    def propose(self, context, max_tokens, params: SamplingParams, generator) -> Draft:
+        self._sync(list(context))
+        ids = np.asarray(context, dtype=np.int64)
+        limit = min(self.num_tokens, max_tokens)
+        if limit <= 0 or not ids.size:
+            return Draft.empty()
+        own_sequence = self.index.open_id
+        found = self.index.lookup(ids, min(self.min_match, self.min_shared_match), self.max_candidates, limit)
+        matches = [m for m in found
+                   if m.matched >= (self.min_match if m.sequence == own_sequence else self.min_shared_match)]
+        if not matches:
+            return Draft.empty()
+        # 1. Each match's chance of being the right source, and of its continuation's tokens being right.
+        own = [m.sequence == own_sequence for m in matches]
+        weights = np.array([(self.own_weight if o else 1.0) * 2.0 ** m.matched for m, o in zip(matches, own)])
+        weights /= weights.sum()
+        chances = []
+        for match, is_own, weight in zip(matches, own, weights.tolist()):
+            first, run = (self._own if is_own else self._shared).rates(CopyAcceptance.bucket(match.matched))
+            chances.append(weight * first * run ** np.arange(match.continuation.shape[0]))  # [len]
+        # 2. The continuations merged into a trie; a node's score sums the chances through it.
+        tokens, parents, scores = weighted_trie([m.continuation for m in matches], chances)
+        # 3. Judge the leading own and shared match once the output is known.
+        for source in (True, False):
+            leading = next((m for m, o in zip(matches, own) if o == source), None)
+            if leading is not None:
+                self._judgments.append(_Judgment(source, CopyAcceptance.bucket(leading.matched),
+                                                 leading.continuation[:JUDGED].tolist(), ids.shape[0],
+                                                 leading.sequence))
+        # 4. The best path as a scored chain, or the best nodes as a tree.
+        if not self.tree:
+            path = best_path(parents, scores)
+            return Draft(tokens=tokens[path], scores=scores[path])
+        budget = self.budget or best_budget(sorted(scores.tolist(), reverse=True), self.curve, 0.0, cap=MAX_BUDGET)
+        if budget == 0:  # no node pays on this cost curve: a plain step
+            return Draft.empty()
+        keep = structure.top_nodes(parents, scores, budget)
+        return Draft(tokens=tokens[keep], parents=structure.select(parents, keep), scores=scores[keep])
+
+
+def weighted_trie(
+    continuations: Sequence[np.ndarray], chances: Sequence[np.ndarray]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merge token sequences into a trie by shared prefixes; a node's score is the sum of the chances of
+    the sequences through it at its depth. continuations[i], chances[i]: [len_i].
+
+    Returns (tokens [n] int64, parents [n] int64, scores [n] float32), parents before children.
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    scores: list[float] = []
+    index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    for continuation, chance in zip(continuations, chances):
+        parent = structure.ROOT
+        for token, c in zip(continuation.tolist(), chance.tolist()):
+            node = index.get((parent, token))
+            if node is None:
+                node = index[(parent, token)] = len(tokens)
+                tokens.append(token)
+                parents.append(parent)
+                scores.append(0.0)
+            scores[node] += c
+            parent = node
+    return (torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
+            torch.tensor(scores, dtype=torch.float32))
+
+
+def best_path(parents: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """From the context down, the highest-scoring child each time (ties: the earlier node). -> [depth]"""
+    kids = structure.children(parents)
+    values = scores.tolist()
+    node, path = structure.ROOT, []
+    while kids[node + 1]:
+        node = max(kids[node + 1], key=lambda child: (values[child], -child))
+        path.append(node)
+    return torch.tensor(path, dtype=torch.long)
+
+
+def build_suffix(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
+    """The `suffix` method: no draft model; a chain gated by the engine, or (options.tree) a tree sized
+    on the target's cost curve. Its index lives as long as the drafter, so reuse one drafter across
+    requests (a benchmark's prompts, one owner's requests to a server) to learn across them; a server
+    keeps one per owner (`Method.remembers`), never one for all its clients."""
+    if not options.tree:
+        return SuffixDrafter()
+    return SuffixDrafter(target.cost_curve(), tree=True, budget=options.budget)
