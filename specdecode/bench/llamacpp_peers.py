@@ -39,7 +39,8 @@ BUILD_SCRIPT = "scripts/build-llama-server.sh"
 # name -> llama-server arguments beyond the model; "{draft}" stands for the draft model's GGUF
 SERVER_MODES = {
     "llama-server": [],
-    "llama-server-draft": ["-md", "{draft}"],
+    # this llama.cpp loads a -md model but drafts with it only when asked to (--spec-type defaults to none)
+    "llama-server-draft": ["-md", "{draft}", "--spec-type", "draft-simple"],
     "llama-server-ngram-simple": ["--spec-type", "ngram-simple"],
     "llama-server-ngram-map-k": ["--spec-type", "ngram-map-k"],
     "llama-server-ngram-mod": ["--spec-type", "ngram-mod"],
