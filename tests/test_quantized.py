@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from conftest import greedy_runs, random_prompts, tiny_qwen2
@@ -92,6 +92,17 @@ def int4_reference(layer: InvariantInt4Linear, x: torch.Tensor) -> torch.Tensor:
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**16), blocks=st.integers(1, 9), out_features=st.integers(1, 70),
        rows=st.integers(1, 20), offset=st.floats(-20.0, 20.0), constant_row=st.booleans())
+# the kernel's tilings: groups of 2 or 4 channels and their leftovers (1, 3, 17 channels), tiles of up to
+# 8 rows (2..8 rows in one tile; 9, 13, 17, 20 in tiles of unequal size), blocks in whole and half pairs
+@example(seed=1, blocks=1, out_features=1, rows=2, offset=0.0, constant_row=False)
+@example(seed=2, blocks=3, out_features=3, rows=5, offset=1.0, constant_row=True)
+@example(seed=3, blocks=2, out_features=17, rows=6, offset=-3.0, constant_row=False)
+@example(seed=4, blocks=5, out_features=17, rows=7, offset=0.5, constant_row=False)
+@example(seed=5, blocks=4, out_features=19, rows=8, offset=2.0, constant_row=True)
+@example(seed=6, blocks=9, out_features=17, rows=9, offset=0.0, constant_row=False)
+@example(seed=7, blocks=3, out_features=33, rows=13, offset=-1.0, constant_row=False)
+@example(seed=8, blocks=2, out_features=70, rows=17, offset=5.0, constant_row=True)
+@example(seed=9, blocks=1, out_features=3, rows=20, offset=0.0, constant_row=False)
 def test_every_int4_kernel_computes_the_exact_reference(seed, blocks, out_features, rows, offset, constant_row):
     """Each variant of the 4-bit kernel this CPU runs (AVX2, AVX-VNNI, AVX-512 VNNI) gives, bitwise, the
     plain computation of `int4_reference`: the instructions differ, the integer sums cannot."""

@@ -13,7 +13,10 @@ written by hand (`kernels/int4.cpp`, compiled on first use by torch's extension 
   quantization the int8 path uses);
 - the product sums int8 x uint8 pairs exactly in int32 and rescales each output element on its own, so a
   row's result is bitwise the same whatever other rows the call carries (integer sums do not depend on
-  their order), and rows of one call share each unpacked weight block: width costs compute, not bytes;
+  their order), and rows of one call share each unpacked weight block: width costs compute, not bytes.
+  One row takes the channels one at a time; several rows go in tiles of up to 8, each met by a group of
+  2 or 4 channels whose products accumulate in registers, so each unpacked block and each loaded row
+  serves a whole tile or group;
 - the products run on the best of three variants the CPU has (`KERNELS`, chosen at run time): AVX2's
   u8 x s8 pair products take three instructions per 32 products and row, AVX-VNNI's dot-product
   instruction one, AVX-512 VNNI's one per 64. Exact integer sums make their outputs bitwise the same.

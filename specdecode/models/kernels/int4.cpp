@@ -9,6 +9,10 @@
 // Output: y[m, n] = scale[n] * (step[m] * sum_k w8[n, k] u[m, k] + low[m] * sum_k w8[n, k]) + bias[n].
 // The sum is exact int32 arithmetic, so its order does not matter and a row's output is bitwise the
 // same whatever other rows the call carries.
+// One row takes the channels one at a time (weight bandwidth bounds it). Several rows go in tiles of up to
+// 8 rows, each met by a group of 2 or 4 channels: each channel's pair of blocks is unpacked once and each
+// row's activations loaded once for the whole group, the group x tile sums accumulating in registers
+// (multiply-adds bound it).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -17,6 +21,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 
@@ -24,8 +29,9 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int kRowTile = 8;      // rows sharing one unpacked weight block
-constexpr int64_t kChannelTile = 16;  // channels whose weights stay in cache while every row tile passes
+constexpr int64_t kChannelTile = 16;  // channels per task of at::parallel_for
 constexpr int64_t kPrefetch = 4096;  // bytes ahead: one core alone streams weights ~25% faster with it
+constexpr int64_t kGroupPrefetchL1 = 16384;  // most bytes of k * (channels + rows) that prefetch into L1 (of 32 KB)
 
 // tables[g] maps a nibble to g * (nibble - 8)
 struct Tables {
@@ -82,11 +88,12 @@ void quantize_row(const float* x, int64_t k, uint8_t* u, float* low_out, float* 
   }
 }
 
-// sums[r] = sum_k w8[k] u[r, k] for one channel and R rows. Weights come in pairs of blocks: 32 bytes
-// whose low halves are the first block's 32 nibbles and whose high halves are the second's. Three
-// variants give the same exact int32 sums, bitwise, by different instructions: AVX2 (u8 x s8 pairs to
-// int16, then to int32: three instructions per 32 products and row), AVX-VNNI (one instruction per 32)
-// and AVX-512 VNNI (one per 64).
+// sums[c * R + r] = sum_k w8[c, k] u[r, k] for C consecutive channels and R rows. Weights come in pairs
+// of blocks: 32 bytes whose low halves are the first block's 32 nibbles and whose high halves are the
+// second's. Each pair is unpacked once per channel and each row's activations loaded once per pair for all
+// C channels, so C x R accumulators stay in registers. Three variants give the same exact int32 sums,
+// bitwise, by different instructions: AVX2 (u8 x s8 pairs to int16, then to int32: three instructions
+// per 32 products and row), AVX-VNNI (one instruction per 32) and AVX-512 VNNI (one per 64).
 inline __m256i unpack_first(const uint8_t* groups, int64_t p, __m256i raw) {
   const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kTables.bytes[groups[2 * p]])));
   return _mm256_shuffle_epi8(table, _mm256_and_si256(raw, _mm256_set1_epi8(0x0F)));
@@ -102,60 +109,151 @@ inline __m256i load_pair(const uint8_t* nibbles, int64_t p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + 32 * p));
 }
 
-template <int R>
-void dot_rows_avx2(const uint8_t* nibbles, const uint8_t* groups, const uint8_t* u, int64_t k, int32_t* sums) {
+// One channel streams its own weights, prefetched ahead; a group of C channels reads C places of memory at
+// once, which the hardware prefetcher follows poorly, so the group prefetches the next group in memory
+// order, 32 C bytes a step: all of it into L1 where it fits beside this group and the R rows, else into L2.
+template <int C>
+__attribute__((always_inline)) inline __m256i load_group_pair(const uint8_t* nibbles, int64_t p) {
+  if (C == 1) return load_pair(nibbles, p);
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + 32 * p));
+}
+
+template <int C, int R>
+__attribute__((always_inline)) inline void prefetch_next_group(const uint8_t* nibbles, int64_t k, int64_t p) {
+  if (C == 1) return;
+  const char* next = reinterpret_cast<const char*>(nibbles + C * (k / 2) + 32 * C * p);
+  if (k * (C + R) <= kGroupPrefetchL1)
+    for (int c = 0; c < C; c += 2) _mm_prefetch(next + 32 * c, _MM_HINT_T0);
+  else
+    for (int c = 0; c < C; c += 2) _mm_prefetch(next + 32 * c, _MM_HINT_T1);
+}
+
+// sums[i] = the sum of acc[i]'s lanes, for N accumulators (hadd pairs, then the two 128-bit halves)
+template <int N>
+inline void reduce(const __m256i* acc, int32_t* sums) {
+  if (N == 1) {
+    sums[0] = hsum(acc[0]);
+    return;
+  }
+  for (int i0 = 0; i0 < N; i0 += 8) {
+    __m256i v[8];
+    for (int j = 0; j < 8; ++j) v[j] = i0 + j < N ? acc[i0 + j] : _mm256_setzero_si256();
+    const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    alignas(32) int32_t out[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out),
+                       _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31)));
+    for (int j = 0; j < 8 && i0 + j < N; ++j) sums[i0 + j] = out[j];
+  }
+}
+
+template <int C, int R>
+void dot_tile_avx2(const uint8_t* nibbles, const uint8_t* groups, const uint8_t* u, int64_t k, int32_t* sums) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256i acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+  __m256i acc[C * R];
+  for (int i = 0; i < C * R; ++i) acc[i] = _mm256_setzero_si256();
   for (int64_t p = 0; p < k / (2 * kBlock); ++p) {
-    const __m256i raw = load_pair(nibbles, p);
-    const __m256i w0 = unpack_first(groups, p, raw), w1 = unpack_second(groups, p, raw);
+    __m256i w0[C], w1[C];
+    for (int c = 0; c < C; ++c) {
+      const __m256i raw = load_group_pair<C>(nibbles + c * (k / 2), p);
+      w0[c] = unpack_first(groups + c * (k / kBlock), p, raw);
+      w1[c] = unpack_second(groups + c * (k / kBlock), p, raw);
+    }
+    prefetch_next_group<C, R>(nibbles, k, p);
     for (int r = 0; r < R; ++r) {
       const uint8_t* a = u + r * k + 2 * kBlock * p;
-      const __m256i p0 = _mm256_maddubs_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)), w0);
-      const __m256i p1 = _mm256_maddubs_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + kBlock)), w1);
-      acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones)));
+      const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+      const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + kBlock));
+      for (int c = 0; c < C; ++c) {
+        const __m256i p0 = _mm256_maddubs_epi16(a0, w0[c]), p1 = _mm256_maddubs_epi16(a1, w1[c]);
+        acc[c * R + r] = _mm256_add_epi32(acc[c * R + r], _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones)));
+      }
     }
   }
-  for (int r = 0; r < R; ++r) sums[r] = hsum(acc[r]);
+  reduce<C * R>(acc, sums);
 }
 
-template <int R>
+template <int C, int R>
 __attribute__((target("avx2,fma,avxvnni")))
-void dot_rows_avxvnni(const uint8_t* nibbles, const uint8_t* groups, const uint8_t* u, int64_t k, int32_t* sums) {
-  __m256i acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+void dot_tile_avxvnni(const uint8_t* nibbles, const uint8_t* groups, const uint8_t* u, int64_t k, int32_t* sums) {
+  __m256i acc[C * R];
+  for (int i = 0; i < C * R; ++i) acc[i] = _mm256_setzero_si256();
   for (int64_t p = 0; p < k / (2 * kBlock); ++p) {
-    const __m256i raw = load_pair(nibbles, p);
-    const __m256i w0 = unpack_first(groups, p, raw), w1 = unpack_second(groups, p, raw);
+    __m256i w0[C], w1[C];
+    for (int c = 0; c < C; ++c) {
+      const __m256i raw = load_group_pair<C>(nibbles + c * (k / 2), p);
+      w0[c] = unpack_first(groups + c * (k / kBlock), p, raw);
+      w1[c] = unpack_second(groups + c * (k / kBlock), p, raw);
+    }
+    prefetch_next_group<C, R>(nibbles, k, p);
     for (int r = 0; r < R; ++r) {
       const uint8_t* a = u + r * k + 2 * kBlock * p;
-      acc[r] = _mm256_dpbusd_avx_epi32(acc[r], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)), w0);
-      acc[r] = _mm256_dpbusd_avx_epi32(acc[r], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + kBlock)), w1);
+      const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+      const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + kBlock));
+      for (int c = 0; c < C; ++c) {
+        acc[c * R + r] = _mm256_dpbusd_avx_epi32(acc[c * R + r], a0, w0[c]);
+        acc[c * R + r] = _mm256_dpbusd_avx_epi32(acc[c * R + r], a1, w1[c]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) sums[r] = hsum(acc[r]);
+  reduce<C * R>(acc, sums);
 }
 
-template <int R>
+// sums[i] = the sum of acc[i]'s lanes, for N accumulators: sixteen at a time fold into one vector (halves
+// of pairs, then quarters of pairs, then 32-bit and 64-bit interleaves), which leaves v[4e + l]'s sum in
+// element 4l + e, hence the transposed order they are taken in
+template <int N>
 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vnni")))
-void dot_rows_avx512vnni(const uint8_t* nibbles, const uint8_t* groups, const uint8_t* u, int64_t k, int32_t* sums) {
-  const __m512i low_mask = _mm512_set1_epi8(0x0F);
-  __m512i acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
-  for (int64_t p = 0; p < k / (2 * kBlock); ++p) {
-    const __m256i raw = load_pair(nibbles, p);
-    // the pair's 64 nibbles in the activations' order: the first block's (low halves), then the second's
-    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
-    // 128-bit lanes 0-1 look up the first block's table, lanes 2-3 the second's
-    const __m512i tables = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kTables.bytes[groups[2 * p]])))),
-        _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kTables.bytes[groups[2 * p + 1]]))), 1);
-    const __m512i w = _mm512_shuffle_epi8(tables, _mm512_and_si512(both, low_mask));
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_loadu_si512(u + r * k + 2 * kBlock * p), w);
+inline void reduce(const __m512i* acc, int32_t* sums) {
+  if (N == 1) {
+    sums[0] = _mm512_reduce_add_epi32(acc[0]);
+    return;
   }
-  for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_epi32(acc[r]);
+  for (int i0 = 0; i0 < N; i0 += 16) {
+    __m512i v[16];
+    for (int j = 0; j < 16; ++j) {
+      const int i = i0 + 4 * (j % 4) + j / 4;
+      v[j] = i < N ? acc[i] : _mm512_setzero_si512();
+    }
+    __m512i x[8], y[4];
+    for (int j = 0; j < 8; ++j)
+      x[j] = _mm512_add_epi32(_mm512_shuffle_i64x2(v[2 * j], v[2 * j + 1], 0x44), _mm512_shuffle_i64x2(v[2 * j], v[2 * j + 1], 0xEE));
+    for (int j = 0; j < 4; ++j)
+      y[j] = _mm512_add_epi32(_mm512_shuffle_i64x2(x[2 * j], x[2 * j + 1], 0x88), _mm512_shuffle_i64x2(x[2 * j], x[2 * j + 1], 0xDD));
+    const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(y[0], y[1]), _mm512_unpackhi_epi32(y[0], y[1]));
+    const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(y[2], y[3]), _mm512_unpackhi_epi32(y[2], y[3]));
+    const __m512i total = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+    const int left = N - i0;
+    _mm512_mask_storeu_epi32(sums + i0, left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1), total);
+  }
+}
+
+template <int C, int R>
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vnni")))
+void dot_tile_avx512vnni(const uint8_t* nibbles, const uint8_t* groups, const uint8_t* u, int64_t k, int32_t* sums) {
+  const __m512i low_mask = _mm512_set1_epi8(0x0F);
+  __m512i acc[C * R];
+  for (int i = 0; i < C * R; ++i) acc[i] = _mm512_setzero_si512();
+  for (int64_t p = 0; p < k / (2 * kBlock); ++p) {
+    __m512i w[C];
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* g = groups + c * (k / kBlock);
+      const __m256i raw = load_group_pair<C>(nibbles + c * (k / 2), p);
+      // the pair's 64 nibbles in the activations' order: the first block's (low halves), then the second's
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
+      // 128-bit lanes 0-1 look up the first block's table, lanes 2-3 the second's
+      const __m512i tables = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kTables.bytes[g[2 * p]])))),
+          _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kTables.bytes[g[2 * p + 1]]))), 1);
+      w[c] = _mm512_shuffle_epi8(tables, _mm512_and_si512(both, low_mask));
+    }
+    prefetch_next_group<C, R>(nibbles, k, p);
+    for (int r = 0; r < R; ++r) {
+      const __m512i a = _mm512_loadu_si512(u + r * k + 2 * kBlock * p);
+      for (int c = 0; c < C; ++c) acc[c * R + r] = _mm512_dpbusd_epi32(acc[c * R + r], a, w[c]);
+    }
+  }
+  reduce<C * R>(acc, sums);
 }
 
 enum Kernel : int64_t { kAvx2 = 0, kAvxVnni = 1, kAvx512Vnni = 2 };
@@ -178,22 +276,50 @@ int64_t best_kernel() {
 
 using DotFn = void (*)(const uint8_t*, const uint8_t*, const uint8_t*, int64_t, int32_t*);
 
-template <template <int> class Rows>
-struct Table {
-  static constexpr DotFn fns[kRowTile] = {Rows<1>::f, Rows<2>::f, Rows<3>::f, Rows<4>::f,
-                                         Rows<5>::f, Rows<6>::f, Rows<7>::f, Rows<8>::f};
+// A variant's functions: fns[0][R - 1] takes one channel and R rows (the one-row call's only function, and
+// the channels a group leaves over), fns[1][R - 1] `channels[0]` channels at a time for R <= split rows,
+// fns[2][R - 1] `channels[1]` for more (fewer channels leave registers for the accumulators of more rows).
+// Calls with several rows take them in tiles of at most kRowTile.
+struct Tiling {
+  int split, channels[2];
+  DotFn fns[3][kRowTile];
 };
 
-template <int R> struct Avx2Rows { static constexpr DotFn f = dot_rows_avx2<R>; };
-template <int R> struct AvxVnniRows { static constexpr DotFn f = dot_rows_avxvnni<R>; };
-template <int R> struct Avx512VnniRows { static constexpr DotFn f = dot_rows_avx512vnni<R>; };
+template <template <int, int> class Dot, int C, int R, int Low, int High>
+constexpr DotFn entry() {
+  if constexpr (R >= Low && R <= High) return Dot<C, R>::f;
+  else return nullptr;
+}
 
-// fns[kernel][rows - 1]
-const DotFn* dot_functions(int64_t kernel) {
+template <template <int, int> class Dot, int C, int Low, int High>
+constexpr std::array<DotFn, kRowTile> row_fns() {
+  return {entry<Dot, C, 1, Low, High>(), entry<Dot, C, 2, Low, High>(), entry<Dot, C, 3, Low, High>(), entry<Dot, C, 4, Low, High>(),
+          entry<Dot, C, 5, Low, High>(), entry<Dot, C, 6, Low, High>(), entry<Dot, C, 7, Low, High>(), entry<Dot, C, 8, Low, High>()};
+}
+
+// tiles of a call hold R or R - 1 rows: a group of channels that takes up to `Split` rows also takes one fewer
+template <template <int, int> class Dot, int Split, int Few, int Many>
+Tiling tiling() {
+  static_assert(Few <= 4 && Many <= 4, "int4_linear keeps at most 4 x kRowTile sums");
+  Tiling t{Split, {Few, Many}, {}};
+  const auto one = row_fns<Dot, 1, 1, kRowTile>(), few = row_fns<Dot, Few, 1, Split>(), many = row_fns<Dot, Many, Split, kRowTile>();
+  std::copy(one.begin(), one.end(), t.fns[0]);
+  std::copy(few.begin(), few.end(), t.fns[1]);
+  std::copy(many.begin(), many.end(), t.fns[2]);
+  return t;
+}
+
+template <int C, int R> struct Avx2Dot { static constexpr DotFn f = dot_tile_avx2<C, R>; };
+template <int C, int R> struct AvxVnniDot { static constexpr DotFn f = dot_tile_avxvnni<C, R>; };
+template <int C, int R> struct Avx512VnniDot { static constexpr DotFn f = dot_tile_avx512vnni<C, R>; };
+
+const Tiling& tiling_of(int64_t kernel) {
+  static const Tiling avx2 = tiling<Avx2Dot, kRowTile, 2, 2>(), avxvnni = tiling<AvxVnniDot, kRowTile, 2, 2>(),
+                      avx512vnni = tiling<Avx512VnniDot, 6, 4, 2>();
   switch (kernel) {
-    case kAvxVnni: return Table<AvxVnniRows>::fns;
-    case kAvx512Vnni: return Table<Avx512VnniRows>::fns;
-    default: return Table<Avx2Rows>::fns;
+    case kAvxVnni: return avxvnni;
+    case kAvx512Vnni: return avx512vnni;
+    default: return avx2;
   }
 }
 
@@ -202,7 +328,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& nibbles, const at:
                        int64_t kernel) {
   if (kernel < 0) kernel = best_kernel();
   TORCH_CHECK(supported(kernel), "int4_linear: this CPU lacks the instructions of kernel ", kernel);
-  const DotFn* dots = dot_functions(kernel);
+  const Tiling& tiles_of = tiling_of(kernel);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int4_linear: x must be float32 [m, k]");
   const int64_t m = x.size(0), k = x.size(1), n = nibbles.size(0);
   const int64_t padded = 2 * nibbles.size(1);  // in_features rounded up to whole pairs of blocks
@@ -225,21 +351,44 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& nibbles, const at:
   const float *sp = scales.data_ptr<float>(), *wsp = weight_sums.data_ptr<float>();
   const float* bp = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  const int64_t tiles = (n + kChannelTile - 1) / kChannelTile;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    int32_t sums[kRowTile];
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t c0 = tile * kChannelTile, c1 = std::min(n, c0 + kChannelTile);
-      for (int64_t r0 = 0; r0 < m; r0 += kRowTile) {
-        const int rows = static_cast<int>(std::min<int64_t>(kRowTile, m - r0));
-        for (int64_t c = c0; c < c1; ++c) {
-          dots[rows - 1](np + c * (padded / 2), gp + c * (padded / kBlock), up + r0 * padded, padded, sums);
-          for (int r = 0; r < rows; ++r) {
-            float y = sp[c] * (stepp[r0 + r] * static_cast<float>(sums[r]) + lowp[r0 + r] * wsp[c]);
-            op[(r0 + r) * n + c] = bp ? y + bp[c] : y;
-          }
-        }
+  auto rescale = [&](const int32_t* sums, int64_t c0, int channels, int64_t r0, int rows) {
+    for (int c = 0; c < channels; ++c)
+      for (int r = 0; r < rows; ++r) {
+        const int64_t ch = c0 + c;
+        float y = sp[ch] * (stepp[r0 + r] * static_cast<float>(sums[c * rows + r]) + lowp[r0 + r] * wsp[ch]);
+        op[(r0 + r) * n + ch] = bp ? y + bp[ch] : y;
       }
+  };
+  const int64_t nib_stride = padded / 2, group_stride = padded / kBlock;
+  if (m == 1) {
+    const DotFn dot = tiles_of.fns[0][0];
+    const int64_t tiles = (n + kChannelTile - 1) / kChannelTile;
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      int32_t sums[1];
+      for (int64_t c = begin * kChannelTile; c < std::min(n, end * kChannelTile); ++c) {
+        dot(np + c * nib_stride, gp + c * group_stride, up, padded, sums);
+        rescale(sums, c, 1, 0, 1);
+      }
+    });
+    return out;
+  }
+  // rows in equal tiles; each group of channels meets every row tile while its weights are in cache
+  const int64_t row_tiles = (m + kRowTile - 1) / kRowTile;
+  const int largest = static_cast<int>((m + row_tiles - 1) / row_tiles);  // the others hold as many or one fewer
+  const int group = largest <= tiles_of.split ? 1 : 2, C = tiles_of.channels[group - 1];
+  const int64_t channel_tile = C * std::max<int64_t>(1, kChannelTile / C);
+  const int64_t tiles = (n + channel_tile - 1) / channel_tile;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    int32_t sums[4 * kRowTile];
+    for (int64_t c = begin * channel_tile; c < std::min(n, end * channel_tile);) {
+      const int channels = n - c >= C ? C : 1;
+      for (int64_t t = 0; t < row_tiles; ++t) {
+        const int64_t r0 = t * m / row_tiles;
+        const int rows = static_cast<int>((t + 1) * m / row_tiles - r0);
+        tiles_of.fns[channels == C ? group : 0][rows - 1](np + c * nib_stride, gp + c * group_stride, up + r0 * padded, padded, sums);
+        rescale(sums, c, channels, r0, rows);
+      }
+      c += channels;
     }
   });
   return out;
