@@ -1,7 +1,8 @@
 """The target's cost curve on every path this machine has: what a forward over n new tokens costs,
-relative to one token, after a 256-token context.
+relative to one token, after a 256-token context (or several: `--contexts 256,2048,8192`, where the
+attention over the cache makes width dearer).
 
-    python benchmarks/cost_curves.py [--paths bfloat16,float32,int8,llamacpp] [--quantize Q4_0,Q8_0]
+    python benchmarks/cost_curves.py [--paths bfloat16,float32,int8,llamacpp] [--quantize Q4_0,Q8_0] [--contexts 256]
 
 Paths: the torch backend in bfloat16, float32, int8 and int4 (`--dtype int8`/`int4`: batch-invariant;
 `int4:avx2`, `int4:avx-vnni`, `int4:avx512-vnni` force a variant of the int4 kernel), and
@@ -52,10 +53,12 @@ def main() -> None:
     parser.add_argument("--quantize", default="", help="llama.cpp requantizations to add, e.g. Q4_0,Q8_0,BF16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--contexts", default="256", help="tokens cached before the timed forwards, e.g. 256,2048,8192")
     parser.add_argument("--out", type=Path, default=Path("results/cost-curves.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    rows = {}
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    rows = {}  # label -> row; a path measured twice (or at several contexts) gets a row per pass
     loaded = {}  # the torch model of the last dtype measured
     paths = [p for p in args.paths.split(",") if p] + [f"llamacpp-{k}" for k in args.quantize.split(",") if k]
     for path in paths:
@@ -67,7 +70,8 @@ def main() -> None:
                 raise SystemExit(f"{args.target} names no GGUF file: give a registered model or a .gguf path")
             if not gguf.exists():
                 raise SystemExit(f"{gguf} is not there yet: run `specdecode models fetch` (or `make models`)")
-            model = LlamaCppLM(gguf if path == "llamacpp" else requantized(gguf, path.split("-", 1)[1]))
+            model = LlamaCppLM(gguf if path == "llamacpp" else requantized(gguf, path.split("-", 1)[1]),
+                               n_ctx=max(4096, max(contexts) + max(SIZES) + 1))
         else:  # int4:NAME forces the int4 kernel variant NAME (`int4.KERNELS`); the weights are loaded once
             dtype, _, kernel = path.partition(":")
             if dtype not in loaded:
@@ -75,10 +79,14 @@ def main() -> None:
                 gc.collect()
                 loaded[dtype] = load_models(args.target, None, dtype=dtype, progress=False).target
             model = loaded[dtype]
-        with int4.forced_kernel(path.partition(":")[2]) if path.startswith("int4:") else contextlib.nullcontext():
-            curve = costs.measure(model, sizes=SIZES, repeats=args.repeats)
-        rows[path] = {"ms": curve.seconds * 1e3, "relative": dict(zip(SIZES, curve.relative))}
-        print(path, json.dumps(rows[path]), flush=True)
+        for context in contexts:
+            with int4.forced_kernel(path.partition(":")[2]) if path.startswith("int4:") else contextlib.nullcontext():
+                curve = costs.measure(model, sizes=SIZES, context=context, repeats=args.repeats)
+            label = path if len(contexts) == 1 else f"{path} @{context}"
+            label = next(f"{label} #{i}" for i in range(1, len(rows) + 2) if f"{label} #{i}" not in rows) \
+                if label in rows else label
+            rows[label] = {"context": context, "ms": curve.seconds * 1e3, "relative": dict(zip(SIZES, curve.relative))}
+            print(label, json.dumps(rows[label]), flush=True)
         del model
         gc.collect()
     import llama_cpp

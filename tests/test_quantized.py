@@ -161,6 +161,27 @@ def test_constant_rows_and_leading_dimensions(bits):
         assert torch.equal(layer(mixed[i : i + 1]), together[i : i + 1])
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_row_by_row_attention_is_grouped_query_attention(masked):
+    """Each row's query heads, grouped by the key head they read, give what attention with grouped-query
+    expansion gives (head h reads key head h // group), under a causal and a tree-like mask."""
+    from torch.nn import functional as F
+
+    from specdecode.models.int8 import invariant_attention
+
+    generator = torch.Generator().manual_seed(0)
+    n, length, d = 5, 13, 16
+    query = torch.randn(1, 6, n, d, generator=generator)
+    key, value = torch.randn(2, 1, 2, length, d, generator=generator)
+    allowed = torch.ones(n, length, dtype=torch.bool).tril(length - n)
+    if masked:
+        allowed[2:, length - n] = False  # rows 2.. do not see the first new token: a branch of a tree
+    mask = torch.zeros(n, length).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
+    out, _ = invariant_attention(None, query, key, value, mask)  # [1, n, heads, d]
+    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
+    assert torch.allclose(out.transpose(1, 2), expected, atol=1e-6)
+
+
 @pytest.mark.parametrize("bits", BITS)
 def test_a_model_scores_a_token_the_same_in_any_forward(bits):
     """The tiny Qwen2 with every Linear quantized: the logits of the last prompt token and of each following

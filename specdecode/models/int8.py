@@ -153,15 +153,18 @@ def invariant_attention(module, query, key, value, attention_mask, scaling=None,
 
     Row by row, each over exactly the keys it sees, so a row's output does not depend on how many rows
     the forward carries (a wide attention call blocks and sums differently from a one-row call)."""
-    n, length = query.shape[2], key.shape[2]
+    _, heads, n, d = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
     if attention_mask is None or getattr(_PLAN, "mask", None) is not attention_mask:
         _PLAN.mask, _PLAN.rows = attention_mask, _visible(attention_mask, n, length)
     rows = []
     for i, seen in enumerate(_PLAN.rows):
         keys, values = (key[:, :, :seen], value[:, :, :seen]) if isinstance(seen, int) else (
             key[:, :, seen], value[:, :, seen])
-        rows.append(F.scaled_dot_product_attention(query[:, :, i : i + 1], keys, values, scale=scaling,
-                                                   enable_gqa=True))  # [1, heads, 1, d]
+        # the query heads that share a key head are that head's query rows (head h reads key head
+        # h // group): one call, no copy of the keys per query head as enable_gqa makes (3x slower at 2k)
+        grouped = query[:, :, i].reshape(1, kv_heads, heads // kv_heads, d)
+        rows.append(F.scaled_dot_product_attention(grouped, keys, values, scale=scaling).reshape(1, heads, 1, d))
     out = rows[0] if n == 1 else torch.cat(rows, dim=2)  # [1, heads, n, d]
     return out.transpose(1, 2), None
 
