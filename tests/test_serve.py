@@ -78,7 +78,9 @@ def test_streamed_completion_equals_the_plain_one(client, models):
     assert text == expected(models, "draft-tree-fixed", completion_ids(models, prompt), max_tokens)
     steps = [c for c in chunks if c.model_extra.get("specdecode")]
     tokens = [t for c in steps for t in c.model_extra["specdecode"]["tokens"]]
-    assert {t["origin"] for t in tokens} == {"accepted", "corrected", "bonus"} & {t["origin"] for t in tokens}
+    # a step the engine's timing gate plays plain (`engine.payoff`) outputs the target's own token, "target";
+    # a new sequence starts with speculative steps, so some drafted tokens are accepted
+    assert {t["origin"] for t in tokens} <= {"accepted", "corrected", "bonus", "target"}
     assert any(t["origin"] == "accepted" for t in tokens)
     # the page's coloured tokens spell the text (a step without tokens: a held-back partial character)
     spelt = "".join("".join(t["text"] for t in c.model_extra["specdecode"]["tokens"]) or c.choices[0].text for c in steps)

@@ -63,7 +63,7 @@ def _ops():
     its extensions folder) and returns its operator namespace."""
     from torch.utils import cpp_extension
 
-    from specdecode.models.loading import console
+    from specdecode.paths import console
 
     venv_bin = Path(sys.executable).parent  # the `ninja` dependency's binary, where PATH lacks the venv
     if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
