@@ -30,7 +30,7 @@ from transformers import DynamicCache
 from specdecode.drafters.base import DrafterOptions
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.self_speculative.layers import (
-    causal_allowed, check_layer_skipping, crop_layers, kv_cache, run_layers, torch_target,
+    causal_allowed, check_layer_skipping, crop_layers, head_output, kv_cache, run_layers, torch_target,
 )
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM, ForwardOutput
@@ -125,10 +125,7 @@ class CompressedView(CausalLM):
         allowed = causal_allowed(self._kept + self._own, n) if n > 1 else None
         hidden = run_layers(self.target.model, self._layers, token_ids, positions, allowed, self._cache)
         self._own += n
-        num_logits = n if num_logits is None else num_logits
-        hidden = hidden[n - num_logits :]  # [num_logits, hidden]
-        logits = self.target.model.get_output_embeddings()(hidden)  # [num_logits, vocab]
-        return ForwardOutput(logits=logits.float(), hidden=hidden if output_hidden else None)
+        return head_output(self.target.model, hidden, n if num_logits is None else num_logits, output_hidden)
 
     def crop(self, length: int) -> None:
         if not self._base <= length <= self.cache_length:

@@ -98,6 +98,14 @@ def run_layers(
     return decoder.norm(hidden)[0]  # [n, hidden]
 
 
+def head_output(model: PreTrainedModel, hidden: torch.Tensor, num_logits: int, output_hidden: bool) -> ForwardOutput:
+    """A view's ForwardOutput from `run_layers`' hidden states [n, hidden]: the LM head over the last
+    `num_logits` of them."""
+    hidden = hidden[hidden.shape[0] - num_logits :]  # [num_logits, hidden]
+    logits = model.get_output_embeddings()(hidden)  # [num_logits, vocab]
+    return ForwardOutput(logits=logits.float(), hidden=hidden if output_hidden else None)
+
+
 def crop_layers(cache: DynamicCache, layers: Iterable[int], length: int) -> None:
     """Drop the entries past `length` of the given layers of the cache (the others are not touched)."""
     for index in layers:
@@ -178,9 +186,7 @@ class SkippedLayers(CausalLM):
             allowed = causal_allowed(cached, n) if n > 1 else None
         hidden = run_layers(self.target.model, self.kept, token_ids, positions, allowed, kv_cache(self.target))
         self._own += n
-        hidden = hidden[n - num_logits :]  # [num_logits, hidden]
-        logits = self.target.model.get_output_embeddings()(hidden)  # [num_logits, vocab]
-        return ForwardOutput(logits=logits.float(), hidden=hidden if output_hidden else None)
+        return head_output(self.target.model, hidden, num_logits, output_hidden)
 
     def crop(self, length: int) -> None:
         start = self.target.cache_length
