@@ -66,15 +66,15 @@ def small_default_datastore(tmp_path_factory):
     import json as some_package
     import shutil
 
-    from specdecode.drafters import retrieval
+    from specdecode.drafters.retrieval import build
 
     library = tmp_path_factory.mktemp("stdlib")
     shutil.copytree(Path(some_package.__file__).parent, library / "json")
     stores = tmp_path_factory.mktemp("datastores")
     patch = pytest.MonkeyPatch()
-    patch.setattr(retrieval, "stdlib_folder", lambda: library)
-    original = retrieval.default_datastore_path
-    patch.setattr(retrieval, "default_datastore_path", lambda tokenizer: stores / original(tokenizer).name)
+    patch.setattr(build, "stdlib_folder", lambda: library)
+    original = build.default_datastore_path
+    patch.setattr(build, "default_datastore_path", lambda tokenizer: stores / original(tokenizer).name)
     yield stores
     patch.undo()
 

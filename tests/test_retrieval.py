@@ -20,11 +20,11 @@ from specdecode.drafters.retrieval import (
     build_datastore,
     build_trie,
     build_retrieval,
-    default_datastore_path,
     heaviest_path,
     join_documents,
     suffix_array,
 )
+from specdecode.drafters.retrieval.build import default_datastore_path
 from specdecode.engine import SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.methods import DrafterOptions
@@ -236,7 +236,7 @@ def write_corpus(folder):
 def test_build_from_text_files(tmp_path, monkeypatch):
     write_corpus(tmp_path)
     tokenizer = tiny_tokenizer()
-    monkeypatch.setattr("specdecode.drafters.retrieval.PIECE_CHARS", 100)  # several pieces and batches
+    monkeypatch.setattr("specdecode.drafters.retrieval.build.PIECE_CHARS", 100)  # several pieces and batches
     store = build_datastore(tmp_path, tokenizer, skip=frozenset({"tests"}), progress=False)
     texts = [(tmp_path / "a.py").read_text(), (tmp_path / "pkg" / "b.py").read_text()]
     expected = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
@@ -273,9 +273,9 @@ def test_default_datastore_is_built_once_and_cached(tmp_path, monkeypatch, targe
     """The standard library stand-in: a small folder; the cache key follows the tokenizer."""
     write_corpus(tmp_path / "lib")
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr("specdecode.drafters.retrieval.stdlib_folder", lambda: tmp_path / "lib")
+    monkeypatch.setattr("specdecode.drafters.retrieval.build.stdlib_folder", lambda: tmp_path / "lib")
     # the real cache path (conftest sends the suite's default datastore to a temporary folder)
-    monkeypatch.setattr("specdecode.drafters.retrieval.default_datastore_path", default_datastore_path)
+    monkeypatch.setattr("specdecode.drafters.retrieval.build.default_datastore_path", default_datastore_path)
     tokenizer = tiny_tokenizer()
     path = default_datastore_path(tokenizer)
     assert path.parent == tmp_path / "cache" / "datastores" and not path.exists()

@@ -138,7 +138,7 @@ def sharegpt_prompts(path: Path | None = None) -> Iterator[Prompt]:
 def stdlib_prompts(folder: Path | None = None) -> Iterator[Prompt]:
     """Requests about each standard-library module (the files `corpus.stdlib_conversations` reads): to
     write it, and to explain or continue each SLICE_LINES-line slice of it (alternately)."""
-    from specdecode.drafters.retrieval import STDLIB_SKIP, stdlib_folder
+    from specdecode.drafters.retrieval.build import STDLIB_SKIP, stdlib_folder
 
     root = folder or stdlib_folder()
     for path in sorted(root.rglob("*.py")):

@@ -77,7 +77,7 @@ def sharegpt_conversations(path: Path | None = None) -> Iterator[list[dict]]:
 
 def stdlib_conversations(folder: Path | None = None) -> Iterator[list[dict]]:
     """Each standard-library module as the answer to a request for its source."""
-    from specdecode.drafters.retrieval import STDLIB_SKIP, stdlib_folder
+    from specdecode.drafters.retrieval.build import STDLIB_SKIP, stdlib_folder
 
     root = folder or stdlib_folder()
     for path in sorted(root.rglob("*.py")):
