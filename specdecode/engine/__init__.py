@@ -1,3 +1,4 @@
-from specdecode.engine.loop import GenerationConfig, GenerationResult, SpeculativeEngine, StepEvent, Stream
+from specdecode.engine.loop import SpeculativeEngine
+from specdecode.engine.sequence import GenerationConfig, GenerationResult, StepEvent, Stream
 
 __all__ = ["GenerationConfig", "GenerationResult", "SpeculativeEngine", "StepEvent", "Stream"]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.drafters.base import Drafter
-from specdecode.engine.loop import GenerationConfig, GenerationResult, Progress, StepEvent, check_prompt
+from specdecode.engine.sequence import GenerationConfig, GenerationResult, Progress, StepEvent, check_prompt
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import CostCurve, LiveCurve

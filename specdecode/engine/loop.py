@@ -5,131 +5,20 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 
-from specdecode import metrics
 from specdecode.drafters.base import Drafter
 from specdecode.engine.payoff import StepAside
-from specdecode.engine.stopping import TextTracker
-from specdecode.errors import UserError
+from specdecode.engine.sequence import GenerationConfig, GenerationResult, Progress, StepEvent, Stream, check_prompt
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import CostCurve, LiveCurve
-from specdecode.types import AuxiliaryTokens, Draft, SamplingParams, StepStats, TokenOrigin, Verdict
+from specdecode.types import AuxiliaryTokens, Draft, SamplingParams, Verdict
 from specdecode.tree import structure as tree
 from specdecode.tree.budget import cut_chain
 from specdecode.verify.tree import verify
 
-MAX_NEW_TOKENS_LIMIT = 1 << 20
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    max_new_tokens: int = 128
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: tuple[str, ...] = ()  # stop strings; the output text ends right before the first one
-    seed: int | None = None  # seeds the one torch.Generator every random choice goes through
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
-            raise UserError(f"max_new_tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got {self.max_new_tokens}")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-
-
-@dataclass
-class StepEvent:
-    """What one step added to the output, for streaming."""
-
-    token_ids: list[int]
-    origins: list[TokenOrigin]  # how each token came about, parallel to token_ids
-    text: str  # the new text (may be empty while a character is incomplete)
-    stats: StepStats
-    rejected_ids: list[int] = field(default_factory=list)  # a chain draft's tokens the target turned down
-
-
-@dataclass
-class GenerationResult:
-    prompt_ids: list[int]
-    token_ids: list[int]  # new tokens only
-    text: str
-    steps: list[StepStats]
-    seconds: float
-    finish_reason: str  # "eos", "length" (max_new_tokens or the context is full) or "stop" (a stop string)
-    method: str
-    # Tree nodes verified per step: a fixed number, "auto" (chosen each step from the cost curve),
-    # "whole" (a fixed shape verified whole); None for chains.
-    tree_budget: int | str | None = None
-
-    @property
-    def new_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def target_forwards(self) -> int:
-        return len(self.steps)
-
-    @property
-    def mean_accepted_tokens(self) -> float:
-        return metrics.mean_accepted_tokens(self.steps)
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return metrics.acceptance_rate(self.steps)
-
-    @property
-    def accepted_per_position(self) -> list[float]:
-        return metrics.accepted_per_position(self.steps)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return metrics.tokens_per_second(self.new_tokens, self.seconds)
-
-    @property
-    def draft_seconds(self) -> float:
-        return sum(s.draft_seconds for s in self.steps)
-
-    @property
-    def verify_seconds(self) -> float:
-        return sum(s.verify_seconds for s in self.steps)
-
-    def summary(self) -> dict:
-        """The figures the CLI's --json prints and the benchmark records."""
-        return {
-            "method": self.method,
-            "text": self.text,
-            "token_ids": self.token_ids,
-            "new_tokens": self.new_tokens,
-            "seconds": self.seconds,
-            "tokens_per_second": self.tokens_per_second,
-            "target_forwards": self.target_forwards,
-            "mean_accepted_tokens": self.mean_accepted_tokens,
-            "acceptance_rate": self.acceptance_rate,
-            "accepted_per_position": self.accepted_per_position,
-            "draft_seconds": self.draft_seconds,
-            "verify_seconds": self.verify_seconds,
-            "finish_reason": self.finish_reason,
-            "tree_budget": self.tree_budget,
-            "mean_draft_tokens": metrics.mean_drafted(self.steps),
-            "stepped_aside": metrics.stepped_aside(self.steps),
-        }
-
-
-class Stream:
-    """Iterate for StepEvents; once exhausted, `result` holds the GenerationResult."""
-
-    def __init__(self, events: Iterator[StepEvent]):
-        self._events = events
-        self.result: GenerationResult | None = None
-
-    def __iter__(self) -> Iterator[StepEvent]:
-        self.result = yield from self._events
-
-    def close(self) -> None:
-        """Stop early (a client went away): no more steps, no result."""
-        self._events.close()
+__all__ = ["GenerationConfig", "GenerationResult", "SpeculativeEngine", "StepEvent", "Stream", "with_auxiliary"]
 
 
 def with_auxiliary(
@@ -154,97 +43,6 @@ def with_auxiliary(
     full[length:, length:] = auxiliary.mask
     return torch.cat([fed, auxiliary.tokens]), torch.cat([positions, auxiliary.positions]), full
 
-
-def _origins(verdict: Verdict) -> list[TokenOrigin]:
-    last: TokenOrigin = "target" if verdict.num_drafted == 0 else "bonus" if verdict.bonus else "corrected"
-    return ["accepted"] * verdict.num_accepted + [last]
-
-
-def check_prompt(target: CausalLM, prompt_ids: list[int]) -> None:
-    """A UserError for a prompt the target cannot take."""
-    if not prompt_ids:
-        raise UserError("the prompt is empty")
-    if len(prompt_ids) >= target.max_context:
-        raise UserError(f"the prompt has {len(prompt_ids)} tokens; the model's context holds {target.max_context}")
-    bad = [t for t in prompt_ids if not 0 <= t < target.vocab_size]
-    if bad:
-        raise UserError(f"token ids out of the vocabulary (size {target.vocab_size}): {bad[:5]}")
-
-
-class Progress:
-    """One sequence's way through generation, whichever engine steps it: its context and output, EOS and
-    stop strings, the text emitted so far, per-step statistics, and its random generator."""
-
-    def __init__(self, prompt_ids: list[int], config: GenerationConfig, tokenizer, target: CausalLM):
-        self.config = config
-        self.max_context = target.max_context
-        self.eos = frozenset() if config.ignore_eos else target.eos_token_ids
-        self.generator = torch.Generator()
-        self.generator.manual_seed(config.seed if config.seed is not None else int(torch.randint(2**62, ()).item()))
-        self.tracker = TextTracker(tokenizer, config.stop)
-        self.prompt_ids = list(prompt_ids)
-        self.context = list(prompt_ids)
-        self.output: list[int] = []
-        self.steps: list[StepStats] = []
-        self.finish_reason = "length"  # until EOS or a stop string
-        self.start = time.perf_counter()
-
-    def room(self) -> int:
-        """Tokens it may still add (0: done)."""
-        if self.finish_reason != "length":
-            return 0
-        return min(self.config.max_new_tokens - len(self.output), self.max_context - len(self.context))
-
-    def advance(self, draft: Draft, verdict: Verdict, draft_seconds: float, verify_seconds: float,
-                forward_tokens: int, stepped_aside: bool = False) -> StepEvent:
-        """Append a step's tokens (cut at EOS, a stop string or the room left); forward_tokens: the context
-        tokens the step's forward carried before the draft; stepped_aside: the drafter was not asked."""
-        remaining = self.room()
-        new = list(verdict.tokens[:remaining])
-        origins = _origins(verdict)[: len(new)]
-        hit_eos = next((i for i, t in enumerate(new) if t in self.eos), None)
-        if hit_eos is not None:
-            del new[hit_eos + 1 :], origins[hit_eos + 1 :]
-            self.finish_reason = "eos"
-        previous = len(self.output)
-        self.output.extend(new)
-        self.context.extend(new)
-        text, keep = self.tracker.update(self.output, previous)
-        if keep is not None:
-            del self.output[keep:]
-            self.finish_reason = "stop"
-        kept = len(self.output) - previous
-        stats = StepStats(
-            drafted=verdict.num_drafted,
-            accepted=min(verdict.num_accepted, kept),
-            new_tokens=kept,
-            draft_seconds=draft_seconds,
-            verify_seconds=verify_seconds,
-            forward_tokens=forward_tokens + verdict.num_drafted,
-            draft_depth=int(tree.depths(draft.parents).max()) if draft.is_tree and len(draft) else None,
-            auxiliary_tokens=len(draft.auxiliary) if draft.auxiliary is not None else 0,
-            stepped_aside=stepped_aside,
-        )
-        self.steps.append(stats)
-        rejected = draft.tokens[verdict.num_accepted :].tolist() if not draft.is_tree else []
-        return StepEvent(token_ids=new[:kept], origins=origins[:kept], text=text, stats=stats, rejected_ids=rejected)
-
-    def tail(self) -> StepEvent | None:
-        """Once done: the text held back so far (an incomplete character), if any."""
-        tail = self.tracker.finish(self.output)
-        return StepEvent(token_ids=[], origins=[], text=tail, stats=StepStats(0, 0, 0, 0.0, 0.0, 0)) if tail else None
-
-    def result(self, method: str, tree_budget: int | str | None = None) -> GenerationResult:
-        return GenerationResult(
-            prompt_ids=self.prompt_ids,
-            token_ids=self.output,
-            text=self.tracker.text,
-            steps=self.steps,
-            seconds=time.perf_counter() - self.start,
-            finish_reason=self.finish_reason,
-            method=method,
-            tree_budget=tree_budget,
-        )
 
 
 class SpeculativeEngine:

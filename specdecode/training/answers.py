@@ -384,7 +384,7 @@ def generate(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specdecode.engine.batch import BatchEngine
-    from specdecode.engine.loop import GenerationConfig
+    from specdecode.engine.sequence import GenerationConfig
     from specdecode.types import SamplingParams
 
     check_limits(tokens, seconds, batch)
