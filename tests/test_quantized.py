@@ -277,3 +277,88 @@ def test_the_paths_are_timed_on_the_same_product():
     expected = {"bfloat16", "float32", "int8"} | ({"int4"} if int4.available() else set())
     assert set(measured) == expected
     assert all(len(times) == 2 and min(times) > 0 for times in measured.values())
+
+
+def _attention_rows(generator, n, length, tree):
+    """n query rows at the end of `length` keys: causal (a prefix each), or with tree=True rows that see
+    the first `length - n` keys plus a random subset of the new ones up to themselves (a count, or
+    indices as `_visible` gives them)."""
+    context = length - n
+    rows = []
+    for i in range(n):
+        if not tree or i == 0:
+            rows.append(context + i + 1)
+        else:
+            extra = [context + j for j in range(i) if torch.rand(1, generator=generator).item() < 0.5]
+            rows.append(torch.tensor(list(range(context)) + extra + [context + i]))
+    return rows
+
+
+@pytest.mark.skipif(not int4.available(), reason="the attention kernel needs an x86 CPU with AVX2 and a compiler")
+@pytest.mark.parametrize("tree", [False, True], ids=["prefix", "tree"])
+@pytest.mark.parametrize("length", [9, 64, 100, 129, 300])
+def test_the_attention_kernel_computes_each_row_alone(tree, length):
+    """The attention kernel gives each row bitwise the same output whether the call carries it alone or with
+    up to 8 other rows (prefix rows, and tree rows whose keys are a prefix plus extras), at lengths that
+    are and are not multiples of its block of keys."""
+    from specdecode.models.int8 import _csr, _kernel
+
+    generator = torch.Generator().manual_seed(length + tree)
+    heads, kv_heads, d = 6, 2, 32
+    key, value = torch.randn(2, kv_heads, length, d, generator=generator)
+    for n in range(1, 10):
+        if n > length:
+            break
+        query = torch.randn(heads, n, d, generator=generator) * 3
+        rows = _attention_rows(generator, n, length, tree)
+        together = _kernel().attention(query, key, value, d ** -0.5, *_csr(rows))  # [heads, n, d]
+        for i in range(n):
+            alone = _kernel().attention(query[:, i : i + 1].contiguous(), key, value, d ** -0.5, *_csr(rows[i : i + 1]))
+            assert torch.equal(alone[:, 0], together[:, i]), (n, i)
+
+
+@pytest.mark.skipif(not int4.available(), reason="the attention kernel needs an x86 CPU with AVX2 and a compiler")
+@pytest.mark.parametrize("tree", [False, True], ids=["prefix", "tree"])
+@pytest.mark.parametrize("length", [9, 100, 300])
+def test_the_attention_kernel_is_grouped_query_attention(tree, length):
+    """The kernel's output is close to torch's attention with grouped-query expansion under the same mask."""
+    from torch.nn import functional as F
+
+    from specdecode.models.int8 import _csr, _kernel
+
+    generator = torch.Generator().manual_seed(length)
+    heads, kv_heads, d, n = 6, 2, 32, 7
+    key, value = torch.randn(2, kv_heads, length, d, generator=generator)
+    query = torch.randn(heads, n, d, generator=generator) * 3
+    rows = _attention_rows(generator, n, length, tree)
+    allowed = torch.zeros(n, length, dtype=torch.bool)
+    for i, seen in enumerate(rows):
+        if isinstance(seen, int):
+            allowed[i, :seen] = True
+        else:
+            allowed[i, seen] = True
+    out = _kernel().attention(query, key, value, d ** -0.5, *_csr(rows))  # [heads, n, d]
+    expected = F.scaled_dot_product_attention(query[None], key[None], value[None], attn_mask=allowed, enable_gqa=True)[0]
+    assert torch.allclose(out, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_row_by_row_attention_without_the_kernel(monkeypatch, masked):
+    """Where the kernel cannot be built, attention falls back to one call per row: still attention with
+    grouped-query expansion."""
+    from torch.nn import functional as F
+
+    from specdecode.models import int8
+
+    monkeypatch.setattr(int8, "_kernel", lambda: None)
+    generator = torch.Generator().manual_seed(1)
+    n, length, d = 5, 13, 16
+    query = torch.randn(1, 6, n, d, generator=generator)
+    key, value = torch.randn(2, 1, 2, length, d, generator=generator)
+    allowed = torch.ones(n, length, dtype=torch.bool).tril(length - n)
+    if masked:
+        allowed[2:, length - n] = False
+    mask = torch.zeros(n, length).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
+    out, _ = int8.invariant_attention(None, query, key, value, mask)  # [1, n, heads, d]
+    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
+    assert torch.allclose(out.transpose(1, 2), expected, atol=1e-6)

@@ -21,8 +21,8 @@ written by hand (`kernels/int4.cpp`, compiled on first use by torch's extension 
   u8 x s8 pair products take three instructions per 32 products and row, AVX-VNNI's dot-product
   instruction one, AVX-512 VNNI's one per 64. Exact integer sums make their outputs bitwise the same.
 
-Attention stays the int8 path's row-by-row `invariant_attention`. Layers whose input size is not a
-multiple of 32 keep the int8 linear.
+Attention stays the int8 path's `invariant_attention` (its kernel, `kernels/attention.cpp`, is compiled
+the same way, by `compile_kernel`). Layers whose input size is not a multiple of 32 keep the int8 linear.
 """
 
 from __future__ import annotations
@@ -57,10 +57,13 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
 
 
-@functools.cache
-def _ops():
-    """Compiles the kernel (about half a minute, once per machine and torch version; torch keeps the build in
-    its extensions folder) and returns its operator namespace."""
+COMPILE_ERRORS = (RuntimeError, OSError, subprocess.CalledProcessError)  # what a failed `compile_kernel` raises
+
+
+def compile_kernel(name: str, source: Path, what: str):
+    """Compiles the C++ torch extension `source` as `name` (AVX2 and FMA; once per machine and torch
+    version, torch keeps the build in its extensions folder) and returns its operator namespace. Raises
+    one of COMPILE_ERRORS when it cannot."""
     from torch.utils import cpp_extension
 
     from specdecode.paths import console
@@ -68,19 +71,25 @@ def _ops():
     venv_bin = Path(sys.executable).parent  # the `ninja` dependency's binary, where PATH lacks the venv
     if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
         os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
-    build = Path(cpp_extension._get_build_directory("specdecode_int4", False))  # honours TORCH_EXTENSIONS_DIR
-    if not (build / "specdecode_int4.so").exists():
-        console.print("[dim]compiling the 4-bit kernel for this machine (once, about half a minute)...[/dim]")
+    build = Path(cpp_extension._get_build_directory(name, False))  # honours TORCH_EXTENSIONS_DIR
+    if not (build / f"{name}.so").exists():
+        console.print(f"[dim]compiling {what} for this machine (once, about half a minute)...[/dim]")
+    cpp_extension.load(
+        name=name, sources=[str(source)], is_python_module=False, verbose=False,
+        # OpenMP for at::parallel_for (the soname resolves to the libgomp torch has loaded: one thread pool)
+        extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
+    )
+    return getattr(torch.ops, name)
+
+
+@functools.cache
+def _ops():
+    """Compiles the kernel (`compile_kernel`) and returns its operator namespace."""
     try:
-        cpp_extension.load(
-            name="specdecode_int4", sources=[str(_SOURCE)], is_python_module=False, verbose=False,
-            # OpenMP for at::parallel_for (the soname resolves to the libgomp torch has loaded: one thread pool)
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
-        )
-    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
+        return compile_kernel("specdecode_int4", _SOURCE, "the 4-bit kernel")
+    except COMPILE_ERRORS as error:
         raise UserError(f"could not compile the int4 kernel ({str(error).strip().splitlines()[-1]}); "
                         "use --dtype int8, which needs no compiler") from error
-    return torch.ops.specdecode_int4
 
 
 def kernels() -> list[str]:

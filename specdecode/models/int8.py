@@ -25,14 +25,19 @@ Weights are int8 with one scale per output channel (symmetric). Activations get 
 Quantized activations amplify any other difference: a float32 attention that rounds one part in 10^7
 differently in a wide forward moves an activation across a rounding boundary now and then, and the
 logits by a hundredth. So attention is made batch-invariant too (`invariant_attention`): each query row
-is one attention call over exactly the keys it sees, in cache order, the same call one-token decoding
-makes for that token.
+is computed over exactly the keys it sees, in cache order, by arithmetic that depends on that row alone.
+On x86 with AVX2 a compiled kernel does it (`kernels/attention.cpp`: the row's keys in fixed blocks of 64
+by their order among the keys it sees, an online softmax, each row and head on one thread; rows of one
+forward share each block of the cache as it is read); elsewhere each row is one attention call, the same
+call one-token decoding makes for that token.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +46,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTENTION = "specdecode_invariant"  # the attention implementation's name in transformers' registry
+_ATTENTION_SOURCE = Path(__file__).parent / "kernels" / "attention.cpp"
 
 
 
@@ -144,29 +150,78 @@ def _visible(attention_mask: torch.Tensor | None, n: int, length: int) -> list[t
             for i, (c, p) in enumerate(zip(counts.tolist(), prefix.tolist()))]
 
 
-_PLAN = threading.local()  # .mask, .rows: the last mask seen and its rows' visible keys (every layer shares one)
+def _csr(rows: list[torch.Tensor | int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_visible`'s rows as the attention kernel takes them: per row a prefix count p (keys 0..p-1) and its
+    other keys, sorted, all >= p: (prefix [n], offsets [n + 1], indices [offsets[n]]), int64."""
+    prefix, extras = [], []
+    for seen in rows:
+        if isinstance(seen, int):
+            prefix.append(seen)
+            extras.append(torch.empty(0, dtype=torch.long))
+        else:  # the longest run 0, 1, 2, ... that the indices start with is the prefix
+            starts = (seen == torch.arange(len(seen), device=seen.device)).cumprod(dim=0).sum()
+            prefix.append(int(starts))
+            extras.append(seen[int(starts):].long().cpu())
+    offsets = torch.tensor([0] + [len(e) for e in extras]).cumsum(dim=0)
+    return torch.tensor(prefix), offsets, torch.cat(extras)
+
+
+@functools.cache
+def _kernel():
+    """The compiled attention kernel's operator namespace (`kernels/attention.cpp`), or None where it cannot
+    be built (not x86 with AVX2, no compiler): attention then runs `_attention_by_rows`."""
+    from specdecode.models import int4
+
+    if not int4.available():
+        return None
+    try:
+        return int4.compile_kernel("specdecode_attention", _ATTENTION_SOURCE, "the attention kernel")
+    except int4.COMPILE_ERRORS:
+        return None
+
+
+_PLAN = threading.local()  # .mask, .rows, .csr: the last mask seen and its rows' visible keys (every layer shares one)
 
 
 def invariant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention interface: query [1, heads, n, d], key and value [1, kv_heads, length, d]
     (cache and new tokens), mask [1, 1, n, length] or None (causal). Returns ([1, n, heads, d], None).
 
-    Row by row, each over exactly the keys it sees, so a row's output does not depend on how many rows
-    the forward carries (a wide attention call blocks and sums differently from a one-row call)."""
+    Each row over exactly the keys it sees, by a computation that depends on that row alone, so a row's
+    output does not depend on how many rows the forward carries (a wide attention call blocks and sums
+    differently from a one-row call): the compiled kernel where it builds (`kernels/attention.cpp`: each
+    row's keys in fixed blocks by their order among the keys it sees, an online softmax, one thread per row
+    and head), else one attention call per row (`_attention_by_rows`)."""
     _, heads, n, d = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     if attention_mask is None or getattr(_PLAN, "mask", None) is not attention_mask:
-        _PLAN.mask, _PLAN.rows = attention_mask, _visible(attention_mask, n, length)
-    rows = []
-    for i, seen in enumerate(_PLAN.rows):
+        _PLAN.mask, _PLAN.rows, _PLAN.csr = attention_mask, _visible(attention_mask, n, length), None
+    kernel = _kernel() if query.dtype == torch.float32 and d % 8 == 0 and query.device.type == "cpu" else None
+    if kernel is None:
+        return _attention_by_rows(query, key, value, _PLAN.rows, scaling), None
+    if _PLAN.csr is None:
+        _PLAN.csr = _csr(_PLAN.rows)
+    scale = scaling if scaling is not None else d ** -0.5
+    out = kernel.attention(query[0], key[0], value[0], scale, *_PLAN.csr)  # [heads, n, d]
+    return out.transpose(0, 1)[None], None
+
+
+def _attention_by_rows(query, key, value, rows: list[torch.Tensor | int], scaling) -> torch.Tensor:
+    """One attention call per query row over exactly the keys it sees (`_visible`'s rows), the same call
+    one-token decoding makes for that token. query [1, heads, n, d], key and value [1, kv_heads, length, d];
+    returns [1, n, heads, d]."""
+    _, heads, n, d = query.shape
+    kv_heads = key.shape[1]
+    out_rows = []
+    for i, seen in enumerate(rows):
         keys, values = (key[:, :, :seen], value[:, :, :seen]) if isinstance(seen, int) else (
             key[:, :, seen], value[:, :, seen])
         # the query heads that share a key head are that head's query rows (head h reads key head
         # h // group): one call, no copy of the keys per query head as enable_gqa makes (3x slower at 2k)
         grouped = query[:, :, i].reshape(1, kv_heads, heads // kv_heads, d)
-        rows.append(F.scaled_dot_product_attention(grouped, keys, values, scale=scaling).reshape(1, heads, 1, d))
-    out = rows[0] if n == 1 else torch.cat(rows, dim=2)  # [1, heads, n, d]
-    return out.transpose(1, 2), None
+        out_rows.append(F.scaled_dot_product_attention(grouped, keys, values, scale=scaling).reshape(1, heads, 1, d))
+    out = out_rows[0] if n == 1 else torch.cat(out_rows, dim=2)  # [1, heads, n, d]
+    return out.transpose(1, 2)
 
 
 AttentionInterface.register(ATTENTION, invariant_attention)
