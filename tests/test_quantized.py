@@ -161,14 +161,18 @@ def test_constant_rows_and_leading_dimensions(bits):
         assert torch.equal(layer(mixed[i : i + 1]), together[i : i + 1])
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "by-rows"])
 @pytest.mark.parametrize("masked", [False, True])
-def test_row_by_row_attention_is_grouped_query_attention(masked):
+def test_row_by_row_attention_is_grouped_query_attention(monkeypatch, masked, kernel):
     """Each row's query heads, grouped by the key head they read, give what attention with grouped-query
-    expansion gives (head h reads key head h // group), under a causal and a tree-like mask."""
+    expansion gives (head h reads key head h // group), under a causal and a tree-like mask: with the
+    kernel, and where it cannot be built (one call per row)."""
     from torch.nn import functional as F
 
-    from specdecode.models.int8 import invariant_attention
+    from specdecode.models import int8
 
+    if not kernel:
+        monkeypatch.setattr(int8, "_kernel", lambda: None)
     generator = torch.Generator().manual_seed(0)
     n, length, d = 5, 13, 16
     query = torch.randn(1, 6, n, d, generator=generator)
@@ -177,7 +181,7 @@ def test_row_by_row_attention_is_grouped_query_attention(masked):
     if masked:
         allowed[2:, length - n] = False  # rows 2.. do not see the first new token: a branch of a tree
     mask = torch.zeros(n, length).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
-    out, _ = invariant_attention(None, query, key, value, mask)  # [1, n, heads, d]
+    out, _ = int8.invariant_attention(None, query, key, value, mask)  # [1, n, heads, d]
     expected = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
     assert torch.allclose(out.transpose(1, 2), expected, atol=1e-6)
 
@@ -340,25 +344,3 @@ def test_the_attention_kernel_is_grouped_query_attention(tree, length):
     out = _kernel().attention(query, key, value, d ** -0.5, *_csr(rows))  # [heads, n, d]
     expected = F.scaled_dot_product_attention(query[None], key[None], value[None], attn_mask=allowed, enable_gqa=True)[0]
     assert torch.allclose(out, expected, atol=1e-5)
-
-
-@pytest.mark.parametrize("masked", [False, True])
-def test_row_by_row_attention_without_the_kernel(monkeypatch, masked):
-    """Where the kernel cannot be built, attention falls back to one call per row: still attention with
-    grouped-query expansion."""
-    from torch.nn import functional as F
-
-    from specdecode.models import int8
-
-    monkeypatch.setattr(int8, "_kernel", lambda: None)
-    generator = torch.Generator().manual_seed(1)
-    n, length, d = 5, 13, 16
-    query = torch.randn(1, 6, n, d, generator=generator)
-    key, value = torch.randn(2, 1, 2, length, d, generator=generator)
-    allowed = torch.ones(n, length, dtype=torch.bool).tril(length - n)
-    if masked:
-        allowed[2:, length - n] = False
-    mask = torch.zeros(n, length).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
-    out, _ = int8.invariant_attention(None, query, key, value, mask)  # [1, n, heads, d]
-    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
-    assert torch.allclose(out.transpose(1, 2), expected, atol=1e-6)
