@@ -12,6 +12,7 @@ from transformers import DynamicCache
 from specdecode.drafters.draft_model import best_draft_length
 from specdecode.drafters.self_speculative.layers import check_layer_skipping, crop_layers, run_layers
 from specdecode.errors import UserError
+from specdecode.models.base import CausalLM
 from specdecode.models.costs import CostCurve
 from specdecode.models.hf import HFCausalLM, module_bytes
 
@@ -58,6 +59,22 @@ def block_influence(residual: list[torch.Tensor]) -> list[float]:
     ]
 
 
+def greedy_continuation(model: CausalLM, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy decoding, as the engine without a drafter does it (one forward per token, the argmax
+    of its one row): up to `max_new_tokens` new tokens, an end-of-sequence token (kept) or a full context."""
+    model.reset()
+    context, output, pending = list(prompt_ids), [], list(prompt_ids)
+    while len(output) < max_new_tokens and len(context) < model.max_context:
+        logits = model.forward(torch.tensor(pending), num_logits=1).logits  # [1, vocab]
+        token = int(logits[0].argmax())
+        output.append(token)
+        context.append(token)
+        pending = [token]
+        if token in model.eos_token_ids:
+            break
+    return output
+
+
 class Calibration:
     """The target's greedy continuations of a few prompts and its keys and values over them, on which skip
     sets are scored.
@@ -70,22 +87,20 @@ class Calibration:
     """
 
     def __init__(self, target: HFCausalLM, prompts: Sequence[Sequence[int]], continuation: int = CONTINUATION):
-        from specdecode.engine import GenerationConfig, SpeculativeEngine  # the engine imports the drafters
-
         if not prompts or not all(prompts):
             raise UserError("calibration needs at least one non-empty prompt")
         model = target.model
         check_layer_skipping(model)
         self.model = model
         self.num_layers = model.config.num_hidden_layers
-        plain = SpeculativeEngine(HFCausalLM(model, target.eos_token_ids))  # its own cache, not the target's
+        plain = HFCausalLM(model, target.eos_token_ids)  # its own cache, not the target's
         tokens: list[int] = []
         positions: list[int] = []
         segments: list[int] = []
         queries: list[int] = []  # packed index of the token before each continuation token
         expected: list[int] = []
         for segment, prompt in enumerate(prompts):
-            generated = plain.generate(list(prompt), GenerationConfig(max_new_tokens=continuation)).token_ids
+            generated = greedy_continuation(plain, list(prompt), continuation)
             sequence = [*prompt, *generated]
             queries += range(len(tokens) + len(prompt) - 1, len(tokens) + len(sequence) - 1)
             expected += generated
