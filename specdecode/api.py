@@ -10,7 +10,7 @@ transformers models (then pass `tokenizer=` too).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,7 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from specdecode.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.drafters.base import Drafter
-from specdecode.methods import DrafterOptions, Method, name_of, resolve
+from specdecode.methods import MethodChoice, choose
 from specdecode.models.base import CausalLM
 from specdecode.models.hf import HFCausalLM
 from specdecode.models.loading import (
@@ -68,26 +68,26 @@ class Models:
         method to its tree form, `budget` fixes the tree nodes verified per step (default: chosen from
         the target's measured cost curve), `choices` gives the tree a fixed shape, `datastore` is a
         retrieval datastore's path (`rest`, `composite`; default: the Python standard library's; methods
-        that draft from none ignore it), `reference` a
-        document's text to copy from (`pld`)."""
-        spec, options = self._options(method, tree, budget, choices, datastore, reference)
-        drafter = spec.drafter(self.target, self.require_draft() if spec.needs_draft_model else None, options)
-        tree_budget = None if not options.tree else options.budget or ("whole" if options.choices else "auto")
-        return SpeculativeEngine(self.target, self.tokenizer, drafter, method=name_of(spec, options),
-                                 tree_budget=tree_budget, verifier=spec.verifier)
+        that draft from none ignore it), `reference` a document's text to copy from (`pld`, `composite`;
+        the others ignore it). The method is resolved here (`methods.choose`); `engine_for` takes one
+        resolved already."""
+        return self.engine_for(choose(method, tree=tree, budget=budget, choices=choices, datastore=datastore,
+                                      reference=reference, only_if_taken=True))
 
-    def drafter(self, method: str, *, datastore: str | None = None) -> Drafter | None:
-        """A new drafter for one sequence (None for plain decoding), as `engine` would make it."""
-        spec, options = self._options(method, False, None, None, datastore, None)
-        return spec.drafter(self.target, self.require_draft() if spec.needs_draft_model else None, options)
+    def engine_for(self, choice: MethodChoice) -> SpeculativeEngine:
+        """An engine for a resolved method (`methods.choose`)."""
+        return SpeculativeEngine(self.target, self.tokenizer, self.drafter_for(choice), method=choice.name,
+                                 tree_budget=choice.tree_budget, verifier=choice.method.verifier)
 
-    def _options(self, method, tree, budget, choices, datastore, reference) -> tuple[Method, DrafterOptions]:
-        spec, options = resolve(method)
-        reference_ids = tuple(self.tokenizer.encode(reference, add_special_tokens=False)) if reference else None
-        return spec, DrafterOptions(tree=tree or options.tree, budget=budget, choices=choices or options.choices,
-                                    datastore=datastore if "datastore" in spec.takes else None,
-                                    reference_ids=reference_ids, tokenizer=self.tokenizer,
-                                    draft_tokenizer=self.draft_tokenizer if spec.needs_draft_model else None)
+    def drafter_for(self, choice: MethodChoice) -> Drafter | None:
+        """A new drafter for one sequence (None for plain decoding), as `engine_for` would make it: the
+        choice's options with what depends on these models (the reference's token ids, the tokenizers)."""
+        method = choice.method
+        reference_ids = (tuple(self.tokenizer.encode(choice.reference, add_special_tokens=False))
+                         if choice.reference else None)
+        options = replace(choice.options, reference_ids=reference_ids, tokenizer=self.tokenizer,
+                          draft_tokenizer=self.draft_tokenizer if method.needs_draft_model else None)
+        return method.drafter(self.target, self.require_draft() if method.needs_draft_model else None, options)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids of a prompt; with chat=True, as the single user turn of the chat template."""
@@ -200,7 +200,8 @@ def generate(
     backend: str = "torch",
 ) -> GenerationResult:
     """Generate with one method; models loaded by name are kept for the next call."""
-    needs_draft = resolve(method)[0].needs_draft_model
+    choice = choose(method, tree=tree, budget=budget)  # before any model loads
+    needs_draft = choice.method.needs_draft_model
     key = (id(target) if isinstance(target, PreTrainedModel) else target,
            (id(drafter) if isinstance(drafter, PreTrainedModel) else drafter) if needs_draft else None, str(dtype),
            str(draft_dtype), backend)
@@ -215,4 +216,4 @@ def generate(
         stop=tuple(stop),
         seed=seed,
     )
-    return models.engine(method, tree=tree, budget=budget).generate(ids, config)
+    return models.engine_for(choice).generate(ids, config)

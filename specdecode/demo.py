@@ -9,7 +9,7 @@ from rich.table import Table
 from specdecode.api import load_models
 from specdecode.bench.exactness import diagnose
 from specdecode.engine import GenerationConfig, GenerationResult
-from specdecode.methods import resolve
+from specdecode.methods import choose
 
 DEMO_PROMPTS = [
     "Add type hints and a docstring to this function, and return the whole function:\n\n"
@@ -28,8 +28,9 @@ DEMO_METHODS = ["ar", "draft", "draft-tree", "pld", "pld-tree", "rest", "lookahe
 
 def run_demo(target: str, drafter: str, dtype: str, draft_dtype: str, max_new_tokens: int) -> None:
     console = Console()
+    choices = {name: choose(name) for name in DEMO_METHODS}
     models = load_models(target, drafter, dtype=dtype, draft_dtype=draft_dtype)
-    engines = {name: models.engine(name) for name in DEMO_METHODS}
+    engines = {name: models.engine_for(choice) for name, choice in choices.items()}
     prompts = [models.encode(p, chat=True) for p in DEMO_PROMPTS]
     with console.status("Warming up"):
         for engine in engines.values():
@@ -47,7 +48,7 @@ def run_demo(target: str, drafter: str, dtype: str, draft_dtype: str, max_new_to
             note = ""
             if reference is None:
                 reference = result.token_ids
-            elif resolve(name)[0].lossless:
+            elif choices[name].method.lossless:
                 divergence = diagnose(models.target, ids, reference, result.token_ids)
                 note = "identical to ar" if divergence is None else divergence.describe()
             title = f"{name}: {result.tokens_per_second:.1f} tokens/s, {result.mean_accepted_tokens:.2f} tokens per target forward"

@@ -3,12 +3,18 @@
 The CLI, the Python API and the benchmark all enumerate this one table. A method that can draft a token
 tree as well as a chain takes `DrafterOptions(tree=True)`; by name, the tree form is `NAME-tree` (and
 `draft-tree-fixed` is the draft model's tree in a fixed shape, for comparison).
+
+A method is resolved once, where a request for it comes in (a command, the server's start-up, the Python
+API's entry points), by `choose`: into a `MethodChoice` (the method, its validated options, the sources it
+drafts from), which is passed down as it is; the loaded models build its drafter and engine from it
+(`api.Models.engine_for`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from specdecode.drafters.base import Drafter, DrafterOptions  # DrafterOptions re-exported: callers import it here
 from specdecode.drafters.draft_model import DraftModelDrafter
@@ -63,11 +69,8 @@ class Method:
     other_tokenizer: bool = False
 
     def drafter(self, target: CausalLM, draft: CausalLM | None, options: DrafterOptions | None = None) -> Drafter | None:
+        """Its drafter for these models, `options` as `choose` validated them (None: plain decoding)."""
         options = options or DrafterOptions()
-        if options.tree and not self.tree:
-            raise UserError(f"method {self.name!r} has no tree form; tree methods: {', '.join(tree_methods())}")
-        if options.choices is not None and not self.choices:
-            raise UserError(f"method {self.name!r} takes no fixed tree shape")
         if options.draft_tokenizer is not None and (options.tree or not self.other_tokenizer):
             raise UserError(
                 f"method {name_of(self, options)!r} needs a draft model with the target's tokenizer; this one's "
@@ -204,3 +207,65 @@ def name_of(method: Method, options: DrafterOptions) -> str:
         return method.name
     return f"{method.name}-tree" + ("-fixed" if options.choices is not None else "")
 
+
+@dataclass(frozen=True)
+class MethodChoice:
+    """A method resolved once (`choose`) and passed down as it is: the method, its options (chain or tree,
+    the tree's budget or fixed shape, the datastore it retrieves from), and the text of the document it
+    copies from. What depends on the loaded models (the reference's token ids, the tokenizers) they add
+    when they build its drafter (`api.Models.drafter_for`)."""
+
+    method: Method
+    options: DrafterOptions = DrafterOptions()
+    reference: str | None = None  # a document's text to copy from (pld, composite)
+
+    @property
+    def name(self) -> str:
+        """Its display name: `draft`, `draft-tree`, `draft-tree-fixed`."""
+        return name_of(self.method, self.options)
+
+    @property
+    def tree_budget(self) -> int | str | None:
+        """Tree nodes verified per step: a number, "whole" (a fixed shape), "auto" (from the cost curve), or
+        None for a chain."""
+        if not self.options.tree:
+            return None
+        return self.options.budget or ("whole" if self.options.choices else "auto")
+
+
+def choose(
+    spec: str,
+    *,
+    tree: bool = False,
+    budget: int | None = None,
+    choices: tuple[tuple[int, ...], ...] | None = None,
+    datastore: str | Path | None = None,
+    reference: str | None = None,
+    only_if_taken: bool = False,
+) -> MethodChoice:
+    """Resolve a method by name (`resolve`; `tree` switches it to its tree form, `budget` and `choices`
+    as `DrafterOptions`) with the sources it drafts from, and check them all: a UserError of one line
+    otherwise. A datastore or reference the method does not draft from is refused, or with
+    `only_if_taken` dropped (a server's or a benchmark's sources, shared by every method it runs)."""
+    method, named = resolve(spec)
+    options = DrafterOptions(tree=tree or named.tree, budget=budget,
+                             choices=choices if choices is not None else named.choices)
+    if options.tree and not method.tree:
+        raise UserError(f"method {method.name!r} has no tree form; drop --tree (tree methods: "
+                        f"{', '.join(tree_methods())})")
+    if options.choices is not None and not method.choices:
+        raise UserError(f"method {method.name!r} takes no fixed tree shape")
+
+    def taken(source: str, value):
+        if value is None or source in method.takes:
+            return value
+        if only_if_taken:
+            return None
+        takers = " and ".join(name for name, m in METHODS.items() if source in m.takes)
+        raise UserError(f"--{source} applies to {takers}, not {method.name}")
+
+    datastore, reference = taken("datastore", datastore), taken("reference", reference)
+    if datastore is not None and not Path(datastore).expanduser().is_file():
+        raise UserError(f"no datastore at {datastore} (build one with `specdecode datastore build`)")
+    return MethodChoice(method, replace(options, datastore=str(datastore) if datastore is not None else None),
+                        reference or None)

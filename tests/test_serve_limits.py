@@ -67,11 +67,11 @@ def serving(models: Models, drafter: GatedDrafter | None = None, limits: Limits 
     if drafter is not None:
         plain = models
         models = dataclasses.replace(plain)  # its `drafter` is replaced, the module's models are not
-        models.drafter = lambda method, datastore=None: drafter if method == "pld" else plain.drafter(method)
+        models.drafter_for = lambda choice: drafter if choice.name == "pld" else plain.drafter_for(choice)
     options.setdefault("methods", ["pld", "ar", "draft"])
     state = Server(models, MODEL, default_method=options["methods"][0], limits=limits, **options)
     if drafter is not None:
-        state.engines["draft"] = SpeculativeEngine(models.target, models.tokenizer, drafter, method="draft")
+        state.engines.shared["draft"] = SpeculativeEngine(models.target, models.tokenizer, drafter, method="draft")
     running = ServerThread(create_app(state, guard))
     try:
         yield running, state
@@ -216,13 +216,13 @@ def test_a_cold_method_answers_503_while_the_others_run(models):
     begun, release = threading.Event(), threading.Event()
     slow = dataclasses.replace(models)
 
-    def engine(method, **options):
-        if method == "jacobi":  # a long preparation (a layer search, say), held by the test
+    def engine_for(choice):
+        if choice.name == "jacobi":  # a long preparation (a layer search, say), held by the test
             begun.set()
             release.wait(120)
-        return Models.engine(slow, method, **options)
+        return Models.engine_for(slow, choice)
 
-    slow.engine = engine
+    slow.engine_for = engine_for
     state = Server(slow, MODEL, default_method="pld", methods=["pld", "ar", "jacobi", "lookahead", "eagle"],
                    prepare=["pld", "ar"])
     running = ServerThread(create_app(state))

@@ -107,7 +107,7 @@ def test_owners_beyond_the_limit_are_forgotten_least_recent_first(models):
             stream(running.url, "one two", user=user)
     finally:
         running.stop()
-    assert [owner for _, owner in state._owned] == [(None, "a"), (None, "c")]
+    assert [owner for _, owner in state.engines.owned] == [(None, "a"), (None, "c")]
 
 
 def test_a_growing_index_finds_what_a_plain_search_finds():

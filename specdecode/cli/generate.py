@@ -12,8 +12,7 @@ from rich.table import Table
 
 from specdecode.cli.options import (
     Backend, BackendOption, BudgetOption, ChoicesOption, DatastoreOption, DraftDType, DraftDTypeOption, DrafterOption,
-    DType, DTypeOption, MethodName, ReferenceOption, TargetOption, TreeOption, check_sources, console)
-from specdecode.errors import UserError
+    DType, DTypeOption, MethodName, ReferenceOption, TargetOption, TreeOption, console, read_reference)
 from specdecode.methods import METHODS
 from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
 
@@ -46,15 +45,12 @@ def generate(
     """Generate a continuation of PROMPT with one method and print it with its statistics."""
     from specdecode.api import load_models
     from specdecode.engine import GenerationConfig
-    from specdecode.methods import DrafterOptions, parse_choices
+    from specdecode.methods import choose, parse_choices
     from specdecode.types import SamplingParams
 
-    method_name = method.value
-    options = DrafterOptions(tree=tree, budget=budget, choices=parse_choices(choices) if choices else None)
-    if options.tree and not METHODS[method_name].tree:
-        raise UserError(f"method {method_name!r} has no tree form; drop --tree")
-    reference_text = check_sources(method_name, datastore, reference)
-    needs_draft = METHODS[method_name].needs_draft_model
+    choice = choose(method.value, tree=tree, budget=budget, choices=parse_choices(choices) if choices else None,
+                    datastore=datastore, reference=read_reference(reference))
+    needs_draft = choice.method.needs_draft_model
     models = load_models(target, drafter if needs_draft else None, dtype=dtype.value, draft_dtype=draft_dtype.value,
                          backend=backend.value)
     ids = models.encode(prompt, chat=chat)
@@ -64,8 +60,7 @@ def generate(
         stop=tuple(stop or ()),
         seed=seed,
     )
-    engine = models.engine(method_name, tree=tree, budget=budget, choices=options.choices,
-                           datastore=str(datastore) if datastore else None, reference=reference_text)
+    engine = models.engine_for(choice)
     if as_json:
         print(json.dumps(engine.generate(ids, config).summary()))
         return

@@ -46,27 +46,14 @@ ReferenceOption = Annotated[Path | None, typer.Option(
     help="A document pld and composite copy from (retrieved passages, a file being edited).")]
 
 
-def check_sources(method: str, datastore: Path | None, reference: Path | None) -> str | None:
-    """Validate --datastore / --reference for a method; the reference document's text."""
-
-    def takers(source: str) -> str:
-        return " and ".join(name for name, m in METHODS.items() if source in m.takes)
-
-    if datastore is not None:
-        if "datastore" not in METHODS[method].takes:
-            raise UserError(f"--datastore applies to {takers('datastore')}, not {method}")
-        if not datastore.is_file():
-            raise UserError(f"no datastore at {datastore} (build one with `specdecode datastore build`)")
-    if reference is None:
+def read_reference(path: Path | None) -> str | None:
+    """The text of the --reference document (None without one)."""
+    if path is None:
         return None
-    if "reference" not in METHODS[method].takes:
-        raise UserError(f"--reference applies to {takers('reference')}, not {method}")
     try:
-        text = reference.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
-        raise UserError(f"cannot read the reference document {reference}: {error}") from None
+        raise UserError(f"cannot read the reference document {path}: {error}") from None
     if not text.strip():
-        raise UserError(f"the reference document {reference} is empty")
+        raise UserError(f"the reference document {path} is empty")
     return text
-
-

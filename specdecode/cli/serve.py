@@ -9,9 +9,8 @@ import typer
 
 from specdecode.cli.options import (
     Backend, BackendOption, DatastoreOption, DraftDType, DraftDTypeOption, DrafterOption, DType, DTypeOption,
-    MemoryScope, MethodName, TargetOption, check_sources, console)
+    MemoryScope, MethodName, TargetOption, console)
 from specdecode.errors import UserError
-from specdecode.methods import METHODS
 from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
 
 
@@ -63,16 +62,17 @@ def serve(
     import uvicorn
 
     from specdecode.api import load_models
-    from specdecode.methods import resolve
+    from specdecode.methods import choose
     from specdecode.serve.app import Limits, Server, create_app
     from specdecode.serve.guard import Guard, uvicorn_options
 
-    if no_drafter and METHODS[method.value].needs_draft_model:
+    # every method resolved before the models load: the default one with the datastore it retrieves from,
+    # the others offered with it where they take one
+    default = choose(method.value, datastore=datastore)
+    if no_drafter and default.method.needs_draft_model:
         raise UserError(f"method {method.value!r} needs the draft model; drop --no-drafter or pick another --method")
-    check_sources(method.value, datastore, None)
-    offered = [m.strip() for m in methods.split(",") if m.strip()] if methods else None
-    for name in offered or ():
-        resolve(name)  # a UserError for an unknown name, before the models load
+    offered = [choose(m.strip(), datastore=datastore, only_if_taken=True)
+               for m in methods.split(",") if m.strip()] if methods else None
     keys = tuple(word for key in api_key or () for word in key.split())
     guard = Guard.for_address(host, tuple(allowed_host or ()), api_keys=keys, docs=docs,
                               max_body_bytes=int(max_body_mib * 2**20), read_seconds=read_timeout)
@@ -81,7 +81,7 @@ def serve(
     models = load_models(target, None if no_drafter else drafter, dtype=dtype.value, draft_dtype=draft_dtype.value,
                          backend=backend.value)
     name = model_name or Path(target.rstrip("/")).name.removesuffix(".gguf")
-    server = Server(models, name, method.value, datastore=str(datastore) if datastore else None, max_batch=max_batch,
+    server = Server(models, name, default, datastore=str(datastore) if datastore else None, max_batch=max_batch,
                     limits=limits, methods=offered, memory_scope=memory_scope.value)
     console.print(f"serving [bold]{name}[/] ({method.value} by default) on http://{host}:{port}/ "
                   f"({'API key required' if keys else 'no API key: this machine only'}); Ctrl-C stops")

@@ -30,12 +30,13 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from specdecode.drafters.base import Drafter
 from specdecode.engine import GenerationConfig, GenerationResult, SpeculativeEngine, StepEvent
 from specdecode.engine.batch import BatchEngine
 from specdecode.errors import UserError
-from specdecode.methods import resolve
+from specdecode.methods import MethodChoice
 from specdecode.models.base import CausalLM
 from specdecode.types import StepStats
 
@@ -74,9 +75,19 @@ def token_pieces(tokenizer, output: list[int], event: StepEvent) -> list[str]:
     return pieces
 
 
+class Factory(Protocol):
+    """What the worker builds a job's engine or drafter with, from its resolved method (`serve.engines.Engines`)."""
+
+    def engine(self, choice: MethodChoice, memory: Hashable | None) -> SpeculativeEngine:
+        """The engine a job runs alone with; `memory`: whose cross-request memory it may read (None: its own)."""
+
+    def drafter(self, choice: MethodChoice) -> Drafter | None:
+        """A new drafter for one sequence of a batch (None: plain decoding)."""
+
+
 @dataclass
 class Job:
-    method: str
+    choice: MethodChoice  # its method, resolved once where the request came in
     prompt_ids: list[int]
     config: GenerationConfig
     loop: asyncio.AbstractEventLoop
@@ -98,28 +109,26 @@ class Job:
         """What it generated up to now, as a result that reached its length."""
         return GenerationResult(prompt_ids=self.prompt_ids, token_ids=self.output, text=self.text, steps=self.steps,
                                 seconds=time.perf_counter() - (self.started or self.submitted),
-                                finish_reason="length", method=self.method)
+                                finish_reason="length", method=self.choice.name)
 
 
 class Worker:
-    """Runs jobs on a daemon thread. `engine_for(job)`: the engine of the job's method (and memory), for
-    a job that runs alone; `drafter_for(job)`: a new drafter for one sequence of a batch (None: plain
-    decoding), asked only for methods whose `Method.batchable`; `on_finish(job, result)` sees every
-    result."""
+    """Runs jobs on a daemon thread. `factory` builds the engine of a job that runs alone (for its method
+    and memory) and a new drafter for one sequence of a batch, asked only for methods whose
+    `Method.batchable`; `on_finish(job, result)` sees every result."""
 
     def __init__(
         self,
         target: CausalLM,
         tokenizer,
-        engine_for: Callable[[Job], SpeculativeEngine],
-        drafter_for: Callable[[Job], Drafter | None],
+        factory: Factory,
         on_finish: Callable[[Job, GenerationResult], None] = lambda job, result: None,
         max_batch: int = DEFAULT_MAX_BATCH,
         on_batch_step: Callable[[int, int], None] = lambda size, drafted: None,
         max_queue: int = DEFAULT_MAX_QUEUE,
     ):
         self.tokenizer = tokenizer
-        self.engine_for, self.drafter_for, self._on_finish = engine_for, drafter_for, on_finish
+        self.factory, self._on_finish = factory, on_finish
         self._on_batch_step = on_batch_step  # (sequences, draft tokens verified) after every batched forward
         self.max_batch, self.max_queue = max_batch, max_queue
         self.batch = BatchEngine(target, tokenizer) if target.several_sequences and max_batch > 1 else None
@@ -181,7 +190,7 @@ class Worker:
 
     def _fail(self, job: Job, error: BaseException) -> None:
         if not isinstance(error, (Busy, UserError)):  # the server's fault: its log says what happened
-            log.error("request failed (method %s)", job.method, exc_info=error)
+            log.error("request failed (method %s)", job.choice.name, exc_info=error)
         self._send(job, error)
 
     def _take_incoming(self, block: bool) -> None:
@@ -228,7 +237,7 @@ class Worker:
                 self._fail(job, Busy(f"the server is busy: the request waited {waited:.0f} s for the model"))
                 continue
             try:
-                if self.batch is None or not resolve(job.method)[0].batchable:
+                if self.batch is None or not job.choice.method.batchable:
                     if self._active:
                         return  # wait for the batch to drain
                     self._dequeue()
@@ -238,8 +247,8 @@ class Worker:
                 if len(self._active) >= self.max_batch:
                     return
                 job.started = time.perf_counter()
-                drafter = self.drafter_for(job)
-                self._active[self.batch.add(job.prompt_ids, job.config, drafter, job.method)] = job
+                drafter = self.factory.drafter(job.choice)
+                self._active[self.batch.add(job.prompt_ids, job.config, drafter, job.choice.name)] = job
                 self._dequeue()
             except Exception as error:  # reaches the request as its error (UserError: 400, others: 500)
                 self._dequeue()
@@ -268,7 +277,7 @@ class Worker:
     def _run_alone(self, job: Job) -> None:
         engine = None
         try:
-            engine = self.engine_for(job)
+            engine = self.factory.engine(job.choice, job.memory)
             stream = engine.stream(job.prompt_ids, job.config)
             for event in stream:
                 if job.cancelled.is_set():

@@ -1,0 +1,85 @@
+"""What one request may cost (`Limits`: tokens, time, the queue) and the checks of a request against it and
+against the model's context, each failure an OpenAI error (400) before the request reaches the worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdecode.engine import GenerationConfig
+from specdecode.errors import UserError
+from specdecode.serve.protocol import APIError, ChatRequest, SamplingRequest
+from specdecode.serve.worker import DEFAULT_MAX_QUEUE
+from specdecode.types import SamplingParams
+
+GREEDY_BELOW = 1e-5  # a smaller temperature decodes greedily
+NORMALISED_SHRINK = 3  # a Unicode normaliser (NFC) turns at most three characters into one of a third their bytes
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may cost."""
+
+    max_tokens: int = 4096  # the most a request may ask to generate
+    default_max_tokens: int = 512  # a chat request that names none (completions: OpenAI's 16)
+    request_seconds: float = 300.0  # from arrival; then the generation ends where it is
+    max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting for the model; beyond: 429
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.default_max_tokens <= self.max_tokens:
+            raise UserError(f"the default max_tokens ({self.default_max_tokens}) must lie in 1 .. the maximum "
+                            f"({self.max_tokens})")
+        if not self.request_seconds > 0 or self.max_queue < 1:
+            raise UserError("the request timeout must be positive and the queue hold at least one request")
+
+    def answer_limit(self, body: SamplingRequest, context: int) -> int | None:
+        """The tokens a request asks to generate at most (None: it names none), checked."""
+        limit = body.answer_limit() if isinstance(body, ChatRequest) else body.max_tokens
+        if limit is not None and limit >= context:  # with any prompt at all
+            raise APIError(400, f"This model's maximum context length is {context} tokens; the request asks for "
+                                f"{limit} to generate.", param="max_tokens", code="context_length_exceeded")
+        if limit is not None and limit > self.max_tokens:
+            raise APIError(400, f"max_tokens is at most {self.max_tokens} on this server; the request "
+                                f"asks for {limit}.", param="max_tokens")
+        return limit
+
+    def config(self, body: SamplingRequest, prompt_ids: list[int], limit: int | None, context: int,
+               param: str) -> GenerationConfig:
+        """The generation a tokenized request asks for, once it fits in the context."""
+        room = context - len(prompt_ids)
+        if room <= 0 or (limit is not None and limit > room):
+            asked = f" + {limit} to generate" if limit is not None else ""
+            raise APIError(400, f"This model's maximum context length is {context} tokens; the request has "
+                                f"{len(prompt_ids)} prompt tokens{asked}.", param=param,
+                           code="context_length_exceeded")
+        temperature = 1.0 if body.temperature is None else body.temperature
+        if temperature < GREEDY_BELOW:  # as vLLM: below it, logits / temperature leave float32's range
+            temperature = 0.0
+        sampling = SamplingParams(temperature=temperature, top_k=body.top_k or 0,
+                                  top_p=1.0 if body.top_p is None else body.top_p)
+        try:
+            return GenerationConfig(max_new_tokens=limit or min(self.default_max_tokens, room),
+                                    sampling=sampling, stop=tuple(body.stop or ()), seed=body.seed)
+        except UserError as error:
+            raise APIError(400, str(error)) from None
+
+
+def prompt_byte_limit(tokenizer, context: int) -> int | None:
+    """Above this many UTF-8 bytes a prompt cannot fit in `context` tokens, whatever it says: no token
+    stands for more bytes than its own text in the vocabulary (a byte-level symbol, a SentencePiece `▁`
+    or `<0x..>` is never shorter than what it stands for), times NORMALISED_SHRINK when the tokenizer
+    normalises the text first. None when the vocabulary cannot be read."""
+    try:
+        longest = max(len(token.encode("utf-8", "replace")) for token in tokenizer.get_vocab())
+    except Exception:
+        return None
+    normaliser = getattr(getattr(tokenizer, "backend_tokenizer", None), "normalizer", None)
+    return context * longest * (NORMALISED_SHRINK if normaliser is not None else 1)
+
+
+def check_prompt_bytes(texts: list[str], byte_limit: int | None, context: int, param: str) -> None:
+    """Refuse a prompt whose bytes already exceed what the context could hold (`prompt_byte_limit`),
+    before it is tokenized."""
+    size = sum(len(text.encode("utf-8")) for text in texts)
+    if byte_limit is not None and size > byte_limit:
+        raise APIError(400, f"This model's maximum context length is {context} tokens; the prompt's {size} bytes "
+                            "cannot fit in it.", param=param, code="context_length_exceeded")

@@ -1,0 +1,263 @@
+"""The server's state and a request's way through it: which method (resolved once at start-up,
+`serve.offer`), what it may cost (`Limits`), tokenizing off the event loop, the job on the worker, and the
+answer, whole or streamed (`serve.replies`).
+
+Several users at once (see also `serve.guard` for keys, hosts and the HTTP limits):
+
+- *Memory*: a method that drafts from earlier requests' text (`Method.remembers`: suffix decoding) gets
+  one drafter per *owner*: with `memory_scope="tenant"` (the default) an owner is an API key's tenant
+  and the request's OpenAI `user` field; a request with neither (no keys, no `user` or an empty one) has
+  a drafter of its own that forgets it afterwards. "request" never shares; "server" shares one memory among all (one
+  trusted user). So a request's drafts, rejected text and token origins carry only its owner's text.
+- *Cost*: `Limits` caps a request's tokens, its time (past its deadline a generation ends where it is,
+  as at max_tokens) and the requests waiting (429 beyond); a client that disconnects, streaming or not,
+  stops its generation within one step.
+- *Preparation*: the methods a server is given (`methods`; without them, the default method) are
+  prepared at start-up, any other on its first request, in the background (`serve.offer`): the request is
+  served if that takes under PREPARE_GRACE, and the method answers 503 until ready otherwise.
+- *The event loop*: tokenizing and templating run on a thread pool; a prompt whose bytes already exceed
+  what the context could hold is refused before it is tokenized.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import time
+from collections.abc import Hashable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from specdecode.api import Models
+from specdecode.engine import GenerationResult
+from specdecode.errors import UserError
+from specdecode.methods import MethodChoice
+from specdecode.serve import protocol, replies
+from specdecode.serve.engines import Engines
+from specdecode.serve.guard import ClientGone
+from specdecode.serve.limits import Limits, check_prompt_bytes, prompt_byte_limit
+from specdecode.serve.metrics import ServerMetrics
+from specdecode.serve.offer import Offer, Preparation
+from specdecode.serve.protocol import APIError, ChatRequest, CompletionRequest, SamplingRequest
+from specdecode.serve.replies import NOT_READY_RETRY_SECONDS, api_error
+from specdecode.serve.worker import DEFAULT_MAX_BATCH, Job, Worker
+
+MEMORY_SCOPES = ("tenant", "request", "server")
+TOKENIZER_THREADS = 2
+PREPARE_GRACE = 1.0  # seconds a request waits for its method's preparation before a 503
+
+
+class Server:
+    """The models, the methods offered and their preparation, the engines (`serve.engines`), the worker and
+    the metrics."""
+
+    def __init__(self, models: Models, model_name: str, default_method: str | MethodChoice = "pld",
+                 datastore: str | None = None, max_batch: int = DEFAULT_MAX_BATCH, limits: Limits = Limits(),
+                 methods: Sequence[str | MethodChoice] | None = None, prepare: Sequence[str] | None = None,
+                 memory_scope: str = "tenant", memory_owners: int = 64):
+        """`methods`: those clients may name (default: every one the models can run), by name or resolved
+        already (`methods.choose`); `datastore`: the retrieval datastore of those that take one; `prepare`:
+        those prepared before the server takes requests (default: all of `methods` when given, else the
+        default method), each other one being prepared in the background on its first request."""
+        self.offer = Offer.resolve(models, default_method, methods, datastore)
+        self.offered = tuple(self.offer.names())
+        if prepare is None:
+            prepare = self.offered if methods else ()
+        first = list(dict.fromkeys([self.offer.default.name, *prepare]))
+        if not set(first) <= set(self.offered):
+            raise UserError("the default method and those to prepare must be among the methods offered")
+        if memory_scope not in MEMORY_SCOPES or memory_owners < 1:
+            raise UserError(f"the memory scope is one of {', '.join(MEMORY_SCOPES)}, with at least one owner")
+        self.models, self.model_name, self.default_method = models, model_name, self.offer.default.name
+        self.limits, self.memory_scope = limits, memory_scope
+        self.metrics = ServerMetrics()
+        self._recent_seconds = 1.0  # a moving average of request latency, for Retry-After
+        self.prompt_bytes = prompt_byte_limit(models.tokenizer, models.target.max_context)
+        # Requests are tokenized on these threads, one text each. The tokenizer's own thread pool (Rust's
+        # rayon, at full priority) is turned off: a datastore's tokenization on it would take the cores
+        # from decoding (a concurrent stream stalled for seconds with it, not at all without).
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="specdecode-tokenize")
+        self.engines = Engines(models, memory_owners)
+        self.worker = Worker(models.target, models.tokenizer, self.engines, on_finish=self._finished,
+                             max_batch=max_batch, on_batch_step=self.metrics.batch_step, max_queue=limits.max_queue)
+        self.preparation = Preparation(self.engines, batching=self.worker.batch is not None)
+        self.metrics.waiting.set_function(lambda: self.worker.queued)
+        # What the methods share, measured once per machine while the models are idle: the cost curves.
+        models.target.cost_curve()
+        if models.draft is not None and any(c.method.needs_draft_model for c in self.offer.choices):
+            models.draft.cost_curve()
+        for name in first:
+            self.preparation.prepare(self.offer.get(name))
+        unavailable = self.preparation.unavailable
+        if failed := [m for m in first if m in unavailable]:  # asked for by name: say so now
+            self.close()
+            raise UserError("; ".join(f"method {m!r} cannot run here: {unavailable[m]}" for m in failed))
+
+    # -- methods ------------------------------------------------------------------------------------
+
+    def methods(self) -> list[str]:
+        """The methods clients may name."""
+        return list(self.offered)
+
+    def status(self, method: str) -> str:
+        """ready; unavailable (`unavailable` says why); preparing; or cold (prepared on its first request)."""
+        return self.preparation.status(method)
+
+    @property
+    def unavailable(self) -> dict[str, str]:
+        """Method -> why it cannot run here."""
+        return self.preparation.unavailable
+
+    def prepare_in_background(self, method: str) -> Future:
+        """Start preparing an offered method in the background (once); its future."""
+        return self.preparation.in_background(self.offer.get(method))
+
+    def wait_until_prepared(self, timeout: float | None = None) -> None:
+        """Block until every preparation under way has ended (tests, benchmarks)."""
+        self.preparation.wait(timeout)
+
+    def memory_owner(self, tenant: str | None, user: str | None) -> Hashable | None:
+        """Whose cross-request memory a request may read and add to (None: its own only)."""
+        user = user or None  # an empty name is none (a client library's default must not make a crowd)
+        if self.memory_scope == "server":
+            return "server"
+        if self.memory_scope == "request" or (tenant is None and user is None):
+            return None
+        return (tenant, user)
+
+    def _finished(self, job: Job, result: GenerationResult) -> None:
+        seconds = time.perf_counter() - job.submitted
+        self.metrics.finished(result, seconds)
+        if job.expired:
+            self.metrics.expired.inc()
+        self._recent_seconds = 0.9 * self._recent_seconds + 0.1 * seconds
+
+    def close(self) -> None:
+        self.worker.stop()
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
+
+    # -- a request's way through -------------------------------------------------------------------
+
+    async def _method(self, body: SamplingRequest) -> MethodChoice:
+        """The method a request names, once it is ready: a cold one is prepared in the background, and
+        the request waits for it PREPARE_GRACE seconds at most (enough for most), then gets 503."""
+        if body.model != self.model_name:
+            raise APIError(404, f"The model `{protocol.quoted(body.model)}` does not exist; this server has "
+                                f"`{self.model_name}`.", param="model", code="model_not_found")
+        name = body.method or self.default_method
+        choice = self.offer.get(name)
+        if choice is None:
+            raise APIError(400, f"Unknown method `{protocol.quoted(name)}`; this server offers: "
+                                f"{', '.join(self.offered)}.", param="method", code="unknown_method")
+        ready, unavailable = self.preparation.ready, self.preparation.unavailable
+        if name not in ready and name not in unavailable:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.preparation.in_background(choice))),
+                                       PREPARE_GRACE)
+        if name in unavailable:
+            raise APIError(400, f"The method `{name}` cannot run on this server: {unavailable[name]}",
+                           param="method", code="method_unavailable")
+        if name not in ready:
+            raise APIError(503, f"The method `{name}` is being prepared (first use on this machine: a search "
+                                f"or an index to build); retry later.", type="server_error", code="method_not_ready",
+                           headers={"Retry-After": str(NOT_READY_RETRY_SECONDS)})
+        return choice
+
+    def _answer_limit(self, body: SamplingRequest) -> int | None:
+        return self.limits.answer_limit(body, self.models.target.max_context)
+
+    def _check_bytes(self, texts: list[str], param: str) -> None:
+        check_prompt_bytes(texts, self.prompt_bytes, self.models.target.max_context, param)
+
+    def _encode_completion(self, prompt: str | list[int]) -> list[int]:  # on the tokenizing pool
+        if isinstance(prompt, str):
+            return self.models.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        vocab = self.models.target.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise APIError(400, f"Token ids must lie in [0, {vocab}).", param="prompt")
+        return prompt
+
+    def _encode_chat(self, messages: list[dict]) -> list[int]:  # on the tokenizing pool
+        from jinja2 import TemplateError
+
+        try:
+            return self.models.encode_chat(messages)
+        except UserError as error:
+            raise APIError(400, str(error), param="messages") from None
+        except TemplateError as error:  # the template refuses the conversation (e.g. roles out of order)
+            raise APIError(400, f"The chat template cannot render these messages: {error}", param="messages") from None
+
+    async def complete(self, request: Request, chat: bool) -> Response:
+        """One request to /v1/completions or /v1/chat/completions, from its body to its response."""
+        arrival = time.perf_counter()
+        body = protocol.parse(await request.body(), ChatRequest if chat else CompletionRequest)
+        choice = await self._method(body)
+        limit = self._answer_limit(body)
+        param = "messages" if chat else "prompt"
+        if chat:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            self._check_bytes([m["content"] for m in messages], param)
+            encode = lambda: self._encode_chat(messages)  # noqa: E731
+        else:
+            if isinstance(body.prompt, str):
+                self._check_bytes([body.prompt], param)
+            encode = lambda: self._encode_completion(body.prompt)  # noqa: E731
+        if not self.worker.enter():
+            retry = max(1, min(60, math.ceil(self._recent_seconds)))
+            raise APIError(429, f"The server is busy: {self.limits.max_queue} requests are waiting; retry in "
+                                f"{retry} s.", type="server_error", code="queue_full", headers={"Retry-After": str(retry)})
+        loop = asyncio.get_running_loop()
+        try:
+            prompt_ids = await loop.run_in_executor(self._tokenizing, encode)
+            config = self.limits.config(body, prompt_ids, limit, self.models.target.max_context, param)
+        except BaseException:
+            self.worker.leave()
+            raise
+        memory = self.memory_owner(request.state.tenant, body.user)
+        job = Job(choice, prompt_ids, config, loop, asyncio.Queue(), memory=memory,
+                  deadline=arrival + self.limits.request_seconds)
+        self.worker.submit(job)
+        watcher = asyncio.create_task(replies.disconnected(request))
+        finished = False
+        try:
+            first = await self._next(job, watcher)  # errors before the first token keep their status
+            if isinstance(first, BaseException):
+                raise api_error(first)
+            self.metrics.queue_seconds.observe((job.started or time.perf_counter()) - job.submitted)
+            self.metrics.first_token.labels(choice.name).observe(time.perf_counter() - job.submitted)
+            if body.stream:
+                watcher.cancel()  # the streaming response watches the connection from here
+                finished = True
+                return StreamingResponse(replies.chunks(job, first, body, chat, self.model_name, self.metrics),
+                                         media_type="text/event-stream")
+            self.metrics.running.inc()
+            try:
+                item = first
+                while not isinstance(item, GenerationResult):
+                    if isinstance(item, BaseException):
+                        raise api_error(item)
+                    item = await self._next(job, watcher)
+            finally:
+                self.metrics.running.dec()
+            finished = True
+            return JSONResponse(replies.response(item, chat, self.model_name))
+        finally:
+            watcher.cancel()
+            if not finished:  # the client left, or the request failed: stop the generation
+                job.cancelled.set()
+
+    async def _next(self, job: Job, watcher: asyncio.Task):
+        """The job's next event, or ClientGone once the client has disconnected (its job cancelled)."""
+        getter = asyncio.ensure_future(job.events.get())
+        await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if getter.done():
+            return getter.result()
+        getter.cancel()
+        job.cancelled.set()
+        self.metrics.cancelled.inc()
+        raise ClientGone
