@@ -16,11 +16,12 @@ from fakes import PROMPT, TARGET, FakeLM
 from goodness_of_fit import assert_follows, continuations, engine_outcomes
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.jacobi import JacobiDrafter, build_jacobi, extend_guesses, jacobi_fixed_point
-from specdecode.drafters.lookahead import LookaheadDrafter, NgramPool, build_lookahead, trie, window_tokens
+from specdecode.drafters.lookahead import LookaheadDrafter, NgramPool, build_lookahead, window_tokens
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.engine.loop import with_auxiliary
 from specdecode.errors import UserError
 from specdecode.models.hf import HFCausalLM
+from specdecode.tree.trie import build_trie, stack
 from specdecode.types import AuxiliaryTokens, Draft, SamplingParams
 
 PROMPTS = random_prompts(4, seed=3)
@@ -62,8 +63,9 @@ def test_ngram_pool_keeps_the_most_recent_distinct_continuations():
 
 
 def test_trie_merges_shared_prefixes():
-    tokens, parents = trie([(4, 5), (4, 6), (7, 5), (4, 5)])
-    assert tokens == [4, 5, 6, 7, 5] and parents == [-1, 0, 0, -1, 3]
+    trie = build_trie(stack([(4, 5), (4, 6), (7, 5), (4, 5)]))
+    assert trie.tokens.tolist() == [4, 5, 6, 7, 5] and trie.parents.tolist() == [-1, 0, 0, -1, 3]
+    assert trie.weights.tolist() == [3, 2, 1, 1, 1]
 
 
 def test_window_tokens_by_hand():

@@ -18,13 +18,13 @@ from specdecode.drafters.retrieval import (
     RetrievalDrafter,
     RetrievalTreeDrafter,
     build_datastore,
-    build_trie,
     build_retrieval,
     heaviest_path,
     join_documents,
     suffix_array,
 )
 from specdecode.drafters.retrieval.build import default_datastore_path
+from specdecode.tree.trie import build_trie
 from specdecode.engine import SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.methods import DrafterOptions
@@ -148,9 +148,9 @@ def paths(tokens, parents) -> list[tuple[int, ...]]:
        ends=st.lists(st.integers(0, 4), min_size=30, max_size=30))
 def test_trie_matches_slow_reference(rows, ends):
     rows = np.array(sorted(r[:e] + [SEPARATOR] * (4 - e) for r, e in zip(rows, ends)), dtype=np.int32)
-    trie = build_trie(rows)
+    trie = build_trie(rows, by_depth=True)
     structure.check(torch.from_numpy(trie.parents))
-    assert dict(zip(paths(trie.tokens, trie.parents), trie.counts.tolist())) == slow_trie(rows)
+    assert dict(zip(paths(trie.tokens, trie.parents), trie.weights.tolist())) == slow_trie(rows)
     assert trie.total == rows.shape[0]
     assert len(set(paths(trie.tokens, trie.parents))) == trie.tokens.size  # each prefix once
 

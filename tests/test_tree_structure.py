@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from specdecode.errors import UserError
 from specdecode.tree import structure
+from specdecode.tree.trie import build_trie, stack
 
 # ---------------------------------------------------------------------------------------------------
 # Tree A: 7 nodes, depth 3, two branches from the context.
@@ -367,3 +368,52 @@ def test_top_nodes_with_monotone_scores_takes_exactly_the_budget(parents, data, 
     keep = structure.top_nodes(parents, torch.tensor(scores, dtype=torch.float64), budget).tolist()
     assert len(keep) == min(budget, n)
     assert all(set(ancestors_of(p, i)) <= set(keep) for i in keep)
+
+
+# --- Tries of weighted continuations (tree.trie) -----------------------------------------------------
+
+
+def slow_weighted_trie(sequences, weights):
+    """The obvious trie: each sequence in turn, token by token, a node at first sight of its prefix, its
+    weight summed in sequence order. -> (tokens, parents, weights)"""
+    tokens, parents, summed, index = [], [], [], {}
+    for sequence, row in zip(sequences, weights):
+        parent = structure.ROOT
+        for token, weight in zip(sequence, row):
+            node = index.get((parent, token))
+            if node is None:
+                node = index[(parent, token)] = len(tokens)
+                tokens.append(token)
+                parents.append(parent)
+                summed.append(0.0)
+            summed[node] += weight
+            parent = node
+    return tokens, parents, summed
+
+
+def test_trie_by_hand():
+    trie = build_trie(stack([(4, 5), (4, 6), (7, 5), (4, 5), ()]))
+    assert trie.tokens.tolist() == [4, 5, 6, 7, 5] and trie.parents.tolist() == [-1, 0, 0, -1, 3]
+    assert trie.weights.tolist() == [3, 2, 1, 1, 1] and trie.total == 5
+    by_depth = build_trie(stack([(4, 5), (4, 6), (7, 5), (4, 5)]), by_depth=True)
+    assert by_depth.tokens.tolist() == [4, 7, 5, 6, 5] and by_depth.parents.tolist() == [-1, -1, 0, 0, 1]
+    weighted = build_trie(stack([(1, 2), (1, 3)]), stack([(0.5, 0.25), (0.125, 0.0625)], 0.0, float))
+    assert weighted.weights.tolist() == [0.625, 0.25, 0.0625]
+
+
+@settings(max_examples=300, deadline=None)
+@given(sequences=st.lists(st.lists(st.integers(0, 3), max_size=6), min_size=1, max_size=12), data=st.data())
+def test_trie_matches_slow_reference(sequences, data):
+    weights = [data.draw(st.lists(st.floats(0, 1), min_size=len(s), max_size=len(s))) for s in sequences]
+    trie = build_trie(stack(sequences), stack(weights, 0.0, float))
+    tokens, parents, summed = slow_weighted_trie(sequences, weights)
+    assert trie.tokens.tolist() == tokens and trie.parents.tolist() == parents
+    assert trie.weights.tolist() == summed  # bit for bit: summed in the same order
+    counted = build_trie(stack(sequences))
+    assert counted.weights.tolist() == slow_weighted_trie(sequences, [[1] * len(s) for s in sequences])[2]
+    # by depth: the same nodes, depth by depth, in first-seen order within a depth
+    by_depth = build_trie(stack(sequences), by_depth=True)
+    order = sorted(range(len(tokens)), key=lambda node: (int(structure.depths(torch.tensor(parents))[node]), node))
+    new = {old: i for i, old in enumerate(order)}
+    assert by_depth.tokens.tolist() == [tokens[i] for i in order]
+    assert by_depth.parents.tolist() == [new.get(parents[i], -1) for i in order]

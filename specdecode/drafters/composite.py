@@ -63,12 +63,12 @@ from specdecode.drafters.base import Drafter, DrafterOptions, RunningAcceptance
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.drafters.retrieval import build_retrieval
-from specdecode.drafters.suffix import best_path
 from specdecode.errors import UserError
 from specdecode.models import costs
 from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
-from specdecode.tree.budget import MAX_BUDGET, best_budget, check_budget
+from specdecode.tree.budget import best_budget, check_budget, prune
+from specdecode.tree.trie import best_path
 from specdecode.types import Draft, SamplingParams, StepStats, Verdict
 
 if TYPE_CHECKING:
@@ -185,8 +185,7 @@ def select(
     if not parents.numel():
         return torch.empty(0, dtype=torch.long)
     if tree:
-        count = budget or best_budget(sorted(scores.tolist(), reverse=True), curve, 0.0, cap=MAX_BUDGET)
-        return structure.top_nodes(parents, scores, count) if count else torch.empty(0, dtype=torch.long)
+        return prune(parents, scores, curve, budget)
     path = best_path(parents, scores)
     return path[: best_budget(scores[path].tolist(), curve, 0.0)]
 

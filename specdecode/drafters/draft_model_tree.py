@@ -35,7 +35,7 @@ from specdecode.models.base import CausalLM
 from specdecode.models.costs import CostCurve
 from specdecode.sampling import logits_to_probs
 from specdecode.tree import structure
-from specdecode.tree.budget import MAX_BUDGET, Calibration, best_budget, check_budget
+from specdecode.tree.budget import MAX_BUDGET, Calibration, best_budget, check_budget, prune
 from specdecode.types import Draft, SamplingParams, StepStats, Verdict
 
 # For comparison with the dynamic tree: a main chain 8 deep with second choices along its first levels.
@@ -210,7 +210,7 @@ class DraftModelTreeDrafter(Drafter):
         elif budget is None:
             ranked = sorted((self._calibration.factor * s for s in tree.scores), reverse=True)
             budget = max(best_budget(ranked, self.curve, 0.0, cap=MAX_BUDGET), 1)
-        keep = structure.top_nodes(parents, scores, budget)
+        keep = prune(parents, scores, self.curve, budget)
         self.last_scores = scores[keep]  # [kept] the kept nodes' cumulative draft probabilities
         self._predicted = float(scores[keep].sum())
         return Draft(tokens=torch.tensor(tree.tokens)[keep], parents=structure.select(parents, keep))

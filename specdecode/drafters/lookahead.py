@@ -36,7 +36,8 @@ from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
-from specdecode.tree.budget import Calibration, best_budget
+from specdecode.tree.budget import Calibration, prune
+from specdecode.tree.trie import build_trie, stack
 from specdecode.types import AuxiliaryTokens, Draft, SamplingParams, Verdict
 
 # Defaults for a 2-core CPU, where a bf16 forward over 16 tokens costs 1.25 one-token forwards (32: 1.78,
@@ -75,23 +76,6 @@ class NgramPool:
 
     def __len__(self) -> int:
         return sum(len(entries) for entries in self._entries.values())
-
-
-def trie(candidates: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:
-    """Token sequences merged by shared prefixes: (tokens, parents), parents before children."""
-    tokens: list[int] = []
-    parents: list[int] = []
-    index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
-    for candidate in candidates:
-        parent = -1
-        for token in candidate:
-            node = index.get((parent, token))
-            if node is None:
-                node = index[(parent, token)] = len(tokens)
-                tokens.append(token)
-                parents.append(parent)
-            parent = node
-    return tokens, parents
 
 
 def window_tokens(levels: list[list[int]], context_length: int) -> AuxiliaryTokens:
@@ -151,7 +135,8 @@ class LookaheadDrafter(Drafter):
         # 1. Verification branch: the pool's n-grams after the last token, as a trie.
         depth = min(self.ngram - 1, max_tokens)
         found = [c[:depth] for c in self.pool.candidates(context[-1])[: self.candidates]] if depth > 0 else []
-        tokens, parents = trie(found)
+        merged = build_trie(stack(found))
+        tokens, parents = merged.tokens.tolist(), merged.parents.tolist()
         scores = None
         if tokens and self.curve is not None:  # the nodes that pay on the cost curve
             tokens, parents, scores = self._cut(tokens, parents)
@@ -196,8 +181,7 @@ class LookaheadDrafter(Drafter):
             through[[node for node in path if node >= 0]] += 1
         scores = (through / through.max() * PRIOR_ACCEPTANCE ** structure.depths(parents_t).float()
                   * self.calibration.factor)  # [n], never higher for a child than for its parent
-        budget = best_budget(sorted(scores.tolist(), reverse=True), self.curve, 0.0, cap=len(tokens))
-        keep = structure.top_nodes(parents_t, scores, budget)
+        keep = prune(parents_t, scores, self.curve, cap=len(tokens))
         self._scores = scores[keep]
         return [tokens[i] for i in keep.tolist()], structure.select(parents_t, keep).tolist(), self._scores
 

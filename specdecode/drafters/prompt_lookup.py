@@ -13,7 +13,8 @@ from specdecode.drafters.base import Drafter, RunningAcceptance
 from specdecode.errors import UserError
 from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
-from specdecode.tree.budget import DECAY, MAX_BUDGET, best_budget, check_budget
+from specdecode.tree.budget import DECAY, check_budget, prune
+from specdecode.tree.trie import build_trie, stack
 from specdecode.types import Draft, SamplingParams, StepStats, Verdict
 
 
@@ -271,31 +272,17 @@ class PromptLookupTreeDrafter(Drafter):
             weighted += [(c, 4.0 ** (ngram - self.max_ngram)) for c in found if c.size]
         if not weighted:
             return Draft.empty()
-        # 2. Merge them into a trie; parents are created before their children.
-        tokens: list[int] = []
-        parents: list[int] = []
-        mass: list[float] = []
-        index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
-        for continuation, weight in weighted:
-            parent = -1
-            for token in continuation.tolist():
-                node = index.get((parent, token))
-                if node is None:
-                    node = index[(parent, token)] = len(tokens)
-                    tokens.append(token)
-                    parents.append(parent)
-                    mass.append(0.0)
-                mass[node] += weight
-                parent = node
-        parents_t = torch.tensor(parents)
+        # 2. Merge them into a trie; a node weighs the continuations through it.
+        rows = stack([c for c, _ in weighted])  # [matches, longest]
+        trie = build_trie(rows, np.repeat([[w] for _, w in weighted], rows.shape[1], axis=1))
+        parents = torch.from_numpy(trie.parents)
         total = sum(w for _, w in weighted)
-        scores = torch.tensor(mass) / total * self.acceptance ** structure.depths(parents_t).float()  # [n]
-        # 3. Keep the best nodes.
-        budget = self.budget or best_budget(sorted(scores.tolist(), reverse=True), self.curve, 0.0, cap=MAX_BUDGET)
-        if budget == 0:  # no node pays on this cost curve: a plain step
+        scores = torch.from_numpy(trie.weights).float() / total * self.acceptance ** structure.depths(parents).float()  # [n]
+        # 3. Keep the best nodes (none: no node pays on this cost curve, a plain step).
+        keep = prune(parents, scores, self.curve, self.budget)
+        if not keep.numel():
             return Draft.empty()
-        keep = structure.top_nodes(parents_t, scores, budget)
-        return Draft(tokens=torch.tensor(tokens)[keep], parents=structure.select(parents_t, keep))
+        return Draft(tokens=torch.from_numpy(trie.tokens)[keep], parents=structure.select(parents, keep))
 
     def update(self, verdict: Verdict, stats: StepStats) -> None:
         if verdict.num_drafted:

@@ -13,7 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import torch
+
 from specdecode.errors import UserError
+from specdecode.tree import structure
 from specdecode.types import Draft, Verdict
 
 if TYPE_CHECKING:
@@ -47,6 +50,24 @@ def best_budget(
         if rate > best_rate:
             best, best_rate = n, rate
     return best
+
+
+def prune(
+    parents: torch.Tensor,  # [n] a token tree
+    scores: torch.Tensor,  # [n] acceptance estimates, never growing from a parent to its child
+    curve: CostCurve,
+    budget: int | None = None,
+    cap: int = MAX_BUDGET,
+) -> torch.Tensor:
+    """The nodes of a scored tree to verify, ascending and closed under ancestors: the `budget` best, or
+    (None) as many of the best as maximise expected tokens per unit of time on the cost curve (at most
+    `cap`, drafting taken as sunk); [] when none pays. -> [kept]"""
+    if budget is None:
+        ranked = torch.sort(scores, descending=True).values[:cap]  # [<= cap]
+        budget = best_budget(ranked.tolist(), curve, 0.0, cap=cap)
+    if not budget:
+        return torch.empty(0, dtype=torch.long)
+    return structure.top_nodes(parents, scores, budget)
 
 
 def cut_chain(draft: Draft, curve: CostCurve, pending: int = 1) -> Draft:

@@ -125,10 +125,10 @@ def top_nodes(parents: torch.Tensor, scores: torch.Tensor, budget: int) -> torch
     n = parents.numel()
     if budget >= n:
         return torch.arange(n)
-    order = sorted(range(n), key=lambda i: (-float(scores[i]), i))[:budget]
-    keep = set(order)
-    for i in order:  # close under ancestors all the same, should a score ever grow down a path
-        parent = int(parents[i])
+    order = torch.sort(scores, descending=True, stable=True).indices[:budget]  # ties: the earlier node first
+    chosen = order.tolist()
+    keep = set(chosen)
+    for parent in parents[order].tolist():  # close under ancestors all the same, should a score ever grow down a path
         while parent != ROOT and parent not in keep:
             keep.add(parent)
             parent = int(parents[parent])

@@ -20,8 +20,8 @@ first use for the target's tokenizer and cached as one .npz file.
 
 By concept: `datastore` holds a tokenized corpus, its suffix array and the lookups (`Datastore`,
 `open_datastore`); `build` tokenizes a corpus into one, the standard-library default included, and caches
-it; `drafter` turns matches into drafts (`RetrievalDrafter`, `RetrievalTreeDrafter`, the trie of
-continuations, `build_retrieval`). Tests patch `PIECE_CHARS`, `stdlib_folder` and `default_datastore_path`
+it; `drafter` turns matches into drafts (`RetrievalDrafter`, `RetrievalTreeDrafter`, `build_retrieval`;
+the trie of continuations is `tree.trie`'s). Tests patch `PIECE_CHARS`, `stdlib_folder` and `default_datastore_path`
 on `build`, where they act.
 """
 
@@ -32,11 +32,11 @@ from specdecode.drafters.retrieval.datastore import (
     SEPARATOR, Datastore, DatastoreInfo, Match, join_documents, open_datastore, suffix_array,
 )
 from specdecode.drafters.retrieval.drafter import (
-    RetrievalDrafter, RetrievalTreeDrafter, Trie, build_retrieval, build_trie, heaviest_path,
+    RetrievalDrafter, RetrievalTreeDrafter, build_retrieval, heaviest_path,
 )
 
 __all__ = [
     "DEFAULT_MAX_TOKENS", "DEFAULT_PATTERN", "SEPARATOR", "STDLIB_SKIP", "Datastore", "DatastoreInfo", "Match",
-    "RetrievalDrafter", "RetrievalTreeDrafter", "Trie", "build_datastore", "build_retrieval", "build_trie",
+    "RetrievalDrafter", "RetrievalTreeDrafter", "build_datastore", "build_retrieval",
     "corpus_files", "default_datastore", "heaviest_path", "join_documents", "open_datastore", "suffix_array",
 ]

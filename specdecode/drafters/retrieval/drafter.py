@@ -3,8 +3,6 @@ as its heaviest path (`rest`) or as its best nodes (`rest-tree`); and the method
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
@@ -17,58 +15,17 @@ from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
-from specdecode.tree.budget import MAX_BUDGET, Calibration, best_budget, check_budget
+from specdecode.tree.budget import Calibration, check_budget, prune
+from specdecode.tree.trie import build_trie
 from specdecode.types import Draft, SamplingParams, StepStats, Verdict
 
 
-# --- Tries of continuations ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Trie:
-    """Continuations merged by shared prefixes; nodes depth by depth, so parents come first."""
-
-    tokens: np.ndarray  # [nodes] int64
-    parents: np.ndarray  # [nodes] int64, -1: follows the context
-    counts: np.ndarray  # [nodes] int64, continuations through the node
-    total: int  # continuations merged (empty ones included)
-
-
-def build_trie(rows: np.ndarray) -> Trie:
-    """Merge continuations into a trie. rows: [m, depth], sorted lexicographically (as `continuations`
-    returns them), padded with SEPARATOR.
-
-    In sorted rows, the continuations sharing a prefix are a block of consecutive rows, so each depth
-    takes a few array operations: a node starts where a row's prefix differs from the row above.
-    """
-    m, depth = rows.shape
-    real = rows != SEPARATOR  # [m, depth]; once False, False to the end of the row
-    changed = np.ones((m, depth), dtype=bool)  # [m, depth] the prefix up to column d differs from the row above
-    changed[1:] = np.logical_or.accumulate(rows[1:] != rows[:-1], axis=1)
-    tokens, parents, counts = [], [], []
-    parent_of_row = np.full(m, structure.ROOT, dtype=np.int64)  # each row's node one level up
-    made = 0
-    for d in range(depth):
-        group = np.cumsum(changed[:, d]) - 1  # [m] the block (prefix of d + 1 tokens) of each row
-        heads = np.flatnonzero(changed[:, d] & real[:, d])  # first row of each block that makes a node
-        if not heads.size:
-            break
-        tokens.append(rows[heads, d].astype(np.int64))
-        parents.append(parent_of_row[heads])
-        counts.append(np.bincount(group)[group[heads]])
-        node_of_group = np.full(int(group[-1]) + 1, structure.ROOT, dtype=np.int64)
-        node_of_group[group[heads]] = made + np.arange(heads.size)
-        parent_of_row = node_of_group[group]
-        made += heads.size
-    if not tokens:
-        empty = np.empty(0, dtype=np.int64)
-        return Trie(empty, empty, empty, m)
-    return Trie(np.concatenate(tokens), np.concatenate(parents), np.concatenate(counts), m)
+# --- The chain: the heaviest path ------------------------------------------------------------------
 
 
 def heaviest_path(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The trie's path that takes the most frequent child at every node (ties: the smaller id), and the
-    count at each of its nodes. rows: [m, depth] as for build_trie. -> ([k] int64, [k] int64)"""
+    count at each of its nodes. rows: [m, depth] as for `tree.trie.build_trie`. -> ([k] int64, [k] int64)"""
     path, counts = [], []
     for d in range(rows.shape[1]):
         column = rows[:, d]
@@ -184,17 +141,14 @@ class RetrievalTreeDrafter(_RetrievalDrafter):
         rows = self._rows(context, max_tokens)
         if rows is None:
             return Draft.empty()
-        # 1. Merge the continuations into a trie; score each node.
-        trie = build_trie(rows)
-        shares = trie.counts / trie.total  # [nodes]
+        # 1. Merge the continuations into a trie, depth by depth; score each node.
+        trie = build_trie(rows, by_depth=True)
+        shares = trie.weights / trie.total  # [nodes]
         scores = self._scores(shares)
-        # 2. The best nodes, by score then node order. A child never outscores its parent and comes
-        #    after it, so every prefix of this ranking is closed under ancestors.
-        ranked = np.lexsort((np.arange(scores.size), -scores))[: self.budget or MAX_BUDGET]
-        budget = self.budget or best_budget(scores[ranked].tolist(), self.curve, 0.0, cap=MAX_BUDGET)
-        if budget == 0 or not ranked.size:  # nothing followed the match, or no node pays: a plain step
+        # 2. The best nodes (none: nothing followed the match, or no node pays, a plain step).
+        keep = prune(torch.from_numpy(trie.parents), torch.from_numpy(scores), self.curve, self.budget)
+        if not keep.numel():
             return Draft.empty()
-        keep = torch.from_numpy(np.sort(ranked[:budget]))
         self._shares = shares[keep.numpy()]
         return Draft(
             tokens=torch.from_numpy(trie.tokens)[keep],

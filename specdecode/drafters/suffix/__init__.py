@@ -17,10 +17,10 @@ Glossary (on top of `specdecode.types`):
 - *own* match: one in the open sequence (prompt lookup, in effect); *shared* match: one in a closed sequence.
 
 By concept: `index` stores the sequences and finds matches (`SuffixIndex`); `drafter` turns them into
-drafts (`SuffixDrafter`, `build_suffix`, and the weighted trie shared with the composite drafter).
+drafts (`SuffixDrafter`, `build_suffix`; the weighted trie and its best path are `tree.trie`'s).
 """
 
-from specdecode.drafters.suffix.drafter import SuffixDrafter, best_path, build_suffix, weighted_trie
+from specdecode.drafters.suffix.drafter import SuffixDrafter, build_suffix
 from specdecode.drafters.suffix.index import Match, SuffixIndex
 
-__all__ = ["Match", "SuffixDrafter", "SuffixIndex", "best_path", "build_suffix", "weighted_trie"]
+__all__ = ["Match", "SuffixDrafter", "SuffixIndex", "build_suffix"]

@@ -1,9 +1,8 @@
-"""The suffix drafter: continuations from a `SuffixIndex`, merged into a weighted trie and drafted as a
-chain or a tree; judged against the output to rank and evict the index's sequences."""
+"""The suffix drafter: continuations from a `SuffixIndex`, merged into a weighted trie (`tree.trie`) and
+drafted as a chain or a tree; judged against the output to rank and evict the index's sequences."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,7 +15,8 @@ from specdecode.drafters.suffix.index import SuffixIndex
 from specdecode.errors import UserError
 from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
-from specdecode.tree.budget import MAX_BUDGET, best_budget, check_budget
+from specdecode.tree.budget import check_budget, prune
+from specdecode.tree.trie import best_path, build_trie, stack
 from specdecode.types import Draft, SamplingParams, StepStats, Verdict
 
 if TYPE_CHECKING:
@@ -180,7 +180,9 @@ class SuffixDrafter(Drafter):
             first, run = (self._own if is_own else self._shared).rates(CopyAcceptance.bucket(match.matched))
             chances.append(weight * first * run ** np.arange(match.continuation.shape[0]))  # [len]
         # 2. The continuations merged into a trie; a node's score sums the chances through it.
-        tokens, parents, scores = weighted_trie([m.continuation for m in matches], chances)
+        trie = build_trie(stack([m.continuation for m in matches]), stack(chances, 0.0, np.float64))
+        tokens, parents = torch.from_numpy(trie.tokens), torch.from_numpy(trie.parents)
+        scores = torch.from_numpy(trie.weights).float()  # [n]
         # 3. Judge the leading own and shared match once the output is known.
         for source in (True, False):
             leading = next((m for m, o in zip(matches, own) if o == source), None)
@@ -192,49 +194,10 @@ class SuffixDrafter(Drafter):
         if not self.tree:
             path = best_path(parents, scores)
             return Draft(tokens=tokens[path], scores=scores[path])
-        budget = self.budget or best_budget(sorted(scores.tolist(), reverse=True), self.curve, 0.0, cap=MAX_BUDGET)
-        if budget == 0:  # no node pays on this cost curve: a plain step
+        keep = prune(parents, scores, self.curve, self.budget)
+        if not keep.numel():  # no node pays on this cost curve: a plain step
             return Draft.empty()
-        keep = structure.top_nodes(parents, scores, budget)
         return Draft(tokens=tokens[keep], parents=structure.select(parents, keep), scores=scores[keep])
-
-
-def weighted_trie(
-    continuations: Sequence[np.ndarray], chances: Sequence[np.ndarray]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Merge token sequences into a trie by shared prefixes; a node's score is the sum of the chances of
-    the sequences through it at its depth. continuations[i], chances[i]: [len_i].
-
-    Returns (tokens [n] int64, parents [n] int64, scores [n] float32), parents before children.
-    """
-    tokens: list[int] = []
-    parents: list[int] = []
-    scores: list[float] = []
-    index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
-    for continuation, chance in zip(continuations, chances):
-        parent = structure.ROOT
-        for token, c in zip(continuation.tolist(), chance.tolist()):
-            node = index.get((parent, token))
-            if node is None:
-                node = index[(parent, token)] = len(tokens)
-                tokens.append(token)
-                parents.append(parent)
-                scores.append(0.0)
-            scores[node] += c
-            parent = node
-    return (torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
-            torch.tensor(scores, dtype=torch.float32))
-
-
-def best_path(parents: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """From the context down, the highest-scoring child each time (ties: the earlier node). -> [depth]"""
-    kids = structure.children(parents)
-    values = scores.tolist()
-    node, path = structure.ROOT, []
-    while kids[node + 1]:
-        node = max(kids[node + 1], key=lambda child: (values[child], -child))
-        path.append(node)
-    return torch.tensor(path, dtype=torch.long)
 
 
 def build_suffix(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
