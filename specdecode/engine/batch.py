@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.drafters.base import Drafter
-from specdecode.engine.sequence import GenerationConfig, GenerationResult, Progress, StepEvent, check_prompt
+from specdecode.engine.sequence import GenerationConfig, GenerationResult, SequenceState, StepEvent, check_prompt
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import CostCurve, LiveCurve
@@ -48,7 +48,7 @@ GARBAGE_SHARE = 0.25  # compact the cache once this share of it belongs to no se
 class Member:
     """A sequence in the batch."""
 
-    progress: Progress
+    progress: SequenceState
     drafter: Drafter | None
     method: str
     slots: list[int]  # the cache slots of context[:len(slots)], in order
@@ -87,7 +87,8 @@ class BatchEngine:
             drafter.begin(list(prompt_ids))
         ident = next(self._ids)
         method = method or (drafter.name if drafter else "ar")
-        self.members[ident] = Member(Progress(prompt_ids, config, self.tokenizer, self.target), drafter, method, [])
+        state = SequenceState(prompt_ids, config, self.tokenizer, self.target)
+        self.members[ident] = Member(state, drafter, method, [])
         return ident
 
     def remove(self, ident: int) -> None:

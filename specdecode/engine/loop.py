@@ -10,7 +10,8 @@ import torch
 
 from specdecode.drafters.base import Drafter
 from specdecode.engine.payoff import StepAside
-from specdecode.engine.sequence import GenerationConfig, GenerationResult, Progress, StepEvent, Stream, check_prompt
+from specdecode.engine.sequence import (
+    GenerationConfig, GenerationResult, SequenceState, StepEvent, Stream, check_prompt)
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import CostCurve, LiveCurve
 from specdecode.types import AuxiliaryTokens, Draft, SamplingParams, Verdict
@@ -159,7 +160,7 @@ class SpeculativeEngine:
         self.target.reset()
         if self.drafter is not None:
             self.drafter.begin(list(prompt_ids))
-        progress = Progress(prompt_ids, config, self.tokenizer, self.target)
+        progress = SequenceState(prompt_ids, config, self.tokenizer, self.target)
         aside = self.step_aside
         if aside is not None:
             aside.begin()

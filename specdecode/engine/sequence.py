@@ -144,7 +144,7 @@ def check_prompt(target: CausalLM, prompt_ids: list[int]) -> None:
         raise UserError(f"token ids out of the vocabulary (size {target.vocab_size}): {bad[:5]}")
 
 
-class Progress:
+class SequenceState:
     """One sequence's way through generation, whichever engine steps it: its context and output, EOS and
     stop strings, the text emitted so far, per-step statistics, and its random generator."""
 
