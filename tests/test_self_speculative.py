@@ -18,7 +18,7 @@ from goodness_of_fit import assert_follows, continuations, engine_outcomes, mode
 from specdecode.drafters import self_speculative as ss
 from specdecode.drafters.self_speculative import drafter as ss_drafter, search as ss_search
 from specdecode.drafters.self_speculative import (
-    Calibration,
+    CalibrationSet,
     EarlyExitDrafter,
     LayerSkipDrafter,
     Scorer,
@@ -244,7 +244,7 @@ def test_search_finds_the_best_of_all_skip_sets(four_layers, tmp_path):
     prompts = calibration_prompts(None, four_layers.vocab_size)
     result = search_skip(four_layers, prompts, budget_seconds=60, continuation=16, curve=CURVE, folder=tmp_path,
                          progress=False)
-    score = Scorer(four_layers, Calibration(four_layers, prompts, continuation=16), CURVE, max_tokens=16)
+    score = Scorer(four_layers, CalibrationSet(four_layers, prompts, continuation=16), CURVE, max_tokens=16)
     every = [tuple(i for i in range(4) if mask >> i & 1) for mask in range(16)]
     best = max((score(skip) for skip in every), key=lambda choice: choice.speedup)
     assert result.best == best and result.evaluated == 16

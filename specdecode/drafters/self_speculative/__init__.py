@@ -23,12 +23,12 @@ from specdecode.drafters.self_speculative.drafter import (
 )
 from specdecode.drafters.self_speculative.layers import SkippedLayers, check_layer_skipping, run_layers
 from specdecode.drafters.self_speculative.scoring import (
-    Calibration, Scorer, SearchResult, SkipChoice, block_influence, chain_speedup,
+    CalibrationSet, Scorer, SearchResult, SkipChoice, block_influence, chain_speedup,
 )
 from specdecode.drafters.self_speculative.search import search_exit, search_skip
 
 __all__ = [
-    "Calibration", "EarlyExitDrafter", "LayerSkipDrafter", "Scorer", "SearchResult", "SkipChoice", "SkippedLayers",
+    "CalibrationSet", "EarlyExitDrafter", "LayerSkipDrafter", "Scorer", "SearchResult", "SkipChoice", "SkippedLayers",
     "block_influence", "build_earlyexit", "build_layerskip", "calibration_prompts", "chain_speedup",
     "check_layer_skipping", "run_layers", "search_exit", "search_skip",
 ]

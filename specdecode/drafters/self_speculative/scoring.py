@@ -1,5 +1,5 @@
 """Scoring skip sets: the predicted speedup of a chain (`chain_speedup`) from the teacher-forced agreement
-on calibration prompts (`Calibration`) and the draft cost, memoised per skip set (`Scorer`)."""
+on calibration prompts (`CalibrationSet`) and the draft cost, memoised per skip set (`Scorer`)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class SkipChoice:
     """A skip set and how it scored on the calibration."""
 
     skip: tuple[int, ...]
-    agreement: float  # teacher-forced (see Calibration)
+    agreement: float  # teacher-forced (see CalibrationSet)
     draft_cost: float  # one draft forward in one-token target forwards
     speedup: float  # predicted by chain_speedup
     draft_length: int  # the chain length that speedup assumes
@@ -75,7 +75,7 @@ def greedy_continuation(model: CausalLM, prompt_ids: list[int], max_new_tokens: 
     return output
 
 
-class Calibration:
+class CalibrationSet:
     """The target's greedy continuations of a few prompts and its keys and values over them, on which skip
     sets are scored.
 
@@ -141,7 +141,7 @@ class Calibration:
 class Scorer:
     """Scores skip sets on a calibration (memoised): agreement, draft cost, predicted speedup."""
 
-    def __init__(self, target: HFCausalLM, calibration: Calibration, curve: CostCurve, max_tokens: int):
+    def __init__(self, target: HFCausalLM, calibration: CalibrationSet, curve: CostCurve, max_tokens: int):
         self.calibration, self.curve, self.max_tokens = calibration, curve, max_tokens
         self.total_bytes = target.weight_bytes_per_token
         self.layer_bytes = [module_bytes(layer) for layer in target.model.model.layers]

@@ -1,5 +1,5 @@
 """The layer search (`search_skip`, `search_exit`) scores skip sets on a few calibration prompts by the
-predicted speedup of `chain_speedup` from the teacher-forced agreement (`Calibration`) and the draft cost.
+predicted speedup of `chain_speedup` from the teacher-forced agreement (`CalibrationSet`) and the draft cost.
 For skip sets: a prefix scan over the layers ordered by block influence (ShortGPT's 1 - cos between a
 layer's input and output), then Bayesian optimisation over all 2^L skip sets as in Draft & Verify --
 optuna's TPE sampler, started from the best prefixes -- within a time budget. For early exit: every
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from specdecode.drafters.self_speculative.scoring import CONTINUATION, Calibration, Scorer, SearchResult, SkipChoice
+from specdecode.drafters.self_speculative.scoring import CONTINUATION, CalibrationSet, Scorer, SearchResult, SkipChoice
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import CostCurve
@@ -124,7 +124,7 @@ def _search(kind: str, strategy: Strategy, target: CausalLM, prompts: Sequence[S
     columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), disable=not progress) as bar:
         task = bar.add_task(f"{kind} search: calibrating", total=budget_seconds)
-        calibration = Calibration(target, prompts, continuation)
+        calibration = CalibrationSet(target, prompts, continuation)
         score = Scorer(target, calibration, curve, max_tokens)
 
         def stop() -> bool:
