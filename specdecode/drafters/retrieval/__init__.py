@@ -29,14 +29,14 @@ from specdecode.drafters.retrieval.build import (
     DEFAULT_MAX_TOKENS, DEFAULT_PATTERN, STDLIB_SKIP, build_datastore, corpus_files, default_datastore,
 )
 from specdecode.drafters.retrieval.datastore import (
-    SEPARATOR, Datastore, DatastoreInfo, Match, join_documents, open_datastore, suffix_array,
+    SEPARATOR, Datastore, DatastoreInfo, SuffixRange, join_documents, open_datastore, suffix_array,
 )
 from specdecode.drafters.retrieval.drafter import (
     RetrievalDrafter, RetrievalTreeDrafter, build_retrieval, heaviest_path,
 )
 
 __all__ = [
-    "DEFAULT_MAX_TOKENS", "DEFAULT_PATTERN", "SEPARATOR", "STDLIB_SKIP", "Datastore", "DatastoreInfo", "Match",
+    "DEFAULT_MAX_TOKENS", "DEFAULT_PATTERN", "SEPARATOR", "STDLIB_SKIP", "Datastore", "DatastoreInfo", "SuffixRange",
     "RetrievalDrafter", "RetrievalTreeDrafter", "build_datastore", "build_retrieval",
     "corpus_files", "default_datastore", "heaviest_path", "join_documents", "open_datastore", "suffix_array",
 ]

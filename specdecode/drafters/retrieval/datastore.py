@@ -105,7 +105,7 @@ class DatastoreInfo:
 
 
 @dataclass(frozen=True)
-class Match:
+class SuffixRange:
     """The longest context suffix found: `length` tokens, at suffix-array rows [first, last)."""
 
     length: int
@@ -169,7 +169,7 @@ class Datastore:
 
     def longest_match(
         self, context: Sequence[int], max_length: int = MAX_MATCH, min_length: int = MIN_MATCH
-    ) -> Match | None:
+    ) -> SuffixRange | None:
         """The longest suffix of `context`, min_length to max_length tokens long, that occurs in the
         corpus; None if not even the shortest does.
 
@@ -181,12 +181,12 @@ class Datastore:
             length = (low + high) // 2
             first, last = self.find(tail[len(tail) - length :])
             if last > first:
-                best, low = Match(length, first, last), length + 1
+                best, low = SuffixRange(length, first, last), length + 1
             else:
                 high = length - 1
         return best
 
-    def continuations(self, match: Match, num_tokens: int, max_occurrences: int = MAX_OCCURRENCES) -> np.ndarray:
+    def continuations(self, match: SuffixRange, num_tokens: int, max_occurrences: int = MAX_OCCURRENCES) -> np.ndarray:
         """The tokens after the match's occurrences: at most `max_occurrences` of them, evenly spaced
         over its suffix-array rows (deterministic, and since those rows are sorted by what follows,
         a sample in proportion to each continuation's frequency).
