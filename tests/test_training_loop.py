@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.errors import UserError
-from specdecode.training.loop import Record, Schedule, optimise
+from specdecode.training.loop import Schedule, TrainingRecord, optimise
 
 SCHEDULE = Schedule(seconds=1e9, epochs=3, learning_rate=1e-2, warmup_steps=2, batch_windows=1, seed=3)
 
@@ -35,12 +35,12 @@ def _loss(model):
 
 def test_a_run_killed_twice_and_carried_on_ends_like_one_run(tmp_path):
     windows = _windows()
-    whole, whole_record = _model(), Record(settings={})
+    whole, whole_record = _model(), TrainingRecord(settings={})
     optimise(whole, _loss(whole), windows, SCHEDULE, whole_record, "whole", progress=False)
 
     checkpoint, calls = tmp_path / "checkpoint.pt", 0
     for kill_at in (5, 19, None):  # the loss call of each run that it is killed at (None: it finishes)
-        model, record = _model(), Record(settings={})  # a new process: fresh weights and record
+        model, record = _model(), TrainingRecord(settings={})  # a new process: fresh weights and record
         loss, calls = _loss(model), 0
 
         def dying(window, loss=loss, kill_at=kill_at):
@@ -78,17 +78,17 @@ def test_a_checkpoint_of_other_settings_is_refused(tmp_path):
         return _loss(model)(window)
 
     with pytest.raises(KeyboardInterrupt):
-        optimise(model, dying, windows, SCHEDULE, Record(settings={}), "piece", progress=False,
+        optimise(model, dying, windows, SCHEDULE, TrainingRecord(settings={}), "piece", progress=False,
                  checkpoint=checkpoint, checkpoint_seconds=0.0)
     assert checkpoint.exists()
     other = Schedule(**{**vars(SCHEDULE), "learning_rate": 1e-3})
     with pytest.raises(UserError, match="other settings"):
-        optimise(_model(), _loss(model), windows, other, Record(settings={}), "other", progress=False,
+        optimise(_model(), _loss(model), windows, other, TrainingRecord(settings={}), "other", progress=False,
                  checkpoint=checkpoint)
     with pytest.raises(UserError, match="other settings"):  # other data
-        optimise(_model(), _loss(model), windows[:-1], SCHEDULE, Record(settings={}), "other", progress=False,
+        optimise(_model(), _loss(model), windows[:-1], SCHEDULE, TrainingRecord(settings={}), "other", progress=False,
                  checkpoint=checkpoint)
     # another time budget is the same schedule: it carries on from step 3
-    longer, record = Schedule(**{**vars(SCHEDULE), "seconds": 2e9}), Record(settings={})
+    longer, record = Schedule(**{**vars(SCHEDULE), "seconds": 2e9}), TrainingRecord(settings={})
     optimise(model, _loss(model), windows, longer, record, "longer", progress=False, checkpoint=checkpoint)
     assert record.steps == 33 and not checkpoint.exists()

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from specdecode.drafters.eagle import EagleHead, head_config
 from specdecode.models.precision import bf16_units
 from specdecode.training.features import Shard
-from specdecode.training.loop import Record, Schedule, frequent_tokens, optimise, split, windows
+from specdecode.training.loop import Schedule, TrainingRecord, frequent_tokens, optimise, split, windows
 
 NOISE = 0.2  # uniform noise on the input features, +-NOISE/2 (relative to their RMS of about 1)
 CLASSIFICATION_WEIGHT = 0.1
@@ -88,7 +88,7 @@ def held_out_accuracy(head: EagleHead, embed, head_weight, full_head, data, posi
 
 
 def train(target_model, shards: list[Shard], settings: TrainingSettings, progress: bool = True,
-          log=print, checkpoint: Path | None = None) -> tuple[EagleHead, Record]:
+          log=print, checkpoint: Path | None = None) -> tuple[EagleHead, TrainingRecord]:
     """Train a head for `target_model` (a transformers causal LM) on its stored features (carrying on from
     `checkpoint` where it exists: `loop.optimise`)."""
     torch.manual_seed(settings.seed)
@@ -104,7 +104,7 @@ def train(target_model, shards: list[Shard], settings: TrainingSettings, progres
     head_weight = full_head[vocab_ids]
     head = EagleHead(head_config(target_model.config, settings.intermediate_size), vocab_ids).float()
     training, evaluation = split(windows(shards, settings.sequence_tokens), settings.seed)
-    record = Record(settings=vars(settings) | {"vocab": len(vocab_ids), "train_windows": len(training),
+    record = TrainingRecord(settings=vars(settings) | {"vocab": len(vocab_ids), "train_windows": len(training),
                                                "held_out_windows": len(evaluation)})
 
     def loss(window):
@@ -124,5 +124,5 @@ def train(target_model, shards: list[Shard], settings: TrainingSettings, progres
     return head, record
 
 
-def save(head: EagleHead, record: Record, out: Path, describe: dict) -> None:
+def save(head: EagleHead, record: TrainingRecord, out: Path, describe: dict) -> None:
     head.save(out, {"record": vars(record), **describe})

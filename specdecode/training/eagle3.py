@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from specdecode.drafters.eagle3 import Eagle3Config, Eagle3Head
 from specdecode.errors import UserError
 from specdecode.training.features import Shard
-from specdecode.training.loop import Record, Schedule, frequent_tokens, optimise, split
+from specdecode.training.loop import Schedule, TrainingRecord, frequent_tokens, optimise, split
 
 STEP_DECAY = 0.8  # weight of draft step j's loss: STEP_DECAY ** j
 
@@ -121,7 +121,7 @@ def held_out_agreement(head, embed, draft_head, full_head, data: list[Window], p
 
 
 def train(target_model, shards: list[Shard], settings: TrainingSettings, layers: tuple[int, ...],
-          progress: bool = True, log=print, checkpoint: Path | None = None) -> tuple[Eagle3Head, Record]:
+          progress: bool = True, log=print, checkpoint: Path | None = None) -> tuple[Eagle3Head, TrainingRecord]:
     """Train an EAGLE-3 head for `target_model` (a transformers causal LM) on its stored features, whose
     layer inputs are those of `layers` (carrying on from `checkpoint` where it exists: `loop.optimise`)."""
     from specdecode.models.hf import _eos_ids
@@ -143,7 +143,7 @@ def train(target_model, shards: list[Shard], settings: TrainingSettings, layers:
     training, evaluation = split(windows(shards, settings.sequence_tokens, settings.steps), settings.seed)
     if not training:
         raise UserError("the features hold no window long enough to train on")
-    record = Record(settings=vars(settings) | {"vocab": len(vocab_ids), "aux_layers": list(layers),
+    record = TrainingRecord(settings=vars(settings) | {"vocab": len(vocab_ids), "aux_layers": list(layers),
                                                "train_windows": len(training), "held_out_windows": len(evaluation)})
     optimise(head, lambda window: losses(head, embed, draft_head, window, settings.steps), training, settings,
              record, "training EAGLE-3", progress, checkpoint)
@@ -154,5 +154,5 @@ def train(target_model, shards: list[Shard], settings: TrainingSettings, layers:
     return head, record
 
 
-def save(head: Eagle3Head, record: Record, out: Path, describe: dict) -> None:
+def save(head: Eagle3Head, record: TrainingRecord, out: Path, describe: dict) -> None:
     head.save(out, {"record": vars(record), **describe})

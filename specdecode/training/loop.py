@@ -45,7 +45,7 @@ class Schedule:
 
 
 @dataclass
-class Record:
+class TrainingRecord:
     settings: dict
     steps: int = 0
     tokens_seen: int = 0
@@ -88,7 +88,7 @@ def split(data: list[Window], seed: int) -> tuple[list[Window], list[Window]]:
 LossFn = Callable[[Window], "tuple[torch.Tensor, dict[str, torch.Tensor], int] | None"]
 
 
-def optimise(module: torch.nn.Module, loss: LossFn, training: list[Window], schedule: Schedule, record: Record,
+def optimise(module: torch.nn.Module, loss: LossFn, training: list[Window], schedule: Schedule, record: TrainingRecord,
              label: str, progress: bool = True, checkpoint: Path | None = None,
              checkpoint_seconds: float = CHECKPOINT_SECONDS) -> None:
     """Train `module`'s parameters on `training` windows until the epochs or this run's time budget run out;

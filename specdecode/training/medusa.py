@@ -22,7 +22,7 @@ import torch
 from specdecode.drafters.medusa import MedusaHeads
 from specdecode.models.precision import bf16_units
 from specdecode.training.features import Shard
-from specdecode.training.loop import Record, Schedule, frequent_tokens, optimise, split, windows
+from specdecode.training.loop import Schedule, TrainingRecord, frequent_tokens, optimise, split, windows
 
 DECAY = 0.8  # head k's loss weight is DECAY ** (k - 1)
 
@@ -79,7 +79,7 @@ def held_out_accuracy(heads: MedusaHeads, vocab_ids, head_weight, full_head, dat
 
 
 def train(target_model, shards: list[Shard], settings: TrainingSettings, progress: bool = True,
-          log=print, checkpoint: Path | None = None) -> tuple[MedusaHeads, Record]:
+          log=print, checkpoint: Path | None = None) -> tuple[MedusaHeads, TrainingRecord]:
     """Train Medusa heads for `target_model` (a transformers causal LM) on its stored features (carrying on
     from `checkpoint` where it exists: `loop.optimise`)."""
     from specdecode.models.hf import _eos_ids
@@ -90,7 +90,7 @@ def train(target_model, shards: list[Shard], settings: TrainingSettings, progres
     head_weight = full_head[vocab_ids]
     heads = MedusaHeads(full_head.shape[1], settings.num_heads, vocab_ids).float()
     training, evaluation = split(windows(shards, settings.sequence_tokens), settings.seed)
-    record = Record(settings=vars(settings) | {"vocab": len(vocab_ids), "train_windows": len(training),
+    record = TrainingRecord(settings=vars(settings) | {"vocab": len(vocab_ids), "train_windows": len(training),
                                                "held_out_windows": len(evaluation)})
     optimise(heads, lambda window: losses(heads, head_weight, *window), training, settings, record,
              "training Medusa", progress, checkpoint)
@@ -104,5 +104,5 @@ def train(target_model, shards: list[Shard], settings: TrainingSettings, progres
     return heads, record
 
 
-def save(heads: MedusaHeads, record: Record, out: Path, describe: dict) -> None:
+def save(heads: MedusaHeads, record: TrainingRecord, out: Path, describe: dict) -> None:
     heads.save(out, {"record": vars(record), **describe})
