@@ -40,11 +40,11 @@ from specdecode.tree.budget import Calibration, prune
 from specdecode.tree.trie import build_trie, stack
 from specdecode.types import AuxiliaryTokens, Draft, SamplingParams, Verdict
 
-# Defaults for a 2-core CPU, where a bf16 forward over 16 tokens costs 1.25 one-token forwards (32: 1.78,
-# 64: 2.56). The reference's GPU settings (W = 15, N = 5, G = 15: about 120 tokens a forward) would cost
-# over 3x here; W = 5, N = 3, G = 3 keep a step to at most 1 + 9 window + 6 draft = 16 tokens, so the
-# window costs about 0.15 of a forward and a full 2-gram match pays twice over. 2-grams cap a step at 3
-# tokens; the lead tunes W, N and G by benchmark.
+# Defaults for a 2-core CPU, where a bf16 forward over 16 tokens costs little more than one and wider ones
+# grow steeply (the curve: README, *Figures behind the code's choices*). The reference's GPU settings (W = 15,
+# N = 5, G = 15: about 120 tokens a forward) would cost several forwards here; W = 5, N = 3, G = 3 keep a
+# step to at most 1 + 9 window + 6 draft = 16 tokens, so the window costs a fraction of a forward and a
+# full 2-gram match pays for it. 2-grams cap a step at 3 tokens; the lead tunes W, N and G by benchmark.
 DEFAULT_WINDOW = 5
 DEFAULT_NGRAM = 3
 DEFAULT_CANDIDATES = 3

@@ -113,7 +113,8 @@ class HFCausalLM(CausalLM):
             past_key_values=self._cache,
             use_cache=True,
             # Indices, not a count: transformers then gathers a contiguous copy of those hidden states;
-            # a count gives a strided view, and the bf16 LM head on a strided input is ~10x slower on CPU.
+            # a count gives a strided view, and the bf16 LM head on a strided input is far slower on CPU
+            # (README, *Figures behind the code's choices*).
             logits_to_keep=rows,
             output_hidden_states=bool(output_hidden),
         )

@@ -3,8 +3,7 @@
 Speculative decoding is exact only if the target scores a token the same whether its forward carries one
 token or a whole draft. fbgemm's dynamic int8 matrix product (`torch.ops.quantized.linear_dynamic`, what
 `torch.ao.quantization.quantize_dynamic` runs) is the fastest CPU kernel torch ships for small batches
-(one 1536 x 8960 product: 0.40 ms for 1 row, 0.70 ms for 8 on two AVX2 cores, where bf16 takes 0.78 and
-6.9), but it quantizes its input with one scale and zero point for the whole tensor, chosen from the
+(for 1 row and for 8 on AVX2 cores, against emulated bf16: README, *Figures behind the code's choices*), but it quantizes its input with one scale and zero point for the whole tensor, chosen from the
 tensor's minimum and maximum: a row's result then depends on the other rows of the batch.
 
 `InvariantInt8Linear` gets one scale per row out of that kernel:
@@ -217,7 +216,8 @@ def _attention_by_rows(query, key, value, rows: list[torch.Tensor | int], scalin
         keys, values = (key[:, :, :seen], value[:, :, :seen]) if isinstance(seen, int) else (
             key[:, :, seen], value[:, :, seen])
         # the query heads that share a key head are that head's query rows (head h reads key head
-        # h // group): one call, no copy of the keys per query head as enable_gqa makes (3x slower at 2k)
+        # h // group): one call, no copy of the keys per query head as enable_gqa makes (slower per
+        # row at long contexts: README, *Figures behind the code's choices*)
         grouped = query[:, :, i].reshape(1, kv_heads, heads // kv_heads, d)
         out_rows.append(F.scaled_dot_product_attention(grouped, keys, values, scale=scaling).reshape(1, heads, 1, d))
     out = out_rows[0] if n == 1 else torch.cat(out_rows, dim=2)  # [1, heads, n, d]

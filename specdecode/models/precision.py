@@ -1,8 +1,9 @@
 """`dtype="auto"`: the target's fastest path on this machine, chosen by measurement.
 
-CPUs of the same kind differ: with AVX-512 bf16 units a bfloat16 product is about three times faster than
-float32 and nearly as cheap for 8 rows as for one; with AVX2 only, bfloat16 is emulated (one 1536 x 8960
-product: 0.78 ms for 1 row, 6.9 for 8) and fbgemm's int8 product is the fastest (0.4 and 0.7). So each
+CPUs of the same kind differ: with AVX-512 bf16 units a bfloat16 product is several times faster than
+float32 and nearly as cheap for 8 rows as for one; with AVX2 only, bfloat16 is emulated (its cost grows with
+the rows) and fbgemm's int8 product is the fastest (timings of one product of the 1.5B's MLP shape:
+README, *Figures behind the code's choices*). So each
 candidate path times one product of the model's MLP shape, for 1 row (plain decoding) and 8 rows (a
 speculative step), and the cheapest per generated token wins: min(t1, t8 / 3), as if an 8-token
 verification yielded three tokens; a quantized path (int8, or int4 where its AVX2 kernel runs), which
