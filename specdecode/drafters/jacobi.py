@@ -38,8 +38,9 @@ from specdecode.types import Draft, SamplingParams, Verdict
 LOOKUP_NGRAM = 2  # the longest n-gram matched when copying guesses (down to 1)
 
 # A block of 4 guesses keeps the verification forward at 5 tokens, barely dearer than one token on a
-# CPU's cost curve (README, *Figures behind the code's choices*). Jacobi guesses past the first few are rarely right except
-# while the text repeats itself, where the copies are; the lead tunes this by benchmark.
+# CPU's cost curve (README, *Figures behind the code's choices*). Jacobi guesses past the first few are
+# rarely right except while the text repeats itself, where the copies are; the lead tunes this by
+# benchmark.
 DEFAULT_BLOCK = 4
 # Before any evidence a guess counts as accepted 1 time in 4: Jacobi's guesses are rarely right but where
 # the text repeats itself, so where verification width is dear the gate (which cuts the block by these

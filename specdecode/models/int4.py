@@ -123,8 +123,8 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     Each block's ideal step is its largest magnitude over 8 (or 7 when that value is positive, which
     maps onto +7); the channel's scale is the largest ideal step over 15, and each block's multiplier is
     the integer 1..15 (of the rounded one and its neighbours) that reconstructs the block best. Computed
-    1024 channels at a time (faster than all at once, README, *Figures behind the code's choices*: the temporaries stay
-    in cache)."""
+    1024 channels at a time (faster than all at once, README, *Figures behind the code's choices*: the
+    temporaries stay in cache)."""
     parts = [_quantize_rows(rows) for rows in weight.detach().split(1024)]
     return tuple(torch.cat(part) for part in zip(*parts))
 

@@ -3,8 +3,9 @@
 Speculative decoding is exact only if the target scores a token the same whether its forward carries one
 token or a whole draft. fbgemm's dynamic int8 matrix product (`torch.ops.quantized.linear_dynamic`, what
 `torch.ao.quantization.quantize_dynamic` runs) is the fastest CPU kernel torch ships for small batches
-(for 1 row and for 8 on AVX2 cores, against emulated bf16: README, *Figures behind the code's choices*), but it quantizes its input with one scale and zero point for the whole tensor, chosen from the
-tensor's minimum and maximum: a row's result then depends on the other rows of the batch.
+(for 1 row and for 8 on AVX2 cores, against emulated bf16: README, *Figures behind the code's choices*), but it
+quantizes its input with one scale and zero point for the whole tensor, chosen from the tensor's minimum
+and maximum: a row's result then depends on the other rows of the batch.
 
 `InvariantInt8Linear` gets one scale per row out of that kernel:
 
