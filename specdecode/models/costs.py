@@ -2,8 +2,8 @@
 
 On a CPU decoding is bound by reading the weights, so a forward over 8 tokens costs little more than
 over 1 (figures: README, *Figures behind the code's choices*), and a wider draft tree is nearly free up to a
-point that depends on the model, the backend and the machine. The curve is measured once per model, backend and machine and
-cached as JSON under the package cache; tree drafters size their trees from it.
+point that depends on the model, the backend and the machine. The curve is measured once per model,
+backend and machine and cached as JSON under the package cache; tree drafters size their trees from it.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ class CostCurve:
         size of at least n costs (the cheapest of it and every larger size), linear beyond the last.
 
         A step rather than a line between sizes because batch sizes are not smooth on every backend:
-        llama.cpp's matrix kernels take 16 tokens for less than 17, or even 12 (README, *Figures behind the code's choices*).
+        llama.cpp's matrix kernels take 16 tokens for less than 17, or even 12 (README, *Figures
+        behind the code's choices*).
         A forward of a size that was not measured is charged as if padded to one that was, and a drafter
         that can offer more tokens (a longer copy, more tree nodes) fills the batch up to it, as the
         budget search finds on its own.

