@@ -12,7 +12,7 @@ from test_cli import run as run_cli
 from specdecode.api import load_models
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.errors import UserError
-from specdecode.training import answers, corpus, features
+from specdecode.training import answers, corpus, features, prompts
 from specdecode.types import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -95,7 +95,7 @@ def test_batched_answers_are_plain_decodings(models, sources, tmp_path):
                                                                     seed=answer.seed))
         assert answer.answer_ids == alone.token_ids, answer.id  # sampled ones too: the stored seed replays them
         assert answer.finish_reason == alone.finish_reason
-    assert any(answers.CUT_MARK.strip() in models.tokenizer.decode(a.prompt_ids) for a in stored
+    assert any(prompts.CUT_MARK.strip() in models.tokenizer.decode(a.prompt_ids) for a in stored
                if a.source == "stdlib")  # a code slice too long for the tiny model lost its middle
 
 

@@ -8,7 +8,7 @@ a failed run is recorded with its error and kept out of every average.
 from __future__ import annotations
 
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 
 from specdecode.api import Models
@@ -40,6 +40,7 @@ class Record:
     server: ServerStats | None = None  # the engine's own speculative figures, summed over turns
     engine_prompt_tokens: list[int] | None = None  # per turn, the prompt as the engine counted it
     concurrency: int = 1  # client streams running at once (the interleaved run: 1)
+    node: str | None = None  # the Ray node that ran it ("host/node id"; None: the machine of the run)
 
     @property
     def ok(self) -> bool:
@@ -60,6 +61,21 @@ class Record:
         data["steps"] = None if self.steps is None else [asdict(s) for s in self.steps]
         data["server"] = None if self.server is None else self.server.to_json()
         return data
+
+
+@dataclass
+class Outcome:
+    """What a benchmark run gives, on this machine or gathered from a Ray cluster's nodes."""
+
+    records: list[Record]
+    lossless: dict[str, bool]  # by row
+    notes: list[str]  # exactness: where lossless outputs part (greedy), or the distribution tests (sampling)
+    precision: str  # the target's, as loaded
+    threads: int
+    machines: list[str]  # every machine that ran records, described
+    levels: list | None = None  # `openai_engines.LevelRun`s of engines under several client streams
+    engines: str | None = None  # the engine rows, described
+    references: dict[str, str] = field(default_factory=dict)  # an engine row's reference row, when not the run's
 
 
 def check_context(runner: Runner, prompt_ids: list[int], config: GenerationConfig, max_context: int) -> None:
@@ -115,6 +131,36 @@ def task_config(config: GenerationConfig, repeat: int, index: int) -> Generation
     return replace(config, seed=(config.seed or 0) + 1_000_003 * repeat + index)
 
 
+def interleaved(
+    models: Models,
+    runners: dict[str, Runner],
+    tasks: list[Task],
+    config: GenerationConfig,
+    repeats: int,
+    positions: list[int] | None = None,
+    count: int | None = None,
+) -> Iterator[Record]:
+    """Every method on every task, repeat after repeat, one record at a time. `positions`: each task's place
+    in the whole benchmark's list of `count` tasks, when these are a share of it (a Ray node's,
+    `bench.ray_shards`): its seed and its order of methods are then those it has in the whole run."""
+    positions = list(range(len(tasks))) if positions is None else positions
+    count = len(tasks) if count is None else count
+    warm = GenerationConfig(max_new_tokens=4, sampling=config.sampling, seed=config.seed)
+    shortest = min(tasks, key=lambda task: len(task.turns[0]))  # not a 16k-token prefill per method
+    warm_task = Task(shortest.category, "warm-up", shortest.turns[:1])
+    for runner in runners.values():
+        run_task(models, runner, warm_task, warm, repeat=-1)
+    names = list(runners)
+    for repeat in range(repeats):
+        for runner in runners.values():  # methods that learn across prompts start each repeat afresh
+            runner.forget()
+        for position, task in zip(positions, tasks):
+            shift = (repeat * count + position) % len(names)
+            seeded = task_config(config, repeat, position)
+            for name in names[shift:] + names[:shift]:
+                yield run_task(models, runners[name], task, seeded, repeat)
+
+
 def run_benchmark(
     models: Models,
     runners: dict[str, Runner],
@@ -123,21 +169,8 @@ def run_benchmark(
     repeats: int,
     on_record: Callable[[Record], None] = lambda record: None,
 ) -> list[Record]:
-    warm = GenerationConfig(max_new_tokens=4, sampling=config.sampling, seed=config.seed)
-    shortest = min(tasks, key=lambda task: len(task.turns[0]))  # not a 16k-token prefill per method
-    warm_task = Task(shortest.category, "warm-up", shortest.turns[:1])
-    for runner in runners.values():
-        run_task(models, runner, warm_task, warm, repeat=-1)
-    names = list(runners)
     records = []
-    for repeat in range(repeats):
-        for runner in runners.values():  # methods that learn across prompts start each repeat afresh
-            runner.forget()
-        for index, task in enumerate(tasks):
-            shift = (repeat * len(tasks) + index) % len(names)
-            seeded = task_config(config, repeat, index)
-            for name in names[shift:] + names[:shift]:
-                record = run_task(models, runners[name], task, seeded, repeat)
-                records.append(record)
-                on_record(record)
+    for record in interleaved(models, runners, tasks, config, repeats):
+        records.append(record)
+        on_record(record)
     return records

@@ -1,4 +1,5 @@
-"""`specdecode bench`: load the models, run the harness, write records, report and plots."""
+"""`specdecode bench`: load the models, run the harness (here, or on a Ray cluster's nodes:
+`bench.ray_shards`), write records, report and plots."""
 
 from __future__ import annotations
 
@@ -12,15 +13,13 @@ from rich.console import Console
 from rich.markdown import Markdown
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from specdecode import metrics
-from specdecode.api import load_models
-from specdecode.bench import report
-from specdecode.bench.datasets import TRANSLATION_SOURCE, sample_tasks
-from specdecode.bench.exactness import diagnose
-from specdecode.bench.harness import Record, run_benchmark
+from specdecode import cluster
+from specdecode.bench import ray_shards, report
+from specdecode.bench.datasets import TRANSLATION_SOURCE, Task, sample_tasks
+from specdecode.bench.exactness import diagnose_divergences, sampled_fidelity
+from specdecode.bench.harness import Outcome, Record, run_benchmark
 from specdecode.bench.openai_engines import LevelRun, build_engines, run_levels
-from specdecode.bench.report import same_output
-from specdecode.bench.runners import PEERS, build_runners, needs_draft_model
+from specdecode.bench.runners import PEERS, Setup, runner_names
 from specdecode.engine import GenerationConfig
 from specdecode.errors import UserError
 from specdecode.models import loading
@@ -36,77 +35,9 @@ LLAMACPP_METHODS = [m for m in variant_names()  # the draft model's tree grows i
 LLAMACPP_METHODS += [m for m, peer in PEERS.items() if peer.backend == "llamacpp"]
 
 
-def diagnose_divergences(models, records: list[Record], lossless: dict[str, bool],
-                         references: dict[str, str] | None = None, reference: str = "ar") -> list[str]:
-    """For each lossless run whose output differs from its reference's (`ar`, or the row `references`
-    names), where and with what logit margin; for an engine that streams text only, where the texts part
-    (no logits: a near-tie cannot be told from a bug)."""
-    runs = {(r.method, r.task_id, r.repeat): r for r in records if r.ok}
-    notes = []
-    for r in records:
-        name = (references or {}).get(r.method, reference)
-        other = runs.get((name, r.task_id, r.repeat))
-        if r.method == name or not r.ok or other is None or not lossless[r.method] or same_output(r, other):
-            continue
-        against = "" if name == "ar" else f" vs {name}"
-        if not (r.ids_known and other.ids_known):
-            turn = next(i for i, (a, b) in enumerate(zip(r.texts, other.texts)) if a != b)
-            mine, theirs = r.texts[turn], other.texts[turn]
-            at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
-            notes.append(f"{r.method} on {r.task_id}{against} (repeat {r.repeat}, turn {turn + 1}): the text differs at "
-                         f"character {at} ({theirs[at:at + 12]!r} vs {mine[at:at + 12]!r}); the engine streams text "
-                         "without logits, so a numerical near-tie cannot be told from a bug")
-            continue
-        engine = r.engine_prompt_tokens is not None or other.engine_prompt_tokens is not None
-        for turn, ((prompt, mine), (_, theirs)) in enumerate(zip(r.turns(), other.turns())):
-            if mine != theirs:
-                divergence = diagnose(models.target, prompt, theirs, mine)
-                what = divergence.describe() if divergence else f"lengths differ ({len(mine)} vs {len(theirs)})"
-                if divergence and engine:
-                    what += " (the margin of our local target: an engine's own weights may round otherwise)"
-                notes.append(f"{r.method} on {r.task_id}{against} (repeat {r.repeat}, turn {turn + 1}): {what}")
-                break
-    return notes
-
-
-def sampled_fidelity(models, records: list[Record], lossless: dict[str, bool], params) -> list[str]:
-    """Statistical exactness for sampling runs: the target's log-probability (under the processed
-    distribution) of every sampled token, per method, against plain decoding's, by a two-sample KS test."""
-    from specdecode.sampling import logits_to_probs
-
-    log_probs: dict[str, list[float]] = {}
-    for r in records:
-        if not r.ok or not lossless[r.method]:
-            continue
-        for prompt, new in r.turns():
-            if not new:
-                continue
-            models.target.reset()
-            logits = models.target.forward(torch.tensor(prompt + new), num_logits=len(new) + 1).logits[:-1]
-            probs = logits_to_probs(logits, params)  # [new, vocab]
-            picked = probs[torch.arange(len(new)), torch.tensor(new)].clamp_min(1e-30)
-            log_probs.setdefault(r.method, []).extend(picked.log().tolist())
-    models.target.reset()
-    notes = []
-    for method, values in log_probs.items():
-        if method == "ar" or "ar" not in log_probs:
-            continue
-        gap, p = metrics.two_sample_ks(values, log_probs["ar"])
-        verdict = "consistent with the target's distribution" if p > 0.01 else "DIFFERS from plain sampling"
-        notes.append(f"{method}: target log-probabilities of its {len(values)} sampled tokens vs ar's "
-                     f"{len(log_probs['ar'])}: KS distance {gap:.3f}, p = {p:.3f} ({verdict}; tokens within "
-                     "a sequence are not independent, so p is approximate)")
-    return notes
-
-
-def run(
-    methods: list[str], categories: list[str], per_category: int | None, max_new_tokens: int, repeats: int,
-    out: Path, target: str, drafter: str, dtype: str, draft_dtype: str, threads: int, backend: str, temperature: float, top_k: int,
-    top_p: float, seed: int, datastore: str | None = None, engines: list[str] | None = None,
-    concurrency: list[int] | None = None, reference: str = "ar",
-) -> Path:
-    from specdecode.types import SamplingParams
-
+def check_options(methods: list[str], repeats: int, concurrency: list[int] | None, engines: list[str] | None,
+                  backend: str, ray: str | None) -> list[int]:
+    """A UserError for options that do not go together; the concurrency levels, sorted."""
     unknown = [m for m in methods if m not in ALL_METHODS]
     if unknown:
         raise UserError(f"unknown methods {unknown}; choose from: {', '.join(ALL_METHODS)}")
@@ -117,90 +48,154 @@ def run(
         raise UserError("--concurrency levels must be at least 1")
     if levels != [1] and not engines:
         raise UserError("--concurrency applies to --engine rows (our own methods run in this process, one at a time)")
-    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p), seed=seed)
-    tasks = sample_tasks(categories, per_category, seed=seed)
-    torch.set_num_threads(threads)
-    console = Console(stderr=True)
+    if ray is not None:
+        cluster.import_ray()  # before anything loads: without Ray, one line saying how to install it
+    if ray is not None and engines:
+        raise UserError("--ray shares out our own methods over a cluster's nodes; --engine rows are measured from "
+                        "this machine's client: run them without --ray")
     elsewhere = [m for m in methods if m in PEERS and PEERS[m].backend != backend]
     if elsewhere:
         raise UserError(f"the peers {elsewhere} are compared on another backend; on --backend {backend} the peers "
                         f"are: {', '.join(m for m, peer in PEERS.items() if peer.backend == backend)}")
-    models = load_models(target, drafter if needs_draft_model(methods) else None, dtype=dtype,
-                         draft_dtype=draft_dtype, backend=backend)
-    if datastore is not None and not Path(datastore).is_file():
-        raise UserError(f"no datastore at {datastore} (build one with `specdecode datastore build`)")
-    runners = build_runners(models, methods, datastore=datastore)
+    return levels
+
+
+class RecordSink:
+    """records.jsonl, written record by record as runs end, and the progress bar they advance."""
+
+    def __init__(self, path: Path, console: Console):
+        self.path, self.console = path, console
+        self.progress: Progress | None = None
+
+    def __enter__(self) -> RecordSink:
+        self.file = self.path.open("w")
+        return self
+
+    def expect(self, total: int, description: str = "warm-up") -> None:
+        """Show the bar (once the models are loaded: their own progress bars are done)."""
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=self.console)
+        self.progress.start()
+        self.bar = self.progress.add_task(description, total=total)
+
+    def __call__(self, record: Record) -> None:
+        self.file.write(json.dumps(record.to_json()) + "\n")
+        self.file.flush()
+        if self.progress is not None:
+            where = f" on {record.node}" if record.node else ""
+            self.progress.update(self.bar, advance=1, description=f"{record.method} {record.task_id}{where}")
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        self.file.close()
+
+
+def run_here(setup: Setup, tasks: list[Task], config: GenerationConfig, repeats: int, levels: list[int],
+             engines: list[str], reference: str, sink: RecordSink, console: Console) -> Outcome:
+    """The benchmark on this machine: our methods and peers, then the engine rows' concurrency levels."""
+    models, runners = setup.load()
     probe = models.encode_chat([{"role": "user", "content": "Hello"}])
-    engine_rows = build_engines(engines or [], set(ALL_METHODS) | set(runners), probe)
+    engine_rows = build_engines(engines, set(ALL_METHODS) | set(runners), probe)
     runners.update({label: engine.runner() for label, engine in engine_rows.items()})
     references = {label: engine.spec.reference or reference for label, engine in engine_rows.items()}
     for name in {reference, *references.values()}:
         if name not in runners:
             raise UserError(f"the reference {name!r} is not a row of this run; rows: {', '.join(runners)}")
     first_turns = {t.task_id: models.encode_chat([{"role": "user", "content": t.turns[0]}]) for t in tasks}
-    too_long = [task_id for task_id, ids in first_turns.items() if len(ids) + max_new_tokens > models.target.max_context]
+    too_long = [task_id for task_id, ids in first_turns.items() if len(ids) + config.max_new_tokens > models.target.max_context]
     if too_long:
         console.print(f"[yellow]{len(too_long)} of {len(tasks)} tasks do not fit the target's context of "
-                      f"{models.target.max_context} tokens with --max-new-tokens {max_new_tokens}: they are recorded "
-                      f"as failures ({', '.join(too_long[:4])}{', ...' if len(too_long) > 4 else ''})")
+                      f"{models.target.max_context} tokens with --max-new-tokens {config.max_new_tokens}: they are "
+                      f"recorded as failures ({', '.join(too_long[:4])}{', ...' if len(too_long) > 4 else ''})")
     lossless = {name: runner.lossless for name, runner in runners.items()}
-    out.mkdir(parents=True, exist_ok=True)
-    records_path = out / "records.jsonl"
-    total = repeats * len(tasks) * (len(runners) + len(engine_rows) * sum(level > 1 for level in levels))
-    with records_path.open("w") as sink, Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
-    ) as progress:
-        bar = progress.add_task("warm-up", total=total)
-
-        def on_record(record: Record) -> None:
-            sink.write(json.dumps(record.to_json()) + "\n")
-            sink.flush()
-            progress.update(bar, advance=1, description=f"{record.method} {record.task_id}")
-
-        start = time.time()
-        records = run_benchmark(models, runners, tasks, config, repeats, on_record)
-        loaded = run_levels(models, engine_rows, runners, tasks, config, levels, repeats, on_record)
+    sink.expect(repeats * len(tasks) * (len(runners) + len(engine_rows) * sum(level > 1 for level in levels)))
+    records = run_benchmark(models, runners, tasks, config, repeats, sink)
+    loaded = run_levels(models, engine_rows, runners, tasks, config, levels, repeats, sink)
     level_runs = [LevelRun(name, 1, repeat, sum(r.seconds for r in mine if r.ok), mine, report.summed_server(mine))
                   for name in engine_rows for repeat in range(repeats)
                   for mine in [[r for r in records if r.method == name and r.repeat == repeat]]] + loaded
-    if loaded:
-        (out / "levels.jsonl").write_text("".join(json.dumps(run.to_json()) + "\n" for run in level_runs))
-    summaries = report.summarise(records, lossless, reference, references)
-    greedy = config.sampling.greedy
-    notes = diagnose_divergences(models, records, lossless, references, reference) if greedy else [
-        "Sampling run: outputs are judged statistically, not token for token ('exact vs ar' only counts "
-        "chance agreement); the exact distribution is also proven by tests/test_sampling_statistical.py.",
-        *sampled_fidelity(models, records, lossless, config.sampling),
-    ]
+    notes = diagnose_divergences(models, records, lossless, references, reference) if config.sampling.greedy else [
+        *sampling_caveat(), *sampled_fidelity(models, records, lossless, config.sampling)]
+    engines_line = "; ".join(f"{label}: {engine.spec.url} ({engine.model}, /v1/{engine.spec.api}"
+                             f"{', token ids' if engine.spec.api == 'completions' else ', its own template'})"
+                             for label, engine in engine_rows.items()) or None
+    return Outcome(records, lossless, notes, models.target.precision, torch.get_num_threads(),
+                   [f"{platform.processor() or platform.machine()}, torch {torch.__version__}"],
+                   level_runs if loaded else None, engines_line, references)
+
+
+def sampling_caveat() -> list[str]:
+    return ["Sampling run: outputs are judged statistically, not token for token ('exact vs ar' only counts "
+            "chance agreement); the exact distribution is also proven by tests/test_sampling_statistical.py."]
+
+
+def run(
+    methods: list[str], categories: list[str], per_category: int | None, max_new_tokens: int, repeats: int,
+    out: Path, target: str, drafter: str, dtype: str, draft_dtype: str, threads: int, backend: str, temperature: float, top_k: int,
+    top_p: float, seed: int, datastore: str | None = None, engines: list[str] | None = None,
+    concurrency: list[int] | None = None, reference: str = "ar", ray: str | None = None,
+) -> Path:
+    """The benchmark on this machine, or with `ray` (a Ray cluster's address) on the cluster's nodes, each
+    running every method on its share of the tasks; either way one records file, report and plots."""
+    from specdecode.types import SamplingParams
+
+    levels = check_options(methods, repeats, concurrency, engines, backend, ray)
+    if datastore is not None and not Path(datastore).is_file():
+        raise UserError(f"no datastore at {datastore} (build one with `specdecode datastore build`)")
+    if ray is not None and reference not in runner_names(methods):
+        raise UserError(f"the reference {reference!r} is not a row of this run; rows: {', '.join(runner_names(methods))}")
+    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p), seed=seed)
+    tasks = sample_tasks(categories, per_category, seed=seed)
+    setup = Setup(methods, target, drafter, dtype, draft_dtype, backend, threads, datastore)
+    console = Console(stderr=True)
+    out.mkdir(parents=True, exist_ok=True)
+    records_path = out / "records.jsonl"
+    start = time.time()
+    with RecordSink(records_path, console) as sink:
+        if ray is None:
+            outcome = run_here(setup, tasks, config, repeats, levels, engines or [], reference, sink, console)
+        else:
+            outcome = ray_shards.run(ray, setup, tasks, config, repeats, reference, sink, sink.expect)
+            if not config.sampling.greedy:
+                outcome.notes[:0] = sampling_caveat()
+    options = {"methods": ",".join(methods) or "ar", "categories": ",".join(categories),
+               "per-category": per_category if per_category is not None else "all", "max-new-tokens": max_new_tokens,
+               "repeats": repeats, "temperature": temperature, "top-k": top_k, "top-p": top_p, "seed": seed,
+               **({"reference": reference} if reference != "ar" else {}),
+               **({"concurrency": ",".join(map(str, levels))} if levels != [1] else {}),
+               **({"ray": ray} if ray is not None else {})}
     settings = {
-        "command": "specdecode bench " + " ".join(f"--{k} {v}" for k, v in {
-            "methods": ",".join(methods) or "ar", "categories": ",".join(categories),
-            "per-category": per_category if per_category is not None else "all", "max-new-tokens": max_new_tokens,
-            "repeats": repeats, "temperature": temperature, "top-k": top_k, "top-p": top_p, "seed": seed,
-            **({"reference": reference} if reference != "ar" else {}),
-            **({"concurrency": ",".join(map(str, levels))} if levels != [1] else {}),
-        }.items()) + "".join(f" --engine '{option}'" for option in engines or []),
+        "command": "specdecode bench " + " ".join(f"--{k} {v}" for k, v in options.items())
+                   + "".join(f" --engine '{option}'" for option in engines or []),
         "target / drafter": f"{target} / {drafter}",
-        "decoding": "greedy" if greedy else f"sampling (temperature {temperature}, top-k {top_k}, top-p {top_p})",
+        "decoding": "greedy" if config.sampling.greedy else
+                    f"sampling (temperature {temperature}, top-k {top_k}, top-p {top_p})",
         "backend, dtype (target, draft), threads": (
-            f"{backend}, {models.target.precision} ({dtype}), {loading.draft_dtype(draft_dtype)} ({draft_dtype}), "
-            f"{torch.get_num_threads()}"
-            if backend == "torch"
-            else f"{backend}, the GGUF files' own quantization, {torch.get_num_threads()}"),
-        "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
+            f"{backend}, {outcome.precision} ({dtype}), {loading.draft_dtype(draft_dtype)} ({draft_dtype}), "
+            f"{outcome.threads}" if backend == "torch"
+            else f"{backend}, the GGUF files' own quantization, {outcome.threads}"),
+        "machine" if len(outcome.machines) == 1 else f"machines ({len(outcome.machines)} Ray nodes, each ratio "
+                                                      "within one node)": "; ".join(outcome.machines),
         "tasks": f"{len(tasks)} ({', '.join(f'{c}: {sum(t.category == c for t in tasks)}' for c in categories)}), "
                  f"seeded sample, chat template for every method",
         "translation data": TRANSLATION_SOURCE,
         "wall time": f"{time.time() - start:.0f} s",
     }
-    if engine_rows:
-        settings["engines"] = "; ".join(f"{label}: {engine.spec.url} ({engine.model}, /v1/{engine.spec.api}"
-                                        f"{', token ids' if engine.spec.api == 'completions' else ', its own template'})"
-                                        for label, engine in engine_rows.items())
-    text = report.markdown(summaries, settings, notes, reference, level_runs if loaded else None)
+    if outcome.engines:
+        settings["engines"] = outcome.engines
+    return write_report(out, outcome, settings, reference, console)
+
+
+def write_report(out: Path, outcome: Outcome, settings: dict[str, str], reference: str, console: Console) -> Path:
+    """report.md, the plots and (engines under load) levels.jsonl, from the records."""
+    if outcome.levels:
+        (out / "levels.jsonl").write_text("".join(json.dumps(run.to_json()) + "\n" for run in outcome.levels))
+    summaries = report.summarise(outcome.records, outcome.lossless, reference, outcome.references)
+    text = report.markdown(summaries, settings, outcome.notes, reference, outcome.levels)
     (out / "report.md").write_text(text)
     report.plots(summaries, out)
     Console().print(Markdown(text))
-    console.print(f"wrote {records_path}, {out / 'report.md'}, {out / 'speedup.png'}, {out / 'acceptance_by_position.png'}")
+    console.print(f"wrote {out / 'records.jsonl'}, {out / 'report.md'}, {out / 'speedup.png'}, "
+                  f"{out / 'acceptance_by_position.png'}")
     return out / "report.md"
-

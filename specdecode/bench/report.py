@@ -19,8 +19,8 @@ DISAGREEMENT = 0.2  # measured and predicted speedups this far apart (relative) 
 class Cell:
     """One method on one category (or overall), over every repeat."""
 
-    tokens_per_second: tuple[float, float]  # mean, std over repeats
-    speedup: tuple[float, float]  # mean, std over repeats of the per-repeat ratio to ar
+    tokens_per_second: tuple[float, float]  # mean, std over repeats (and Ray nodes)
+    speedup: tuple[float, float]  # mean, std over repeats (and Ray nodes) of the ratio to ar on that machine
     mean_accepted_tokens: float | None  # None for peers (an engine's: its own figure, when it gives one)
     runs: int
     failures: int
@@ -83,13 +83,14 @@ def _latencies(records: list[Record]) -> tuple[float | None, float | None]:
     return first, gap
 
 
-def _cell(records: list[Record], reference: list[Record], repeats: list[int]) -> Cell:
+def _cell(records: list[Record], reference: list[Record]) -> Cell:
+    """Ratios per repeat and machine: a Ray run's records on one node against that node's reference runs."""
     ok = [r for r in records if r.ok]
     per_repeat, ratios, decode_ratios = [], [], []
-    for repeat in repeats:
-        mine = [r for r in ok if r.repeat == repeat]
+    for repeat, node in dict.fromkeys((r.repeat, r.node) for r in ok):
+        mine = [r for r in ok if r.repeat == repeat and r.node == node]
         tasks = {r.task_id for r in mine}
-        base = [r for r in reference if r.repeat == repeat and r.ok and r.task_id in tasks]
+        base = [r for r in reference if r.repeat == repeat and r.node == node and r.ok and r.task_id in tasks]
         if mine and base:
             per_repeat.append(_throughput(mine))
             ratios.append(per_repeat[-1] / _throughput(base))
@@ -119,7 +120,6 @@ def summarise(records: list[Record], lossless: dict[str, bool], reference_name: 
     for r in records:
         by_method[r.method].append(r)
     categories = sorted({r.category for r in records})
-    repeats = sorted({r.repeat for r in records})
     reference = by_method[reference_name]
     outputs = {name: {(r.task_id, r.repeat): r for r in runs if r.ok} for name, runs in by_method.items()}
     ar_steps = _decode_steps([s for r in by_method.get("ar", []) if r.ok and r.steps for s in r.steps])
@@ -127,8 +127,8 @@ def summarise(records: list[Record], lossless: dict[str, bool], reference_name: 
 
     summaries = []
     for method, mine in by_method.items():
-        cells = {c: _cell([r for r in mine if r.category == c], reference, repeats) for c in categories}
-        cells[OVERALL] = _cell(mine, reference, repeats)
+        cells = {c: _cell([r for r in mine if r.category == c], reference) for c in categories}
+        cells[OVERALL] = _cell(mine, reference)
         ok = [r for r in mine if r.ok]
         exact = None
         compared_with = (references or {}).get(method, reference_name)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.api import Models
+from specdecode.api import Models, load_models
 from specdecode.bench import llamacpp_peers
 from specdecode.bench.base import Output, Runner
 from specdecode.engine import GenerationConfig, SpeculativeEngine
@@ -111,11 +111,34 @@ def needs_draft_model(names: list[str]) -> bool:
                for name in names)
 
 
+def runner_names(names: list[str]) -> list[str]:
+    """The rows `build_runners` makes, in its order."""
+    return list(dict.fromkeys(["ar", *names]))
+
+
 def build_runners(models: Models, names: list[str], datastore: str | None = None) -> dict[str, Runner]:
     """Runners by name (ours and peers); `ar` always comes first: it is the reference."""
-    runners = {"ar": our_runner(models, "ar")}
-    for name in names:
-        if name in runners:
-            continue
-        runners[name] = PEERS[name].build(models) if name in PEERS else our_runner(models, name, datastore)
-    return runners
+    return {name: our_runner(models, name) if name == "ar" else PEERS[name].build(models) if name in PEERS
+            else our_runner(models, name, datastore) for name in runner_names(names)}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a benchmark loads and runs (the command's options), on this machine or on each Ray node."""
+
+    methods: list[str]
+    target: str
+    drafter: str
+    dtype: str = "auto"
+    draft_dtype: str = "auto"
+    backend: str = "torch"
+    threads: int = 2
+    datastore: str | None = None
+
+    def load(self, progress: bool = True) -> tuple[Models, dict[str, Runner]]:
+        """The models (the draft model only when a method needs it) and the runners, on `threads` threads."""
+        torch.set_num_threads(self.threads)
+        drafter = self.drafter if needs_draft_model(self.methods) else None
+        models = load_models(self.target, drafter, dtype=self.dtype, draft_dtype=self.draft_dtype,
+                             backend=self.backend, progress=progress)
+        return models, build_runners(models, self.methods, datastore=self.datastore)

@@ -5,18 +5,8 @@ the target's. So the target answers many prompts here, by plain decoding in the 
 (`engine.batch.BatchEngine`: one target forward steps every sequence in flight), and the answers are
 stored for the feature extraction (`training.features`) and any trainer.
 
-Prompts, in an order seeded by `Settings.seed`, each with an id that does not depend on it:
-- `sharegpt:<i>`: the first user turn of ShareGPT conversation i (`corpus.sharegpt_conversations`; a
-  turn repeating an earlier conversation's is dropped: the same prompt, the same greedy answer);
-- `stdlib:<module>:write`: a request to write a standard-library module; `stdlib:<module>:<kind>@<line>`:
-  a slice of its source (SLICE_LINES lines from that line) to explain or to continue (kinds alternate
-  along the file). About `Settings.code_share` of the prompts are these.
-A prompt that contains the opening of a benchmark prompt is skipped (`corpus.mentions_any`): only the
-prompt reaches the target, so only it can leak one. Prompts go through the target's chat template and a
-prompt too long loses its middle.
-
-Answers: greedy, or (`Settings.sampled_share` of the prompts) sampled at `Settings.temperature`; which,
-and the sampling seed, follow from the prompt's id and `Settings.seed` alone.
+Which prompts, and which are answered greedily or sampled with which seed: `training.prompts`. On a
+Ray cluster's nodes: `training.ray_answers`, into the same files.
 
 Storage, in the output folder:
   answers.jsonl  one object per finished answer, appended and flushed line by line: id, source, mode
@@ -29,58 +19,20 @@ and settings only.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from specdecode.errors import UserError
 from specdecode.training import corpus
+from specdecode.training.prompts import Prompt, Settings, encode, prompt_limit, prompts, sampling_of
 
 ANSWERS = "answers.jsonl"
 MANIFEST = "answers.json"
-SLICE_LINES = 40  # lines of code in an explain / continue prompt
-MIN_SLICE_LINES = 8  # non-blank lines a slice needs
-CUT_MARK = "\n[...]\n"  # where a prompt too long for the limit lost its middle
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What decides the answers; a folder keeps the settings it was started with."""
-
-    max_new_tokens: int = 512
-    sampled_share: float = 0.5  # of the prompts, answered by sampling (the rest greedily)
-    temperature: float = 0.8  # of the sampled answers
-    code_share: float = 0.35  # of the prompts, standard-library code requests (the rest ShareGPT)
-    max_prompt_tokens: int = 1024  # chat-templated; a longer prompt loses its middle
-    seed: int = 0  # the prompts' order, and which are sampled with which seeds
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise UserError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        for name in ("sampled_share", "code_share"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise UserError(f"{name} must be between 0 and 1, got {getattr(self, name)}")
-        if not 0.0 < self.temperature <= 100.0:
-            raise UserError(f"temperature must be in (0, 100], got {self.temperature}")
-        if self.max_prompt_tokens < 16:
-            raise UserError(f"max_prompt_tokens must be at least 16, got {self.max_prompt_tokens}")
-
-
-@dataclass(frozen=True)
-class Prompt:
-    id: str  # "sharegpt:<i>" or "stdlib:<module>:<kind>[@<line>]"
-    source: str  # "sharegpt" or "stdlib"
-    text: str  # the user turn
-
-    @property
-    def messages(self) -> list[dict]:
-        return [{"role": "user", "content": self.text}]
 
 
 @dataclass(frozen=True)
@@ -119,106 +71,6 @@ class Summary:
     @property
     def tokens_per_second(self) -> float:
         return self.generated / self.seconds if self.seconds > 0 else 0.0
-
-
-# --- Prompts ---------------------------------------------------------------------------------------
-
-
-def sharegpt_prompts(path: Path | None = None) -> Iterator[Prompt]:
-    """The first user turn of each ShareGPT conversation, once per text."""
-    seen = set()
-    for index, messages in enumerate(corpus.sharegpt_conversations(path)):
-        text = messages[0]["content"]
-        key = " ".join(text.split()).lower()
-        if key not in seen:
-            seen.add(key)
-            yield Prompt(f"sharegpt:{index}", "sharegpt", text)
-
-
-def stdlib_prompts(folder: Path | None = None) -> Iterator[Prompt]:
-    """Requests about each standard-library module (the files `corpus.stdlib_conversations` reads): to
-    write it, and to explain or continue each SLICE_LINES-line slice of it (alternately)."""
-    from specdecode.drafters.retrieval.build import STDLIB_SKIP, stdlib_folder
-
-    root = folder or stdlib_folder()
-    for path in sorted(root.rglob("*.py")):
-        if STDLIB_SKIP & set(path.relative_to(root).parts):
-            continue
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except (UnicodeDecodeError, OSError):
-            continue
-        module = ".".join(path.relative_to(root).with_suffix("").parts)
-        yield Prompt(f"stdlib:{module}:write", "stdlib", f"Write the Python standard library module `{module}`.")
-        for number, start in enumerate(range(0, len(lines), SLICE_LINES)):
-            chunk = lines[start : start + SLICE_LINES]
-            if sum(1 for line in chunk if line.strip()) < MIN_SLICE_LINES:
-                continue
-            code = "\n".join(chunk)
-            kind, request = ("continue", "Continue this code") if number % 2 == 0 else ("explain", "Explain this code")
-            text = f"{request} from the Python module `{module}`:\n\n```python\n{code}\n```"
-            yield Prompt(f"stdlib:{module}:{kind}@{start + 1}", "stdlib", text)
-
-
-def prompts(settings: Settings, *, sharegpt: Path | None = None, stdlib: Path | None = None,
-            openings: frozenset[str] | None = None) -> Iterator[Prompt]:
-    """Every prompt once, in an order seeded by settings.seed: each next one code with probability
-    settings.code_share (the other source once one runs out), benchmark prompts skipped. `openings`:
-    the benchmark's (`corpus.evaluation_openings`) unless given. The sources are read now, the
-    benchmark check made as the prompts are taken."""
-    openings = corpus.evaluation_openings() if openings is None else openings
-    code, chat = list(stdlib_prompts(stdlib)), list(sharegpt_prompts(sharegpt))
-    random.Random(f"{settings.seed}:stdlib").shuffle(code)  # one stream each: a source's order is its own
-    random.Random(f"{settings.seed}:sharegpt").shuffle(chat)
-    return _mixed(iter(code), iter(chat), random.Random(f"{settings.seed}:mix"), settings.code_share, openings)
-
-
-def _mixed(code: Iterator[Prompt], chat: Iterator[Prompt], mix: random.Random, code_share: float,
-           openings: frozenset[str]) -> Iterator[Prompt]:
-    while True:
-        first, second = (code, chat) if mix.random() < code_share else (chat, code)
-        prompt = next(first, None) or next(second, None)
-        if prompt is None:
-            return
-        if not corpus.mentions_any(prompt.messages, openings):
-            yield prompt
-
-
-def sampling_of(prompt_id: str, settings: Settings) -> int | None:
-    """The seed a prompt's answer is sampled with, or None when it is answered greedily: a function of
-    the id and settings.seed alone, so neither the order nor a rerun changes it."""
-    digest = hashlib.sha256(f"{settings.seed}:{prompt_id}".encode()).digest()
-    draw = int.from_bytes(digest[:8], "big") / 2**64  # uniform in [0, 1)
-    return int.from_bytes(digest[8:16], "big") >> 2 if draw < settings.sampled_share else None
-
-
-def encode(models, prompt: Prompt, limit: int) -> list[int]:
-    """The prompt's chat-templated token ids (`Models.encode_chat`), at most `limit` of them: a longer
-    prompt keeps the beginning and end of its text (where questions and instructions are) and loses
-    the middle."""
-    ids = models.encode_chat(prompt.messages)
-    if len(ids) <= limit:
-        return ids
-    tokenizer = models.tokenizer
-    text_ids = tokenizer.encode(prompt.text, add_special_tokens=False)
-    overhead = len(ids) - len(text_ids) + len(tokenizer.encode(CUT_MARK, add_special_tokens=False))
-    keep = limit - overhead
-    for _ in range(4):  # re-encoding may merge tokens differently at the cuts
-        if keep < 2:
-            break
-        head, tail = text_ids[: keep - keep // 2], text_ids[len(text_ids) - keep // 2 :]
-        text = tokenizer.decode(head) + CUT_MARK + tokenizer.decode(tail)
-        ids = models.encode_chat([{"role": "user", "content": text}])
-        if len(ids) <= limit:
-            return ids
-        keep -= len(ids) - limit
-    raise UserError(f"the chat template alone takes more than {limit} tokens")
-
-
-def prompt_limit(settings: Settings, max_context: int) -> int:
-    """Prompt tokens at most: settings.max_prompt_tokens, less where the target's context would leave
-    the answer too little room (but never under half of it)."""
-    return min(settings.max_prompt_tokens, max(max_context - settings.max_new_tokens, max_context // 2))
 
 
 # --- Storage ---------------------------------------------------------------------------------------
@@ -361,6 +213,76 @@ def check_limits(tokens: int, seconds: float | None, batch: int) -> None:
         raise UserError(f"--seconds must be positive, got {seconds}")
 
 
+class Answerer:
+    """The target answering prompts in batches, by plain decoding in the batch engine: prompts join with
+    `add`; `step` makes one target forward for every sequence in flight and returns the answers that ended."""
+
+    def __init__(self, models, settings: Settings):
+        from specdecode.engine.batch import BatchEngine
+
+        # no tokenizer: the text of the answers is not needed, and decoding it every step costs
+        self.engine = BatchEngine(models.target, None, gate=False)
+        self.models, self.settings = models, settings
+        self.limit = prompt_limit(settings, models.target.max_context)
+        self.in_flight: dict[int, tuple[Prompt, list[int], int | None]] = {}  # engine id -> (prompt, its ids, seed)
+        self.live: Counter[int] = Counter()  # tokens generated so far by each sequence in flight
+        self.generated = 0  # tokens generated, those of sequences in flight or dropped included
+
+    @property
+    def busy(self) -> int:
+        """Sequences in flight."""
+        return len(self.in_flight)
+
+    @property
+    def live_tokens(self) -> int:
+        return sum(self.live.values())
+
+    def add(self, prompt: Prompt) -> None:
+        from specdecode.engine.sequence import GenerationConfig
+        from specdecode.types import SamplingParams
+
+        prompt_ids, seed = encode(self.models, prompt, self.limit), sampling_of(prompt.id, self.settings)
+        temperature = 0.0 if seed is None else self.settings.temperature
+        config = GenerationConfig(max_new_tokens=self.settings.max_new_tokens, seed=seed,
+                                  sampling=SamplingParams(temperature=temperature))
+        self.in_flight[self.engine.add(prompt_ids, config)] = (prompt, prompt_ids, seed)
+
+    def step(self) -> list[Answer]:
+        ended = []
+        for ident, event, result in self.engine.step():
+            self.live[ident] += len(event.token_ids)
+            self.generated += len(event.token_ids)
+            if result is not None:
+                prompt, prompt_ids, seed = self.in_flight.pop(ident)
+                del self.live[ident]
+                ended.append(Answer(prompt.id, prompt.source, "greedy" if seed is None else "sampled", seed,
+                                    prompt_ids, result.token_ids, result.finish_reason))
+        return ended
+
+    def drop(self) -> int:
+        """Drop the sequences in flight (the time ran out: a rerun redoes them); how many there were."""
+        dropped = len(self.in_flight)
+        for ident in list(self.in_flight):
+            self.engine.remove(ident)
+        self.in_flight.clear()
+        self.live.clear()
+        return dropped
+
+
+def progress_columns() -> list:
+    from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
+
+    return [TextColumn("target's answers"), BarColumn(), TextColumn("{task.completed:,.0f}/{task.total:,.0f} tokens"),
+            TextColumn("{task.fields[rate]:.1f} tokens/s"), TimeElapsedColumn()]
+
+
+def summary(store: Store, written: int, generated: int, seconds: float, dropped: int, stopped_by: str) -> Summary:
+    """What this run did, `written` being the folder's answer tokens before it."""
+    return Summary(answers=store.manifest["runs"][-1]["answers"], tokens=store.tokens - written, generated=generated,
+                   seconds=seconds, dropped=dropped, stopped_by=stopped_by, total_answers=store.counts["answers"],
+                   total_tokens=store.tokens)
+
+
 def generate(
     models,
     out: Path,
@@ -381,63 +303,39 @@ def generate(
     joins once the folder's and those in flight reach it; the ones in flight finish, up to batch x
     max_new_tokens more), `seconds` have passed (the answers in flight are then dropped) or the prompts
     run out; `batch` sequences in flight. Resumes a folder begun with the same target and settings."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from specdecode.engine.batch import BatchEngine
-    from specdecode.engine.sequence import GenerationConfig
-    from specdecode.types import SamplingParams
+    from rich.progress import Progress
 
     check_limits(tokens, seconds, batch)
-    # no tokenizer: the text of the answers is not needed, and decoding it every step costs
-    engine = BatchEngine(models.target, None, gate=False)
+    answerer = Answerer(models, settings)
     store = Store(out, describe_target(models, target), settings)
-    limit = prompt_limit(settings, models.target.max_context)
     todo = (p for p in prompts(settings, sharegpt=sharegpt, stdlib=stdlib, openings=openings) if p.id not in store.done)
-    in_flight: dict[int, tuple[Prompt, list[int], int | None]] = {}  # engine id -> (prompt, its ids, seed)
-    live: Counter[int] = Counter()  # tokens generated so far by each sequence in flight
-    written, generated, stopped_by = store.tokens, 0, "tokens"
+    written, stopped_by = store.tokens, "tokens"
     start = clock()
-    columns = [TextColumn("target's answers"), BarColumn(),
-               TextColumn("{task.completed:,.0f}/{task.total:,.0f} tokens"),
-               TextColumn("{task.fields[rate]:.1f} tokens/s"), TimeElapsedColumn()]
     try:
-        with Progress(*columns, disable=not progress) as bar:
+        with Progress(*progress_columns(), disable=not progress) as bar:
             task = bar.add_task("answers", total=tokens, completed=min(store.tokens, tokens), rate=0.0)
             while True:
                 # 1. Refill the batch while the folder's tokens and those in flight fall short.
-                while len(in_flight) < batch and store.tokens + sum(live.values()) < tokens:
+                while answerer.busy < batch and store.tokens + answerer.live_tokens < tokens:
                     prompt = next(todo, None)
                     if prompt is None:
                         stopped_by = "prompts"
                         break
-                    prompt_ids, seed = encode(models, prompt, limit), sampling_of(prompt.id, settings)
-                    temperature = 0.0 if seed is None else settings.temperature
-                    config = GenerationConfig(max_new_tokens=settings.max_new_tokens, seed=seed,
-                                              sampling=SamplingParams(temperature=temperature))
-                    in_flight[engine.add(prompt_ids, config)] = (prompt, prompt_ids, seed)
-                if not in_flight:
+                    answerer.add(prompt)
+                if not answerer.busy:
                     break
                 # 2. One forward for every sequence in flight; store the answers that ended.
-                for ident, event, result in engine.step():
-                    live[ident] += len(event.token_ids)
-                    generated += len(event.token_ids)
-                    if result is not None:
-                        prompt, prompt_ids, seed = in_flight.pop(ident)
-                        del live[ident]
-                        store.append(Answer(prompt.id, prompt.source, "greedy" if seed is None else "sampled", seed,
-                                            prompt_ids, result.token_ids, result.finish_reason))
-                        store.write_manifest(generated, clock() - start)
+                for answer in answerer.step():
+                    store.append(answer)
+                    store.write_manifest(answerer.generated, clock() - start)
                 elapsed = clock() - start
-                bar.update(task, completed=min(store.tokens + sum(live.values()), tokens), rate=generated / max(elapsed, 1e-9))
+                bar.update(task, completed=min(store.tokens + answerer.live_tokens, tokens),
+                           rate=answerer.generated / max(elapsed, 1e-9))
                 if seconds is not None and elapsed >= seconds:
                     stopped_by = "seconds"
                     break
     finally:
-        store.write_manifest(generated, clock() - start)
+        store.write_manifest(answerer.generated, clock() - start)
         store.close()
-    dropped = len(in_flight)
-    for ident in list(in_flight):
-        engine.remove(ident)
-    return Summary(answers=store.manifest["runs"][-1]["answers"], tokens=store.tokens - written, generated=generated,
-                   seconds=clock() - start, dropped=dropped, stopped_by=stopped_by,
-                   total_answers=store.counts["answers"], total_tokens=store.tokens)
+    dropped = answerer.drop()
+    return summary(store, written, answerer.generated, clock() - start, dropped, stopped_by)
