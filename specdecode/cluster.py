@@ -12,7 +12,7 @@ itself, by the names the driver was given.
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,9 +75,11 @@ def pinned(remote, node: Node, cpus: int):
                           scheduling_strategy=NodeAffinitySchedulingStrategy(node.id, soft=False))
 
 
-def gather(ray, streams: dict[str, Any]) -> Iterator[tuple[str, Any]]:
-    """(key, item) for the items of every stream (a Ray generator's), whichever yields first. A UserError
-    raised on a node (a model that is not there, say) is raised here as one; other failures as Ray's."""
+def gather(ray, streams: dict[str, Any], then: Callable[[str], Any | None] = lambda key: None,
+           ) -> Iterator[tuple[str, Any]]:
+    """(key, item) for the items of every stream (a Ray generator's), whichever yields first; when a
+    stream ends, `then(key)` may give the next stream for that key. A UserError raised on a node (a model
+    that is not there, say) is raised here as one; other failures as Ray's."""
     pending = dict(streams)
     while pending:
         ready, _ = ray.wait(list(pending.values()), num_returns=1)
@@ -85,10 +87,20 @@ def gather(ray, streams: dict[str, Any]) -> Iterator[tuple[str, Any]]:
         try:
             item = ray.get(next(pending[key]))
         except StopIteration:
-            del pending[key]
+            following = then(key)
+            if following is None:
+                del pending[key]
+            else:
+                pending[key] = following
             continue
         except ray.exceptions.RayTaskError as error:
-            if isinstance(error.cause, UserError):
-                raise UserError(f"on the Ray node {key}: {error.cause}") from None
-            raise
+            raise user_error(error, key) from None
         yield key, item
+
+
+def user_error(error, node: str) -> Exception:
+    """A Ray task's failure as it should reach the command line: a UserError raised on the node as one
+    line naming the node, anything else as Ray reported it."""
+    if isinstance(getattr(error, "cause", None), UserError):
+        return UserError(f"on the Ray node {node}: {error.cause}")
+    return error

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 
 import typer
+from rich.markup import escape
 
 from specdecode.cli import bench, datastore, export, generate, serve, train
 from specdecode.cli.options import console
@@ -42,7 +43,7 @@ def main() -> None:
     try:
         app()
     except UserError as error:
-        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)  # as written: "[ray]" too
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -51,6 +51,10 @@ def bench(
     )] = "1",
     reference: Annotated[str, typer.Option(help=(
         "The row speedups and exactness are measured against: ar, or an --engine label."))] = "ar",
+    ray: Annotated[str | None, typer.Option(help=(
+        "Share the prompts out over a Ray cluster's nodes, each running every method on its share (ratios stay "
+        "within a node): auto, ray://HOST:PORT, HOST:PORT, or local (a Ray started on this machine). Needs "
+        "pip install 'specdecode[ray]'."))] = None,
 ) -> None:
     """Spec-Bench-style evaluation: every method and peer on every category, interleaved and repeated."""
     from specdecode.bench.datasets import DEFAULT_CATEGORIES
@@ -73,5 +77,5 @@ def bench(
         backend=backend.value,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         datastore=str(datastore) if datastore else None,
-        engines=engine or [], concurrency=levels, reference=reference,
+        engines=engine or [], concurrency=levels, reference=reference, ray=ray,
     )

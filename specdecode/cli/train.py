@@ -72,19 +72,25 @@ def train_data(
     seed: Annotated[int, typer.Option(help="Seeds the prompts' order and which are sampled.")] = 0,
     dtype: DTypeOption = DType("auto"),
     target: TargetOption = DEFAULT_TARGET,
+    ray: Annotated[str | None, typer.Option(help=(
+        "Answer on a Ray cluster's nodes, --batch sequences on each, into --out here: auto, ray://HOST:PORT, "
+        "HOST:PORT, or local. Needs pip install 'specdecode[ray]'."))] = None,
 ) -> None:
     """Have TARGET answer ShareGPT's and standard-library code prompts (benchmark prompts excluded) in
     batches, greedily and by sampling, into --out: the trained drafters' data from the target's own answers
     (`training.answers.sequences`). Resumable: a rerun skips the prompts already answered."""
     from specdecode.api import load_models
-    from specdecode.training import answers
+    from specdecode.training import answers, ray_answers
 
     settings = answers.Settings(max_new_tokens=max_new_tokens, sampled_share=sampled_share, seed=seed)
     answers.check_limits(tokens, seconds, batch)
     answers.check_settings(out, settings)  # before the model loads; the target is checked once it has
-    models = load_models(target, None, dtype=dtype.value)
-    summary = answers.generate(models, out, target=target, settings=settings, tokens=tokens, seconds=seconds,
-                               batch=batch)
+    if ray is not None:
+        summary = ray_answers.generate(ray, out, target=target, dtype=dtype.value, settings=settings, tokens=tokens,
+                                       seconds=seconds, batch=batch)
+    else:
+        summary = answers.generate(load_models(target, None, dtype=dtype.value), out, target=target,
+                                   settings=settings, tokens=tokens, seconds=seconds, batch=batch)
     dropped = f"; {summary.dropped} in flight dropped" if summary.dropped else ""
     console.print(f"{out}: {summary.total_answers} answers, {summary.total_tokens:,} answer tokens "
                   f"({summary.tokens:,} this run: {summary.generated:,} tokens generated in {summary.seconds:.0f} s, "
