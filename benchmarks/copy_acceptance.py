@@ -44,8 +44,8 @@ class Recording(PromptLookupDrafter):
         self.log: list[tuple[int, int, int]] = []
         super().__init__(**kwargs)
 
-    def begin(self, prompt_ids):
-        super().begin(prompt_ids)
+    def begin(self, prompt_ids, forget=False):
+        super().begin(prompt_ids, forget)
         record = self._acceptance.record
 
         def logged(bucket: int, right: int, judged: int) -> None:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from conftest import greedy_runs, noisy_copy, random_prompts
 from fakes import DRAFT, PROMPT, TARGET, FakeLM
 from goodness_of_fit import assert_follows, continuations, engine_outcomes
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, Needs, Outcome
 from specdecode.drafters.composite import (
     DROPPED, CompositeDrafter, Source, build_composite, default_scores, merge, select, translate,
 )
@@ -60,15 +60,15 @@ class Fixed(Drafter):
         self.calls = self.begun = 0
         self.verdicts: list[Verdict] = []
 
-    def begin(self, prompt_ids):
+    def begin(self, prompt_ids, forget=False):
         self.begun += 1
 
     def propose(self, context, max_tokens, params, generator) -> Draft:
         self.calls += 1
         return self.draft
 
-    def update(self, verdict, stats):
-        self.verdicts.append(verdict)
+    def observe(self, outcome):
+        self.verdicts.append(outcome.verdict)
 
 
 # --- merging ---------------------------------------------------------------------------------------
@@ -209,7 +209,8 @@ def test_each_source_is_told_how_its_own_proposal_fared():
     draft = composite.propose([0], 8, GREEDY, None)
     assert draft.tokens.tolist() == [1, 2, 3, 9] and draft.parents.tolist() == [-1, 0, 1, 1]
     # the target accepted 1, 2, 3 and added 7
-    composite.update(Verdict(num_drafted=4, num_accepted=3, tokens=(1, 2, 3, 7), path=(0, 1, 2), bonus=True), STATS)
+    verdict = Verdict(num_drafted=4, num_accepted=3, tokens=(1, 2, 3, 7), path=(0, 1, 2), bonus=True)
+    composite.observe(Outcome(draft, verdict, STATS))
     told = cheap.verdicts[-1]
     assert (told.num_drafted, told.num_accepted, told.tokens, told.bonus) == (3, 3, (1, 2, 3, 7), True)
     told = dear.verdicts[-1]
@@ -237,7 +238,8 @@ def test_expensive_source_only_when_the_cheap_ones_promise_little():
         assert cheap.calls == 1 and dear.calls == calls
         if calls == 0:
             assert draft.tokens.tolist() == [1, 2, 3, 4]
-            composite.update(Verdict(num_drafted=4, num_accepted=4, tokens=(1, 2, 3, 4, 5), bonus=True), STATS)
+            verdict = Verdict(num_drafted=4, num_accepted=4, tokens=(1, 2, 3, 4, 5), bonus=True)
+            composite.observe(Outcome(draft, verdict, STATS))
             assert dear.verdicts[-1].num_drafted == 0  # told it drafted nothing
     always = CompositeDrafter([Fixed(chain([1], [0.99])), Source(dear, "expensive")], FREE, fallback_below=float("inf"))
     dear.calls = 0
@@ -287,7 +289,7 @@ class Watcher(Drafter):
     """Wants the target's logits; proposes the chain it is given and records what observe() brings."""
 
     name = "watcher"
-    wants_logits = True
+    needs = Needs(logits=True)
 
     def __init__(self, tokens):
         self.tokens, self.seen = tokens, []
@@ -295,15 +297,17 @@ class Watcher(Drafter):
     def propose(self, context, max_tokens, params, generator) -> Draft:
         return chain(self.tokens[:max_tokens])
 
-    def observe(self, draft, logits, verdict):
-        self.seen.append((draft.tokens.tolist(), logits.shape[0], verdict.num_accepted))
+    def observe(self, outcome):
+        if outcome.logits is not None:
+            seen = (outcome.draft.tokens.tolist(), outcome.logits.shape[0], outcome.verdict.num_accepted)
+            self.seen.append(seen)
 
 
 def test_observe_gets_the_rows_of_the_verified_nodes(tiny_target, plain):
     target_tokens = plain[0][:3]
     watcher = Watcher(target_tokens + [0, 0, 0])  # right for three tokens, then most likely wrong
     composite = CompositeDrafter([watcher], FREE, budget=4)
-    assert composite.wants_logits
+    assert composite.needs.logits
     engine = SpeculativeEngine(HFCausalLM(tiny_target), drafter=composite)
     engine.curve = CURVE
     result = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=10))

@@ -71,15 +71,16 @@ def test_adaptive_length_follows_acceptance(tiny_target):
     from specdecode.drafters.draft_model import PROBE_EVERY, DraftModelDrafter
     from specdecode.models.costs import CostCurve
     from specdecode.models.hf import HFCausalLM
-    from specdecode.types import StepStats, Verdict
+    from specdecode.drafters.base import Outcome
+    from specdecode.types import Draft, StepStats, Verdict
 
     drafter = DraftModelDrafter(HFCausalLM(tiny_target), num_tokens=4, draft_cost=0.2)
     stats = StepStats(0, 0, 0, 0.0, 0.0, 0)
     for _ in range(10):
-        drafter.update(Verdict(num_drafted=4, num_accepted=4, tokens=(1,) * 5), stats)
+        drafter.observe(Outcome(Draft.empty(), Verdict(num_drafted=4, num_accepted=4, tokens=(1,) * 5), stats))
     long = drafter.num_tokens
     for _ in range(30):
-        drafter.update(Verdict(num_drafted=4, num_accepted=0, tokens=(1,)), stats)
+        drafter.observe(Outcome(Draft.empty(), Verdict(num_drafted=4, num_accepted=0, tokens=(1,)), stats))
     assert long > 4 and drafter.num_tokens == 0  # off ...
     context, params = list(range(1, 9)), SamplingParams()
     lengths = [len(drafter.propose(context, 8, params, None)) for _ in range(3 * PROBE_EVERY)]
@@ -88,7 +89,7 @@ def test_adaptive_length_follows_acceptance(tiny_target):
     # where even a near-perfect draft could not pay, off means off: no probes
     drafter = DraftModelDrafter(HFCausalLM(tiny_target), num_tokens=4, draft_cost=0.59,
                                 curve=CostCurve((1, 2, 4, 8, 16), (1.0, 1.66, 2.59, 4.63, 5.36)))
-    drafter.update(Verdict(num_drafted=4, num_accepted=4, tokens=(1,) * 5), stats)
+    drafter.observe(Outcome(Draft.empty(), Verdict(num_drafted=4, num_accepted=4, tokens=(1,) * 5), stats))
     assert drafter.num_tokens == 0
     assert all(len(drafter.propose(context, 8, params, None)) == 0 for _ in range(3 * PROBE_EVERY))
 

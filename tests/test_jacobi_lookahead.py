@@ -21,6 +21,7 @@ from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.engine.loop import with_auxiliary
 from specdecode.errors import UserError
 from specdecode.models.hf import HFCausalLM
+from specdecode.tree.structure import chain_inputs
 from specdecode.tree.trie import build_trie, stack
 from specdecode.types import AuxiliaryTokens, Draft, SamplingParams
 
@@ -87,7 +88,8 @@ def test_window_tokens_by_hand():
 
 def test_with_auxiliary_hides_the_draft_and_the_window_from_each_other():
     aux = AuxiliaryTokens(torch.tensor([7, 8]), torch.tensor([5, 6]), torch.ones(2, 2, dtype=torch.bool).tril())
-    fed, positions, mask = with_auxiliary(torch.tensor([1, 2, 3]), None, None, aux, num_pending=2, context_length=5)
+    positions, mask = chain_inputs(3, num_pending=2, context_length=5)
+    fed, positions, mask = with_auxiliary(torch.tensor([1, 2, 3]), positions, mask, aux, num_pending=2)
     # pending tokens at 3, 4; a one-token chain draft at 5; the window after them
     assert fed.tolist() == [1, 2, 3, 7, 8] and positions.tolist() == [3, 4, 5, 5, 6]
     assert mask.int().tolist() == [
@@ -177,13 +179,11 @@ def test_auxiliary_tokens_leave_verification_and_cache_as_they_were(tiny_target)
         lm = HFCausalLM(tiny_target)
         lm.forward(torch.tensor(context[:-3]))  # three context tokens pending
         engine = SpeculativeEngine(lm, drafter=_Fixed(draft))
-        captured = {}
-        engine.drafter.wants_logits = True
-        engine.drafter.observe = lambda d, logits, v: captured.update(logits=logits)
-        _, verdict, _, _ = engine.step(context, 10, SamplingParams(), None)
+        step = engine.step(context, 10, SamplingParams(), None)
+        verdict = step.verdict
         assert lm.cache_length == len(context) + verdict.num_accepted
         following = lm.forward(torch.tensor([verdict.tokens[-1]])).logits  # [1, vocab]
-        outcomes.append((captured["logits"], verdict, following))
+        outcomes.append((step.logits, verdict, following))
     (plain, plain_verdict, plain_next), (rode, rode_verdict, rode_next) = outcomes
     assert rode.shape[0] == plain.shape[0] + len(window)
     torch.testing.assert_close(rode[: plain.shape[0]], plain, atol=1e-5, rtol=1e-5)
@@ -200,7 +200,7 @@ def test_window_rows_are_the_chains_they_stand_for(tiny_target):
     window = window_tokens(levels, len(context))
     lm = HFCausalLM(tiny_target)
     lm.forward(torch.tensor(context[:-1]))
-    fed, positions, mask = with_auxiliary(torch.tensor(context[-1:]), None, None, window, 1, len(context))
+    fed, positions, mask = with_auxiliary(torch.tensor(context[-1:]), *chain_inputs(1, 1, len(context)), window, 1)
     rows = lm.forward(fed, positions=positions, tree_mask=mask).logits[1:]  # [m, vocab]
     cells = [(l, c) for l in range(3) for c in range(4) if (l, c) != (0, 0)]
     for row, (l, c) in zip(rows, cells):
@@ -246,7 +246,7 @@ def test_sampled_output_follows_target_distribution(kind, one_thread):
 def test_builders(tiny_target):
     target = HFCausalLM(tiny_target)
     jacobi, lookahead = build_jacobi(target, None, None), build_lookahead(target, None, None)
-    assert isinstance(jacobi, JacobiDrafter) and jacobi.name == "jacobi" and jacobi.wants_logits
+    assert isinstance(jacobi, JacobiDrafter) and jacobi.name == "jacobi" and jacobi.needs.logits
     assert isinstance(lookahead, LookaheadDrafter) and lookahead.name == "lookahead"
     assert lookahead.max_context == target.max_context
     with pytest.raises(UserError):

@@ -23,6 +23,7 @@ from specdecode.drafters.retrieval import (
     join_documents,
     suffix_array,
 )
+from specdecode.drafters.base import Outcome
 from specdecode.drafters.retrieval.build import default_datastore_path
 from specdecode.tree.trie import build_trie
 from specdecode.engine import SpeculativeEngine
@@ -31,7 +32,7 @@ from specdecode.methods import DrafterOptions
 from specdecode.models.costs import CostCurve
 from specdecode.models.hf import HFCausalLM
 from specdecode.tree import structure
-from specdecode.types import SamplingParams, StepStats, Verdict
+from specdecode.types import Draft, SamplingParams, StepStats, Verdict
 
 CURVE = CostCurve.linear(0.05)  # a fixed cost curve: tests do not time anything
 GREEDY = SamplingParams()
@@ -184,7 +185,8 @@ def test_nothing_matches_gives_an_empty_draft(store):
     for drafter in [RetrievalDrafter(store), RetrievalTreeDrafter(store, CURVE)]:
         assert len(drafter.propose([11, 0], 8, GREEDY, None)) == 0
         assert len(drafter.propose([5, 9], 8, GREEDY, None)) == 0  # matched, but the document ends there
-        drafter.update(Verdict(num_drafted=0, num_accepted=0, tokens=(3,)), StepStats(0, 0, 1, 0.0, 0.0, 1))
+        verdict = Verdict(num_drafted=0, num_accepted=0, tokens=(3,))
+        drafter.observe(Outcome(Draft.empty(), verdict, StepStats(0, 0, 1, 0.0, 0.0, 1)))
 
 
 def test_calibration_scales_scores(store):
@@ -192,7 +194,8 @@ def test_calibration_scales_scores(store):
     before = drafter.propose([1, 2, 3], 8, GREEDY, None).scores
     for _ in range(10):  # predicted 1.5 accepted tokens a step, none accepted
         drafter.propose([1, 2, 3], 8, GREEDY, None)
-        drafter.update(Verdict(num_drafted=3, num_accepted=0, tokens=(7,)), StepStats(3, 0, 1, 0.0, 0.0, 4))
+        verdict = Verdict(num_drafted=3, num_accepted=0, tokens=(7,))
+        drafter.observe(Outcome(Draft.empty(), verdict, StepStats(3, 0, 1, 0.0, 0.0, 4)))
     after = drafter.propose([1, 2, 3], 8, GREEDY, None).scores
     assert (after < before).all() and after[0] == pytest.approx(0.75 * 0.25)  # down to the floor
     drafter.begin([1])

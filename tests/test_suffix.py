@@ -227,8 +227,7 @@ def test_drafter_proposes_a_scored_chain_and_a_tree():
     roots = {int(draft.tokens[i]): float(draft.scores[i]) for i in (draft.parents == -1).nonzero().flatten()}
     assert set(roots) == {4, 7} and roots[4] > roots[7]
     assert len(SuffixDrafter().propose([1, 2, 3], 8, SamplingParams(), None)) == 0  # nothing seen before
-    tree.forget()  # as between a benchmark's repeats: earlier requests are gone
-    tree.begin([1, 2, 3])
+    tree.begin([1, 2, 3], forget=True)  # as between a benchmark's repeats: earlier requests are gone
     assert len(tree.propose([1, 2, 3], 8, SamplingParams(), None)) == 0 and tree.index.size == 4
 
 

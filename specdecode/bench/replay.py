@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, Outcome
 from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
 from specdecode.tree.budget import cut_chain
@@ -74,7 +74,8 @@ def replay(
         forward_tokens = pending + len(draft)
         steps.append(ReplayStep(len(draft), len(path), forward_tokens, curve(forward_tokens)))
         if drafter is not None:
-            drafter.update(verdict, StepStats(len(draft), len(path), len(path) + 1, 0.0, 0.0, forward_tokens))
+            stats = StepStats(len(draft), len(path), len(path) + 1, 0.0, 0.0, forward_tokens)
+            drafter.observe(Outcome(draft, verdict, stats, num_pending=pending))
         cached = len(context) + len(path)
         done += len(path) + 1
     return steps

@@ -1,4 +1,4 @@
-"""What every drafter offers the engine: propose a draft after a context; optionally learn from verdicts."""
+"""What every drafter offers the engine: begin a sequence, propose a draft after a context, observe how it went."""
 
 from __future__ import annotations
 
@@ -35,20 +35,53 @@ class RunningAcceptance:
         return (self.accepted + self.prior * self.weight) / (self.accepted + self.rejected + self.weight)
 
 
+@dataclass(frozen=True)
+class Needs:
+    """What a drafter asks to observe of each step's target forward, beyond the verdict and statistics
+    (`Outcome`). Every other drafter costs the engine nothing: no logits kept, no hidden states computed."""
+
+    logits: bool = False  # the target's logits (Jacobi and lookahead decoding draft from them)
+    # the target's hidden states of every token the forward fed (trained heads draft from them): True, the
+    # final-norm state the LM head reads; a tuple of layer indices, the inputs of those layers side by side
+    hidden: bool | tuple[int, ...] = False
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one step went, for the drafter that drafted it: `Drafter.observe`'s one argument."""
+
+    # what the target verified (of a chain, the prefix the engine's gate kept); a composite's sources hear
+    # of their own proposals instead (`drafters.composite`)
+    draft: Draft
+    verdict: Verdict  # what verification made of it: the accepted nodes, then the correction or bonus token
+    stats: StepStats  # the step's statistics (`new_tokens`: what it appended to the context, after stops)
+    # with Needs.logits, [len(draft) + 1 + aux, vocab]: row i the distribution after the context and draft
+    # node i - 1 (row 0: after the context), then one row per auxiliary token of the draft (`Draft.auxiliary`)
+    logits: torch.Tensor | None = None
+    # with Needs.hidden, [num_pending + len(draft) + aux, d]: the pending context tokens' states, then the
+    # draft nodes' (and the auxiliary tokens')
+    hidden: torch.Tensor | None = None
+    num_pending: int = 0  # context tokens the forward fed before the draft
+
+
 class Drafter(abc.ABC):
     """Proposes tokens to follow a context. A drafter never decides what is output: the verifier does,
-    so any drafter is lossless under a lossless verifier; a better drafter is only a faster one."""
+    so any drafter is lossless under a lossless verifier; a better drafter is only a faster one.
+
+    Three calls, in this order: `begin` once per sequence, then per step `propose` and, after the target
+    has verified the draft, `observe` with how it went (the draft may have been cut, or not asked for:
+    `observe` comes every step all the same, with an empty draft). A drafter that reads the target's
+    logits or hidden states says so in `needs`."""
 
     name: str = "drafter"
     # True: drafts without running a model (neither its own nor the target), so one instance per sequence
     # can serve a batch (`engine.batch`)
     batchable: bool = False
+    needs: Needs = Needs()
 
-    def begin(self, prompt_ids: list[int]) -> None:
-        """A new sequence starts (forget per-sequence state)."""
-
-    def forget(self) -> None:
-        """Forget what was learnt across sequences too (a benchmark's repeats start afresh)."""
+    def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
+        """A new sequence starts: forget per-sequence state; with `forget`, also what was learnt from
+        earlier sequences (a benchmark's repeats start afresh)."""
 
     @abc.abstractmethod
     def propose(
@@ -61,25 +94,8 @@ class Drafter(abc.ABC):
         """Propose tokens to follow `context` (prompt + output so far): a chain of at most `max_tokens`
         tokens, or a token tree at most `max_tokens` deep."""
 
-    def update(self, verdict: Verdict, stats: StepStats) -> None:
-        """Learn from how the last step fared (adaptive draft length and the like)."""
-
-    wants_logits: bool = False  # True: the engine calls observe() after every verification
-    wants_hidden: bool = False  # True: the engine calls observe_hidden() after every verification
-    # with wants_hidden: the target layers whose inputs observe_hidden() gets, side by side (None: the
-    # final-norm state)
-    hidden_layers: tuple[int, ...] | None = None
-
-    def observe_hidden(self, hidden: torch.Tensor, num_pending: int, draft: Draft, verdict: Verdict) -> None:
-        """The target's final-norm hidden states (or those of `hidden_layers`) of every token the step's
-        forward fed: [p + n (+ aux), d],
-        the p = num_pending context tokens first, then the draft's nodes (trained heads draft from them)."""
-
-    def observe(self, draft: Draft, logits: torch.Tensor, verdict: Verdict) -> None:
-        """The target's logits from the step's verification, before update(): [len(draft) + 1 + aux, vocab],
-        row i the distribution after the context and draft node i - 1 (row 0: after the context), then
-        one row per auxiliary token of the draft (`Draft.auxiliary`). Jacobi and lookahead decoding
-        draft from them."""
+    def observe(self, outcome: Outcome) -> None:
+        """Learn from how the step went (adaptive draft length, the next guesses, the target's features)."""
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ draft model sampled is fixed by the time the verifier draws its own randomness, 
 draft the output follows the target's distribution exactly, hence unconditionally too. The price: a
 sampled draft token x is accepted with probability p(x) instead of min(1, p(x) / q(x)).
 
-What each sub-drafter learns. `update()` gives every source the verdict its own proposal would have
+What each sub-drafter learns. `observe()` gives every source the verdict its own proposal would have
 received had it been verified alone against this step's output (the accepted tokens and the
 correction or bonus token, `verdict.tokens`): its accepted nodes are the longest path of its draft that
 follows the output, and a rejection is reported when that path stops at a node whose children all
@@ -45,8 +45,10 @@ predicted the whole output, correction included, nothing of it was rejected and 
 unknown: it hears of len(output) - 1 accepted tokens and no rejection. A source not asked this step (or
 proposing nothing) hears of a step with no draft. So a source's verdict tokens are a prefix of what the
 step appended to the context, not always all of it; its StepStats carry its own drafted and accepted
-counts, the step's new_tokens and timings. Drafters that want the target's logits get observe()
-with the nodes of their draft that were verified and those nodes' rows.
+counts, the step's new_tokens and timings. A source that needs the target's logits (`Needs.logits`)
+gets, as its outcome's draft, the nodes of its proposal that were verified, and their rows (the verdict
+still judges its whole proposal, and so indexes it: the two agree on the accepted count); the others get
+their whole proposal. No source gets hidden states.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from specdecode.drafters.base import Drafter, DrafterOptions, RunningAcceptance
+from specdecode.drafters.base import Drafter, DrafterOptions, Needs, Outcome, RunningAcceptance
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.drafters.retrieval import build_retrieval
@@ -69,7 +71,7 @@ from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
 from specdecode.tree.budget import best_budget, check_budget, prune
 from specdecode.tree.trie import best_path
-from specdecode.types import Draft, SamplingParams, StepStats, Verdict
+from specdecode.types import Draft, SamplingParams, Verdict
 
 if TYPE_CHECKING:
     from specdecode.models.base import CausalLM
@@ -242,7 +244,7 @@ class CompositeDrafter(Drafter):
             raise UserError(f"fallback_below must be >= 0 expected tokens, got {fallback_below}")
         self.curve, self.tree, self.budget = curve, tree, budget
         self.fallback_below, self.combine = fallback_below, combine
-        self.wants_logits = any(s.drafter.wants_logits for s in self.sources)
+        self.needs = Needs(logits=any(s.drafter.needs.logits for s in self.sources))
         # What the composite learns describes its sources and the target, not one request: kept across.
         self._acceptance = [RunningAcceptance() for _ in self.sources]  # per source
         self._proposals: list[Draft | None] = []  # this step's, per source (None: not asked)
@@ -253,14 +255,10 @@ class CompositeDrafter(Drafter):
         """Running per-token acceptance of a source's proposals (prior 2/3), for drafts without scores."""
         return self._acceptance[source].value
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         for source in self.sources:
-            source.drafter.begin(list(prompt_ids))
+            source.drafter.begin(list(prompt_ids), forget)
         self._proposals, self._merged, self._submitted = [], None, {}
-
-    def forget(self) -> None:
-        for source in self.sources:
-            source.drafter.forget()
 
     def _merge(self, depth: int) -> Merged:
         asked = [(i, d) for i, d in enumerate(self._proposals) if d is not None]
@@ -305,24 +303,23 @@ class CompositeDrafter(Drafter):
         parents = structure.select(parents_of(draft), keep) if draft.is_tree else None
         return Draft(tokens=draft.tokens[keep], parents=parents), [self._submitted[mapping[n]] for n in nodes]
 
-    def observe(self, draft: Draft, logits: torch.Tensor, verdict: Verdict) -> None:
-        """logits: [len(draft) + 1 (+ auxiliary), vocab]. Each logits-wanting source gets the rows of
-        its verified nodes (and of the auxiliary tokens, if they were its own)."""
+    def _rows(self, source: int, proposal: Draft, draft: Draft, logits: torch.Tensor) -> tuple[Draft, torch.Tensor]:
+        """The verified part of a source's proposal and its rows of the logits [len(draft) + 1 (+ aux),
+        vocab]: the context's, its verified nodes' (and the auxiliary tokens', if they were its own)."""
+        part, rows = self._verified_part(source, proposal)
+        own_auxiliary = proposal.auxiliary is not None and proposal.auxiliary is draft.auxiliary
+        part.auxiliary = proposal.auxiliary if own_auxiliary else None
+        picked = [logits[:1], logits[[r + 1 for r in rows]]]
+        if own_auxiliary:
+            picked.append(logits[len(draft) + 1 :])
+        return part, torch.cat(picked)
+
+    def observe(self, outcome: Outcome) -> None:
+        """Each source hears how its own proposal would have fared verified alone (see the module
+        docstring), with its rows of the logits if it needs them."""
+        draft, verdict, stats = outcome.draft, outcome.verdict, outcome.stats
         # the engine's gate may have cut a chain: only the nodes it kept were verified
         self._submitted = {node: i for node, i in self._submitted.items() if i < len(draft)}
-        for i, source in enumerate(self.sources):
-            proposal = self._proposals[i] if i < len(self._proposals) else None
-            if not source.drafter.wants_logits or proposal is None:
-                continue
-            part, rows = self._verified_part(i, proposal)
-            own_auxiliary = proposal.auxiliary is not None and proposal.auxiliary is draft.auxiliary
-            part.auxiliary = proposal.auxiliary if own_auxiliary else None
-            picked = [logits[:1], logits[[r + 1 for r in rows]]]
-            if own_auxiliary:
-                picked.append(logits[len(draft) + 1 :])
-            source.drafter.observe(part, torch.cat(picked), translate(part, verdict.tokens))
-
-    def update(self, verdict: Verdict, stats: StepStats) -> None:
         for i, source in enumerate(self.sources):
             proposal = self._proposals[i] if i < len(self._proposals) else None
             if proposal is None or not len(proposal):
@@ -331,8 +328,11 @@ class CompositeDrafter(Drafter):
                 own = translate(proposal, verdict.tokens)
                 self._acceptance[i].record(own)
             depth = int(structure.depths(proposal.parents).max()) if own.num_drafted and proposal.is_tree else None
-            source.drafter.update(own, dataclasses.replace(
-                stats, drafted=own.num_drafted, accepted=own.num_accepted, draft_depth=depth))
+            own_stats = dataclasses.replace(stats, drafted=own.num_drafted, accepted=own.num_accepted, draft_depth=depth)
+            seen, logits = proposal if proposal is not None else Draft.empty(), None
+            if source.drafter.needs.logits and proposal is not None and outcome.logits is not None:
+                seen, logits = self._rows(i, proposal, draft, outcome.logits)
+            source.drafter.observe(Outcome(seen, own, own_stats, logits))
         self._proposals, self._merged, self._submitted = [], None, {}
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.drafters.base import Drafter, RunningAcceptance
+from specdecode.drafters.base import Drafter, Outcome, RunningAcceptance
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import CostCurve
 from specdecode.sampling import logits_to_probs, sample
-from specdecode.types import Draft, SamplingParams, StepStats, Verdict
+from specdecode.types import Draft, SamplingParams
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -110,7 +110,7 @@ class DraftModelDrafter(Drafter):
         self._acceptance = RunningAcceptance()
         self._cache = SyncedCache(model)
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         # where even a near-perfect draft could not pay, do not draft at all (not even the draft
         # model's prefill of the prompt)
         hopeless = self.adaptive and not best_draft_length(BEST_ACCEPTANCE, self.draft_cost, self._lengths(), self.curve)
@@ -160,9 +160,9 @@ class DraftModelDrafter(Drafter):
                 break
         return tokens, rows
 
-    def update(self, verdict: Verdict, stats: StepStats) -> None:
-        if not self.adaptive or verdict.num_drafted == 0:
+    def observe(self, outcome: Outcome) -> None:
+        if not self.adaptive or outcome.verdict.num_drafted == 0:
             return
-        self._acceptance.record(verdict)
+        self._acceptance.record(outcome.verdict)
         best = best_draft_length(self._acceptance.value, self.draft_cost, self._lengths(), self.curve)
         self.num_tokens = best and max(best, self.min_tokens)

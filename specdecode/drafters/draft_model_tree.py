@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, Outcome
 from specdecode.drafters.draft_model import SyncedCache
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
@@ -36,7 +36,7 @@ from specdecode.models.costs import CostCurve
 from specdecode.sampling import logits_to_probs
 from specdecode.tree import structure
 from specdecode.tree.budget import MAX_BUDGET, Calibration, best_budget, check_budget, prune
-from specdecode.types import Draft, SamplingParams, StepStats, Verdict
+from specdecode.types import Draft, SamplingParams
 
 # For comparison with the dynamic tree: a main chain 8 deep with second choices along its first levels.
 DEFAULT_CHOICES: tuple[tuple[int, ...], ...] = (
@@ -109,7 +109,7 @@ class DraftModelTreeDrafter(Drafter):
         self._predicted = 0.0  # the accepted tokens the last tree's scores predicted
         self.last_scores = torch.empty(0)
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         self._cache.reset()
         self._calibration.reset()
 
@@ -215,6 +215,6 @@ class DraftModelTreeDrafter(Drafter):
         self._predicted = float(scores[keep].sum())
         return Draft(tokens=torch.tensor(tree.tokens)[keep], parents=structure.select(parents, keep))
 
-    def update(self, verdict: Verdict, stats: StepStats) -> None:
-        if verdict.num_drafted:
-            self._calibration.record(self._predicted, verdict.num_accepted)
+    def observe(self, outcome: Outcome) -> None:
+        if outcome.verdict.num_drafted:
+            self._calibration.record(self._predicted, outcome.verdict.num_accepted)

@@ -10,7 +10,7 @@ small layer and an LM head over a truncated vocabulary (the most frequent tokens
 a few percent of a target forward.
 
 The head keeps its own KV cache over the context's pairs. The target's features come from the
-verification forwards (`Drafter.wants_hidden`): each step hands the drafter the hidden states of the
+verification forwards (`Drafter.needs`): each step hands the drafter the hidden states of the
 tokens it fed, and the drafter keeps those of the context; the pairs not yet in the head's cache are fed
 at the next proposal, after dropping the previous proposal's speculative entries.
 
@@ -27,13 +27,13 @@ import torch
 from torch import nn
 from transformers import DynamicCache, Qwen2Config, Qwen2Model
 
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, Needs, Outcome
 from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
 from specdecode.drafters.heads import load_head, save_head, shipped_or_explain
 from specdecode.tree import structure
 from specdecode.errors import UserError
 from specdecode.tree.budget import Calibration
-from specdecode.types import Draft, SamplingParams, StepStats, Verdict
+from specdecode.types import Draft, SamplingParams, Verdict
 
 WEIGHTS, CONFIG = "eagle.safetensors", "eagle.json"
 
@@ -164,7 +164,7 @@ class EagleDrafter(Drafter):
     too."""
 
     name = "eagle"
-    wants_hidden = True
+    needs = Needs(hidden=True)
 
     def __init__(self, head: EagleHead, target_model, max_tokens: int = 8, min_confidence: float = 0.05,
                  state: HeadState | None = None):
@@ -175,15 +175,13 @@ class EagleDrafter(Drafter):
         self._calibration = Calibration()
         self._scores = torch.empty(0)  # the last draft's scores
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         self.state.reset()
         self._calibration.reset()
 
-    def update(self, verdict: Verdict, stats: StepStats) -> None:
-        self._calibration.record_verdict(self._scores, verdict)
-
-    def observe_hidden(self, hidden: torch.Tensor, num_pending: int, draft: Draft, verdict: Verdict) -> None:
-        self.state.observe(hidden, num_pending, verdict)
+    def observe(self, outcome: Outcome) -> None:
+        self.state.observe(outcome.hidden, outcome.num_pending, outcome.verdict)
+        self._calibration.record_verdict(self._scores, outcome.verdict)
 
     @torch.inference_mode()
     def propose(self, context: list[int], max_tokens: int, params: SamplingParams, generator) -> Draft:
@@ -214,7 +212,7 @@ class EagleTreeDrafter(DraftModelTreeDrafter):
     ancestors; the best nodes by cumulative confidence are kept for the verification budget."""
 
     name = "eagle-tree"
-    wants_hidden = True
+    needs = Needs(hidden=True)
 
     def __init__(self, head: EagleHead, target_model, curve, draft_cost: float = 0.05, state: HeadState | None = None,
                  **tree_options):
@@ -222,12 +220,13 @@ class EagleTreeDrafter(DraftModelTreeDrafter):
         self.state = state or HeadState(head, target_model)
         self._outputs: dict[int, torch.Tensor] = {}  # node -> the head's prediction after it
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         self.state.reset()
         self._calibration.reset()
 
-    def observe_hidden(self, hidden: torch.Tensor, num_pending: int, draft: Draft, verdict: Verdict) -> None:
-        self.state.observe(hidden, num_pending, verdict)
+    def observe(self, outcome: Outcome) -> None:
+        self.state.observe(outcome.hidden, outcome.num_pending, outcome.verdict)
+        super().observe(outcome)
 
     @torch.inference_mode()
     def _start(self, context: list[int]):

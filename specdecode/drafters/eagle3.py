@@ -19,7 +19,7 @@ so `specdecode export eagle` writes what vLLM and SGLang load. The LM head is th
 rows of the draft vocabulary; the embedding is the target's.
 
 At inference the head keeps a KV cache of the context's pairs (fused feature of position t, token t + 1),
-fed from the verification forwards' hidden states of those three layers (`hidden_layers`), and drafts a
+fed from the verification forwards' hidden states of those three layers (`Drafter.needs`), and drafts a
 chain (`eagle3`) or EAGLE-2's dynamic tree (`eagle3-tree`) exactly as `drafters.eagle` does.
 """
 
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, Needs
 from specdecode.drafters.eagle import EagleDrafter, EagleTreeDrafter
 from specdecode.drafters.heads import shipped_or_explain
 from specdecode.errors import UserError
@@ -318,7 +318,7 @@ class Eagle3Drafter(EagleDrafter):
 
     def __init__(self, head: Eagle3Head, target_model, max_tokens: int = 8, min_confidence: float = 0.05):
         super().__init__(head, target_model, max_tokens, min_confidence, state=Eagle3State(head, target_model))
-        self.hidden_layers = tuple(head.config.aux_layers)
+        self.needs = Needs(hidden=tuple(head.config.aux_layers))
 
 
 class Eagle3TreeDrafter(EagleTreeDrafter):
@@ -328,7 +328,7 @@ class Eagle3TreeDrafter(EagleTreeDrafter):
 
     def __init__(self, head: Eagle3Head, target_model, curve, draft_cost: float = 0.05, **tree_options):
         super().__init__(head, target_model, curve, draft_cost, state=Eagle3State(head, target_model), **tree_options)
-        self.hidden_layers = tuple(head.config.aux_layers)
+        self.needs = Needs(hidden=tuple(head.config.aux_layers))
 
 
 def build_eagle3(target, draft, options) -> Drafter:

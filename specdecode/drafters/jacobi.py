@@ -29,11 +29,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, Needs, Outcome
 from specdecode.drafters.prompt_lookup import find_continuation
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
-from specdecode.types import Draft, SamplingParams, Verdict
+from specdecode.types import Draft, SamplingParams
 
 LOOKUP_NGRAM = 2  # the longest n-gram matched when copying guesses (down to 1)
 
@@ -103,7 +103,7 @@ class JacobiDrafter(Drafter):
     the positions past the accepted prefix become the next guesses (one Jacobi update per step)."""
 
     name = "jacobi"
-    wants_logits = True
+    needs = Needs(logits=True)
 
     def __init__(self, block_size: int = DEFAULT_BLOCK):
         if block_size < 1:
@@ -111,7 +111,7 @@ class JacobiDrafter(Drafter):
         self.block_size = block_size
         self.begin([])
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         self._guesses: list[int] = []  # the next guesses, to follow a context of length self._follows
         self._follows = -1
         # per block position k: steps that verified a guess there, and those that accepted it (with the
@@ -132,16 +132,16 @@ class JacobiDrafter(Drafter):
         n = min(self.block_size, max_tokens)
         return Draft(tokens=torch.tensor(guesses[:n], dtype=torch.long), scores=self._scores(n))
 
-    def update(self, verdict: Verdict, stats) -> None:
-        self._tried[: verdict.num_drafted] += 1
-        self._held[: verdict.num_accepted] += 1
-
-    def observe(self, draft: Draft, logits: torch.Tensor, verdict: Verdict) -> None:
+    def observe(self, outcome: Outcome) -> None:
         """logits: [len(draft) + 1, vocab] (rows past those, if any, are not ours). Row a + 1 onwards,
         after the accepted a tokens and the rejected guess, are the Jacobi update of the later guesses."""
-        accepted = verdict.num_accepted
-        self._guesses = logits[accepted + 1 : len(draft) + 1].argmax(-1).tolist()  # [len(draft) - accepted]
-        self._follows += accepted + 1
+        verdict, accepted = outcome.verdict, outcome.verdict.num_accepted
+        if outcome.logits is not None:
+            rows = outcome.logits[accepted + 1 : len(outcome.draft) + 1]  # [len(draft) - accepted, vocab]
+            self._guesses = rows.argmax(-1).tolist()
+            self._follows += accepted + 1
+        self._tried[: verdict.num_drafted] += 1
+        self._held[: verdict.num_accepted] += 1
 
 
 def build_jacobi(target: CausalLM, draft: CausalLM | None, options) -> Drafter:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, Needs, Outcome
 from specdecode.drafters.jacobi import extend_guesses
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
@@ -38,7 +38,7 @@ from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
 from specdecode.tree.budget import Calibration, prune
 from specdecode.tree.trie import build_trie, stack
-from specdecode.types import AuxiliaryTokens, Draft, SamplingParams, Verdict
+from specdecode.types import AuxiliaryTokens, Draft, SamplingParams
 
 # Defaults for a 2-core CPU, where a bf16 forward over 16 tokens costs little more than one and wider ones
 # grow steeply (the curve: README, *Figures behind the code's choices*). The reference's GPU settings (W = 15,
@@ -97,7 +97,7 @@ class LookaheadDrafter(Drafter):
     context's last token are the step's draft, as a token tree."""
 
     name = "lookahead"
-    wants_logits = True
+    needs = Needs(logits=True)
 
     def __init__(
         self,
@@ -116,7 +116,7 @@ class LookaheadDrafter(Drafter):
         self.curve = curve
         self.begin([])
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         self.calibration = Calibration()  # accepted nodes against the candidates' expected acceptance
         self.pool = NgramPool(max(self.candidates, 1))
         self._levels: list[list[int]] = []  # oldest first, `window` tokens each; [] until the first step
@@ -157,11 +157,17 @@ class LookaheadDrafter(Drafter):
             return Draft(tokens=torch.empty(0, dtype=torch.long), auxiliary=auxiliary)
         return Draft(tokens=torch.tensor(tokens), parents=torch.tensor(parents), auxiliary=auxiliary, scores=scores)
 
-    def observe(self, draft: Draft, logits: torch.Tensor, verdict: Verdict) -> None:
+    def observe(self, outcome: Outcome) -> None:
+        """Slide the window on the target's predictions (when it rode in the forward); recalibrate the
+        candidates' scores."""
+        if outcome.logits is not None and outcome.draft.auxiliary is not None:
+            self._slide(outcome.draft, outcome.logits)
+        if self.curve is not None and outcome.verdict.num_drafted:
+            self.calibration.record_verdict(self._scores, outcome.verdict)
+
+    def _slide(self, draft: Draft, logits: torch.Tensor) -> None:
         """logits: [len(draft) + 1 + len(draft.auxiliary), vocab]. The top level's rows are the last W
         (on the first step the top level is level 0, whose column 0 is the row after the context)."""
-        if draft.auxiliary is None:
-            return
         rows = torch.cat([logits[:1], logits[len(draft) + 1 :]])[-self.window :]  # [W, vocab]
         predicted = rows.argmax(-1).tolist()  # [W] the next token of every column's trajectory
         if len(self._levels) < self.ngram - 1:  # still filling the window
@@ -184,10 +190,6 @@ class LookaheadDrafter(Drafter):
         keep = prune(parents_t, scores, self.curve, cap=len(tokens))
         self._scores = scores[keep]
         return [tokens[i] for i in keep.tolist()], structure.select(parents_t, keep).tolist(), self._scores
-
-    def update(self, verdict: Verdict, stats) -> None:
-        if self.curve is not None and verdict.num_drafted:
-            self.calibration.record_verdict(self._scores, verdict)
 
 
 def build_lookahead(target: CausalLM, draft: CausalLM | None, options) -> Drafter:

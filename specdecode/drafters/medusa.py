@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, Needs, Outcome
 from specdecode.drafters.heads import load_head, save_head, shipped_or_explain
 from specdecode.errors import UserError
 from specdecode.tree.budget import MAX_BUDGET, Calibration, best_budget
-from specdecode.types import Draft, SamplingParams, StepStats, Verdict
+from specdecode.types import Draft, SamplingParams
 
 WEIGHTS, CONFIG = "medusa.safetensors", "medusa.json"
 
@@ -108,7 +108,7 @@ class MedusaDrafter(Drafter):
     curve."""
 
     name = "medusa"
-    wants_hidden = True
+    needs = Needs(hidden=True)
 
     def __init__(self, heads: MedusaHeads, target_model, curve=None, tree: bool = False, top_k: int = 8,
                  max_nodes: int = 64, budget: int | None = None, full_vocabulary: bool = False,
@@ -127,21 +127,20 @@ class MedusaDrafter(Drafter):
         self._calibration = Calibration()
         self.begin([])
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         self._feature: torch.Tensor | None = None  # the target's feature at the context's last-but-one token
         self._valid_for = -1  # the context length that feature belongs to
         self._asked = 0  # the context length of the last proposal
         self._scores = torch.empty(0)
         self._calibration.reset()
 
-    def observe_hidden(self, hidden: torch.Tensor, num_pending: int, draft: Draft, verdict: Verdict) -> None:
+    def observe(self, outcome: Outcome) -> None:
         # the row whose logits gave the verdict's last token: the deepest accepted node, else the last
         # context token fed; the context then gains the accepted nodes and that token
-        row = num_pending + verdict.path[-1] if verdict.path else num_pending - 1
-        self._feature = hidden[row].to(self.dtype)
+        verdict, pending = outcome.verdict, outcome.num_pending
+        row = pending + verdict.path[-1] if verdict.path else pending - 1
+        self._feature = outcome.hidden[row].to(self.dtype)  # [d]
         self._valid_for = self._asked + len(verdict.path) + 1
-
-    def update(self, verdict: Verdict, stats: StepStats) -> None:
         self._calibration.record_verdict(self._scores, verdict)
 
     @torch.inference_mode()

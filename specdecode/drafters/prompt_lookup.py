@@ -9,13 +9,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specdecode.drafters.base import Drafter, RunningAcceptance
+from specdecode.drafters.base import Drafter, Outcome, RunningAcceptance
 from specdecode.errors import UserError
 from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
 from specdecode.tree.budget import DECAY, check_budget, prune
 from specdecode.tree.trie import build_trie, stack
-from specdecode.types import Draft, SamplingParams, StepStats, Verdict
+from specdecode.types import Draft
 
 
 def find_starts(context: np.ndarray, ngram: int, max_matches: int) -> np.ndarray:
@@ -159,14 +159,14 @@ class PromptLookupDrafter(Drafter):
         self._reference = np.concatenate([reference, [-1]]) if reference.size else reference
         self.begin([])
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         self._acceptance = CopyAcceptance()
         self._open: list[tuple[int, int, int]] = []  # proposals not yet judged: (bucket, source, context length)
         self._stopped: int | None = None  # where in its source the last real copy stopped being right
         self._longest = 0  # the most draft tokens a step of this request has had accepted
 
-    def update(self, verdict: Verdict, stats: StepStats) -> None:
-        self._longest = max(self._longest, verdict.num_accepted)
+    def observe(self, outcome: Outcome) -> None:
+        self._longest = max(self._longest, outcome.verdict.num_accepted)
 
     def _judge(self, ids: np.ndarray) -> None:
         """Compare the open proposals with what the output turned out to be."""
@@ -252,7 +252,7 @@ class PromptLookupTreeDrafter(Drafter):
         self.max_ngram, self.min_ngram, self.num_tokens, self.max_matches = max_ngram, min_ngram, num_tokens, max_matches
         self._acceptance = RunningAcceptance()
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         self._acceptance.reset()
 
     @property
@@ -284,6 +284,6 @@ class PromptLookupTreeDrafter(Drafter):
             return Draft.empty()
         return Draft(tokens=torch.from_numpy(trie.tokens)[keep], parents=structure.select(parents, keep))
 
-    def update(self, verdict: Verdict, stats: StepStats) -> None:
-        if verdict.num_drafted:
-            self._acceptance.record(verdict)
+    def observe(self, outcome: Outcome) -> None:
+        if outcome.verdict.num_drafted:
+            self._acceptance.record(outcome.verdict)

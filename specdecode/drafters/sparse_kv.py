@@ -162,9 +162,9 @@ class SparseKVDrafter(DraftModelDrafter):
                          confidence_threshold=confidence_threshold, draft_cost=1.0, curve=curve)
         self.target, self.view = target, view
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         self.draft_cost = self.view.relative_cost(len(prompt_ids))
-        super().begin(prompt_ids)
+        super().begin(prompt_ids, forget)
 
     def propose(self, context, max_tokens, params, generator):
         start = self.target.cache_length

@@ -27,16 +27,19 @@ from __future__ import annotations
 import functools
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from specdecode.drafters.base import Drafter
-from specdecode.engine.sequence import GenerationConfig, GenerationResult, SequenceState, StepEvent, check_prompt
+from specdecode.engine.sequence import (
+    GenerationConfig, GenerationResult, SequenceState, StepEvent, VerifiedStep, check_prompt, conclude, draft_inputs,
+    verify_draft,
+)
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import CostCurve, LiveCurve
-from specdecode.tree import structure as tree
 from specdecode.tree.budget import cut_batch
 from specdecode.types import Draft
 from specdecode.verify.tree import verify
@@ -51,6 +54,7 @@ class Member:
     progress: SequenceState
     drafter: Drafter | None
     method: str
+    verifier: Callable  # the method's (exact verification unless the method is lossy)
     slots: list[int]  # the cache slots of context[:len(slots)], in order
 
 
@@ -74,8 +78,9 @@ class BatchEngine:
         return len(self.members)
 
     def add(self, prompt_ids: list[int], config: GenerationConfig, drafter: Drafter | None = None,
-            method: str | None = None) -> int:
-        """A new sequence; it joins at the next step. Returns its id."""
+            method: str | None = None, verifier: Callable = verify) -> int:
+        """A new sequence; it joins at the next step. Returns its id. `verifier`: the method's
+        (`Method.verifier`), exact verification by default."""
         check_prompt(self.target, prompt_ids)
         if drafter is not None and not drafter.batchable:
             raise UserError(f"the {drafter.name} drafter runs a model of its own; it cannot join a batch")
@@ -88,7 +93,7 @@ class BatchEngine:
         ident = next(self._ids)
         method = method or (drafter.name if drafter else "ar")
         state = SequenceState(prompt_ids, config, self.tokenizer, self.target)
-        self.members[ident] = Member(state, drafter, method, [])
+        self.members[ident] = Member(state, drafter, method, verifier, [])
         return ident
 
     def remove(self, ident: int) -> None:
@@ -121,12 +126,7 @@ class BatchEngine:
         fed, positions, spans, rows = [], [], [], []
         for m, p, draft in zip(members, pending, drafts):
             offset, n = sum(len(f) for f in fed), len(p) + len(draft)
-            context_length = len(m.progress.context)
-            if draft.is_tree:
-                position, local = tree.verification_inputs(draft.parents, len(p), context_length)
-            else:
-                position = torch.arange(context_length - len(p), context_length + len(draft))
-                local = torch.ones(n, n, dtype=torch.bool).tril()
+            position, local = draft_inputs(draft, len(p), len(m.progress.context))  # [n], [n, n]
             fed.append(torch.tensor(p + draft.tokens.tolist(), dtype=torch.long))
             positions.append(position)
             spans.append((offset, n, local))
@@ -138,23 +138,20 @@ class BatchEngine:
                 mask[offset : offset + n, m.slots] = True
             mask[offset : offset + n, cached + offset : cached + offset + n] = local
         logits = self.target.forward(torch.cat(fed), positions=torch.cat(positions), tree_mask=mask,
-                                     rows=torch.cat(rows)).logits
+                                     rows=torch.cat(rows)).logits  # [sum(len(draft) + 1), vocab]
         forward_seconds = time.perf_counter() - start
         if self.gate:
             self.curve.observe(total, forward_seconds)
         # 3. Verify each sequence on its rows; keep the slots of its context and accepted tokens.
         out, row = [], 0
         for ident, m, p, draft, (offset, n, _), spent in zip(idents, members, pending, drafts, spans, draft_seconds):
-            mine = logits[row : row + len(draft) + 1]
+            mine = logits[row : row + len(draft) + 1]  # [len(draft) + 1, vocab]
             row += len(draft) + 1
-            verdict = verify(mine, draft, m.progress.config.sampling, m.progress.generator)
-            if m.drafter is not None and m.drafter.wants_logits:
-                m.drafter.observe(draft, mine, verdict)
+            verdict = verify_draft(m.verifier, draft, mine, m.progress.config.sampling, m.progress.generator)
             first = cached + offset
             m.slots += list(range(first, first + len(p))) + [first + len(p) + node for node in verdict.path]
-            event = m.progress.advance(draft, verdict, spent, forward_seconds, len(p))
-            if m.drafter is not None:
-                m.drafter.update(verdict, event.stats)
+            # 4. The sequence's tokens appended; its drafter learns how its draft fared.
+            event = conclude(m.progress, m.drafter, VerifiedStep(draft, verdict, mine, len(p), spent, forward_seconds))
             out.append((ident, event, None))
             if m.progress.room() == 0:
                 if (tail := m.progress.tail()) is not None:

@@ -11,11 +11,12 @@ import torch
 from specdecode.drafters.base import Drafter
 from specdecode.engine.payoff import StepAside
 from specdecode.engine.sequence import (
-    GenerationConfig, GenerationResult, SequenceState, StepEvent, Stream, check_prompt)
+    GenerationConfig, GenerationResult, SequenceState, StepEvent, Stream, VerifiedStep, check_prompt, conclude,
+    draft_inputs, verify_draft,
+)
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import CostCurve, LiveCurve
-from specdecode.types import AuxiliaryTokens, Draft, SamplingParams, Verdict
-from specdecode.tree import structure as tree
+from specdecode.types import AuxiliaryTokens, Draft, SamplingParams
 from specdecode.tree.budget import cut_chain
 from specdecode.verify.tree import verify
 
@@ -24,26 +25,20 @@ __all__ = ["GenerationConfig", "GenerationResult", "SpeculativeEngine", "StepEve
 
 def with_auxiliary(
     fed: torch.Tensor,  # [p + n] the pending context tokens, then the draft's
-    positions: torch.Tensor | None,  # [p + n]; None: consecutive after the cache
-    mask: torch.Tensor | None,  # [p + n, p + n] bool; None: causal
+    positions: torch.Tensor,  # [p + n]
+    mask: torch.Tensor,  # [p + n, p + n] bool
     auxiliary: AuxiliaryTokens,
     num_pending: int,
-    context_length: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A forward's inputs with auxiliary tokens appended: each sees every context token (the cache and
     the pending ones) and the auxiliary tokens its row allows, no draft node; no draft node sees them.
     Returns (tokens [p + n + m], positions [p + n + m], mask [p + n + m, p + n + m] bool)."""
     length, m = fed.numel(), len(auxiliary)
-    if positions is None:  # a chain
-        start = context_length - num_pending  # the cache length
-        positions = torch.arange(start, start + length)
-        mask = torch.ones(length, length, dtype=torch.bool).tril()
     full = torch.zeros(length + m, length + m, dtype=torch.bool)
     full[:length, :length] = mask
     full[length:, :num_pending] = True
     full[length:, length:] = auxiliary.mask
     return torch.cat([fed, auxiliary.tokens]), torch.cat([positions, auxiliary.positions]), full
-
 
 
 class SpeculativeEngine:
@@ -77,6 +72,7 @@ class SpeculativeEngine:
         # step aside (plain steps) while speculation is timed slower than plain decoding (`engine.payoff`);
         # None: wherever the gate follows a measured curve, not a fixed one (tests fix theirs)
         self._step_aside = step_aside
+        self._forget = False  # the drafter forgets earlier sequences at its next begin (`forget`)
 
     @functools.cached_property
     def step_aside(self) -> StepAside | None:
@@ -89,9 +85,9 @@ class SpeculativeEngine:
         return StepAside() if wanted else None
 
     def forget(self) -> None:
-        """Forget what was learnt from earlier sequences (a benchmark's repeats start afresh)."""
-        if self.drafter is not None:
-            self.drafter.forget()
+        """Forget what was learnt from earlier sequences (a benchmark's repeats start afresh): the drafter
+        at its next `begin`."""
+        self._forget = True
         if self.step_aside is not None:
             self.step_aside.forget()
 
@@ -103,11 +99,10 @@ class SpeculativeEngine:
 
     def step(
         self, context: list[int], room: int, params: SamplingParams, generator, speculate: bool = True
-    ) -> tuple[Draft, Verdict, float, float]:
-        """One speculative step after `context`, drafting at most `room` tokens (none: `speculate=False`).
-
-        Returns the draft, the verdict and the seconds spent drafting and verifying.
-        """
+    ) -> VerifiedStep:
+        """One speculative step after `context`, drafting at most `room` tokens (none: `speculate=False`):
+        the draft, its verdict and the target's rows for it, and the seconds spent drafting and verifying.
+        What the step appends to the output, and what the drafter learns of it, follow in `conclude`."""
         # 1. Draft: the drafter proposes up to `room` tokens (none at all for plain decoding). A chain
         #    that comes with acceptance estimates is cut to the prefix that pays on the target's cost
         #    curve: where a wider forward costs nearly as much as the tokens it may save, speculation
@@ -126,32 +121,25 @@ class SpeculativeEngine:
         #    target's distribution after the context and after every draft token (for a tree, after every
         #    node's path, through the tree attention mask and the nodes' positions). Auxiliary tokens
         #    (lookahead decoding's window) ride after the draft, unseen by it; their rows are the drafter's.
-        fed = torch.tensor(pending + draft.tokens.tolist())
-        positions = tree_mask = None
-        if draft.is_tree:
-            positions, tree_mask = tree.verification_inputs(draft.parents, len(pending), len(context))
+        fed = torch.tensor(pending + draft.tokens.tolist())  # [p + n]
+        positions = mask = None  # a chain alone: consecutive positions after the cache, causal
+        if draft.is_tree or draft.auxiliary is not None:
+            positions, mask = draft_inputs(draft, len(pending), len(context))
         if draft.auxiliary is not None:
-            fed, positions, tree_mask = with_auxiliary(
-                fed, positions, tree_mask, draft.auxiliary, len(pending), len(context))
+            fed, positions, mask = with_auxiliary(fed, positions, mask, draft.auxiliary, len(pending))
         rows = fed.numel() - len(pending) + 1  # from the last context token's on
-        hidden_wanted = self.drafter is not None and self.drafter.wants_hidden
-        hidden = (self.drafter.hidden_layers or True) if hidden_wanted else False
+        hidden = self.drafter.needs.hidden if self.drafter is not None else False
         forward_start = self.clock()
-        out = self.target.forward(fed, positions=positions, tree_mask=tree_mask, num_logits=rows,
-                                  output_hidden=hidden)
+        out = self.target.forward(fed, positions=positions, tree_mask=mask, num_logits=rows, output_hidden=hidden)
         if self.gate and self.drafter is not None:
             self.curve.observe(fed.numel(), self.clock() - forward_start)
-        logits = out.logits
         # 3. Accept the longest admissible prefix (or tree path) and add the correction or bonus token.
-        verdict = self.verifier(logits[: len(draft) + 1], draft, params, generator)  # [draft_len + 1, vocab]
-        if self.drafter is not None and self.drafter.wants_logits:
-            self.drafter.observe(draft, logits, verdict)  # [rows, vocab], the auxiliary tokens' rows last
-        if hidden_wanted:
-            self.drafter.observe_hidden(out.hidden, len(pending), draft, verdict)
+        verdict = verify_draft(self.verifier, draft, out.logits, params, generator)
         # 4. Roll back: the cache keeps the context and the accepted drafts (auxiliary tokens, past the
         #    draft, go with the rejected nodes); the last token of the verdict is fed in the next forward.
         self.target.compact(len(context), verdict.path)
-        return draft, verdict, drafted - start, time.perf_counter() - drafted
+        return VerifiedStep(draft, verdict, out.logits, len(pending), drafted - start, time.perf_counter() - drafted,
+                            out.hidden)
 
     def _events(self, prompt_ids: list[int], config: GenerationConfig) -> Iterator[StepEvent]:
         check_prompt(self.target, prompt_ids)
@@ -159,29 +147,26 @@ class SpeculativeEngine:
             _ = self.curve  # measured (once per model and machine) before the target's cache is in use
         self.target.reset()
         if self.drafter is not None:
-            self.drafter.begin(list(prompt_ids))
-        progress = SequenceState(prompt_ids, config, self.tokenizer, self.target)
+            self.drafter.begin(list(prompt_ids), forget=self._forget)
+            self._forget = False
+        state = SequenceState(prompt_ids, config, self.tokenizer, self.target)
         aside = self.step_aside
         if aside is not None:
             aside.begin()
-        while (room := progress.room()) > 0:
-            forward_tokens = len(progress.context) - self.target.cache_length
+        while (room := state.room()) > 0:
             start, speculate = self.clock(), aside is None or aside.speculate
             # Each step emits at least one token beyond its accepted drafts, hence room - 1.
-            draft, verdict, draft_seconds, verify_seconds = self.step(
-                progress.context, room - 1, config.sampling, progress.generator, speculate=speculate)
-            event = progress.advance(draft, verdict, draft_seconds, verify_seconds, forward_tokens,
-                                     stepped_aside=not speculate)
-            if self.drafter is not None:
-                self.drafter.update(verdict, event.stats)
+            step = self.step(state.context, room - 1, config.sampling, state.generator, speculate=speculate)
+            # 5. Append the step's tokens; the drafter learns how its draft fared.
+            event = conclude(state, self.drafter, step, stepped_aside=not speculate)
             if aside is not None:
                 aside.record(self.clock() - start, event.stats.new_tokens)
             yield event
-            if progress.finish_reason != "length":
+            if state.finish_reason != "length":
                 break
-        if (tail := progress.tail()) is not None:
+        if (tail := state.tail()) is not None:
             yield tail
-        return progress.result(self.method, self.tree_budget)
+        return state.result(self.method, self.tree_budget)
 
     def stream(self, prompt_ids: list[int], config: GenerationConfig | None = None) -> Stream:
         """Generate step by step: iterate the returned Stream for StepEvents, then read `.result`."""

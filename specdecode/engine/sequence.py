@@ -1,6 +1,8 @@
 """One sequence's way through generation, whichever engine steps it (`loop.SpeculativeEngine` one at a
 time, `batch.BatchEngine` several): its configuration, its progress (context, output, stopping, text,
-statistics, random generator), what each step adds (`StepEvent`) and the result."""
+statistics, random generator), what each step adds (`StepEvent`) and the result; and the parts of a step
+both engines take for each sequence: its forward's inputs (`draft_inputs`), its verification
+(`verify_draft`) and its conclusion (`conclude`: the tokens appended, the drafter told how it went)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode import metrics
+from specdecode.drafters.base import Drafter, Outcome
 from specdecode.engine.stopping import TextTracker
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
@@ -218,3 +221,41 @@ class SequenceState:
             method=method,
             tree_budget=tree_budget,
         )
+
+
+@dataclass
+class VerifiedStep:
+    """One sequence's step, verified: what both engines hand to `conclude`."""
+
+    draft: Draft  # what the target verified
+    verdict: Verdict
+    logits: torch.Tensor  # [len(draft) + 1 (+ aux), vocab] the sequence's rows of the forward
+    num_pending: int  # context tokens the forward fed before the draft
+    draft_seconds: float
+    verify_seconds: float
+    hidden: torch.Tensor | None = None  # [num_pending + len(draft) (+ aux), d] when the drafter needs them
+
+
+def draft_inputs(draft: Draft, num_pending: int, context_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids [p + n] and attention mask [p + n, p + n] bool of a forward over a sequence's p pending
+    context tokens and its draft of n nodes: a tree's through its ancestor mask, a chain's causal."""
+    if draft.is_tree:
+        return tree.verification_inputs(draft.parents, num_pending, context_length)
+    return tree.chain_inputs(num_pending + len(draft), num_pending, context_length)
+
+
+def verify_draft(verifier, draft: Draft, logits: torch.Tensor, params: SamplingParams, generator) -> Verdict:
+    """Accept the longest admissible prefix (or tree path) of a sequence's draft and add the correction or
+    bonus token, with the method's verifier. logits: [len(draft) + 1 (+ aux), vocab], the sequence's rows."""
+    return verifier(logits[: len(draft) + 1], draft, params, generator)  # [draft_len + 1, vocab]
+
+
+def conclude(state: SequenceState, drafter: Drafter | None, step: VerifiedStep, stepped_aside: bool = False) -> StepEvent:
+    """A verified step's end for one sequence: append its tokens (`SequenceState.advance`) and tell the
+    drafter how its draft fared (`Drafter.observe`, with what it `needs` of the forward)."""
+    event = state.advance(step.draft, step.verdict, step.draft_seconds, step.verify_seconds, step.num_pending,
+                          stepped_aside=stepped_aside)
+    if drafter is not None:
+        logits = step.logits if drafter.needs.logits else None
+        drafter.observe(Outcome(step.draft, step.verdict, event.stats, logits, step.hidden, step.num_pending))
+    return event

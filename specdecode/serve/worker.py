@@ -248,7 +248,8 @@ class Worker:
                     return
                 job.started = time.perf_counter()
                 drafter = self.factory.drafter(job.choice)
-                self._active[self.batch.add(job.prompt_ids, job.config, drafter, job.choice.name)] = job
+                self._active[self.batch.add(job.prompt_ids, job.config, drafter, job.choice.name,
+                                            verifier=job.choice.method.verifier)] = job
                 self._dequeue()
             except Exception as error:  # reaches the request as its error (UserError: 400, others: 500)
                 self._dequeue()

@@ -155,3 +155,11 @@ def verification_inputs(
     mask[p:, :p] = True
     mask[p:, p:] = ancestor_mask(parents)
     return positions, mask
+
+
+def chain_inputs(num_tokens: int, num_pending: int, context_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids and attention mask for one target forward over the pending context tokens followed by
+    a chain draft, `num_tokens` in all: consecutive positions after the cache, each token attending to
+    those before it. Returns (positions [num_tokens], mask [num_tokens, num_tokens] bool)."""
+    start = context_length - num_pending  # the cache's length
+    return torch.arange(start, start + num_tokens), torch.ones(num_tokens, num_tokens, dtype=torch.bool).tril()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, Outcome
 from specdecode.drafters.retrieval.build import default_datastore
 from specdecode.drafters.retrieval.datastore import (
     MAX_MATCH, MAX_OCCURRENCES, MIN_MATCH, SEPARATOR, Datastore, open_datastore,
@@ -17,7 +17,7 @@ from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
 from specdecode.tree.budget import Calibration, check_budget, prune
 from specdecode.tree.trie import build_trie
-from specdecode.types import Draft, SamplingParams, StepStats, Verdict
+from specdecode.types import Draft, SamplingParams
 
 
 # --- The chain: the heaviest path ------------------------------------------------------------------
@@ -64,7 +64,7 @@ class _RetrievalDrafter(Drafter):
         self._calibration = Calibration()
         self._shares = np.empty(0)  # [len(last draft)] each node's count / occurrences considered
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         self._calibration.reset()
         self._shares = np.empty(0)
 
@@ -77,8 +77,8 @@ class _RetrievalDrafter(Drafter):
         """Acceptance estimates: the shares, scaled by how acceptance has compared with them so far."""
         return np.minimum(shares * self._calibration.factor, 1.0)
 
-    def update(self, verdict: Verdict, stats: StepStats) -> None:
-        self._calibration.record_verdict(self._shares, verdict)
+    def observe(self, outcome: Outcome) -> None:
+        self._calibration.record_verdict(self._shares, outcome.verdict)
 
     def _rows(self, context: list[int], max_tokens: int) -> np.ndarray | None:
         """The continuations (at most `num_tokens` and `max_tokens` deep) of the context's longest match."""

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from specdecode.drafters.base import Drafter, DrafterOptions
+from specdecode.drafters.base import Drafter, DrafterOptions, Outcome
 from specdecode.drafters.prompt_lookup import JUDGED, CopyAcceptance
 from specdecode.drafters.suffix.index import SuffixIndex
 from specdecode.errors import UserError
@@ -17,7 +17,7 @@ from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
 from specdecode.tree.budget import check_budget, prune
 from specdecode.tree.trie import best_path, build_trie, stack
-from specdecode.types import Draft, SamplingParams, StepStats, Verdict
+from specdecode.types import Draft, SamplingParams
 
 if TYPE_CHECKING:
     from specdecode.models.base import CausalLM
@@ -60,7 +60,7 @@ class SuffixDrafter(Drafter):
     is judged against the output as it arrives (what greedy verification would accept), so the
     drafter learns the same way whether the engine verified its draft, cut it, or a composite drafter
     merged it with others. A shared match judged right marks its sequence used (evicted last). The
-    output arrives through the contexts of propose() and through update(), whose verdict's tokens (as
+    output arrives through the contexts of propose() and through observe(), whose verdict's tokens (as
     many as the step kept, `stats.new_tokens`) must be a prefix of what the step appended to the
     context: so the last step of a request, which no propose() follows, is indexed and judged too.
 
@@ -105,9 +105,14 @@ class SuffixDrafter(Drafter):
         self._prompt_length = 0
         self._seen: list[int] = []  # the current request's tokens so far (the index may hold fewer: the cap)
 
-    def begin(self, prompt_ids: list[int]) -> None:
-        """Close the previous request's sequence and open this one's, indexing the prompt at once."""
-        if self.index.open_id is not None:
+    def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
+        """Close the previous request's sequence and open this one's, indexing the prompt at once. With
+        `forget`, drop everything learnt from earlier requests first (the index and the shared rates),
+        e.g. between a benchmark's repeats, so that a prompt is not drafted from its own earlier run."""
+        if forget:
+            self.index.clear()
+            self._shared = CopyAcceptance()
+        elif self.index.open_id is not None:
             keep = self.include_prompts
             self.index.close(drop_first=0 if keep else max(self._prompt_length - self.index.max_match, 0))
         self.index.open()
@@ -116,13 +121,6 @@ class SuffixDrafter(Drafter):
         self._seen = list(prompt_ids)
         self._own = CopyAcceptance()
         self._judgments = []
-
-    def forget(self) -> None:
-        """Drop everything learnt from earlier requests (the index and the shared rates), e.g. between a
-        benchmark's repeats, so that a prompt is not drafted from its own earlier run."""
-        self.index.clear()
-        self._shared, self._own = CopyAcceptance(), CopyAcceptance()
-        self._seen, self._judgments, self._prompt_length = [], [], 0
 
     def _sync(self, context: list[int]) -> None:
         """Take in the context's new tokens; a context that does not extend the request begun is
@@ -138,10 +136,10 @@ class SuffixDrafter(Drafter):
         self.index.extend(tokens)
         self._judge()
 
-    def update(self, verdict: Verdict, stats: StepStats) -> None:
+    def observe(self, outcome: Outcome) -> None:
         """Take in the step's tokens (see the class docstring)."""
         if self.index.open_id is not None:
-            self._absorb(list(verdict.tokens[: stats.new_tokens]))
+            self._absorb(list(outcome.verdict.tokens[: outcome.stats.new_tokens]))
 
     def _judge(self) -> None:
         """Compare the open judgments with the output so far; record those decided."""
