@@ -67,9 +67,8 @@ class Models:
         """An engine for a method by name (`draft`, `draft-tree`, `pld-tree`...); `tree=True` switches a
         method to its tree form, `budget` fixes the tree nodes verified per step (default: chosen from
         the target's measured cost curve), `choices` gives the tree a fixed shape, `datastore` is a
-        retrieval datastore's path (`rest`, `composite`; default: the Python standard library's; methods
-        that draft from none ignore it), `reference` a document's text to copy from (`pld`, `composite`;
-        the others ignore it). The method is resolved here (`methods.choose`); `engine_for` takes one
+        retrieval datastore's path (default: the Python standard library's) and `reference` a document's
+        text to draft from, for the methods that take them (`Method.takes`; the others ignore them). The method is resolved here (`methods.choose`); `engine_for` takes one
         resolved already."""
         return self.engine_for(choose(method, tree=tree, budget=budget, choices=choices, datastore=datastore,
                                       reference=reference, only_if_taken=True))

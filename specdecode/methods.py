@@ -155,6 +155,11 @@ def get_method(name: str) -> Method:
         raise UserError(f"unknown method {name!r}; choose one of: {', '.join(METHODS)}") from None
 
 
+def takers(source: str) -> str:
+    """The methods that draft from an outside source (`Method.takes`), for messages: "pld and composite"."""
+    return " and ".join(name for name, m in METHODS.items() if source in m.takes)
+
+
 def tree_methods() -> list[str]:
     return [name for name, m in METHODS.items() if m.tree]
 
@@ -261,8 +266,7 @@ def choose(
             return value
         if only_if_taken:
             return None
-        takers = " and ".join(name for name, m in METHODS.items() if source in m.takes)
-        raise UserError(f"--{source} applies to {takers}, not {method.name}")
+        raise UserError(f"--{source} applies to {takers(source)}, not {method.name}")
 
     datastore, reference = taken("datastore", datastore), taken("reference", reference)
     if datastore is not None and not Path(datastore).expanduser().is_file():

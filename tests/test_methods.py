@@ -8,7 +8,7 @@ import pytest
 
 from specdecode.drafters.draft_model_tree import DEFAULT_CHOICES
 from specdecode.errors import UserError
-from specdecode.methods import METHODS, MethodChoice, choose, variant_names
+from specdecode.methods import METHODS, MethodChoice, choose, takers, variant_names
 
 
 @pytest.mark.parametrize("name", variant_names())
@@ -25,14 +25,21 @@ def test_tree_forms_and_budgets():
     assert choose("pld", tree=True, budget=3).tree_budget == 3
 
 
+def test_takers_name_the_methods_that_draft_from_a_source():
+    # a method that takes a source joins these lists by its registration alone
+    assert {"rest", "composite"} <= set(takers("datastore").split(" and "))
+    assert {"pld", "composite"} <= set(takers("reference").split(" and "))
+    assert "suffix" not in takers("reference").split(" and ")
+
+
 @pytest.mark.parametrize("spec, options, message", [
     ("nope", {}, "unknown method"),
     ("ar", {"tree": True}, "no tree form"),
     ("pld", {"tree": True, "choices": DEFAULT_CHOICES}, "no fixed tree shape"),
     ("pld", {"budget": 4}, "add --tree"),
     ("draft", {"choices": DEFAULT_CHOICES}, "add --tree"),
-    ("pld", {"datastore": "x.npz"}, "--datastore applies to rest and composite, not pld"),
-    ("suffix", {"reference": "a document"}, "--reference applies to pld and composite, not suffix"),
+    ("pld", {"datastore": "x.npz"}, f"--datastore applies to {takers('datastore')}, not pld"),
+    ("suffix", {"reference": "a document"}, f"--reference applies to {takers('reference')}, not suffix"),
     ("rest", {"datastore": "/no/such/datastore.npz"}, "no datastore at"),
 ])
 def test_what_does_not_go_together_is_one_user_error(spec, options, message):

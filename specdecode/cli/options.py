@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 
 from specdecode.errors import UserError
-from specdecode.methods import METHODS
+from specdecode.methods import METHODS, takers
 
 console = Console(stderr=True)
 
@@ -40,10 +40,10 @@ BackendOption = Annotated[Backend, typer.Option(
 ChoicesOption = Annotated[str | None, typer.Option(
     help="A fixed tree shape for --method draft --tree: JSON choices like [[0],[1],[0,0]], or 'default'.")]
 DatastoreOption = Annotated[Path | None, typer.Option(
-    help="A retrieval datastore for rest and composite (`specdecode datastore build`; default: the Python "
+    help=f"A retrieval datastore for {takers('datastore')} (`specdecode datastore build`; default: the Python "
          "standard library's, built once).")]
 ReferenceOption = Annotated[Path | None, typer.Option(
-    help="A document pld and composite copy from (retrieved passages, a file being edited).")]
+    help=f"A document to draft from, for {takers('reference')} (retrieved passages, a file being edited).")]
 
 
 def read_reference(path: Path | None) -> str | None:
