@@ -66,6 +66,7 @@ class RecordSink:
     def __init__(self, path: Path, console: Console):
         self.path, self.console = path, console
         self.progress: Progress | None = None
+        self.written = 0
 
     def __enter__(self) -> RecordSink:
         self.file = self.path.open("w")
@@ -76,11 +77,12 @@ class RecordSink:
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), console=self.console)
         self.progress.start()
-        self.bar = self.progress.add_task(description, total=total)
+        self.bar = self.progress.add_task(description, total=total, completed=self.written)
 
     def __call__(self, record: Record) -> None:
         self.file.write(json.dumps(record.to_json()) + "\n")
         self.file.flush()
+        self.written += 1
         if self.progress is not None:
             where = f" on {record.node}" if record.node else ""
             self.progress.update(self.bar, advance=1, description=f"{record.method} {record.task_id}{where}")
@@ -143,8 +145,9 @@ def run(
     levels = check_options(methods, repeats, concurrency, engines, backend, ray)
     if datastore is not None and not Path(datastore).is_file():
         raise UserError(f"no datastore at {datastore} (build one with `specdecode datastore build`)")
-    if ray is not None and reference not in runner_names(methods):
-        raise UserError(f"the reference {reference!r} is not a row of this run; rows: {', '.join(runner_names(methods))}")
+    rows = runner_names(methods)
+    if ray is not None and reference not in rows:
+        raise UserError(f"the reference {reference!r} is not a row of this run; rows: {', '.join(rows)}")
     config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p), seed=seed)
     tasks = sample_tasks(categories, per_category, seed=seed)
     setup = Setup(methods, target, drafter, dtype, draft_dtype, backend, threads, datastore)

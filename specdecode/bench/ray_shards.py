@@ -57,7 +57,7 @@ def node_job(setup: Setup, tasks: list[tuple[int, Task]], count: int, config: Ge
     lossless = {name: runner.lossless for name, runner in runners.items()}
     precision, threads = models.target.precision, torch.get_num_threads()
     yield NodeStart(lossless, precision, threads, f"{node}: {platform.processor() or platform.machine()}, "
-                                                  f"{precision}, {threads} threads, torch {torch.__version__}")
+                                                  f"{precision}, threads {threads}, torch {torch.__version__}")
     records = []
     for record in interleaved(models, runners, [task for _, task in tasks], config, repeats,
                               positions=[position for position, _ in tasks], count=count):
@@ -90,7 +90,7 @@ def run(address: str, setup: Setup, tasks: list[Task], config: GenerationConfig,
         if isinstance(item, NodeStart):
             starts[name] = item
             if len(starts) == len(nodes):
-                on_start(repeats * len(tasks) * len(item.lossless), f"{len(nodes)} Ray nodes")
+                on_start(repeats * len(tasks) * len(item.lossless), f"on {len(nodes)} Ray node(s)")
         elif isinstance(item, Record):
             records.append(item)
             on_record(item)

@@ -65,7 +65,8 @@ class AnswerNode:
         while True:
             while answerer.busy < batch and self.waiting:
                 answerer.add(self.waiting.popleft())
-            if not answerer.busy or not (self.waiting or drain) or (deadline and time.perf_counter() >= deadline):
+            late = deadline is not None and time.perf_counter() >= deadline
+            if not answerer.busy or not (self.waiting or drain) or late:
                 break
             ended = answerer.step()
             if ended:
@@ -111,7 +112,8 @@ def generate(address: str, out: Path, *, target: str, dtype: str = "auto", setti
     nodes = start_nodes(ray, target, dtype, settings)
     try:
         store = Store(out, loaded_target(ray, nodes, target), settings)
-        todo = (p for p in prompts(settings, sharegpt=sharegpt, stdlib=stdlib, openings=openings) if p.id not in store.done)
+        listed = prompts(settings, sharegpt=sharegpt, stdlib=stdlib, openings=openings)
+        todo = (p for p in listed if p.id not in store.done)
         live, generated = dict.fromkeys(nodes, 0), dict.fromkeys(nodes, 0)
         written, stopped_by, dropped, drained = store.tokens, "tokens", 0, set()
         start = time.perf_counter()
