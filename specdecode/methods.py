@@ -28,7 +28,7 @@ from specdecode.drafters.medusa import build_medusa, build_medusa_tree
 from specdecode.drafters.lookahead import build_lookahead
 from specdecode.drafters.retrieval import build_retrieval
 from specdecode.drafters.self_speculative import build_earlyexit, build_layerskip
-from specdecode.drafters.sparse_kv import build_sparse_kv
+from specdecode.drafters.sparse_kv import build_sparse_kv, build_sparse_kv_lookup
 from specdecode.drafters.suffix import build_suffix
 from specdecode.drafters.composite import build_composite
 from specdecode.errors import UserError
@@ -123,6 +123,9 @@ METHODS: dict[str, Method] = {
         Method("sparse-kv", "self-speculation with a compressed cache: the target drafts over StreamingLLM's "
                "cache (4 sink entries and the last 512) and verifies over its whole cache; for long inputs",
                False, build_sparse_kv, torch_only=True),
+        Method("sparse-kv-pld", "sparse-kv under prompt lookup: copies from the input where lookup finds one, the "
+               "compressed-cache self-draft where it does not; for long inputs", False, build_sparse_kv_lookup,
+               takes=("reference",), torch_only=True),
         Method("suffix", "suffix decoding: what followed the context's suffix in this request and in earlier "
                "ones the drafter served (tree: all of it, as a trie)", False, build_suffix, tree=True,
                remembers=True),

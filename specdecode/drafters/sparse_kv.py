@@ -28,7 +28,9 @@ import torch
 from transformers import DynamicCache
 
 from specdecode.drafters.base import DrafterOptions
+from specdecode.drafters.composite import CompositeDrafter, Source
 from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.drafters.self_speculative.layers import (
     causal_allowed, check_layer_skipping, crop_layers, head_output, kv_cache, run_layers, torch_target,
 )
@@ -184,3 +186,20 @@ def build_sparse_kv(target: CausalLM, draft: CausalLM | None, options: DrafterOp
     """`sparse-kv`: the target drafts over StreamingLLM's cache (sinks and a recent window)."""
     target = torch_target(target, "sparse-kv")
     return SparseKVDrafter(target, curve=target.cost_curve())
+
+
+def under_lookup(target: HFCausalLM, reference_ids=None, curve: CostCurve | None = None,
+                 **view_options) -> CompositeDrafter:
+    """Two tiers, as TriForce stacks a cheap drafter on the compressed-cache one: prompt lookup first (free;
+    long inputs are full of text an answer copies), the compressed-cache self-draft (`SparseKVDrafter`,
+    given `view_options`) only where lookup promises less than one token (the composite's fallback rule),
+    verified as one chain."""
+    curve = curve or target.cost_curve()
+    sources = [Source(PromptLookupDrafter(reference_ids=reference_ids), "free"),
+               Source(SparseKVDrafter(target, curve=curve, **view_options), "expensive")]
+    return CompositeDrafter(sources, curve, tree=False)
+
+
+def build_sparse_kv_lookup(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> CompositeDrafter:
+    """`sparse-kv-pld`: `under_lookup` with the default sinks and window."""
+    return under_lookup(torch_target(target, "sparse-kv-pld"), options.reference_ids)

@@ -12,7 +12,7 @@ import torch
 from conftest import greedy_references, greedy_runs, random_prompts, tiny_qwen2
 from goodness_of_fit import assert_follows, continuations, engine_outcomes, model_logits
 from specdecode.drafters.self_speculative import run_layers
-from specdecode.drafters.sparse_kv import CompressedView, SparseKVDrafter, kv_bytes_per_token
+from specdecode.drafters.sparse_kv import CompressedView, SparseKVDrafter, kv_bytes_per_token, under_lookup
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.methods import get_method
@@ -95,6 +95,27 @@ def test_greedy_speculative_equals_plain(tiny_target, reference, sinks, window, 
         assert accepted == drafted
     else:
         assert 0 < accepted < drafted
+
+
+def test_under_lookup_both_tiers_draft_and_greedy_equals_plain(tiny_target, reference):
+    """`sparse-kv-pld`: prompt lookup where it finds a copy, the compressed cache where it does not; each tier
+    drafts on some steps, and the output is plain decoding's."""
+    target = HFCausalLM(tiny_target)
+    drafter = under_lookup(target, curve=CURVE, sinks=2, window=4, num_tokens=4, adaptive=False,
+                           confidence_threshold=0)
+    lookup, sparse = (source.drafter for source in drafter.sources)
+    drafts = {lookup: 0, sparse: 0}
+    for tier in drafts:
+        def counted(*args, tier=tier, propose=tier.propose, **kwargs):
+            draft = propose(*args, **kwargs)
+            drafts[tier] += len(draft) > 0
+            return draft
+        tier.propose = counted
+    engine = SpeculativeEngine(target, drafter=drafter)
+    engine.curve = CURVE
+    list(greedy_runs(engine, PROMPTS, reference, LENGTHS))  # each run checked against plain decoding
+    assert drafts[lookup] > 0 and drafts[sparse] > 0
+    assert get_method("sparse-kv-pld").lossless
 
 
 def test_sampled_output_follows_target_distribution():
