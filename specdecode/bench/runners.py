@@ -65,6 +65,9 @@ def peer_runner(models: Models, name: str, **generate_kwargs) -> Runner:
     return Runner(name, True, True, run)
 
 
+PEER_CONTEXT = 32768
+
+
 def llamacpp_plain_runner(models: Models) -> Runner:
     """Plain decoding of the target's own GGUF file through llama.cpp, as a peer of torch runs: the
     fastest plain decoder on a CPU, so one table shows every torch path against it. Its weights are the
@@ -74,7 +77,10 @@ def llamacpp_plain_runner(models: Models) -> Runner:
     if models.target_gguf is None:
         raise UserError("llamacpp-ar decodes the target's GGUF file: load the target by registered name or as a "
                         ".gguf file")
-    engine = SpeculativeEngine(LlamaCppLM(models.target_gguf), models.tokenizer, method="llamacpp-ar")
+    # a context for the long-context category's longest prompts (16k tokens) and their answers, capped by
+    # the model's trained length (llama.cpp allocates the cache up front: ~1 GB for the default target)
+    engine = SpeculativeEngine(LlamaCppLM(models.target_gguf, n_ctx=PEER_CONTEXT), models.tokenizer,
+                               method="llamacpp-ar")
     return dataclasses.replace(engine_runner(engine, lossless=False), peer=True)
 
 
