@@ -45,6 +45,7 @@ _SOURCE = Path(__file__).parent / "kernels" / "int4.cpp"
 # the kernel's variants, by the op's number for them: the same exact output from different instructions
 # (AVX2: three instructions per 32 products and row; AVX-VNNI: one per 32; AVX-512 VNNI: one per 64)
 KERNELS = ("avx2", "avx-vnni", "avx512-vnni")
+ROW_SLICE_BYTES = 1 << 19  # the quantized rows one kernel call takes at most: about half an L2 cache
 _forced: int = -1  # the variant `forced_kernel` asks for; -1: the best this CPU has
 
 
@@ -199,7 +200,12 @@ class InvariantInt4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.reshape(-1, self.in_features).float()
-        out = _ops().linear(rows, self.nibbles, self.groups, self.scales, self.weight_sums, self.bias, _forced)
+        # The kernel meets every row with each group of channels, so a long prefill's rows would stream from
+        # memory once per group: they go in slices of rows that stay in cache (each row's result is its own,
+        # so slicing changes no bit of it).
+        step = max(8, ROW_SLICE_BYTES // self.in_features // 8 * 8)
+        out = torch.cat([_ops().linear(rows[i : i + step], self.nibbles, self.groups, self.scales, self.weight_sums,
+                                       self.bias, _forced) for i in range(0, rows.shape[0], step)])
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
