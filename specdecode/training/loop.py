@@ -88,6 +88,94 @@ def split(data: list[Window], seed: int) -> tuple[list[Window], list[Window]]:
 LossFn = Callable[[Window], "tuple[torch.Tensor, dict[str, torch.Tensor], int] | None"]
 
 
+class _Run:
+    """One run of `optimise`: the optimiser, its schedule, where the run is in the shuffled windows, and the
+    checkpoint that saves all of it."""
+
+    def __init__(self, module: torch.nn.Module, training: list[Window], schedule: Schedule, record: TrainingRecord,
+                 checkpoint: Path | None):
+        self.module, self.schedule, self.record, self.checkpoint = module, schedule, record, checkpoint
+        rng = random.Random(schedule.seed)
+        self.total_steps = max(1, schedule.epochs * len(training) // schedule.batch_windows)
+        self.optimiser = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad],
+                                           lr=schedule.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
+        self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(self.optimiser, lambda step: self.rate(step))
+        self.order = [i for _ in range(schedule.epochs) for i in rng.sample(range(len(training)), len(training))]
+        # what a checkpoint must agree with to be carried on: the settings (the time budget aside) and the data
+        self.identity = {"settings": asdict(schedule) | {"seconds": None}, "windows": len(training),
+                         "tokens": sum(len(window[0]) for window in training)}
+        self.sums: dict[str, float] = {}
+        self.count = self.step = self.position = 0  # position: the first window of `order` not yet trained on
+        self.earlier_seconds = 0.0  # what earlier runs of the same schedule spent
+        self.start = time.perf_counter()
+
+    def rate(self, step: int) -> float:  # linear warm-up, cosine decay
+        if step < self.schedule.warmup_steps:
+            return (step + 1) / self.schedule.warmup_steps
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, step / self.total_steps)))
+
+    def unfinished(self) -> bool:
+        return self.position < len(self.order) and self.step < self.total_steps
+
+    def seconds(self) -> float:
+        return self.earlier_seconds + time.perf_counter() - self.start
+
+    def resume(self) -> None:
+        """Carry on from the checkpoint, if there is one."""
+        if self.checkpoint is None or not self.checkpoint.exists():
+            return
+        state = torch.load(self.checkpoint, weights_only=False)
+        if state["identity"] != self.identity:
+            raise UserError(f"{self.checkpoint} is from training with other settings or data; delete it to start "
+                            "afresh, or run with the settings and data it was made with")
+        self.module.load_state_dict(state["module"])
+        self.optimiser.load_state_dict(state["optimiser"])
+        self.lr_schedule.load_state_dict(state["lr_schedule"])
+        torch.set_rng_state(state["torch_rng"])
+        self.step, self.position, self.sums, self.count = state["step"], state["position"], state["sums"], state["count"]
+        self.record.losses, self.record.tokens_seen = state["losses"], state["tokens_seen"]
+        self.earlier_seconds = state["seconds"]
+
+    def save(self) -> None:
+        temporary = self.checkpoint.with_suffix(".partial")
+        torch.save({"identity": self.identity, "module": self.module.state_dict(),
+                    "optimiser": self.optimiser.state_dict(), "lr_schedule": self.lr_schedule.state_dict(),
+                    "torch_rng": torch.get_rng_state(), "step": self.step, "position": self.position,
+                    "sums": self.sums, "count": self.count, "losses": self.record.losses,
+                    "tokens_seen": self.record.tokens_seen, "seconds": self.seconds()}, temporary)
+        os.replace(temporary, self.checkpoint)  # a run killed while saving leaves the previous checkpoint whole
+
+    def train_step(self, loss: LossFn, training: list[Window], bf16: bool) -> bool:
+        """One optimiser step on the next batch of windows; False if none of them had anything to learn."""
+        batch = self.order[self.position : self.position + self.schedule.batch_windows]
+        self.position += len(batch)
+        self.optimiser.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            parts = [loss(training[i]) for i in batch]
+        parts = [p for p in parts if p is not None]
+        if not parts:
+            return False
+        (sum(p[0] for p in parts) / len(parts)).backward()
+        torch.nn.utils.clip_grad_norm_(self.module.parameters(), 0.5)
+        self.optimiser.step()
+        self.lr_schedule.step()
+        self.step += 1
+        self.record.tokens_seen += sum(p[2] for p in parts)
+        for name in parts[0][1]:
+            self.sums[name] = self.sums.get(name, 0.0) + sum(float(p[1][name]) for p in parts) / len(parts)
+        self.count += 1
+        return True
+
+    def log(self) -> str | None:
+        """Every 20 steps: the losses' means since the last entry into the record, and as the bar shows them."""
+        if self.step % 20:
+            return None
+        self.record.losses.append({"step": self.step, **{k: v / self.count for k, v in self.sums.items()},
+                                   "seconds": round(self.seconds(), 1)})
+        self.sums, self.count = {}, 0
+        return " ".join(f"{k[:5]} {v:.3f}" for k, v in self.record.losses[-1].items() if k not in ("step", "seconds"))
+
+
 def optimise(module: torch.nn.Module, loss: LossFn, training: list[Window], schedule: Schedule, record: TrainingRecord,
              label: str, progress: bool = True, checkpoint: Path | None = None,
              checkpoint_seconds: float = CHECKPOINT_SECONDS) -> None:
@@ -95,91 +183,29 @@ def optimise(module: torch.nn.Module, loss: LossFn, training: list[Window], sche
     with `checkpoint`, carry on from it if it exists, and save to it as the module docstring says."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    rng = random.Random(schedule.seed)
-    total_steps = max(1, schedule.epochs * len(training) // schedule.batch_windows)
-    optimiser = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=schedule.learning_rate,
-                                  betas=(0.9, 0.95), weight_decay=0.0)
-
-    def rate(step: int) -> float:  # linear warm-up, cosine decay
-        if step < schedule.warmup_steps:
-            return (step + 1) / schedule.warmup_steps
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, step / total_steps)))
-
-    lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, rate)
-    order = [i for _ in range(schedule.epochs) for i in rng.sample(range(len(training)), len(training))]
-    # what a checkpoint must agree with to be carried on: the settings (the time budget aside) and the data
-    identity = {"settings": asdict(schedule) | {"seconds": None}, "windows": len(training),
-                "tokens": sum(len(window[0]) for window in training)}
-    sums: dict[str, float] = {}
-    count = step = position = 0  # position: the first window of `order` not yet trained on
-
-    def unfinished() -> bool:
-        return position < len(order) and step < total_steps
-
-    earlier_seconds = 0.0  # what earlier runs of the same schedule spent
-    if checkpoint is not None and checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
-        if state["identity"] != identity:
-            raise UserError(f"{checkpoint} is from training with other settings or data; delete it to start "
-                            "afresh, or run with the settings and data it was made with")
-        module.load_state_dict(state["module"])
-        optimiser.load_state_dict(state["optimiser"])
-        lr_schedule.load_state_dict(state["lr_schedule"])
-        torch.set_rng_state(state["torch_rng"])
-        step, position, sums, count = state["step"], state["position"], state["sums"], state["count"]
-        record.losses, record.tokens_seen = state["losses"], state["tokens_seen"]
-        earlier_seconds = state["seconds"]
-
-    def save() -> None:
-        temporary = checkpoint.with_suffix(".partial")
-        torch.save({"identity": identity, "module": module.state_dict(), "optimiser": optimiser.state_dict(),
-                    "lr_schedule": lr_schedule.state_dict(), "torch_rng": torch.get_rng_state(), "step": step,
-                    "position": position, "sums": sums, "count": count, "losses": record.losses,
-                    "tokens_seen": record.tokens_seen, "seconds": earlier_seconds + time.perf_counter() - start},
-                   temporary)
-        os.replace(temporary, checkpoint)  # a run killed while saving leaves the previous checkpoint whole
-
+    run = _Run(module, training, schedule, record, checkpoint)
+    run.resume()
     bf16 = bf16_units()  # bfloat16 autocast only where the CPU has bf16 units: emulated, it is far slower
     module.train()
-    start = last_saved = time.perf_counter()
+    run.start = last_saved = time.perf_counter()
     columns = [TextColumn(label), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
                TextColumn("{task.fields[loss]}"), TimeElapsedColumn()]
     with Progress(*columns, disable=not progress) as bar:
-        task = bar.add_task("train", total=total_steps, completed=step, loss="")
-        while unfinished():
-            if time.perf_counter() - start > schedule.seconds:
-                break
-            batch = order[position : position + schedule.batch_windows]
-            position += len(batch)
-            optimiser.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                parts = [loss(training[i]) for i in batch]
-            parts = [p for p in parts if p is not None]
-            if not parts:
+        task = bar.add_task("train", total=run.total_steps, completed=run.step, loss="")
+        while run.unfinished() and time.perf_counter() - run.start <= schedule.seconds:
+            if not run.train_step(loss, training, bf16):
                 continue
-            (sum(p[0] for p in parts) / len(parts)).backward()
-            torch.nn.utils.clip_grad_norm_(module.parameters(), 0.5)
-            optimiser.step()
-            lr_schedule.step()
-            step += 1
-            record.tokens_seen += sum(p[2] for p in parts)
-            for name in parts[0][1]:
-                sums[name] = sums.get(name, 0.0) + sum(float(p[1][name]) for p in parts) / len(parts)
-            count += 1
-            if step % 20 == 0:
-                record.losses.append({"step": step, **{k: v / count for k, v in sums.items()},
-                                      "seconds": round(earlier_seconds + time.perf_counter() - start, 1)})
-                sums, count = {}, 0
-                bar.update(task, loss=" ".join(f"{k[:5]} {v:.3f}" for k, v in record.losses[-1].items()
-                                               if k not in ("step", "seconds")))
-            bar.update(task, completed=step)
+            shown = run.log()
+            if shown is not None:
+                bar.update(task, loss=shown)
+            bar.update(task, completed=run.step)
             if checkpoint is not None and time.perf_counter() - last_saved > checkpoint_seconds:
-                save()
+                run.save()
                 last_saved = time.perf_counter()
     if checkpoint is not None:
-        if unfinished():
-            save()  # the time budget ran out: the next run carries on
+        if run.unfinished():
+            run.save()  # the time budget ran out: the next run carries on
         else:
             checkpoint.unlink(missing_ok=True)
     module.eval()
-    record.steps, record.seconds = step, round(earlier_seconds + time.perf_counter() - start, 1)
+    record.steps, record.seconds = run.step, round(run.seconds(), 1)
