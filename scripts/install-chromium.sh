@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs Debian's chromium (headless, for tests/test_demo_page.py) unless a chromium is on PATH.
+# Installs Debian's chromium (headless, for tests/integration/test_demo_page.py) unless a chromium is on PATH.
 set -euo pipefail
 if command -v chromium >/dev/null || command -v chromium-browser >/dev/null; then
     exit 0

@@ -100,9 +100,10 @@ class Draft:
     # siblings: i.i.d. given its parent's path, repeats allowed (a one-hot row: a token fixed in advance).
     # Only then is multi-draft speculative sampling lossless with them. Children picked otherwise (the
     # top-k, distinct tokens, a pruning that looks at the tokens) and sent with the distributions they were
-    # ranked by make the output lossy (top-2 children: 0.73 total variation in tests/test_engine.py), so
-    # such a tree goes without probs and each node is verified as one-hot. Verification refuses probs on a
-    # tree without this flag (`check_probs`). A chain needs none: each token is alone after its prefix.
+    # ranked by make the output lossy (top-2 children: 0.73 total variation, in
+    # tests/statistical/test_engine_sampling.py), so such a tree goes without probs and each node is verified
+    # as one-hot. Verification refuses probs on a tree without this flag (`check_probs`). A chain needs none:
+    # each token is alone after its prefix.
     drawn_independently: bool = False
 
     def __len__(self) -> int:

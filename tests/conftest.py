@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from specdecode.drafters.eagle import EagleHead, head_config
+from specdecode.drafters.eagle3 import Eagle3Config, Eagle3Head
 from specdecode.drafters.medusa import MedusaHeads
 from specdecode.models import costs
 from specdecode.models.hf import HFCausalLM
@@ -188,9 +191,9 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def tiny_chat_qwen2(vocab_size: int, seed: int = 0) -> Qwen2ForCausalLM:
+def tiny_chat_qwen2(vocab_size: int, seed: int = 0, layers: int = 2) -> Qwen2ForCausalLM:
     """A tiny Qwen2 that goes with tiny_tokenizer() (byte-level BPE, chat template, <|im_end|> as EOS)."""
-    model = tiny_qwen2(seed, layers=2, hidden=64, vocab=vocab_size, max_positions=128)
+    model = tiny_qwen2(seed, layers=layers, hidden=64, vocab=vocab_size, max_positions=128)
     model.config.eos_token_id = model.generation_config.eos_token_id = TOKENS.index("<|im_end|>")
     return model
 
@@ -286,6 +289,22 @@ def random_medusa_heads(target, num_heads: int = 3, vocab: int | None = None, se
     return heads.float().eval()
 
 
+def random_eagle_head(target, vocab: int | None = None, seed: int = 0, intermediate: int = 32) -> EagleHead:
+    """An EAGLE head with random weights for `target`, over its first `vocab` tokens (default: all)."""
+    torch.manual_seed(seed)
+    ids = torch.arange(target.config.vocab_size)[: vocab or target.config.vocab_size]
+    return EagleHead(head_config(target.config, intermediate), ids).float().eval()
+
+
+def random_eagle3_head(target, vocab: int | None = None, seed: int = 0, intermediate: int = 32) -> Eagle3Head:
+    """An EAGLE-3 head with random weights for `target`, over `vocab` of its tokens chosen at random (default: all)."""
+    torch.manual_seed(seed)
+    size = vocab or target.config.vocab_size
+    config = Eagle3Config.for_target(target.config, intermediate, size)
+    ids = torch.randperm(target.config.vocab_size)[:size].sort().values
+    return Eagle3Head(config, ids).float().eval()
+
+
 def tiny_training_features(folder: Path):
     """(model, sequences, shards): a tiny chat model's features over repetitive chat text, for training tests."""
     from specdecode.training import corpus, features
@@ -297,3 +316,14 @@ def tiny_training_features(folder: Path):
         for q, a in texts * 6]
     features.extract(model, sequences, folder, {"target": "tiny"}, progress=False)
     return model, sequences, features.load(folder)[1]
+
+
+def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """Run the `specdecode` command with `args` in-process: (exit code, stdout, stderr)."""
+    from specdecode.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["specdecode", *args])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    out, err = capsys.readouterr()
+    return exit_info.value.code or 0, out, err

@@ -188,3 +188,17 @@ def model_logits(model) -> Callable[[tuple[int, ...]], torch.Tensor]:
             return model(torch.tensor([sequence])).logits[0, -1].float()
 
     return logits
+
+
+def assert_engine_follows_target(drafter, params: SamplingParams, runs: int, what: str, length: int = 3) -> Outcomes:
+    """The end-to-end check on the fake models (`fakes`: TARGET after PROMPT, 4 tokens): `runs` generations
+    with `drafter`, seeded 0, 1, ...; deep drafts, bonus tokens after two accepted ones and corrections
+    must all occur (`Outcomes.assert_exercised`), and the first `length` tokens follow the target's exact
+    distribution (`assert_follows`)."""
+    from fakes import PROMPT, TARGET, FakeLM  # noqa: PLC0415
+    from specdecode.engine import SpeculativeEngine  # noqa: PLC0415
+
+    outcomes = engine_outcomes(SpeculativeEngine(FakeLM(TARGET), drafter=drafter), PROMPT, length, params, runs)
+    outcomes.assert_exercised()
+    assert_follows(outcomes.counts, continuations(TARGET, PROMPT, length, params), what)
+    return outcomes

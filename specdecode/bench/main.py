@@ -129,7 +129,7 @@ def run_here(setup: Setup, tasks: list[Task], config: GenerationConfig, repeats:
 
 def sampling_caveat() -> list[str]:
     return ["Sampling run: outputs are judged statistically, not token for token ('exact vs ar' only counts "
-            "chance agreement); the exact distribution is also proven by tests/test_sampling_statistical.py."]
+            "chance agreement); the exact distribution is also proven by tests/statistical/test_sampling_statistical.py."]
 
 
 def run(

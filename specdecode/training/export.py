@@ -181,7 +181,7 @@ def draft_vocabulary(state: dict[str, torch.Tensor], shape: Eagle3Config) -> tor
 
 def engine_config(shape: Eagle3Config, fmt: str, dtype: torch.dtype = torch.bfloat16) -> dict:
     """config.json: a one-layer Llama model of the head's sizes, with the fields the engine's EAGLE-3
-    loader reads (see tests/test_export.py for where each is read)."""
+    loader reads (see tests/integration/test_export.py for where each is read)."""
     aux = list(shape.aux_layers)
     config = {
         "architectures": [ARCHITECTURE],

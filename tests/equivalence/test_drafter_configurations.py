@@ -1,8 +1,9 @@
-"""Equivalence: for every drafter, greedy speculative output == plain greedy output of the target.
+"""Equivalence, drafter by configuration: greedy speculative output == plain greedy output of the target.
 
 Tiny randomly initialised Qwen2 models in float32 (exact arithmetic comparisons are meaningful there).
-Three kinds of draft model exercise every path of the loop: the target itself (everything accepted),
-a noisy copy of it (partial acceptance) and an unrelated model (almost everything rejected).
+The configurations (`configurations.py`) go beyond each method's defaults, which `test_every_method.py`
+covers: three kinds of draft model exercise every path of the loop, the target itself (everything
+accepted), a noisy copy of it (partial acceptance) and an unrelated model (almost everything rejected).
 """
 
 from __future__ import annotations
@@ -12,45 +13,11 @@ import copy
 import pytest
 import torch
 
-from conftest import greedy_references, greedy_runs, noisy_copy, random_prompts
+from configurations import KINDS, LENGTHS, PROMPTS, drafters
+from conftest import greedy_references, greedy_runs, noisy_copy
 from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.draft_model_tree import DEFAULT_CHOICES, DraftModelTreeDrafter
-from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
-from specdecode.models.costs import CostCurve
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.models.hf import HFCausalLM
-
-PROMPTS = random_prompts(12, seed=3)
-LENGTHS = [1, 2, 7, 40]
-CURVE = CostCurve.linear(0.05)  # a fixed cost curve: tests do not time anything
-KINDS = ["self", "noisy", "noisy-fixed", "unrelated", "pld", "pld-unigram", "tree-self", "tree-noisy",
-         "tree-noisy-budget", "tree-unrelated", "tree-fixed", "pld-tree", "pld-tree-budget"]
-
-
-def drafters(target_model, other_model):
-    return {
-        "self": lambda: DraftModelDrafter(HFCausalLM(target_model), num_tokens=3, confidence_threshold=0),
-        "noisy": lambda: DraftModelDrafter(HFCausalLM(noisy_copy(target_model, 0.3, 1)), num_tokens=4),
-        "noisy-fixed": lambda: DraftModelDrafter(
-            HFCausalLM(noisy_copy(target_model, 0.3, 2)), num_tokens=5, adaptive=False, confidence_threshold=0
-        ),
-        "unrelated": lambda: DraftModelDrafter(HFCausalLM(other_model), num_tokens=2),
-        "pld": lambda: PromptLookupDrafter(max_ngram=3, num_tokens=6),
-        "pld-unigram": lambda: PromptLookupDrafter(max_ngram=1, num_tokens=3),
-        # token trees
-        "tree-self": lambda: DraftModelTreeDrafter(  # a fixed shape: always 4 deep
-            HFCausalLM(target_model), CURVE, choices=[(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 0, 0)]
-        ),
-        "tree-noisy": lambda: DraftModelTreeDrafter(HFCausalLM(noisy_copy(target_model, 0.3, 1)), CURVE),
-        "tree-noisy-budget": lambda: DraftModelTreeDrafter(
-            HFCausalLM(noisy_copy(target_model, 0.5, 4)), CURVE, top_k=3, width=2, max_depth=5, budget=7
-        ),
-        "tree-unrelated": lambda: DraftModelTreeDrafter(HFCausalLM(other_model), CURVE, budget=10),
-        "tree-fixed": lambda: DraftModelTreeDrafter(HFCausalLM(noisy_copy(target_model, 0.3, 2)), CURVE,
-                                                    choices=DEFAULT_CHOICES),
-        "pld-tree": lambda: PromptLookupTreeDrafter(CURVE, max_ngram=2, num_tokens=6),
-        "pld-tree-budget": lambda: PromptLookupTreeDrafter(CURVE, max_ngram=1, num_tokens=4, budget=5),
-    }
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from conftest import greedy_references, greedy_runs, tiny_qwen2, tiny_tokenizer
-from test_cli import run
+from conftest import run_cli as run
 from fakes import FakeLM
 from goodness_of_fit import assert_follows, chi_square, continuations, engine_outcomes, model_logits
 from specdecode.api import load_models

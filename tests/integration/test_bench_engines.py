@@ -23,7 +23,7 @@ from specdecode.errors import UserError
 from specdecode.serve.app import Server, ServerThread, create_app
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 TASKS = [Task("a", "a/1", ("the cat sat",)), Task("a", "a/2", ("the the", "and again")), Task("b", "b/1", ("hello",))]
 CONFIG = GenerationConfig(max_new_tokens=10)
 

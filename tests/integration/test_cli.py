@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
 from conftest import TOKENS, tiny_chat_qwen2, tiny_tokenizer
-from specdecode.cli import main
+from conftest import run_cli as run
 from specdecode.methods import METHODS, resolve, variant_names
-
-
-def run(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["specdecode", *args])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    out, err = capsys.readouterr()
-    return exit_info.value.code or 0, out, err
 
 
 def test_generate_json(monkeypatch, capsys, tiny_folder):

@@ -21,7 +21,7 @@ from specdecode.api import load_models
 from specdecode.serve.app import Server, ServerThread, create_app
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-ARTIFACTS = Path(__file__).resolve().parents[1] / "results" / "artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "results" / "artifacts"
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (`make chromium` installs it)")
 

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from test_cli import run
+from conftest import run_cli as run
 from specdecode.training import export
 from specdecode.training.export import export_eagle3
 

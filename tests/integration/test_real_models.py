@@ -82,7 +82,7 @@ def test_greedy_speculative_equals_plain_on_real_pair(models, plain):
 def test_int4_speculation_equals_plain_on_real_pair():
     """The int4 path (models/int4.py), batch-invariant like int8: the draft model's tree (wide forwards,
     tree attention) and prompt lookup equal its plain decoding token for token on the edit prompt (every
-    drafter is checked on the int4 tiny target in tests/test_quantized.py)."""
+    drafter is checked on the int4 tiny target in tests/reference_vs_fast/test_quantized.py)."""
     import gc
 
     pair = load_models(dtype="int4", progress=False)

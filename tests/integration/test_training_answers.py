@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from test_cli import run as run_cli
+from conftest import run_cli
 from specdecode.api import load_models
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.errors import UserError
@@ -27,7 +27,7 @@ def models(tiny_folder):
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    """(a ShareGPT file, a standard library folder), small: as tests/test_training_data.py fakes them."""
+    """(a ShareGPT file, a standard library folder), small: as tests/integration/test_training_data.py fakes them."""
     folder = tmp_path_factory.mktemp("sources")
     stdlib = folder / "lib"
     (stdlib / "pkg").mkdir(parents=True)

@@ -18,8 +18,8 @@ from specdecode.models.int4 import InvariantInt4Linear
 from specdecode.errors import UserError
 from specdecode.models.int8 import InvariantInt8Linear, quantize_invariant
 
-from test_equivalence import KINDS as EQUIVALENCE_KINDS, LENGTHS, PROMPTS
-from test_equivalence import drafters as equivalence_drafters
+from configurations import KINDS as EQUIVALENCE_KINDS, LENGTHS, PROMPTS
+from configurations import drafters as equivalence_drafters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -128,6 +128,18 @@ def test_a_kernel_the_cpu_lacks_is_refused():
         with pytest.raises(UserError, match="cannot run"):
             with int4.forced_kernel(name):
                 pass
+
+
+@needs_int4
+def test_a_long_input_in_slices_of_rows_is_the_whole_call(monkeypatch):
+    """A long prefill goes to the kernel in slices of rows that stay in cache: the result is bitwise the
+    one-call result, slice edges anywhere (uneven last slice included)."""
+    torch.manual_seed(5)
+    layer = InvariantInt4Linear.from_linear(torch.nn.Linear(256, 96))
+    x = torch.randn(3, 29, 256)
+    whole = layer(x)
+    monkeypatch.setattr(int4, "ROW_SLICE_BYTES", 256 * 16)  # slices of 16 rows: 87 rows in 6 calls
+    assert torch.equal(layer(x), whole)
 
 
 @needs_int4

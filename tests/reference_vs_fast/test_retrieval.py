@@ -332,7 +332,7 @@ def test_greedy_retrieval_equals_plain(kind, tiny_target, tiny_store, reference)
 # --- The command line ------------------------------------------------------------------------------
 
 
-from test_cli import run  # noqa: E402  (the CLI runner of the CLI tests)
+from conftest import run_cli as run  # noqa: E402
 
 
 def test_cli_builds_a_datastore(monkeypatch, capsys, tmp_path, tiny_folder):

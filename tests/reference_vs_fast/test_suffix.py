@@ -252,10 +252,8 @@ def plain(tiny_target):
     return [engine.generate(p, GenerationConfig(max_new_tokens=max(LENGTHS))).token_ids for p in PROMPTS]
 
 
-KINDS = {
-    "chain": lambda: SuffixDrafter(),
+KINDS = {  # beyond the defaults (`suffix`, `suffix-tree`), which equivalence/test_every_method.py runs
     "chain-prompts-small-cap": lambda: SuffixDrafter(index=SuffixIndex(capacity=64), include_prompts=True),
-    "tree": lambda: SuffixDrafter(CURVE, tree=True),
     "tree-budget": lambda: SuffixDrafter(CURVE, tree=True, budget=5, num_tokens=6),
 }
 

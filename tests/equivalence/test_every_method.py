@@ -1,0 +1,81 @@
+"""Equivalence for every lossless method in the registry: greedy speculative output == plain greedy output.
+
+Parameterised over `methods.variant_names()` (chains, trees, fixed-shape trees) less the lossy methods, so
+a method is covered the day it is registered. Each is built as the command line and the server build it
+(`methods.choose`, then `api.Models.engine_for`) on tiny chat models (float32 Qwen2s, the draft model a
+shallower one), with the sources methods draft from: a reference document (to the chain forms) and the
+default datastore (a small one in tests, `conftest.small_default_datastore`). The trained methods get
+random heads for the tiny target in place of the shipped ones. One engine serves every prompt and length
+in turn, as a server keeps one, so what a drafter carries from one sequence to the next is covered too.
+
+Configurations beyond the registry's defaults are in `test_drafter_configurations.py` and in each
+drafter's own tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import (
+    TOKENS, greedy_runs, random_eagle3_head, random_eagle_head, random_medusa_heads, tiny_chat_qwen2, tiny_tokenizer,
+)
+from specdecode.api import load_models
+from specdecode.drafters import heads
+from specdecode.engine import GenerationConfig, SpeculativeEngine
+from specdecode.methods import choose, resolve, variant_names
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = ["the cat sat on the mat and the cat", "a dog and the cat sat on the dog", "the the the"]
+LENGTHS = [1, 6, 30]
+REFERENCE = "the cat sat on the mat. the dog sat on the cat. a dog and the cat sat on the mat. " * 2
+LOSSLESS = [name for name in variant_names() if resolve(name)[0].lossless]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny chat model three layers deep (EAGLE-3 reads three), and one a layer deep as its draft model
+    (cheap enough, on the fixed cost curve, for the draft model's chain to draft at all)."""
+    folders = []
+    for layers in (3, 1):
+        folders.append(tmp_path_factory.mktemp(f"tiny-chat-{layers}"))
+        tiny_chat_qwen2(vocab_size=len(TOKENS) + 10, layers=layers).save_pretrained(folders[-1])
+        tiny_tokenizer().save_pretrained(folders[-1])
+    return load_models(*map(str, folders), dtype="float32", draft_dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def plain(models) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, plain greedy continuations) on the tiny target."""
+    prompts = [models.encode(text) for text in PROMPTS]
+    engine = SpeculativeEngine(models.target, models.tokenizer)
+    return prompts, [engine.generate(p, GenerationConfig(max_new_tokens=max(LENGTHS))).token_ids for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def random_heads(models, tmp_path_factory):
+    """A folder of random trained heads for the tiny target, laid out as the shipped ones are."""
+    folder = tmp_path_factory.mktemp("heads")
+    target = models.target.model
+    random_eagle_head(target).save(folder / "eagle", {})
+    random_eagle3_head(target).save(folder / "eagle3", {})
+    random_medusa_heads(target, scale=0.5).save(folder / "medusa", {})
+    return folder
+
+
+@pytest.mark.parametrize("variant", LOSSLESS)
+def test_greedy_output_is_plain_decoding(variant, models, plain, random_heads, monkeypatch):
+    monkeypatch.setattr(heads, "shipped_head", lambda model, kind: random_heads / kind)
+    reference = None if "-tree" in variant else REFERENCE  # (pld's tree form refuses one)
+    engine = models.engine_for(choose(variant, reference=reference, only_if_taken=True))
+    assert engine.method == variant and (engine.drafter is None) == (variant == "ar")
+    prompts, references = plain
+    list(greedy_runs(engine, prompts, references, LENGTHS))  # each run is checked as it comes
+
+
+def test_every_lossless_method_is_here():
+    """Every method is lossless but the ones that say otherwise; none is left out."""
+    assert {resolve(name)[0].name for name in LOSSLESS} == {
+        resolve(name)[0].name for name in variant_names() if resolve(name)[0].lossless}
+    assert {"ar", "draft-tree-fixed", "eagle3-tree", "suffix-tree"} <= set(LOSSLESS)
+    assert "medusa-typical" not in LOSSLESS
