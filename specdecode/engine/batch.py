@@ -140,7 +140,7 @@ class BatchEngine:
         logits = self.target.forward(torch.cat(fed), positions=torch.cat(positions), tree_mask=mask,
                                      rows=torch.cat(rows)).logits  # [sum(len(draft) + 1), vocab]
         forward_seconds = time.perf_counter() - start
-        if self.gate:
+        if self.gate and all(m.slots for m in members):  # a prompt's prefill (cold, all attention) is not timed
             self.curve.observe(total, forward_seconds)
         # 3. Verify each sequence on its rows; keep the slots of its context and accepted tokens.
         out, row = [], 0

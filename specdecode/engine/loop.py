@@ -129,9 +129,12 @@ class SpeculativeEngine:
             fed, positions, mask = with_auxiliary(fed, positions, mask, draft.auxiliary, len(pending))
         rows = fed.numel() - len(pending) + 1  # from the last context token's on
         hidden = self.drafter.needs.hidden if self.drafter is not None else False
+        # the curve learns from the timed forward, but for a sequence's first: the prompt's prefill (cold
+        # caches, attention over the whole prompt) prices nothing a draft's verification costs
+        timed = self.gate and self.drafter is not None and self.target.cache_length > 0
         forward_start = self.clock()
         out = self.target.forward(fed, positions=positions, tree_mask=mask, num_logits=rows, output_hidden=hidden)
-        if self.gate and self.drafter is not None:
+        if timed:
             self.curve.observe(fed.numel(), self.clock() - forward_start)
         # 3. Accept the longest admissible prefix (or tree path) and add the correction or bonus token.
         verdict = verify_draft(self.verifier, draft, out.logits, params, generator)

@@ -75,9 +75,12 @@ class LiveCurve:
     """A cost curve that corrects itself from the forwards the engine times (`observe`).
 
     It starts from a measured curve (the prior, measured once per machine and cached) and keeps, for each
-    measured size, the median of the latest forwards of that size (a forward of n tokens counts for the
-    smallest measured size of at least n); the first forward timed of a size replaces the prior's figure,
-    and no size is estimated cheaper than a narrower one. A curve measured in a busy moment is thus corrected within a
+    measured size, the lower median of the latest forwards of that size (a forward of n tokens counts for
+    the smallest measured size of at least n), the prior's figure counting as one of them until WINDOW
+    timings have pushed it out; no size is estimated cheaper than a narrower one. So one fast timing is
+    believed at once (a forward cannot be faster than the machine allows), while a slower figure needs two
+    timings out of three: one stall (a page fault, another process taking the core) must not price a size
+    for good, and a size the gate then stops verifying would keep that price, also in the cache. A curve measured in a busy moment is thus corrected within a
     few steps, and a quiet curve follows the machine when it gets busy. Sizes the gate has stopped
     verifying would never be timed again, so the engine asks `probe` for one size just beyond the widest
     that paid recently, once every `PROBE_EVERY` forwards, and verifies that much: lossless, and a few
@@ -92,7 +95,6 @@ class LiveCurve:
         self.sizes = prior.sizes
         seconds = prior.seconds or 1.0
         self._times: list[list[float]] = [[r * seconds] for r in prior.relative]  # per size, latest first
-        self._timed = [False] * len(self.sizes)  # whether each size has been timed (else: the prior's figure)
         self._last_seen = [0] * len(self.sizes)  # forward count when each size was last timed or probed
         self._forwards = 0
         self._snapshot: CostCurve | None = None
@@ -107,8 +109,7 @@ class LiveCurve:
         i = self._index(n)
         if i is None or not seconds > 0:
             return
-        kept = self._times[i][: self.WINDOW - 1] if self._timed[i] else []  # the first timing replaces the prior
-        self._times[i], self._timed[i] = [seconds, *kept], True
+        self._times[i] = [seconds, *self._times[i][: self.WINDOW - 1]]
         self._last_seen[i] = self._forwards
         self._snapshot = None
         if self._on_change is not None and self._forwards % 256 == 0:
@@ -145,7 +146,8 @@ class LiveCurve:
 
 
 def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
+    """The lower median (of two values, the smaller)."""
+    return sorted(values)[(len(values) - 1) // 2]
 
 
 def measure(model: CausalLM, sizes: tuple[int, ...] = SIZES, context: int = 256, repeats: int = 5) -> CostCurve:

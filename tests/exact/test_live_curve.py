@@ -51,6 +51,29 @@ def test_estimates_are_medians_of_the_latest_forwards():
     assert curve(8) == pytest.approx(16.0)
 
 
+def test_one_stall_does_not_price_a_size_but_two_in_three_do():
+    """A slower figure needs two timings out of three (the prior's counting as one); a faster one is
+    believed at once."""
+    curve = LiveCurve(CostCurve.linear(1.0, sizes=(1, 2, 4, 8)))
+    curve.observe(4, 60.0)  # one stall
+    assert curve(4) == pytest.approx(4.0) and curve(8) == pytest.approx(8.0)
+    curve.observe(4, 50.0)  # the machine really got busy
+    assert curve(4) == pytest.approx(50.0) and curve(8) == pytest.approx(50.0)  # never cheaper than narrower
+    quick = LiveCurve(CostCurve.linear(1.0, sizes=(1, 2, 4, 8)))
+    quick.observe(8, 5.0)  # a prior measured while busy: one quiet timing corrects it
+    assert quick(8) == pytest.approx(5.0)
+
+
+def test_a_prompts_prefill_is_not_timed(tiny_target):
+    clock = FakeClock()
+    target = TimedLM(tiny_target, clock, slope=5.0)  # width dear: the prompt's forward would price size 8 at 36
+    engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(num_tokens=4), clock=clock)
+    engine.curve = LiveCurve(CostCurve.linear(0.1, sizes=(1, 2, 4, 8)))
+    for _ in range(3):  # three sequences of one step each: their prompts' prefills
+        engine.generate(PROMPT[:8], GenerationConfig(max_new_tokens=1, ignore_eos=True))
+    assert engine.curve(8) == pytest.approx(1.7)
+
+
 def test_probes_one_size_beyond_the_widest_that_pays_once_a_period():
     curve = LiveCurve(CostCurve.linear(1.0, sizes=(1, 2, 4, 8)))
     assert curve.probe(1) is None  # nothing has been timed yet: the prior is fresh
