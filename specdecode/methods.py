@@ -82,9 +82,9 @@ def _draft_model(target: CausalLM, draft: CausalLM | None, options: DrafterOptio
     cost = costs.draft_cost(draft, target)  # a draft forward, in target forwards, measured once per machine
     if options.draft_tokenizer is not None:
         return OtherTokenizerDrafter(draft, options.tokenizer, options.draft_tokenizer, draft_cost=cost,
-                                     curve=target.cost_curve())
+                                     curve=target.cost_curve(), draft_curve=draft.cost_curve())
     if not options.tree:
-        return DraftModelDrafter(draft, draft_cost=cost, curve=target.cost_curve())
+        return DraftModelDrafter(draft, draft_cost=cost, curve=target.cost_curve(), draft_curve=draft.cost_curve())
     return DraftModelTreeDrafter(
         draft, target.cost_curve(), draft_cost=cost, budget=options.budget, choices=options.choices,
         draft_curve=draft.cost_curve(),

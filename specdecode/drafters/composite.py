@@ -345,7 +345,8 @@ def default_sources(target: CausalLM, draft: CausalLM | None, options: DrafterOp
         sources.append(Source(build_retrieval(target, None, dataclasses.replace(options, tree=False, budget=None)), "free"))
     if draft is not None:
         cost = costs.draft_cost(draft, target)  # a draft forward, in target forwards, measured once per machine
-        sources.append(Source(DraftModelDrafter(draft, draft_cost=cost, curve=target.cost_curve()), "expensive"))
+        sources.append(Source(DraftModelDrafter(draft, draft_cost=cost, curve=target.cost_curve(),
+                                                draft_curve=draft.cost_curve()), "expensive"))
     return sources
 
 

@@ -7,6 +7,8 @@ rest (usually the last accepted token and the correction), so no bookkeeping is 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from specdecode.drafters.base import Drafter, Outcome, RunningAcceptance
@@ -28,13 +30,20 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 class SyncedCache:
     """A draft model's KV cache kept in step with the context by its longest common prefix."""
 
-    def __init__(self, model: CausalLM):
+    def __init__(self, model: CausalLM, late_start: LateStart | None = None):
         self.model = model
         self.seen: list[int] = []  # the tokens whose keys and values the draft model holds
+        self.late_start = late_start or LateStart()
 
-    def reset(self) -> None:
+    def reset(self, prompt_length: int = 0) -> None:
+        """A new sequence whose prompt has `prompt_length` tokens."""
         self.model.reset()
         self.seen = []
+        self.late_start.begin(prompt_length)
+
+    def ready(self, context: list[int], room: int) -> bool:
+        """Whether the draft model drafts after `context` (`room` more tokens allowed): once it has, always."""
+        return bool(self.seen) or self.late_start.ready(len(context), room)
 
     def sync(self, context: list[int]) -> list[int]:
         """Crop the draft cache to what it shares with `context`; return the tokens still to feed (at
@@ -45,6 +54,48 @@ class SyncedCache:
         return context[keep:]
 
 
+class LateStart:
+    """When a draft model joins a sequence: not before the prompt's prefill on it can pay for itself.
+
+    Bringing the draft model up to the context costs `prefill(n)` target forwards for n tokens: on a CPU
+    where a 600-token prompt keeps a 0.5B draft model busy for as long as a dozen target steps, an answer of
+    twenty tokens never earns that back. Drafting saves at most `gain` of a target forward per output
+    token (1 - 1 / its best speedup), so the prefill pays back after prefill(n) / gain tokens. The answer's
+    length being unknown, this is the Bahncard problem (pay a fixed price to get a discount on every
+    later trip): decode plainly until the tokens already generated reach that break-even count, then
+    start drafting, which costs at most twice what knowing the length in advance would have (the
+    classic rule: buy once the full fares paid would have paid for the card). Never start when fewer
+    tokens than that are left to generate (`room`): the prefill could not pay back even then. With no
+    `prefill` (its cost unknown: a fake model in a test) or no `gain`, the draft model starts at once."""
+
+    def __init__(self, prefill: Callable[[int], float] | None = None, gain: float = 0.0):
+        self.prefill, self.gain = prefill, gain
+        self.begin(0)
+
+    def begin(self, prompt_length: int) -> None:
+        self.prompt_length = prompt_length
+
+    def break_even(self, context_length: int) -> float:
+        """Output tokens after which drafting would have paid for bringing the draft model up to the context."""
+        if self.prefill is None or not self.gain > 0:
+            return 0.0
+        return self.prefill(context_length) / self.gain
+
+    def ready(self, context_length: int, room: int) -> bool:
+        tokens = self.break_even(context_length)
+        return context_length - self.prompt_length >= tokens and room >= tokens
+
+
+def late_start(draft_cost: float, draft_curve: CostCurve | None, curve: CostCurve, lengths: range) -> LateStart:
+    """A draft model's LateStart from its forward's cost (in target forwards), its own cost curve (None:
+    start at once) and the target's: its best gain is a chain's at BEST_ACCEPTANCE."""
+    if draft_curve is None:
+        return LateStart()
+    k = best_draft_length(BEST_ACCEPTANCE, draft_cost, lengths, curve)
+    speedup = chain_rate(BEST_ACCEPTANCE, k, draft_cost, curve) if k else 1.0
+    return LateStart(lambda n: draft_cost * draft_curve(n), 1.0 - 1.0 / speedup)
+
+
 BEST_ACCEPTANCE = 0.95  # about the best a separate draft model reaches (the 0.5B agrees with the 1.5B on 94%)
 PROBE_EVERY = 8  # steps between one-token probes while drafting is off but might pay
 
@@ -52,13 +103,15 @@ PROBE_EVERY = 8  # steps between one-token probes while drafting is off but migh
 def best_draft_length(acceptance: float, draft_cost: float, lengths: range, curve: CostCurve) -> int:
     """The draft length with the most expected tokens per unit of time (see DraftModelDrafter); 0 (no
     draft) when `lengths` offers it and no draft beats plain decoding."""
+    return max(lengths, key=lambda k: chain_rate(acceptance, k, draft_cost, curve))
+
+
+def chain_rate(acceptance: float, k: int, draft_cost: float, curve: CostCurve) -> float:
+    """Expected output tokens per target forward's time of a step drafting k tokens, each accepted with
+    chance `acceptance` given the ones before (k = 0: plain decoding, 1)."""
     acceptance = min(max(acceptance, 0.0), 0.999)
-
-    def rate(k: int) -> float:
-        tokens = (1 - acceptance ** (k + 1)) / (1 - acceptance)
-        return tokens / (k * draft_cost + curve(k + 1))
-
-    return max(lengths, key=rate)
+    tokens = (1 - acceptance ** (k + 1)) / (1 - acceptance)
+    return tokens / (k * draft_cost + curve(k + 1))
 
 
 class DraftModelDrafter(Drafter):
@@ -75,7 +128,8 @@ class DraftModelDrafter(Drafter):
     seed still reproduces a sampled run: the methods registry takes them from the two models' cost
     curves, measured once per machine and cached (`models.costs`). Drafting also stops early when the drafter's own
     probability of its token falls under `confidence_threshold`: such a token is likely rejected, and
-    drafting past it costs draft forwards for nothing.
+    drafting past it costs draft forwards for nothing. Given the draft model's own cost curve, adaptive
+    drafting starts only once the draft model's prefill can pay for itself (`LateStart`).
     """
 
     name = "draft"
@@ -90,6 +144,7 @@ class DraftModelDrafter(Drafter):
         confidence_threshold: float = 0.4,
         draft_cost: float = 0.4,
         curve: CostCurve | None = None,  # the target's; None: verification width nearly free
+        draft_curve: CostCurve | None = None,  # the draft model's own (its prefill's cost); None: start at once
     ):
         if not 1 <= min_tokens <= num_tokens <= max_tokens:
             raise UserError(
@@ -108,7 +163,7 @@ class DraftModelDrafter(Drafter):
         self.curve = curve or CostCurve.linear(0.03)
         self._idle = 0  # steps since the last draft while drafting is off
         self._acceptance = RunningAcceptance()
-        self._cache = SyncedCache(model)
+        self._cache = SyncedCache(model, late_start(draft_cost, draft_curve, self.curve, self._lengths()))
 
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         # where even a near-perfect draft could not pay, do not draft at all (not even the draft
@@ -117,7 +172,7 @@ class DraftModelDrafter(Drafter):
         self.num_tokens = 0 if hopeless else self.initial_tokens
         self._idle = 0
         self._acceptance.reset()
-        self._cache.reset()
+        self._cache.reset(len(prompt_ids))
 
     def _length(self) -> int:
         if self.num_tokens > 0:
@@ -131,11 +186,16 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, context, max_tokens, params, generator) -> Draft:
         length = min(self._length(), max_tokens)
-        if length <= 0:
+        if length <= 0 or not self._ready(context, max_tokens):
             return Draft.empty()
         tokens, rows = self._draft(self._cache.sync(context), length, params, generator)
         probs = torch.stack(rows) if rows else None  # [draft_len, vocab] when sampling
         return Draft(tokens=torch.tensor(tokens), probs=probs)
+
+    def _ready(self, context: list[int], room: int) -> bool:
+        """Whether the draft model drafts now (`LateStart`; a fixed draft length, adaptive=False, drafts
+        from the first step)."""
+        return not self.adaptive or self._cache.ready(context, room)
 
     def _draft(self, pending: list[int], length: int, params: SamplingParams, generator: torch.Generator | None
                ) -> tuple[list[int], list[torch.Tensor]]:

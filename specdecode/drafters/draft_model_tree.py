@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from specdecode.drafters.base import Drafter, Outcome
-from specdecode.drafters.draft_model import SyncedCache
+from specdecode.drafters.draft_model import SyncedCache, late_start
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import CostCurve
@@ -104,13 +104,13 @@ class DraftModelTreeDrafter(Drafter):
             self.shape_parents, self.shape_ranks = structure.from_choices(choices)
             self.shape_children = structure.children(self.shape_parents)
             self.max_depth = int(structure.depths(self.shape_parents).max())
-        self._cache = SyncedCache(model)
+        self._cache = SyncedCache(model, late_start(draft_cost, draft_curve, curve, range(0, max_depth + 1)))
         self._calibration = Calibration()
         self._predicted = 0.0  # the accepted tokens the last tree's scores predicted
         self.last_scores = torch.empty(0)
 
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
-        self._cache.reset()
+        self._cache.reset(len(prompt_ids))
         self._calibration.reset()
 
     def _distributions(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -178,7 +178,7 @@ class DraftModelTreeDrafter(Drafter):
 
     def propose(self, context, max_tokens, params, generator) -> Draft:
         depth_limit = min(self.max_depth, max_tokens)
-        if depth_limit <= 0:
+        if depth_limit <= 0 or not self._cache.ready(context, max_tokens):
             return Draft.empty()
         length = len(context)
         logits = self._start(context)

@@ -123,6 +123,8 @@ class OtherTokenizerDrafter(DraftModelDrafter):
 
     def propose(self, context, max_tokens, params, generator) -> Draft:
         length = min(self._length(), max_tokens + 1)  # the last translated token is dropped
+        if not self._ready(context, max_tokens):
+            return Draft.empty()
         window = context_window(self.target_tokenizer, context) if length >= 2 else None
         draft_context = self.draft_ids(context) if window is not None else []
         if not draft_context:
