@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup models llama-server chromium demo test test-peers test-fast bench
+.PHONY: setup models llama-server chromium demo test test-peers test-fast bench bench-engines
 
 setup: $(VENV)/.installed
 
@@ -52,3 +52,10 @@ test-fast: setup
 
 bench: models
 	$(PY) benchmarks/humaneval_speed.py
+
+# Our server beside llama-server plain, with the 0.5B draft and with n-gram drafting: one `specdecode bench`
+# over the four on the eight default categories, report in results/engines-<time>/ (benchmarks/engines.py;
+# e.g. make bench-engines ENGINES_ARGS="--per-category 1 --dtype int8").
+ENGINES_ARGS ?=
+bench-engines: models llama-server
+	$(PY) benchmarks/engines.py --per-category 2 --max-new-tokens 64 --repeats 1 $(ENGINES_ARGS)

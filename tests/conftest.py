@@ -191,9 +191,9 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def tiny_chat_qwen2(vocab_size: int, seed: int = 0, layers: int = 2) -> Qwen2ForCausalLM:
+def tiny_chat_qwen2(vocab_size: int, seed: int = 0, layers: int = 2, max_positions: int = 128) -> Qwen2ForCausalLM:
     """A tiny Qwen2 that goes with tiny_tokenizer() (byte-level BPE, chat template, <|im_end|> as EOS)."""
-    model = tiny_qwen2(seed, layers=layers, hidden=64, vocab=vocab_size, max_positions=128)
+    model = tiny_qwen2(seed, layers=layers, hidden=64, vocab=vocab_size, max_positions=max_positions)
     model.config.eos_token_id = model.generation_config.eos_token_id = TOKENS.index("<|im_end|>")
     return model
 

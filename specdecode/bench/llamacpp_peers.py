@@ -6,6 +6,8 @@
   Requests carry token ids, so both sides decode exactly the same prompt; the prompt cache is off, as
   our engine prefills every prompt too.
 - llama-cpp-python's own prompt-lookup drafter (`LlamaPromptLookupDecoding`, 10 tokens).
+- llama-server plain, with the draft model and with n-gram drafting as OpenAI-compatible engines
+  (`engine_rows`): the `--engine` rows of benchmarks/engines.py, beside our own server.
 
 Timing is wall time around each request, like our engine's (prefill included). Note that llama.cpp's
 `ignore_eos` bans end-of-generation tokens while our engine's decodes past them: compare outputs with it
@@ -14,23 +16,18 @@ off (the benchmark's default).
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import json
 import os
-import signal
 import shutil
-import socket
-import subprocess
-import tempfile
 import time
-import urllib.error
 import urllib.request
-import weakref
 from pathlib import Path
 
 import torch
 
 from specdecode.bench.base import Output, Runner
+from specdecode.bench.server_process import ServerProcess, free_port
 from specdecode.engine import GenerationConfig
 from specdecode.errors import UserError
 
@@ -57,48 +54,20 @@ def server_binary() -> Path:
     for candidate in candidates:
         if candidate and Path(candidate).is_file():
             return Path(candidate)
-    raise UserError(f"llama-server is not built: run {BUILD_SCRIPT} (about 7 minutes, once), or set "
-                    "SPECDECODE_LLAMA_SERVER to a llama-server binary")
+    raise UserError(f"llama-server is not built: run `make llama-server` ({BUILD_SCRIPT}, about 7 minutes, once), "
+                    "or set SPECDECODE_LLAMA_SERVER to a llama-server binary")
 
 
-def _die_with_parent() -> None:
-    """In the server's process: be killed when the benchmark dies, however it dies (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LlamaServer:
-    """One llama-server process (one slot) on a loopback port, stopped with this object."""
+class LlamaServer(ServerProcess):
+    """One llama-server process (one slot) on a loopback port, up once constructed; stopped with this object."""
 
     def __init__(self, model: Path, args: list[str], threads: int, n_ctx: int = 4096, timeout: float = 180.0):
-        self.port = _free_port()
+        port = free_port()
         self.n_ctx = n_ctx
-        self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
-        command = [str(server_binary()), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+        command = [str(server_binary()), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
                    "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx), "-np", "1", *args]
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-        weakref.finalize(self, self.process.kill)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise UserError(f"llama-server exited with status {self.process.returncode}; see {self.log.name}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.5)
-        self.process.kill()
-        raise UserError(f"llama-server did not come up in {timeout:.0f} s; see {self.log.name}")
+        super().__init__("llama-server", command, port)
+        self.wait_until_up(timeout)
 
     def complete(self, prompt_ids: list[int], config: GenerationConfig) -> tuple[list[int], float, float]:
         """The new tokens, the request's seconds and the server's own prefill seconds."""
@@ -108,7 +77,7 @@ class LlamaServer:
             "return_tokens": True, "ignore_eos": config.ignore_eos, "temperature": params.temperature,
             "top_k": params.top_k, "top_p": params.top_p, "seed": config.seed if config.seed is not None else -1,
         }
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
+        request = urllib.request.Request(f"{self.url}/completion", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         start = time.perf_counter()
         with urllib.request.urlopen(request, timeout=3600) as response:
@@ -116,9 +85,36 @@ class LlamaServer:
         return reply["tokens"], time.perf_counter() - start, reply["timings"]["prompt_ms"] / 1000
 
 
+def mode_arguments(name: str, draft: Path | None) -> list[str]:
+    """llama-server's arguments for `SERVER_MODES[name]`, with the draft model's GGUF in its place."""
+    return [str(draft) if a == "{draft}" else a for a in SERVER_MODES[name]]
+
+
+# llama-server as `specdecode bench --engine` rows beside other engines (benchmarks/engines.py, the tests):
+# label -> mode; the first is the plain server, the others' reference
+ENGINE_ROWS = {"llama": "llama-server", "llama-draft": "llama-server-draft", "llama-ngram": "llama-server-ngram-simple"}
+
+
+@contextlib.contextmanager
+def engine_rows(target: Path, draft: Path, threads: int, n_ctx: int = 4096, timeout: float = 180.0):
+    """llama-server plain, with `draft` as its draft model and with n-gram drafting (`ENGINE_ROWS`), each
+    serving `target` on its own loopback port (given `timeout` seconds to come up), all stopped when the
+    block ends; yields each row's `--engine` option by label. Requests skip the prompt cache (our engine
+    prefills every prompt too), and the speculative rows' outputs must equal the plain row's (the same
+    weights), not `ar`'s."""
+    plain = next(iter(ENGINE_ROWS))
+    with contextlib.ExitStack() as servers:
+        options = {}
+        for label, mode in ENGINE_ROWS.items():
+            server = servers.enter_context(LlamaServer(target, mode_arguments(mode, draft), threads, n_ctx, timeout))
+            options[label] = (f'{label}=openai:{server.url}/v1;extra_body={{"cache_prompt":false}}'
+                              + ("" if label == plain else f";reference={plain}"))
+        yield options
+
+
 def server_runner(models, name: str):
-    args = [str(models.require_draft().path) if a == "{draft}" else a for a in SERVER_MODES[name]]
-    server = LlamaServer(models.target.path, args, threads=torch.get_num_threads())
+    draft = models.require_draft().path if "{draft}" in SERVER_MODES[name] else None
+    server = LlamaServer(models.target.path, mode_arguments(name, draft), threads=torch.get_num_threads())
 
     def run(prompt_ids: list[int], config: GenerationConfig) -> Output:
         tokens, seconds, prefill = server.complete(prompt_ids, config)

@@ -4,7 +4,12 @@ each engine's speculative figures on recorded samples (tests/fixtures/), and for
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import re
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -181,14 +186,24 @@ def test_the_command_line(tiny_folder, our_server, tmp_path, monkeypatch, capsys
 
 @pytest.fixture(scope="module")
 def gguf_pair(tmp_path_factory):
-    """A tiny chat model as a model folder (for ar and our server) and as GGUF files, with a noisy copy as draft."""
+    """A tiny chat model as a model folder (for ar and our server) and as GGUF files, with a noisy copy as draft
+    (512 positions: room for a real benchmark prompt, byte by byte)."""
     folder = tmp_path_factory.mktemp("engines")
-    target = tiny_chat_qwen2(vocab_size=len(TOKENS), seed=5)
+    target = tiny_chat_qwen2(vocab_size=len(TOKENS), seed=5, max_positions=512)
     target.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     write_tiny_gguf(target, folder / "target.gguf")
     write_tiny_gguf(noisy_copy(target, 0.3, 1), folder / "draft.gguf")
     return folder
+
+
+def llama_server_or_skip() -> Path:
+    from specdecode.bench import llamacpp_peers
+
+    try:
+        return llamacpp_peers.server_binary()
+    except UserError:
+        pytest.skip("llama-server is not built (make llama-server)")
 
 
 @pytest.mark.peers
@@ -197,30 +212,19 @@ def test_llama_server_plain_draft_and_ngram_beside_ours(gguf_pair):
     started on loopback; llama-server's rows report its draft counters, and its speculative rows equal its
     plain row (their reference), ours equals ar. (This llama-server drafts with `-md` only when told
     `--spec-type draft-simple`: without it the draft model loads and is never used.)"""
-    from specdecode.bench import llamacpp_peers
+    from specdecode.bench.llamacpp_peers import engine_rows
 
-    try:
-        llamacpp_peers.server_binary()
-    except UserError:
-        pytest.skip("llama-server is not built (make llama-server)")
+    llama_server_or_skip()
     models = load_models(str(gguf_pair), str(gguf_pair), dtype="float32", progress=False)
-    servers = {name: llamacpp_peers.LlamaServer(gguf_pair / "target.gguf", args, threads=1, n_ctx=256)
-               for name, args in [("llama", []), ("llama-draft", ["-md", str(gguf_pair / "draft.gguf"), "--spec-type", "draft-simple"]),
-                                  ("llama-ngram", ["--spec-type", "ngram-simple"])]}
     ours = ServerThread(create_app(Server(models, "tiny", default_method="pld", methods=["pld"])))
     try:
-        no_cache = ';extra_body={"cache_prompt":false}'
-        options = [f"ours=openai:{ours.url}/v1",
-                   *(f"{name}=openai:http://127.0.0.1:{server.port}/v1{no_cache}" + ("" if name == "llama" else ";reference=llama")
-                     for name, server in servers.items())]
-        engines = build_engines(options, {"ar"}, [1, 2, 3])
-        runners = build_runners(models, [])
-        runners.update({label: engine.runner() for label, engine in engines.items()})
-        records = run_benchmark(models, runners, TASKS, CONFIG, repeats=1)
+        with engine_rows(gguf_pair / "target.gguf", gguf_pair / "draft.gguf", threads=1, n_ctx=256) as llama:
+            engines = build_engines([f"ours=openai:{ours.url}/v1", *llama.values()], {"ar"}, [1, 2, 3])
+            runners = build_runners(models, [])
+            runners.update({label: engine.runner() for label, engine in engines.items()})
+            records = run_benchmark(models, runners, TASKS, CONFIG, repeats=1)
     finally:
         ours.stop()
-        for server in servers.values():
-            server.process.kill()
     assert all(r.ok for r in records), [r.error for r in records if not r.ok]
     references = {label: engine.spec.reference or "ar" for label, engine in engines.items()}
     summaries = {s.method: s for s in report.summarise(records, {n: True for n in runners}, "ar", references)}
@@ -233,3 +237,55 @@ def test_llama_server_plain_draft_and_ngram_beside_ours(gguf_pair):
     assert summaries["llama-draft"].server.drafted > 0 and summaries["llama"].server.drafted == 0
     text = report.markdown(list(summaries.values()), {}, [])
     assert "3/3 (vs llama)" in text
+
+
+# --- benchmarks/engines.py: the same four engines in one command -----------------------------------------
+
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "engines.py"
+
+
+def test_side_by_side_script_says_what_to_build(tmp_path, monkeypatch, capsys):
+    """Without llama-server, or without the GGUF files, benchmarks/engines.py stops before starting anything,
+    in one line naming the make target (no traceback, exit status 2)."""
+    spec = importlib.util.spec_from_file_location("engines_script", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "ServerProcess", lambda *args: pytest.fail("a server was started"))
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))  # no llama.cpp build and no GGUF in there
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("SPECDECODE_LLAMA_SERVER", raising=False)
+    binary = tmp_path / "llama-server"
+    for says in ["run `make llama-server`", f"no GGUF file at {tmp_path / 'gguf'}"]:
+        with pytest.raises(SystemExit) as exit_info:
+            script.main(["--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and says in err and err.count("\n") == 1 and "Traceback" not in err, err
+        binary.touch()  # from here on llama-server is there, the models are not
+        monkeypatch.setenv("SPECDECODE_LLAMA_SERVER", str(binary))
+    assert "run `make models`" in err
+
+
+@pytest.mark.peers
+def test_side_by_side_script_runs_and_stops_its_servers(gguf_pair, tmp_path):
+    """benchmarks/engines.py on the tiny pair, as a user runs it: it starts `specdecode serve` and the three
+    llama-servers, the bench's report has the four engine rows beside ar (ours equal to ar, llama-server's
+    speculative rows to its plain row), and no server outlives the script."""
+    binary = llama_server_or_skip()
+    env = {**os.environ, "SPECDECODE_CACHE": str(tmp_path / "cache"), "SPECDECODE_LLAMA_SERVER": str(binary)}
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--categories", "qa", "--per-category", "1", "--max-new-tokens", "4",
+         "--threads", "1", "--dtype", "float32", "--target", str(gguf_pair), "--drafter", str(gguf_pair),
+         "--target-gguf", str(gguf_pair / "target.gguf"), "--draft-gguf", str(gguf_pair / "draft.gguf"),
+         "--out", str(out)], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    text = (out / "report.md").read_text()
+    assert "| ar | 1.00x" in text and "| ours | " in text
+    for row, exact in [("ours", "1/1 |"), ("llama-draft", "1/1 (vs llama) |"), ("llama-ngram", "1/1 (vs llama) |")]:
+        assert re.search(rf"^\| {row} \|.*{re.escape(exact)}$", text, re.MULTILINE), row
+    assert re.search(r"^\| llama \| ", text, re.MULTILINE)
+    ports = set(re.findall(r"http://127\.0\.0\.1:(\d+)/v1", text))
+    assert len(ports) == 4
+    for port in ports:
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", int(port)), timeout=2).close()
