@@ -8,6 +8,7 @@ backend and machine and cached as JSON under the package cache; tree drafters si
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -36,6 +37,9 @@ class CostCurve:
     sizes: tuple[int, ...]
     relative: tuple[float, ...]
     seconds: float = 0.0  # a forward over one token, as measured (0: not measured)
+    # a prompt's prefill, seconds per token (a PREFILL_TOKENS forward asking one row of logits; 0: not
+    # measured): far less than the curve's widest size per token, which asks every row's logits
+    prefill: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.sizes) != len(self.relative) or len(self.sizes) < 2 or self.sizes[0] != 1:
@@ -99,6 +103,7 @@ class LiveCurve:
         self._forwards = 0
         self._snapshot: CostCurve | None = None
         self._on_change = on_change  # called with the current curve now and then (to cache it)
+        self._prefill = prior.prefill  # (not corrected: the engine times no prefill)
 
     def _index(self, n: int) -> int | None:
         return next((i for i, size in enumerate(self.sizes) if size >= n), None)
@@ -121,7 +126,8 @@ class LiveCurve:
             # never less than a narrower forward: a wide size timed in a quiet moment (or the prior's figure)
             # must not make every narrower forward look cheap once the narrow ones are timed busy
             estimates = list(itertools.accumulate((_median(times) for times in self._times), max))
-            self._snapshot = CostCurve(self.sizes, tuple(e / estimates[0] for e in estimates), estimates[0])
+            self._snapshot = CostCurve(self.sizes, tuple(e / estimates[0] for e in estimates), estimates[0],
+                                       self._prefill)
         return self._snapshot
 
     def probe(self, widest: int) -> int | None:
@@ -144,6 +150,10 @@ class LiveCurve:
     def seconds(self) -> float:
         return self.current().seconds
 
+    @property
+    def prefill(self) -> float:
+        return self._prefill
+
 
 def _median(values: list[float]) -> float:
     """The lower median (of two values, the smaller)."""
@@ -156,7 +166,7 @@ def measure(model: CausalLM, sizes: tuple[int, ...] = SIZES, context: int = 256,
     generator = torch.Generator().manual_seed(0)
     vocab = min(model.vocab_size, 1000)
     context = max(1, min(context, model.max_context - max(sizes) - 1))  # a small model's context must hold it
-    model.reset()
+    prefill = measure_prefill(model, context, generator)
     model.forward(torch.randint(vocab, (context,), generator=generator), num_logits=1)
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for repeat in range(repeats + 1):  # the first round warms up
@@ -172,7 +182,26 @@ def measure(model: CausalLM, sizes: tuple[int, ...] = SIZES, context: int = 256,
             model.crop(context)
     model.reset()
     seconds = [_median(times[n]) for n in sizes]
-    return CostCurve(tuple(sizes), tuple(s / seconds[0] for s in seconds), seconds[0])
+    return CostCurve(tuple(sizes), tuple(s / seconds[0] for s in seconds), seconds[0], prefill)
+
+
+PREFILL_TOKENS = 256
+
+
+def measure_prefill(model: CausalLM, tokens: int = PREFILL_TOKENS, generator: torch.Generator | None = None) -> float:
+    """Seconds per token of a prompt's prefill: the faster of two forwards over `tokens` tokens into an
+    empty cache (the first also warms up), one row of logits. Leaves the model's cache empty."""
+    vocab = min(model.vocab_size, 1000)
+    tokens = max(1, min(tokens, model.max_context - 1))
+    best = float("inf")
+    for _ in range(2):
+        model.reset()
+        prompt = torch.randint(vocab, (tokens,), generator=generator)
+        start = time.perf_counter()
+        model.forward(prompt, num_logits=1)
+        best = min(best, time.perf_counter() - start)
+    model.reset()
+    return best / tokens
 
 
 def _machine() -> str:
@@ -210,7 +239,7 @@ def store(key: str, curve: CostCurve) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"key": key, "machine": _machine(), "sizes": curve.sizes, "relative": curve.relative,
-                               "seconds": curve.seconds}))
+                               "seconds": curve.seconds, "prefill": curve.prefill}))
     tmp.replace(path)
 
 
@@ -224,7 +253,13 @@ def cached(model: CausalLM, key: str) -> CostCurve:
     path = _path(key)
     if path.exists():
         data = json.loads(path.read_text())
-        return CostCurve(tuple(data["sizes"]), tuple(data["relative"]), data["seconds"])
+        curve = CostCurve(tuple(data["sizes"]), tuple(data["relative"]), data["seconds"], data.get("prefill", 0.0))
+        if "prefill" in data:
+            return curve
+        # a curve cached before prefills were timed: its figure now
+        curve = dataclasses.replace(curve, prefill=measure_prefill(model))
+        store(key, curve)
+        return curve
     curve = measure(model)
     store(key, curve)
     return curve

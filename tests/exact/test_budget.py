@@ -5,6 +5,7 @@ model (its shape only: timings on a shared machine are too noisy to assert ratio
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -192,6 +193,7 @@ def test_measure_on_a_tiny_model(tiny_target, real_measure):
     assert curve.sizes == (1, 2, 4)
     assert curve.relative[0] == 1.0
     assert all(math.isfinite(r) and r > 0 for r in curve.relative)
+    assert math.isfinite(curve.prefill) and curve.prefill > 0  # seconds per token of a prompt's prefill
     assert lm.cache_length == 0  # the model is left empty
     # and it still decodes like a fresh one
     prompt = torch.tensor([5, 6, 7, 8])
@@ -214,3 +216,17 @@ def test_cached_curve_is_measured_once(tiny_target, tmp_path, monkeypatch):
     assert len(calls) == 1
     costs.cached(lm, "another|key")  # a different model or backend is measured separately
     assert len(calls) == 2
+
+
+def test_a_curve_cached_before_prefills_were_timed_gets_its_figure(tiny_target, tmp_path, monkeypatch):
+    monkeypatch.setattr(costs, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(costs, "measure", lambda *args, **kwargs: pytest.fail("the curve is cached"))
+    monkeypatch.setattr(costs, "measure_prefill", lambda model: 0.002)
+    lm = HFCausalLM(tiny_target)
+    costs.store("tiny|old", CostCurve((1, 2, 4), (1.0, 1.25, 1.75), 0.01))
+    path = next(tmp_path.glob("*.json"))
+    data = json.loads(path.read_text())
+    del data["prefill"]  # as written before the field existed
+    path.write_text(json.dumps(data))
+    assert costs.cached(lm, "tiny|old") == CostCurve((1, 2, 4), (1.0, 1.25, 1.75), 0.01, prefill=0.002)
+    assert json.loads(path.read_text())["prefill"] == 0.002  # stored back: measured once

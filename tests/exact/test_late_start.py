@@ -4,6 +4,7 @@ before, the steps are plain; the output is plain decoding's either way."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 
@@ -32,13 +33,17 @@ def test_break_even_is_the_prefill_over_the_gain():
 def test_gain_is_the_best_chains():
     """A draft token at 0.1 of a target forward, width free: the best chain at 95% acceptance gives
     several tokens per forward, so the gain is most of a forward; width as dear as depth: no chain pays."""
-    free = late_start(0.1, CostCurve.linear(1.0), CostCurve.linear(0.0), range(0, 9))
+    free = late_start(0.1, DRAFT_CURVE, TARGET_CURVE, range(0, 9))
     assert 0.6 < free.gain < 1.0
-    dear = late_start(0.5, CostCurve.linear(1.0), CostCurve.linear(1.0), range(0, 9))
+    assert free.prefill(30) == pytest.approx(3.0)  # 30 tokens at 1 ms each, over 10 ms a target forward
+    dear = late_start(0.5, DRAFT_CURVE, dataclasses.replace(CostCurve.linear(1.0), seconds=0.01), range(0, 9))
     assert dear.gain == pytest.approx(0.0) and dear.ready(10, room=0)  # (the drafter's own rule stops it)
-    assert late_start(0.1, None, CostCurve.linear(0.0), range(0, 9)).prefill is None
+    assert late_start(0.1, None, TARGET_CURVE, range(0, 9)).prefill is None
+    assert late_start(0.1, CostCurve.linear(1.0), TARGET_CURVE, range(0, 9)).prefill is None  # not measured
 
 
+TARGET_CURVE = dataclasses.replace(CostCurve.linear(0.0), seconds=0.01)  # width free, 10 ms a forward
+DRAFT_CURVE = dataclasses.replace(CostCurve.linear(1.0), seconds=0.001, prefill=0.001)  # a prefill: 1 ms a token
 PROMPT = random_prompts(1, seed=5, low=30, high=31)[0]
 
 
@@ -49,8 +54,7 @@ def _first_drafting_step(result) -> int | None:
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_drafting_starts_at_break_even_and_output_is_plain(tiny_target, tree):
     target = HFCausalLM(tiny_target)
-    width_free = CostCurve.linear(0.0)
-    dear_prefill = CostCurve.linear(1.0)  # the draft model's prefill of n tokens: n draft forwards
+    width_free, dear_prefill = TARGET_CURVE, DRAFT_CURVE  # the draft model's prefill of n tokens: n / 10 forwards
 
     def drafter(draft_curve):
         model = HFCausalLM(copy.deepcopy(tiny_target))  # the target itself drafts: every draft accepted
@@ -67,7 +71,7 @@ def test_drafting_starts_at_break_even_and_output_is_plain(tiny_target, tree):
     assert late.token_ids == at_once.token_ids == plain.token_ids
     assert _first_drafting_step(at_once) == 0
     # step k comes after k generated tokens; the draft model's prefill of the 30 + k context tokens costs
-    # about 0.1 (30 + k) target forwards, paid back after that over the gain: plain steps until then
+    # 0.1 (30 + k) target forwards, paid back after that over the gain: plain steps until then
     start = late_drafter._cache.late_start
     first = _first_drafting_step(late)
     assert first == next(k for k in range(40) if k >= start.break_even(len(PROMPT) + k)) > 3 / start.gain
