@@ -163,7 +163,7 @@ class SpeculativeEngine:
             # 5. Append the step's tokens; the drafter learns how its draft fared.
             event = conclude(state, self.drafter, step, stepped_aside=not speculate)
             if aside is not None:
-                aside.record(self.clock() - start, event.stats.new_tokens)
+                aside.record(self.clock() - start, event.stats.new_tokens, drafted=event.stats.drafted > 0)
             yield event
             if state.finish_reason != "length":
                 break

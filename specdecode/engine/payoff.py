@@ -69,13 +69,16 @@ class StepAside:
         """Whether the next step drafts."""
         return self.way == SPECULATE
 
-    def record(self, seconds: float, tokens: int) -> None:
-        """The step just taken (the way `speculate` said) took `seconds` and output `tokens` tokens."""
+    def record(self, seconds: float, tokens: int, drafted: bool = True) -> None:
+        """The step just taken (the way `speculate` said) took `seconds` and output `tokens` tokens;
+        `drafted`: whether it verified a draft."""
         # not timed: a sequence's first step (the prompt's prefill, whatever the way) and the first
-        # speculative step after plain ones (a drafter with a cache catches up on the skipped tokens then)
+        # speculative step after plain ones (a drafter with a cache catches up on the skipped tokens then),
+        # a speculative step that drafted nothing counting as plain (a draft model waiting for its prefill
+        # to pay, `drafters.draft_model.LateStart`, catches up on the whole context when it starts)
         if self._previous is not None and not (self.way == SPECULATE and self._previous == PLAIN) and tokens > 0:
             self.rates[self.way].add(seconds, tokens)
-        self._previous = self.way
+        self._previous = self.way if drafted else PLAIN
         self.left -= 1
         if self.left <= 0:
             self._next_run()

@@ -76,6 +76,20 @@ def test_a_new_sequence_tries_speculation_first_and_its_prefill_is_not_timed():
     assert aside.leader == payoff.SPECULATE and aside.rates[payoff.PLAIN].per_token is None
 
 
+def test_a_draft_models_catch_up_after_draftless_steps_is_not_timed():
+    """Speculative steps that drafted nothing (a draft model waiting for its prefill to pay) count as plain:
+    the step after them, where the draft model catches up on the whole context, is not held against
+    speculation."""
+    aside = StepAside()
+    aside.begin()
+    aside.record(1.0, 1)  # the prefill
+    aside.record(1.0, 1, drafted=False)
+    aside.record(1.0, 1, drafted=False)
+    before = aside.rates[payoff.SPECULATE].per_token
+    aside.record(50.0, 3)  # the catch-up: not timed
+    assert aside.rates[payoff.SPECULATE].per_token == before
+
+
 class SlowDrafter(DraftModelDrafter):
     """A draft model whose every proposal costs `cost` units on the fake clock."""
 
@@ -127,7 +141,7 @@ class Alternating(StepAside):
     def speculate(self) -> bool:
         return self._ways[self._step % len(self._ways)]
 
-    def record(self, seconds: float, tokens: int) -> None:
+    def record(self, seconds: float, tokens: int, drafted: bool = True) -> None:
         self._step += 1
 
 
