@@ -60,8 +60,9 @@ class LateStart:
     Bringing the draft model up to the context costs `prefill(n)` target forwards for n tokens: on a CPU
     where a 600-token prompt keeps a 0.5B draft model busy for as long as a dozen target steps, an answer of
     twenty tokens never earns that back. (Not `draft_curve(n)`: the curve's forwards ask every row's
-    logits, a prefill one row, and the curve is measured up to 64 tokens: extrapolated to 600 it said 50.) Drafting saves at most `gain` of a target forward per output
-    token (1 - 1 / its best speedup), so the prefill pays back after prefill(n) / gain tokens. The answer's
+    logits, a prefill one row, and the curve stops at 64 tokens: extrapolated to 600 it said 50.) Drafting
+    saves at most `gain` of a target forward per output token (1 - 1 / its best speedup), so the prefill
+    pays back after prefill(n) / gain tokens. The answer's
     length being unknown, this is the Bahncard problem (pay a fixed price to get a discount on every
     later trip): decode plainly until the tokens already generated reach that break-even count, then
     start drafting, which costs at most twice what knowing the length in advance would have (the
@@ -90,13 +91,14 @@ class LateStart:
 def late_start(draft_cost: float, draft_curve: CostCurve | None, curve: CostCurve, lengths: range) -> LateStart:
     """A draft model's LateStart from its forward's cost (in target forwards), its own cost curve and the
     target's: the prefill of n tokens costs n times the draft curve's measured prefill seconds per token,
-    over the target's one-token forward (neither measured, a fixed curve in a test: start at once); the
-    best gain is a chain's at BEST_ACCEPTANCE."""
+    over the target's one-token forward, both read now, so the rule is fixed for the drafter's life (either
+    not measured, a fixed curve in a test: start at once); the best gain is a chain's at BEST_ACCEPTANCE."""
     if draft_curve is None or not (draft_curve.prefill > 0 and curve.seconds > 0):
         return LateStart()
+    per_token = draft_curve.prefill / curve.seconds  # target forwards per token of the draft model's prefill
     k = best_draft_length(BEST_ACCEPTANCE, draft_cost, lengths, curve)
     speedup = chain_rate(BEST_ACCEPTANCE, k, draft_cost, curve) if k else 1.0
-    return LateStart(lambda n: n * draft_curve.prefill / curve.seconds, 1.0 - 1.0 / speedup)
+    return LateStart(lambda n: n * per_token, 1.0 - 1.0 / speedup)
 
 
 BEST_ACCEPTANCE = 0.95  # about the best a separate draft model reaches (the 0.5B agrees with the 1.5B on 94%)
