@@ -165,9 +165,12 @@ def run(
     options = {"methods": ",".join(methods) or "ar", "categories": ",".join(categories),
                "per-category": per_category if per_category is not None else "all", "max-new-tokens": max_new_tokens,
                "repeats": repeats, "temperature": temperature, "top-k": top_k, "top-p": top_p, "seed": seed,
+               # what the run ran on, so the line reproduces it
+               "backend": backend, "target": target, "drafter": drafter, "dtype": dtype, "draft-dtype": draft_dtype,
+               "threads": threads, **({"datastore": datastore} if datastore is not None else {}),
                **({"reference": reference} if reference != "ar" else {}),
                **({"concurrency": ",".join(map(str, levels))} if levels != [1] else {}),
-               **({"ray": ray} if ray is not None else {})}
+               **({"ray": ray} if ray is not None else {}), "out": out}
     settings = {
         "command": "specdecode bench " + " ".join(f"--{k} {v}" for k, v in options.items())
                    + "".join(f" --engine '{option}'" for option in engines or []),

@@ -172,6 +172,9 @@ def test_the_command_line(tiny_folder, our_server, tmp_path, monkeypatch, capsys
     assert code == 0, out
     text = (tmp_path / "report.md").read_text()
     assert "| ours |" in text and "Engines under load" in text and "3/3" in text
+    command = next(line for line in text.splitlines() if line.startswith("- command:"))
+    for option in (f"--target {tiny_folder}", "--dtype float32", "--threads 1", f"--out {tmp_path}"):
+        assert option in command  # the line reproduces the run
     assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 2 * len(TASKS) + len(TASKS)
     for args, says in [(["--engine", "x=http://nowhere"], "expected LABEL=openai:URL"),
                        (["--engine", "x=openai:http://127.0.0.1:9/v1"], "cannot reach"),
