@@ -9,8 +9,9 @@ Paths: the torch backend in bfloat16, float32, int8 and int4 (`--dtype int8`/`in
 llama.cpp on the target's GGUF (Q4_K_M for the default target); `--quantize` adds llama.cpp on
 requantized copies of it (`llama_model_quantize`, cached beside the GGUF). Each model is timed with
 `models.costs.measure` (sizes in turn within each repeat, medians), one model loaded at a time. Prints a
-markdown table: milliseconds for one token, then the relative cost of 2, 4, 8, 16 and 32, with what the
-CPU is (`torch.backends.cpu.get_cpu_capability()`, llama.cpp's system info).
+markdown table: milliseconds for one token, then the relative cost of 2, 4, 8, 16 and 32, and a prompt's
+prefill in milliseconds per token (`costs.measure_prefill`; `--target qwen2.5-coder-0.5b-instruct` for the
+draft model's), with what the CPU is (`torch.backends.cpu.get_cpu_capability()`, llama.cpp's system info).
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def main() -> None:
             label = path if len(contexts) == 1 else f"{path} @{context}"
             label = next(f"{label} #{i}" for i in range(1, len(rows) + 2) if f"{label} #{i}" not in rows) \
                 if label in rows else label
-            rows[label] = {"context": context, "ms": curve.seconds * 1e3, "relative": dict(zip(SIZES, curve.relative))}
+            rows[label] = {"context": context, "ms": curve.seconds * 1e3, "relative": dict(zip(SIZES, curve.relative)),
+                           "prefill_ms_per_token": curve.prefill * 1e3}
             print(label, json.dumps(rows[label]), flush=True)
         del model
         gc.collect()
@@ -94,10 +96,11 @@ def main() -> None:
     kernels = f"; int4 kernels here: {', '.join(int4.kernels())}" if int4.available() else ""
     print(f"\ntorch CPU capability: {torch.backends.cpu.get_cpu_capability()}{kernels}; llama.cpp: "
           f"{llama_cpp.llama_print_system_info().decode().strip()}\n")
-    print("| path | 1 token | " + " | ".join(str(n) for n in SIZES[1:]) + " |")
-    print("|---" * (len(SIZES) + 1) + "|")
+    print("| path | 1 token | " + " | ".join(str(n) for n in SIZES[1:]) + " | prefill, per token |")
+    print("|---" * (len(SIZES) + 2) + "|")
     for path, row in rows.items():
-        print(f"| {path} | {row['ms']:.1f} ms | " + " | ".join(f"{row['relative'][n]:.2f}" for n in SIZES[1:]) + " |")
+        print(f"| {path} | {row['ms']:.1f} ms | " + " | ".join(f"{row['relative'][n]:.2f}" for n in SIZES[1:])
+              + f" | {row['prefill_ms_per_token']:.2f} ms |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=1))
 
