@@ -79,15 +79,14 @@ class Method:
 
 
 def _draft_model(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
-    cost = costs.draft_cost(draft, target)  # a draft forward, in target forwards, measured once per machine
     if options.draft_tokenizer is not None:
-        return OtherTokenizerDrafter(draft, options.tokenizer, options.draft_tokenizer, draft_cost=cost,
-                                     curve=target.cost_curve(), draft_curve=draft.cost_curve())
+        return OtherTokenizerDrafter.for_models(draft, target, target_tokenizer=options.tokenizer,
+                                                draft_tokenizer=options.draft_tokenizer)
     if not options.tree:
-        return DraftModelDrafter(draft, draft_cost=cost, curve=target.cost_curve(), draft_curve=draft.cost_curve())
+        return DraftModelDrafter.for_models(draft, target)
     return DraftModelTreeDrafter(
-        draft, target.cost_curve(), draft_cost=cost, budget=options.budget, choices=options.choices,
-        draft_curve=draft.cost_curve(),
+        draft, target.cost_curve(), draft_cost=costs.draft_cost(draft, target), budget=options.budget,
+        choices=options.choices, draft_curve=draft.cost_curve(),
     )
 
 

@@ -66,7 +66,6 @@ from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.drafters.retrieval import build_retrieval
 from specdecode.errors import UserError
-from specdecode.models import costs
 from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
 from specdecode.tree.budget import best_budget, check_budget, prune
@@ -344,9 +343,7 @@ def default_sources(target: CausalLM, draft: CausalLM | None, options: DrafterOp
     if options.datastore is not None or options.tokenizer is not None:  # retrieval, as `rest` has it
         sources.append(Source(build_retrieval(target, None, dataclasses.replace(options, tree=False, budget=None)), "free"))
     if draft is not None:
-        cost = costs.draft_cost(draft, target)  # a draft forward, in target forwards, measured once per machine
-        sources.append(Source(DraftModelDrafter(draft, draft_cost=cost, curve=target.cost_curve(),
-                                                draft_curve=draft.cost_curve()), "expensive"))
+        sources.append(Source(DraftModelDrafter.for_models(draft, target), "expensive"))
     return sources
 
 

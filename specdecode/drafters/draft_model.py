@@ -14,6 +14,7 @@ import torch
 from specdecode.drafters.base import Drafter, Outcome, RunningAcceptance
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
+from specdecode.models import costs
 from specdecode.models.costs import CostCurve
 from specdecode.sampling import logits_to_probs, sample
 from specdecode.types import Draft, SamplingParams
@@ -169,6 +170,13 @@ class DraftModelDrafter(Drafter):
         self._idle = 0  # steps since the last draft while drafting is off
         self._acceptance = RunningAcceptance()
         self._cache = SyncedCache(model, late_start(draft_cost, draft_curve, self.curve, self._lengths()))
+
+    @classmethod
+    def for_models(cls, draft: CausalLM, target: CausalLM, **options) -> DraftModelDrafter:
+        """Priced from both models' cost curves, measured once per machine (`models.costs`): a draft
+        forward in target forwards, the target's width costs, the draft model's prefill."""
+        return cls(draft, draft_cost=costs.draft_cost(draft, target), curve=target.cost_curve(),
+                   draft_curve=draft.cost_curve(), **options)
 
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         # where even a near-perfect draft could not pay, do not draft at all (not even the draft

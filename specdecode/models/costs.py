@@ -84,8 +84,9 @@ class LiveCurve:
     timings have pushed it out; no size is estimated cheaper than a narrower one. So one fast timing is
     believed at once (a forward cannot be faster than the machine allows), while a slower figure needs two
     timings out of three: one stall (a page fault, another process taking the core) must not price a size
-    for good, and a size the gate then stops verifying would keep that price, also in the cache. A curve measured in a busy moment is thus corrected within a
-    few steps, and a quiet curve follows the machine when it gets busy. Sizes the gate has stopped
+    for good, and a size the gate then stops verifying would keep that price, also in the cache. A curve
+    measured in a busy moment is thus corrected within a few steps, and a quiet curve follows the machine
+    when it gets busy. Sizes the gate has stopped
     verifying would never be timed again, so the engine asks `probe` for one size just beyond the widest
     that paid recently, once every `PROBE_EVERY` forwards, and verifies that much: lossless, and a few
     percent of the time at worst.
