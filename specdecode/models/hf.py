@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from specdecode.models.base import CausalLM, ForwardOutput
+from specdecode.models.cache import growing_cache
 from specdecode.models.int4 import InvariantInt4Linear
 from specdecode.models.int8 import InvariantInt8Linear
 
@@ -33,7 +34,8 @@ def module_bytes(module: torch.nn.Module) -> int:
 
 
 class HFCausalLM(CausalLM):
-    """A transformers model plus a `DynamicCache` for one sequence (or several, through masks)."""
+    """A transformers model plus a KV cache (`models.cache.growing_cache`) for one sequence (or several, through
+    masks)."""
 
     several_sequences = True
 
@@ -42,7 +44,7 @@ class HFCausalLM(CausalLM):
         self.vocab_size = model.get_output_embeddings().out_features  # (a Linear head, int8 or not)
         self.max_context = getattr(model.config, "max_position_embeddings", 32768)
         self.eos_token_ids = eos_token_ids if eos_token_ids is not None else _eos_ids(model)
-        self._cache = DynamicCache(config=model.config)
+        self._cache = growing_cache(model.config)
         self._length = 0
 
     @property
@@ -141,5 +143,5 @@ class HFCausalLM(CausalLM):
             layer.values[..., start : start + len(keep), :] = layer.values[..., source, :]
 
     def reset(self) -> None:
-        self._cache = DynamicCache(config=self.model.config)
+        self._cache = growing_cache(self.model.config)
         self._length = 0

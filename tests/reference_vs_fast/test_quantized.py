@@ -199,6 +199,25 @@ def test_row_by_row_attention_is_grouped_query_attention(monkeypatch, masked, ke
 
 
 @pytest.mark.parametrize("bits", BITS)
+def test_a_fused_gate_and_up_projection_is_the_two_layers_bitwise(bits):
+    """`fuse_gate_up` stacks a gated MLP's gate and up weights into one layer before quantization: per-channel
+    quantization makes the fused layer's output the two quantized layers' outputs side by side, bitwise, and
+    the rewritten MLP the original on those layers."""
+    from specdecode.models.int8 import fuse_gate_up
+
+    model = tiny_qwen2(seed=7, layers=1)
+    mlp = model.model.layers[0].mlp
+    gate, up = LAYERS[bits].from_linear(mlp.gate_proj), LAYERS[bits].from_linear(mlp.up_proj)
+    x = torch.randn(5, mlp.gate_proj.in_features, generator=torch.Generator().manual_seed(8))
+    fuse_gate_up(model)
+    assert not hasattr(mlp, "gate_proj") and not hasattr(mlp, "up_proj")
+    fused = LAYERS[bits].from_linear(mlp.gate_up_proj)
+    assert torch.equal(fused(x), torch.cat([gate(x), up(x)], dim=-1))
+    mlp.gate_up_proj = fused
+    assert torch.equal(mlp(x), mlp.down_proj(mlp.act_fn(gate(x)) * up(x)))
+
+
+@pytest.mark.parametrize("bits", BITS)
 def test_a_model_scores_a_token_the_same_in_any_forward(bits):
     """The tiny Qwen2 with every Linear quantized: the logits of the last prompt token and of each following
     token are bitwise equal whether the tokens come one per forward or all in one."""

@@ -1,7 +1,8 @@
 // Batch-invariant attention for x86 CPUs with AVX2 and FMA (see `invariant_attention` in
 // specdecode/models/int8.py).
 //
-// Inputs: query [heads, n, d], key and value [kv_heads, length, d], float32 and contiguous, d a multiple of 8;
+// Inputs: query [heads, n, d], key and value [kv_heads, length, d], float32, d a multiple of 8; each head's
+// keys and values contiguous rows of d, the heads at any stride (a view of a longer, preallocated cache);
 // query head h reads key head h / (heads / kv_heads). Row i sees keys 0 .. prefix[i] - 1, then the keys
 // indices[offsets[i] .. offsets[i + 1] - 1] (sorted, all >= prefix[i]): its visible keys, in that order.
 // Output [heads, n, d]: softmax(scale q k^T) v over each row's visible keys.
@@ -153,7 +154,10 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   TORCH_CHECK(d % 8 == 0 && key.size(2) == d && value.sizes() == key.sizes(), "attention: d a multiple of 8, shapes agree");
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "attention: heads a multiple of kv_heads");
   TORCH_CHECK(prefix.numel() == n && offsets.numel() == n + 1, "attention: prefix [n] and offsets [n + 1]");
-  const at::Tensor q = query.contiguous(), k_ = key.contiguous(), v_ = value.contiguous();
+  // a head's keys must be contiguous rows; the heads may lie anywhere (a cache grown in place is a view)
+  auto rows_of = [d](const at::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == d ? t : t.contiguous(); };
+  const at::Tensor q = query.contiguous(), k_ = rows_of(key), v_ = rows_of(value);
+  const int64_t k_head = k_.stride(0), v_head = v_.stride(0);
   const at::Tensor pre = prefix.to(at::kLong).contiguous(), off = offsets.to(at::kLong).contiguous(),
                    idx = indices.to(at::kLong).contiguous();
   const int64_t* pp = pre.data_ptr<int64_t>();
@@ -190,8 +194,8 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
         for (int g = 0; g < group; ++g)
           states[r * group + g] = {-std::numeric_limits<float>::infinity(), 0.0f, accs.data() + (r * group + g) * d};
       }
-      const float* kbase = kp + kv * length * d;
-      const float* vbase = vp + kv * length * d;
+      const float* kbase = kp + kv * k_head;
+      const float* vbase = vp + kv * v_head;
       for (int64_t start = 0; start < most; start += kBlock) {  // blocks outer: rows reading one block share it
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t i = r0 + r, p = pp[i], seen = p + op[i + 1] - op[i];
