@@ -14,11 +14,17 @@ trial where speculation does not pay costs what its few steps lose. Which way a 
 what it outputs: the verifier decides that, and a plain step is the target's own.
 
 A new sequence starts with a speculative trial unless speculation leads: acceptance depends on the
-prompt more than on anything learnt from earlier ones.
+prompt more than on anything learnt from earlier ones. Unless trials are dear: the first speculative step
+after plain ones is not timed (a drafter with a model of its own catches up on the tokens it skipped
+then, a draft model on the whole prompt at a sequence's first draft), but its seconds beyond a plain step
+are what a trial costs. Where that exceeds DEAR plain steps, a new sequence carries on the plain run, and
+plain runs last long enough that trials cost at most TRIAL_SHARE of the time (for a draft model that does
+not pay on this machine: a trial every few sequences instead of a prompt prefill in every one).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 SPECULATE, PLAIN = "speculate", "plain"
@@ -26,6 +32,8 @@ TRIAL = {SPECULATE: 4, PLAIN: 2}  # steps a trial of the trailing way lasts
 FIRST_PERIOD, LAST_PERIOD = 8, 64  # steps the leading way keeps before the other is tried again
 MARGIN = 0.03  # how much faster per token the trailing way must be to take the lead
 DECAY = 0.8  # weight of a way's earlier steps in its running seconds per token, per step it takes
+DEAR = 2.0  # a trial costing more than this many plain steps is dear (see the module's docstring)
+TRIAL_SHARE = 0.05  # the most of the time dear trials may cost while plain decoding leads
 
 
 @dataclass
@@ -56,12 +64,23 @@ class StepAside:
         self.leader, self.period = SPECULATE, FIRST_PERIOD
         self.way, self.left, self.trial = SPECULATE, TRIAL[SPECULATE], True
         self._previous: str | None = None  # the way of the last step timed (None: a sequence starts)
+        self.catch_up = 0.0  # seconds of the latest untimed first speculative step after plain ones
+
+    @property
+    def trial_cost(self) -> float:
+        """Seconds a speculative trial costs beyond plain steps before it is timed (its catch-up step)."""
+        plain = self.rates[PLAIN].per_token
+        return 0.0 if plain is None else max(0.0, self.catch_up - plain)
+
+    def _dear(self) -> bool:
+        plain = self.rates[PLAIN].per_token
+        return plain is not None and self.trial_cost > DEAR * plain
 
     def begin(self) -> None:
         """A new sequence: its first step (the prompt's prefill) is not timed; a speculative trial first
-        unless speculation leads."""
+        unless speculation leads or trials are dear."""
         self._previous = None
-        if self.leader == PLAIN:
+        if self.leader == PLAIN and not self._dear():
             self.way, self.left, self.trial = SPECULATE, TRIAL[SPECULATE], True
 
     @property
@@ -76,8 +95,11 @@ class StepAside:
         # speculative step after plain ones (a drafter with a cache catches up on the skipped tokens then),
         # a speculative step that drafted nothing counting as plain (a draft model waiting for its prefill
         # to pay, `drafters.draft_model.LateStart`, catches up on the whole context when it starts)
-        if self._previous is not None and not (self.way == SPECULATE and self._previous == PLAIN) and tokens > 0:
+        catching_up = self.way == SPECULATE and self._previous == PLAIN
+        if self._previous is not None and not catching_up and tokens > 0:
             self.rates[self.way].add(seconds, tokens)
+        if catching_up and drafted:
+            self.catch_up = seconds
         self._previous = self.way if drafted else PLAIN
         self.left -= 1
         if self.left <= 0:
@@ -94,6 +116,8 @@ class StepAside:
             self.period = min(2 * self.period, LAST_PERIOD)
         else:
             self.leader, self.period = winner, FIRST_PERIOD
+        if self.leader == PLAIN and self._dear():  # plain runs long enough for the trials to cost TRIAL_SHARE
+            self.period = max(self.period, math.ceil(self.trial_cost / (TRIAL_SHARE * self.rates[PLAIN].per_token)))
         self.way, self.left, self.trial = self.leader, self.period, False
 
     def _winner(self) -> str:

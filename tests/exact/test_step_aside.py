@@ -90,6 +90,39 @@ def test_a_draft_models_catch_up_after_draftless_steps_is_not_timed():
     assert aside.rates[payoff.SPECULATE].per_token == before
 
 
+def play_sequences(aside: StepAside, sequences: int, steps: int, speculative: float, catch_up: float) -> list[list[bool]]:
+    """`sequences` sequences of `steps` one-token steps (plain: 1 s; speculative: `speculative` s; the first
+    speculative step after plain ones, a draft model catching up: `catch_up` s). Returns the ways taken."""
+    runs = []
+    for _ in range(sequences):
+        aside.begin()
+        ways, previous = [], None
+        for step in range(steps):
+            way = aside.speculate
+            seconds = 1.0 if not way or step == 0 else catch_up if previous is False else speculative
+            aside.record(seconds, 1)
+            ways.append(way)
+            previous = way
+        runs.append(ways)
+    return runs
+
+
+def test_dear_trials_grow_rare_and_a_new_sequence_carries_on_the_plain_run():
+    """A draft model that does not pay and must catch up on 30 plain steps' worth of context at every
+    trial: after the first sequence, new sequences do not start with a trial, and trials (their catch-ups
+    and speculative steps) cost at most about TRIAL_SHARE of the time."""
+    aside = StepAside()
+    runs = play_sequences(aside, sequences=40, steps=60, speculative=1.1, catch_up=31.0)
+    assert aside.leader == payoff.PLAIN and aside.trial_cost == pytest.approx(30.0)
+    assert not any(ways[1] for ways in runs[2:])  # the second step of a sequence: no trial at its start
+    later = [way for ways in runs[2:] for way in ways]
+    lost = sum(30.0 + payoff.TRIAL["speculate"] * 0.1 for i, way in enumerate(later) if way and not later[i - 1])
+    assert lost <= 1.5 * payoff.TRIAL_SHARE * len(later)
+    cheap = StepAside()  # the same, catching up for free: every sequence starts with a trial, as before
+    runs = play_sequences(cheap, sequences=4, steps=60, speculative=1.1, catch_up=1.1)
+    assert all(ways[1] for ways in runs)
+
+
 class SlowDrafter(DraftModelDrafter):
     """A draft model whose every proposal costs `cost` units on the fake clock."""
 
