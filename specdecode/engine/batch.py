@@ -83,7 +83,8 @@ class BatchEngine:
         (`Method.verifier`), exact verification by default."""
         check_prompt(self.target, prompt_ids)
         if drafter is not None and not drafter.batchable:
-            raise UserError(f"the {drafter.name} drafter runs a model of its own; it cannot join a batch")
+            raise UserError(f"the {drafter.name} drafter cannot join a batch (it runs a model, or remembers earlier "
+                            "sequences); run it alone")
         if self.gate:
             _ = self.curve  # measured (once per model and machine) while the cache is empty
         if not self.members:
