@@ -204,12 +204,9 @@ class InvariantInt4Linear(nn.Module):
         # memory once per group: they go in slices of rows that stay in cache (each row's result is its own,
         # so slicing changes no bit of it).
         step = max(8, ROW_SLICE_BYTES // self.in_features // 8 * 8)
-        linear = _ops().linear
-        if rows.shape[0] <= step:  # decoding's few rows: one call, no copy
-            out = linear(rows, self.nibbles, self.groups, self.scales, self.weight_sums, self.bias, _forced)
-        else:
-            out = torch.cat([linear(rows[i : i + step], self.nibbles, self.groups, self.scales, self.weight_sums,
-                                    self.bias, _forced) for i in range(0, rows.shape[0], step)])
+        slices = [_ops().linear(rows[i : i + step], self.nibbles, self.groups, self.scales, self.weight_sums,
+                                self.bias, _forced) for i in range(0, rows.shape[0], step)]
+        out = slices[0] if len(slices) == 1 else torch.cat(slices)  # decoding's few rows: no copy
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -148,7 +148,7 @@ def fuse_gate_up(model: nn.Module) -> nn.Module:
     `gate_up_proj` (their weights stacked), in place. Quantization is per output channel, so the quantized
     layer holds exactly the two layers' quantized weights, and the outputs are the same, bit for bit; one
     product over both costs less than two (on the 4-bit kernel: README, *Figures behind the code's choices*)."""
-    for module in model.modules():
+    for module in list(model.modules()):  # the list first: the loop replaces modules' children
         gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
         if type(module).__name__ not in GATED_MLPS or not isinstance(gate, nn.Linear) or not isinstance(up, nn.Linear):
             continue
