@@ -9,6 +9,7 @@ from specdecode.models.base import CausalLM, ForwardOutput
 from specdecode.models.cache import growing_cache
 from specdecode.models.int4 import InvariantInt4Linear
 from specdecode.models.int8 import InvariantInt8Linear
+from specdecode.models.lean import lean_decoder
 
 _INVARIANT = (InvariantInt8Linear, InvariantInt4Linear)  # the exact quantized paths' Linear layers
 
@@ -35,7 +36,8 @@ def module_bytes(module: torch.nn.Module) -> int:
 
 class HFCausalLM(CausalLM):
     """A transformers model plus a KV cache (`models.cache.growing_cache`) for one sequence (or several, through
-    masks)."""
+    masks). Quantized models of the Llama family run through `models.lean` (transformers' arithmetic, bit for
+    bit, without its machinery); the rest through transformers' forward."""
 
     several_sequences = True
 
@@ -46,6 +48,7 @@ class HFCausalLM(CausalLM):
         self.eos_token_ids = eos_token_ids if eos_token_ids is not None else _eos_ids(model)
         self._cache = growing_cache(model.config)
         self._length = 0
+        self._lean = lean_decoder(model)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -80,15 +83,19 @@ class HFCausalLM(CausalLM):
     def cache_length(self) -> int:
         return self._length
 
-    def _attention_mask(self, tree_mask: torch.Tensor) -> torch.Tensor:
-        """[n, m] bool over the last m tokens -> the [1, 1, n, cached + n] additive mask transformers takes."""
+    def _allowed(self, tree_mask: torch.Tensor) -> torch.Tensor:
+        """[n, m] bool over the last m tokens -> [n, cached + n] bool over the cache and the input."""
         n, m = tree_mask.shape
         if m > self._length + n:
             raise ValueError(f"a tree mask over {m} tokens, but the cache and the input hold {self._length + n}")
         allowed = torch.ones(n, self._length + n, dtype=torch.bool)
         allowed[:, self._length + n - m :] = tree_mask
-        mask = torch.zeros(allowed.shape, dtype=self.dtype)
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        return allowed
+
+    def _attention_mask(self, tree_mask: torch.Tensor) -> torch.Tensor:
+        """[n, m] bool over the last m tokens -> the [1, 1, n, cached + n] additive mask transformers takes."""
+        mask = torch.zeros((tree_mask.shape[0], self._length + tree_mask.shape[0]), dtype=self.dtype)
+        mask.masked_fill_(~self._allowed(tree_mask), torch.finfo(self.dtype).min)
         return mask[None, None]  # [1, 1, n, cached + n]
 
     @torch.inference_mode()
@@ -108,6 +115,8 @@ class HFCausalLM(CausalLM):
         num_logits = n if num_logits is None else num_logits
         if rows is None:
             rows = torch.arange(n - num_logits, n)
+        if self._lean is not None:
+            return self._lean_forward(token_ids, positions, tree_mask, rows, output_hidden)
         out = self.model(
             input_ids=token_ids.view(1, n),
             position_ids=positions.view(1, n),
@@ -127,6 +136,21 @@ class HFCausalLM(CausalLM):
         elif output_hidden:
             hidden = torch.cat([out.hidden_states[i][0] for i in output_hidden], dim=-1)
         return ForwardOutput(logits=out.logits[0].float(), hidden=hidden)
+
+    def _lean_forward(self, token_ids, positions, tree_mask, rows, output_hidden) -> ForwardOutput:
+        n = token_ids.numel()
+        allowed = None if tree_mask is None else self._allowed(tree_mask)  # [n, cached + n]
+        trace = [] if output_hidden and output_hidden is not True else None
+        final = self._lean.run(range(len(self._lean.decoder.layers)), token_ids.view(n), positions.view(n), allowed,
+                               self._cache, trace)  # [n, hidden]
+        self._length += n
+        hidden = None
+        if output_hidden is True:
+            hidden = final
+        elif trace is not None:  # transformers' hidden_states: each layer's input, then the final-norm states
+            states = trace[:-1] + [final]
+            hidden = torch.cat([states[i] for i in output_hidden], dim=-1)
+        return ForwardOutput(logits=self._lean.logits(final[rows]), hidden=hidden)
 
     def crop(self, length: int) -> None:
         if not 0 <= length <= self._length:

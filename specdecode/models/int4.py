@@ -199,15 +199,19 @@ class InvariantInt4Linear(nn.Module):
         return dequantize(self.nibbles, self.groups, self.scales, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        rows = x.reshape(-1, self.in_features).float()
+        return self.rows(x.reshape(-1, self.in_features).float()).reshape(*x.shape[:-1], self.out_features)
+
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The product for float32 rows [m, in] -> [m, out]: `forward` without its reshapes, one kernel call
+        for decoding's few rows (`models.lean` calls it directly: a module call costs several microseconds,
+        197 times a token)."""
         # The kernel meets every row with each group of channels, so a long prefill's rows would stream from
         # memory once per group: they go in slices of rows that stay in cache (each row's result is its own,
         # so slicing changes no bit of it).
         step = max(8, ROW_SLICE_BYTES // self.in_features // 8 * 8)
-        slices = [_ops().linear(rows[i : i + step], self.nibbles, self.groups, self.scales, self.weight_sums,
-                                self.bias, _forced) for i in range(0, rows.shape[0], step)]
-        out = slices[0] if len(slices) == 1 else torch.cat(slices)  # decoding's few rows: no copy
-        return out.reshape(*x.shape[:-1], self.out_features)
+        if rows.shape[0] <= step:
+            return _ops().linear(rows, self.nibbles, self.groups, self.scales, self.weight_sums, self.bias, _forced)
+        return torch.cat([self.rows(rows[i : i + step]) for i in range(0, rows.shape[0], step)])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -92,18 +92,20 @@ class InvariantInt8Linear(nn.Module):
         return qweight.dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        shape = x.shape
-        rows = x.reshape(-1, self.in_features).float()  # [m, in]
+        return self.rows(x.reshape(-1, self.in_features).float()).reshape(*x.shape[:-1], self.out_features)
+
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The product for float32 rows [m, in] -> [m, out] (`forward` without its reshapes)."""
         low, high = torch.aminmax(rows, dim=1, keepdim=True)  # [m, 1] each
         half = (high - low).mul_(0.5)  # [m, 1], exact: halving a float is
         if not bool(half.all()):  # a constant row spans nothing: it becomes -1s, and a guard row holds +1
-            return self._with_guard(rows, low, half).reshape(*shape[:-1], self.out_features)
+            return self._with_guard(rows, low, half)
         # each row onto [-1, 1] with its minimum exactly -1 and its maximum exactly +1 (x - low for x = high
         # is the very float high - low, twice half): every row spans the same range, so the scale and zero
         # point fbgemm picks for the tensor are those of each row alone
         scaled = (rows - low).div_(half).sub_(1.0)  # [m, in]
         out = torch.ops.quantized.linear_dynamic(scaled, self._packed, True)  # [m, out]
-        return self._restore(out, low, half).reshape(*shape[:-1], self.out_features)
+        return self._restore(out, low, half)
 
     def _restore(self, out: torch.Tensor, low: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
         """W x from W x', x = (low + half) + half x': one scale and one offset per row."""
@@ -211,7 +213,7 @@ def _kernel():
         return None
 
 
-_PLAN = threading.local()  # .mask, .rows, .csr: the last mask seen and its rows' visible keys (every layer shares one)
+_PLAN = threading.local()  # .key, .rows, .csr: the last mask seen (or causal shape) and its rows' visible keys (every layer shares one)
 
 
 def invariant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -225,8 +227,10 @@ def invariant_attention(module, query, key, value, attention_mask, scaling=None,
     and head), else one attention call per row (`_attention_by_rows`)."""
     _, heads, n, d = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
-    if attention_mask is None or getattr(_PLAN, "mask", None) is not attention_mask:
-        _PLAN.mask, _PLAN.rows, _PLAN.csr = attention_mask, _visible(attention_mask, n, length), None
+    key_of_plan = (n, length) if attention_mask is None else attention_mask  # a causal plan depends on these alone
+    planned = getattr(_PLAN, "key", None)
+    if not (planned is key_of_plan or isinstance(planned, tuple) and planned == key_of_plan):
+        _PLAN.key, _PLAN.rows, _PLAN.csr = key_of_plan, _visible(attention_mask, n, length), None
     kernel = _kernel() if query.dtype == torch.float32 and d % 8 == 0 and query.device.type == "cpu" else None
     if kernel is None:
         return _attention_by_rows(query, key, value, _PLAN.rows, scaling), None

@@ -34,6 +34,7 @@ from transformers import DynamicCache, PreTrainedModel
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM, ForwardOutput
 from specdecode.models.hf import HFCausalLM, module_bytes
+from specdecode.models.lean import lean_decoder
 
 
 def check_layer_skipping(model: PreTrainedModel) -> None:
@@ -77,6 +78,9 @@ def run_layers(
     n = token_ids.numel()
     if allowed is None and n > 1:
         raise ValueError("several new tokens need an explicit attention mask")
+    lean = lean_decoder(model)
+    if lean is not None:  # the quantized Llama family: transformers' arithmetic without its machinery
+        return lean.run(layers, token_ids.view(n), positions.view(n), allowed, cache, trace)
     decoder = model.model
     hidden = decoder.embed_tokens(token_ids.view(1, n))  # [1, n, hidden]
     position_ids = positions.view(1, n)
