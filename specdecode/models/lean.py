@@ -13,7 +13,7 @@ then the final norm -- so its logits, hidden states and cache entries are transf
 (tests/exact/test_lean_decoder.py), on two-dimensional [tokens, features] tensors and with the quantized
 layers' kernels called directly (`rows`).
 
-It applies to what it knows (`lean_decoder`): a Llama, Mistral or Qwen2 decoder whose every layer attends
+It applies to what it knows (`lean_decoder`): a Llama, Mistral, Qwen2 or Qwen3 decoder whose every layer attends
 to the whole context, on a quantized path (`int8.quantize_invariant`: every Linear an invariant int8 or
 int4 layer, attention `int8.ATTENTION`). Anything else keeps transformers' forward.
 """
@@ -26,10 +26,10 @@ from transformers import PreTrainedModel
 from specdecode.models.int4 import InvariantInt4Linear
 from specdecode.models.int8 import ATTENTION, InvariantInt8Linear, invariant_attention
 
-# the decoder layers whose forward `LeanDecoder` writes out: pre-norm attention and gated MLP, RMSNorm, no
-# query/key norms (Qwen3's), rotary positions applied by rotating halves
-LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"})
-NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
+# the decoder layers whose forward `LeanDecoder` writes out: pre-norm attention and gated MLP, RMSNorm (Qwen3's
+# also on each head's queries and keys), rotary positions applied by rotating halves
+LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
+NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 _QUANTIZED = (InvariantInt8Linear, InvariantInt4Linear)
 
 
@@ -53,15 +53,21 @@ def _lean_decoder(model: PreTrainedModel) -> LeanDecoder | None:
         return None
     if set(getattr(model.config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
         return None
-    norms = [decoder.norm] + [n for layer in decoder.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    if any(type(layer).__name__ not in LAYERS or not hasattr(layer.mlp, "gate_up_proj") for layer in decoder.layers):
+        return None  # (`int8.fuse_gate_up` made the gated MLP's one input product)
+    norms = [decoder.norm] + [n for layer in decoder.layers for n in (
+        layer.input_layernorm, layer.post_attention_layernorm, *_head_norms(layer.self_attn))]
     linears = [p for layer in decoder.layers for p in (layer.self_attn.q_proj, layer.self_attn.k_proj,
-                                                       layer.self_attn.v_proj, layer.self_attn.o_proj)]
-    if (any(type(layer).__name__ not in LAYERS for layer in decoder.layers)
-            or any(type(norm).__name__ not in NORMS for norm in norms)
-            or not all(isinstance(p, _QUANTIZED) for p in [*linears, model.get_output_embeddings()])
-            or not all(hasattr(layer.mlp, "gate_up_proj") for layer in decoder.layers)):
+               layer.self_attn.v_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    if (any(type(norm).__name__ not in NORMS for norm in norms)
+            or not all(isinstance(p, _QUANTIZED) for p in [*linears, model.get_output_embeddings()])):
         return None
     return LeanDecoder(model)
+
+
+def _head_norms(attention) -> list:
+    """The attention's per-head query and key norms (Qwen3), if any."""
+    return [attention.q_norm, attention.k_norm] if hasattr(attention, "q_norm") else []
 
 
 def _rms_norm(norm, hidden: torch.Tensor) -> torch.Tensor:
@@ -109,8 +115,11 @@ class LeanDecoder:
             attention = layer.self_attn
             states = _rms_norm(layer.input_layernorm, hidden)
             head_dim = attention.head_dim
-            query = _rotate(attention.q_proj.rows(states).view(n, -1, head_dim), cos, sin)  # [n, heads, d]
-            key = _rotate(attention.k_proj.rows(states).view(n, -1, head_dim), cos, sin)  # [n, kv_heads, d]
+            query = attention.q_proj.rows(states).view(n, -1, head_dim)  # [n, heads, d]
+            key = attention.k_proj.rows(states).view(n, -1, head_dim)  # [n, kv_heads, d]
+            if hasattr(attention, "q_norm"):  # Qwen3: each head's query and key normalised
+                query, key = _rms_norm(attention.q_norm, query), _rms_norm(attention.k_norm, key)
+            query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
             value = attention.v_proj.rows(states).view(n, -1, head_dim)
             key, value = key.transpose(0, 1)[None], value.transpose(0, 1)[None]  # [1, kv_heads, n, d]
             if cache is not None:

@@ -99,3 +99,21 @@ def test_deterministic_draft_is_exact_under_repeated_seed():
     ]
     assert runs[0] == runs[1]
     assert len(set(itertools.chain(runs[0]))) > 1
+
+
+def test_sample_draws_each_row_from_its_own_weights_and_never_a_zero():
+    """`sample` (the inverse of the cumulative distribution, summed in float64) over rows of unnormalised
+    weights with zeros among them, first, inside and last: each row's counts follow its own distribution,
+    and no zero-weight token is ever drawn, even at the largest uniform draw."""
+    generator = torch.Generator().manual_seed(7)
+    weights = torch.tensor([[0.0, 2.0, 0.0, 5.0, 3.0, 0.0], [1.0, 1.0, 1.0, 0.0, 4.0, 0.0]])  # [2, 6]
+    draws = sample(weights.repeat(DRAWS, 1).view(DRAWS, 2, 6), generator)  # [DRAWS, 2]
+    for row in range(2):
+        counts = torch.bincount(draws[:, row], minlength=6).float()
+        assert counts[weights[row] == 0].sum() == 0
+        assert_follows(counts, weights[row] / weights[row].sum(), f"row {row}")
+    with pytest.MonkeyPatch.context() as patch:  # the largest uniform draw float64 has, and one of 1 (never drawn)
+        for top in (1.0 - 2.0**-53, 1.0):
+            patch.setattr(torch, "rand", lambda *shape, top=top, **kw: torch.full(shape, top, dtype=torch.float64))
+            assert sample(torch.tensor([0.1, 0.7, 0.0]), None).item() == 1
+            assert sample(torch.tensor([1.0, 3.0, 0.5, 0.0, 0.0]), None).item() == 2
