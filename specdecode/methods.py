@@ -32,7 +32,6 @@ from specdecode.drafters.sparse_kv import build_sparse_kv, build_sparse_kv_looku
 from specdecode.drafters.suffix import build_suffix
 from specdecode.drafters.composite import build_composite
 from specdecode.errors import UserError
-from specdecode.models import costs
 from specdecode.models.base import CausalLM
 from specdecode.verify.tree import verify
 from specdecode.verify.typical import verify_typical
@@ -84,10 +83,7 @@ def _draft_model(target: CausalLM, draft: CausalLM | None, options: DrafterOptio
                                                 draft_tokenizer=options.draft_tokenizer)
     if not options.tree:
         return DraftModelDrafter.for_models(draft, target)
-    return DraftModelTreeDrafter(
-        draft, target.cost_curve(), draft_cost=costs.draft_cost(draft, target), budget=options.budget,
-        choices=options.choices, draft_curve=draft.cost_curve(),
-    )
+    return DraftModelTreeDrafter.for_models(draft, target, budget=options.budget, choices=options.choices)
 
 
 def _prompt_lookup(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:

@@ -32,6 +32,7 @@ from specdecode.drafters.base import Drafter, Outcome
 from specdecode.drafters.draft_model import SyncedCache, late_start
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
+from specdecode.models import costs
 from specdecode.models.costs import CostCurve
 from specdecode.sampling import logits_to_probs
 from specdecode.tree import structure
@@ -108,6 +109,13 @@ class DraftModelTreeDrafter(Drafter):
         self._calibration = Calibration()
         self._predicted = 0.0  # the accepted tokens the last tree's scores predicted
         self.last_scores = torch.empty(0)
+
+    @classmethod
+    def for_models(cls, draft: CausalLM, target: CausalLM, **options) -> DraftModelTreeDrafter:
+        """Priced from both models' cost curves, measured once per machine (`models.costs`), as
+        `DraftModelDrafter.for_models` prices a chain."""
+        return cls(draft, target.cost_curve(), draft_cost=costs.draft_cost(draft, target),
+                   draft_curve=draft.cost_curve(), **options)
 
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         self._cache.reset(len(prompt_ids))
