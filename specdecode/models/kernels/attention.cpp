@@ -69,19 +69,36 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// scores[g][k] = scale * q_g . key_k for G query heads (G <= kHeadTile) and `count` keys
+// scores[g][k0 + k] = scale * q_g . key_{k0 + k} for G query heads and K keys at once: each loaded chunk of a
+// key or a query feeds several products (one load per product made the loop load-bound). Every product keeps
+// its own accumulator, chunks added in order of e, so the tiling changes no bit of any score.
+template <int G, int K>
+inline void dot_tile(const float* const* queries, const float* const* keys, int64_t k0, int64_t d, float scale,
+                     float (*scores)[kBlock]) {
+  __m256 acc[G][K];
+  for (int g = 0; g < G; ++g)
+    for (int k = 0; k < K; ++k) acc[g][k] = _mm256_setzero_ps();
+  for (int64_t e = 0; e < d; e += 8) {
+    __m256 key[K];
+    for (int k = 0; k < K; ++k) key[k] = _mm256_loadu_ps(keys[k0 + k] + e);
+    for (int g = 0; g < G; ++g) {
+      const __m256 q = _mm256_loadu_ps(queries[g] + e);
+      for (int k = 0; k < K; ++k) acc[g][k] = _mm256_fmadd_ps(q, key[k], acc[g][k]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int k = 0; k < K; ++k) scores[g][k0 + k] = hsum(acc[g][k]) * scale;
+}
+
+// scores[g][k] = scale * q_g . key_k for G query heads (G <= kHeadTile) and `count` keys; K keys a tile
+// (G K accumulators, K keys and a query: at most 16 vector registers)
 template <int G>
 void dot_block(const float* const* queries, const float* const* keys, int64_t count, int64_t d, float scale,
                float (*scores)[kBlock]) {
-  for (int64_t k = 0; k < count; ++k) {
-    __m256 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
-    for (int64_t e = 0; e < d; e += 8) {
-      const __m256 key = _mm256_loadu_ps(keys[k] + e);
-      for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(queries[g] + e), key, acc[g]);
-    }
-    for (int g = 0; g < G; ++g) scores[g][k] = hsum(acc[g]) * scale;
-  }
+  constexpr int K = G >= 3 ? 3 : 4;
+  int64_t k = 0;
+  for (; k + K <= count; k += K) dot_tile<G, K>(queries, keys, k, d, scale, scores);
+  for (; k < count; ++k) dot_tile<G, 1>(queries, keys, k, d, scale, scores);
 }
 
 void dot_heads(const float* const* queries, int heads, const float* const* keys, int64_t count, int64_t d,
@@ -96,13 +113,15 @@ void dot_heads(const float* const* queries, int heads, const float* const* keys,
   }
 }
 
-// One head's online-softmax step over one block: scores [count] (padded with room to kBlock), values [count][d]
+// One head's online softmax over one block: its running max, its sum and its accumulator [d]
 struct State {
   float max, sum;
   float* acc;  // [d]
 };
 
-void softmax_step(State& state, float* scores, const float* const* values, int64_t count, int64_t d) {
+// The block's scores [count] (with room to kBlock) become exp(score - new max) in place; the state's max and
+// sum move on; returns the factor the accumulator is rescaled by before the block's values are added
+float softmax_exp(State& state, float* scores, int64_t count) {
   float block_max = scores[0];
   for (int64_t k = 1; k < count; ++k) block_max = std::max(block_max, scores[k]);
   const float new_max = std::max(state.max, block_max);
@@ -117,30 +136,53 @@ void softmax_step(State& state, float* scores, const float* const* values, int64
   }
   state.sum = state.sum * correction + hsum(total);
   state.max = new_max;
-  const __m256 c = _mm256_set1_ps(correction);
-  int64_t e = 0;
-  for (; e + 32 <= d; e += 32) {
-    __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(state.acc + e), c);
-    __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(state.acc + e + 8), c);
-    __m256 a2 = _mm256_mul_ps(_mm256_loadu_ps(state.acc + e + 16), c);
-    __m256 a3 = _mm256_mul_ps(_mm256_loadu_ps(state.acc + e + 24), c);
-    for (int64_t k = 0; k < count; ++k) {
-      const __m256 p = _mm256_set1_ps(scores[k]);
-      const float* v = values[k] + e;
-      a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);
-      a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), a1);
-      a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), a2);
-      a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), a3);
-    }
-    _mm256_storeu_ps(state.acc + e, a0);
-    _mm256_storeu_ps(state.acc + e + 8, a1);
-    _mm256_storeu_ps(state.acc + e + 16, a2);
-    _mm256_storeu_ps(state.acc + e + 24, a3);
+  return correction;
+}
+
+// acc_h = correction_h acc_h + sum over the block's keys, in order, of p_h[k] value_k, for H heads that share
+// the values (each chunk of a value loaded once for all of them), W chunks of 8 dimensions at a time
+template <int H, int W>
+inline void add_values(State* const* states, const float* corrections, float* const* probs,
+                       const float* const* values, int64_t count, int64_t e) {
+  __m256 acc[H][W];
+  for (int h = 0; h < H; ++h) {
+    const __m256 c = _mm256_set1_ps(corrections[h]);
+    for (int w = 0; w < W; ++w) acc[h][w] = _mm256_mul_ps(_mm256_loadu_ps(states[h]->acc + e + 8 * w), c);
   }
-  for (; e < d; e += 8) {
-    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(state.acc + e), c);
-    for (int64_t k = 0; k < count; ++k) a = _mm256_fmadd_ps(_mm256_set1_ps(scores[k]), _mm256_loadu_ps(values[k] + e), a);
-    _mm256_storeu_ps(state.acc + e, a);
+  for (int64_t k = 0; k < count; ++k) {
+    __m256 v[W];
+    for (int w = 0; w < W; ++w) v[w] = _mm256_loadu_ps(values[k] + e + 8 * w);
+    for (int h = 0; h < H; ++h) {
+      const __m256 p = _mm256_set1_ps(probs[h][k]);
+      for (int w = 0; w < W; ++w) acc[h][w] = _mm256_fmadd_ps(p, v[w], acc[h][w]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(states[h]->acc + e + 8 * w, acc[h][w]);
+}
+
+// One block for a row's `group` query heads: scores (from dot_heads) to probabilities, then the values added,
+// heads in pairs
+void softmax_block(State* states, int group, float (*scores)[kBlock], const float* const* values, int64_t count,
+                   int64_t d) {
+  float corrections[2];
+  State* pair[2];
+  float* probs[2];
+  for (int g = 0; g < group; g += 2) {
+    const int h = std::min(2, group - g);
+    for (int i = 0; i < h; ++i) {
+      corrections[i] = softmax_exp(states[g + i], scores[g + i], count);
+      pair[i] = &states[g + i];
+      probs[i] = scores[g + i];
+    }
+    int64_t e = 0;
+    if (h == 2) {
+      for (; e + 32 <= d; e += 32) add_values<2, 4>(pair, corrections, probs, values, count, e);
+      for (; e < d; e += 8) add_values<2, 1>(pair, corrections, probs, values, count, e);
+    } else {
+      for (; e + 32 <= d; e += 32) add_values<1, 4>(pair, corrections, probs, values, count, e);
+      for (; e < d; e += 8) add_values<1, 1>(pair, corrections, probs, values, count, e);
+    }
   }
 }
 
@@ -208,7 +250,7 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
           }
           for (int g = 0; g < group; ++g) queries[g] = qp + ((kv * group + g) * n + i) * d;
           dot_heads(queries.data(), group, keys.data(), count, d, scale, scores);
-          for (int g = 0; g < group; ++g) softmax_step(states[r * group + g], scores[g], values.data(), count, d);
+          softmax_block(states.data() + r * group, group, scores, values.data(), count, d);
         }
       }
       for (int64_t r = 0; r < rows; ++r)
