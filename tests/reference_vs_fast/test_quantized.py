@@ -355,14 +355,17 @@ def test_the_attention_kernel_computes_each_row_alone(tree, length):
 @pytest.mark.skipif(not int4.available(), reason="the attention kernel needs an x86 CPU with AVX2 and a compiler")
 @pytest.mark.parametrize("tree", [False, True], ids=["prefix", "tree"])
 @pytest.mark.parametrize("length", [9, 100, 300])
-def test_the_attention_kernel_is_grouped_query_attention(tree, length):
-    """The kernel's output is close to torch's attention with grouped-query expansion under the same mask."""
+@pytest.mark.parametrize("heads, kv_heads, d", [(6, 2, 32), (14, 2, 40), (4, 4, 24), (8, 1, 64)])
+def test_the_attention_kernel_is_grouped_query_attention(tree, length, heads, kv_heads, d):
+    """The kernel's output is close to torch's attention with grouped-query expansion under the same mask, for
+    query heads per key head and head sizes that leave every remainder of its tiles (3 or 4 heads and 3 or 4
+    keys a product tile, heads in pairs and 32 dimensions at a time for the values)."""
     from torch.nn import functional as F
 
     from specdecode.models.int8 import _csr, _kernel
 
     generator = torch.Generator().manual_seed(length)
-    heads, kv_heads, d, n = 6, 2, 32, 7
+    n = 7
     key, value = torch.randn(2, kv_heads, length, d, generator=generator)
     query = torch.randn(heads, n, d, generator=generator) * 3
     rows = _attention_rows(generator, n, length, tree)
