@@ -21,6 +21,7 @@ int4 layer, attention `int8.ATTENTION`). Anything else keeps transformers' forwa
 from __future__ import annotations
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 
 from specdecode.models.int4 import InvariantInt4Linear
@@ -82,13 +83,45 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
 
 
+def _fuse_projections(layers: list) -> InvariantInt4Linear | None:
+    """One int4 layer computing the given int4 layers' outputs side by side (their rows stacked), whose
+    buffers the given layers then view: one kernel call instead of several, no memory added. Each output
+    channel is computed alone (per-channel weights, the input's quantization shared), so the fused
+    product is the separate ones, bit for bit. None unless every layer is int4."""
+    if not all(isinstance(layer, InvariantInt4Linear) for layer in layers):
+        return None
+    fused = InvariantInt4Linear.__new__(InvariantInt4Linear)
+    nn.Module.__init__(fused)
+    fused.in_features, fused.out_features = layers[0].in_features, sum(layer.out_features for layer in layers)
+    for name in ("nibbles", "groups", "scales", "weight_sums", "bias"):
+        parts = [getattr(layer, name) for layer in layers]
+        whole = None if parts[0] is None else torch.cat(parts)
+        fused.register_buffer(name, whole, persistent=False)
+        start = 0
+        for layer in layers:  # the layer's own buffer becomes a view of its rows of the fused one
+            if whole is not None:
+                setattr(layer, name, whole[start : start + layer.out_features])
+            start += layer.out_features
+    return fused
+
+
 class LeanDecoder:
-    """The forward of a quantized Llama-family model, written out (module docstring)."""
+    """The forward of a quantized Llama-family model, written out (module docstring). On the int4 path each
+    attention's query, key and value products run as one (`_fuse_projections`)."""
 
     def __init__(self, model: PreTrainedModel):
         self.model = model
         self.decoder = model.model
         self.head = model.get_output_embeddings()
+        # kept here, not on the modules: module_bytes and state dicts see the three layers only
+        self.qkv = []
+        for layer in self.decoder.layers:
+            attention = layer.self_attn
+            parts = [attention.q_proj, attention.k_proj, attention.v_proj]
+            if len({part.bias is None for part in parts}) != 1:
+                self.qkv.append(None)
+                continue
+            self.qkv.append(_fuse_projections(parts))
 
     def run(
         self,
@@ -115,12 +148,20 @@ class LeanDecoder:
             attention = layer.self_attn
             states = _rms_norm(layer.input_layernorm, hidden)
             head_dim = attention.head_dim
-            query = attention.q_proj.rows(states).view(n, -1, head_dim)  # [n, heads, d]
-            key = attention.k_proj.rows(states).view(n, -1, head_dim)  # [n, kv_heads, d]
+            fused = self.qkv[index]
+            if fused is not None:  # [n, q + k + v]
+                both = fused.rows(states)
+                widths = (attention.q_proj.out_features, attention.k_proj.out_features)
+                query = both[:, : widths[0]].view(n, -1, head_dim)  # [n, heads, d]
+                key = both[:, widths[0] : widths[0] + widths[1]].view(n, -1, head_dim)  # [n, kv_heads, d]
+                value = both[:, widths[0] + widths[1] :].view(n, -1, head_dim)
+            else:
+                query = attention.q_proj.rows(states).view(n, -1, head_dim)  # [n, heads, d]
+                key = attention.k_proj.rows(states).view(n, -1, head_dim)  # [n, kv_heads, d]
+                value = attention.v_proj.rows(states).view(n, -1, head_dim)
             if hasattr(attention, "q_norm"):  # Qwen3: each head's query and key normalised
                 query, key = _rms_norm(attention.q_norm, query), _rms_norm(attention.k_norm, key)
             query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
-            value = attention.v_proj.rows(states).view(n, -1, head_dim)
             key, value = key.transpose(0, 1)[None], value.transpose(0, 1)[None]  # [1, kv_heads, n, d]
             if cache is not None:
                 key, value = cache.update(key, value, index)

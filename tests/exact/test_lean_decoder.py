@@ -99,3 +99,21 @@ def test_only_the_quantized_llama_family_is_lean():
     assert lean_decoder(model) is not None
     phi3 = Phi3ForCausalLM(Phi3Config(**SIZES, pad_token_id=0)).eval()
     assert lean_decoder(quantize_invariant(phi3, bits=8)) is None  # a layer it does not write out
+
+
+@pytest.mark.skipif(not int4.available(), reason="no int4 kernel")
+def test_int4_query_key_value_run_as_one_product_on_shared_buffers():
+    """On the int4 path each attention's three input products are one (`_fuse_projections`): its output is the
+    three products side by side, bit for bit, and the three layers keep working on views of its buffers (no
+    weights held twice)."""
+    model = quantize_invariant(_model("qwen2"), bits=4)
+    attention = model.model.layers[1].self_attn
+    states = torch.randn(5, SIZES["hidden_size"], generator=torch.Generator().manual_seed(3))
+    separate = torch.cat([attention.q_proj.rows(states), attention.k_proj.rows(states), attention.v_proj.rows(states)], 1)
+    decoder = lean_decoder(model)
+    fused = decoder.qkv[1]
+    assert torch.equal(fused.rows(states), separate)
+    assert torch.equal(torch.cat([p.rows(states) for p in (attention.q_proj, attention.k_proj, attention.v_proj)], 1),
+                       separate)  # the views compute what the layers computed
+    assert attention.k_proj.nibbles.untyped_storage().data_ptr() == fused.nibbles.untyped_storage().data_ptr()
+    assert lean_decoder(quantize_invariant(_model("qwen2"), bits=8)).qkv == [None] * 3  # int8: three products
