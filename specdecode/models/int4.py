@@ -189,6 +189,26 @@ class InvariantInt4Linear(nn.Module):
     def from_linear(linear: nn.Linear) -> InvariantInt4Linear:
         return InvariantInt4Linear(linear.weight, linear.bias)
 
+    @classmethod
+    def stacked(cls, layers: list[InvariantInt4Linear]) -> InvariantInt4Linear:
+        """One layer computing `layers`' outputs side by side (their rows stacked; same inputs, all with a bias
+        or none), whose buffers the given layers then view: one kernel call instead of several, no weights held
+        twice. Each output channel is computed alone (its own weights and scale, the input's quantization
+        shared), so the stacked product is the separate ones, bit for bit."""
+        whole = cls.__new__(cls)
+        nn.Module.__init__(whole)
+        whole.in_features, whole.out_features = layers[0].in_features, sum(layer.out_features for layer in layers)
+        for name in ("nibbles", "groups", "scales", "weight_sums", "bias"):
+            parts = [getattr(layer, name) for layer in layers]
+            buffer = None if parts[0] is None else torch.cat(parts)
+            whole.register_buffer(name, buffer, persistent=False)
+            start = 0
+            for layer in layers:  # each layer's buffer becomes a view of its rows of the stacked one
+                if buffer is not None:
+                    setattr(layer, name, buffer[start : start + layer.out_features])
+                start += layer.out_features
+        return whole
+
     @property
     def weight_bytes(self) -> int:
         return self.nibbles.numel() + self.groups.numel() + 4 * self.out_features

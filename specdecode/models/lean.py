@@ -21,7 +21,6 @@ int4 layer, attention `int8.ATTENTION`). Anything else keeps transformers' forwa
 from __future__ import annotations
 
 import torch
-from torch import nn
 from transformers import PreTrainedModel
 
 from specdecode.models.int4 import InvariantInt4Linear
@@ -84,25 +83,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _fuse_projections(layers: list) -> InvariantInt4Linear | None:
-    """One int4 layer computing the given int4 layers' outputs side by side (their rows stacked), whose
-    buffers the given layers then view: one kernel call instead of several, no memory added. Each output
-    channel is computed alone (per-channel weights, the input's quantization shared), so the fused
-    product is the separate ones, bit for bit. None unless every layer is int4."""
+    """The layers as one int4 product (`InvariantInt4Linear.stacked`) when every one is int4 with or without a
+    bias alike, else None."""
     if not all(isinstance(layer, InvariantInt4Linear) for layer in layers):
         return None
-    fused = InvariantInt4Linear.__new__(InvariantInt4Linear)
-    nn.Module.__init__(fused)
-    fused.in_features, fused.out_features = layers[0].in_features, sum(layer.out_features for layer in layers)
-    for name in ("nibbles", "groups", "scales", "weight_sums", "bias"):
-        parts = [getattr(layer, name) for layer in layers]
-        whole = None if parts[0] is None else torch.cat(parts)
-        fused.register_buffer(name, whole, persistent=False)
-        start = 0
-        for layer in layers:  # the layer's own buffer becomes a view of its rows of the fused one
-            if whole is not None:
-                setattr(layer, name, whole[start : start + layer.out_features])
-            start += layer.out_features
-    return fused
+    if len({layer.bias is None for layer in layers}) != 1:
+        return None
+    return InvariantInt4Linear.stacked(layers)
 
 
 class LeanDecoder:
@@ -117,11 +104,7 @@ class LeanDecoder:
         self.qkv = []
         for layer in self.decoder.layers:
             attention = layer.self_attn
-            parts = [attention.q_proj, attention.k_proj, attention.v_proj]
-            if len({part.bias is None for part in parts}) != 1:
-                self.qkv.append(None)
-                continue
-            self.qkv.append(_fuse_projections(parts))
+            self.qkv.append(_fuse_projections([attention.q_proj, attention.k_proj, attention.v_proj]))
 
     def run(
         self,
