@@ -9,9 +9,7 @@ from specdecode.models.base import CausalLM, ForwardOutput
 from specdecode.models.cache import growing_cache
 from specdecode.models.int4 import InvariantInt4Linear
 from specdecode.models.int8 import InvariantInt8Linear
-from specdecode.models.lean import lean_decoder
-
-_INVARIANT = (InvariantInt8Linear, InvariantInt4Linear)  # the exact quantized paths' Linear layers
+from specdecode.models.lean import QUANTIZED_LAYERS, lean_decoder
 
 
 def _eos_ids(model: PreTrainedModel) -> frozenset[int]:
@@ -29,7 +27,7 @@ def module_bytes(module: torch.nn.Module) -> int:
     for child in module.modules():
         if isinstance(child, torch.ao.nn.quantized.dynamic.Linear):
             total += child.weight().numel()  # one byte each
-        elif isinstance(child, _INVARIANT):
+        elif isinstance(child, QUANTIZED_LAYERS):
             total += child.weight_bytes
     return total
 
@@ -70,7 +68,7 @@ class HFCausalLM(CausalLM):
         embedding = self.model.get_input_embeddings().weight
         head = self.model.get_output_embeddings()
         total = module_bytes(self.model)
-        if isinstance(head, _INVARIANT) or embedding is not head.weight:
+        if isinstance(head, QUANTIZED_LAYERS) or embedding is not head.weight:
             total -= embedding.numel() * embedding.element_size()  # a lookup reads one row
         return total
 

@@ -30,7 +30,7 @@ from specdecode.models.int8 import ATTENTION, InvariantInt8Linear, invariant_att
 # also on each head's queries and keys), rotary positions applied by rotating halves
 LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
 NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
-_QUANTIZED = (InvariantInt8Linear, InvariantInt4Linear)
+QUANTIZED_LAYERS = (InvariantInt8Linear, InvariantInt4Linear)  # the exact quantized paths' Linear layers
 
 
 def lean_decoder(model: PreTrainedModel) -> LeanDecoder | None:
@@ -60,7 +60,7 @@ def _lean_decoder(model: PreTrainedModel) -> LeanDecoder | None:
     linears = [p for layer in decoder.layers for p in (layer.self_attn.q_proj, layer.self_attn.k_proj,
                layer.self_attn.v_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     if (any(type(norm).__name__ not in NORMS for norm in norms)
-            or not all(isinstance(p, _QUANTIZED) for p in [*linears, model.get_output_embeddings()])):
+            or not all(isinstance(p, QUANTIZED_LAYERS) for p in [*linears, model.get_output_embeddings()])):
         return None
     return LeanDecoder(model)
 
