@@ -29,7 +29,7 @@ from transformers import DynamicCache, Qwen2Config, Qwen2Model
 
 from specdecode.drafters.base import Drafter, Needs, Outcome
 from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
-from specdecode.drafters.heads import load_head, save_head, shipped_or_explain
+from specdecode.drafters.heads import for_drafting, load_head, save_head, shipped_or_explain
 from specdecode.tree import structure
 from specdecode.errors import UserError
 from specdecode.tree.budget import Calibration
@@ -93,11 +93,11 @@ class HeadState:
     forwards), the head's KV cache over the context's pairs, and the speculative entries after them."""
 
     def __init__(self, head: EagleHead, target_model):
-        self.head = head
-        self.dtype = next(head.parameters()).dtype
+        # the head as it drafts: float32, its layers on the quantized kernels where the machine has them
+        self.head, self.lm_head = for_drafting(head, target_model.get_output_embeddings().weight[head.vocab_ids])
+        self.dtype = torch.float32
         self.embed = target_model.get_input_embeddings()
         self.vocab_ids = head.vocab_ids  # draft index -> token id
-        self.head_weight = target_model.get_output_embeddings().weight.detach()[head.vocab_ids].to(self.dtype)  # [V', d]
         self.vocab_size = target_model.get_output_embeddings().weight.shape[0]
         self.reset()
 
@@ -146,12 +146,12 @@ class HeadState:
 
     def probs(self, feature: torch.Tensor) -> torch.Tensor:
         """[..., V'] the draft distribution over the truncated vocabulary."""
-        return torch.softmax((feature @ self.head_weight.T).float(), dim=-1)
+        return torch.softmax(self.lm_head(feature).float(), dim=-1)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """[n, vocab] full-vocabulary logits: the head's over its vocabulary, -inf elsewhere."""
         out = torch.full((features.shape[0], self.vocab_size), float("-inf"))
-        out[:, self.vocab_ids] = (features @ self.head_weight.T).float()
+        out[:, self.vocab_ids] = self.lm_head(features).float()
         return out
 
 

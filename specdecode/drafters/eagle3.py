@@ -36,7 +36,7 @@ from torch import nn
 
 from specdecode.drafters.base import Drafter, Needs
 from specdecode.drafters.eagle import EagleDrafter, EagleTreeDrafter
-from specdecode.drafters.heads import shipped_or_explain
+from specdecode.drafters.heads import for_drafting, shipped_or_explain
 from specdecode.errors import UserError
 
 CONFIG = "eagle3.json"
@@ -196,9 +196,11 @@ class Eagle3Head(nn.Module):
         residual = hidden + attended
         return residual + layer.mlp(layer.post_attention_layernorm(residual)), new
 
-    def logits(self, outputs: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    def logits(self, outputs: torch.Tensor, lm_head: torch.Tensor | nn.Module) -> torch.Tensor:
         """[..., d] outputs -> [..., V'] draft logits, through the final norm and the target's LM head rows
-        of the draft vocabulary (`lm_head` [V', d])."""
+        of the draft vocabulary (`lm_head` [V', d], or a layer computing them: `heads.for_drafting`)."""
+        if isinstance(lm_head, nn.Module):
+            return lm_head(self.norm(outputs))
         return self.norm(outputs) @ lm_head.T
 
     # -- storage ---------------------------------------------------------------------------------
@@ -248,11 +250,11 @@ class Eagle3State:
     pairs, and the speculative entries after them."""
 
     def __init__(self, head: Eagle3Head, target_model):
-        self.head = head
-        self.dtype = next(head.parameters()).dtype
+        # the head as it drafts: float32, its layers on the quantized kernels where the machine has them
+        self.head, self.lm_head = for_drafting(head, target_model.get_output_embeddings().weight[head.draft_ids])
+        self.dtype = torch.float32
         self.embed = target_model.get_input_embeddings()
         self.vocab_ids = head.draft_ids
-        self.head_weight = target_model.get_output_embeddings().weight.detach()[self.vocab_ids].to(self.dtype)
         self.vocab_size = target_model.get_output_embeddings().weight.shape[0]
         self.reset()
 
@@ -302,12 +304,12 @@ class Eagle3State:
         return self.last
 
     def probs(self, output: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(self.head.logits(output, self.head_weight).float(), dim=-1)
+        return torch.softmax(self.head.logits(output, self.lm_head).float(), dim=-1)
 
     def logits(self, outputs: torch.Tensor) -> torch.Tensor:
         """[n, vocab]: the draft logits on the draft vocabulary, -inf elsewhere."""
         out = torch.full((outputs.shape[0], self.vocab_size), float("-inf"))
-        out[:, self.vocab_ids] = self.head.logits(outputs, self.head_weight).float()
+        out[:, self.vocab_ids] = self.head.logits(outputs, self.lm_head).float()
         return out
 
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.drafters.base import Drafter, Needs, Outcome
-from specdecode.drafters.heads import load_head, save_head, shipped_or_explain
+from specdecode.drafters.heads import for_drafting, load_head, save_head, shipped_or_explain
 from specdecode.errors import UserError
 from specdecode.tree.budget import MAX_BUDGET, Calibration, best_budget
 from specdecode.types import Draft, SamplingParams
@@ -117,11 +117,11 @@ class MedusaDrafter(Drafter):
             raise ValueError("a Medusa tree needs the target's cost curve or a fixed budget")
         if top_k < 1 or max_nodes < 1:
             raise UserError(f"Medusa needs top_k >= 1 and max_nodes >= 1; got {top_k}, {max_nodes}")
-        self.heads = heads
-        self.dtype = next(heads.parameters()).dtype
         weight = target_model.get_output_embeddings().weight.detach()
         self.vocab_ids = torch.arange(weight.shape[0]) if full_vocabulary else heads.vocab_ids
-        self.head_weight = (weight if full_vocabulary else weight[heads.vocab_ids]).to(self.dtype)  # [V', d]
+        # the heads as they draft: float32, on the quantized kernels where the machine has them
+        self.heads, self.lm_head = for_drafting(heads, weight if full_vocabulary else weight[heads.vocab_ids])
+        self.dtype = torch.float32
         self.curve, self.tree, self.top_k, self.max_nodes, self.budget = curve, tree, top_k, max_nodes, budget
         self.draft_cost = draft_cost
         self._calibration = Calibration()
@@ -147,7 +147,7 @@ class MedusaDrafter(Drafter):
     def distributions(self, feature: torch.Tensor, depth: int) -> torch.Tensor:
         """[depth, V'] the first `depth` heads' distributions over the draft vocabulary."""
         states = self.heads(feature)[:depth]  # [depth, d]
-        return torch.softmax((states @ self.head_weight.T).float(), dim=-1)
+        return torch.softmax(self.lm_head(states).float(), dim=-1)
 
     def propose(self, context: list[int], max_tokens: int, params: SamplingParams, generator) -> Draft:
         self._asked = len(context)

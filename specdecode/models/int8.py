@@ -128,17 +128,24 @@ def quantize_invariant(model: nn.Module, bits: int = 8) -> nn.Module:
     take stay int8) computing in float32, the other parameters (embeddings, norms) in float32, and
     attention computed row by row (`invariant_attention`). A gated MLP's two input projections become one
     layer first (`fuse_gate_up`)."""
-    from specdecode.models import int4
-
     fuse_gate_up(model)
-    for module in list(model.modules()):  # layer by layer: the float32 copy of one weight at a time
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                four = bits == 4 and child.in_features % int4.BLOCK == 0
-                setattr(module, child_name, (int4.InvariantInt4Linear if four else InvariantInt8Linear).from_linear(child))
+    quantize_linears(model, bits)
     model.float()
     model.set_attn_implementation(ATTENTION)
     return model
+
+
+def quantize_linears(module: nn.Module, bits: int = 8) -> nn.Module:
+    """Every nn.Linear within `module` replaced, in place, by an InvariantInt8Linear (bits=8) or an
+    `int4.InvariantInt4Linear` (bits=4; a layer whose input size the 4-bit kernel cannot take stays int8)."""
+    from specdecode.models import int4
+
+    for parent in list(module.modules()):  # layer by layer: the float32 copy of one weight at a time
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                four = bits == 4 and child.in_features % int4.BLOCK == 0
+                setattr(parent, name, (int4.InvariantInt4Linear if four else InvariantInt8Linear).from_linear(child))
+    return module
 
 
 # the MLPs whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)), the one `fuse_gate_up` rewrites

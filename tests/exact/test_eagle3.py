@@ -9,10 +9,12 @@ import torch
 from conftest import LetterTokenizer, greedy_references, greedy_runs, random_prompts
 from conftest import random_eagle3_head as random_head
 from specdecode.drafters import eagle3 as eagle3_drafters
+from specdecode.drafters import heads
 from specdecode.drafters.eagle3 import Eagle3Drafter, Eagle3Head, Eagle3TreeDrafter, default_layers
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.models.costs import CostCurve
+from specdecode.models import int4
 from specdecode.models.hf import HFCausalLM
 from specdecode.training import eagle3 as training
 from specdecode.training.corpus import Sequence
@@ -84,9 +86,32 @@ def test_greedy_eagle3_equals_plain_decoding(tiny_target, vocab, kind):
     assert drafted > 0
 
 
-def test_unroll_attends_as_drafting_does(tiny_target):
+@pytest.mark.skipif(not int4.available(), reason="no quantized kernels")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_head_drafts_from_a_quantized_copy_close_to_it(tiny_target, monkeypatch, bits):
+    """`heads.for_drafting`: the drafting copy's linear layers and LM head on the quantized kernels, the
+    trained head left as it was, the draft distributions close to the float head's."""
+    monkeypatch.setattr(heads, "DRAFT_BITS", bits)
+    head = random_head(tiny_target, vocab=60, intermediate=64)
+    state = eagle3_drafters.Eagle3State(head, tiny_target)
+    assert all(type(m) is not torch.nn.Linear for m in state.head.modules()) and type(state.lm_head) is not torch.nn.Linear
+    assert type(head.fc) is torch.nn.Linear  # the head itself is untouched
+    rows = tiny_target.get_output_embeddings().weight.detach()[head.draft_ids]
+    x = torch.randn(32, head.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    embeddings = torch.randn(32, head.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(32, 32, dtype=torch.bool).tril()
+    with torch.inference_mode():
+        exact = torch.softmax(head.logits(head(x, embeddings, torch.arange(32), mask)[0], rows), -1)
+        drafted = state.probs(state.head(x, embeddings, torch.arange(32), mask)[0])
+    assert (exact - drafted).abs().max() < (0.02 if bits == 8 else 0.1)
+    assert (exact.argmax(-1) == drafted.argmax(-1)).float().mean() >= 0.75
+
+
+def test_unroll_attends_as_drafting_does(tiny_target, monkeypatch):
     """Training-time test's step j at row t equals drafting j + 1 tokens after the context x_0..x_{t+1}
-    through the inference cache: same outputs, so training sees what inference will."""
+    through the inference cache: same outputs, so training sees what inference will (the head in float32
+    here; drafting quantizes it where the machine can: `heads.for_drafting`)."""
+    monkeypatch.setattr(heads, "DRAFT_BITS", None)
     head = random_head(tiny_target, vocab=60)
     tokens = torch.tensor(random_prompts(1, seed=9, low=20, high=21)[0])
     with torch.inference_mode():

@@ -9,6 +9,7 @@ import torch
 
 from conftest import LetterTokenizer, greedy_references, random_prompts
 from specdecode.api import load_models
+from specdecode.drafters import heads
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.eagle import EagleHead, head_config
 from specdecode.engine import GenerationConfig, SpeculativeEngine
@@ -202,9 +203,11 @@ def test_every_method_is_exact_when_its_steps_alternate_with_plain_ones(tiny_mod
 
 
 @pytest.mark.parametrize("kind", ["chain", "tree"])
-def test_an_eagle_head_keeps_its_features_aligned_across_plain_steps(tiny_target, kind):
+def test_an_eagle_head_keeps_its_features_aligned_across_plain_steps(tiny_target, kind, monkeypatch):
     """The head that knows the target (its 'prediction' is the target's own next feature) still has every
-    draft accepted after plain steps: the features of the tokens those steps output reached it."""
+    draft accepted after plain steps: the features of the tokens those steps output reached it. (The head
+    drafts in float32 here: quantized, the target's LM head would no longer be the oracle's.)"""
+    monkeypatch.setattr(heads, "DRAFT_BITS", None)
     prompt = random_prompts(1, seed=8)[0]
     reference = greedy_references(tiny_target, [prompt], 40)[0]
     full = prompt + reference
