@@ -24,6 +24,7 @@ from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupT
 from specdecode.drafters.jacobi import build_jacobi
 from specdecode.drafters.eagle import build_eagle
 from specdecode.drafters.eagle3 import build_eagle3
+from specdecode.drafters.online import build_eagle3_online
 from specdecode.drafters.medusa import build_medusa, build_medusa_tree
 from specdecode.drafters.lookahead import build_lookahead
 from specdecode.drafters.retrieval import build_retrieval
@@ -132,6 +133,10 @@ METHODS: dict[str, Method] = {
                "its own drafts for several steps (training-time test) and on the target's own answers; a chain "
                "(tree: EAGLE-2's dynamic tree; `specdecode train eagle3` trains one, `specdecode export eagle` "
                "writes it for vLLM and SGLang)", False, build_eagle3, tree=True, trained=True, torch_only=True),
+        Method("eagle3-online", "EAGLE-3 whose head keeps learning while it serves (online speculative decoding): "
+               "after each sequence a few optimiser steps on the tokens the target wrote and its features "
+               "(the verifications' own), replayed with the sequences before; kept per owner, never saved",
+               False, build_eagle3_online, tree=True, trained=True, torch_only=True, remembers=True),
         Method("medusa", "Medusa: trained heads on the target's last hidden state guess the next tokens at once; "
                "a chain of their top tokens (tree: the best paths through their top-k; the default target's "
                "heads ship with the package, `specdecode train medusa` trains them)", False, build_medusa,

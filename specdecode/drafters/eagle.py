@@ -101,7 +101,8 @@ class HeadState:
         self.vocab_size = target_model.get_output_embeddings().weight.shape[0]
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, forget: bool = False) -> None:
+        """Ready for a new sequence (a head keeps nothing of earlier ones)."""
         self.features: list[torch.Tensor] = []  # [d] the target's feature at each context position (but the last)
         self.cache = DynamicCache(config=self.head.config)
         self.fed = 0  # context pairs in the head's cache: positions 0 .. fed - 1
@@ -176,7 +177,7 @@ class EagleDrafter(Drafter):
         self._scores = torch.empty(0)  # the last draft's scores
 
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
-        self.state.reset()
+        self.state.reset(forget)
         self._calibration.reset()
 
     def observe(self, outcome: Outcome) -> None:
@@ -221,7 +222,7 @@ class EagleTreeDrafter(DraftModelTreeDrafter):
         self._outputs: dict[int, torch.Tensor] = {}  # node -> the head's prediction after it
 
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
-        self.state.reset()
+        self.state.reset(forget)
         self._calibration.reset()
 
     def observe(self, outcome: Outcome) -> None:

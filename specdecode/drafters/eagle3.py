@@ -244,21 +244,61 @@ class Eagle3Head(nn.Module):
         return head.to(dtype).eval(), record
 
 
+def _mask(rows: int, step: int) -> torch.Tensor:
+    """[rows, (step + 1) rows] bool: step 0's keys up to the row, then the row's own keys of steps 1..step."""
+    causal = torch.ones(rows, rows, dtype=torch.bool).tril()
+    if step == 0:
+        return causal
+    eye = torch.eye(rows, dtype=torch.bool)
+    return torch.cat([causal] + [eye] * step, dim=1)
+
+
+def unroll(head: Eagle3Head, embed, tokens: torch.Tensor, aux: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Training-time test's forward (`training.eagle3`, `drafters.online`): the head's outputs [m, d] at each of
+    `steps` draft steps, m = len(tokens) - steps - 1 rows."""
+    m = len(tokens) - steps - 1
+    hidden = head.fuse(aux[:m].float())
+    keys, values, outputs = [], [], []
+    for step in range(steps):
+        past = None if step == 0 else (torch.cat(keys, 1), torch.cat(values, 1))
+        embeddings = embed(tokens[step + 1 : step + 1 + m]).float()
+        out, (k, v) = head(hidden, embeddings, torch.arange(m) + step, _mask(m, step), past)
+        keys.append(k)
+        values.append(v)
+        outputs.append(out)
+        hidden = out
+    return outputs
+
+
 class Eagle3State:
     """An EAGLE-3 head's view of one sequence (the interface of `eagle.HeadState`, so the EAGLE chain and
     tree drafters run it): the fused features of the context, the head's KV cache over the context's
     pairs, and the speculative entries after them."""
 
-    def __init__(self, head: Eagle3Head, target_model):
-        # the head as it drafts: float32, its layers on the quantized kernels where the machine has them
-        self.head, self.lm_head = for_drafting(head, target_model.get_output_embeddings().weight[head.draft_ids])
+    def __init__(self, head: Eagle3Head, target_model, adaptation=None):
+        self.trained, self.target_model = head, target_model
+        self.adaptation = adaptation  # a head that learns while it drafts (`drafters.online`), or None
+        self._drafting_copy(head)
         self.dtype = torch.float32
         self.embed = target_model.get_input_embeddings()
         self.vocab_ids = head.draft_ids
         self.vocab_size = target_model.get_output_embeddings().weight.shape[0]
+        self.features = []
         self.reset()
 
-    def reset(self) -> None:
+    def _drafting_copy(self, head: Eagle3Head) -> None:
+        """The head as it drafts: float32, its layers on the quantized kernels where the machine has them."""
+        self.head, self.lm_head = for_drafting(head, self.target_model.get_output_embeddings().weight[head.draft_ids])
+
+    def reset(self, forget: bool = False) -> None:
+        """Ready for a new sequence. With an adaptation, the head first learns from the one that ended;
+        `forget` takes it back to the trained head."""
+        if self.adaptation is not None and forget and self.adaptation.restart():
+            self._drafting_copy(self.trained)
+        elif self.adaptation is not None and not forget and self.features:
+            if self.adaptation.learn(self.context, torch.stack(self.features)):
+                self._drafting_copy(self.adaptation.head)
+        self.context: list[int] = []  # the sequence's context as last synced
         self.features: list[torch.Tensor] = []  # [layers * d] the target's layer inputs at each context position
         self.keys = self.values = None  # [kv_heads, cached, head_dim]
         self.fed = 0  # context pairs in the cache: positions 0 .. fed - 1
@@ -293,6 +333,7 @@ class Eagle3State:
     def sync(self, context: list[int]) -> torch.Tensor | None:
         """Feed the context's pairs not yet in the cache; the head's output after the context (None
         before the target's first forward)."""
+        self.context = context
         if len(context) < 2 or len(self.features) < len(context) - 1:
             return None
         self.crop()
@@ -318,9 +359,12 @@ class Eagle3Drafter(EagleDrafter):
 
     name = "eagle3"
 
-    def __init__(self, head: Eagle3Head, target_model, max_tokens: int = 8, min_confidence: float = 0.05):
-        super().__init__(head, target_model, max_tokens, min_confidence, state=Eagle3State(head, target_model))
+    def __init__(self, head: Eagle3Head, target_model, max_tokens: int = 8, min_confidence: float = 0.05,
+                 adaptation=None):
+        super().__init__(head, target_model, max_tokens, min_confidence,
+                         state=Eagle3State(head, target_model, adaptation))
         self.needs = Needs(hidden=tuple(head.config.aux_layers))
+        self.name = "eagle3" if adaptation is None else "eagle3-online"
 
 
 class Eagle3TreeDrafter(EagleTreeDrafter):
@@ -328,25 +372,29 @@ class Eagle3TreeDrafter(EagleTreeDrafter):
 
     name = "eagle3-tree"
 
-    def __init__(self, head: Eagle3Head, target_model, curve, draft_cost: float = 0.05, **tree_options):
-        super().__init__(head, target_model, curve, draft_cost, state=Eagle3State(head, target_model), **tree_options)
+    def __init__(self, head: Eagle3Head, target_model, curve, draft_cost: float = 0.05, adaptation=None,
+                 **tree_options):
+        super().__init__(head, target_model, curve, draft_cost, state=Eagle3State(head, target_model, adaptation),
+                         **tree_options)
         self.needs = Needs(hidden=tuple(head.config.aux_layers))
+        self.name = "eagle3-tree" if adaptation is None else "eagle3-online-tree"
 
 
-def build_eagle3(target, draft, options) -> Drafter:
+def build_eagle3(target, draft, options, adapt=None) -> Drafter:
     """The `eagle3` method: the EAGLE-3 head trained for the target (`specdecode train eagle3`), shipped in
-    the repository for the default target; a chain, or the dynamic tree with `options.tree`."""
+    the repository for the default target; a chain, or the dynamic tree with `options.tree`. `adapt`: makes
+    the head's adaptation from (head, target model) (`drafters.online`)."""
     model, folder = shipped_or_explain(target, "EAGLE3", CONFIG)
     head, _ = Eagle3Head.load(folder, dtype=torch.float32)
+    adaptation = None if adapt is None else adapt(head, model)
     if options.tree:
-        return Eagle3TreeDrafter(head, model, target.cost_curve(), budget=options.budget)
-    return Eagle3Drafter(head, model)
+        return Eagle3TreeDrafter(head, model, target.cost_curve(), budget=options.budget, adaptation=adaptation)
+    return Eagle3Drafter(head, model, adaptation=adaptation)
 
 
 def load_shipped(target_name: str | None = None) -> tuple[Eagle3Head, dict]:
     """The EAGLE-3 head shipped for a target (default: the default target), with its record."""
     from specdecode.models.registry import DEFAULT_TARGET, get_model
 
-    name = target_name or DEFAULT_TARGET
-    folder = Path(__file__).resolve().parents[1] / "heads" / get_model(name).name / "eagle3"
-    return Eagle3Head.load(folder)
+    return Eagle3Head.load(Path(__file__).resolve().parents[1] / "heads" / get_model(target_name or DEFAULT_TARGET).name
+                           / "eagle3")

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdecode.drafters.eagle3 import Eagle3Config, Eagle3Head
+from specdecode.drafters.eagle3 import Eagle3Config, Eagle3Head, unroll
 from specdecode.errors import UserError
 from specdecode.training.features import Shard
 from specdecode.training.loop import Schedule, TrainingRecord, frequent_tokens, optimise, split
@@ -55,31 +55,6 @@ def windows(shards: list[Shard], length: int, steps: int) -> list[Window]:
                 if end - begin >= steps + 8:
                     out.append((tokens[begin:end], hidden[begin:end], assistant[begin:end], aux[begin:end]))
     return out
-
-
-def _mask(rows: int, step: int) -> torch.Tensor:
-    """[rows, (step + 1) rows] bool: step 0's keys up to the row, then the row's own keys of steps 1..step."""
-    causal = torch.ones(rows, rows, dtype=torch.bool).tril()
-    if step == 0:
-        return causal
-    eye = torch.eye(rows, dtype=torch.bool)
-    return torch.cat([causal] + [eye] * step, dim=1)
-
-
-def unroll(head: Eagle3Head, embed, tokens: torch.Tensor, aux: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """The head's outputs [m, d] at each of `steps` draft steps, m = len(tokens) - steps - 1 rows."""
-    m = len(tokens) - steps - 1
-    hidden = head.fuse(aux[:m].float())
-    keys, values, outputs = [], [], []
-    for step in range(steps):
-        past = None if step == 0 else (torch.cat(keys, 1), torch.cat(values, 1))
-        embeddings = embed(tokens[step + 1 : step + 1 + m]).float()
-        out, (k, v) = head(hidden, embeddings, torch.arange(m) + step, _mask(m, step), past)
-        keys.append(k)
-        values.append(v)
-        outputs.append(out)
-        hidden = out
-    return outputs
 
 
 def losses(head, embed, draft_head: torch.Tensor, window: Window, steps: int):

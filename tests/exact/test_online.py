@@ -1,0 +1,66 @@
+"""Online adaptation of an EAGLE-3 head (`drafters.online`): exact whatever it learns, learning from the
+sequences it drafted for (more of a repeated text accepted), taken back to the trained head by `forget`,
+and the trained head itself never changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import LetterTokenizer, greedy_references, greedy_runs, random_eagle3_head, random_prompts
+from specdecode.drafters.eagle3 import Eagle3Drafter, Eagle3TreeDrafter
+from specdecode.drafters.online import OnlineAdaptation
+from specdecode.engine import GenerationConfig, SpeculativeEngine
+from specdecode.models.costs import CostCurve
+from specdecode.models.hf import HFCausalLM
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _drafter(kind: str, head, target, **learning):
+    adaptation = OnlineAdaptation(head, target, **learning)
+    if kind == "chain":
+        return Eagle3Drafter(head, target, min_confidence=0.0, adaptation=adaptation)
+    return Eagle3TreeDrafter(head, target, CostCurve.linear(0.02), budget=6, adaptation=adaptation)
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+def test_an_adapting_head_stays_exact_and_learns_the_text_it_drafts_for(tiny_target, kind):
+    head = random_eagle3_head(tiny_target, vocab=60)
+    trained = {name: tensor.clone() for name, tensor in head.state_dict().items()}
+    # a learning rate that shows learning within a few sequences
+    drafter = _drafter(kind, head, tiny_target, learning_rate=3e-3, steps=6)
+    engine = SpeculativeEngine(HFCausalLM(tiny_target), LetterTokenizer(), drafter, gate=False)
+    prompts = random_prompts(2, seed=21, low=10, high=11)
+    references = greedy_references(tiny_target, prompts, 24)
+    accepted = []
+    for _ in range(6):  # the same two prompts again and again: exact every time
+        runs = greedy_runs(engine, prompts, references, [24])
+        accepted.append(sum(sum(s.accepted for s in r.steps) for *_, r in runs))
+    assert drafter.state.adaptation.updates > 0
+    assert accepted[-1] > accepted[0] + 4, accepted
+    losses = drafter.state.adaptation.losses
+    assert losses[-1] < losses[0], losses
+    assert all(torch.equal(tensor, trained[name]) for name, tensor in head.state_dict().items())  # not the given head
+
+
+def test_forget_takes_the_head_back_to_the_trained_one(tiny_target):
+    head = random_eagle3_head(tiny_target, vocab=60)
+    drafter = _drafter("chain", head, tiny_target)
+    engine = SpeculativeEngine(HFCausalLM(tiny_target), LetterTokenizer(), drafter, gate=False)
+    prompt = random_prompts(1, seed=4, low=10, high=11)[0]
+    config = GenerationConfig(max_new_tokens=24)
+    first = engine.generate(prompt, config)
+    engine.generate(prompt, config)
+    assert drafter.state.adaptation.updates > 0
+    engine.forget()
+    again = engine.generate(prompt, config)  # drafted by the trained head, as the first time
+    assert drafter.state.adaptation.updates == 0
+    assert [s.accepted for s in again.steps] == [s.accepted for s in first.steps]
+
+
+def test_a_short_sequence_teaches_nothing(tiny_target):
+    head = random_eagle3_head(tiny_target, vocab=60)
+    adaptation = OnlineAdaptation(head, tiny_target)
+    assert not adaptation.learn([1, 2, 3], torch.zeros(3, 3 * tiny_target.config.hidden_size))
+    assert adaptation.updates == 0
