@@ -44,7 +44,8 @@ def _target_features(target: str, data: Path, tokens: int, seed: int, dtype: str
     kept = None if answers_folder is None else answers.features_folder(answers_folder)
     if kept is not None and (kept / features.MANIFEST).is_file():
         manifest, shards = features.load(kept)
-        if manifest.get("target_key") == describe["target_key"] and manifest.get("aux_layers") == describe.get("aux_layers"):
+        same = all(manifest.get(key) == describe.get(key) for key in ("target_key", "aux_layers"))
+        if same:
             found.append((manifest, shards))
         else:
             console.print(f"[dim]{kept} holds features of another target path; the answers are read again[/dim]")

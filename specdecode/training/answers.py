@@ -228,9 +228,10 @@ def check_limits(tokens: int, seconds: float | None, batch: int) -> None:
 class Answerer:
     """The target answering prompts in batches, by plain decoding in the batch engine: prompts join with
     `add`; `step` makes one target forward for every sequence in flight and returns the answers that ended.
-    With `layers` (EAGLE-3's, `features_layers`), the forwards also keep the target's features of every token
-    they feed, and `captured[answer id]` holds each ended answer's: (the sequence, hidden, aux) as
-    `features.Writer.add` takes them, of the prompt and the answer but its last token (which no forward feeds)."""
+    With `layers` (EAGLE-3's, `drafters.eagle3.default_layers`), the forwards also keep the target's features
+    of every token they feed, and `captured[answer id]` holds each ended answer's: (the sequence, hidden,
+    aux) as `features.Writer.add` takes them, of the prompt and the answer but its last token (which no
+    forward feeds)."""
 
     def __init__(self, models, settings: Settings, layers: tuple[int, ...] | None = None):
         from specdecode.engine.batch import BatchEngine

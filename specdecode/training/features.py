@@ -98,8 +98,9 @@ class Writer:
     def add(self, ident: str, sequence: Sequence, hidden: torch.Tensor, aux: torch.Tensor | None = None) -> None:
         """A sequence's features: `hidden` [n, d] (the final-norm states), `aux` [n, k d] (the layer inputs)."""
         if hidden.shape[0] != len(sequence.token_ids) or (aux is None) != (self.manifest["aux_layers"] is None):
-            raise ValueError(f"features of {ident} do not fit its {len(sequence.token_ids)} tokens or the folder's layers")
-        self.pending.append((ident, sequence, hidden.to(torch.bfloat16), None if aux is None else aux.to(torch.bfloat16)))
+            raise ValueError(f"features of {ident} do not fit its {len(sequence.token_ids)} tokens or the layers")
+        aux = None if aux is None else aux.to(torch.bfloat16)
+        self.pending.append((ident, sequence, hidden.to(torch.bfloat16), aux))
         self.done.add(ident)
         if sum(len(s.token_ids) for _, s, _, _ in self.pending) >= SHARD_TOKENS:
             self.flush()
@@ -231,6 +232,7 @@ def _mapped(path: Path) -> dict[str, torch.Tensor]:
         if end == begin:
             tensor = torch.empty(0, dtype=dtype)
         else:
-            tensor = torch.frombuffer(mapping, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=8 + length + begin)
+            count, offset = (end - begin) // dtype.itemsize, 8 + length + begin
+            tensor = torch.frombuffer(mapping, dtype=dtype, count=count, offset=offset)
         out[name] = tensor.view(info["shape"])
     return out
