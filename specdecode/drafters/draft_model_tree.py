@@ -155,8 +155,11 @@ class DraftModelTreeDrafter(Drafter):
         n = self.budget or best_budget(scores, self.curve, 0.0, cap=MAX_BUDGET)
         rate = (1 + sum(scores[:n])) / self.curve(1 + n)
         gain = factor * coverage * sum(tree.scores[node] for node in best)
-        cost = self.draft_cost * self.draft_curve(len(best))
-        return best if gain > rate * cost else []
+        return best if gain > rate * self._round_cost(len(best)) else []
+
+    def _round_cost(self, width: int) -> float:
+        """What a growing round over `width` nodes costs, in one-token target forwards."""
+        return self.draft_cost * self.draft_curve(width)
 
     # -- the draft model's part of a step (an EAGLE head has its own: `drafters.eagle`) --------------
 

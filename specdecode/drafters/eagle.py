@@ -21,6 +21,9 @@ positions, cache, masks), so it follows the target's attention geometry; its emb
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,6 +39,8 @@ from specdecode.tree.budget import Calibration
 from specdecode.types import Draft, SamplingParams, Verdict
 
 WEIGHTS, CONFIG = "eagle.safetensors", "eagle.json"
+
+ROUND_TIMINGS = 5  # latest timings of a head's tree round, per width, whose lower median prices it
 
 
 def head_config(target_config, intermediate_size: int | None = None) -> Qwen2Config:
@@ -216,10 +221,13 @@ class EagleTreeDrafter(DraftModelTreeDrafter):
     needs = Needs(hidden=True)
 
     def __init__(self, head: EagleHead, target_model, curve, draft_cost: float = 0.05, state: HeadState | None = None,
-                 **tree_options):
+                 clock: Callable[[], float] = time.perf_counter, **tree_options):
         super().__init__(model=None, curve=curve, draft_cost=draft_cost, **tree_options)
         self.state = state or HeadState(head, target_model)
         self._outputs: dict[int, torch.Tensor] = {}  # node -> the head's prediction after it
+        # the head's rounds as timed, by width (latest first): what a round costs on this machine, for
+        # `_round_cost`; `draft_cost` is only the guess before a width has been timed
+        self.clock, self._rounds = clock, defaultdict(lambda: deque(maxlen=ROUND_TIMINGS))
 
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         self.state.reset(forget)
@@ -246,11 +254,25 @@ class EagleTreeDrafter(DraftModelTreeDrafter):
             mask[row, context_pairs + len(fed) + row] = True
         # a node of depth d - 1 is fed with its parent's prediction, at the parent's position length + d - 3
         features = torch.stack([self._outputs[tree.parents[node]] for node in expand])
+        start = self.clock()
         out = self.state.run(features, [tree.tokens[node] for node in expand],
                              torch.full((len(expand),), length + depth - 3), mask)
         for row, node in enumerate(expand):
             self._outputs[node] = out[row]
-        return self.state.logits(out)
+        logits = self.state.logits(out)
+        self._rounds[len(expand)].appendleft(self.clock() - start)
+        return logits
+
+    def _round_cost(self, width: int) -> float:
+        """A round over `width` nodes in one-token target forwards: the lower median of the latest timings
+        of rounds that wide (or of the nearest width timed: a head's width costs little) over the target's
+        one-token time, once both are known (a head's share of a step differs from machine to machine);
+        `draft_cost` on the target's curve before."""
+        target = getattr(self.curve, "seconds", 0.0)
+        if not self._rounds or not target > 0:
+            return super()._round_cost(width)
+        timings = sorted(self._rounds[min(self._rounds, key=lambda timed: (abs(timed - width), -timed))])
+        return timings[(len(timings) - 1) // 2] / target
 
     def _end(self, length: int) -> None:
         self.state.crop()

@@ -128,3 +128,34 @@ def test_training_lowers_the_losses_and_the_trained_head_drafts_losslessly(tmp_p
                                gate=False)
     result = engine.generate(prompt, GenerationConfig(max_new_tokens=20))
     assert result.token_ids == reference
+
+
+@pytest.mark.parametrize("round_seconds, deeper", [(1e-4, True), (1.0, False)])
+def test_a_head_tree_prices_its_rounds_as_timed(tiny_target, round_seconds, deeper):
+    """The tree grows another round only if it pays at what the head's rounds took (a fake clock), over the
+    target's one-token time: a round costing 25 target steps stops the trees at the root's children once
+    one has been timed; one costing almost nothing lets them grow. Exact either way. (The oracle head of the test
+    above, so that drafts are accepted and worth growing.)"""
+    from dataclasses import replace
+
+    prompt = random_prompts(1, seed=8)[0]
+    reference = greedy_references(tiny_target, [prompt], 30)[0]
+    full = prompt + reference
+    with torch.inference_mode():
+        truth = tiny_target.model(input_ids=torch.tensor([full])).last_hidden_state[0]
+
+    class Oracle(EagleHead):
+        def forward(self, features, embeddings, position_ids, attention_mask=None, cache=None):
+            return truth[(position_ids[0] + 1).clamp(max=len(full) - 1)][None]
+
+    head = Oracle(head_config(tiny_target.config, 32), torch.arange(tiny_target.config.vocab_size)).eval()
+    ticks = iter(range(10**6))
+    drafter = EagleTreeDrafter(head, tiny_target, replace(FLAT, seconds=0.04), top_k=2, width=2, max_depth=4,
+                               clock=lambda: next(ticks) * round_seconds)
+    engine = SpeculativeEngine(HFCausalLM(tiny_target), LetterTokenizer(), drafter, gate=False, step_aside=False)
+    result = engine.generate(prompt, GenerationConfig(max_new_tokens=30))
+    assert result.token_ids == reference
+    assert all(abs(drafter._round_cost(width) - round_seconds / 0.04) < 1e-9 for width in drafter._rounds)
+    depths = [s.draft_depth for s in result.steps if s.drafted]
+    grown = sum(depth > 1 for depth in depths)  # expensive: only until the first round has been timed
+    assert (grown >= len(depths) // 2 if deeper else grown <= 1), depths
