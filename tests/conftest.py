@@ -296,6 +296,21 @@ def random_eagle_head(target, vocab: int | None = None, seed: int = 0, intermedi
     return EagleHead(head_config(target.config, intermediate), ids).float().eval()
 
 
+def oracle_eagle_head(target, prompt: list[int], max_new_tokens: int) -> tuple[EagleHead, list[int]]:
+    """(an EAGLE head whose 'prediction' is the target's own next feature, wired in by hand, along the
+    target's greedy continuation of `prompt`; that continuation): its drafts are the target's own tokens."""
+    reference = greedy_references(target, [prompt], max_new_tokens)[0]
+    full = prompt + reference
+    with torch.inference_mode():
+        truth = target.model(input_ids=torch.tensor([full])).last_hidden_state[0]
+
+    class Oracle(EagleHead):
+        def forward(self, features, embeddings, position_ids, attention_mask=None, cache=None):
+            return truth[(position_ids[0] + 1).clamp(max=len(full) - 1)][None]  # f_{t+1}, the target's own
+
+    return Oracle(head_config(target.config, 32), torch.arange(target.config.vocab_size)).eval(), reference
+
+
 def random_eagle3_head(target, vocab: int | None = None, seed: int = 0, intermediate: int = 32) -> Eagle3Head:
     """An EAGLE-3 head with random weights for `target`, over `vocab` of its tokens chosen at random (default: all)."""
     torch.manual_seed(seed)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import LetterTokenizer, greedy_references, greedy_runs, random_prompts
+from conftest import LetterTokenizer, greedy_references, greedy_runs, oracle_eagle_head, random_prompts
 from conftest import random_eagle_head as random_head
-from specdecode.drafters.eagle import EagleDrafter, EagleHead, EagleTreeDrafter, head_config
+from specdecode.drafters.eagle import EagleDrafter, EagleHead, EagleTreeDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.models.costs import CostCurve
@@ -73,18 +73,9 @@ def test_greedy_eagle_equals_plain_decoding(tiny_target, vocab, kind):
 def test_a_head_that_knows_the_target_is_accepted(tiny_target, kind):
     """A head whose 'prediction' is the target's own next feature (an oracle wired in by hand) must have
     its drafts accepted: proof that features, pairs and positions line up."""
-    prompt = random_prompts(1, seed=8)[0]
     target = HFCausalLM(tiny_target)
-    reference = greedy_references(tiny_target, [prompt], 20)[0]
-    full = prompt + reference
-    with torch.inference_mode():
-        truth = tiny_target.model(input_ids=torch.tensor([full])).last_hidden_state[0]
-
-    class Oracle(EagleHead):
-        def forward(self, features, embeddings, position_ids, attention_mask=None, cache=None):
-            return truth[(position_ids[0] + 1).clamp(max=len(full) - 1)][None]  # f_{t+1}, the target's own
-
-    head = Oracle(head_config(tiny_target.config, 32), torch.arange(tiny_target.config.vocab_size)).eval()
+    prompt = random_prompts(1, seed=8)[0]
+    head, reference = oracle_eagle_head(tiny_target, prompt, 20)
     engine = SpeculativeEngine(target, LetterTokenizer(), eagle_drafter(kind, head, tiny_target), gate=False)
     result = engine.generate(prompt, GenerationConfig(max_new_tokens=20))
     assert result.token_ids == reference
@@ -134,21 +125,12 @@ def test_training_lowers_the_losses_and_the_trained_head_drafts_losslessly(tmp_p
 def test_a_head_tree_prices_its_rounds_as_timed(tiny_target, round_seconds, deeper):
     """The tree grows another round only if it pays at what the head's rounds took (a fake clock), over the
     target's one-token time: a round costing 25 target steps stops the trees at the root's children once
-    one has been timed; one costing almost nothing lets them grow. Exact either way. (The oracle head of the test
-    above, so that drafts are accepted and worth growing.)"""
+    one has been timed; one costing almost nothing lets them grow. Exact either way. (An oracle head, so
+    that drafts are accepted and worth growing.)"""
     from dataclasses import replace
 
     prompt = random_prompts(1, seed=8)[0]
-    reference = greedy_references(tiny_target, [prompt], 30)[0]
-    full = prompt + reference
-    with torch.inference_mode():
-        truth = tiny_target.model(input_ids=torch.tensor([full])).last_hidden_state[0]
-
-    class Oracle(EagleHead):
-        def forward(self, features, embeddings, position_ids, attention_mask=None, cache=None):
-            return truth[(position_ids[0] + 1).clamp(max=len(full) - 1)][None]
-
-    head = Oracle(head_config(tiny_target.config, 32), torch.arange(tiny_target.config.vocab_size)).eval()
+    head, reference = oracle_eagle_head(tiny_target, prompt, 30)
     ticks = iter(range(10**6))
     drafter = EagleTreeDrafter(head, tiny_target, replace(FLAT, seconds=0.04), top_k=2, width=2, max_depth=4,
                                clock=lambda: next(ticks) * round_seconds)

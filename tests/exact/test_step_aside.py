@@ -5,13 +5,11 @@ unchanged when its steps alternate between drafting and not."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from conftest import LetterTokenizer, greedy_references, random_prompts
+from conftest import LetterTokenizer, greedy_references, oracle_eagle_head, random_prompts
 from specdecode.api import load_models
 from specdecode.drafters import heads
 from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.eagle import EagleHead, head_config
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.engine import payoff
 from specdecode.engine.payoff import StepAside
@@ -209,16 +207,7 @@ def test_an_eagle_head_keeps_its_features_aligned_across_plain_steps(tiny_target
     drafts in float32 here: quantized, the target's LM head would no longer be the oracle's.)"""
     monkeypatch.setattr(heads, "DRAFT_BITS", None)
     prompt = random_prompts(1, seed=8)[0]
-    reference = greedy_references(tiny_target, [prompt], 40)[0]
-    full = prompt + reference
-    with torch.inference_mode():
-        truth = tiny_target.model(input_ids=torch.tensor([full])).last_hidden_state[0]
-
-    class Oracle(EagleHead):
-        def forward(self, features, embeddings, position_ids, attention_mask=None, cache=None):
-            return truth[(position_ids[0] + 1).clamp(max=len(full) - 1)][None]
-
-    head = Oracle(head_config(tiny_target.config, 32), torch.arange(tiny_target.config.vocab_size)).eval()
+    head, reference = oracle_eagle_head(tiny_target, prompt, 40)
     engine = SpeculativeEngine(HFCausalLM(tiny_target), LetterTokenizer(), eagle_drafter(kind, head, tiny_target),
                                gate=False, step_aside=False)
     engine.step_aside = Alternating()
