@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import typer
@@ -39,7 +40,14 @@ app.add_typer(train.train_app, name="train")
 app.add_typer(export.export_app, name="export")
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
+    # `kill` ends a command as Ctrl-C does, so long jobs (`train data`, feature extraction) keep what they
+    # finished: their `finally` blocks write the manifests and the pending features (the server installs its own)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         app()
     except UserError as error:

@@ -369,10 +369,12 @@ def generate(
                     break
                 # 2. One forward for every sequence in flight; store the answers that ended.
                 for answer in answerer.step():
-                    store.append(answer)
-                    store.write_manifest(answerer.generated, clock() - start)
+                    # the features first: a kill between the two leaves features of an answer a rerun
+                    # makes again (and the writer, knowing the id, does not take twice), never the reverse
                     if writer is not None and answer.id in answerer.captured:
                         writer.add(answer.id, *answerer.captured.pop(answer.id))
+                    store.append(answer)
+                    store.write_manifest(answerer.generated, clock() - start)
                 elapsed = clock() - start
                 bar.update(task, completed=min(store.tokens + answerer.live_tokens, tokens),
                            rate=answerer.generated / max(elapsed, 1e-9))

@@ -96,7 +96,10 @@ class Writer:
         self.pending: list[tuple[str, Sequence, torch.Tensor, torch.Tensor | None]] = []
 
     def add(self, ident: str, sequence: Sequence, hidden: torch.Tensor, aux: torch.Tensor | None = None) -> None:
-        """A sequence's features: `hidden` [n, d] (the final-norm states), `aux` [n, k d] (the layer inputs)."""
+        """A sequence's features: `hidden` [n, d] (the final-norm states), `aux` [n, k d] (the layer inputs);
+        nothing if the folder holds that id already."""
+        if ident in self.done:
+            return
         if hidden.shape[0] != len(sequence.token_ids) or (aux is None) != (self.manifest["aux_layers"] is None):
             raise ValueError(f"features of {ident} do not fit its {len(sequence.token_ids)} tokens or the layers")
         aux = None if aux is None else aux.to(torch.bfloat16)

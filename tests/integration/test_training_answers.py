@@ -254,3 +254,35 @@ def test_an_extraction_cut_short_carries_on(three_layers, sources, tmp_path, mon
     assert torch.equal(on_disk["hidden"], whole[0].hidden) and torch.equal(on_disk["tokens"].long(), whole[0].tokens)
     with pytest.raises(UserError, match="aux_layers"):
         features.extract(model, sequences, tmp_path / "whole", {"target": "tiny"}, progress=False, layers=(0, 1, 2))
+
+
+def test_a_kill_keeps_the_finished_answers_and_their_features(three_layers, sources, tmp_path, monkeypatch):
+    """`kill` (SIGTERM) ends `specdecode` as Ctrl-C does (`cli.main` installs the handler), so the data job
+    writes the features of every answer it stored before it exits, not only full shards."""
+    import os
+    import signal
+
+    from specdecode import cli
+
+    models = load_models(str(three_layers), None, dtype="int8", progress=False)
+    monkeypatch.setattr(features, "SHARD_TOKENS", 10**6)  # no shard fills up on its own
+    ticks = iter(range(10**6))
+
+    def clock() -> float:  # the kill comes after a few answers
+        tick = next(ticks)
+        if tick == 40:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return float(tick)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(cli, "app", lambda: None)
+    cli.main()
+    try:
+        assert signal.getsignal(signal.SIGTERM) is cli._interrupt
+        with pytest.raises(KeyboardInterrupt):
+            run_answers(models, sources, tmp_path, tokens=10**6, keep_features=True, clock=clock)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    stored = answers.load(tmp_path)[1]
+    kept = features.load(answers.features_folder(tmp_path))[1]
+    assert len(stored) >= 2 and sorted(i for s in kept for i in s.ids) == sorted(a.id for a in stored)
