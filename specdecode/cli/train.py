@@ -3,7 +3,6 @@ features (`train eagle`, `eagle3`, `medusa`)."""
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Annotated
@@ -49,9 +48,7 @@ def _target_features(target: str, data: Path, tokens: int, seed: int, dtype: str
             found.append((manifest, shards))
         else:
             console.print(f"[dim]{kept} holds features of another target path; the answers are read again[/dim]")
-    manifest_path = data / features.MANIFEST
-    older = manifest_path.is_file() and any("ids" not in s for s in json.loads(manifest_path.read_text())["shards"])
-    if not older:  # a folder of the older layout was built whole: it is used as it is
+    if not features.older_layout(data):  # a folder of the older layout was built whole: it is used as it is
         have = {ident for _, shards in found for shard in shards for ident in shard.ids}
         own = [s for s in answers.sequences(answers_folder) if s.id not in have] if answers_folder is not None else []
         sequences = own + (corpus.build(models.tokenizer, tokens, seed=seed) if tokens else [])

@@ -61,20 +61,22 @@ def losses(head, embed, draft_head: torch.Tensor, window: Window, steps: int):
     """(total, {step_k: cross-entropy}, positions) of one window, or None when it has no assistant row."""
     tokens, hidden, assistant, aux = window
     m = len(tokens) - steps - 1
-    outputs = unroll(head, embed, tokens, aux, steps)
-    total, parts, counted = 0.0, {}, 0
-    for step, out in enumerate(outputs):
-        mask = assistant[step + 2 : step + 2 + m].float()
-        if mask.sum() == 0:
-            return None
-        with torch.no_grad():
-            teacher = torch.softmax(hidden[step + 1 : step + 1 + m].float() @ draft_head.T, dim=-1)
-        student = torch.log_softmax(head.logits(out, draft_head).float(), dim=-1)
-        loss = (-(teacher * student).sum(-1) * mask).sum() / mask.sum()
+    # step j's row t predicts x_{t+j+2}: it counts if that is an assistant token, and its teacher is the
+    # target's distribution after x_{t+j+1} (teacher row t + j, the same for every step that reaches it)
+    counted = assistant[2 : steps + m + 1].nonzero().squeeze(-1)
+    rows = [counted[(counted >= step) & (counted < step + m)] for step in range(steps)]
+    if any(len(r) == 0 for r in rows):  # decided before the unroll: a prompt's window costs nothing
+        return None
+    with torch.no_grad():  # only the counted rows' distributions: logits elsewhere would be thrown away
+        teachers = torch.zeros(steps + m - 1, draft_head.shape[0])
+        teachers[counted] = torch.softmax(hidden[1 + counted].float() @ draft_head.T, dim=-1).float()
+    total, parts = 0.0, {}
+    for step, (out, r) in enumerate(zip(unroll(head, embed, tokens, aux, steps), rows)):
+        student = torch.log_softmax(head.logits(out[r - step], draft_head).float(), dim=-1)
+        loss = -(teachers[r] * student).sum(-1).mean()
         total = total + STEP_DECAY**step * loss
         parts[f"step{step + 1}"] = loss.detach()
-        counted = int(mask.sum())
-    return total, parts, counted
+    return total, parts, len(rows[-1])
 
 
 @torch.no_grad()
@@ -86,10 +88,11 @@ def held_out_agreement(head, embed, draft_head, full_head, data: list[Window], p
         if len(tokens) < positions + 8:
             continue
         m = len(tokens) - positions - 1
+        targets = (hidden[1 : positions + m].float() @ full_head.T).argmax(-1)  # once for every position
         for step, out in enumerate(unroll(head, embed, tokens, aux, positions)):
             rows = assistant[step + 2 : step + 2 + m]
             drafted = draft_ids[head.logits(out, draft_head).argmax(-1)]
-            wanted = (hidden[step + 1 : step + 1 + m].float() @ full_head.T).argmax(-1)
+            wanted = targets[step : step + m]
             hits[step] += int(((drafted == wanted) & rows).sum())
             totals[step] += int(rows.sum())
     return [h / n if n else float("nan") for h, n in zip(hits, totals)]

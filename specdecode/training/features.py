@@ -83,7 +83,7 @@ class Writer:
         identity = {"target_key": describe.get("target_key"), "aux_layers": list(layers) if layers else None}
         if path.is_file():
             self.manifest = json.loads(path.read_text())
-            if any("ids" not in shard for shard in self.manifest["shards"]):
+            if older_layout(self.folder):
                 raise UserError(f"{self.folder} holds features of an older layout that cannot be added to; "
                                 "pick an empty folder")
             for key, value in identity.items():
@@ -92,7 +92,7 @@ class Writer:
                                     f"{value!r}; pick another folder")
         else:
             self.manifest = {**describe, **identity, "hidden_size": hidden_size, "seconds": 0.0, "shards": []}
-        self.done = {ident for shard in self.manifest["shards"] for ident in shard["ids"]}
+        self.done = _held(self.manifest)
         self.pending: list[tuple[str, Sequence, torch.Tensor, torch.Tensor | None]] = []
 
     def add(self, ident: str, sequence: Sequence, hidden: torch.Tensor, aux: torch.Tensor | None = None) -> None:
@@ -154,8 +154,20 @@ def missing(folder: Path, sequences: list[Sequence]) -> list[Sequence]:
     manifest_path = Path(folder) / MANIFEST
     if not manifest_path.is_file():
         return list(sequences)
-    have = {ident for shard in json.loads(manifest_path.read_text())["shards"] for ident in shard.get("ids", ())}
+    have = _held(json.loads(manifest_path.read_text()))
     return [s for s in sequences if sequence_id(s) not in have]
+
+
+def older_layout(folder: Path) -> bool:
+    """Whether `folder` holds features of the layout before ids were kept per shard: built whole, used as
+    they are, never added to."""
+    manifest_path = Path(folder) / MANIFEST
+    return manifest_path.is_file() and any("ids" not in s for s in json.loads(manifest_path.read_text())["shards"])
+
+
+def _held(manifest: dict) -> set[str]:
+    """The ids of the sequences a manifest's shards hold."""
+    return {ident for shard in manifest["shards"] for ident in shard.get("ids", ())}
 
 
 def extract(model, sequences: list[Sequence], out: Path, describe: dict, progress: bool = True,

@@ -95,3 +95,17 @@ def test_features_are_the_targets_last_hidden_states(tmp_path):
         assert torch.allclose(model.lm_head(hidden.float()), logits, atol=0.05)
     with pytest.raises(Exception, match="no features"):
         features.load(tmp_path / "nothing")
+
+
+def test_a_folder_of_the_older_layout_is_read_as_it_is_never_added_to(tmp_path):
+    sequence = corpus.Sequence("test", [1, 2, 3, 4, 5], [False, False, True, True, True], id="a")
+    writer = features.Writer(tmp_path, {"target_key": "t"}, hidden_size=4)
+    writer.add("a", sequence, torch.zeros(5, 4, dtype=torch.bfloat16))
+    writer.flush()
+    assert not features.older_layout(tmp_path) and features.missing(tmp_path, [sequence]) == []
+    manifest = json.loads((tmp_path / features.MANIFEST).read_text())
+    del manifest["shards"][0]["ids"]  # as folders built before ids were kept
+    (tmp_path / features.MANIFEST).write_text(json.dumps(manifest))
+    assert features.older_layout(tmp_path) and not features.older_layout(tmp_path / "absent")
+    with pytest.raises(features.UserError, match="older layout"):
+        features.Writer(tmp_path, {"target_key": "t"}, hidden_size=4)
