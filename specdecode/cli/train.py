@@ -183,20 +183,27 @@ def train_eagle3(
     vocab_size: VocabOption = 16_384,
     learning_rate: Annotated[float, typer.Option(min=0.0)] = 3e-4,
     seed: Annotated[int, typer.Option()] = 0,
+    init: Annotated[Path | None, typer.Option(
+        help="A head trained before (its folder) to start from: its weights, MLP width and draft vocabulary "
+             "(to carry a head on to more data).")] = None,
     dtype: DTypeOption = DType("auto"),
     target: TargetOption = DEFAULT_TARGET,
 ) -> None:
     """Train an EAGLE-3 head for TARGET on the path it will draft on (--dtype): the inputs of three of its
     layers over its own answers and a teacher-forced corpus (built once into --data), then the head with
     training-time test within --seconds."""
+    from specdecode.drafters.eagle3 import Eagle3Head
     from specdecode.training import eagle3
 
+    start = None if init is None else Eagle3Head.load(init)[0]  # before the features: a bad folder fails at once
     model, describe, shards = _target_features(target, data, tokens, seed, dtype=dtype.value, eagle3=True,
                                                answers_folder=answers)
+    if init is not None:
+        describe["init"] = str(init)
     settings = eagle3.TrainingSettings(intermediate_size=intermediate_size, vocab_size=vocab_size, seconds=seconds,
                                        epochs=epochs, steps=steps, learning_rate=learning_rate, seed=seed)
     head, record = eagle3.train(model, shards, settings, tuple(describe["aux_layers"]), log=console.print,
-                                checkpoint=_checkpoint(out))
+                                checkpoint=_checkpoint(out), init=start)
     eagle3.save(head, record, out, describe)
     _saved(out)
 

@@ -46,14 +46,14 @@ class TrainingSettings(Schedule):
 Window = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # tokens, hidden, assistant, aux
 
 
-def windows(shards: list[Shard], length: int, steps: int) -> list[Window]:
+def windows(shards: list[Shard], length: int, steps: int) -> list[tuple[str, Window]]:
     out = []
-    for shard in shards:
-        for tokens, hidden, assistant, aux in shard.sequences_with_aux():
+    for index, shard in enumerate(shards):
+        for key, (tokens, hidden, assistant, aux) in zip(shard.keys(index), shard.sequences_with_aux()):
             for begin in range(0, len(tokens), length):
                 end = min(begin + length, len(tokens))
                 if end - begin >= steps + 8:
-                    out.append((tokens[begin:end], hidden[begin:end], assistant[begin:end], aux[begin:end]))
+                    out.append((key, (tokens[begin:end], hidden[begin:end], assistant[begin:end], aux[begin:end])))
     return out
 
 
@@ -99,9 +99,12 @@ def held_out_agreement(head, embed, draft_head, full_head, data: list[Window], p
 
 
 def train(target_model, shards: list[Shard], settings: TrainingSettings, layers: tuple[int, ...],
-          progress: bool = True, log=print, checkpoint: Path | None = None) -> tuple[Eagle3Head, TrainingRecord]:
+          progress: bool = True, log=print, checkpoint: Path | None = None,
+          init: Eagle3Head | None = None) -> tuple[Eagle3Head, TrainingRecord]:
     """Train an EAGLE-3 head for `target_model` (a transformers causal LM) on its stored features, whose
-    layer inputs are those of `layers` (carrying on from `checkpoint` where it exists: `loop.optimise`)."""
+    layer inputs are those of `layers` (carrying on from `checkpoint` where it exists: `loop.optimise`);
+    from `init`'s weights and draft vocabulary when given (a head trained before, carried on to more data;
+    its MLP width and vocabulary size replace the settings')."""
     from specdecode.models.hf import _eos_ids
 
     if settings.steps < 1:
@@ -113,11 +116,20 @@ def train(target_model, shards: list[Shard], settings: TrainingSettings, layers:
         return F.embedding(ids, table)
 
     full_head = target_model.get_output_embeddings().weight.detach().float()
-    vocab_ids = frequent_tokens(shards, settings.vocab_size, sorted(_eos_ids(target_model)))
+    if init is not None:
+        settings.intermediate_size, settings.vocab_size = init.config.intermediate_size, init.config.draft_vocab_size
+        vocab_ids = init.draft_ids.clone()
+    else:
+        vocab_ids = frequent_tokens(shards, settings.vocab_size, sorted(_eos_ids(target_model)))
     draft_head = full_head[vocab_ids]
     config = Eagle3Config.for_target(target_model.config, settings.intermediate_size, len(vocab_ids))
     config.aux_layers = tuple(layers)
     head = Eagle3Head(config, vocab_ids).float()
+    if init is not None:
+        if init.config != config:
+            raise UserError("the head to start from was made for another target or other layers "
+                            f"({init.config} against {config})")
+        head.load_state_dict(init.state_dict())
     training, evaluation = split(windows(shards, settings.sequence_tokens, settings.steps), settings.seed)
     if not training:
         raise UserError("the features hold no window long enough to train on")

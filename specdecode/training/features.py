@@ -50,6 +50,11 @@ class Shard:
         for begin, end in zip(self.starts[:-1].tolist(), self.starts[1:].tolist()):
             yield self.tokens[begin:end], self.hidden[begin:end], self.assistant[begin:end]
 
+    def keys(self, index: int) -> list[str]:
+        """Each sequence's name for the held-out split (`loop.split`): its id, or, in a folder of the older
+        layout, its place there (`index`: the shard's)."""
+        return list(self.ids) if self.ids else [f"{index}/{i}" for i in range(len(self.starts) - 1)]
+
     def sequences_with_aux(self):
         """(tokens, hidden, assistant, aux) of each sequence."""
         if self.aux is None:

@@ -17,6 +17,7 @@ import math
 import os
 import random
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -28,7 +29,7 @@ from specdecode.errors import UserError
 from specdecode.models.precision import bf16_units
 from specdecode.training.features import Shard
 
-HELD_OUT = 0.05  # share of windows kept for evaluation
+HELD_OUT = 0.05  # share of sequences kept for evaluation (`held_out`)
 CHECKPOINT_SECONDS = 300.0  # how often a run saves where it is (and always when its time budget ends)
 
 Window = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # tokens [n], features [n, d], assistant [n]
@@ -64,24 +65,34 @@ def frequent_tokens(shards: list[Shard], size: int, always: list[int]) -> torch.
     return torch.tensor(sorted(chosen)[: max(size, len(always))], dtype=torch.long)
 
 
-def windows(shards: list[Shard], length: int) -> list[Window]:
-    """(tokens, features, assistant) windows of at most `length` tokens, sequences cut where needed."""
+def windows(shards: list[Shard], length: int) -> list[tuple[str, Window]]:
+    """(sequence key, (tokens, features, assistant)) windows of at most `length` tokens, sequences cut where
+    needed."""
     out = []
-    for shard in shards:
-        for tokens, hidden, assistant in shard.sequences():
+    for index, shard in enumerate(shards):
+        for key, (tokens, hidden, assistant) in zip(shard.keys(index), shard.sequences()):
             for begin in range(0, len(tokens) - 2, length):
                 end = min(begin + length, len(tokens))
                 if end - begin >= 8:
-                    out.append((tokens[begin:end], hidden[begin:end], assistant[begin:end]))
+                    out.append((key, (tokens[begin:end], hidden[begin:end], assistant[begin:end])))
     return out
 
 
-def split(data: list[Window], seed: int) -> tuple[list[Window], list[Window]]:
-    """(training, held-out) windows, shuffled with `seed`."""
-    data = list(data)
-    random.Random(seed).shuffle(data)
-    held = max(1, int(len(data) * HELD_OUT))
-    return data[held:], data[:held]
+def held_out(key: str) -> bool:
+    """Whether the sequence named `key` is kept for evaluation: about HELD_OUT of them, chosen by a hash of
+    the name, so a sequence stays on its side as the data grows (a head carried on to more data is never
+    evaluated on what it learnt from) and all of a sequence's windows go to the same side."""
+    return zlib.crc32(key.encode()) % 10_000 < HELD_OUT * 10_000
+
+
+def split(data: list[tuple[str, Window]], seed: int) -> tuple[list[Window], list[Window]]:
+    """(training windows shuffled with `seed`, held-out windows) of (sequence key, window) pairs."""
+    training = [window for key, window in data if not held_out(key)]
+    evaluation = [window for key, window in data if held_out(key)]
+    random.Random(seed).shuffle(training)
+    if not evaluation and len(training) > 1:  # a tiny data set: one window still shows something
+        evaluation.append(training.pop())
+    return training, evaluation
 
 
 # a window's losses: (the total to minimise, named parts to log, positions counted) or None (nothing to learn)

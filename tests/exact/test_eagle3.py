@@ -160,3 +160,12 @@ def test_training_lowers_every_steps_loss_and_the_trained_head_drafts_losslessly
 
     untrained = Eagle3Head(loaded.config, loaded.draft_ids).float().eval()
     assert accepted(loaded) > 2 * accepted(untrained) + 5
+
+    # carried on (`--init`): from the trained weights and vocabulary, so its first losses are the trained ones
+    again = training.TrainingSettings(**(vars(settings) | {"epochs": 4, "vocab_size": 16, "intermediate_size": 8}))
+    carried, carried_record = training.train(tiny_target, shards, again, layers, progress=False,
+                                             log=lambda *_: None, init=loaded)
+    assert torch.equal(carried.draft_ids, loaded.draft_ids) and carried.config == loaded.config
+    assert all(carried_record.losses[0][f"step{k}"] < first[f"step{k}"] - 0.3 for k in (1, 2, 3))
+    with pytest.raises(UserError, match="another target or other layers"):
+        training.train(tiny_target, shards, again, (0, 1, 1), progress=False, log=lambda *_: None, init=loaded)

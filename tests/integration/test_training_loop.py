@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.errors import UserError
-from specdecode.training.loop import Schedule, TrainingRecord, optimise
+from specdecode.training.loop import Schedule, TrainingRecord, held_out, optimise, split
 
 SCHEDULE = Schedule(seconds=1e9, epochs=3, learning_rate=1e-2, warmup_steps=2, batch_windows=1, seed=3)
 
@@ -92,3 +92,17 @@ def test_a_checkpoint_of_other_settings_is_refused(tmp_path):
     longer, record = Schedule(**{**vars(SCHEDULE), "seconds": 2e9}), TrainingRecord(settings={})
     optimise(model, _loss(model), windows, longer, record, "longer", progress=False, checkpoint=checkpoint)
     assert record.steps == 33 and not checkpoint.exists()
+
+
+def test_held_out_sequences_stay_held_out_as_the_data_grows():
+    def keyed(count):  # three windows a sequence, each naming its sequence
+        return [(f"answer-{i}", (f"answer-{i}", part)) for i in range(count) for part in range(3)]
+
+    small_training, small_held = split(keyed(200), seed=0)
+    large_training, large_held = split(keyed(2000), seed=1)
+    assert set(small_held) <= set(large_held) and not set(small_held) & set(large_training)
+    held_keys = {key for key, _ in large_held}
+    assert len(large_held) == 3 * len(held_keys)  # a sequence's windows all on one side
+    assert 0.02 < len(held_keys) / 2000 < 0.08 and held_keys == {f"answer-{i}" for i in range(2000)
+                                                                  if held_out(f"answer-{i}")}
+    assert len(split(keyed(1), seed=0)[1]) == 1  # a tiny data set still shows one window
