@@ -20,7 +20,7 @@ against the target's most likely token there (k = 1 is the head reading the real
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from specdecode.drafters.eagle3 import Eagle3Config, Eagle3Head, unroll
 from specdecode.errors import UserError
 from specdecode.training.features import Shard
-from specdecode.training.loop import Schedule, TrainingRecord, frequent_tokens, optimise, split
+from specdecode.training.loop import Schedule, TrainingRecord, frequent_tokens, optimise, split, windows
 
 STEP_DECAY = 0.8  # weight of draft step j's loss: STEP_DECAY ** j
 
@@ -44,17 +44,6 @@ class TrainingSettings(Schedule):
 
 
 Window = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # tokens, hidden, assistant, aux
-
-
-def windows(shards: list[Shard], length: int, steps: int) -> list[tuple[str, Window]]:
-    out = []
-    for index, shard in enumerate(shards):
-        for key, (tokens, hidden, assistant, aux) in zip(shard.keys(index), shard.sequences_with_aux()):
-            for begin in range(0, len(tokens), length):
-                end = min(begin + length, len(tokens))
-                if end - begin >= steps + 8:
-                    out.append((key, (tokens[begin:end], hidden[begin:end], assistant[begin:end], aux[begin:end])))
-    return out
 
 
 def losses(head, embed, draft_head: torch.Tensor, window: Window, steps: int):
@@ -117,7 +106,8 @@ def train(target_model, shards: list[Shard], settings: TrainingSettings, layers:
 
     full_head = target_model.get_output_embeddings().weight.detach().float()
     if init is not None:
-        settings.intermediate_size, settings.vocab_size = init.config.intermediate_size, init.config.draft_vocab_size
+        settings = replace(settings, intermediate_size=init.config.intermediate_size,
+                           vocab_size=init.config.draft_vocab_size)
         vocab_ids = init.draft_ids.clone()
     else:
         vocab_ids = frequent_tokens(shards, settings.vocab_size, sorted(_eos_ids(target_model)))
@@ -130,7 +120,7 @@ def train(target_model, shards: list[Shard], settings: TrainingSettings, layers:
             raise UserError("the head to start from was made for another target or other layers "
                             f"({init.config} against {config})")
         head.load_state_dict(init.state_dict())
-    training, evaluation = split(windows(shards, settings.sequence_tokens, settings.steps), settings.seed)
+    training, evaluation = split(windows(shards, settings.sequence_tokens, settings.steps + 8, aux=True), settings.seed)
     if not training:
         raise UserError("the features hold no window long enough to train on")
     record = TrainingRecord(settings=vars(settings) | {"vocab": len(vocab_ids), "aux_layers": list(layers),

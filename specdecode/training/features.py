@@ -88,7 +88,7 @@ class Writer:
         identity = {"target_key": describe.get("target_key"), "aux_layers": list(layers) if layers else None}
         if path.is_file():
             self.manifest = json.loads(path.read_text())
-            if older_layout(self.folder):
+            if _older(self.manifest):
                 raise UserError(f"{self.folder} holds features of an older layout that cannot be added to; "
                                 "pick an empty folder")
             for key, value in identity.items():
@@ -167,7 +167,11 @@ def older_layout(folder: Path) -> bool:
     """Whether `folder` holds features of the layout before ids were kept per shard: built whole, used as
     they are, never added to."""
     manifest_path = Path(folder) / MANIFEST
-    return manifest_path.is_file() and any("ids" not in s for s in json.loads(manifest_path.read_text())["shards"])
+    return manifest_path.is_file() and _older(json.loads(manifest_path.read_text()))
+
+
+def _older(manifest: dict) -> bool:
+    return any("ids" not in shard for shard in manifest["shards"])
 
 
 def _held(manifest: dict) -> set[str]:

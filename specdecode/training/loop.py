@@ -65,16 +65,17 @@ def frequent_tokens(shards: list[Shard], size: int, always: list[int]) -> torch.
     return torch.tensor(sorted(chosen)[: max(size, len(always))], dtype=torch.long)
 
 
-def windows(shards: list[Shard], length: int) -> list[tuple[str, Window]]:
-    """(sequence key, (tokens, features, assistant)) windows of at most `length` tokens, sequences cut where
-    needed."""
+def windows(shards: list[Shard], length: int, shortest: int = 8, aux: bool = False) -> list[tuple[str, Window]]:
+    """(sequence key, (tokens, features, assistant[, layer inputs with `aux`])) windows of at most `length`
+    tokens and at least `shortest`, sequences cut where needed."""
     out = []
     for index, shard in enumerate(shards):
-        for key, (tokens, hidden, assistant) in zip(shard.keys(index), shard.sequences()):
-            for begin in range(0, len(tokens) - 2, length):
-                end = min(begin + length, len(tokens))
-                if end - begin >= 8:
-                    out.append((key, (tokens[begin:end], hidden[begin:end], assistant[begin:end])))
+        sequences = shard.sequences_with_aux() if aux else shard.sequences()
+        for key, parts in zip(shard.keys(index), sequences):
+            for begin in range(0, len(parts[0]), length):
+                end = min(begin + length, len(parts[0]))
+                if end - begin >= shortest:
+                    out.append((key, tuple(part[begin:end] for part in parts)))
     return out
 
 
