@@ -65,9 +65,6 @@ def peer_runner(models: Models, name: str, **generate_kwargs) -> Runner:
     return Runner(name, True, True, run)
 
 
-PEER_CONTEXT = 32768
-
-
 def llamacpp_plain_runner(models: Models) -> Runner:
     """Plain decoding of the target's own GGUF file through llama.cpp, as a peer of torch runs: the
     fastest plain decoder on a CPU, so one table shows every torch path against it. Its weights are the
@@ -77,9 +74,8 @@ def llamacpp_plain_runner(models: Models) -> Runner:
     if models.target_gguf is None:
         raise UserError("llamacpp-ar decodes the target's GGUF file: load the target by registered name or as a "
                         ".gguf file")
-    # a context for the long-context category's longest prompts (16k tokens) and their answers, capped by
-    # the model's trained length (llama.cpp allocates the cache up front: ~1 GB for the default target)
-    engine = SpeculativeEngine(LlamaCppLM(models.target_gguf, n_ctx=PEER_CONTEXT), models.tokenizer,
+    # the default context holds the long-context category's longest prompts (16k tokens) and their answers
+    engine = SpeculativeEngine(LlamaCppLM(models.target_gguf), models.tokenizer,
                                method="llamacpp-ar")
     return dataclasses.replace(engine_runner(engine, lossless=False), peer=True)
 

@@ -125,6 +125,20 @@ def train_data(
                   f"{summary.tokens_per_second:.1f} tokens/s{dropped}; stopped by {summary.stopped_by})")
 
 
+@train_app.command("pack")
+def train_pack(folder: Annotated[Path, typer.Argument(help="An answers folder of `train data`.")]) -> None:
+    """Compress FOLDER's new answers (answers.jsonl) into its next chunk, answers-NNN.jsonl.xz, which is never
+    written again: a folder's answers in a form a repository keeps (about 1.5 bytes a token). `train data` and
+    `train eagle3 --answers` read the chunks with answers.jsonl."""
+    from specdecode.training import answers
+
+    count, tokens, chunk = answers.pack(folder)
+    if chunk is None:
+        console.print(f"{folder}: nothing new to pack")
+    else:
+        console.print(f"{chunk}: {count} answers, {tokens:,} answer tokens, {chunk.stat().st_size / 1e6:.1f} MB")
+
+
 # --- end of specdecode train data ------------------------------------------------------------------
 
 

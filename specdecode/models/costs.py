@@ -212,7 +212,9 @@ def _machine() -> str:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return f"{cpu}|{torch.get_num_threads()} threads|torch {torch.__version__}"
+    # with the instructions PyTorch runs here: ATEN_CPU_CAPABILITY=avx2 makes another machine of an AVX-512 one
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{cpu}|{capability}|{torch.get_num_threads()} threads|torch {torch.__version__}"
 
 
 def cache_root() -> Path:

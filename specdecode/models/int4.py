@@ -46,7 +46,7 @@ _SOURCE = Path(__file__).parent / "kernels" / "int4.cpp"
 # (AVX2: three instructions per 32 products and row; AVX-VNNI: one per 32; AVX-512 VNNI: one per 64)
 KERNELS = ("avx2", "avx-vnni", "avx512-vnni")
 ROW_SLICE_BYTES = 1 << 19  # the quantized rows one kernel call takes at most: about half an L2 cache
-_forced: int = -1  # the variant `forced_kernel` asks for; -1: the best this CPU has
+_forced: int = -1  # the variant `forced_kernel` asks for; -1: the best this machine runs (`_best`)
 
 
 def available() -> bool:
@@ -94,8 +94,18 @@ def _ops():
 
 
 def kernels() -> list[str]:
-    """The kernel variants this CPU runs, slowest first (the last is the one used)."""
-    return [name for number, name in enumerate(KERNELS) if _ops().supported(number)]
+    """The kernel variants this machine runs, slowest first (the last is the one used). An AVX-512
+    variant only where ATen runs its AVX-512 code too: `ATEN_CPU_CAPABILITY=avx2` makes an AVX-512
+    machine an AVX2 one for PyTorch's kernels and ours alike (how AVX2 figures are approximated there)."""
+    capped = torch.backends.cpu.get_cpu_capability() != "AVX512"
+    return [name for number, name in enumerate(KERNELS)
+            if _ops().supported(number) and not (capped and name.startswith("avx512"))]
+
+
+@functools.cache
+def _best() -> int:
+    """The number of the variant the layers run unless `forced_kernel` says otherwise."""
+    return KERNELS.index(kernels()[-1])
 
 
 def kernel_name() -> str:
@@ -230,7 +240,8 @@ class InvariantInt4Linear(nn.Module):
         # so slicing changes no bit of it).
         step = max(8, ROW_SLICE_BYTES // self.in_features // 8 * 8)
         if rows.shape[0] <= step:
-            return _ops().linear(rows, self.nibbles, self.groups, self.scales, self.weight_sums, self.bias, _forced)
+            return _ops().linear(rows, self.nibbles, self.groups, self.scales, self.weight_sums, self.bias,
+                                   _forced if _forced >= 0 else _best())
         return torch.cat([self.rows(rows[i : i + step]) for i in range(0, rows.shape[0], step)])
 
     def extra_repr(self) -> str:

@@ -76,10 +76,14 @@ def shared_prefix(mask: torch.Tensor) -> int:
     return n if bool(seen_by_all_after.all()) else int((~seen_by_all_after).nonzero()[0])
 
 
+DEFAULT_CONTEXT = 32768  # positions a context opens by default (the long-context category's 16k prompts fit)
+
+
 class LlamaCppLM(CausalLM):
     """A GGUF model in a llama.cpp context, holding one sequence."""
 
-    def __init__(self, path: str | Path, n_ctx: int = 4096, threads: int | None = None, max_branches: int = 64):
+    def __init__(self, path: str | Path, n_ctx: int | None = None, threads: int | None = None,
+                 max_branches: int = 64):
         lib = _llama_cpp()
         self._lib = lib
         _silence(lib)
@@ -90,6 +94,10 @@ class LlamaCppLM(CausalLM):
         if not self._model:
             raise UserError(f"llama.cpp could not load {self.path}")
         threads = threads or torch.get_num_threads()
+        trained = lib.llama_model_n_ctx_train(self._model)
+        # by default the model's trained length, up to DEFAULT_CONTEXT: llama.cpp allocates the cache up front
+        # (28 KB a position for the default target in float16: 0.9 GB at 32k); a step reads only what is filled
+        n_ctx = n_ctx or min(trained, DEFAULT_CONTEXT)
         params = lib.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = params.n_ubatch = MAX_BATCH
@@ -103,7 +111,7 @@ class LlamaCppLM(CausalLM):
         self._memory = lib.llama_get_memory(self._ctx)
         vocab = lib.llama_model_get_vocab(self._model)
         self.vocab_size = lib.llama_vocab_n_tokens(vocab)
-        self.max_context = min(n_ctx, lib.llama_model_n_ctx_train(self._model))
+        self.max_context = min(n_ctx, trained)
         self.eos_token_ids = frozenset(t for t in range(self.vocab_size) if lib.llama_vocab_is_eog(vocab, t))
         self.max_branches = max_branches
         self._batch = lib.llama_batch_init(MAX_BATCH, 0, max_branches + 1)

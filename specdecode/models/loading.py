@@ -237,9 +237,10 @@ def load_causal_lm(
     return model, tokenizer
 
 
-def load_gguf_lm(spec: str, *, progress: bool = True, n_ctx: int = 4096):
+def load_gguf_lm(spec: str, *, progress: bool = True, n_ctx: int | None = None):
     """The llama.cpp backend: a registered name or a .gguf file, run as it is (no dequantisation, no
-    safetensors copy). Returns (`models.llamacpp.LlamaCppLM`, tokenizer)."""
+    safetensors copy), with a context of `n_ctx` positions (default: `LlamaCppLM`'s). Returns
+    (`models.llamacpp.LlamaCppLM`, tokenizer)."""
     from specdecode.models.llamacpp import LlamaCppLM
 
     if spec in registered_models():

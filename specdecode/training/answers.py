@@ -12,6 +12,10 @@ Storage, in the output folder:
   answers.jsonl  one object per finished answer, appended and flushed line by line: id, source, mode
                  ("greedy" or "sampled"), seed (the sampling seed; null when greedy), prompt_ids,
                  answer_ids (the EOS token included when it ended there), finish_reason
+  answers-NNN.jsonl.xz  answers packed away (`pack`): the same lines, xz-compressed, never written
+                 again; about 1.5 bytes a token, so a folder's answers can be kept in a repository and a
+                 fresh machine carries on from them (the project keeps its default target's in
+                 training-data/)
   answers.json   the manifest: the target (name, cost key, precision, path), the settings, the counts
   features/      (with `keep_features`) the target's features of each answer, kept from the forwards that
                  generated it (`features.Writer`; the inputs of EAGLE-3's three layers and the final-norm
@@ -24,7 +28,9 @@ and settings only.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import lzma
 import os
 import time
 from collections import Counter
@@ -39,6 +45,7 @@ from specdecode.training import corpus, features
 from specdecode.training.prompts import Prompt, Settings, encode, prompt_limit, prompts, sampling_of
 
 ANSWERS = "answers.jsonl"
+PACKED = "answers-{:03d}.jsonl.xz"  # `pack`'s chunks, numbered from 0
 MANIFEST = "answers.json"
 
 
@@ -111,13 +118,64 @@ def read_answers(path: Path, repair: bool = False) -> list[Answer]:
     return answers
 
 
+def packed_files(folder: Path) -> list[Path]:
+    """The folder's packed chunks, in the order they were packed."""
+    return sorted(Path(folder).glob(PACKED.replace("{:03d}", "[0-9]*")))
+
+
+def read_packed(folder: Path) -> list[Answer]:
+    """The answers of the folder's packed chunks."""
+    return [Answer.from_json(line) for path in packed_files(folder)
+            for line in lzma.decompress(path.read_bytes()).decode().splitlines()]
+
+
+def read_all(folder: Path, repair: bool = False) -> list[Answer]:
+    """The packed answers, then answers.jsonl's (`read_answers`), each id once: a kill during `pack`
+    may leave a chunk's answers in answers.jsonl too."""
+    answers, seen = [], set()
+    for answer in read_packed(folder) + read_answers(Path(folder) / ANSWERS, repair):
+        if answer.id not in seen:
+            seen.add(answer.id)
+            answers.append(answer)
+    return answers
+
+
 def load(folder: Path) -> tuple[dict, list[Answer]]:
     """The manifest and the answers of an answers folder."""
     folder = Path(folder)
     if not (folder / MANIFEST).is_file():
         raise UserError(f"{folder} holds no answers ({MANIFEST} is missing): "
                         "`specdecode train data --out DIR` makes them")
-    return json.loads((folder / MANIFEST).read_text()), read_answers(folder / ANSWERS)
+    return json.loads((folder / MANIFEST).read_text()), read_all(folder)
+
+
+def _lock(file, folder: Path) -> None:
+    """Hold answers.jsonl for this process (until the file closes): two writers would interleave lines,
+    and `pack` under a writer would lose the lines written meanwhile."""
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.close()
+        raise UserError(f"another process is writing answers into {folder}; wait for it or stop it") from None
+
+
+def pack(folder: Path) -> tuple[int, int, Path | None]:
+    """Move answers.jsonl's answers into the next compressed chunk (answers-NNN.jsonl.xz) and empty it;
+    (answers, answer tokens, the chunk or None when there was nothing to pack). Refused while a `train
+    data` run writes to the folder."""
+    folder = Path(folder)
+    load(folder)  # a folder of answers, or a UserError
+    with (folder / ANSWERS).open("a+b") as file:
+        _lock(file, folder)
+        packed = {a.id for a in read_packed(folder)}
+        fresh = [a for a in read_answers(folder / ANSWERS) if a.id not in packed]
+        if fresh:
+            chunk = folder / PACKED.format(len(packed_files(folder)))
+            temporary = chunk.with_name(chunk.name + ".tmp")
+            temporary.write_bytes(lzma.compress("".join(a.to_json() + "\n" for a in fresh).encode(), preset=9))
+            os.replace(temporary, chunk)
+        file.truncate(0)  # after the chunk is in place: a kill before this leaves both, and `read_all` takes each id once
+    return len(fresh), sum(len(a.answer_ids) for a in fresh), chunk if fresh else None
 
 
 def features_folder(folder: Path) -> Path:
@@ -148,7 +206,9 @@ class Store:
             raise UserError(f"{answers_path} has no {MANIFEST} beside it; pick another --out")
         else:
             self.manifest = {**target, "settings": asdict(settings), "runs": []}
-        answers = read_answers(answers_path, repair=True)
+        self._file = answers_path.open("a", encoding="utf-8")
+        _lock(self._file, self.folder)
+        answers = read_all(self.folder, repair=True)
         self.done = {a.id for a in answers}
         self.counts: Counter[str] = Counter()
         self.groups: dict[str, Counter[str]] = {name: Counter() for name in
@@ -157,7 +217,6 @@ class Store:
             self._count(answer)
         self.manifest["runs"].append({"started": time.strftime("%Y-%m-%d %H:%M:%S"), "answers": 0, "tokens": 0,
                                       "generated": 0, "seconds": 0.0})
-        self._file = answers_path.open("a", encoding="utf-8")
         self.write_manifest()
 
     @property

@@ -149,6 +149,38 @@ def test_answers_become_training_sequences(models, sources, tmp_path):
     assert isinstance(sequences[0], corpus.Sequence)
 
 
+def test_packed_answers_are_read_with_the_new_ones_and_asked_for_never_again(models, sources, tmp_path):
+    run_answers(models, sources, tmp_path, tokens=40)
+    before = answers.load(tmp_path)[1]
+    count, tokens, chunk = answers.pack(tmp_path)
+    assert chunk == tmp_path / "answers-000.jsonl.xz" and count == len(before)
+    assert tokens == sum(len(a.answer_ids) for a in before) and (tmp_path / answers.ANSWERS).read_bytes() == b""
+    assert answers.load(tmp_path)[1] == before and answers.pack(tmp_path) == (0, 0, None)
+    summary = run_answers(models, sources, tmp_path, tokens=80)  # resumes past the packed ones
+    assert summary.total_tokens >= 80 and summary.total_tokens - summary.tokens == tokens
+    after = answers.load(tmp_path)[1]
+    assert after[: len(before)] == before and len({a.id for a in after}) == len(after) > len(before)
+    # a kill between writing a chunk and emptying answers.jsonl leaves the answers in both: read once
+    (tmp_path / answers.ANSWERS).write_text("".join(a.to_json() + "\n" for a in after[len(before):]))
+    assert answers.pack(tmp_path)[2] == tmp_path / "answers-001.jsonl.xz"
+    (tmp_path / answers.ANSWERS).write_text(after[-1].to_json() + "\n")
+    assert answers.load(tmp_path)[1] == after and answers.pack(tmp_path) == (0, 0, None)
+    assert run_answers(models, sources, tmp_path, tokens=80).answers == 0
+
+
+def test_one_process_writes_a_folder_at_a_time(models, sources, tmp_path):
+    run_answers(models, sources, tmp_path, tokens=20)
+    store = answers.Store(tmp_path, answers.describe_target(models, "tiny"), SETTINGS)
+    try:
+        with pytest.raises(UserError, match="another process is writing answers"):
+            answers.pack(tmp_path)
+        with pytest.raises(UserError, match="another process is writing answers"):
+            run_answers(models, sources, tmp_path, tokens=40)
+    finally:
+        store.close()
+    assert answers.pack(tmp_path)[0] > 0
+
+
 def test_the_command(monkeypatch, capsys, tiny_folder, sources, tmp_path):
     monkeypatch.setattr(corpus, "sharegpt_file", lambda: sources[0])  # the standard library: conftest's
     out = tmp_path / "answers"
@@ -169,6 +201,10 @@ def test_the_command(monkeypatch, capsys, tiny_folder, sources, tmp_path):
         assert code == 2 and message in " ".join(err.split()) and "Traceback" not in err, err
     code, _, err = run_cli(monkeypatch, capsys, *common, "--tokens", "80", "--target", str(tmp_path / "none"))
     assert code == 2 and "Traceback" not in err
+    code, _, err = run_cli(monkeypatch, capsys, "train", "pack", str(out))
+    assert code == 0 and "answers-000.jsonl.xz" in " ".join(err.split()), err
+    code, _, err = run_cli(monkeypatch, capsys, "train", "pack", str(tmp_path))  # not an answers folder
+    assert code == 2 and "holds no answers" in " ".join(err.split()) and "Traceback" not in err
 
 
 BITS = [8, pytest.param(4, marks=pytest.mark.skipif(not int4.available(), reason="no int4 kernel"))]

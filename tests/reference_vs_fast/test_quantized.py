@@ -131,6 +131,14 @@ def test_a_kernel_the_cpu_lacks_is_refused():
 
 
 @needs_int4
+def test_an_avx512_variant_runs_only_where_aten_runs_avx512(monkeypatch):
+    """ATEN_CPU_CAPABILITY=avx2 caps PyTorch's kernels at AVX2; ours follow, so an AVX-512 machine can stand in
+    for an AVX2 one."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert "avx2" in int4.kernels() and not any(name.startswith("avx512") for name in int4.kernels())
+
+
+@needs_int4
 def test_a_long_input_in_slices_of_rows_is_the_whole_call(monkeypatch):
     """A long prefill goes to the kernel in slices of rows that stay in cache: the result is bitwise the
     one-call result, slice edges anywhere (uneven last slice included)."""
