@@ -32,7 +32,7 @@ def _target_features(target: str, data: Path, tokens: int, seed: int, dtype: str
     decoder layers an EAGLE-3 head reads too (`describe["aux_layers"]`)."""
     from specdecode.api import load_models
     from specdecode.drafters.eagle3 import default_layers
-    from specdecode.training import answers, corpus, features
+    from specdecode.training import answer_store, corpus, features
 
     models = load_models(target, None, dtype=dtype)
     model = models.target.model
@@ -40,7 +40,7 @@ def _target_features(target: str, data: Path, tokens: int, seed: int, dtype: str
     describe = {"target": target, "target_key": models.target.cost_key, "target_path": models.target.precision,
                 **({"aux_layers": list(layers)} if layers else {})}
     found = []  # (manifest, shards) of the features there are
-    kept = None if answers_folder is None else answers.features_folder(answers_folder)
+    kept = None if answers_folder is None else answer_store.features_folder(answers_folder)
     if kept is not None and (kept / features.MANIFEST).is_file():
         manifest, shards = features.load(kept)
         same = all(manifest.get(key) == describe.get(key) for key in ("target_key", "aux_layers"))
@@ -50,7 +50,7 @@ def _target_features(target: str, data: Path, tokens: int, seed: int, dtype: str
             console.print(f"[dim]{kept} holds features of another target path; the answers are read again[/dim]")
     if not features.older_layout(data):  # a folder of the older layout was built whole: it is used as it is
         have = {ident for _, shards in found for shard in shards for ident in shard.ids}
-        own = [s for s in answers.sequences(answers_folder) if s.id not in have] if answers_folder is not None else []
+        own = [s for s in answer_store.sequences(answers_folder) if s.id not in have] if answers_folder is not None else []
         sequences = own + (corpus.build(models.tokenizer, tokens, seed=seed) if tokens else [])
         todo = features.missing(data, sequences)
         if todo:
@@ -99,13 +99,13 @@ def train_data(
 ) -> None:
     """Have TARGET answer ShareGPT's and standard-library code prompts (benchmark prompts excluded) in
     batches, greedily and by sampling, into --out: the trained drafters' data from the target's own answers
-    (`training.answers.sequences`). Resumable: a rerun skips the prompts already answered."""
+    (`training.answer_store.sequences`). Resumable: a rerun skips the prompts already answered."""
     from specdecode.api import load_models
-    from specdecode.training import answers, ray_answers
+    from specdecode.training import answer_store, answers, ray_answers
 
     settings = answers.Settings(max_new_tokens=max_new_tokens, sampled_share=sampled_share, seed=seed)
     answers.check_limits(tokens, seconds, batch)
-    answers.check_settings(out, settings)  # before the model loads; the target is checked once it has
+    answer_store.check_settings(out, settings)  # before the model loads; the target is checked once it has
     if ray is not None:
         if features:
             console.print("[dim]features are not kept on a Ray cluster: `train eagle3 --answers` extracts them[/dim]")
@@ -130,9 +130,9 @@ def train_pack(folder: Annotated[Path, typer.Argument(help="An answers folder of
     """Compress FOLDER's new answers (answers.jsonl) into its next chunk, answers-NNN.jsonl.xz, which is never
     written again: a folder's answers in a form a repository keeps (about 1.5 bytes a token). `train data` and
     `train eagle3 --answers` read the chunks with answers.jsonl."""
-    from specdecode.training import answers
+    from specdecode.training import answer_store
 
-    count, tokens, chunk = answers.pack(folder)
+    count, tokens, chunk = answer_store.pack(folder)
     if chunk is None:
         console.print(f"{folder}: nothing new to pack")
     else:

@@ -26,7 +26,6 @@ chain (`eagle3`) or EAGLE-2's dynamic tree (`eagle3-tree`) exactly as `drafters.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 

@@ -233,7 +233,7 @@ def invariant_attention(module, query, key, value, attention_mask, scaling=None,
     row's keys in fixed blocks by their order among the keys it sees, an online softmax, one thread per row
     and head), else one attention call per row (`_attention_by_rows`)."""
     _, heads, n, d = query.shape
-    kv_heads, length = key.shape[1], key.shape[2]
+    length = key.shape[2]
     key_of_plan = (n, length) if attention_mask is None else attention_mask  # a causal plan depends on these alone
     planned = getattr(_PLAN, "key", None)
     if not (planned is key_of_plan or isinstance(planned, tuple) and planned == key_of_plan):

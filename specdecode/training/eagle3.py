@@ -58,7 +58,8 @@ def losses(head, embed, draft_head: torch.Tensor, window: Window, steps: int):
         return None
     with torch.no_grad():  # only the counted rows' distributions: logits elsewhere would be thrown away
         teachers = torch.zeros(steps + m - 1, draft_head.shape[0])
-        teachers[counted] = torch.softmax(hidden[1 + counted].float() @ draft_head.T, dim=-1)
+        # .float(): under bfloat16 autocast the product, and its softmax, come out in bfloat16
+        teachers[counted] = torch.softmax(hidden[1 + counted].float() @ draft_head.T, dim=-1).float()
     total, parts = 0.0, {}
     for step, (out, r) in enumerate(zip(unroll(head, embed, tokens, aux, steps), rows)):
         student = torch.log_softmax(head.logits(out[r - step], draft_head).float(), dim=-1)

@@ -4,7 +4,7 @@ One actor per node (`AnswerNode`) loads the target once and keeps its own batch 
 (`answers.Answerer`, the batched path of the single-machine run). The driver lists the prompts the
 folder has not answered (`training.prompts`), hands each node `batch` of them at a time, as the node's
 previous ones have all joined its batch, and appends the answers as they come back to the folder as
-one machine does (`answers.Store`): the same answers.jsonl and answers.json, resumable the same way.
+one machine does (`answer_store.Store`): the same answers.jsonl and answers.json, resumable the same way.
 
 Limits as on one machine, counted over the cluster: no prompt is handed out once the folder's answer
 tokens and those in flight on every node reach `tokens`; after `seconds` the answers in flight are
@@ -25,8 +25,8 @@ import torch
 
 from specdecode import cluster
 from specdecode.errors import UserError
-from specdecode.training.answers import (Answer, Answerer, Store, Summary, check_limits, describe_target,
-                                         progress_columns, summary)
+from specdecode.training.answer_store import Answer, Store, describe_target
+from specdecode.training.answers import Answerer, Summary, check_limits, progress_columns, summary
 from specdecode.training.prompts import Prompt, Settings, prompts
 
 

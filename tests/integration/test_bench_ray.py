@@ -108,7 +108,7 @@ def test_train_data_on_two_nodes_writes_the_single_machine_answers(ray_cluster, 
     """The same answers and counts as one machine's run; resumed as one machine resumes: a folder begun
     here (stopped by its token budget) finished on the cluster, no prompt answered twice."""
     from specdecode.api import load_models
-    from specdecode.training import answers, ray_answers
+    from specdecode.training import answer_store, answers, ray_answers
 
     models = load_models(str(tiny_folder), None, dtype="float32", progress=False)
     options = dict(target=str(tiny_folder), settings=SETTINGS, batch=4, sharegpt=sources[0], stdlib=sources[1],
@@ -118,8 +118,8 @@ def test_train_data_on_two_nodes_writes_the_single_machine_answers(ray_cluster, 
     assert whole.stopped_by == "prompts" and begun.stopped_by == "tokens" and begun.answers < whole.answers
     rest = ray_answers.generate("auto", tmp_path / "there", dtype="float32", tokens=10**6, **options)
     assert rest.stopped_by == "prompts" and begun.answers + rest.answers == whole.answers
-    manifest_here, stored_here = answers.load(tmp_path / "here")
-    manifest_there, stored_there = answers.load(tmp_path / "there")
+    manifest_here, stored_here = answer_store.load(tmp_path / "here")
+    manifest_there, stored_there = answer_store.load(tmp_path / "there")
     assert sorted(stored_there, key=lambda a: a.id) == sorted(stored_here, key=lambda a: a.id)
     counts = ("target", "target_key", "dtype", "settings", "answers", "answer_tokens", "prompt_tokens",
               "tokens_by_source", "tokens_by_mode", "finish_reasons")

@@ -5,6 +5,7 @@ and `specdecode train data` on the tiny model folder."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from specdecode.drafters.eagle3 import default_layers
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.models import int4
-from specdecode.training import answers, corpus, features, prompts
+from specdecode.training import answer_store, answers, corpus, features, prompts
 from specdecode.types import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -82,7 +83,7 @@ def test_benchmark_prompts_are_kept_out(tmp_path):
 
 def test_batched_answers_are_plain_decodings(models, sources, tmp_path):
     summary = run_answers(models, sources, tmp_path, tokens=150)
-    manifest, stored = answers.load(tmp_path)
+    manifest, stored = answer_store.load(tmp_path)
     assert summary.stopped_by == "tokens" and summary.total_tokens == manifest["answer_tokens"] >= 150
     assert {a.mode for a in stored} == {"greedy", "sampled"} and {a.source for a in stored} == {"sharegpt", "stdlib"}
     assert manifest["target"] == "tiny" and manifest["target_key"] == models.target.cost_key
@@ -104,20 +105,20 @@ def test_batched_answers_are_plain_decodings(models, sources, tmp_path):
 
 def test_resume_after_a_stop_keeps_every_line_and_asks_nothing_twice(models, sources, tmp_path):
     run_answers(models, sources, tmp_path, tokens=40)
-    first = (tmp_path / answers.ANSWERS).read_bytes()
-    with (tmp_path / answers.ANSWERS).open("ab") as file:
+    first = (tmp_path / answer_store.ANSWERS).read_bytes()
+    with (tmp_path / answer_store.ANSWERS).open("ab") as file:
         file.write(b'{"id": "sharegpt:1')  # a line cut by a kill
     ticks = iter(range(10**6))  # a clock that advances a second per reading: the time runs out mid-batch
     summary = run_answers(models, sources, tmp_path, tokens=10**6, seconds=6, clock=lambda: float(next(ticks)))
     assert summary.stopped_by == "seconds" and summary.dropped > 0
     summary = run_answers(models, sources, tmp_path, tokens=140)
-    text = (tmp_path / answers.ANSWERS).read_bytes()
+    text = (tmp_path / answer_store.ANSWERS).read_bytes()
     assert text.startswith(first) and summary.total_tokens >= 140
-    manifest, stored = answers.load(tmp_path)
+    manifest, stored = answer_store.load(tmp_path)
     assert len({a.id for a in stored}) == len(stored) == manifest["answers"] and len(manifest["runs"]) == 3
     straight = tmp_path / "straight"  # the same answers as one uninterrupted run gives
     run_answers(models, sources, straight, tokens=140)
-    uninterrupted = {a.id: a for a in answers.load(straight)[1]}
+    uninterrupted = {a.id: a for a in answer_store.load(straight)[1]}
     common = [a for a in stored if a.id in uninterrupted]
     assert len(common) >= len(stored) // 2 and all(a == uninterrupted[a.id] for a in common)
     assert run_answers(models, sources, tmp_path, tokens=100).answers == 0  # already there
@@ -127,17 +128,21 @@ def test_a_folder_keeps_its_target_and_settings(models, sources, tmp_path):
     run_answers(models, sources, tmp_path, tokens=20)
     with pytest.raises(UserError, match="max_new_tokens=10, not 12"):
         run_answers(models, sources, tmp_path, tokens=40, settings=answers.Settings(max_new_tokens=12, seed=1))
-    manifest = json.loads((tmp_path / answers.MANIFEST).read_text())
+    manifest = json.loads((tmp_path / answer_store.MANIFEST).read_text())
+    backend, folder, *rest = manifest["target_key"].split("|")
+    manifest["target_key"] = "|".join([backend, f"/home/someone/else/{Path(folder).name}", *rest])
+    (tmp_path / answer_store.MANIFEST).write_text(json.dumps(manifest))
+    run_answers(models, sources, tmp_path, tokens=30)  # the same weights in another cache: the same target
     manifest["target_key"] = "hf|another model"
-    (tmp_path / answers.MANIFEST).write_text(json.dumps(manifest))
+    (tmp_path / answer_store.MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(UserError, match="holds answers of 'tiny'"):
         run_answers(models, sources, tmp_path, tokens=40)
 
 
 def test_answers_become_training_sequences(models, sources, tmp_path):
     run_answers(models, sources, tmp_path / "answers", tokens=40)
-    stored = answers.load(tmp_path / "answers")[1]
-    sequences = answers.sequences(tmp_path / "answers")
+    stored = answer_store.load(tmp_path / "answers")[1]
+    sequences = answer_store.sequences(tmp_path / "answers")
     assert len(sequences) == len(stored)
     for answer, sequence in zip(stored, sequences):
         assert sequence.token_ids == answer.prompt_ids + answer.answer_ids
@@ -151,34 +156,34 @@ def test_answers_become_training_sequences(models, sources, tmp_path):
 
 def test_packed_answers_are_read_with_the_new_ones_and_asked_for_never_again(models, sources, tmp_path):
     run_answers(models, sources, tmp_path, tokens=40)
-    before = answers.load(tmp_path)[1]
-    count, tokens, chunk = answers.pack(tmp_path)
+    before = answer_store.load(tmp_path)[1]
+    count, tokens, chunk = answer_store.pack(tmp_path)
     assert chunk == tmp_path / "answers-000.jsonl.xz" and count == len(before)
-    assert tokens == sum(len(a.answer_ids) for a in before) and (tmp_path / answers.ANSWERS).read_bytes() == b""
-    assert answers.load(tmp_path)[1] == before and answers.pack(tmp_path) == (0, 0, None)
+    assert tokens == sum(len(a.answer_ids) for a in before) and (tmp_path / answer_store.ANSWERS).read_bytes() == b""
+    assert answer_store.load(tmp_path)[1] == before and answer_store.pack(tmp_path) == (0, 0, None)
     summary = run_answers(models, sources, tmp_path, tokens=80)  # resumes past the packed ones
     assert summary.total_tokens >= 80 and summary.total_tokens - summary.tokens == tokens
-    after = answers.load(tmp_path)[1]
+    after = answer_store.load(tmp_path)[1]
     assert after[: len(before)] == before and len({a.id for a in after}) == len(after) > len(before)
     # a kill between writing a chunk and emptying answers.jsonl leaves the answers in both: read once
-    (tmp_path / answers.ANSWERS).write_text("".join(a.to_json() + "\n" for a in after[len(before):]))
-    assert answers.pack(tmp_path)[2] == tmp_path / "answers-001.jsonl.xz"
-    (tmp_path / answers.ANSWERS).write_text(after[-1].to_json() + "\n")
-    assert answers.load(tmp_path)[1] == after and answers.pack(tmp_path) == (0, 0, None)
+    (tmp_path / answer_store.ANSWERS).write_text("".join(a.to_json() + "\n" for a in after[len(before):]))
+    assert answer_store.pack(tmp_path)[2] == tmp_path / "answers-001.jsonl.xz"
+    (tmp_path / answer_store.ANSWERS).write_text(after[-1].to_json() + "\n")
+    assert answer_store.load(tmp_path)[1] == after and answer_store.pack(tmp_path) == (0, 0, None)
     assert run_answers(models, sources, tmp_path, tokens=80).answers == 0
 
 
 def test_one_process_writes_a_folder_at_a_time(models, sources, tmp_path):
     run_answers(models, sources, tmp_path, tokens=20)
-    store = answers.Store(tmp_path, answers.describe_target(models, "tiny"), SETTINGS)
+    store = answer_store.Store(tmp_path, answer_store.describe_target(models, "tiny"), SETTINGS)
     try:
         with pytest.raises(UserError, match="another process is writing answers"):
-            answers.pack(tmp_path)
+            answer_store.pack(tmp_path)
         with pytest.raises(UserError, match="another process is writing answers"):
             run_answers(models, sources, tmp_path, tokens=40)
     finally:
         store.close()
-    assert answers.pack(tmp_path)[0] > 0
+    assert answer_store.pack(tmp_path)[0] > 0
 
 
 def test_the_command(monkeypatch, capsys, tiny_folder, sources, tmp_path):
@@ -188,12 +193,12 @@ def test_the_command(monkeypatch, capsys, tiny_folder, sources, tmp_path):
               "--batch", "3", "--max-new-tokens", "8"]
     code, _, err = run_cli(monkeypatch, capsys, *common, "--tokens", "50")
     assert code == 0, err
-    manifest, stored = answers.load(out)
+    manifest, stored = answer_store.load(out)
     assert manifest["answer_tokens"] >= 50 and manifest["target"] == str(tiny_folder) and manifest["dtype"] == "float32"
     assert "tokens/s" in err and {a.source for a in stored} <= {"sharegpt", "stdlib"}
     code, _, err = run_cli(monkeypatch, capsys, *common, "--tokens", "80")
     assert code == 0, err
-    assert answers.load(out)[1][: len(stored)] == stored and answers.load(out)[0]["answer_tokens"] >= 80
+    assert answer_store.load(out)[1][: len(stored)] == stored and answer_store.load(out)[0]["answer_tokens"] >= 80
     for wrong, message in [(["--sampled-share", "2"], "sampled_share must be between 0 and 1"),
                            (["--batch", "0"], "--batch must be at least 1"),
                            (["--seed", "5"], "holds answers made with seed=0, not 5")]:
@@ -225,8 +230,8 @@ def test_features_kept_while_answering_are_the_targets_own(three_layers, sources
     monkeypatch.setattr(features, "SHARD_TOKENS", 150)  # several shards
     run_answers(models, sources, tmp_path, tokens=60, keep_features=True)
     run_answers(models, sources, tmp_path, tokens=160, keep_features=True)  # the folder is added to
-    stored = {a.id: a for a in answers.load(tmp_path)[1]}
-    manifest, shards = features.load(answers.features_folder(tmp_path))
+    stored = {a.id: a for a in answer_store.load(tmp_path)[1]}
+    manifest, shards = features.load(answer_store.features_folder(tmp_path))
     layers = default_layers(3)
     assert manifest["aux_layers"] == list(layers) and manifest["target_key"] == models.target.cost_key
     assert len(shards) > 2 and sorted(i for s in shards for i in s.ids) == sorted(stored)
@@ -248,8 +253,8 @@ def test_training_reads_the_kept_features_and_extracts_the_rest(three_layers, so
     models = load_models(str(three_layers), None, dtype="int8", progress=False)
     run_answers(models, sources, tmp_path / "answers", tokens=50)  # none kept
     run_answers(models, sources, tmp_path / "answers", tokens=120, keep_features=True)
-    kept = {i for s in features.load(answers.features_folder(tmp_path / "answers"))[1] for i in s.ids}
-    every = {a.id for a in answers.load(tmp_path / "answers")[1]}
+    kept = {i for s in features.load(answer_store.features_folder(tmp_path / "answers"))[1] for i in s.ids}
+    every = {a.id for a in answer_store.load(tmp_path / "answers")[1]}
     assert kept and kept < every
     _, describe, shards = _target_features(str(three_layers), tmp_path / "data", 0, 0, dtype="int8", eagle3=True,
                                            answers_folder=tmp_path / "answers")
@@ -264,7 +269,7 @@ def test_an_extraction_cut_short_carries_on(three_layers, sources, tmp_path, mon
 
     models = load_models(str(three_layers), None, dtype="float32", progress=False)
     run_answers(models, sources, tmp_path / "answers", tokens=100)
-    sequences = answers.sequences(tmp_path / "answers")
+    sequences = answer_store.sequences(tmp_path / "answers")
     monkeypatch.setattr(features, "SHARD_TOKENS", 100)
     model, real, calls = models.target.model, features.hidden_states, []
 
@@ -319,6 +324,6 @@ def test_a_kill_keeps_the_finished_answers_and_their_features(three_layers, sour
             run_answers(models, sources, tmp_path, tokens=10**6, keep_features=True, clock=clock)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    stored = answers.load(tmp_path)[1]
-    kept = features.load(answers.features_folder(tmp_path))[1]
+    stored = answer_store.load(tmp_path)[1]
+    kept = features.load(answer_store.features_folder(tmp_path))[1]
     assert len(stored) >= 2 and sorted(i for s in kept for i in s.ids) == sorted(a.id for a in stored)
