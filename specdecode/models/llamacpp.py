@@ -141,6 +141,13 @@ class LlamaCppLM(CausalLM):
     def cost_key(self) -> str:
         return f"llamacpp|{self.path.resolve()}|{self.path.stat().st_size}"
 
+    @property
+    def precision(self) -> str:
+        """The GGUF's quantization as llama.cpp describes the model, e.g. "qwen2 1.5B Q4_K - Medium"."""
+        buffer = ctypes.create_string_buffer(128)
+        self._lib.llama_model_desc(self._model, buffer, len(buffer))
+        return buffer.value.decode(errors="replace")
+
     def _decode(self, tokens: list[int], positions: list[int], seqs: list[list[int]], outputs: int) -> np.ndarray:
         """One llama_decode; the logits of the last `outputs` tokens. -> [outputs, vocab] float32"""
         batch, n = self._batch, len(tokens)

@@ -190,6 +190,29 @@ def test_cli_generate_on_llamacpp(tiny_pair, tiny_folder, monkeypatch, capsys):
     assert code == 2 and "Traceback" not in err and "gguf" in err
 
 
+def test_cli_bench_on_llamacpp(tiny_pair, tmp_path, monkeypatch, capsys):
+    """`specdecode bench --backend llamacpp` runs to its report (it once ended in a traceback there, asking the
+    llama.cpp model for the torch path's precision)."""
+    import sys
+
+    from specdecode.bench import main as bench_main
+    from specdecode.bench.datasets import Task
+    from specdecode.cli import main
+
+    _, target_path, draft_path = tiny_pair
+    monkeypatch.setattr(bench_main, "sample_tasks", lambda categories, per_category, seed=0: [
+        Task("qa", "qa/1", ("the the the",)), Task("code", "code/1", ("the cat the",))])
+    monkeypatch.setattr(sys, "argv", ["specdecode", "bench", "--backend", "llamacpp", "--target", str(target_path),
+                                      "--drafter", str(draft_path), "--methods", "ar,pld,draft", "--repeats", "1",
+                                      "--max-new-tokens", "8", "--threads", "1", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    out, err = capsys.readouterr()
+    assert not exit_info.value.code and "Traceback" not in err, err
+    text = (tmp_path / "report.md").read_text()
+    assert "| pld |" in text and "| draft |" in text and "2/2" in text and "llamacpp, the GGUF files'" in text
+    assert "F32" in LlamaCppLM(target_path, n_ctx=128).precision  # llama.cpp's description of the tiny file
+
 class _Pair:
     """What the llama.cpp peers read from `Models`: the GGUF paths and the end-of-sequence ids."""
 
