@@ -56,10 +56,9 @@ class Answer:
         return cls(**json.loads(line))
 
 
-
 def describe_target(models, name: str) -> dict:
-    """The target as a folder's manifest names it: a rerun must find the same cost key (weights, path
-    and precision)."""
+    """The target as a folder's manifest names it: a rerun must find the same cost key (weights and
+    precision; the folder they are cached in may differ, `check_target`)."""
     target = models.target
     config = getattr(getattr(target, "model", None), "config", None)
     return {"target": name, "target_key": target.cost_key, "dtype": getattr(target, "precision", None),
@@ -141,7 +140,8 @@ def pack(folder: Path) -> tuple[int, int, Path | None]:
             temporary = chunk.with_name(chunk.name + ".tmp")
             temporary.write_bytes(lzma.compress("".join(a.to_json() + "\n" for a in fresh).encode(), preset=9))
             os.replace(temporary, chunk)
-        file.truncate(0)  # after the chunk is in place: a kill before this leaves both, and `read_all` takes each id once
+        # after the chunk is in place: a kill before this leaves both, and `read_all` takes each id once
+        file.truncate(0)
     return len(fresh), sum(len(a.answer_ids) for a in fresh), chunk if fresh else None
 
 
