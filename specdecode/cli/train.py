@@ -128,7 +128,7 @@ def train_data(
 @train_app.command("pack")
 def train_pack(folder: Annotated[Path, typer.Argument(help="An answers folder of `train data`.")]) -> None:
     """Compress FOLDER's new answers (answers.jsonl) into its next chunk, answers-NNN.jsonl.xz, which is never
-    written again: a folder's answers in a form a repository keeps (about 1.5 bytes a token). `train data` and
+    written again: a folder's answers in a form a repository keeps (about 1 byte a token). `train data` and
     `train eagle3 --answers` read the chunks with answers.jsonl."""
     from specdecode.training import answer_store
 

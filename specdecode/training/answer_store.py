@@ -3,9 +3,9 @@
                  ("greedy" or "sampled"), seed (the sampling seed; null when greedy), prompt_ids,
                  answer_ids (the EOS token included when it ended there), finish_reason
   answers-NNN.jsonl.xz  answers packed away (`pack`): the same lines, xz-compressed, never written
-                 again; about 1.5 bytes a token, so a folder's answers can be kept in a repository and a
-                 fresh machine carries on from them (the project keeps its default target's in
-                 training-data/)
+                 again; about 1 byte a token, prompts included, so a folder's answers can be kept in a
+                 repository and a fresh machine carries on from them (the project keeps its default
+                 target's in training-data/)
   answers.json   the manifest: the target (name, cost key, precision, path), the settings, the counts
   features/      (with `keep_features`) the target's features of each answer, kept from the forwards that
                  generated it (`features.Writer`; the inputs of EAGLE-3's three layers and the final-norm
