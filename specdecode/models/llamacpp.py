@@ -96,8 +96,9 @@ class LlamaCppLM(CausalLM):
         threads = threads or torch.get_num_threads()
         trained = lib.llama_model_n_ctx_train(self._model)
         # by default the model's trained length, up to DEFAULT_CONTEXT: llama.cpp allocates the cache up front
-        # (28 KB a position for the default target in float16: 0.9 GB at 32k); a step reads only what is filled
-        n_ctx = n_ctx or min(trained, DEFAULT_CONTEXT)
+        # (28 KB a position for the default target in float16: 0.9 GB at 32k); a step reads only what is filled.
+        # At least 4096 (a tiny model's context of a few dozen positions cannot hold the tree branches' sequences)
+        n_ctx = n_ctx or max(4096, min(trained, DEFAULT_CONTEXT))
         params = lib.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = params.n_ubatch = MAX_BATCH
