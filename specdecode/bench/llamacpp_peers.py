@@ -114,7 +114,10 @@ def engine_rows(target: Path, draft: Path, threads: int, n_ctx: int = 4096, time
 
 def server_runner(models, name: str):
     draft = models.require_draft().path if "{draft}" in SERVER_MODES[name] else None
-    server = LlamaServer(models.target.path, mode_arguments(name, draft), threads=torch.get_num_threads())
+    # the same context as our llama.cpp backend's (`LlamaCppLM`: the trained length up to 32k), so the peers run
+    # the long-context category's prompts too
+    server = LlamaServer(models.target.path, mode_arguments(name, draft), threads=torch.get_num_threads(),
+                         n_ctx=models.target.max_context)
 
     def run(prompt_ids: list[int], config: GenerationConfig) -> Output:
         tokens, seconds, prefill = server.complete(prompt_ids, config)
@@ -128,7 +131,7 @@ def prompt_lookup_runner(models):
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-    threads, n_ctx = torch.get_num_threads(), 4096
+    threads, n_ctx = torch.get_num_threads(), models.target.max_context  # as `server_runner`'s
     llm = Llama(model_path=str(models.target.path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                 draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10), verbose=False)
     eos = models.target.eos_token_ids

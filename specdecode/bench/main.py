@@ -180,7 +180,7 @@ def run(
         "backend, dtype (target, draft), threads": (
             f"{backend}, {outcome.precision} ({dtype}), {loading.draft_dtype(draft_dtype)} ({draft_dtype}), "
             f"{outcome.threads}" if backend == "torch"
-            else f"{backend}, the GGUF files' own quantization, {outcome.threads}"),
+            else f"{backend}, {outcome.precision} (the GGUF file's own), {outcome.threads}"),
         "machine" if len(outcome.machines) == 1 else f"machines ({len(outcome.machines)} Ray nodes, each ratio "
                                                       "within one node)": "; ".join(outcome.machines),
         "tasks": f"{len(tasks)} ({', '.join(f'{c}: {sum(t.category == c for t in tasks)}' for c in categories)}), "

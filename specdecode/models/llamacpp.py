@@ -99,6 +99,9 @@ class LlamaCppLM(CausalLM):
         # (28 KB a position for the default target in float16: 0.9 GB at 32k); a step reads only what is filled.
         # At least 4096 (a tiny model's context of a few dozen positions cannot hold the tree branches' sequences)
         n_ctx = n_ctx or max(4096, min(trained, DEFAULT_CONTEXT))
+        if n_ctx <= max_branches:  # llama.cpp would abort the process (an assertion on its output buffer)
+            raise UserError(f"a llama.cpp context of {n_ctx} positions cannot hold {max_branches} tree branches "
+                            f"and the main sequence: use n_ctx of at least {max_branches + 1}")
         params = lib.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = params.n_ubatch = MAX_BATCH

@@ -210,8 +210,17 @@ def test_cli_bench_on_llamacpp(tiny_pair, tmp_path, monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert not exit_info.value.code and "Traceback" not in err, err
     text = (tmp_path / "report.md").read_text()
-    assert "| pld |" in text and "| draft |" in text and "2/2" in text and "llamacpp, the GGUF files'" in text
-    assert "F32" in LlamaCppLM(target_path, n_ctx=128).precision  # llama.cpp's description of the tiny file
+    assert "| pld |" in text and "| draft |" in text and "2/2" in text
+    precision = LlamaCppLM(target_path, n_ctx=128).precision
+    assert "F32" in precision and f"llamacpp, {precision} (the GGUF file's own)" in text  # llama.cpp's description
+
+
+def test_a_context_too_small_for_the_branches_is_a_user_error(tiny_pair):
+    """llama.cpp aborts the whole process (an assertion) on a context with fewer positions than sequences."""
+    _, path, _ = tiny_pair
+    with pytest.raises(UserError, match="at least 65"):
+        LlamaCppLM(path, n_ctx=64)
+    assert LlamaCppLM(path, n_ctx=65).max_context == 65
 
 class _Pair:
     """What the llama.cpp peers read from `Models`: the GGUF paths and the end-of-sequence ids."""
