@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.markdown import Markdown
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from specdecode import cluster
 from specdecode.bench import ray_shards, report
@@ -24,6 +24,7 @@ from specdecode.engine import GenerationConfig
 from specdecode.errors import UserError
 from specdecode.models import loading
 from specdecode.methods import resolve, variant_names
+from specdecode.progress import Progress
 
 ALL_METHODS = [*variant_names(), *PEERS]
 # the default selection per backend: our methods that run there and that backend's peers (llamacpp-ar, the

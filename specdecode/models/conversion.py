@@ -25,7 +25,6 @@ import torch
 from rich.progress import (
     BarColumn,
     DownloadColumn,
-    Progress,
     TextColumn,
     TimeElapsedColumn,
     TransferSpeedColumn,
@@ -36,6 +35,7 @@ from transformers.utils import logging as transformers_logging
 from specdecode.errors import UserError
 from specdecode.models.registry import ChunkedGGUF, get_model, locate_chunks
 from specdecode.paths import cache_dir, console
+from specdecode.progress import Progress
 
 _COPY_BLOCK = 8 * 1024 * 1024  # bytes read per step while assembling and hashing
 

@@ -184,7 +184,9 @@ def extract(model, sequences: list[Sequence], out: Path, describe: dict, progres
     """Run `model` (a transformers causal LM) over every sequence `out` does not hold yet and add their
     features there (`Writer`: a run cut short carries on where it stopped); with `layers`, the inputs of
     those decoder layers too (EAGLE-3)."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
+
+    from specdecode.progress import Progress
 
     writer = Writer(out, describe, int(model.config.hidden_size), layers)
     todo = [s for s in sequences if sequence_id(s) not in writer.done]

@@ -193,7 +193,9 @@ def optimise(module: torch.nn.Module, loss: LossFn, training: list[Window], sche
              checkpoint_seconds: float = CHECKPOINT_SECONDS) -> None:
     """Train `module`'s parameters on `training` windows until the epochs or this run's time budget run out;
     with `checkpoint`, carry on from it if it exists, and save to it as the module docstring says."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
+
+    from specdecode.progress import Progress
 
     run = _Run(module, training, schedule, record, checkpoint)
     run.resume()

@@ -105,7 +105,7 @@ def generate(address: str, out: Path, *, target: str, dtype: str = "auto", setti
              stdlib: Path | None = None, openings: frozenset[str] | None = None, progress: bool = True) -> Summary:
     """`answers.generate` on the Ray cluster at `address`: every node answering with `batch` sequences in
     flight, the driver writing the folder `out`."""
-    from rich.progress import Progress
+    from specdecode.progress import Progress
 
     check_limits(tokens, seconds, batch)
     ray = cluster.connect(address)

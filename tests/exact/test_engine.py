@@ -15,7 +15,6 @@ from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.errors import UserError
-from specdecode.models.costs import CostCurve
 from specdecode.models.hf import HFCausalLM
 from specdecode.types import SamplingParams
 

@@ -19,7 +19,6 @@ from conftest import TOKENS, noisy_copy, tiny_chat_qwen2, tiny_tokenizer, write_
 from specdecode.api import load_models
 from specdecode.bench import engine_stats, report
 from specdecode.bench.datasets import Task
-from specdecode.bench.engine_stats import ServerStats
 from specdecode.bench.harness import run_benchmark
 from specdecode.bench.openai_engines import build_engines, parse_engine, run_levels
 from specdecode.bench.runners import build_runners

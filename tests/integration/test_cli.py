@@ -131,3 +131,31 @@ def test_a_trained_method_without_a_head_for_the_target_says_how_to_train_one(mo
     code, _, err = run(monkeypatch, capsys, "generate", "the cat", "--target", str(tiny_folder), "--method", method,
                        "--dtype", "float32")
     assert code == 2 and f"no {kind} head" in err and f"specdecode train {kind.lower()}" in err
+
+
+def test_progress_reaches_a_log_once_a_minute():
+    """Under `nohup ... > log` rich draws nothing until the end; our bar writes its line there every minute."""
+    import io
+
+    from rich.console import Console
+    from rich.progress import MofNCompleteColumn, TextColumn
+
+    from specdecode.progress import Progress
+
+    now = [0.0]
+    log = io.StringIO()
+    with Progress(TextColumn("{task.description}"), MofNCompleteColumn(), console=Console(file=log, width=80),
+                  clock=lambda: now[0]) as bar:
+        task = bar.add_task("answers", total=10)
+        bar.advance(task)
+        assert log.getvalue() == ""  # not a minute yet
+        now[0] = 61.0
+        bar.advance(task)
+        assert log.getvalue().split() == ["answers", "2/10"]
+        now[0] = 90.0
+        bar.update(task, completed=5)
+        assert "5/10" not in log.getvalue()
+        now[0] = 122.0
+        bar.update(task, completed=6)
+    lines = log.getvalue().splitlines()
+    assert [line.split()[1] for line in lines] == ["2/10", "6/10", "6/10"]  # the last is rich's own, at the end

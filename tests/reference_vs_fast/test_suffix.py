@@ -7,7 +7,6 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -65,7 +65,9 @@ def build_datastore(
     encode a batch in parallel), and only their ids are kept, 4 bytes a token; the suffix sort then
     needs BYTES_PER_TOKEN in all for a while. Files are read as UTF-8, undecodable bytes replaced.
     """
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeElapsedColumn
+
+    from specdecode.progress import Progress
 
     folder = Path(folder).expanduser()
     files = corpus_files(folder, pattern, skip)

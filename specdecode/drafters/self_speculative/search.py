@@ -108,7 +108,9 @@ def _search(kind: str, strategy: Strategy, target: CausalLM, prompts: Sequence[S
             budget_seconds: float, max_trials: int, continuation: int, curve: CostCurve | None, max_tokens: int,
             seed: int, folder: Path | None, use_cache: bool, progress: bool) -> SearchResult:
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
+
+    from specdecode.progress import Progress
 
     if not isinstance(target, HFCausalLM):
         raise UserError("the layer search runs the target's layers itself: it needs the torch backend")
