@@ -41,9 +41,12 @@ def serve(
     read_timeout: Annotated[float, typer.Option(
         min=0.001, help="Seconds a client has to send a request's headers, and again its body.")] = 15.0,
     memory_scope: Annotated[MemoryScope, typer.Option(
-        help="Who shares suffix decoding's memory of earlier requests: tenant (one API key and `user` "
-             "field; a request with neither shares nothing), request (nobody), server (everybody: one "
-             "trusted user only).")] = MemoryScope("tenant"),
+        help="Who shares the memory of earlier requests (suffix decoding's text, eagle3-online's learning): "
+             "tenant (one API key and `user` field; a request with neither shares nothing), request (nobody), "
+             "server (everybody: one trusted user only).")] = MemoryScope("tenant"),
+    memory_budget_gib: Annotated[float | None, typer.Option(
+        min=0.0, help="What the owners' memories may hold together, in GiB, the least recently used forgotten "
+                      "first (default: a quarter of this machine's memory).")] = None,
     docs: Annotated[bool, typer.Option("--docs", help="Serve /docs and /openapi.json (behind the key).")] = False,
     model_name: Annotated[str | None, typer.Option(
         help="The model id clients send (default: the target's name).")] = None,
@@ -82,7 +85,8 @@ def serve(
                          backend=backend.value)
     name = model_name or Path(target.rstrip("/")).name.removesuffix(".gguf")
     server = Server(models, name, default, datastore=str(datastore) if datastore else None, max_batch=max_batch,
-                    limits=limits, methods=offered, memory_scope=memory_scope.value)
+                    limits=limits, methods=offered, memory_scope=memory_scope.value,
+                    memory_budget=None if memory_budget_gib is None else int(memory_budget_gib * 2**30))
     console.print(f"serving [bold]{name}[/] ({method.value} by default) on http://{host}:{port}/ "
                   f"({'API key required' if keys else 'no API key: this machine only'}); Ctrl-C stops")
     uvicorn.run(create_app(server, guard), host=host, port=port, **uvicorn_options(guard))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -96,6 +97,32 @@ class Drafter(abc.ABC):
 
     def observe(self, outcome: Outcome) -> None:
         """Learn from how the step went (adaptive draft length, the next guesses, the target's features)."""
+
+    def memory_bytes(self) -> int:
+        """What this drafter holds apart from the models, in bytes, where that is large enough to count: a
+        server keeps one drafter per owner for the methods that learn (`serve.engines`) and caps their sum."""
+        return 0
+
+
+def tensor_bytes(*things) -> int:
+    """Bytes of the distinct tensor storages in `things`: tensors, modules (parameters and buffers), optimisers
+    (their state) and lists, tuples, deques and dicts of them; anything else counts nothing."""
+    seen: dict[int, int] = {}
+    stack = list(things)
+    while stack:
+        thing = stack.pop()
+        if isinstance(thing, torch.Tensor):
+            storage = thing.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(thing, torch.nn.Module):
+            stack += [*thing.parameters(), *thing.buffers()]
+        elif isinstance(thing, torch.optim.Optimizer):
+            stack += list(thing.state.values())
+        elif isinstance(thing, dict):
+            stack += list(thing.values())
+        elif isinstance(thing, (list, tuple, deque)):
+            stack += list(thing)
+    return sum(seen.values())
 
 
 @dataclass(frozen=True)

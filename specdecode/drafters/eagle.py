@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, Qwen2Config, Qwen2Model
 
-from specdecode.drafters.base import Drafter, Needs, Outcome
+from specdecode.drafters.base import Drafter, Needs, Outcome, tensor_bytes
 from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
 from specdecode.drafters.heads import for_drafting, load_head, save_head, shipped_or_explain
 from specdecode.tree import structure
@@ -114,6 +114,9 @@ class HeadState:
         self.cached = 0  # entries in the head's cache (the fed pairs, then speculative ones)
         self.last: torch.Tensor | None = None  # the head's prediction after its last real pair
 
+    def memory_bytes(self) -> int:
+        return tensor_bytes(self.head, self.lm_head, self.features)
+
     def observe(self, hidden: torch.Tensor, num_pending: int, verdict: Verdict) -> None:
         # the fed tokens: the pending context tokens, then the draft's nodes; the context gains the
         # accepted nodes (their features are the target's now), the last verdict token has none yet
@@ -185,6 +188,9 @@ class EagleDrafter(Drafter):
         self.state.reset(forget)
         self._calibration.reset()
 
+    def memory_bytes(self) -> int:
+        return self.state.memory_bytes()
+
     def observe(self, outcome: Outcome) -> None:
         self.state.observe(outcome.hidden, outcome.num_pending, outcome.verdict)
         self._calibration.record_verdict(self._scores, outcome.verdict)
@@ -232,6 +238,9 @@ class EagleTreeDrafter(DraftModelTreeDrafter):
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         self.state.reset(forget)
         self._calibration.reset()
+
+    def memory_bytes(self) -> int:
+        return self.state.memory_bytes()
 
     def observe(self, outcome: Outcome) -> None:
         self.state.observe(outcome.hidden, outcome.num_pending, outcome.verdict)

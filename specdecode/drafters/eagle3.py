@@ -6,9 +6,8 @@ Three changes from EAGLE (`drafters.eagle`):
    layer `fc` (3 d_target -> d): the shallow layers keep what the last one has already traded for the
    next token's prediction.
 2. It predicts tokens, not features: its output goes through a final norm to the LM head over a draft
-   vocabulary (the target's most frequent tokens in its own answers), trained with cross-entropy against
-   the target's distribution alone. So its output is free to be whatever feature helps the next draft
-   step, which feeds that output back in place of the fused features.
+   vocabulary (the target's most frequent tokens in its own answers), trained with cross-entropy against the
+   target's distribution alone: its output is free to be whatever helps the next step, which reads it back.
 3. Training-time test (`training.eagle3`): the head is trained on its own outputs for several draft
    steps, as it drafts, not only on the target's features.
 
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.drafters.base import Drafter, Needs
+from specdecode.drafters.base import Drafter, Needs, tensor_bytes
 from specdecode.drafters.eagle import EagleDrafter, EagleTreeDrafter
 from specdecode.drafters.heads import for_drafting, shipped_or_explain
 from specdecode.errors import UserError
@@ -304,6 +303,10 @@ class Eagle3State:
         self.cached = 0  # entries in the cache (the fed pairs, then speculative ones)
         self.last: torch.Tensor | None = None  # the head's output after its last real pair
 
+    def memory_bytes(self) -> int:  # the head as loaded and as it drafts, its cache and features, the adaptation's
+        return tensor_bytes(self.trained, self.head, self.lm_head, self.features, self.keys, self.values) + (
+            self.adaptation.memory_bytes() if self.adaptation is not None else 0)
+
     def observe(self, hidden: torch.Tensor, num_pending: int, verdict) -> None:
         rows = list(range(num_pending)) + [num_pending + node for node in verdict.path]
         self.features += list(hidden[rows].to(self.dtype))
@@ -380,9 +383,8 @@ class Eagle3TreeDrafter(EagleTreeDrafter):
 
 
 def build_eagle3(target, draft, options, adapt=None) -> Drafter:
-    """The `eagle3` method: the EAGLE-3 head trained for the target (`specdecode train eagle3`), shipped in
-    the repository for the default target; a chain, or the dynamic tree with `options.tree`. `adapt`: makes
-    the head's adaptation from (head, target model) (`drafters.online`)."""
+    """The `eagle3` method: the target's EAGLE-3 head (`specdecode train eagle3`; shipped for the default target)
+    drafting a chain, or with `options.tree` the dynamic tree; `adapt(head, target model)`: its `drafters.online`."""
     model, folder = shipped_or_explain(target, "EAGLE3", CONFIG)
     head, _ = Eagle3Head.load(folder, dtype=torch.float32)
     adaptation = None if adapt is None else adapt(head, model)
@@ -394,6 +396,5 @@ def build_eagle3(target, draft, options, adapt=None) -> Drafter:
 def load_shipped(target_name: str | None = None) -> tuple[Eagle3Head, dict]:
     """The EAGLE-3 head shipped for a target (default: the default target), with its record."""
     from specdecode.models.registry import DEFAULT_TARGET, get_model
-
     return Eagle3Head.load(Path(__file__).resolve().parents[1] / "heads" / get_model(target_name or DEFAULT_TARGET).name
                            / "eagle3")

@@ -26,7 +26,7 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, tensor_bytes
 from specdecode.drafters.eagle3 import Eagle3Head, build_eagle3, unroll
 
 LEARNING_RATE = 1e-4
@@ -47,7 +47,7 @@ class OnlineAdaptation:
         self.learning_rate = LEARNING_RATE if learning_rate is None else learning_rate
         self.steps, self.unroll, self.replay_tokens = STEPS if steps is None else steps, unroll, replay_tokens
         self.optimiser = self._optimiser()
-        self.table = target_model.get_input_embeddings().weight.detach().float()  # [vocab, d]
+        self.table = target_model.get_input_embeddings().weight.detach()  # [vocab, d], the target's own (no copy)
         self.lm_rows = target_model.get_output_embeddings().weight.detach()[self.head.draft_ids].float()  # [V', d]
         draft_index = torch.full((self.table.shape[0],), -1, dtype=torch.long)
         draft_index[self.head.draft_ids] = torch.arange(len(self.head.draft_ids))
@@ -57,6 +57,10 @@ class OnlineAdaptation:
         self.losses: list[float] = []  # the mean loss of each `learn`
         self.seconds = 0.0  # spent learning
         self._rng = random.Random(0)
+
+    def memory_bytes(self) -> int:
+        """The learning head, its optimiser's state, the LM head's rows and the replay buffer."""
+        return tensor_bytes(self.head, self.optimiser, self.lm_rows, self.replay)
 
     def _optimiser(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.head.parameters(), lr=self.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
@@ -107,7 +111,7 @@ class OnlineAdaptation:
         if len(tokens) < self.unroll + 8:
             return None
         m = len(tokens) - self.unroll - 1
-        outputs = unroll(self.head, lambda ids: F.embedding(ids, self.table), tokens, features, self.unroll)
+        outputs = unroll(self.head, lambda ids: F.embedding(ids, self.table).float(), tokens, features, self.unroll)
         total, counted = 0.0, 0
         for step, out in enumerate(outputs):
             labels = self.draft_index[tokens[step + 2 : step + 2 + m]]  # [m]

@@ -4,13 +4,15 @@ it was resolved once (`methods.MethodChoice`), and the engines it keeps:
 - a method that remembers nothing: one engine, built at its preparation (`prepare`) or its first job, then
   reused;
 - a method that drafts from earlier requests' text (`Method.remembers`: suffix decoding): one engine per
-  memory owner (`Job.memory`), at most `memory_owners` of them, the least recently used dropped first; a
-  job with no owner gets a new one that forgets it afterwards;
+  memory owner (`Job.memory`), at most `memory_owners` of them whose drafters hold at most `memory_budget`
+  bytes together (`Drafter.memory_bytes`: a head that learns online holds ~0.3-0.6 GB), the least recently
+  used dropped first; a job with no owner gets a new one that forgets it afterwards;
 - one sequence of a batch: a new drafter of its own, which remembers nothing after.
 """
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Hashable
 
@@ -23,8 +25,10 @@ from specdecode.methods import MethodChoice
 class Engines:
     """Engines and drafters for resolved methods, over one set of loaded models."""
 
-    def __init__(self, models: Models, memory_owners: int = 64):
+    def __init__(self, models: Models, memory_owners: int = 64, memory_budget: int | None = None):
+        """`memory_budget`: bytes; None: a quarter of the machine's memory (`default_memory_budget`)."""
         self.models, self.memory_owners = models, memory_owners
+        self.memory_budget = default_memory_budget() if memory_budget is None else memory_budget
         self.shared: dict[str, SpeculativeEngine] = {}  # methods that remember nothing: one each, by name
         self.owned: OrderedDict[tuple[str, Hashable], SpeculativeEngine] = OrderedDict()  # least recent first
 
@@ -51,10 +55,20 @@ class Engines:
         key = (choice.name, memory)
         engine = self.owned.pop(key, None) or self.models.engine_for(choice)
         self.owned[key] = engine
-        while len(self.owned) > self.memory_owners:
-            self.owned.popitem(last=False)
+        while len(self.owned) > 1 and (len(self.owned) > self.memory_owners
+                                       or self.owned_bytes() > self.memory_budget):
+            self.owned.popitem(last=False)  # the newest is kept, whatever it holds: its job needs it
         return engine
+
+    def owned_bytes(self) -> int:
+        """What the owners' drafters hold together."""
+        return sum(engine.drafter.memory_bytes() for engine in self.owned.values() if engine.drafter is not None)
 
     def drafter(self, choice: MethodChoice) -> Drafter | None:
         """A new drafter for one batched sequence (None: plain decoding)."""
         return self.models.drafter_for(choice)
+
+
+def default_memory_budget() -> int:
+    """A quarter of the machine's memory, in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4

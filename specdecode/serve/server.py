@@ -58,7 +58,7 @@ class Server:
     def __init__(self, models: Models, model_name: str, default_method: str | MethodChoice = "pld",
                  datastore: str | None = None, max_batch: int = DEFAULT_MAX_BATCH, limits: Limits = Limits(),
                  methods: Sequence[str | MethodChoice] | None = None, prepare: Sequence[str] | None = None,
-                 memory_scope: str = "tenant", memory_owners: int = 64):
+                 memory_scope: str = "tenant", memory_owners: int = 64, memory_budget: int | None = None):
         """`methods`: those clients may name (default: every one the models can run), by name or resolved
         already (`methods.choose`); `datastore`: the retrieval datastore of those that take one; `prepare`:
         those prepared before the server takes requests (default: all of `methods` when given, else the
@@ -82,7 +82,7 @@ class Server:
         # from decoding (a concurrent stream stalled with it, not without: README, *Figures behind the code's choices*).
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="specdecode-tokenize")
-        self.engines = Engines(models, memory_owners)
+        self.engines = Engines(models, memory_owners, memory_budget)
         self.worker = Worker(models.target, models.tokenizer, self.engines, on_finish=self._finished,
                              max_batch=max_batch, on_batch_step=self.metrics.batch_step, max_queue=limits.max_queue)
         self.preparation = Preparation(self.engines, batching=self.worker.batch is not None)

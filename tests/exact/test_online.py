@@ -4,6 +4,8 @@ and the trained head itself never changed."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -64,3 +66,25 @@ def test_a_short_sequence_teaches_nothing(tiny_target):
     adaptation = OnlineAdaptation(head, tiny_target)
     assert not adaptation.learn([1, 2, 3], torch.zeros(3, 3 * tiny_target.config.hidden_size))
     assert adaptation.updates == 0
+
+
+def test_an_adapting_drafter_reports_what_it_holds(tiny_target):
+    """A server caps its owners' drafters by `memory_bytes`: the learning head and its optimiser's two moments
+    come on top of the drafting copies, the replay buffer grows with the text learnt from, and the target's
+    weights (embedding, LM head) count nothing."""
+    head = random_eagle3_head(tiny_target, vocab=60)
+    plain = Eagle3Drafter(head, tiny_target, min_confidence=0.0)
+    drafter = _drafter("chain", head, tiny_target)
+    parameters = sum(p.numel() * 4 for p in head.parameters())  # float32
+    assert plain.memory_bytes() > parameters  # as loaded, and as it drafts (quantized where the machine can)
+    assert drafter.memory_bytes() >= plain.memory_bytes() + parameters
+    assert drafter.memory_bytes() < plain.memory_bytes() + 2 * parameters
+    bf16 = copy.deepcopy(tiny_target).to(torch.bfloat16)  # the embedding is read as it is, not copied in float32
+    table = OnlineAdaptation(head, bf16).table
+    assert table.untyped_storage().data_ptr() == bf16.get_input_embeddings().weight.untyped_storage().data_ptr()
+    engine = SpeculativeEngine(HFCausalLM(tiny_target), LetterTokenizer(), drafter, gate=False)
+    before = drafter.memory_bytes()
+    for prompt in random_prompts(2, seed=8, low=10, high=11):
+        engine.generate(prompt, GenerationConfig(max_new_tokens=24))
+    assert drafter.state.adaptation.updates > 0  # its optimiser now has moments, its replay a sequence
+    assert drafter.memory_bytes() >= before + 2 * parameters

@@ -110,6 +110,44 @@ def test_owners_beyond_the_limit_are_forgotten_least_recent_first(models):
     assert [owner for _, owner in state.engines.owned] == [(None, "a"), (None, "c")]
 
 
+def test_owners_beyond_the_memory_budget_are_forgotten_least_recent_first():
+    """Learning drafters (eagle3-online: ~0.3-0.6 GB an owner) are capped by what they hold together, not only
+    by their number; the newest owner is kept whatever it holds, since its request runs on it."""
+    from types import SimpleNamespace
+
+    from specdecode.methods import choose
+    from specdecode.serve.engines import Engines
+
+    sizes = {"a": 40, "b": 30, "c": 50, "huge": 500}
+
+    class Drafter:
+        def __init__(self, size):
+            self.size = size
+
+        def memory_bytes(self):
+            return self.size
+
+    built, coming = [], []
+
+    def engine_for(choice):  # a drafter holds its head from the start
+        built.append(SimpleNamespace(drafter=Drafter(sizes[coming[-1]])))
+        return built[-1]
+
+    engines = Engines(SimpleNamespace(engine_for=engine_for), memory_owners=10, memory_budget=100)
+    choice = choose("suffix")
+
+    def visit(owner):
+        coming.append(owner)
+        engines.engine(choice, owner)
+        return [key[1] for key in engines.owned]
+
+    assert visit("a") == ["a"] and visit("b") == ["a", "b"]
+    assert visit("c") == ["b", "c"]  # 40 + 30 + 50 > 100: a, the least recent, goes
+    assert visit("b") == ["c", "b"] and engines.owned_bytes() == 80
+    assert visit("huge") == ["huge"]
+    assert engines.engine(choice, "a") is not built[0]  # forgotten: a new engine
+
+
 def test_a_growing_index_finds_what_a_plain_search_finds():
     """An owner's index starts small and grows its hash tables with its log (so a server can keep many):
     after growing past several table sizes, every lookup still finds the longest earlier matches."""
