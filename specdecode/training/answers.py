@@ -167,9 +167,8 @@ def generate(
     run out; `batch` sequences in flight. Resumes a folder begun with the same target and settings. With
     `keep_features`, the target's features of each answer (those an EAGLE-3 head learns from) go to
     `out/features` as it is generated (`features_folder`), sparing the training a pass over the answers."""
-    from specdecode.progress import Progress
-
     from specdecode.drafters.eagle3 import default_layers
+    from specdecode.progress import Progress
 
     check_limits(tokens, seconds, batch)
     config = models.target.model.config
