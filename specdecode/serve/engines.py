@@ -3,7 +3,7 @@ it was resolved once (`methods.MethodChoice`), and the engines it keeps:
 
 - a method that remembers nothing: one engine, built at its preparation (`prepare`) or its first job, then
   reused;
-- a method that drafts from earlier requests' text (`Method.remembers`: suffix decoding): one engine per
+- a method that learns from earlier requests (`Method.remembers`: suffix decoding, eagle3-online): one engine per
   memory owner (`Job.memory`), at most `memory_owners` of them whose drafters hold at most `memory_budget`
   bytes together (`Drafter.memory_bytes`: a head that learns online holds ~0.3-0.6 GB), the least recently
   used dropped first; a job with no owner gets a new one that forgets it afterwards;
