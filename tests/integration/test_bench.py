@@ -69,6 +69,27 @@ def test_sample_is_seeded_and_per_category():
 
 # --- the harness on tiny models --------------------------------------------------------------------------
 
+def test_the_warm_up_is_short_when_every_task_is_long(tiny_folder):
+    """A benchmark of long-context tasks alone warms each method up on a cut of the shortest prompt, not on a
+    16k-token prefill per method (and the warm-up is not recorded)."""
+    from specdecode.bench.harness import WARM_UP_CHARACTERS
+
+    models = load_models(str(tiny_folder), None, dtype="float32", progress=False)
+    fed = []
+
+    def run(prompt_ids, config):
+        fed.append(len(prompt_ids))
+        return Output([1, 2], 1.0, None)
+
+    long = "the cat " * (4 * WARM_UP_CHARACTERS)
+    tasks = [Task("long", "long/1", (long,)), Task("long", "long/2", (long + "and ",))]
+    runner = Runner("ar", True, False, run, max_context=10**6)  # the tiny model's positions do not matter here
+    records = run_benchmark(models, {"ar": runner}, tasks, GenerationConfig(max_new_tokens=2), 1)
+    assert [r.task_id for r in records] == ["long/1", "long/2"]
+    warm_up, *measured = fed
+    assert warm_up < min(measured) / 4 and warm_up < WARM_UP_CHARACTERS
+
+
 def test_harness_records_failures_and_keeps_them_out(tiny_folder, tmp_path):
     models = load_models(str(tiny_folder), str(tiny_folder), dtype="float32", progress=False)
     runners = build_runners(models, ["draft", "pld", "hf-plain"])
