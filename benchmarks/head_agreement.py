@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="int4", help="the target path the features were taken on")
     parser.add_argument("--eagle3", type=Path, action="append", help="an EAGLE-3 head's folder (repeatable; "
                         "default: the shipped one)")
-    parser.add_argument("--eagle", type=Path, default=HEADS / "eagle", help="an EAGLE head's folder ('' for none)")
+    parser.add_argument("--eagle", default=str(HEADS / "eagle"), help="an EAGLE head's folder ('' for none)")
     parser.add_argument("--positions", type=int, default=4)
     parser.add_argument("--starts", type=int, default=16, help="EAGLE: draft starts per window")
     args = parser.parse_args()
@@ -55,8 +55,8 @@ def main() -> None:
             agreement = held_out_agreement(head.eval(), embed, full_head[head.draft_ids], full_head, held_out,
                                            args.positions)
             print(f"EAGLE-3 {folder}: {', '.join(f'{a:.3f}' for a in agreement)}")
-        if str(args.eagle):
-            head, _ = EagleHead.load(args.eagle, dtype=torch.float32)
+        if args.eagle:  # a string: Path("") would be the current folder
+            head, _ = EagleHead.load(Path(args.eagle), dtype=torch.float32)
             agreement = eagle_training.held_out_accuracy(head.eval(), embed, full_head[head.vocab_ids], full_head,
                                                          [w[:3] for w in held_out], args.positions, args.starts)
             print(f"EAGLE {args.eagle} (final hidden states only): {', '.join(f'{a:.3f}' for a in agreement)}")

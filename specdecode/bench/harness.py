@@ -21,6 +21,7 @@ from specdecode.types import StepStats
 
 WARM_UP_CHARACTERS = 2000  # of the warm-up run's prompt: a few hundred tokens warm every method's code paths
 
+
 @dataclass
 class Record:
     """One method on one task in one repeat (all turns of a multi-turn task together)."""

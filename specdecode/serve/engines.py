@@ -55,14 +55,15 @@ class Engines:
         key = (choice.name, memory)
         engine = self.owned.pop(key, None) or self.models.engine_for(choice)
         self.owned[key] = engine
-        while len(self.owned) > 1 and (len(self.owned) > self.memory_owners
-                                       or self.owned_bytes() > self.memory_budget):
-            self.owned.popitem(last=False)  # the newest is kept, whatever it holds: its job needs it
+        held = self.owned_bytes()
+        while len(self.owned) > 1 and (len(self.owned) > self.memory_owners or held > self.memory_budget):
+            _, dropped = self.owned.popitem(last=False)  # the newest is kept, whatever it holds: its job needs it
+            held -= _held(dropped)
         return engine
 
     def owned_bytes(self) -> int:
         """What the owners' drafters hold together."""
-        return sum(engine.drafter.memory_bytes() for engine in self.owned.values() if engine.drafter is not None)
+        return sum(_held(engine) for engine in self.owned.values())
 
     def drafter(self, choice: MethodChoice) -> Drafter | None:
         """A new drafter for one batched sequence (None: plain decoding)."""
@@ -72,3 +73,7 @@ class Engines:
 def default_memory_budget() -> int:
     """A quarter of the machine's memory, in bytes."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+
+
+def _held(engine: SpeculativeEngine) -> int:
+    return engine.drafter.memory_bytes() if engine.drafter is not None else 0
