@@ -23,13 +23,14 @@ SecondsOption = Annotated[float, typer.Option(min=1, help=(
 VocabOption = Annotated[int, typer.Option(min=16, help="Draft vocabulary: the most frequent tokens.")]
 
 
-def _target_features(target: str, data: Path, tokens: int, seed: int, dtype: str = "bfloat16",
-                     eagle3: bool = False, answers_folder: Path | None = None):
+def _target_features(target: str, data: Path | None, tokens: int, seed: int, dtype: str = "bfloat16",
+                     eagle3: bool = False, answers_folder: Path | None = None, extract: bool = True):
     """(the target's transformers model, a description of it and of the data, the feature shards): the
     target's features over its own answers (`answers_folder`, from `specdecode train data`; those it kept
     while answering are read from there) and `tokens` tokens of ShareGPT and standard-library code, the
     rest extracted into `data` (a run cut short carries on there); with `eagle3`, the inputs of the three
-    decoder layers an EAGLE-3 head reads too (`describe["aux_layers"]`)."""
+    decoder layers an EAGLE-3 head reads too (`describe["aux_layers"]`). `extract=False` takes only the
+    features the data job kept on this machine and extracts nothing (`data` unused)."""
     from specdecode.api import load_models
     from specdecode.drafters.eagle3 import default_layers
     from specdecode.training import answer_store, corpus, features
@@ -48,6 +49,11 @@ def _target_features(target: str, data: Path, tokens: int, seed: int, dtype: str
             found.append((manifest, shards))
         else:
             console.print(f"[dim]{kept} holds features of another target path; the answers are read again[/dim]")
+    if not extract:
+        if not found:
+            raise UserError(f"--no-extract trains on the features `specdecode train data` kept in {kept}, and "
+                            "there are none of this target path there; drop --no-extract to extract them")
+        return model, describe | {"data": _data_record(found)}, found[0][1]
     if not features.older_layout(data):  # a folder of the older layout was built whole: it is used as it is
         have = {ident for _, shards in found for shard in shards for ident in shard.ids}
         own = [s for s in answer_store.sequences(answers_folder) if s.id not in have] if answers_folder is not None else []
@@ -68,10 +74,16 @@ def _target_features(target: str, data: Path, tokens: int, seed: int, dtype: str
         raise UserError(f"{data} holds no inputs of the target's layers {list(layers)}: build EAGLE-3's features "
                         "into an empty folder")
     found.append((manifest, shards))
-    describe["data"] = {key: sum(m.get(key, 0) for m, _ in found) for key in ("tokens", "sequences")}
-    describe["data"]["by_source"] = dict(sum((Counter(m.get("by_source", {})) for m, _ in found), Counter()))
-    describe["data"]["corpus"] = "; ".join(m["corpus"] for m, _ in found if m.get("corpus"))
+    describe["data"] = _data_record(found)
     return model, describe, [shard for _, shards in found for shard in shards]
+
+
+def _data_record(found: list) -> dict:
+    """What a head learnt from, for its JSON record: the (manifest, shards) of each features folder read."""
+    record = {key: sum(m.get(key, 0) for m, _ in found) for key in ("tokens", "sequences")}
+    record["by_source"] = dict(sum((Counter(m.get("by_source", {})) for m, _ in found), Counter()))
+    record["corpus"] = "; ".join(m["corpus"] for m, _ in found if m.get("corpus"))
+    return record
 
 
 # --- specdecode train data: the target's own answers (training.answers) ----------------------------
@@ -184,10 +196,15 @@ def train_eagle(
 
 @train_app.command("eagle3")
 def train_eagle3(
-    data: DataOption,
     out: Annotated[Path, typer.Option(help="Folder to write the head to (eagle3-*.safetensors, eagle3.json).")],
     answers: Annotated[Path | None, typer.Option(
         help="The target's own answers (`specdecode train data --out DIR`), learnt from first.")] = None,
+    data: Annotated[Path | None, typer.Option(help=(
+        "Folder of the target's features beyond those the data job kept; built there first when empty. "
+        "Needed unless --no-extract."))] = None,
+    extract: Annotated[bool, typer.Option(help=(
+        "--no-extract: learn only from the answers whose features `train data` kept on this machine, reading "
+        "nothing again (on a fresh machine: the answers it made there, to carry an --init head on to them)."))] = True,
     tokens: Annotated[int, typer.Option(min=0, help="Teacher-forced corpus tokens added to the answers.")] = 100_000,
     seconds: SecondsOption = 3600,
     epochs: Annotated[int, typer.Option(min=1)] = 4,
@@ -208,9 +225,13 @@ def train_eagle3(
     from specdecode.drafters.eagle3 import Eagle3Head
     from specdecode.training import eagle3
 
+    if extract and data is None:
+        raise UserError("--data FOLDER is needed for the features to extract (or --no-extract)")
+    if not extract and (answers is None or tokens):
+        raise UserError("--no-extract learns from the features the data job kept: give --answers DIR and --tokens 0")
     start = None if init is None else Eagle3Head.load(init)[0]  # before the features: a bad folder fails at once
     model, describe, shards = _target_features(target, data, tokens, seed, dtype=dtype.value, eagle3=True,
-                                               answers_folder=answers)
+                                               answers_folder=answers, extract=extract)
     if init is not None:
         describe["init"] = str(init)
     settings = eagle3.TrainingSettings(intermediate_size=intermediate_size, vocab_size=vocab_size, seconds=seconds,

@@ -264,6 +264,30 @@ def test_training_reads_the_kept_features_and_extracts_the_rest(three_layers, so
     assert describe["data"]["sequences"] == len(every) and all(s.aux is not None for s in shards)
 
 
+def test_no_extract_learns_from_the_kept_features_alone(three_layers, sources, tmp_path):
+    from specdecode.cli.train import _target_features
+
+    models = load_models(str(three_layers), None, dtype="int8", progress=False)
+    run_answers(models, sources, tmp_path / "answers", tokens=50)  # none kept
+    with pytest.raises(UserError, match="--no-extract"):
+        _target_features(str(three_layers), None, 0, 0, dtype="int8", eagle3=True,
+                         answers_folder=tmp_path / "answers", extract=False)
+    run_answers(models, sources, tmp_path / "answers", tokens=120, keep_features=True)
+    kept = {i for s in features.load(answer_store.features_folder(tmp_path / "answers"))[1] for i in s.ids}
+    _, describe, shards = _target_features(str(three_layers), None, 0, 0, dtype="int8", eagle3=True,
+                                           answers_folder=tmp_path / "answers", extract=False)
+    assert sorted(i for s in shards for i in s.ids) == sorted(kept)  # the answers made without them are left out
+    assert describe["data"]["sequences"] == len(kept) and all(s.aux is not None for s in shards)
+    assert not (tmp_path / "data").exists()
+
+
+def test_train_eagle3_says_which_features_it_lacks(monkeypatch, capsys, tmp_path):
+    code, _, err = run_cli(monkeypatch, capsys, "train", "eagle3", "--out", str(tmp_path / "head"))
+    assert code == 2 and "--data" in err
+    code, _, err = run_cli(monkeypatch, capsys, "train", "eagle3", "--out", str(tmp_path / "head"), "--no-extract")
+    assert code == 2 and "--answers" in err and "--tokens 0" in err
+
+
 def test_an_extraction_cut_short_carries_on(three_layers, sources, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
