@@ -141,10 +141,13 @@ def interleaved(
     repeats: int,
     positions: list[int] | None = None,
     count: int | None = None,
+    on_start: Callable[[str, str], None] = lambda method, task_id: None,
 ) -> Iterator[Record]:
     """Every method on every task, repeat after repeat, one record at a time. `positions`: each task's place
     in the whole benchmark's list of `count` tasks, when these are a share of it (a Ray node's,
-    `bench.ray_shards`): its seed and its order of methods are then those it has in the whole run."""
+    `bench.ray_shards`): its seed and its order of methods are then those it has in the whole run.
+    `on_start(method, task_id)` is told of each run as it begins (a progress bar's description: a 16k-token
+    prefill takes minutes)."""
     positions = list(range(len(tasks))) if positions is None else positions
     count = len(tasks) if count is None else count
     warm = GenerationConfig(max_new_tokens=4, sampling=config.sampling, seed=config.seed)
@@ -152,7 +155,8 @@ def interleaved(
     # benchmark has only long-context tasks
     shortest = min(tasks, key=lambda task: len(task.turns[0]))
     warm_task = Task(shortest.category, "warm-up", (shortest.turns[0][:WARM_UP_CHARACTERS],))
-    for runner in runners.values():
+    for name, runner in runners.items():
+        on_start(name, warm_task.task_id)
         run_task(models, runner, warm_task, warm, repeat=-1)
     names = list(runners)
     for repeat in range(repeats):
@@ -162,6 +166,7 @@ def interleaved(
             shift = (repeat * count + position) % len(names)
             seeded = task_config(config, repeat, position)
             for name in names[shift:] + names[:shift]:
+                on_start(name, task.task_id)
                 yield run_task(models, runners[name], task, seeded, repeat)
 
 
@@ -172,9 +177,10 @@ def run_benchmark(
     config: GenerationConfig,
     repeats: int,
     on_record: Callable[[Record], None] = lambda record: None,
+    on_start: Callable[[str, str], None] = lambda method, task_id: None,
 ) -> list[Record]:
     records = []
-    for record in interleaved(models, runners, tasks, config, repeats):
+    for record in interleaved(models, runners, tasks, config, repeats, on_start=on_start):
         records.append(record)
         on_record(record)
     return records

@@ -80,6 +80,11 @@ class RecordSink:
         self.progress.start()
         self.bar = self.progress.add_task(description, total=total, completed=self.written)
 
+    def starting(self, method: str, task_id: str) -> None:
+        """The bar names the run under way (not the one just ended)."""
+        if self.progress is not None:
+            self.progress.update(self.bar, description=f"{method} {task_id}")
+
     def __call__(self, record: Record) -> None:
         self.file.write(json.dumps(record.to_json()) + "\n")
         self.file.flush()
@@ -113,7 +118,7 @@ def run_here(setup: Setup, tasks: list[Task], config: GenerationConfig, repeats:
                       f"recorded as failures ({', '.join(too_long[:4])}{', ...' if len(too_long) > 4 else ''})")
     lossless = {name: runner.lossless for name, runner in runners.items()}
     sink.expect(repeats * len(tasks) * (len(runners) + len(engine_rows) * sum(level > 1 for level in levels)))
-    records = run_benchmark(models, runners, tasks, config, repeats, sink)
+    records = run_benchmark(models, runners, tasks, config, repeats, sink, on_start=sink.starting)
     loaded = run_levels(models, engine_rows, runners, tasks, config, levels, repeats, sink)
     level_runs = [LevelRun(name, 1, repeat, sum(r.seconds for r in mine if r.ok), mine, report.summed_server(mine))
                   for name in engine_rows for repeat in range(repeats)

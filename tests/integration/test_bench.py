@@ -84,8 +84,11 @@ def test_the_warm_up_is_short_when_every_task_is_long(tiny_folder):
     long = "the cat " * (4 * WARM_UP_CHARACTERS)
     tasks = [Task("long", "long/1", (long,)), Task("long", "long/2", (long + "and ",))]
     runner = Runner("ar", True, False, run, max_context=10**6)  # the tiny model's positions do not matter here
-    records = run_benchmark(models, {"ar": runner}, tasks, GenerationConfig(max_new_tokens=2), 1)
+    started = []  # what a progress bar is told as each run begins
+    records = run_benchmark(models, {"ar": runner}, tasks, GenerationConfig(max_new_tokens=2), 1,
+                            on_start=lambda method, task_id: started.append((method, task_id, len(fed))))
     assert [r.task_id for r in records] == ["long/1", "long/2"]
+    assert started == [("ar", "warm-up", 0), ("ar", "long/1", 1), ("ar", "long/2", 2)]  # before each run, not after
     warm_up, *measured = fed
     assert warm_up < min(measured) / 4 and warm_up < WARM_UP_CHARACTERS
 
