@@ -229,11 +229,11 @@ def train_eagle3(
         raise UserError("--data FOLDER is needed for the features to extract (or --no-extract)")
     if not extract and (answers is None or tokens):
         raise UserError("--no-extract learns from the features the data job kept: give --answers DIR and --tokens 0")
-    start = None if init is None else Eagle3Head.load(init)[0]  # before the features: a bad folder fails at once
+    start, earlier = (None, {}) if init is None else Eagle3Head.load(init)  # first: a bad folder fails at once
     model, describe, shards = _target_features(target, data, tokens, seed, dtype=dtype.value, eagle3=True,
                                                answers_folder=answers, extract=extract)
-    if init is not None:
-        describe["init"] = str(init)
+    if init is not None:  # the head's lineage: what the head it started from learnt, and from what, and so on
+        describe["init"] = {"folder": str(init), "data": earlier.get("data"), "init": earlier.get("init")}
     settings = eagle3.TrainingSettings(intermediate_size=intermediate_size, vocab_size=vocab_size, seconds=seconds,
                                        epochs=epochs, steps=steps, learning_rate=learning_rate, seed=seed)
     head, record = eagle3.train(model, shards, settings, tuple(describe["aux_layers"]), log=console.print,

@@ -281,6 +281,21 @@ def test_no_extract_learns_from_the_kept_features_alone(three_layers, sources, t
     assert not (tmp_path / "data").exists()
 
 
+def test_a_head_carried_on_records_its_lineage(three_layers, sources, tmp_path, monkeypatch, capsys):
+    models = load_models(str(three_layers), None, dtype="int8", progress=False)
+    run_answers(models, sources, tmp_path / "answers", tokens=120, keep_features=True)
+    common = ["train", "eagle3", "--target", str(three_layers), "--dtype", "int8", "--answers", str(tmp_path / "answers"),
+              "--no-extract", "--tokens", "0", "--epochs", "1", "--intermediate-size", "16", "--vocab-size", "16"]
+    code, _, err = run_cli(monkeypatch, capsys, *common, "--out", str(tmp_path / "first"))
+    assert code == 0, err
+    code, _, err = run_cli(monkeypatch, capsys, *common, "--out", str(tmp_path / "second"), "--init", str(tmp_path / "first"))
+    assert code == 0, err
+    first = json.loads((tmp_path / "first" / "eagle3.json").read_text())
+    second = json.loads((tmp_path / "second" / "eagle3.json").read_text())
+    assert "init" not in first
+    assert second["init"] == {"folder": str(tmp_path / "first"), "data": first["data"], "init": None}
+
+
 def test_train_eagle3_says_which_features_it_lacks(monkeypatch, capsys, tmp_path):
     code, _, err = run_cli(monkeypatch, capsys, "train", "eagle3", "--out", str(tmp_path / "head"))
     assert code == 2 and "--data" in err
