@@ -128,6 +128,7 @@ def train(target_model, shards: list[Shard], settings: TrainingSettings, layers:
                                                "train_windows": len(training), "held_out_windows": len(evaluation)})
     optimise(head, lambda window: losses(head, embed, draft_head, window, settings.steps), training, settings,
              record, "training EAGLE-3", progress, checkpoint)
+    log(f"measuring held-out agreement on {len(evaluation)} windows")
     record.held_out_accuracy = held_out_agreement(head, embed, draft_head, full_head, evaluation,
                                                   settings.eval_positions)
     log(f"EAGLE-3 head: {record.steps} steps, {record.tokens_seen} tokens, {record.seconds:.0f} s; held-out "
