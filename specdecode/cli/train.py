@@ -33,7 +33,7 @@ def _target_features(target: str, data: Path | None, tokens: int, seed: int, dty
     features the data job kept on this machine and extracts nothing (`data` unused)."""
     from specdecode.api import load_models
     from specdecode.drafters.eagle3 import default_layers
-    from specdecode.training import answer_store, corpus, features
+    from specdecode.training import answer_store, features
 
     models = load_models(target, None, dtype=dtype)
     model = models.target.model
@@ -49,11 +49,24 @@ def _target_features(target: str, data: Path | None, tokens: int, seed: int, dty
             found.append((manifest, shards))
         else:
             console.print(f"[dim]{kept} holds features of another target path; the answers are read again[/dim]")
-    if not extract:
-        if not found:
-            raise UserError(f"--no-extract trains on the features `specdecode train data` kept in {kept}, and "
-                            "there are none of this target path there; drop --no-extract to extract them")
-        return model, describe | {"data": _data_record(found)}, found[0][1]
+    if extract:
+        found.append(_extracted(models, data, found, answers_folder, tokens, seed, describe, layers))
+    elif not found:
+        raise UserError(f"--no-extract trains on the features `specdecode train data` kept in {kept}, and "
+                        "there are none of this target path there; drop --no-extract to extract them")
+    describe["data"] = {key: sum(m.get(key, 0) for m, _ in found) for key in ("tokens", "sequences")}
+    describe["data"]["by_source"] = dict(sum((Counter(m.get("by_source", {})) for m, _ in found), Counter()))
+    describe["data"]["corpus"] = "; ".join(m["corpus"] for m, _ in found if m.get("corpus"))
+    return model, describe, [shard for _, shards in found for shard in shards]
+
+
+def _extracted(models, data: Path, found: list, answers_folder: Path | None, tokens: int, seed: int, describe: dict,
+               layers) -> tuple[dict, list]:
+    """(manifest, shards) of `data` once it holds the features `found` lacks: the answers' and `tokens` of
+    the teacher-forced corpus, extracted there (a run cut short carries on)."""
+    from specdecode.training import answer_store, corpus, features
+
+    model = models.target.model
     if not features.older_layout(data):  # a folder of the older layout was built whole: it is used as it is
         have = {ident for _, shards in found for shard in shards for ident in shard.ids}
         own = [s for s in answer_store.sequences(answers_folder) if s.id not in have] if answers_folder is not None else []
@@ -69,21 +82,11 @@ def _target_features(target: str, data: Path | None, tokens: int, seed: int, dty
         features.extract(model, todo, data, describe | {"corpus": "; ".join(parts), "seed": seed}, layers=layers)
     manifest, shards = features.load(data)
     if manifest.get("target_key") != describe["target_key"]:
-        raise UserError(f"{data} holds features of {manifest.get('target')!r}, not of {target!r}")
+        raise UserError(f"{data} holds features of {manifest.get('target')!r}, not of {describe['target']!r}")
     if layers is not None and tuple(manifest.get("aux_layers") or ()) != tuple(layers):
         raise UserError(f"{data} holds no inputs of the target's layers {list(layers)}: build EAGLE-3's features "
                         "into an empty folder")
-    found.append((manifest, shards))
-    describe["data"] = _data_record(found)
-    return model, describe, [shard for _, shards in found for shard in shards]
-
-
-def _data_record(found: list) -> dict:
-    """What a head learnt from, for its JSON record: the (manifest, shards) of each features folder read."""
-    record = {key: sum(m.get(key, 0) for m, _ in found) for key in ("tokens", "sequences")}
-    record["by_source"] = dict(sum((Counter(m.get("by_source", {})) for m, _ in found), Counter()))
-    record["corpus"] = "; ".join(m["corpus"] for m, _ in found if m.get("corpus"))
-    return record
+    return manifest, shards
 
 
 # --- specdecode train data: the target's own answers (training.answers) ----------------------------
