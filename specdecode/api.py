@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from specdecode import devices
 from specdecode.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.drafters.base import Drafter
@@ -104,12 +105,16 @@ class Models:
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def _load(model: str | PreTrainedModel, tokenizer, dtype, progress: bool, exact_int8: bool = True):
+def _load(model: str | PreTrainedModel, tokenizer, dtype, progress: bool, device: torch.device | None,
+          exact_int8: bool = True):
+    """A model and its tokenizer, on `device` (None: an already loaded model stays where it is)."""
     if isinstance(model, PreTrainedModel):
         if tokenizer is None:
             raise UserError("pass tokenizer= together with an already loaded model")
+        model = model if device is None else model.to(device)
         return model.eval().requires_grad_(False), tokenizer
-    return load_causal_lm(model, dtype=dtype, progress=progress, exact_int8=exact_int8)
+    return load_causal_lm(model, dtype=dtype, progress=progress, exact_int8=exact_int8,
+                          device=device if device is not None else "auto")
 
 
 def load_models(
@@ -122,6 +127,7 @@ def load_models(
     draft_dtype: torch.dtype | str = "auto",
     progress: bool = True,
     backend: str = "torch",
+    device: torch.device | str | None = None,
 ) -> Models:
     """Load a target and (optionally) a draft model. The target runs in `dtype`: "auto" (the fastest of
     bfloat16, float32, int8 and int4 on this machine, `models.precision`), or one of them. The draft model's
@@ -132,16 +138,26 @@ def load_models(
     target's and `draft_tokenizer` the drafter's (default: `tokenizer`).
 
     backend="llamacpp" runs .gguf files (or registered models) through llama.cpp as they are; dtypes
-    do not apply there (the file's quantization is the model)."""
+    do not apply there (the file's quantization is the model).
+
+    `device`: where the torch backend runs ("auto": CUDA where torch sees one, else the CPU; "cpu", "cuda",
+    "cuda:N", "mps"); the draft model goes to the target's device. None: "auto" for models loaded by name,
+    and an already loaded model stays where it is."""
     if backend == "llamacpp":
+        if device is not None:
+            devices.refuse_off_cpu(devices.resolve(device), "the llama.cpp backend as shipped",
+                                   "use --backend torch there (llama-cpp-python built with CUDA is not set up)")
         return _load_llamacpp(target, drafter, progress)
     if backend != "torch":
         raise UserError(f"unknown backend {backend!r}; choose torch or llamacpp")
-    target_model, target_tokenizer = _load(target, tokenizer, dtype, progress)
+    device = None if device is None else devices.resolve(device)
+    target_model, target_tokenizer = _load(target, tokenizer, dtype, progress, device)
+    device = target_model.device  # the one device: the draft model and every drafter follow the target
     draft = other_tokenizer = None
     if drafter is not None:
-        draft_model, draft_tokenizer = _load(drafter, draft_tokenizer or tokenizer, resolve_draft_dtype(draft_dtype),
-                                             progress, exact_int8=False)
+        draft_model, draft_tokenizer = _load(drafter, draft_tokenizer or tokenizer,
+                                             resolve_draft_dtype(draft_dtype, device), progress, device,
+                                             exact_int8=False)
         if same_vocabulary(target_tokenizer, draft_tokenizer):
             check_same_vocabulary(target_tokenizer, draft_tokenizer, target_model, draft_model)
         else:
@@ -197,16 +213,18 @@ def generate(
     tree: bool = False,
     budget: int | None = None,
     backend: str = "torch",
+    device: torch.device | str | None = None,
 ) -> GenerationResult:
-    """Generate with one method; models loaded by name are kept for the next call."""
+    """Generate with one method; models loaded by name are kept for the next call. `device` as in
+    `load_models`."""
     choice = choose(method, tree=tree, budget=budget)  # before any model loads
     needs_draft = choice.method.needs_draft_model
     key = (id(target) if isinstance(target, PreTrainedModel) else target,
            (id(drafter) if isinstance(drafter, PreTrainedModel) else drafter) if needs_draft else None, str(dtype),
-           str(draft_dtype), backend)
+           str(draft_dtype), backend, str(device))
     if key not in _loaded:
         _loaded[key] = load_models(target, drafter if needs_draft else None, tokenizer=tokenizer, dtype=dtype,
-                                   draft_dtype=draft_dtype, backend=backend)
+                                   draft_dtype=draft_dtype, backend=backend, device=device)
     models = _loaded[key]
     ids = list(prompt) if isinstance(prompt, list) else models.encode(prompt, chat=chat)
     config = GenerationConfig(

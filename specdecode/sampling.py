@@ -42,20 +42,15 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     vocabulary, where float32 would reach 1e-5): a uniform u in [0, total) picks the first token whose
     cumulative mass exceeds u, so a token of zero probability is never drawn. 20 times faster than
     `torch.multinomial` over a 150k vocabulary on a CPU (0.18 against 3.9 ms: it draws an exponential
-    per token), a cost every sampled step pays."""
+    per token), a cost every sampled step pays. On the device of `probs`, with no host synchronisation
+    (`generator` must live there too)."""
     flat = probs.reshape(-1, probs.shape[-1])  # [rows, vocab]
-    cumulative = torch.cumsum(flat, dim=-1, dtype=torch.float64)  # [rows, vocab]
+    wide = torch.float32 if flat.device.type == "mps" else torch.float64  # MPS has no float64
+    cumulative = torch.cumsum(flat, dim=-1, dtype=wide)  # [rows, vocab]
     total = cumulative[:, -1:].contiguous()  # [rows, 1]
-    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64) * total  # [rows, 1]
+    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=wide, device=flat.device) * total  # [rows, 1]
     tokens = torch.searchsorted(cumulative, u, right=True)
     # never past the last token of positive probability, where the sum ends (u < total under round-to-nearest;
     # a uniform draw of exactly 1 would otherwise give a zero-weight tail token, or an index past the end)
     last = torch.searchsorted(cumulative, total, right=False)
     return torch.minimum(tokens, last).squeeze(-1).reshape(probs.shape[:-1])
-
-
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token from one row of logits ([vocab]): argmax when greedy, else a sample."""
-    if params.greedy:
-        return int(logits.argmax())
-    return int(sample(logits_to_probs(logits, params), generator))

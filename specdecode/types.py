@@ -134,7 +134,7 @@ class Draft:
 
     @staticmethod
     def empty() -> Draft:
-        return Draft(tokens=torch.empty(0, dtype=torch.long))
+        return Draft(tokens=torch.empty(0, dtype=torch.long, device="cpu"))
 
 
 @dataclass(frozen=True)
@@ -149,6 +149,9 @@ class Verdict:
     # True when the last token is a bonus token: no draft was offered after the accepted ones (the whole
     # chain was accepted, or the accepted path ends at a leaf of the tree). Default: the chain rule.
     bonus: bool | None = None
+    # A chain's draft tokens after the accepted ones, which the target turned down (for streaming: the
+    # verifier has them on the host already, where the draft's own tensor may live on a device); () for trees.
+    rejected: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.path is None:

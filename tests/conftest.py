@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -20,6 +21,53 @@ from specdecode.models.hf import HFCausalLM
 
 VOCAB = 97
 REAL_MEASURE = costs.measure  # before the session's fixture fixes every curve (`fixed_measure`)
+DEVICE = torch.device("cpu")  # where the tiny models live: `pytest --device cuda` (set in pytest_configure)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu",
+                     help="where the tiny models run (cpu, cuda, cuda:N, mps); tests marked cpu_only skip elsewhere")
+
+
+def pytest_configure(config):
+    global DEVICE
+    from specdecode import devices
+
+    DEVICE = devices.resolve(config.getoption("--device"))
+    if DEVICE.type == "cuda":  # float32 means float32: exactness is checked without TF32's rounding
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
+def pytest_collection_modifyitems(config, items):
+    if DEVICE.type == "cpu":
+        return
+    skip = pytest.mark.skip(reason=f"CPU only (int8/int4 kernels, llama.cpp, real models); running on {DEVICE}")
+    for item in items:
+        if "cpu_only" in item.keywords or "slow" in item.keywords or "peers" in item.keywords:
+            item.add_marker(skip)
+
+
+@contextlib.contextmanager
+def wrong_device_trap():
+    """Inside, a tensor created without naming its device lands on `meta`, where it has no values: it fails
+    the moment it meets a real tensor or is read on the host. The models still run on the CPU (transformers'
+    own forward runs with the CPU as the default), so what fails is the engine's and the drafters' own code:
+    a tensor it built on the host for a model that, on a GPU, would be elsewhere. Host data must say
+    device="cpu"; device data takes the model's device."""
+    from transformers import PreTrainedModel
+
+    def call_on_the_models_device(self, *args, **kwargs):
+        with torch.device(self.device):
+            return torch.nn.Module.__call__(self, *args, **kwargs)
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(PreTrainedModel, "__call__", call_on_the_models_device, raising=False)
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        patch.undo()
 
 
 def tiny_qwen2(
@@ -44,6 +92,7 @@ def tiny_qwen2(
     model = Qwen2ForCausalLM(config).to(dtype).eval()
     with torch.no_grad():  # larger output weights make the distributions less flat
         model.lm_head.weight.mul_(8.0)
+    model.to(DEVICE)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None
     return model
@@ -58,7 +107,7 @@ def noisy_copy(model, scale: float, seed: int):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in clone.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+            p.add_(torch.randn(p.shape, generator=g).to(p.device) * scale * p.std())
     return clone
 
 
@@ -259,7 +308,8 @@ def one_thread():
 
 def greedy_references(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Plain greedy continuations of each prompt from transformers' own generate()."""
-    return [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(p) :].tolist()
+    return [model.generate(torch.tensor([p], device=model.device), max_new_tokens=max_new_tokens,
+                           do_sample=False)[0, len(p) :].tolist()
             for p in prompts]
 
 
@@ -286,14 +336,14 @@ def random_medusa_heads(target, num_heads: int = 3, vocab: int | None = None, se
     with torch.no_grad():
         for block in heads.blocks:
             block.weight.normal_(0, scale / math.sqrt(d))
-    return heads.float().eval()
+    return heads.float().eval().to(target.device)
 
 
 def random_eagle_head(target, vocab: int | None = None, seed: int = 0, intermediate: int = 32) -> EagleHead:
     """An EAGLE head with random weights for `target`, over its first `vocab` tokens (default: all)."""
     torch.manual_seed(seed)
     ids = torch.arange(target.config.vocab_size)[: vocab or target.config.vocab_size]
-    return EagleHead(head_config(target.config, intermediate), ids).float().eval()
+    return EagleHead(head_config(target.config, intermediate), ids).float().eval().to(target.device)
 
 
 def oracle_eagle_head(target, prompt: list[int], max_new_tokens: int) -> tuple[EagleHead, list[int]]:
@@ -302,13 +352,14 @@ def oracle_eagle_head(target, prompt: list[int], max_new_tokens: int) -> tuple[E
     reference = greedy_references(target, [prompt], max_new_tokens)[0]
     full = prompt + reference
     with torch.inference_mode():
-        truth = target.model(input_ids=torch.tensor([full])).last_hidden_state[0]
+        truth = target.model(input_ids=torch.tensor([full], device=target.device)).last_hidden_state[0]
 
     class Oracle(EagleHead):
         def forward(self, features, embeddings, position_ids, attention_mask=None, cache=None):
             return truth[(position_ids[0] + 1).clamp(max=len(full) - 1)][None]  # f_{t+1}, the target's own
 
-    return Oracle(head_config(target.config, 32), torch.arange(target.config.vocab_size)).eval(), reference
+    return (Oracle(head_config(target.config, 32), torch.arange(target.config.vocab_size)).eval().to(target.device),
+            reference)
 
 
 def random_eagle3_head(target, vocab: int | None = None, seed: int = 0, intermediate: int = 32) -> Eagle3Head:
@@ -317,7 +368,7 @@ def random_eagle3_head(target, vocab: int | None = None, seed: int = 0, intermed
     size = vocab or target.config.vocab_size
     config = Eagle3Config.for_target(target.config, intermediate, size)
     ids = torch.randperm(target.config.vocab_size)[:size].sort().values
-    return Eagle3Head(config, ids).float().eval()
+    return Eagle3Head(config, ids).float().eval().to(target.device)
 
 
 def tiny_training_features(folder: Path):

@@ -11,13 +11,17 @@ from collections.abc import Callable
 
 import torch
 
+from specdecode.devices import to_device
 from specdecode.drafters.base import Drafter, Outcome, RunningAcceptance
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.models import costs
 from specdecode.models.costs import CostCurve
 from specdecode.sampling import logits_to_probs, sample
-from specdecode.types import Draft, SamplingParams
+from specdecode.types import Draft, SamplingParams, Verdict
+
+
+UNSEEN = -1  # in `SyncedCache.seen`: a drafted token the draft model holds whose value the host has not read
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -45,6 +49,15 @@ class SyncedCache:
     def ready(self, context: list[int], room: int) -> bool:
         """Whether the draft model drafts after `context` (`room` more tokens allowed): once it has, always."""
         return bool(self.seen) or self.late_start.ready(len(context), room)
+
+    def learn(self, verdict: Verdict) -> None:
+        """Put the drafted tokens' values, as verification read them, in place of their UNSEEN marks."""
+        drafted = list(verdict.tokens[: verdict.num_accepted]) + list(verdict.rejected)
+        start = next((i for i, token in enumerate(self.seen) if token == UNSEEN), None)
+        if start is None:
+            return
+        for i, token in enumerate(drafted[: len(self.seen) - start]):
+            self.seen[start + i] = token
 
     def sync(self, context: list[int]) -> list[int]:
         """Crop the draft cache to what it shares with `context`; return the tokens still to feed (at
@@ -197,13 +210,42 @@ class DraftModelDrafter(Drafter):
     def _lengths(self) -> range:
         return range(0, self.max_tokens + 1)
 
+    @property
+    def stops_early(self) -> bool:
+        """Whether drafting stops at the first token under the confidence threshold. Deciding that reads each
+        token's probability on the host: free on a CPU, where it saves draft forwards, but a stall of the
+        launch queue per token on a GPU, where the chain is drafted whole and left to verification."""
+        return self.confidence_threshold > 0 and self.model.device.type == "cpu"
+
     def propose(self, context, max_tokens, params, generator) -> Draft:
         length = min(self._length(), max_tokens)
         if length <= 0 or not self._ready(context, max_tokens):
             return Draft.empty()
-        tokens, rows = self._draft(self._cache.sync(context), length, params, generator)
+        pending = self._cache.sync(context)
+        if not self.stops_early:
+            return self._draft_on_device(pending, length, params, generator)
+        tokens, rows = self._draft(pending, length, params, generator)
         probs = torch.stack(rows) if rows else None  # [draft_len, vocab] when sampling
-        return Draft(tokens=torch.tensor(tokens), probs=probs)
+        return Draft(tokens=torch.tensor(tokens, device="cpu"), probs=probs)
+
+    def _draft_on_device(self, pending: list[int], length: int, params: SamplingParams,
+                         generator: torch.Generator | None) -> Draft:
+        """Feed `pending`, then draft `length` tokens, each fed back to the draft model where it was drawn,
+        without reading one on the host. The draft model's cache then holds tokens whose values the host
+        learns from the verdict (`observe`); until then they are UNSEEN in `seen`."""
+        fed = to_device(pending, self.model.device)
+        tokens, rows = [], []
+        for i in range(length):
+            logits = self.model.forward(fed, num_logits=1).logits  # [1, vocab_draft]
+            self._cache.seen.extend(pending if i == 0 else [UNSEEN])
+            if params.greedy:
+                fed = logits.argmax(-1)  # [1]
+            else:
+                probs = logits_to_probs(logits, params)  # [1, vocab]
+                fed = sample(probs, generator)  # [1]
+                rows.append(probs[0])
+            tokens.append(fed)
+        return Draft(tokens=torch.cat(tokens), probs=torch.stack(rows) if rows else None)
 
     def _ready(self, context: list[int], room: int) -> bool:
         """Whether the draft model drafts now (`LateStart`; a fixed draft length, adaptive=False, drafts
@@ -217,7 +259,7 @@ class DraftModelDrafter(Drafter):
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for _ in range(length):
-            logits = self.model.forward(torch.tensor(pending), num_logits=1).logits[0]  # [vocab_draft]
+            logits = self.model.forward(torch.tensor(pending, device="cpu"), num_logits=1).logits[0]  # [vocab_draft]
             self._cache.seen.extend(pending)
             if params.greedy:
                 token = int(logits.argmax())
@@ -234,6 +276,7 @@ class DraftModelDrafter(Drafter):
         return tokens, rows
 
     def observe(self, outcome: Outcome) -> None:
+        self._cache.learn(outcome.verdict)
         if not self.adaptive or outcome.verdict.num_drafted == 0:
             return
         self._acceptance.record(outcome.verdict)

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
+from specdecode import devices
 from specdecode.drafters.base import Drafter, Outcome
 from specdecode.drafters.draft_model import SyncedCache, late_start
 from specdecode.errors import UserError
@@ -108,7 +109,7 @@ class DraftModelTreeDrafter(Drafter):
         self._cache = SyncedCache(model, late_start(draft_cost, draft_curve, curve, range(0, max_depth + 1)))
         self._calibration = Calibration()
         self._predicted = 0.0  # the accepted tokens the last tree's scores predicted
-        self.last_scores = torch.empty(0)
+        self.last_scores = torch.empty(0, device="cpu")
 
     @classmethod
     def for_models(cls, draft: CausalLM, target: CausalLM, **options) -> DraftModelTreeDrafter:
@@ -126,19 +127,26 @@ class DraftModelTreeDrafter(Drafter):
         return logits.float().softmax(-1) if params.greedy else logits_to_probs(logits, params)
 
     def _add_children(self, tree: _Growing, parents: list[int], probs: torch.Tensor) -> list[int]:
-        """Add each parent's children (top-k, or the shape's ranks) given its distribution row."""
-        new = []
-        for parent, row in zip(parents, probs):  # row: [vocab]
+        """Add each parent's children (top-k, or the shape's ranks) given its distribution row (probs:
+        [len(parents), vocab]); the top tokens of every row reach the host in one transfer."""
+        wanted = []  # (ranks, shape nodes) of each parent
+        for parent in parents:
             if self.shape_parents is None:
-                ranks, shape_nodes = range(self.top_k), [-1] * self.top_k
+                wanted.append((range(self.top_k), [-1] * self.top_k))
             else:
                 shape_nodes = self.shape_children[tree.shape[parent] + 1 if parent != structure.ROOT else 0]
-                ranks = [int(self.shape_ranks[s]) for s in shape_nodes]
-            top = torch.topk(row, max(ranks) + 1) if ranks else None
+                wanted.append(([int(self.shape_ranks[s]) for s in shape_nodes], shape_nodes))
+        k = max((max(ranks) + 1 for ranks, _ in wanted if ranks), default=0)
+        if k == 0:
+            return []
+        top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)  # [parents, k]
+        values, indices = devices.to_host(top.values, top.indices)
+        new = []
+        for parent, (ranks, shape_nodes), row_values, row_indices in zip(parents, wanted, values, indices):
             for rank, shape_node in zip(ranks, shape_nodes):
-                p = float(top.values[rank])
+                p = row_values[rank]
                 if p > 0:  # a token the processed distribution excludes would never be accepted
-                    new.append(tree.add(int(top.indices[rank]), parent, tree.score(parent) * p, shape_node))
+                    new.append(tree.add(int(row_indices[rank]), parent, tree.score(parent) * p, shape_node))
         return new
 
     def _to_expand(self, tree: _Growing, frontier: list[int], coverage: float) -> list[int]:
@@ -166,21 +174,22 @@ class DraftModelTreeDrafter(Drafter):
     def _start(self, context: list[int]) -> torch.Tensor | None:
         """Bring the draft's cache up to the context; the logits after it [1, vocab] (None: no draft)."""
         pending = self._cache.sync(context)
-        logits = self.model.forward(torch.tensor(pending), num_logits=1).logits  # [1, vocab]
+        logits = self.model.forward(torch.tensor(pending, device="cpu"), num_logits=1).logits  # [1, vocab]
         self._cache.seen.extend(pending)
         return logits
 
     def _feed(self, tree: _Growing, expand: list[int], fed: list[int], length: int, depth: int) -> torch.Tensor:
         """One draft forward over the nodes `expand` (of depth - 1), each attending to the context and its
         ancestors among `fed` (the nodes already in the draft cache, in order); their logits [width, vocab]."""
-        mask = torch.zeros(len(expand), len(fed) + len(expand), dtype=torch.bool)  # [width, fed + width]
+        mask = torch.zeros(len(expand), len(fed) + len(expand), dtype=torch.bool, device="cpu")  # [width, fed + width]
         for row, node in enumerate(expand):
             ancestors = tree.ancestors(node)
-            mask[row, : len(fed)] = torch.tensor([f in ancestors for f in fed], dtype=torch.bool)
+            mask[row, : len(fed)] = torch.tensor([f in ancestors for f in fed], dtype=torch.bool, device="cpu")
             mask[row, len(fed) + row] = True
         return self.model.forward(
-            torch.tensor([tree.tokens[node] for node in expand]),
-            positions=torch.full((len(expand),), length + depth - 2),  # a node of depth d sits at length - 1 + d
+            torch.tensor([tree.tokens[node] for node in expand], device="cpu"),
+            # a node of depth d sits at length - 1 + d
+            positions=torch.full((len(expand),), length + depth - 2, device="cpu"),
             tree_mask=mask,
         ).logits  # [width, vocab]
 
@@ -214,7 +223,7 @@ class DraftModelTreeDrafter(Drafter):
         if not tree.tokens:
             return Draft.empty()
         # 3. Keep the best nodes: the fixed budget, or the one that maximises expected tokens per cost.
-        parents, scores = torch.tensor(tree.parents), torch.tensor(tree.scores)
+        parents, scores = torch.tensor(tree.parents, device="cpu"), torch.tensor(tree.scores, device="cpu")
         budget = self.budget
         if budget is None and self.shape_parents is not None:
             budget = len(tree.tokens)  # a fixed shape is verified whole
@@ -224,7 +233,7 @@ class DraftModelTreeDrafter(Drafter):
         keep = prune(parents, scores, self.curve, budget)
         self.last_scores = scores[keep]  # [kept] the kept nodes' cumulative draft probabilities
         self._predicted = float(scores[keep].sum())
-        return Draft(tokens=torch.tensor(tree.tokens)[keep], parents=structure.select(parents, keep))
+        return Draft(tokens=torch.tensor(tree.tokens, device="cpu")[keep], parents=structure.select(parents, keep))
 
     def observe(self, outcome: Outcome) -> None:
         if outcome.verdict.num_drafted:

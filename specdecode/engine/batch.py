@@ -132,12 +132,12 @@ class BatchEngine:
         for m, p, draft in zip(members, pending, drafts):
             offset, n = sum(len(f) for f in fed), len(p) + len(draft)
             position, local = draft_inputs(draft, len(p), len(m.progress.context))  # [n], [n, n]
-            fed.append(torch.tensor(p + draft.tokens.tolist(), dtype=torch.long))
+            fed.append(torch.cat([torch.tensor(p, dtype=torch.long, device="cpu"), draft.tokens.cpu()]))  # host drafts
             positions.append(position)
             spans.append((offset, n, local))
-            rows.append(torch.arange(offset + len(p) - 1, offset + n))  # from the last context token's on
+            rows.append(torch.arange(offset + len(p) - 1, offset + n, device="cpu"))  # from the last context token's on
         total = sum(len(f) for f in fed)
-        mask = torch.zeros(total, cached + total, dtype=torch.bool)
+        mask = torch.zeros(total, cached + total, dtype=torch.bool, device="cpu")  # the forward moves it
         for m, (offset, n, local) in zip(members, spans):
             if m.slots:
                 mask[offset : offset + n, m.slots] = True

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable, Iterator
 
 import torch
 
+from specdecode import devices
+from specdecode.devices import to_device
 from specdecode.drafters.base import Drafter
 from specdecode.engine.payoff import StepAside
 from specdecode.engine.sequence import (
@@ -34,11 +35,12 @@ def with_auxiliary(
     the pending ones) and the auxiliary tokens its row allows, no draft node; no draft node sees them.
     Returns (tokens [p + n + m], positions [p + n + m], mask [p + n + m, p + n + m] bool)."""
     length, m = fed.numel(), len(auxiliary)
-    full = torch.zeros(length + m, length + m, dtype=torch.bool)
+    full = torch.zeros(length + m, length + m, dtype=torch.bool, device=mask.device)
     full[:length, :length] = mask
     full[length:, :num_pending] = True
-    full[length:, length:] = auxiliary.mask
-    return torch.cat([fed, auxiliary.tokens]), torch.cat([positions, auxiliary.positions]), full
+    full[length:, length:] = auxiliary.mask.to(mask.device)
+    return (torch.cat([fed, auxiliary.tokens.to(fed.device)]),
+            torch.cat([positions, auxiliary.positions.to(positions.device)]), full)
 
 
 class SpeculativeEngine:
@@ -57,7 +59,7 @@ class SpeculativeEngine:
         tree_budget: int | str | None = None,
         gate: bool = True,
         verifier=verify,
-        clock: Callable[[], float] = time.perf_counter,
+        clock: Callable[[], float] | None = None,
         step_aside: bool | None = None,
     ):
         self.target = target
@@ -68,7 +70,9 @@ class SpeculativeEngine:
         self.gate = gate  # cut scored chains to the prefix that pays (see step)
         # exact (lossless) verification unless a lossy method brings its own (verify.typical)
         self.verifier = verifier
-        self.clock = clock  # times the target's forwards, which keep its cost curve honest, and whole steps
+        # times the target's forwards, which keep its cost curve honest, and whole steps; by default
+        # `time.perf_counter` read after the target's device has finished its queued work (`devices.clock`)
+        self.clock = clock or devices.clock(target.device)
         # step aside (plain steps) while speculation is timed slower than plain decoding (`engine.payoff`);
         # None: wherever the gate follows a measured curve, not a fixed one (tests fix theirs)
         self._step_aside = step_aside
@@ -107,7 +111,7 @@ class SpeculativeEngine:
         #    that comes with acceptance estimates is cut to the prefix that pays on the target's cost
         #    curve: where a wider forward costs nearly as much as the tokens it may save, speculation
         #    switches itself off for the step.
-        start = time.perf_counter()
+        start = self.clock()
         pending = context[self.target.cache_length :]
         asked = self.drafter is not None and room > 0 and speculate
         draft = self.drafter.propose(context, room, params, generator) if asked else Draft.empty()
@@ -116,12 +120,13 @@ class SpeculativeEngine:
             # now and then one size wider than pays, to time it again (`LiveCurve.probe`)
             probe = self.curve.probe(len(pending) + len(cut)) if len(cut) < len(draft) else None
             draft = cut if probe is None else draft.prefix(max(len(cut), probe - len(pending)))
-        drafted = time.perf_counter()
+        drafted = self.clock()
         # 2. Verify: one target forward over the tokens it has not seen yet plus the draft gives the
         #    target's distribution after the context and after every draft token (for a tree, after every
         #    node's path, through the tree attention mask and the nodes' positions). Auxiliary tokens
         #    (lookahead decoding's window) ride after the draft, unseen by it; their rows are the drafter's.
-        fed = torch.tensor(pending + draft.tokens.tolist())  # [p + n]
+        device = self.target.device
+        fed = torch.cat([to_device(pending, device), draft.tokens.to(device)])  # [p + n], on the target's device
         positions = mask = None  # a chain alone: consecutive positions after the cache, causal
         if draft.is_tree or draft.auxiliary is not None:
             positions, mask = draft_inputs(draft, len(pending), len(context))
@@ -141,7 +146,7 @@ class SpeculativeEngine:
         # 4. Roll back: the cache keeps the context and the accepted drafts (auxiliary tokens, past the
         #    draft, go with the rejected nodes); the last token of the verdict is fed in the next forward.
         self.target.compact(len(context), verdict.path)
-        return VerifiedStep(draft, verdict, out.logits, len(pending), drafted - start, time.perf_counter() - drafted,
+        return VerifiedStep(draft, verdict, out.logits, len(pending), drafted - start, self.clock() - drafted,
                             out.hidden)
 
     def _events(self, prompt_ids: list[int], config: GenerationConfig) -> Iterator[StepEvent]:

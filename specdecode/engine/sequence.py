@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdecode import metrics
+from specdecode import devices, metrics
 from specdecode.drafters.base import Drafter, Outcome
 from specdecode.engine.stopping import TextTracker
 from specdecode.errors import UserError
@@ -155,8 +155,9 @@ class SequenceState:
         self.config = config
         self.max_context = target.max_context
         self.eos = frozenset() if config.ignore_eos else target.eos_token_ids
-        self.generator = torch.Generator()
-        self.generator.manual_seed(config.seed if config.seed is not None else int(torch.randint(2**62, ()).item()))
+        # on the target's device, so that sampling draws there; a seed reproduces a run on the same kind of device
+        seed = config.seed if config.seed is not None else int(torch.randint(2**62, (), device="cpu"))
+        self.generator = devices.generator(target.device, seed)
         self.tracker = TextTracker(tokenizer, config.stop)
         self.prompt_ids = list(prompt_ids)
         self.context = list(prompt_ids)
@@ -202,8 +203,8 @@ class SequenceState:
             stepped_aside=stepped_aside,
         )
         self.steps.append(stats)
-        rejected = draft.tokens[verdict.num_accepted :].tolist() if not draft.is_tree else []
-        return StepEvent(token_ids=new[:kept], origins=origins[:kept], text=text, stats=stats, rejected_ids=rejected)
+        return StepEvent(token_ids=new[:kept], origins=origins[:kept], text=text, stats=stats,
+                         rejected_ids=list(verdict.rejected))
 
     def tail(self) -> StepEvent | None:
         """Once done: the text held back so far (an incomplete character), if any."""

@@ -37,6 +37,11 @@ class CausalLM(abc.ABC):
     eos_token_ids: frozenset[int]
 
     @property
+    def device(self) -> torch.device:
+        """Where the model runs and its inputs belong (a backend moves host inputs there itself)."""
+        return torch.device("cpu")
+
+    @property
     @abc.abstractmethod
     def cache_length(self) -> int:
         """How many tokens the KV cache holds."""

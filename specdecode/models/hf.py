@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from specdecode import devices
+from specdecode.devices import to_device
 from specdecode.models.base import CausalLM, ForwardOutput
 from specdecode.models.cache import growing_cache
 from specdecode.models.int4 import InvariantInt4Linear
@@ -53,6 +55,12 @@ class HFCausalLM(CausalLM):
         return self.model.dtype
 
     @property
+    def device(self) -> torch.device:
+        """Where the weights live, and so every input and the cache: the one source of truth for the device.
+        `forward` takes inputs from anywhere (host tensors too) and moves them here once."""
+        return self.model.device
+
+    @property
     def precision(self) -> str:
         """The path the weights run on: "int4" (`models.int4`), "int8" (`models.int8`), else the dtype's name
         ("bfloat16"...)."""
@@ -75,7 +83,9 @@ class HFCausalLM(CausalLM):
     @property
     def cost_key(self) -> str:
         config = self.model.config
-        return f"hf|{config._name_or_path}|{config.model_type}|{self.precision}|{self.weight_bytes_per_token}"
+        key = f"hf|{config._name_or_path}|{config.model_type}|{self.precision}|{self.weight_bytes_per_token}"
+        # a GPU's curve is its own (its name, capability, torch and CUDA); the CPU's machine is in the file name
+        return key if self.device.type == "cpu" else f"{key}|{devices.name(self.device)}"
 
     @property
     def cache_length(self) -> int:
@@ -86,13 +96,13 @@ class HFCausalLM(CausalLM):
         n, m = tree_mask.shape
         if m > self._length + n:
             raise ValueError(f"a tree mask over {m} tokens, but the cache and the input hold {self._length + n}")
-        allowed = torch.ones(n, self._length + n, dtype=torch.bool)
-        allowed[:, self._length + n - m :] = tree_mask
+        allowed = torch.ones(n, self._length + n, dtype=torch.bool, device=self.device)
+        allowed[:, self._length + n - m :] = to_device(tree_mask, self.device)
         return allowed
 
     def _attention_mask(self, tree_mask: torch.Tensor) -> torch.Tensor:
         """[n, m] bool over the last m tokens -> the [1, 1, n, cached + n] additive mask transformers takes."""
-        mask = torch.zeros((tree_mask.shape[0], self._length + tree_mask.shape[0]), dtype=self.dtype)
+        mask = torch.zeros((tree_mask.shape[0], self._length + tree_mask.shape[0]), dtype=self.dtype, device=self.device)
         mask.masked_fill_(~self._allowed(tree_mask), torch.finfo(self.dtype).min)
         return mask[None, None]  # [1, 1, n, cached + n]
 
@@ -107,12 +117,13 @@ class HFCausalLM(CausalLM):
         output_hidden: bool | tuple[int, ...] = False,
         rows: torch.Tensor | None = None,
     ) -> ForwardOutput:
-        n = token_ids.numel()
+        n, device = token_ids.numel(), self.device
+        token_ids = to_device(token_ids, device)
         if positions is None:
-            positions = torch.arange(self._length, self._length + n)
+            positions = torch.arange(self._length, self._length + n, device=device)
+        positions = to_device(positions, device)
         num_logits = n if num_logits is None else num_logits
-        if rows is None:
-            rows = torch.arange(n - num_logits, n)
+        rows = torch.arange(n - num_logits, n, device=device) if rows is None else to_device(rows, device)
         if self._lean is not None:
             return self._lean_forward(token_ids, positions, tree_mask, rows, output_hidden)
         out = self.model(
@@ -159,7 +170,7 @@ class HFCausalLM(CausalLM):
 
     @torch.inference_mode()  # the cache holds inference tensors
     def _move(self, start: int, keep: list[int]) -> None:
-        source = start + torch.tensor(keep)
+        source = start + torch.tensor(keep, device=self.device)
         for layer in self._cache.layers:  # keys, values: [batch, kv_heads, length, head_dim]
             layer.keys[..., start : start + len(keep), :] = layer.keys[..., source, :]
             layer.values[..., start : start + len(keep), :] = layer.values[..., source, :]

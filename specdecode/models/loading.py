@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from specdecode import devices
 from specdecode.errors import UserError
 from specdecode.models.conversion import (
     assemble_gguf,
@@ -126,11 +127,21 @@ def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
         raise UserError(f"Unknown dtype {dtype!r}; use one of {', '.join([AUTO, *_DTYPES, INT8, INT4])}.") from None
 
 
-def draft_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
+def device_dtype(device: torch.device) -> torch.dtype:
+    """What "auto" means off the CPU: bfloat16, or float16 on a GPU without bfloat16 units."""
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16
+
+
+def draft_dtype(dtype: torch.dtype | str, device: torch.device | None = None) -> torch.dtype | str:
     """A draft model's dtype: "auto" is int4 where its kernel runs (half int8's bytes per token, and a
-    drafter's forwards are one or a few tokens wide, where bytes decide), else int8. Any other value as
-    `load_causal_lm` takes it. A drafter's precision never changes the output: the target verifies."""
+    drafter's forwards are one or a few tokens wide, where bytes decide), else int8; off the CPU, bfloat16
+    (`device_dtype`). Any other value as `load_causal_lm` takes it. A drafter's precision never changes the
+    output: the target verifies."""
     if isinstance(dtype, str) and dtype.lower() == AUTO:
+        if device is not None and device.type != "cpu":
+            return device_dtype(device)
         from specdecode.models import int4
 
         return INT4 if int4.available() else INT8
@@ -179,9 +190,12 @@ def _resolve_local(path: Path, progress: bool) -> Path:
 
 
 def load_causal_lm(
-    spec: str, *, dtype: torch.dtype | str = torch.bfloat16, progress: bool = True, exact_int8: bool = True
+    spec: str, *, dtype: torch.dtype | str = torch.bfloat16, progress: bool = True, exact_int8: bool = True,
+    device: torch.device | str = "cpu",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer, in eval mode, without gradients, in `dtype`, with sdpa attention.
+    """Load a causal LM and its tokenizer, in eval mode, without gradients, in `dtype`, with sdpa attention,
+    on `device` (`devices.resolve`: "auto", "cpu", "cuda", "cuda:N", "mps"). Off the CPU, "auto" is
+    bfloat16 (float16 where a GPU lacks it), and int8 and int4, which are CPU kernels, are refused.
 
     `dtype="int8"` quantizes the Linear layers (`quantize_int8`; exact_int8=False: the faster, batch-dependent
     form for drafters); `dtype="auto"` takes the fastest of bfloat16, float32 and int8 on this machine
@@ -191,7 +205,13 @@ def load_causal_lm(
     `specdecode models fetch NAME`), a path to a `.gguf` file (converted once to a cached safetensors
     folder, in bf16), a local model folder, or a Hugging Face hub id.
     """
+    device = devices.resolve(device)
     dtype = _resolve_dtype(dtype)
+    if device.type != "cpu":
+        if dtype in (INT8, INT4):
+            devices.refuse_off_cpu(device, f"dtype {dtype}", "use --dtype bfloat16, float16 or float32 there")
+        if dtype == AUTO:
+            dtype = device_dtype(device)
     if spec in registered_models():
         folder: Path | str = prepare_registered(spec, progress=progress)
     elif Path(spec).expanduser().exists():
@@ -210,7 +230,8 @@ def load_causal_lm(
             if dtype == AUTO:
                 dtype = _fastest_dtype(folder)
             model = AutoModelForCausalLM.from_pretrained(  # int8: from the checkpoint's own dtype
-                folder, dtype="auto" if dtype in (INT8, INT4) else dtype, attn_implementation="sdpa"
+                folder, dtype="auto" if dtype in (INT8, INT4) else dtype, attn_implementation="sdpa",
+                device_map=None if device.type == "cpu" else device,
             )
             tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as error:

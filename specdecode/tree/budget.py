@@ -66,7 +66,7 @@ def prune(
         ranked = torch.sort(scores, descending=True).values[:cap]  # [<= cap]
         budget = best_budget(ranked.tolist(), curve, 0.0, cap=cap)
     if not budget:
-        return torch.empty(0, dtype=torch.long)
+        return torch.empty(0, dtype=torch.long, device="cpu")
     return structure.top_nodes(parents, scores, budget)
 
 

@@ -1,5 +1,8 @@
 """Token trees as pure functions of one tensor: the parent index of every node.
 
+A tree's structure is host data, whatever device its tokens live on: `parents` and everything derived
+from it here are CPU tensors (a model's forward moves the positions and mask it needs to its device).
+
 A tree of n nodes is `parents: [n] int64` with parents[i] < i (parents come first) and -1 for the nodes
 that follow the context directly. Everything the target needs to verify the tree in one forward is
 derived from it:
@@ -26,18 +29,18 @@ ROOT = -1  # the parent of the nodes that follow the context
 def check(parents: torch.Tensor) -> None:
     """Raise ValueError unless every parent index is -1 or an earlier node."""
     n = parents.numel()
-    if n and not bool(((parents >= ROOT) & (parents < torch.arange(n))).all()):
+    if n and not bool(((parents >= ROOT) & (parents < torch.arange(n, device=parents.device))).all()):
         raise ValueError(f"a tree needs -1 <= parents[i] < i for every node, got {parents.tolist()}")
 
 
 def chain(n: int) -> torch.Tensor:
     """The parents of a chain of n nodes. -> [n]"""
-    return torch.arange(n) - 1
+    return torch.arange(n, device="cpu") - 1
 
 
 def depths(parents: torch.Tensor) -> torch.Tensor:
     """Distance of each node from the context (children of the context: 1). [n] -> [n]"""
-    depth = torch.ones(parents.numel(), dtype=torch.long)
+    depth = torch.ones(parents.numel(), dtype=torch.long, device="cpu")
     for i, parent in enumerate(parents.tolist()):
         if parent != ROOT:
             depth[i] = depth[parent] + 1
@@ -47,7 +50,7 @@ def depths(parents: torch.Tensor) -> torch.Tensor:
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """mask[i, j] is True iff node j is node i or one of its ancestors. [n] -> [n, n] bool"""
     n = parents.numel()
-    mask = torch.eye(n, dtype=torch.bool)
+    mask = torch.eye(n, dtype=torch.bool, device="cpu")
     for i, parent in enumerate(parents.tolist()):
         if parent != ROOT:
             mask[i] |= mask[parent]  # the parent's row is complete: parents come first
@@ -69,13 +72,13 @@ def leaf_paths(parents: torch.Tensor) -> torch.Tensor:
     """
     n = parents.numel()
     if n == 0:
-        return torch.empty(0, 0, dtype=torch.long)
-    has_child = torch.zeros(n, dtype=torch.bool)
+        return torch.empty(0, 0, dtype=torch.long, device="cpu")
+    has_child = torch.zeros(n, dtype=torch.bool, device="cpu")
     has_child[parents[parents != ROOT]] = True
     leaves = (~has_child).nonzero().flatten().tolist()
     mask = ancestor_mask(parents)
     depth = depths(parents)
-    paths = torch.full((len(leaves), int(depth.max())), -1, dtype=torch.long)
+    paths = torch.full((len(leaves), int(depth.max())), -1, dtype=torch.long, device="cpu")
     for row, leaf in enumerate(leaves):
         nodes = mask[leaf].nonzero().flatten()  # ancestors and the leaf, in node order = by depth
         paths[row, : nodes.numel()] = nodes
@@ -99,7 +102,7 @@ def from_choices(choices: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.
             raise UserError(f"tree choice {c} has no parent {c[:-1]} in the choices")
         parents.append(index[c[:-1]] if len(c) > 1 else ROOT)
         ranks.append(c[-1])
-    return torch.tensor(parents), torch.tensor(ranks)
+    return torch.tensor(parents, device="cpu"), torch.tensor(ranks, device="cpu")
 
 
 def select(parents: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -107,9 +110,9 @@ def select(parents: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
     parents: [n]; keep: [m] node indices, ascending. -> [m], indexed within the subtree.
     """
-    new_index = torch.full((parents.numel() + 1,), -2, dtype=torch.long)
+    new_index = torch.full((parents.numel() + 1,), -2, dtype=torch.long, device="cpu")
     new_index[0] = ROOT  # slot 0 stands for the context
-    new_index[keep + 1] = torch.arange(keep.numel())
+    new_index[keep + 1] = torch.arange(keep.numel(), device="cpu")
     sub = new_index[parents[keep] + 1]
     if bool((sub == -2).any()):
         raise ValueError("the kept nodes are not closed under ancestors")
@@ -124,7 +127,7 @@ def top_nodes(parents: torch.Tensor, scores: torch.Tensor, budget: int) -> torch
     """
     n = parents.numel()
     if budget >= n:
-        return torch.arange(n)
+        return torch.arange(n, device="cpu")
     order = torch.sort(scores, descending=True, stable=True).indices[:budget]  # ties: the earlier node first
     chosen = order.tolist()
     keep = set(chosen)
@@ -132,7 +135,7 @@ def top_nodes(parents: torch.Tensor, scores: torch.Tensor, budget: int) -> torch
         while parent != ROOT and parent not in keep:
             keep.add(parent)
             parent = int(parents[parent])
-    return torch.tensor(sorted(keep), dtype=torch.long)
+    return torch.tensor(sorted(keep), dtype=torch.long, device="cpu")
 
 
 def verification_inputs(
@@ -147,11 +150,11 @@ def verification_inputs(
     """
     n, p = parents.numel(), num_pending
     positions = torch.cat([
-        torch.arange(context_length - p, context_length),
+        torch.arange(context_length - p, context_length, device="cpu"),
         context_length - 1 + depths(parents),
     ])  # [p + n]
-    mask = torch.zeros(p + n, p + n, dtype=torch.bool)
-    mask[:p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
+    mask = torch.zeros(p + n, p + n, dtype=torch.bool, device="cpu")
+    mask[:p, :p] = torch.ones(p, p, dtype=torch.bool, device="cpu").tril()
     mask[p:, :p] = True
     mask[p:, p:] = ancestor_mask(parents)
     return positions, mask
@@ -162,4 +165,5 @@ def chain_inputs(num_tokens: int, num_pending: int, context_length: int) -> tupl
     a chain draft, `num_tokens` in all: consecutive positions after the cache, each token attending to
     those before it. Returns (positions [num_tokens], mask [num_tokens, num_tokens] bool)."""
     start = context_length - num_pending  # the cache's length
-    return torch.arange(start, start + num_tokens), torch.ones(num_tokens, num_tokens, dtype=torch.bool).tril()
+    return (torch.arange(start, start + num_tokens, device="cpu"),
+            torch.ones(num_tokens, num_tokens, dtype=torch.bool, device="cpu").tril())

@@ -112,4 +112,4 @@ def best_path(parents: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     while kids[node + 1]:
         node = max(kids[node + 1], key=lambda child: (values[child], -child))
         path.append(node)
-    return torch.tensor(path, dtype=torch.long)
+    return torch.tensor(path, dtype=torch.long, device="cpu")

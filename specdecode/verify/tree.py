@@ -11,43 +11,44 @@ import torch
 from specdecode.sampling import logits_to_probs, sample
 from specdecode.tree import structure
 from specdecode.types import Draft, SamplingParams, Verdict
+from specdecode.devices import to_host
 from specdecode.verify.chain import residual_distribution, verify_chain
 
 
-def _verdict(draft_tokens: torch.Tensor, path: list[int], last: int, leaf: bool) -> Verdict:
-    tokens = draft_tokens[path].tolist() + [last] if path else [last]
-    return Verdict(num_drafted=draft_tokens.numel(), num_accepted=len(path), tokens=tuple(tokens),
+def _verdict(tokens: list[int], path: list[int], last: int, leaf: bool) -> Verdict:
+    return Verdict(num_drafted=len(tokens), num_accepted=len(path), tokens=tuple([tokens[i] for i in path] + [last]),
                    path=tuple(path), bonus=leaf)
 
 
 def verify_tree_greedy(
     target_logits: torch.Tensor,  # [n + 1, vocab]
     draft_tokens: torch.Tensor,  # [n]
-    parents: torch.Tensor,  # [n]
+    parents: torch.Tensor,  # [n] on the host
 ) -> Verdict:
     """Follow the target's argmax down the tree as far as a child matches it: the longest accepted path.
 
     The result equals plain greedy decoding: every accepted node's token is the target's argmax after
-    its (accepted) path, and the last token is the argmax after the deepest accepted node.
+    its (accepted) path, and the last token is the argmax after the deepest accepted node. The target's
+    argmax and the draft's tokens reach the host in one transfer; the walk down the tree is host work.
     """
-    target_tokens = target_logits.argmax(-1).tolist()  # [n + 1]
-    tokens = draft_tokens.tolist()
+    target_tokens = target_logits.argmax(-1)  # [n + 1]
+    target_list, tokens = to_host(target_tokens, draft_tokens.to(target_tokens.device))
     kids = structure.children(parents)
     node, path = structure.ROOT, []
     while True:
-        want = target_tokens[node + 1]
+        want = target_list[node + 1]
         match = next((child for child in kids[node + 1] if tokens[child] == want), None)
         if match is None:
             break
         path.append(match)
         node = match
-    return _verdict(draft_tokens, path, target_tokens[node + 1], leaf=not kids[node + 1])
+    return _verdict(tokens, path, target_list[node + 1], leaf=not kids[node + 1])
 
 
 def verify_tree_sampling(
     target_probs: torch.Tensor,  # [n + 1, vocab] float32
     draft_tokens: torch.Tensor,  # [n]
-    parents: torch.Tensor,  # [n]
+    parents: torch.Tensor,  # [n] on the host
     draft_probs: torch.Tensor | None,  # [n, vocab] float32; None: every node deterministic (one-hot)
     generator: torch.Generator | None,
 ) -> Verdict:
@@ -61,29 +62,34 @@ def verify_tree_sampling(
     siblings (i.i.d. sampling, repeats allowed) or fixed in advance (q one-hot: the residual then removes
     that token, and the node's children together are accepted with probability p(children)). Nothing in
     the tensors tells which: a draft promises it with `Draft.drawn_independently`, which `verify` checks.
+
+    One level of the tree at a time on the device: every child is tried there (a child after the accepted
+    one changes nothing), the correction is drawn from the final residual in case none is accepted, and
+    the host learns which child won (or the correction) in one transfer per level.
     """
-    tokens = draft_tokens.tolist()
+    device = target_probs.device
+    draft_tokens = draft_tokens.to(device)
     kids = structure.children(parents)
+    uniforms = torch.rand(draft_tokens.numel(), generator=generator, device=device)  # [n] one per node, up front
     node, path = structure.ROOT, []
     while True:
         probs = target_probs[node + 1]  # [vocab] the target's distribution after the path so far
-        accepted = None
-        for child in kids[node + 1]:
-            token = tokens[child]
+        winner = torch.full((), -1, dtype=torch.long, device=device)  # the accepted child's rank; -1: none yet
+        for rank, child in enumerate(kids[node + 1]):
+            token = draft_tokens[child]  # 0-d, on the device
             if draft_probs is None:
-                draft_row = torch.zeros_like(probs)
-                draft_row[token] = 1.0
+                draft_row = torch.zeros_like(probs).index_fill_(0, token.view(1), 1.0)
             else:
                 draft_row = draft_probs[child]
-            uniform = float(torch.rand((), generator=generator))
-            if uniform * float(draft_row[token]) < float(probs[token]):  # u < p(x) / q(x), no division
-                accepted = child
-                break
-            probs = residual_distribution(probs, draft_row)
-        if accepted is None:
-            return _verdict(draft_tokens, path, int(sample(probs, generator)), leaf=not kids[node + 1])
-        path.append(accepted)
-        node = accepted
+            accept = (uniforms[child] * draft_row[token] < probs[token]) & (winner < 0)  # u < p(x) / q(x)
+            winner = torch.where(accept, rank, winner)
+            probs = torch.where(winner < 0, residual_distribution(probs, draft_row), probs)
+        correction = sample(probs, generator)  # used only if every child was rejected
+        (rank, last), tokens = to_host(torch.stack([winner, correction.view(())]), draft_tokens)
+        if rank < 0:
+            return _verdict(tokens, path, last, leaf=not kids[node + 1])
+        node = kids[node + 1][rank]
+        path.append(node)
 
 
 def verify(

@@ -15,6 +15,7 @@ exact, as in the paper.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -63,4 +64,5 @@ def verify_typical(
     path.reverse()
     last_row = path[-1] + 1 if path else 0
     leaf = not bool((parents == (path[-1] if path else -1)).any())
-    return _verdict(draft.tokens, path, int(sample(probs[last_row], generator)), leaf=leaf)
+    verdict = _verdict(tokens, path, int(sample(probs[last_row], generator)), leaf=leaf)
+    return verdict if draft.is_tree else replace(verdict, rejected=tuple(tokens[len(path):]))

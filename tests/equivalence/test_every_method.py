@@ -17,12 +17,14 @@ from __future__ import annotations
 import pytest
 
 from conftest import (
-    TOKENS, greedy_runs, random_eagle3_head, random_eagle_head, random_medusa_heads, tiny_chat_qwen2, tiny_tokenizer,
+    DEVICE, TOKENS, greedy_runs, random_eagle3_head, random_eagle_head, random_medusa_heads, tiny_chat_qwen2,
+    tiny_tokenizer, wrong_device_trap,
 )
 from specdecode.api import load_models
 from specdecode.drafters import heads
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.methods import choose, resolve, variant_names
+from specdecode.types import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,7 +43,7 @@ def models(tmp_path_factory):
         folders.append(tmp_path_factory.mktemp(f"tiny-chat-{layers}"))
         tiny_chat_qwen2(vocab_size=len(TOKENS) + 10, layers=layers).save_pretrained(folders[-1])
         tiny_tokenizer().save_pretrained(folders[-1])
-    return load_models(*map(str, folders), dtype="float32", draft_dtype="float32", progress=False)
+    return load_models(*map(str, folders), dtype="float32", draft_dtype="float32", progress=False, device=DEVICE)
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +73,23 @@ def test_greedy_output_is_plain_decoding(variant, models, plain, random_heads, m
     assert engine.method == variant and (engine.drafter is None) == (variant == "ar")
     prompts, references = plain
     list(greedy_runs(engine, prompts, references, LENGTHS))  # each run is checked as it comes
+
+
+@pytest.mark.parametrize("variant", variant_names())
+def test_no_tensor_lands_on_the_wrong_device(variant, models, plain, random_heads, monkeypatch):
+    """Every method, greedy and sampled, with every tensor its engine and drafter create without naming a
+    device sent to `meta` (`conftest.wrong_device_trap`): a tensor built on the host where the model's
+    device was meant fails here on the CPU as it would on a GPU. Greedy output is still plain decoding's."""
+    monkeypatch.setattr(heads, "shipped_head", lambda model, kind: random_heads / kind)
+    reference = None if "-tree" in variant else REFERENCE
+    engine = models.engine_for(choose(variant, reference=reference, only_if_taken=True))
+    prompts, references = plain
+    sampled = GenerationConfig(max_new_tokens=12, sampling=SamplingParams(temperature=0.8, top_p=0.9), seed=1)
+    with wrong_device_trap():
+        greedy = engine.generate(prompts[0], GenerationConfig(max_new_tokens=12))
+        engine.generate(prompts[1], sampled)
+    if resolve(variant)[0].lossless:
+        assert greedy.token_ids == references[0][:12]
 
 
 def test_every_lossless_method_is_here():

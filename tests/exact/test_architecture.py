@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "specdecode.types": 0,
     "specdecode.paths": 0,
     "specdecode.progress": 0,  # rich's progress bar, which also reaches a log
+    "specdecode.devices": 0,  # which device, its clock, counting host synchronisations
     "specdecode.sampling": 0,
     "specdecode.metrics": 0,
     "specdecode.cluster": 0,  # Ray, optional: connecting, a cluster's nodes, jobs pinned to them

@@ -1,0 +1,116 @@
+"""Host synchronisations per step, counted on the CPU: the budget a GPU run depends on.
+
+On a GPU every read of a device tensor on the host (`.tolist()`, `.item()`, `int()` of a tensor...) waits
+for the queued kernels. `devices.track` makes a CPU model's outputs stand for device data and
+`devices.SyncCounter` counts each host read of them or of anything computed from them, so the budget
+holds in CI without a GPU: one transfer per greedy verification, chain or tree; a bounded number per
+sampled chain and one per tree level when sampling; none per drafted token of the draft model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from specdecode import devices
+from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+from specdecode.engine import GenerationConfig, SpeculativeEngine
+from specdecode.models.costs import CostCurve
+from specdecode.models.hf import HFCausalLM
+from specdecode.tree import structure
+from specdecode.types import Draft, SamplingParams
+from specdecode.verify.tree import verify
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.cpu_only]  # the CPU's stand-in for a device
+
+PROMPT = random_prompts(1, seed=3, low=12, high=13)[0] * 3  # repeated, so prompt lookup finds copies
+GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=1.0)
+FIXED_CURVE = CostCurve.linear(0.05)
+
+
+def tracked(model) -> HFCausalLM:
+    lm = HFCausalLM(model)
+    devices.track(lm)
+    return lm
+
+
+def syncs_per_step(engine: SpeculativeEngine, params: SamplingParams, max_new_tokens: int = 24):
+    """(host reads of device data in each step, the step's events), the drafter's observe included."""
+    counts, events = [], []
+    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=params, seed=0)
+    with devices.SyncCounter("cpu") as counter:
+        for event in engine.stream(PROMPT, config):
+            counts.append(counter.total)
+            events.append(event)
+            counter.reset()
+    return counts, events
+
+
+def test_the_counter_sees_reads_of_device_data_only():
+    data = torch.arange(5).as_subclass(devices.Tracked)
+    host = torch.arange(5)
+    with devices.SyncCounter("cpu") as counter:
+        host.tolist(), int(host[0]), bool(host.any())  # host data: free
+        (data * 2).tolist()  # computed from device data: still device data
+        int(data.argmax()), float(data[1]), data.nonzero(), data[data > 2]
+    assert counter.counts == {"tolist": 1, "__int__": 1, "__float__": 1, "nonzero": 1, "boolean index": 1}
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_chain_step_reads_the_device_once(tiny_target, params):
+    engine = SpeculativeEngine(tracked(tiny_target), drafter=PromptLookupDrafter())
+    counts, events = syncs_per_step(engine, params)
+    assert any(e.stats.drafted for e in events)  # it did speculate
+    assert counts and max(counts) == 1, counts
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_the_draft_model_drafts_without_reading_each_token(tiny_target, params):
+    """With its chain drafted whole (as on a GPU), a step reads the device once: at verification."""
+    drafter = DraftModelDrafter(tracked(copy.deepcopy(tiny_target)), adaptive=False, num_tokens=5)
+    drafter.model.device  # (a CPU model: the test asks for the GPU's policy by hand)
+    drafter.confidence_threshold = 0.0
+    assert not drafter.stops_early
+    engine = SpeculativeEngine(tracked(tiny_target), drafter=drafter)
+    counts, events = syncs_per_step(engine, params)
+    assert max(e.stats.drafted for e in events) == 5 and all(e.stats.accepted for e in events[1:4])
+    assert max(counts) == 1, counts
+
+
+def test_a_draft_tree_step_reads_the_device_once_per_level(tiny_target):
+    """The draft model grows its tree a level per draft forward and reads each level's top tokens in one
+    transfer; the target's verification reads once."""
+    shape = ((0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 0, 0))  # a fixed shape: four levels deep
+    drafter = DraftModelTreeDrafter(tracked(copy.deepcopy(tiny_target)), FIXED_CURVE, choices=shape)
+    engine = SpeculativeEngine(tracked(tiny_target), drafter=drafter, gate=False)
+    counts, events = syncs_per_step(engine, GREEDY)
+    depths = [e.stats.draft_depth or 0 for e in events]
+    assert max(depths) > 1
+    assert all(count <= depth + 1 for count, depth in zip(counts, depths)), (counts, depths)
+
+
+def test_greedy_tree_verification_reads_the_device_once():
+    parents = torch.tensor([-1, -1, 0, 0, 2, 4])
+    logits = torch.randn(len(parents) + 1, 11).as_subclass(devices.Tracked)
+    draft = Draft(tokens=torch.randint(11, (len(parents),)).as_subclass(devices.Tracked), parents=parents)
+    with devices.SyncCounter("cpu") as counter:
+        verify(logits, draft, GREEDY, None)
+    assert counter.total == 1
+
+
+def test_sampled_tree_verification_reads_the_device_once_per_level():
+    parents = torch.tensor([-1, -1, 0, 0, 2, 4])  # depth 4
+    target = torch.full((len(parents) + 1, 5), 0.2)
+    tokens = torch.tensor([1, 2, 1, 1, 1, 1])
+    draft = Draft(tokens=tokens.as_subclass(devices.Tracked), parents=parents)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        with devices.SyncCounter("cpu") as counter:
+            verdict = verify(target.log().as_subclass(devices.Tracked), draft, SAMPLED, generator)
+        assert counter.total == len(verdict.path) + 1  # one per level it reached
+    assert int(structure.depths(parents).max()) == 4
