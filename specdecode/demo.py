@@ -26,10 +26,11 @@ DEMO_METHODS = ["ar", "draft", "draft-tree", "pld", "pld-tree", "rest", "lookahe
                 "composite"]
 
 
-def run_demo(target: str, drafter: str, dtype: str, draft_dtype: str, max_new_tokens: int) -> None:
+def run_demo(target: str, drafter: str, dtype: str, draft_dtype: str, max_new_tokens: int,
+             device: str | None = None) -> None:
     console = Console()
     choices = {name: choose(name) for name in DEMO_METHODS}
-    models = load_models(target, drafter, dtype=dtype, draft_dtype=draft_dtype)
+    models = load_models(target, drafter, dtype=dtype, draft_dtype=draft_dtype, device=device)
     engines = {name: models.engine_for(choice) for name, choice in choices.items()}
     prompts = [models.encode(p, chat=True) for p in DEMO_PROMPTS]
     with console.status("Warming up"):

@@ -142,7 +142,7 @@ def run(
     methods: list[str], categories: list[str], per_category: int | None, max_new_tokens: int, repeats: int,
     out: Path, target: str, drafter: str, dtype: str, draft_dtype: str, threads: int, backend: str, temperature: float, top_k: int,
     top_p: float, seed: int, datastore: str | None = None, engines: list[str] | None = None,
-    concurrency: list[int] | None = None, reference: str = "ar", ray: str | None = None,
+    concurrency: list[int] | None = None, reference: str = "ar", ray: str | None = None, device: str | None = None,
 ) -> Path:
     """The benchmark on this machine, or with `ray` (a Ray cluster's address) on the cluster's nodes, each
     running every method on its share of the tasks; either way one records file, report and plots."""
@@ -156,7 +156,7 @@ def run(
         raise UserError(f"the reference {reference!r} is not a row of this run; rows: {', '.join(rows)}")
     config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p), seed=seed)
     tasks = sample_tasks(categories, per_category, seed=seed)
-    setup = Setup(methods, target, drafter, dtype, draft_dtype, backend, threads, datastore)
+    setup = Setup(methods, target, drafter, dtype, draft_dtype, backend, threads, datastore, device)
     console = Console(stderr=True)
     out.mkdir(parents=True, exist_ok=True)
     records_path = out / "records.jsonl"

@@ -51,8 +51,8 @@ def peer_runner(models: Models, name: str, **generate_kwargs) -> Runner:
         start = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(
-                torch.tensor([prompt_ids]),
-                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                torch.tensor([prompt_ids], device=model.device),
+                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=model.device),
                 max_new_tokens=config.max_new_tokens,
                 do_sample=not params.greedy,
                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
@@ -136,11 +136,12 @@ class Setup:
     backend: str = "torch"
     threads: int = 2
     datastore: str | None = None
+    device: str | None = None  # the torch backend's (`devices.resolve`); None: "auto"
 
     def load(self, progress: bool = True) -> tuple[Models, dict[str, Runner]]:
         """The models (the draft model only when a method needs it) and the runners, on `threads` threads."""
         torch.set_num_threads(self.threads)
         drafter = self.drafter if needs_draft_model(self.methods) else None
         models = load_models(self.target, drafter, dtype=self.dtype, draft_dtype=self.draft_dtype,
-                             backend=self.backend, progress=progress)
+                             backend=self.backend, progress=progress, device=self.device)
         return models, build_runners(models, self.methods, datastore=self.datastore)

@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 
 from specdecode.cli.options import (
-    Backend, BackendOption, DatastoreOption, DraftDType, DraftDTypeOption, DrafterOption, DType, DTypeOption,
-    TargetOption)
+    Backend, BackendOption, DatastoreOption, DeviceOption, DraftDType, DraftDTypeOption, DrafterOption, DType,
+    DTypeOption, TargetOption, backend_device)
 from specdecode.errors import UserError
 from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
 
@@ -38,6 +38,7 @@ def bench(
     dtype: DTypeOption = DType("auto"),
     draft_dtype: DraftDTypeOption = DraftDType("auto"),
     backend: BackendOption = Backend("torch"),
+    device: DeviceOption = "auto",
     datastore: DatastoreOption = None,
     target: TargetOption = DEFAULT_TARGET,
     drafter: DrafterOption = DEFAULT_DRAFTER,
@@ -74,7 +75,7 @@ def bench(
         max_new_tokens=max_new_tokens, repeats=repeats,
         out=out or Path("results") / time.strftime("bench-%Y%m%d-%H%M%S"),
         target=target, drafter=drafter, dtype=dtype.value, draft_dtype=draft_dtype.value, threads=threads,
-        backend=backend.value,
+        backend=backend.value, device=backend_device(backend, device),
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         datastore=str(datastore) if datastore else None,
         engines=engine or [], concurrency=levels, reference=reference, ray=ray,

@@ -11,8 +11,9 @@ from rich.console import Console
 from rich.table import Table
 
 from specdecode.cli.options import (
-    Backend, BackendOption, BudgetOption, ChoicesOption, DatastoreOption, DraftDType, DraftDTypeOption, DrafterOption,
-    DType, DTypeOption, MethodName, ReferenceOption, TargetOption, TreeOption, console, read_reference)
+    Backend, BackendOption, BudgetOption, ChoicesOption, DatastoreOption, DeviceOption, DraftDType, DraftDTypeOption,
+    DrafterOption, DType, DTypeOption, MethodName, ReferenceOption, TargetOption, TreeOption, backend_device, console,
+    read_reference)
 from specdecode.methods import METHODS
 from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
 
@@ -32,6 +33,7 @@ def generate(
     dtype: DTypeOption = DType("auto"),
     draft_dtype: DraftDTypeOption = DraftDType("auto"),
     backend: BackendOption = Backend("torch"),
+    device: DeviceOption = "auto",
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text and a table.")] = False,
     tree: TreeOption = False,
@@ -52,7 +54,7 @@ def generate(
                     datastore=datastore, reference=read_reference(reference))
     needs_draft = choice.method.needs_draft_model
     models = load_models(target, drafter if needs_draft else None, dtype=dtype.value, draft_dtype=draft_dtype.value,
-                         backend=backend.value)
+                         backend=backend.value, device=backend_device(backend, device))
     ids = models.encode(prompt, chat=chat)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
@@ -77,6 +79,7 @@ def demo(
     max_new_tokens: Annotated[int, typer.Option(min=1, max=4096, help="Tokens per answer.")] = 96,
     dtype: DTypeOption = DType("auto"),
     draft_dtype: DraftDTypeOption = DraftDType("auto"),
+    device: DeviceOption = "auto",
     target: TargetOption = DEFAULT_TARGET,
     drafter: DrafterOption = DEFAULT_DRAFTER,
 ) -> None:
@@ -84,7 +87,7 @@ def demo(
     from specdecode.demo import run_demo
 
     run_demo(target=target, drafter=drafter, dtype=dtype.value, draft_dtype=draft_dtype.value,
-             max_new_tokens=max_new_tokens)
+             max_new_tokens=max_new_tokens, device=device)
 
 
 

@@ -16,7 +16,7 @@ from specdecode.methods import METHODS, takers
 console = Console(stderr=True)
 
 MethodName = Enum("MethodName", {name: name for name in METHODS}, type=str)
-DType = Enum("DType", {name: name for name in ("auto", "bfloat16", "float32", "int8", "int4")}, type=str)
+DType = Enum("DType", {name: name for name in ("auto", "bfloat16", "float16", "float32", "int8", "int4")}, type=str)
 
 TargetOption = Annotated[str, typer.Option(help="Target model: registered name, .gguf file, folder or hub id.")]
 DrafterOption = Annotated[str, typer.Option(help="Draft model for --method draft (same vocabulary as the target).")]
@@ -24,10 +24,20 @@ DTypeOption = Annotated[DType, typer.Option(help=(
     "Target's path: auto (the fastest here, measured once: bfloat16 where the CPU has bf16 units and it wins, "
     "else int4 or int8), bfloat16, float32, int8 (int8 weights and per-row int8 activations, computed row by row "
     "so speculation stays exact; not the float model's output), or int4 (4-bit weights, the same exactness, "
-    "AVX2 CPUs; its kernel compiles on first use). Probabilities are always float32."))]
-DraftDType = Enum("DraftDType", {n: n for n in ("auto", "int4", "int8", "bfloat16", "float32")}, type=str)
+    "AVX2 CPUs; its kernel compiles on first use). On a GPU (--device cuda) auto is bfloat16 (float16 where the "
+    "GPU lacks it), and int8 and int4, CPU kernels, are refused. Probabilities are always float32."))]
+DeviceOption = Annotated[str, typer.Option(help=(
+    "Where the torch backend runs: auto (CUDA where torch sees a GPU, else the CPU), cpu, cuda, cuda:N or mps. "
+    "The draft model and trained heads follow the target; a seed reproduces a sampled run on the same kind of "
+    "device. The llama.cpp backend runs on the CPU."))]
+
+
+def backend_device(backend, device: str) -> str | None:
+    """The device `load_models` gets: the torch backend's; for llama.cpp None, unless one was named."""
+    return None if backend.value == "llamacpp" and device == "auto" else device
+DraftDType = Enum("DraftDType", {n: n for n in ("auto", "int4", "int8", "bfloat16", "float16", "float32")}, type=str)
 DraftDTypeOption = Annotated[DraftDType, typer.Option(
-    help="Draft model weights: auto (default: int4 where its kernel runs, else int8), int4 (4-bit weights, "
+    help="Draft model weights: auto (default: int4 where its kernel runs, else int8; on a GPU bfloat16), int4 (4-bit weights, "
     "AVX2 CPUs: the cheapest draft token), int8 (~3x cheaper than bfloat16 on a CPU), bfloat16 or float32. "
     "Lossless whatever it is: the target verifies every token.")]
 TreeOption = Annotated[bool, typer.Option("--tree", help="Draft a token tree instead of a chain (methods with a tree form).")]

@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 
 from specdecode.cli.options import (
-    Backend, BackendOption, DatastoreOption, DraftDType, DraftDTypeOption, DrafterOption, DType, DTypeOption,
-    MemoryScope, MethodName, TargetOption, console)
+    Backend, BackendOption, DatastoreOption, DeviceOption, DraftDType, DraftDTypeOption, DrafterOption, DType,
+    DTypeOption, MemoryScope, MethodName, TargetOption, backend_device, console)
 from specdecode.errors import UserError
 from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
 
@@ -57,6 +57,7 @@ def serve(
     dtype: DTypeOption = DType("auto"),
     draft_dtype: DraftDTypeOption = DraftDType("auto"),
     backend: BackendOption = Backend("torch"),
+    device: DeviceOption = "auto",
     datastore: DatastoreOption = None,
     target: TargetOption = DEFAULT_TARGET,
     drafter: DrafterOption = DEFAULT_DRAFTER,
@@ -82,7 +83,7 @@ def serve(
     limits = Limits(max_tokens=max_tokens, default_max_tokens=default_max_tokens, request_seconds=request_timeout,
                     max_queue=max_queue)
     models = load_models(target, None if no_drafter else drafter, dtype=dtype.value, draft_dtype=draft_dtype.value,
-                         backend=backend.value)
+                         backend=backend.value, device=backend_device(backend, device))
     name = model_name or Path(target.rstrip("/")).name.removesuffix(".gguf")
     server = Server(models, name, default, datastore=str(datastore) if datastore else None, max_batch=max_batch,
                     limits=limits, methods=offered, memory_scope=memory_scope.value,

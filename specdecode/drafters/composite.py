@@ -116,7 +116,7 @@ def default_scores(draft: Draft, rate: float) -> torch.Tensor:
     for parent in parents:
         above = 1.0 if parent == structure.ROOT else scores[parent]
         scores.append(above * rate / siblings[parent + 1])
-    return torch.tensor(scores, dtype=torch.float32)
+    return torch.tensor(scores, dtype=torch.float32, device="cpu")
 
 
 @dataclass
@@ -184,7 +184,7 @@ def select(
     as pay on the cost curve (at most MAX_BUDGET). A chain: the best path, cut to the prefix that pays.
     -> [kept]"""
     if not parents.numel():
-        return torch.empty(0, dtype=torch.long)
+        return torch.empty(0, dtype=torch.long, device="cpu")
     if tree:
         return prune(parents, scores, curve, budget)
     path = best_path(parents, scores)
@@ -266,8 +266,9 @@ class CompositeDrafter(Drafter):
 
     def _choose(self, merged: Merged) -> tuple[torch.Tensor, torch.Tensor]:
         """(kept nodes, their scores) of a merged trie."""
-        scores = torch.tensor(merged.scores, dtype=torch.float32)  # [n]
-        keep = select(torch.tensor(merged.parents, dtype=torch.long), scores, self.curve, self.budget, self.tree)
+        scores = torch.tensor(merged.scores, dtype=torch.float32, device="cpu")  # [n]
+        parents = torch.tensor(merged.parents, dtype=torch.long, device="cpu")
+        keep = select(parents, scores, self.curve, self.budget, self.tree)
         return keep, scores[keep]
 
     def promised(self, merged: Merged) -> float:
@@ -289,16 +290,17 @@ class CompositeDrafter(Drafter):
         keep, scores = self._choose(merged)
         auxiliary = next((d.auxiliary for d in self._proposals if d is not None and d.auxiliary is not None), None)
         self._submitted = {node: i for i, node in enumerate(keep.tolist())}
-        tokens = torch.tensor(merged.tokens, dtype=torch.long)[keep]
+        tokens = torch.tensor(merged.tokens, dtype=torch.long, device="cpu")[keep]
         # 3. Deterministic nodes, no probs: lossless under sampling (see the module docstring).
-        parents = structure.select(torch.tensor(merged.parents, dtype=torch.long), keep) if self.tree else None
+        all_parents = torch.tensor(merged.parents, dtype=torch.long, device="cpu")
+        parents = structure.select(all_parents, keep) if self.tree else None
         return Draft(tokens=tokens, parents=parents, scores=scores, auxiliary=auxiliary)
 
     def _verified_part(self, source: int, draft: Draft) -> tuple[Draft, list[int]]:
         """The nodes of a source's draft that were verified, as a draft, and their submitted indices."""
         mapping = self._merged.mappings[[i for i, d in enumerate(self._proposals) if d is not None].index(source)]
         nodes = [n for n, m in enumerate(mapping) if m in self._submitted]  # closed under ancestors
-        keep = torch.tensor(nodes, dtype=torch.long)
+        keep = torch.tensor(nodes, dtype=torch.long, device="cpu")
         parents = structure.select(parents_of(draft), keep) if draft.is_tree else None
         return Draft(tokens=draft.tokens[keep], parents=parents), [self._submitted[mapping[n]] for n in nodes]
 

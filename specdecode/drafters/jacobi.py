@@ -83,11 +83,11 @@ def jacobi_fixed_point(
     limit = n + 1 if max_iterations is None else max_iterations
     model.reset()
     if len(context) > 1:
-        model.forward(torch.tensor(context[:-1]), num_logits=1)
+        model.forward(torch.tensor(context[:-1], device="cpu"), num_logits=1)
     block = list(guesses)
     trajectory = [block]
     for _ in range(limit):
-        fed = torch.tensor([context[-1], *block[:-1]])  # [n] the last context token, then guesses 1..n-1
+        fed = torch.tensor([context[-1], *block[:-1]], device="cpu")  # [n] the last context token, then guesses 1..n-1
         logits = model.forward(fed, num_logits=n).logits  # [n, vocab], row i: after context + block[:i]
         model.crop(len(context) - 1)
         update = logits.argmax(-1).tolist()
@@ -130,7 +130,7 @@ class JacobiDrafter(Drafter):
         guesses = extend_guesses(context, kept, self.block_size)
         self._guesses, self._follows = guesses, len(context)
         n = min(self.block_size, max_tokens)
-        return Draft(tokens=torch.tensor(guesses[:n], dtype=torch.long), scores=self._scores(n))
+        return Draft(tokens=torch.tensor(guesses[:n], dtype=torch.long, device="cpu"), scores=self._scores(n))
 
     def observe(self, outcome: Outcome) -> None:
         """logits: [len(draft) + 1, vocab] (rows past those, if any, are not ours). Row a + 1 onwards,

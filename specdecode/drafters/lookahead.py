@@ -83,11 +83,11 @@ def window_tokens(levels: list[list[int]], context_length: int) -> AuxiliaryToke
     (at position P = context_length - 1), level by level. Cell (l, c) sits at position P + l + c and
     attends to level 0 up to column c and to column c up to level l (itself included)."""
     cells = [(l, c) for l in range(len(levels)) for c in range(len(levels[0])) if (l, c) != (0, 0)]
-    level = torch.tensor([l for l, _ in cells], dtype=torch.long)  # [m]
-    column = torch.tensor([c for _, c in cells], dtype=torch.long)  # [m]
+    level = torch.tensor([l for l, _ in cells], dtype=torch.long, device="cpu")  # [m]
+    column = torch.tensor([c for _, c in cells], dtype=torch.long, device="cpu")  # [m]
     row_level, row_column = level[:, None], column[:, None]  # [m, 1] the attending cell
     mask = ((level == 0) & (column <= row_column)) | ((column == row_column) & (level <= row_level))  # [m, m]
-    tokens = torch.tensor([levels[l][c] for l, c in cells], dtype=torch.long)
+    tokens = torch.tensor([levels[l][c] for l, c in cells], dtype=torch.long, device="cpu")
     return AuxiliaryTokens(tokens=tokens, positions=context_length - 1 + level + column, mask=mask)
 
 
@@ -154,8 +154,9 @@ class LookaheadDrafter(Drafter):
             if self.curve(fed + len(auxiliary)) - self.curve(fed) > WINDOW_SHARE:
                 auxiliary = None
         if not tokens:
-            return Draft(tokens=torch.empty(0, dtype=torch.long), auxiliary=auxiliary)
-        return Draft(tokens=torch.tensor(tokens), parents=torch.tensor(parents), auxiliary=auxiliary, scores=scores)
+            return Draft(tokens=torch.empty(0, dtype=torch.long, device="cpu"), auxiliary=auxiliary)
+        return Draft(tokens=torch.tensor(tokens, device="cpu"), parents=torch.tensor(parents, device="cpu"),
+                     auxiliary=auxiliary, scores=scores)
 
     def observe(self, outcome: Outcome) -> None:
         """Slide the window on the target's predictions (when it rode in the forward); recalibrate the
@@ -181,8 +182,8 @@ class LookaheadDrafter(Drafter):
     def _cut(self, tokens: list[int], parents: list[int]) -> tuple[list[int], list[int], torch.Tensor]:
         """The trie's nodes that pay on the cost curve, each scored by the share of the candidates through
         it times PRIOR_ACCEPTANCE per level, rescaled by how often such scores held (`Calibration`)."""
-        parents_t = torch.tensor(parents)
-        through = torch.zeros(len(tokens))  # candidates (root-to-leaf paths) through each node
+        parents_t = torch.tensor(parents, device="cpu")
+        through = torch.zeros(len(tokens), device="cpu")  # candidates (root-to-leaf paths) through each node
         for path in structure.leaf_paths(parents_t).tolist():
             through[[node for node in path if node >= 0]] += 1
         scores = (through / through.max() * PRIOR_ACCEPTANCE ** structure.depths(parents_t).float()

@@ -137,4 +137,4 @@ class OtherTokenizerDrafter(DraftModelDrafter):
         text = added_text(self.draft_tokenizer, draft_context[-DRAFT_WINDOW:], drafted)
         final = bool(ends) and self.target_eos is not None and REPLACEMENT not in text  # the text ends there
         tokens = translate(self.target_tokenizer, window, text, final=final) + ([self.target_eos] if final else [])
-        return Draft(tokens=torch.tensor(tokens[:max_tokens], dtype=torch.long))
+        return Draft(tokens=torch.tensor(tokens[:max_tokens], dtype=torch.long, device="cpu"))

@@ -110,7 +110,7 @@ class CopyAcceptance:
     def scores(self, bucket: int, n: int) -> torch.Tensor:
         """[n]: the chance that the first 1, 2, ..., n tokens of a copy are all accepted."""
         first, run = self.rates(bucket)
-        return first * run ** torch.arange(n, dtype=torch.float32)
+        return first * run ** torch.arange(n, dtype=torch.float32, device="cpu")
 
     def record(self, bucket: int, right: int, judged: int) -> None:
         """A proposal's first `right` tokens were right, of `judged` compared with the output (a wrong

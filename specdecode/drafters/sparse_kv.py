@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from specdecode.devices import to_device
 from specdecode.drafters.base import DrafterOptions
 from specdecode.drafters.composite import CompositeDrafter, Source
 from specdecode.drafters.draft_model import DraftModelDrafter
@@ -109,6 +110,10 @@ class CompressedView(CausalLM):
         """In the target's positions: the context the copy stands for, then the view's own tokens."""
         return self._base + self._own
 
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
     @torch.inference_mode()
     def forward(
         self,
@@ -121,10 +126,12 @@ class CompressedView(CausalLM):
     ) -> ForwardOutput:
         if tree_mask is not None:
             raise ValueError("the compressed view drafts chains")
-        n = token_ids.numel()
+        n, device = token_ids.numel(), self.device
+        token_ids = to_device(token_ids, device)
         if positions is None:
-            positions = torch.arange(self.cache_length, self.cache_length + n)
-        allowed = causal_allowed(self._kept + self._own, n) if n > 1 else None
+            positions = torch.arange(self.cache_length, self.cache_length + n, device=device)
+        positions = to_device(positions, device)
+        allowed = causal_allowed(self._kept + self._own, n, device) if n > 1 else None
         hidden = run_layers(self.target.model, self._layers, token_ids, positions, allowed, self._cache)
         self._own += n
         return head_output(self.target.model, hidden, n if num_logits is None else num_logits, output_hidden)

@@ -13,6 +13,9 @@ only where they are stored changes.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
@@ -66,3 +69,14 @@ def growing_cache(config: PretrainedConfig) -> DynamicCache:
     cache = DynamicCache(config=config)
     cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+@functools.cache
+def _keyword(forward) -> str:
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def cache_keyword(module: torch.nn.Module) -> str:
+    """The name under which `module`'s forward takes its KV cache: `cache` from transformers 5.24 on (which
+    deprecates `past_key_values` and drops it in 5.40), `past_key_values` before."""
+    return _keyword(type(module).forward)

@@ -8,7 +8,7 @@ from transformers import PreTrainedModel
 from specdecode import devices
 from specdecode.devices import to_device
 from specdecode.models.base import CausalLM, ForwardOutput
-from specdecode.models.cache import growing_cache
+from specdecode.models.cache import cache_keyword, growing_cache
 from specdecode.models.int4 import InvariantInt4Linear
 from specdecode.models.int8 import InvariantInt8Linear
 from specdecode.models.lean import QUANTIZED_LAYERS, lean_decoder
@@ -130,7 +130,7 @@ class HFCausalLM(CausalLM):
             input_ids=token_ids.view(1, n),
             position_ids=positions.view(1, n),
             attention_mask=None if tree_mask is None else self._attention_mask(tree_mask),
-            past_key_values=self._cache,
+            **{cache_keyword(self.model): self._cache},
             use_cache=True,
             # Indices, not a count: transformers then gathers a contiguous copy of those hidden states;
             # a count gives a strided view, and the bf16 LM head on a strided input is far slower on CPU

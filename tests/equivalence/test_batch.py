@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import VOCAB, LetterTokenizer, greedy_references, tiny_qwen2
+from conftest import VOCAB, LetterTokenizer, greedy_references, tiny_qwen2, wrong_device_trap
 from fakes import DRAFT, PROMPT, TARGET, FakeLM, IndependentTreeDrafter
 from goodness_of_fit import Outcomes, assert_follows, continuations
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
@@ -78,6 +78,21 @@ def test_greedy_batch_equals_plain_decoding(tiny_target, monkeypatch, garbage_sh
         assert result.method == kinds[index]
     assert sum(s.accepted for i in (0, 2, 4) for s in results[i].steps) > 0  # prompt lookup did draft
     assert len(engine) == 0 and target.cache_length == 0  # everyone left: the cache is free
+
+
+def test_no_tensor_of_the_batch_lands_on_the_wrong_device(tiny_target):
+    """The batch engine, greedy and sampled, chains and trees, with every tensor it and its drafters create
+    without naming a device sent to `meta` (`conftest.wrong_device_trap`); greedy output stays plain decoding's."""
+    prompts = repetitive_prompts(3)
+    references = greedy_references(tiny_target, prompts, 12)
+    engine = BatchEngine(HFCausalLM(tiny_target), LetterTokenizer())
+    engine.curve = FLAT
+    sampled = GenerationConfig(max_new_tokens=12, sampling=SamplingParams(temperature=0.9), seed=2)
+    jobs = [(0, prompts[0], GenerationConfig(max_new_tokens=12), "pld"), (0, prompts[1], sampled, "pld-tree"),
+            (1, prompts[2], GenerationConfig(max_new_tokens=12), "pld-tree")]
+    with wrong_device_trap():
+        results = run_all(engine, jobs)
+    assert results[0].token_ids == references[0] and results[2].token_ids == references[2]
 
 
 def test_sampled_batch_equals_single_sequence_sampling(tiny_target):

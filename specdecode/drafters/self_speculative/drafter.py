@@ -121,7 +121,7 @@ def calibration_prompts(
     `length` ids: only the model's own greedy continuations of them are scored, which keeps them usable."""
     if tokenizer is None:
         generator = torch.Generator().manual_seed(0)
-        return [torch.randint(vocab_size, (length,), generator=generator).tolist() for _ in range(count)]
+        return [torch.randint(vocab_size, (length,), generator=generator, device="cpu").tolist() for _ in range(count)]
     prompts = [list(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in CALIBRATION_TEXTS]
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": CALIBRATION_REQUEST}]

@@ -31,8 +31,10 @@ from collections.abc import Iterable
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specdecode.devices import to_device
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM, ForwardOutput
+from specdecode.models.cache import cache_keyword
 from specdecode.models.hf import HFCausalLM, module_bytes
 from specdecode.models.lean import lean_decoder
 
@@ -54,14 +56,14 @@ def check_layer_skipping(model: PreTrainedModel) -> None:
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[n, m] bool (True: may attend) -> the [1, 1, n, m] additive mask transformers' attention takes."""
-    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
 
 
-def causal_allowed(cached: int, n: int) -> torch.Tensor:
+def causal_allowed(cached: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[n, cached + n] bool: n new tokens after `cached` ones, each seeing the cache and itself and before."""
-    return torch.ones(n, cached + n, dtype=torch.bool).tril(cached)
+    return torch.ones(n, cached + n, dtype=torch.bool, device=device).tril(cached)
 
 
 def run_layers(
@@ -89,11 +91,12 @@ def run_layers(
     for index in layers:
         if trace is not None:
             trace.append(hidden[0])
-        hidden = decoder.layers[index](
+        layer = decoder.layers[index]
+        hidden = layer(
             hidden,
             attention_mask=mask,
             position_ids=position_ids,
-            past_key_values=cache,
+            **{cache_keyword(layer): cache},
             use_cache=cache is not None,
             position_embeddings=rotary,
         )  # [1, n, hidden]
@@ -153,6 +156,10 @@ class SkippedLayers(CausalLM):
         return self.target.cache_length + self._own
 
     @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    @property
     def weight_bytes_per_token(self) -> int:
         return self.target.weight_bytes_per_token - self._skipped_bytes
 
@@ -175,19 +182,19 @@ class SkippedLayers(CausalLM):
         num_logits: int | None = None,
         output_hidden: bool = False,
     ) -> ForwardOutput:
-        n = token_ids.numel()
+        n, device = token_ids.numel(), self.device
         cached = self.cache_length
-        if positions is None:
-            positions = torch.arange(cached, cached + n)
+        token_ids = to_device(token_ids, device)
+        positions = torch.arange(cached, cached + n, device=device) if positions is None else to_device(positions, device)
         num_logits = n if num_logits is None else num_logits
         if tree_mask is not None:  # [n, m] over the last m tokens -> [n, cached + n]
             m = tree_mask.shape[1]
             if m > cached + n:
                 raise ValueError(f"a tree mask over {m} tokens, but the cache and the input hold {cached + n}")
-            allowed = torch.ones(n, cached + n, dtype=torch.bool)
-            allowed[:, cached + n - m :] = tree_mask
+            allowed = torch.ones(n, cached + n, dtype=torch.bool, device=device)
+            allowed[:, cached + n - m :] = to_device(tree_mask, device)
         else:
-            allowed = causal_allowed(cached, n) if n > 1 else None
+            allowed = causal_allowed(cached, n, device) if n > 1 else None
         hidden = run_layers(self.target.model, self.kept, token_ids, positions, allowed, kv_cache(self.target))
         self._own += n
         return head_output(self.target.model, hidden, num_logits, output_hidden)

@@ -65,7 +65,7 @@ def greedy_continuation(model: CausalLM, prompt_ids: list[int], max_new_tokens: 
     model.reset()
     context, output, pending = list(prompt_ids), [], list(prompt_ids)
     while len(output) < max_new_tokens and len(context) < model.max_context:
-        logits = model.forward(torch.tensor(pending), num_logits=1).logits  # [1, vocab]
+        logits = model.forward(torch.tensor(pending, device="cpu"), num_logits=1).logits  # [1, vocab]
         token = int(logits[0].argmax())
         output.append(token)
         context.append(token)
@@ -108,8 +108,9 @@ class CalibrationSet:
             positions += range(len(sequence))
             segments += [segment] * len(sequence)
         self.length = len(tokens)
-        token_ids, position_ids = torch.tensor(tokens), torch.tensor(positions)
-        segment_ids, index = torch.tensor(segments), torch.arange(len(tokens))
+        device = target.device  # the calibration's tensors and cache live with the model
+        token_ids, position_ids = torch.tensor(tokens, device=device), torch.tensor(positions, device=device)
+        segment_ids, index = torch.tensor(segments, device=device), torch.arange(len(tokens), device=device)
         same = segment_ids[:, None] == segment_ids[None, :]  # [length, length]
         # 1. The full model over every sequence (block-diagonal causal) fills the cache.
         self.cache = DynamicCache(config=model.config)
@@ -119,11 +120,11 @@ class CalibrationSet:
                        same & (index[:, None] >= index[None, :]), self.cache, trace=residual)
         self.influence = block_influence(residual)  # [num_layers]
         # 2. The queries: query q sees the full model's entries of its own sequence before it, and itself.
-        query = torch.tensor(queries)
+        query = torch.tensor(queries, device=device)
         self.query_tokens, self.query_positions = token_ids[query], position_ids[query]  # [queries]
         earlier = same[query] & (position_ids[None, :] < position_ids[query][:, None])  # [queries, length]
-        self.query_allowed = torch.cat([earlier, torch.eye(len(queries), dtype=torch.bool)], dim=1)
-        self.expected = torch.tensor(expected)  # [queries]
+        self.query_allowed = torch.cat([earlier, torch.eye(len(queries), dtype=torch.bool, device=device)], dim=1)
+        self.expected = torch.tensor(expected, device=device)  # [queries]
 
     @torch.inference_mode()
     def agreement(self, skip: Iterable[int]) -> float:
