@@ -32,7 +32,8 @@ def serve(
              "the background, answering 503 until ready).")] = None,
     max_tokens: Annotated[int, typer.Option(min=1, help="The most tokens a request may generate.")] = 4096,
     default_max_tokens: Annotated[int, typer.Option(
-        min=1, help="Tokens a chat request that names no max_tokens generates at most.")] = 512,
+        min=1, help="Tokens a chat request whose max_tokens is left out or null generates at most (OpenAI's API: "
+                    "the rest of the context); a completion's is OpenAI's 16.")] = 512,
     request_timeout: Annotated[float, typer.Option(
         min=0.001, help="Seconds from a request's arrival after which its generation ends where it is.")] = 300.0,
     max_queue: Annotated[int, typer.Option(

@@ -194,6 +194,25 @@ def test_max_tokens_has_a_server_maximum_and_a_default(models):
         assert newer.json()["usage"]["completion_tokens"] <= 3
 
 
+def test_a_null_max_tokens_means_the_endpoints_default(models):
+    """OpenAI's API reads null as a field left out: on /v1/completions that is 16 tokens (OpenAI's), on chat
+    the server's --default-max-tokens (OpenAI's: the rest of the context), here 5 and 30 apart."""
+    with serving(models, limits=Limits(max_tokens=40, default_max_tokens=30), methods=["ar"]) as (running, _):
+        for body in [completion("ar", None), {k: v for k, v in completion("ar", 1).items() if k != "max_tokens"}]:
+            reply = post(running.url, "/v1/completions", body)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["usage"]["completion_tokens"] == 16, body
+            assert reply.json()["choices"][0]["finish_reason"] == "length"
+    with serving(models, limits=Limits(max_tokens=40, default_max_tokens=5), methods=["ar"]) as (running, _):
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "the cat"}], "temperature": 0}
+        for limits in [{}, {"max_tokens": None}, {"max_completion_tokens": None},
+                       {"max_tokens": None, "max_completion_tokens": None}]:
+            reply = post(running.url, "/v1/chat/completions", {**chat, **limits})
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["usage"]["completion_tokens"] == 5, limits
+            assert reply.json()["choices"][0]["finish_reason"] == "length"
+
+
 def test_a_prompt_too_long_by_its_bytes_is_refused_before_tokenizing(models):
     with serving(models, methods=["ar"]) as (running, state):
         calls = []
