@@ -21,8 +21,9 @@ def serve(
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
     api_key: Annotated[list[str] | None, typer.Option(
         envvar="SPECDECODE_API_KEY", show_envvar=True,
-        help="A key clients must send as `Authorization: Bearer KEY` (repeat for several tenants; in the "
-             "variable, separate keys by spaces). Required beyond loopback.")] = None,
+        help="A key clients must send as `Authorization: Bearer KEY`: one word of at least 16 characters "
+             "(`openssl rand -hex 24`). One key per --api-key, repeated for several tenants; in the variable, "
+             "keys separated by spaces. Required beyond loopback.")] = None,
     allowed_host: Annotated[list[str] | None, typer.Option(
         help="A name clients may use in the Host header, beside the loopback names and the bound address "
              "(repeatable; '*': any). Guards against DNS rebinding.")] = None,
@@ -77,7 +78,8 @@ def serve(
         raise UserError(f"method {method.value!r} needs the draft model; drop --no-drafter or pick another --method")
     offered = [choose(m.strip(), datastore=datastore, only_if_taken=True)
                for m in methods.split(",") if m.strip()] if methods else None
-    keys = tuple(word for key in api_key or () for word in key.split())
+    # one key per --api-key, as given (a key with a space is refused); the variable is split on spaces by click
+    keys = tuple(api_key or ())
     guard = Guard.for_address(host, tuple(allowed_host or ()), api_keys=keys, docs=docs,
                               max_body_bytes=int(max_body_mib * 2**20), read_seconds=read_timeout)
     limits = Limits(max_tokens=max_tokens, default_max_tokens=default_max_tokens, request_seconds=request_timeout,

@@ -6,9 +6,10 @@ request's body and the time a client may take to send its request.
   browser sends that site's name. Allowed: the loopback names, the address the server is bound to, the
   machine's own names when it listens on every interface, and what the operator adds (`*`: any).
 - *API keys*: with any key configured, every request but the page (`/`) and `/health` must carry one as
-  OpenAI's clients send it, `Authorization: Bearer KEY` (401 otherwise). A server bound beyond loopback
-  refuses to start without a key (`check_exposure`). A key's identity (a digest, never the key) is the
-  request's tenant, which scopes cross-request memory (`serve.app`).
+  OpenAI's clients send it, `Authorization: Bearer KEY` (401 otherwise). A key is one word of at least
+  MIN_KEY_LENGTH characters. A server bound beyond loopback refuses to start without a key
+  (`check_exposure`). A key's identity (a digest, never the key) is the request's tenant, which scopes
+  cross-request memory (`serve.app`).
 - *Body*: refused (413) as soon as its `Content-Length`, or what has arrived of it, passes
   `max_body_bytes`; read whole within `read_seconds` (408 otherwise) before the app sees it.
 - *Head*: a connection that has not sent a whole request head within `read_seconds` of opening (or of
@@ -38,6 +39,7 @@ from specdecode.serve.protocol import APIError, quoted
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 PUBLIC_PATHS = frozenset({"/", "/health"})  # the page asks for the key itself; health checks carry none
+MIN_KEY_LENGTH = 16  # characters of an API key: `openssl rand -hex 24` gives 48
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_READ_SECONDS = 15.0
 API_KEY_VARIABLE = "SPECDECODE_API_KEY"
@@ -66,8 +68,12 @@ class Guard:
     docs: bool = False  # serve /docs and /openapi.json (behind the key, if any)
 
     def __post_init__(self) -> None:
-        if any(not key or any(c.isspace() for c in key) for key in self.api_keys):
-            raise UserError("an API key must be a non-empty word without spaces")
+        for key in self.api_keys:
+            if any(c.isspace() for c in key):
+                raise UserError("an API key is one word, without spaces (give each key its own --api-key)")
+            if len(key) < MIN_KEY_LENGTH:
+                raise UserError(f"an API key must have at least {MIN_KEY_LENGTH} characters (one has {len(key)}); "
+                                "`openssl rand -hex 24` makes one")
         if self.max_body_bytes < 1024 or not self.read_seconds > 0:
             raise UserError("the body limit must be at least 1 KiB and the read timeout positive")
 
