@@ -27,6 +27,10 @@ def serve(
     allowed_host: Annotated[list[str] | None, typer.Option(
         help="A name clients may use in the Host header, beside the loopback names and the bound address "
              "(repeatable; '*': any). Guards against DNS rebinding.")] = None,
+    allowed_origin: Annotated[list[str] | None, typer.Option(
+        help="A web page's origin (scheme://host[:port], e.g. http://localhost:3000) whose scripts may call the "
+             "API, with CORS (repeatable). Requests but GET, HEAD and OPTIONS from another site's page are "
+             "refused (403), and so is any whose body is not sent as application/json (415).")] = None,
     methods: Annotated[str | None, typer.Option(
         help="Comma-separated methods clients may pick (tree forms included), all prepared at start-up "
              "(default: every method; --method is prepared at start-up, another on its first request, in "
@@ -80,7 +84,8 @@ def serve(
                for m in methods.split(",") if m.strip()] if methods else None
     # one key per --api-key, as given (a key with a space is refused); the variable is split on spaces by click
     keys = tuple(api_key or ())
-    guard = Guard.for_address(host, tuple(allowed_host or ()), api_keys=keys, docs=docs,
+    guard = Guard.for_address(host, tuple(allowed_host or ()), api_keys=keys,
+                              allowed_origins=tuple(allowed_origin or ()), docs=docs,
                               max_body_bytes=int(max_body_mib * 2**20), read_seconds=read_timeout)
     limits = Limits(max_tokens=max_tokens, default_max_tokens=default_max_tokens, request_seconds=request_timeout,
                     max_queue=max_queue)

@@ -5,6 +5,13 @@ request's body and the time a client may take to send its request.
   refused (400). A page on another site cannot reach a loopback server through DNS rebinding, since the
   browser sends that site's name. Allowed: the loopback names, the address the server is bound to, the
   machine's own names when it listens on every interface, and what the operator adds (`*`: any).
+- *Cross-site requests*: a request that may cost work (any method but GET, HEAD and OPTIONS) is refused
+  when it comes from a web page on another site: 403 when its `Origin` header names another origin than
+  the one it was sent to (its `Host`) and none of `allowed_origins`, and 415 unless its body is declared
+  `application/json`. A browser sends a cross-site request without asking first (no CORS preflight) only
+  with a form's content types and then always names the page's origin, so no page the user visits can
+  make a keyless loopback server work. The allowed origins also get CORS answers (`serve.app`), so a page
+  there can call the API.
 - *API keys*: with any key configured, every request but the page (`/`) and `/health` must carry one as
   OpenAI's clients send it, `Authorization: Bearer KEY` (401 otherwise). A key is one word of at least
   MIN_KEY_LENGTH characters. A server bound beyond loopback refuses to start without a key
@@ -30,6 +37,7 @@ import json
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -39,6 +47,7 @@ from specdecode.serve.protocol import APIError, quoted
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 PUBLIC_PATHS = frozenset({"/", "/health"})  # the page asks for the key itself; health checks carry none
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})  # the methods that send no body and cost no generation
 MIN_KEY_LENGTH = 16  # characters of an API key: `openssl rand -hex 24` gives 48
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_READ_SECONDS = 15.0
@@ -63,6 +72,7 @@ def key_identity(key: str) -> str:
 class Guard:
     api_keys: tuple[str, ...] = ()  # none: no authentication (loopback only)
     allowed_hosts: tuple[str, ...] = LOOPBACK_NAMES  # "*": any Host header
+    allowed_origins: tuple[str, ...] = ()  # web origins beside the server's own, as `scheme://host[:port]`
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     read_seconds: float = DEFAULT_READ_SECONDS  # to send a request's head, and again its body
     docs: bool = False  # serve /docs and /openapi.json (behind the key, if any)
@@ -74,6 +84,8 @@ class Guard:
             if len(key) < MIN_KEY_LENGTH:
                 raise UserError(f"an API key must have at least {MIN_KEY_LENGTH} characters (one has {len(key)}); "
                                 "`openssl rand -hex 24` makes one")
+        # as browsers write them in `Origin` (lower case, no trailing slash), or a UserError
+        object.__setattr__(self, "allowed_origins", tuple(origin_name(o) for o in self.allowed_origins))
         if self.max_body_bytes < 1024 or not self.read_seconds > 0:
             raise UserError("the body limit must be at least 1 KiB and the read timeout positive")
 
@@ -98,6 +110,17 @@ class Guard:
         name = header[1 : header.find("]")] if header.startswith("[") else header.rsplit(":", 1)[0]
         return name.lower().rstrip(".") in self.allowed_hosts
 
+    def origin_allowed(self, origin: str | None, host: str | None) -> bool:
+        """Whether a request whose `Origin` header is `origin`, sent to `host` (its `Host` header), may cost
+        work: no origin (not a browser, or a browser's same-origin GET), the page's own origin (a browser
+        writes the host and port in both alike, the default port left out), or an allowed one."""
+        if origin is None:
+            return True
+        parts = urlsplit(origin.strip())
+        if parts.scheme in ("http", "https") and host and parts.netloc.lower() == host.strip().lower():
+            return True
+        return origin.strip().lower().rstrip("/") in self.allowed_origins
+
     def tenant(self, authorization: str | None) -> str | None:
         """The identity of the key a request carries (`Authorization: Bearer KEY`), or None for none
         that matches. Every key is compared, in constant time."""
@@ -110,6 +133,21 @@ class Guard:
             if hmac.compare_digest(given_digest, hashlib.sha256(key.encode()).digest()):
                 found = key_identity(key)
         return found
+
+
+def origin_name(origin: str) -> str:
+    """An origin given to allow (`scheme://host[:port]`) as browsers send it in `Origin`, or a UserError."""
+    name = origin.strip().lower().rstrip("/")
+    try:
+        parts = urlsplit(name)
+        parts.port  # noqa: B018 (a ValueError for a port out of range or not a number)
+    except ValueError:  # that, or an unclosed IPv6 bracket
+        parts = None
+    if not (parts and parts.scheme and parts.hostname and "@" not in parts.netloc
+            and name == f"{parts.scheme}://{parts.netloc}"):
+        raise UserError(f"an allowed origin is a scheme, a host and maybe a port, such as http://localhost:3000, "
+                        f"with no path; not {origin!r}")
+    return name
 
 
 def check_exposure(host: str, guard: Guard) -> None:
@@ -153,7 +191,8 @@ class GuardMiddleware:
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
         try:
             scope.setdefault("state", {})["tenant"] = self._admit(scope, headers)
-            if scope["method"] not in ("GET", "HEAD", "OPTIONS"):
+            if scope["method"] not in SAFE_METHODS:
+                self._check_json(headers)
                 body = await self._read_body(headers, receive)
                 receive = _replay(body, receive)
             await self.app(scope, receive, counted)
@@ -175,6 +214,11 @@ class GuardMiddleware:
             host = quoted(headers.get("host", ""))
             raise APIError(400, f"This server does not answer to the host `{host}` (allow it with "
                                 f"`specdecode serve --allowed-host NAME`).", code="invalid_host")
+        origin = headers.get("origin")
+        if scope["method"] not in SAFE_METHODS and not self.guard.origin_allowed(origin, headers.get("host")):
+            raise APIError(403, f"This server does not take requests from the web page at `{quoted(origin)}` "
+                                "(allow its origin with `specdecode serve --allowed-origin ORIGIN`).",
+                           code="invalid_origin")
         if not self.guard.api_keys or scope["path"] in PUBLIC_PATHS:
             return None
         authorization = headers.get("authorization")
@@ -184,6 +228,16 @@ class GuardMiddleware:
                        "You didn't provide an API key. Send it as `Authorization: Bearer YOUR_KEY`.")
             raise APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return tenant
+
+    @staticmethod
+    def _check_json(headers: dict[str, str]) -> None:
+        """A 415 for a body not declared JSON: the form types a web page may send cross-site unasked
+        (`text/plain`, `application/x-www-form-urlencoded`, `multipart/form-data`) among others."""
+        declared = headers.get("content-type", "")
+        if declared.partition(";")[0].strip().lower() != "application/json":
+            got = f"`{quoted(declared)}`" if declared else "none"
+            raise APIError(415, f"The request body must be JSON, sent with `Content-Type: application/json` "
+                                f"(got {got}).", code="unsupported_media_type")
 
     async def _read_body(self, headers: dict[str, str], receive) -> bytes:
         limit = self.guard.max_body_bytes

@@ -3,9 +3,10 @@
 Clients that leave (streaming or not; batched or alone) stop their generation within one step, counted
 on a drafter that waits at every step until the test lets it go on, so no count depends on how fast the
 machine is. Also: a full queue answers 429 with Retry-After; a request past its deadline ends where it
-is; max_tokens has a server maximum and a default; a method being prepared answers 503 while the others
-run to the end; a 50 MB body is refused from its headers while health checks answer; slow clients are cut
-off; a prompt too long for the context by its bytes alone is refused before it is tokenized."""
+is; max_tokens has a server maximum and a default (null: the endpoint's default); a method being prepared
+answers 503 while the others run to the end; a 50 MB body is refused from its headers while health checks
+answer; slow clients are cut off; a prompt too long for the context by its bytes alone is refused before it
+is tokenized."""
 
 from __future__ import annotations
 
@@ -310,8 +311,8 @@ def test_a_chunked_body_is_refused_once_it_passes_the_limit(models):
     with serving(models, methods=["ar"], guard=Guard(max_body_bytes=2048)) as (running, _):
         connection = socket.create_connection(address(running.url), timeout=60)
         chunk = b"800\r\n" + b" " * 2048 + b"\r\n"  # 2 KiB a chunk
-        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
-                           + chunk * 2 + b"0\r\n\r\n")
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                           b"Transfer-Encoding: chunked\r\n\r\n" + chunk * 2 + b"0\r\n\r\n")
         status, _ = read_response(connection)
         assert status == 413
         connection.close()
@@ -323,7 +324,8 @@ def test_slow_clients_are_cut_off(models):
         half_head = socket.create_connection(address(running.url), timeout=30)
         half_head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         half_body = socket.create_connection(address(running.url), timeout=30)  # a body that never ends
-        half_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{\"mo")
+        half_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n{\"mo")
         assert silent.recv(1024) == b"" and half_head.recv(1024) == b""  # closed by the server
         status, body = read_response(half_body)
         assert status == 408 and b"request_timeout" in body
