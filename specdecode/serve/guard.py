@@ -20,8 +20,13 @@ request's body and the time a client may take to send its request.
 - *Body*: refused (413) as soon as its `Content-Length`, or what has arrived of it, passes
   `max_body_bytes`; read whole within `read_seconds` (408 otherwise) before the app sees it.
 - *Head*: a connection that has not sent a whole request head within `read_seconds` of opening (or of
-  sending its next request's first byte) is closed (`HeaderTimeoutProtocol`, uvicorn's h11 protocol with
-  that deadline added; uvicorn alone waits for ever).
+  sending its next request's first byte) is closed (`GuardedProtocol`, uvicorn's h11 protocol with that
+  deadline added; uvicorn alone waits for ever).
+- *Early answers*: a request refused before its body is read (413 from the `Content-Length`, 415, 401,
+  403) ends its connection, and the answer reaches a client that sends the whole body before it reads, as
+  Python's http.client does: the connection is half-closed and what the client still sends is read and
+  dropped for up to `read_seconds` and LINGER_BYTES before it is closed (`GuardedProtocol`), since closing
+  a socket with unread data resets the connection and the client's system drops the answer with it.
 
 Every refusal is an OpenAI-style error body; the middleware also counts every response by endpoint and
 status for `/metrics`, the unhandled 500s included.
@@ -49,6 +54,7 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 PUBLIC_PATHS = frozenset({"/", "/health"})  # the page asks for the key itself; health checks carry none
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})  # the methods that send no body and cost no generation
 MIN_KEY_LENGTH = 16  # characters of an API key: `openssl rand -hex 24` gives 48
+LINGER_BYTES = 64 << 20  # what is read and dropped of a refused body before its connection is closed
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_READ_SECONDS = 15.0
 API_KEY_VARIABLE = "SPECDECODE_API_KEY"
@@ -189,16 +195,18 @@ class GuardMiddleware:
             await send(message)
 
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+        body_pending = scope["method"] not in SAFE_METHODS
         try:
             scope.setdefault("state", {})["tenant"] = self._admit(scope, headers)
-            if scope["method"] not in SAFE_METHODS:
+            if body_pending:
                 self._check_json(headers)
                 body = await self._read_body(headers, receive)
+                body_pending = False
                 receive = _replay(body, receive)
             await self.app(scope, receive, counted)
         except APIError as error:
-            if not status:
-                await send_error(counted, error, close=error.status in (408, 413))
+            if not status:  # refused before its body was read: the connection ends (`GuardedProtocol` lingers)
+                await send_error(counted, error, close=body_pending)
         except ClientGone:
             pass
         except Exception:
@@ -279,26 +287,78 @@ def _replay(body: bytes, receive):
     return replayed
 
 
-class HeaderTimeoutProtocol(H11Protocol):
-    """uvicorn's h11 protocol, closing a connection whose request head is not whole `head_seconds` after
-    the connection opened, or after the first byte of a later request on it (a slow-loris client)."""
+class _LingeringTransport:
+    """A connection's transport as uvicorn's protocol sees it, but for `close()`, which the protocol decides
+    (`GuardedProtocol.close_transport`): uvicorn closes as soon as its answer is sent."""
+
+    def __init__(self, transport, protocol: GuardedProtocol):
+        self._transport, self._protocol = transport, protocol
+
+    def close(self) -> None:
+        self._protocol.close_transport()
+
+    def is_closing(self) -> bool:
+        return self._protocol.lingering or self._transport.is_closing()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+
+class GuardedProtocol(H11Protocol):
+    """uvicorn's h11 protocol, with two changes:
+
+    - a deadline for the request head: the connection is closed when a request head is not whole
+      `head_seconds` after the connection opened, or after the first byte of a later request on it (a
+      slow-loris client);
+    - a lingering close: closing the connection while the client is still sending the request's body (a
+      413 from the `Content-Length`, a 408) half-closes it instead, and what still arrives is dropped,
+      for up to `head_seconds` and LINGER_BYTES, before the close. A client that sends its whole body
+      before reading (Python's http.client) otherwise gets a reset, and its system drops the answer.
+    """
 
     head_seconds = DEFAULT_READ_SECONDS
 
     def connection_made(self, transport) -> None:
-        super().connection_made(transport)
+        self._raw, self.lingering, self._dropped, self._linger_timer = transport, False, 0, None
+        super().connection_made(_LingeringTransport(transport, self))
         self._head_timer = self.loop.call_later(self.head_seconds, self._head_too_slow)
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering:  # the answer is sent: the rest of the body is dropped unparsed
+            self._dropped += len(data)
+            if self._dropped > LINGER_BYTES:
+                self._raw.close()
+            return
         super().data_received(data)
         if not self._awaiting_head():
             self._stop_head_timer()
         elif self._head_timer is None:
             self._head_timer = self.loop.call_later(self.head_seconds, self._head_too_slow)
 
+    def close_transport(self) -> None:
+        """Close, or linger first while the client is still sending its request's body."""
+        if self.lingering:
+            return
+        raw = self._raw
+        if self.conn.their_state is h11.SEND_BODY and not raw.is_closing() and raw.can_write_eof():
+            self.lingering = True
+            self._stop_head_timer()
+            raw.write_eof()  # after the answer: the client reads it, then the end of the connection
+            raw.resume_reading()
+            self._linger_timer = self.loop.call_later(self.head_seconds, raw.close)
+        else:
+            raw.close()
+
     def connection_lost(self, exc) -> None:
         self._stop_head_timer()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        if self.lingering:  # the server stops: no waiting for the client
+            self._raw.close()
+        super().shutdown()
 
     def _awaiting_head(self) -> bool:
         return self.cycle is None or self.cycle.response_complete
@@ -315,11 +375,11 @@ class HeaderTimeoutProtocol(H11Protocol):
                 self.conn.send(h11.ConnectionClosed())
             except h11.LocalProtocolError:
                 pass
-            self.transport.close()
+            self._raw.close()  # at once: the client has had its time
 
 
 def uvicorn_options(guard: Guard) -> dict:
-    """uvicorn's settings beside the address (`uvicorn.run`, `uvicorn.Config`): the head deadline,
-    warnings only in the log."""
-    protocol = type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"head_seconds": guard.read_seconds})
+    """uvicorn's settings beside the address (`uvicorn.run`, `uvicorn.Config`): the head deadline and the
+    lingering close (`GuardedProtocol`), warnings only in the log."""
+    protocol = type("GuardedProtocol", (GuardedProtocol,), {"head_seconds": guard.read_seconds})
     return {"log_level": "warning", "http": protocol}

@@ -5,13 +5,14 @@ on a drafter that waits at every step until the test lets it go on, so no count 
 machine is. Also: a full queue answers 429 with Retry-After; a request past its deadline ends where it
 is; max_tokens has a server maximum and a default (null: the endpoint's default); a method being prepared
 answers 503 while the others run to the end; a 50 MB body is refused from its headers while health checks
-answer; slow clients are cut off; a prompt too long for the context by its bytes alone is refused before it
-is tokenized."""
+answer, and a 413 or 415 reaches a client that sends its whole body before reading; slow clients are cut off; a
+prompt too long for the context by its bytes alone is refused before it is tokenized."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import http.client
 import json
 import socket
 import threading
@@ -305,6 +306,36 @@ def test_a_50_mb_body_is_refused_from_its_headers_while_health_checks_answer(mod
         assert get(running.url, "/health").status_code == 200
         assert connection.recv(1) == b""  # closed: the rest of the body is never read
         connection.close()
+
+
+def whole_chunks(size: int, chunk: int = 1 << 16):
+    """A body of `size` bytes in chunks (http.client sends an iterable as chunked transfer encoding)."""
+    for start in range(0, size, chunk):
+        yield b" " * min(chunk, size - start)
+
+
+@pytest.mark.parametrize("chunked, content_type, status, code", [
+    (False, "application/json", 413, "request_too_large"),
+    (True, "application/json", 413, "request_too_large"),
+    (False, "text/plain", 415, "unsupported_media_type"),
+], ids=["413-content-length", "413-chunked", "415"])
+def test_an_early_refusal_reaches_a_client_that_sends_its_whole_body_before_reading(models, chunked, content_type,
+                                                                                     status, code):
+    """Python's http.client sends the whole body, then reads. The server refuses early (from the headers,
+    or once a chunked body passes the limit); closing then, with the body's rest unread, would reset the
+    connection, and the client's system would drop the answer with it. 16 MiB is well beyond what the
+    sockets' buffers hold on loopback."""
+    size = 16 << 20
+    with serving(models, methods=["ar"], guard=Guard(max_body_bytes=64 << 10)) as (running, _):
+        for _ in range(2):  # and the server goes on answering
+            connection = http.client.HTTPConnection(running.url.removeprefix("http://"), timeout=60)
+            connection.request("POST", "/v1/completions", body=whole_chunks(size) if chunked else b" " * size,
+                               headers={"content-type": content_type})
+            response = connection.getresponse()
+            assert response.status == status
+            assert json.loads(response.read())["error"]["code"] == code
+            connection.close()
+        assert post(running.url, "/v1/completions", completion("ar", 2)).status_code == 200
 
 
 def test_a_chunked_body_is_refused_once_it_passes_the_limit(models):
