@@ -21,18 +21,24 @@ def serve(
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
     api_key: Annotated[list[str] | None, typer.Option(
         envvar="SPECDECODE_API_KEY", show_envvar=True,
-        help="A key clients must send as `Authorization: Bearer KEY` (repeat for several tenants; in the "
-             "variable, separate keys by spaces). Required beyond loopback.")] = None,
+        help="A key clients must send as `Authorization: Bearer KEY`: one word of at least 16 characters "
+             "(`openssl rand -hex 24`). One key per --api-key, repeated for several tenants; in the variable, "
+             "keys separated by spaces. Required beyond loopback.")] = None,
     allowed_host: Annotated[list[str] | None, typer.Option(
         help="A name clients may use in the Host header, beside the loopback names and the bound address "
              "(repeatable; '*': any). Guards against DNS rebinding.")] = None,
+    allowed_origin: Annotated[list[str] | None, typer.Option(
+        help="A web page's origin (scheme://host[:port], e.g. http://localhost:3000) whose scripts may call the "
+             "API, with CORS (repeatable). Requests but GET, HEAD and OPTIONS from another site's page are "
+             "refused (403), and so is any whose body is not sent as application/json (415).")] = None,
     methods: Annotated[str | None, typer.Option(
         help="Comma-separated methods clients may pick (tree forms included), all prepared at start-up "
              "(default: every method; --method is prepared at start-up, another on its first request, in "
              "the background, answering 503 until ready).")] = None,
     max_tokens: Annotated[int, typer.Option(min=1, help="The most tokens a request may generate.")] = 4096,
     default_max_tokens: Annotated[int, typer.Option(
-        min=1, help="Tokens a chat request that names no max_tokens generates at most.")] = 512,
+        min=1, help="Tokens a chat request whose max_tokens is left out or null generates at most (OpenAI's API: "
+                    "the rest of the context); a completion's is OpenAI's 16.")] = 512,
     request_timeout: Annotated[float, typer.Option(
         min=0.001, help="Seconds from a request's arrival after which its generation ends where it is.")] = 300.0,
     max_queue: Annotated[int, typer.Option(
@@ -77,8 +83,10 @@ def serve(
         raise UserError(f"method {method.value!r} needs the draft model; drop --no-drafter or pick another --method")
     offered = [choose(m.strip(), datastore=datastore, only_if_taken=True)
                for m in methods.split(",") if m.strip()] if methods else None
-    keys = tuple(word for key in api_key or () for word in key.split())
-    guard = Guard.for_address(host, tuple(allowed_host or ()), api_keys=keys, docs=docs,
+    # one key per --api-key, as given (a key with a space is refused); the variable is split on spaces by click
+    keys = tuple(api_key or ())
+    guard = Guard.for_address(host, tuple(allowed_host or ()), api_keys=keys,
+                              allowed_origins=tuple(allowed_origin or ()), docs=docs,
                               max_body_bytes=int(max_body_mib * 2**20), read_seconds=read_timeout)
     limits = Limits(max_tokens=max_tokens, default_max_tokens=default_max_tokens, request_seconds=request_timeout,
                     max_queue=max_queue)

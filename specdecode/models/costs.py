@@ -8,10 +8,13 @@ backend and machine and cached as JSON under the package cache; tree drafters si
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
 import json
+import logging
+import math
 import os
 import platform
 from dataclasses import dataclass
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
     from specdecode.models.base import CausalLM  # whose cost_curve() imports this module
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+log = logging.getLogger("specdecode.costs")
 FLOOR = 1e-3  # no forward costs less than this (noisy measurements must not make one free)
 
 
@@ -248,26 +252,65 @@ def store(key: str, curve: CostCurve) -> None:
     tmp.replace(path)
 
 
+def _load(path: Path) -> tuple[CostCurve, bool]:
+    """The curve cached in `path`, and whether its prefill was measured (a file older than that lacks it);
+    a ValueError saying what is wrong with the file."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"not JSON ({error})") from None
+    if not isinstance(data, dict) or not {"sizes", "relative", "seconds"} <= set(data):
+        raise ValueError("not a cost curve (sizes, relative, seconds)")
+    sizes, relative = data["sizes"], data["relative"]
+    numbers = [data["seconds"], data.get("prefill", 0.0)]
+    if not (isinstance(sizes, list) and all(type(n) is int and n > 0 for n in sizes) and sizes == sorted(set(sizes))):
+        raise ValueError(f"its sizes are not positive integers in ascending order: {str(sizes)[:80]}")
+    if not isinstance(relative, list) or not all(_finite(c) and c > 0 for c in relative):
+        raise ValueError(f"its relative costs are not positive numbers: {str(relative)[:80]}")
+    if not all(_finite(n) and n >= 0 for n in numbers):
+        raise ValueError(f"its seconds are not numbers of at least 0: {numbers}")
+    # CostCurve refuses (ValueError) fewer than two sizes, a first size other than 1, or lengths that differ
+    return CostCurve(tuple(sizes), tuple(relative), *numbers), "prefill" in data
+
+
+def _finite(value) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
 def cached(model: CausalLM, key: str) -> CostCurve:
     """The model's curve on this machine, measured on first use and cached.
 
     `key` names the model and backend (weights, dtype); the machine's CPU, thread count and torch version
     are added to it. A `LiveCurve` built on it stores its corrections back (`store`), so a curve measured
-    in a busy moment does not stay wrong in the cache.
+    in a busy moment does not stay wrong in the cache. A cached file that cannot be read as a curve (cut
+    short by a full disk, edited by hand) is moved aside as `*.json.corrupt`, with a warning naming both,
+    and the curve measured again.
     """
     path = _path(key)
     if path.exists():
-        data = json.loads(path.read_text())
-        curve = CostCurve(tuple(data["sizes"]), tuple(data["relative"]), data["seconds"], data.get("prefill", 0.0))
-        if "prefill" in data:
+        try:
+            curve, has_prefill = _load(path)
+        except ValueError as error:
+            _set_aside(path, str(error))
+        else:
+            if has_prefill:
+                return curve
+            # a curve cached before prefills were timed: its figure now
+            curve = dataclasses.replace(curve, prefill=measure_prefill(model))
+            store(key, curve)
             return curve
-        # a curve cached before prefills were timed: its figure now
-        curve = dataclasses.replace(curve, prefill=measure_prefill(model))
-        store(key, curve)
-        return curve
     curve = measure(model)
     store(key, curve)
     return curve
+
+
+def _set_aside(path: Path, reason: str) -> None:
+    """Move an unusable cached curve out of the way (kept for a look), saying so."""
+    aside = path.with_name(path.name + ".corrupt")
+    with contextlib.suppress(FileNotFoundError):  # another process may have moved it already
+        path.replace(aside)
+    log.warning("the cached cost curve %s is unusable (%s): moved to %s; measuring the curve again", path, reason,
+                aside)
 
 
 def live(model: CausalLM) -> LiveCurve:

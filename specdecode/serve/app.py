@@ -12,7 +12,7 @@ origin (accepted draft, target's correction, bonus), which the page colours.
 The server in modules, from the HTTP edge in:
 
 - `app` (this one): the ASGI app's routes and error handlers (`create_app`), and `ServerThread`
-- `guard`: API keys, allowed hosts, the body limit and read timeout
+- `guard`: API keys, allowed hosts and origins, the body limit and read timeout
 - `protocol`: the OpenAI request bodies and the fields of a response
 - `server`: the server's state and a request's way through it (`Server`); several users at once
 - `limits`: what one request may cost (`Limits`), and the checks of a request against it and the context
@@ -33,6 +33,7 @@ from importlib import resources
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from specdecode.serve import protocol
 from specdecode.serve.guard import Guard, GuardMiddleware, check_exposure, uvicorn_options
@@ -77,7 +78,7 @@ ENDPOINTS = frozenset({"/", "/health", "/metrics", "/docs", "/openapi.json", "/v
 
 
 def create_app(server: Server, guard: Guard = Guard()) -> FastAPI:
-    """The ASGI app; `guard`: keys, allowed hosts, body limit and read timeout (`Guard.for_address`)."""
+    """The ASGI app; `guard`: keys, allowed hosts and origins, body limit and read timeout (`Guard.for_address`)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -90,6 +91,11 @@ def create_app(server: Server, guard: Guard = Guard()) -> FastAPI:
     app.state.server, app.state.guard = server, guard
     app.add_middleware(GuardMiddleware, guard=guard, endpoints=ENDPOINTS,
                        on_response=lambda endpoint, status: server.metrics.requests.labels(endpoint, str(status)).inc())
+    if guard.allowed_origins:
+        # CORS for the pages the operator allows, outside the guard: a browser's preflight carries no key,
+        # and a page must be able to read the guard's refusals too
+        app.add_middleware(CORSMiddleware, allow_origins=list(guard.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"], max_age=600)
 
     @app.exception_handler(APIError)
     async def _api(request: Request, error: APIError):

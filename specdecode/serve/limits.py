@@ -20,7 +20,9 @@ class Limits:
     """What one request may cost."""
 
     max_tokens: int = 4096  # the most a request may ask to generate
-    default_max_tokens: int = 512  # a chat request that names none (completions: OpenAI's 16)
+    # a chat request whose max_tokens is left out or null, at most the rest of the context (OpenAI: the rest
+    # of the context); a completion's is OpenAI's 16 (`protocol.COMPLETION_MAX_TOKENS`)
+    default_max_tokens: int = 512
     request_seconds: float = 300.0  # from arrival; then the generation ends where it is
     max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting for the model; beyond: 429
 
@@ -32,7 +34,7 @@ class Limits:
             raise UserError("the request timeout must be positive and the queue hold at least one request")
 
     def answer_limit(self, body: SamplingRequest, context: int) -> int | None:
-        """The tokens a request asks to generate at most (None: it names none), checked."""
+        """The tokens a request asks to generate at most (None: a chat request that names none), checked."""
         limit = body.answer_limit() if isinstance(body, ChatRequest) else body.max_tokens
         if limit is not None and limit >= context:  # with any prompt at all
             raise APIError(400, f"This model's maximum context length is {context} tokens; the request asks for "

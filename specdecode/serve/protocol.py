@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from specdecode.engine import GenerationResult
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+COMPLETION_MAX_TOKENS = 16  # what /v1/completions generates at most when max_tokens is left out or null (OpenAI's)
 MAX_NAME = 256  # characters of a model, method or user name (errors quote them back)
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: [low, high)
 STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -55,7 +56,8 @@ class SamplingRequest(BaseModel):
     model_config = STRICT
 
     model: str = Field(max_length=MAX_NAME)
-    max_tokens: int | None = Field(None, ge=1)  # None: the server's default (`Limits`)
+    # left out or null: the server's default for chat (`Limits.default_max_tokens`); 16 for completions
+    max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)  # None: OpenAI's default, 1; 0 is greedy
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)  # not OpenAI's; as vLLM's (0: off)
@@ -93,7 +95,7 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    max_tokens: int = Field(COMPLETION_MAX_TOKENS, ge=1)  # left out or null: OpenAI's default for completions
 
     NEUTRAL: ClassVar[dict[str, tuple]] = {
         **SamplingRequest.NEUTRAL,
@@ -102,6 +104,12 @@ class CompletionRequest(SamplingRequest):
         "logprobs": (None,),
         "suffix": (None, ""),
     }
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _default_limit(cls, max_tokens: Any) -> Any:
+        """null means what leaving it out means, as in OpenAI's API: 16 here (not the server's chat default)."""
+        return COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
 
     @field_validator("prompt", mode="plain")
     @classmethod
@@ -182,7 +190,9 @@ class ChatRequest(SamplingRequest):
     }
 
     def answer_limit(self) -> int | None:
-        """max_completion_tokens or max_tokens (OpenAI takes either); a 400 when both differ."""
+        """max_completion_tokens or max_tokens (OpenAI takes either); a 400 when both differ. None when both
+        are left out or null: the server's default (`Limits.default_max_tokens`), where OpenAI's is the rest
+        of the context, since one request must not hold the model that long unasked."""
         if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
             raise APIError(400, "Give max_tokens or max_completion_tokens, not both.", param="max_completion_tokens")
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -6,6 +6,7 @@ model (its shape only: timings on a shared machine are too noisy to assert ratio
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 
@@ -230,3 +231,34 @@ def test_a_curve_cached_before_prefills_were_timed_gets_its_figure(tiny_target, 
     path.write_text(json.dumps(data))
     assert costs.cached(lm, "tiny|old") == CostCurve((1, 2, 4), (1.0, 1.25, 1.75), 0.01, prefill=0.002)
     assert json.loads(path.read_text())["prefill"] == 0.002  # stored back: measured once
+
+
+MEASURED = CostCurve((1, 2, 4), (1.0, 1.25, 1.75), 0.01, prefill=0.002)
+
+
+@pytest.mark.parametrize("content", [
+    b'{"key": "tiny|bad", "sizes": [1, 2, 4], "rel',  # cut short by a full disk
+    b'{"sizes": [], "relative": [], "seconds": 0.01, "prefill": 0.002}',
+    b'{"sizes": [1, 2, 4], "relative": [1.0, "1.25", 1.75], "seconds": 0.01, "prefill": 0.002}',
+    b'{"sizes": [1, 2, 4], "relative": [1.0, NaN, 1.75], "seconds": 0.01, "prefill": 0.002}',
+    b'{"sizes": [2, 4], "relative": [1.0, 1.25], "seconds": 0.01}',
+    b'{"sizes": [1, 2, 4], "relative": [1.0, 1.25], "seconds": 0.01}',
+    b'[1, 2, 4]',
+    b'\xff\xfe not text',
+], ids=["cut-short", "no-sizes", "a-string", "nan", "not-from-1", "lengths-differ", "a-list", "not-utf8"])
+def test_an_unusable_cached_curve_is_moved_aside_with_a_warning_and_measured_again(tiny_target, tmp_path, monkeypatch,
+                                                                                     caplog, content):
+    monkeypatch.setattr(costs, "cache_root", lambda: tmp_path)
+    calls = []
+    monkeypatch.setattr(costs, "measure", lambda model, *args, **kwargs: calls.append(model) or MEASURED)
+    costs.store("tiny|bad", MEASURED)
+    path = next(tmp_path.glob("*.json"))
+    path.write_bytes(content)
+    with caplog.at_level(logging.WARNING, logger="specdecode.costs"):
+        assert costs.cached(HFCausalLM(tiny_target), "tiny|bad") == MEASURED
+    assert len(calls) == 1
+    aside = path.with_name(path.name + ".corrupt")
+    assert aside.read_bytes() == content  # kept for a look
+    assert json.loads(path.read_text())["relative"] == [1.0, 1.25, 1.75]  # the new measurement, cached
+    [record] = caplog.records
+    assert str(path) in record.getMessage() and str(aside) in record.getMessage()

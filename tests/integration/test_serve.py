@@ -141,10 +141,13 @@ class Reply:
 
 def request(url: str, method: str, path: str, body=None, headers: dict[str, str] | None = None) -> Reply:
     """A raw HTTP request (stdlib), for what the official client would refuse to send; `body`: bytes as
-    they are, a str as UTF-8, anything else as JSON."""
+    they are, a str as UTF-8, anything else as JSON; `headers` beside `Content-Type: application/json`
+    (a header given None is left out)."""
     connection = http.client.HTTPConnection(url.removeprefix("http://"), timeout=60)
     content = None if body is None else body if isinstance(body, (str, bytes)) else json.dumps(body)
-    connection.request(method, path, body=content, headers={"content-type": "application/json", **(headers or {})})
+    headers = {name: value for name, value in {"content-type": "application/json", **(headers or {})}.items()
+               if value is not None}
+    connection.request(method, path, body=content, headers=headers)
     response = connection.getresponse()
     reply = Reply(response.status, response.read().decode("utf-8", "replace"),
                   {name.lower(): value for name, value in response.getheaders()})

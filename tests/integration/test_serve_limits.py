@@ -3,14 +3,16 @@
 Clients that leave (streaming or not; batched or alone) stop their generation within one step, counted
 on a drafter that waits at every step until the test lets it go on, so no count depends on how fast the
 machine is. Also: a full queue answers 429 with Retry-After; a request past its deadline ends where it
-is; max_tokens has a server maximum and a default; a method being prepared answers 503 while the others
-run to the end; a 50 MB body is refused from its headers while health checks answer; slow clients are cut
-off; a prompt too long for the context by its bytes alone is refused before it is tokenized."""
+is; max_tokens has a server maximum and a default (null: the endpoint's default); a method being prepared
+answers 503 while the others run to the end; a 50 MB body is refused from its headers while health checks
+answer, and a 413 or 415 reaches a client that sends its whole body before reading; slow clients are cut off; a
+prompt too long for the context by its bytes alone is refused before it is tokenized."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import http.client
 import json
 import socket
 import threading
@@ -194,6 +196,25 @@ def test_max_tokens_has_a_server_maximum_and_a_default(models):
         assert newer.json()["usage"]["completion_tokens"] <= 3
 
 
+def test_a_null_max_tokens_means_the_endpoints_default(models):
+    """OpenAI's API reads null as a field left out: on /v1/completions that is 16 tokens (OpenAI's), on chat
+    the server's --default-max-tokens (OpenAI's: the rest of the context), here 5 and 30 apart."""
+    with serving(models, limits=Limits(max_tokens=40, default_max_tokens=30), methods=["ar"]) as (running, _):
+        for body in [completion("ar", None), {k: v for k, v in completion("ar", 1).items() if k != "max_tokens"}]:
+            reply = post(running.url, "/v1/completions", body)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["usage"]["completion_tokens"] == 16, body
+            assert reply.json()["choices"][0]["finish_reason"] == "length"
+    with serving(models, limits=Limits(max_tokens=40, default_max_tokens=5), methods=["ar"]) as (running, _):
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "the cat"}], "temperature": 0}
+        for limits in [{}, {"max_tokens": None}, {"max_completion_tokens": None},
+                       {"max_tokens": None, "max_completion_tokens": None}]:
+            reply = post(running.url, "/v1/chat/completions", {**chat, **limits})
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["usage"]["completion_tokens"] == 5, limits
+            assert reply.json()["choices"][0]["finish_reason"] == "length"
+
+
 def test_a_prompt_too_long_by_its_bytes_is_refused_before_tokenizing(models):
     with serving(models, methods=["ar"]) as (running, state):
         calls = []
@@ -287,12 +308,42 @@ def test_a_50_mb_body_is_refused_from_its_headers_while_health_checks_answer(mod
         connection.close()
 
 
+def whole_chunks(size: int, chunk: int = 1 << 16):
+    """A body of `size` bytes in chunks (http.client sends an iterable as chunked transfer encoding)."""
+    for start in range(0, size, chunk):
+        yield b" " * min(chunk, size - start)
+
+
+@pytest.mark.parametrize("chunked, content_type, status, code", [
+    (False, "application/json", 413, "request_too_large"),
+    (True, "application/json", 413, "request_too_large"),
+    (False, "text/plain", 415, "unsupported_media_type"),
+], ids=["413-content-length", "413-chunked", "415"])
+def test_an_early_refusal_reaches_a_client_that_sends_its_whole_body_before_reading(models, chunked, content_type,
+                                                                                     status, code):
+    """Python's http.client sends the whole body, then reads. The server refuses early (from the headers,
+    or once a chunked body passes the limit); closing then, with the body's rest unread, would reset the
+    connection, and the client's system would drop the answer with it. 16 MiB is well beyond what the
+    sockets' buffers hold on loopback."""
+    size = 16 << 20
+    with serving(models, methods=["ar"], guard=Guard(max_body_bytes=64 << 10)) as (running, _):
+        for _ in range(2):  # and the server goes on answering
+            connection = http.client.HTTPConnection(running.url.removeprefix("http://"), timeout=60)
+            connection.request("POST", "/v1/completions", body=whole_chunks(size) if chunked else b" " * size,
+                               headers={"content-type": content_type})
+            response = connection.getresponse()
+            assert response.status == status
+            assert json.loads(response.read())["error"]["code"] == code
+            connection.close()
+        assert post(running.url, "/v1/completions", completion("ar", 2)).status_code == 200
+
+
 def test_a_chunked_body_is_refused_once_it_passes_the_limit(models):
     with serving(models, methods=["ar"], guard=Guard(max_body_bytes=2048)) as (running, _):
         connection = socket.create_connection(address(running.url), timeout=60)
         chunk = b"800\r\n" + b" " * 2048 + b"\r\n"  # 2 KiB a chunk
-        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
-                           + chunk * 2 + b"0\r\n\r\n")
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                           b"Transfer-Encoding: chunked\r\n\r\n" + chunk * 2 + b"0\r\n\r\n")
         status, _ = read_response(connection)
         assert status == 413
         connection.close()
@@ -304,7 +355,8 @@ def test_slow_clients_are_cut_off(models):
         half_head = socket.create_connection(address(running.url), timeout=30)
         half_head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         half_body = socket.create_connection(address(running.url), timeout=30)  # a body that never ends
-        half_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{\"mo")
+        half_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n{\"mo")
         assert silent.recv(1024) == b"" and half_head.recv(1024) == b""  # closed by the server
         status, body = read_response(half_body)
         assert status == 408 and b"request_timeout" in body

@@ -86,10 +86,10 @@ def test_an_owner_keeps_its_memory_and_other_users_do_not_see_it(models):
 
 
 def test_api_keys_are_tenants_even_under_the_same_user_name(models):
-    keys = ("key-a", "key-b")
-    [b_alone] = traffic(models, "tenant", [(PROBE_PROMPT, "key-b", "same")], keys)
-    *_, a, b = traffic(models, "tenant", [(OWNER_PROMPT, "key-a", "same")] * 3 + [
-        (PROBE_PROMPT, "key-a", "same"), (PROBE_PROMPT, "key-b", "same")], keys)
+    keys = key_a, key_b = "key-a-0123456789", "key-b-0123456789"  # a key has at least 16 characters
+    [b_alone] = traffic(models, "tenant", [(PROBE_PROMPT, key_b, "same")], keys)
+    *_, a, b = traffic(models, "tenant", [(OWNER_PROMPT, key_a, "same")] * 3 + [
+        (PROBE_PROMPT, key_a, "same"), (PROBE_PROMPT, key_b, "same")], keys)
     assert leaked(a)
     assert b == b_alone and not leaked(b)
 
