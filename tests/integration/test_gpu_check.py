@@ -1,0 +1,58 @@
+"""scripts/gpu-check on the CPU with tiny shapes (`--device cpu --small`), so the GPU check never rots: every
+part runs, the report has its structure, and speculative greedy output equals plain greedy output (the
+check's exactness part). No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PARTS = ["versions", "exactness", "syncs", "pytest", "cost", "overhead", "throughput"]
+METHODS = ["ar", "pld", "draft", "eagle3"]
+
+
+def test_gpu_check_runs_on_the_cpu(tmp_path):
+    out = tmp_path / "report"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "gpu-check"), "--device", "cpu", "--small", "--no-pytest",
+         "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    report = json.loads((out / "gpu-check.json").read_text())
+    parts = report["parts"]
+    assert list(parts) == PARTS
+    assert {name: part["error"] for name, part in parts.items() if part["status"] == "error"} == {}
+    assert parts["pytest"] == {"correctness": True, "status": "skipped", "reason": "--no-pytest",
+                               "seconds": parts["pytest"]["seconds"]}
+
+    exactness = parts["exactness"]
+    assert exactness["status"] == "passed", json.dumps(exactness["result"]["rows"], indent=1)
+    rows = exactness["result"]["rows"]
+    assert [(r["dtype"], r["method"]) for r in rows] == [(d, m) for d in ("float32", "bfloat16") for m in METHODS]
+    assert all(r["equal"] == r["outputs"] for r in rows if r["dtype"] == "float32")
+    assert all(r["drafted"] > 0 for r in rows if r["method"] != "ar")  # it did speculate
+    assert any(r["accepted"] > 0 for r in rows)
+
+    syncs = parts["syncs"]["result"]["rows"]
+    assert [r["method"] for r in syncs] == METHODS
+    assert all(r["steps"] > 0 and r["per_step"] == r["counted"] / r["steps"] for r in syncs)
+
+    plan = report["plan"]
+    cost = parts["cost"]["result"]["rows"]
+    assert len(cost) == len(plan["targets"]) * len(plan["contexts"]) * len(plan["widths"])
+    assert all(r["relative"] == 1.0 for r in cost if r["n"] == 1) and all(r["seconds"] > 0 for r in cost)
+
+    overhead = parts["overhead"]["result"]["rows"]
+    assert [(r["k"], r["outcome"]) for r in overhead] == [
+        (0, "plain"), (4, "accepted"), (4, "rejected"), (8, "accepted"), (8, "rejected")] * len(plan["targets"])
+    assert all(r["steps_timed"] > 0 for r in overhead)
+
+    throughput = parts["throughput"]["result"]["rows"]
+    assert {(r["shape"], r["method"]) for r in throughput} == {(s, m) for s in plan["targets"] for m in METHODS}
+    assert all(r["new_tokens"] == plan["new_tokens"] and r["tokens_per_s"] > 0 for r in throughput)
+
+    assert report["passed"] and done.returncode == 0, done.stderr[-3000:]
+    summary = done.stdout.strip().splitlines()
+    assert summary[0].endswith("PASSED") and summary[-1].startswith("report: ")
+    assert "\n".join(summary[:-1]) in (out / "gpu-check.md").read_text()  # the Markdown's summary, printed last
