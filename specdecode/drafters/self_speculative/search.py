@@ -82,7 +82,7 @@ def weights_fingerprint(model: PreTrainedModel) -> str:
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             digest.update(name.encode())
-            digest.update(parameter.detach().flatten()[:16].float().numpy().tobytes())
+            digest.update(parameter.detach().flatten()[:16].float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
