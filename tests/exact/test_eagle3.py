@@ -86,6 +86,7 @@ def test_greedy_eagle3_equals_plain_decoding(tiny_target, vocab, kind):
     assert drafted > 0
 
 
+@pytest.mark.cpu_only  # the quantized kernels are the CPU's
 @pytest.mark.skipif(not int4.available(), reason="no quantized kernels")
 @pytest.mark.parametrize("bits", [8, 4])
 def test_a_head_drafts_from_a_quantized_copy_close_to_it(tiny_target, monkeypatch, bits):
@@ -105,6 +106,19 @@ def test_a_head_drafts_from_a_quantized_copy_close_to_it(tiny_target, monkeypatc
         drafted = state.probs(state.head(x, embeddings, torch.arange(32), mask)[0])
     assert (exact - drafted).abs().max() < (0.02 if bits == 8 else 0.1)
     assert (exact.argmax(-1) == drafted.argmax(-1)).float().mean() >= 0.75
+
+
+def test_off_the_cpu_a_head_drafts_in_float32_on_the_targets_device(tiny_target, monkeypatch):
+    """`heads.for_drafting` swaps in the CPU's quantized kernels only on the CPU: given the rows of an LM head
+    on another device (`meta` stands in for a GPU), the drafting copy and its logits layer are float32
+    nn.Linear layers there, even where the host CPU runs the kernels."""
+    monkeypatch.setattr(heads, "DRAFT_BITS", 4)
+    monkeypatch.setattr(int4, "available", lambda: True)
+    head = random_head(tiny_target, vocab=60, intermediate=64)
+    drafting, logits = heads.for_drafting(head, torch.empty(60, head.config.hidden_size, device="meta"))
+    assert type(drafting.fc) is torch.nn.Linear and type(logits) is torch.nn.Linear
+    assert all(p.device.type == "meta" and p.dtype == torch.float32
+               for p in [*drafting.parameters(), *logits.parameters()])
 
 
 def test_unroll_attends_as_drafting_does(tiny_target, monkeypatch):
