@@ -5,13 +5,17 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from specdecode.cli.options import DType, DTypeOption, TargetOption, console
+from specdecode import devices
+from specdecode.cli.options import DeviceOption, DType, DTypeOption, TargetOption, console
 from specdecode.errors import UserError
 from specdecode.models.registry import DEFAULT_TARGET
+
+if TYPE_CHECKING:
+    import torch
 
 train_app = typer.Typer(help="Train drafters on the target's own features (EAGLE, Medusa).", no_args_is_help=True)
 
@@ -24,8 +28,9 @@ VocabOption = Annotated[int, typer.Option(min=16, help="Draft vocabulary: the mo
 
 
 def _target_features(target: str, data: Path | None, tokens: int, seed: int, dtype: str = "bfloat16",
-                     eagle3: bool = False, answers_folder: Path | None = None, extract: bool = True):
-    """(the target's transformers model, a description of it and of the data, the feature shards): the
+                     eagle3: bool = False, answers_folder: Path | None = None, extract: bool = True,
+                     device: torch.device | str = "auto"):
+    """(the target's transformers model on `device`, a description of it and of the data, the feature shards): the
     target's features over its own answers (`answers_folder`, from `specdecode train data`; those it kept
     while answering are read from there) and `tokens` tokens of ShareGPT and standard-library code, the
     rest extracted into `data` (a run cut short carries on there); with `eagle3`, the inputs of the three
@@ -35,7 +40,7 @@ def _target_features(target: str, data: Path | None, tokens: int, seed: int, dty
     from specdecode.drafters.eagle3 import default_layers
     from specdecode.training import answer_store, features
 
-    models = load_models(target, None, dtype=dtype)
+    models = load_models(target, None, dtype=dtype, device=device)
     model = models.target.model
     layers = default_layers(model.config.num_hidden_layers) if eagle3 else None
     describe = {"target": target, "target_key": models.target.cost_key, "target_path": models.target.precision,
@@ -111,6 +116,7 @@ def train_data(
     ray: Annotated[str | None, typer.Option(help=(
         "Answer on a Ray cluster's nodes, --batch sequences on each, into --out here: auto, ray://HOST:PORT, "
         "HOST:PORT, or local. Needs pip install 'specdecode[ray]'."))] = None,
+    device: DeviceOption = "auto",
 ) -> None:
     """Have TARGET answer ShareGPT's and standard-library code prompts (benchmark prompts excluded) in
     batches, greedily and by sampling, into --out: the trained drafters' data from the target's own answers
@@ -118,6 +124,9 @@ def train_data(
     from specdecode.api import load_models
     from specdecode.training import answer_store, answers, ray_answers
 
+    if ray is not None and device != "auto":
+        raise UserError("--device is where this machine answers; on a Ray cluster each node takes its own (auto)")
+    device = devices.resolve(device)  # first: a device this machine lacks fails at once
     settings = answers.Settings(max_new_tokens=max_new_tokens, sampled_share=sampled_share, seed=seed)
     answers.check_limits(tokens, seconds, batch)
     answer_store.check_settings(out, settings)  # before the model loads; the target is checked once it has
@@ -127,7 +136,7 @@ def train_data(
         summary = ray_answers.generate(ray, out, target=target, dtype=dtype.value, settings=settings, tokens=tokens,
                                        seconds=seconds, batch=batch)
     else:
-        models = load_models(target, None, dtype=dtype.value)
+        models = load_models(target, None, dtype=dtype.value, device=device)
         config = getattr(getattr(models.target, "model", None), "config", None)
         if features and getattr(config, "num_hidden_layers", 0) < 3:
             console.print("[dim]features are not kept: the target has fewer than the three layers EAGLE-3 reads[/dim]")
@@ -184,12 +193,14 @@ def train_eagle(
     learning_rate: Annotated[float, typer.Option(min=0.0)] = 3e-4,
     seed: Annotated[int, typer.Option()] = 0,
     target: TargetOption = DEFAULT_TARGET,
+    device: DeviceOption = "auto",
 ) -> None:
-    """Train an EAGLE head for TARGET: its features over ShareGPT and standard-library code (built once
-    into --data, about 140 tokens/s here), then the head within --seconds."""
+    """Train an EAGLE head for TARGET on --device: its features over ShareGPT and standard-library code (built
+    once into --data, about 140 tokens/s on a CPU), then the head within --seconds."""
     from specdecode.training import eagle
 
-    model, describe, shards = _target_features(target, data, tokens, seed)
+    device = devices.resolve(device)  # first: a device this machine lacks fails at once
+    model, describe, shards = _target_features(target, data, tokens, seed, device=device)
     settings = eagle.TrainingSettings(intermediate_size=intermediate_size, vocab_size=vocab_size, seconds=seconds,
                                       epochs=epochs, learning_rate=learning_rate, seed=seed)
     head, record = eagle.train(model, shards, settings, log=console.print, checkpoint=_checkpoint(out))
@@ -221,20 +232,22 @@ def train_eagle3(
              "(to carry a head on to more data).")] = None,
     dtype: DTypeOption = DType("auto"),
     target: TargetOption = DEFAULT_TARGET,
+    device: DeviceOption = "auto",
 ) -> None:
-    """Train an EAGLE-3 head for TARGET on the path it will draft on (--dtype): the inputs of three of its
-    layers over its own answers and a teacher-forced corpus (built once into --data), then the head with
-    training-time test within --seconds."""
+    """Train an EAGLE-3 head for TARGET on the path it will draft on (--dtype, --device): the inputs of three
+    of its layers over its own answers and a teacher-forced corpus (built once into --data), then the head
+    with training-time test within --seconds."""
     from specdecode.drafters.eagle3 import Eagle3Head
     from specdecode.training import eagle3
 
+    device = devices.resolve(device)  # first: a device this machine lacks fails at once
     if extract and data is None:
         raise UserError("--data FOLDER is needed for the features to extract (or --no-extract)")
     if not extract and (answers is None or tokens):
         raise UserError("--no-extract learns from the features the data job kept: give --answers DIR and --tokens 0")
     start, earlier = (None, {}) if init is None else Eagle3Head.load(init)  # first: a bad folder fails at once
     model, describe, shards = _target_features(target, data, tokens, seed, dtype=dtype.value, eagle3=True,
-                                               answers_folder=answers, extract=extract)
+                                               answers_folder=answers, extract=extract, device=device)
     if init is not None:  # the head's lineage: what the head it started from learnt, and from what, and so on
         describe["init"] = {"folder": str(init), "data": earlier.get("data"), "init": earlier.get("init")}
     settings = eagle3.TrainingSettings(intermediate_size=intermediate_size, vocab_size=vocab_size, seconds=seconds,
@@ -257,12 +270,15 @@ def train_medusa(
     learning_rate: Annotated[float, typer.Option(min=0.0)] = 1e-3,
     seed: Annotated[int, typer.Option()] = 0,
     target: TargetOption = DEFAULT_TARGET,
+    device: DeviceOption = "auto",
 ) -> None:
-    """Train Medusa heads for TARGET: its features over ShareGPT and standard-library code (built once
-    into --data, about 140 tokens/s here; the same folder serves EAGLE), then the heads within --seconds."""
+    """Train Medusa heads for TARGET on --device: its features over ShareGPT and standard-library code (built
+    once into --data, about 140 tokens/s on a CPU; the same folder serves EAGLE), then the heads within
+    --seconds."""
     from specdecode.training import medusa
 
-    model, describe, shards = _target_features(target, data, tokens, seed)
+    device = devices.resolve(device)  # first: a device this machine lacks fails at once
+    model, describe, shards = _target_features(target, data, tokens, seed, device=device)
     settings = medusa.TrainingSettings(num_heads=heads, vocab_size=vocab_size, seconds=seconds, epochs=epochs,
                                        learning_rate=learning_rate, seed=seed)
     trained, record = medusa.train(model, shards, settings, log=console.print, checkpoint=_checkpoint(out))

@@ -21,7 +21,6 @@ positions, cache, masks), so it follows the target's attention geometry; its emb
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict, deque
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +29,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache, Qwen2Config, Qwen2Model
 
+from specdecode import devices
+from specdecode.devices import to_device
 from specdecode.drafters.base import Drafter, Needs, Outcome, tensor_bytes
 from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
 from specdecode.drafters.heads import for_drafting, load_head, save_head, shipped_or_explain
@@ -86,24 +87,29 @@ class EagleHead(nn.Module):
         save_head(self, folder, WEIGHTS, CONFIG, self.config.to_dict(), record)
 
     @classmethod
-    def load(cls, folder: Path, dtype: torch.dtype = torch.bfloat16) -> tuple[EagleHead, dict]:
+    def load(cls, folder: Path, dtype: torch.dtype = torch.bfloat16,
+             device: torch.device | str = "cpu") -> tuple[EagleHead, dict]:
         shape, weights, record = load_head(folder, WEIGHTS, CONFIG, "EAGLE")
         head = cls(Qwen2Config(**shape), weights["vocab_ids"])
         head.load_state_dict(weights)
-        return head.to(dtype).eval(), record
+        return head.to(device=device, dtype=dtype).eval(), record
 
 
 class HeadState:
     """A head's view of one sequence: the target's features of the context (from the verification
-    forwards), the head's KV cache over the context's pairs, and the speculative entries after them."""
+    forwards), the head's KV cache over the context's pairs, and the speculative entries after them. All of
+    it lives on the target's device, where the head drafts."""
 
     def __init__(self, head: EagleHead, target_model):
-        # the head as it drafts: float32, its layers on the quantized kernels where the machine has them
-        self.head, self.lm_head = for_drafting(head, target_model.get_output_embeddings().weight[head.vocab_ids])
+        weight = target_model.get_output_embeddings().weight  # [vocab, d] the target's LM head
+        self.device = weight.device
+        # the head as it drafts: float32 on the target's device, its layers on the quantized kernels where
+        # that is a CPU that has them
+        self.head, self.lm_head = for_drafting(head, weight[head.vocab_ids.to(self.device)])
         self.dtype = torch.float32
         self.embed = target_model.get_input_embeddings()
-        self.vocab_ids = head.vocab_ids  # draft index -> token id
-        self.vocab_size = target_model.get_output_embeddings().weight.shape[0]
+        self.vocab_ids = head.vocab_ids.to(self.device)  # draft index -> token id
+        self.vocab_size = weight.shape[0]
         self.reset()
 
     def reset(self, forget: bool = False) -> None:
@@ -121,16 +127,18 @@ class HeadState:
         # the fed tokens: the pending context tokens, then the draft's nodes; the context gains the
         # accepted nodes (their features are the target's now), the last verdict token has none yet
         rows = list(range(num_pending)) + [num_pending + node for node in verdict.path]
-        self.features += list(hidden[rows].to(self.dtype))
+        self.features += list(hidden[to_device(rows, hidden.device)].to(self.dtype))  # [pending + accepted] rows
 
-    def run(self, features: torch.Tensor, tokens: list[int], positions: torch.Tensor,
+    def run(self, features: torch.Tensor, tokens: list[int] | torch.Tensor, positions: torch.Tensor,
             mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Feed pairs (features[i], tokens[i]) at `positions` to the head's cache, `mask` [n, cached + n]
-        bool (None: causal); returns its predictions [n, d]."""
-        embeddings = self.embed(torch.tensor([tokens])).to(features.dtype)  # [1, n, d]
+        """Feed pairs (features[i], tokens[i]) at `positions` [n] (on the device) to the head's cache; `tokens`
+        from the host or the device, `mask` [n, cached + n] bool from the host (None: causal); returns its
+        predictions [n, d]."""
+        embeddings = self.embed(to_device(tokens, self.device)[None]).to(features.dtype)  # [1, n, d]
         additive = None
         if mask is not None:
-            additive = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, torch.finfo(self.dtype).min)[None, None]
+            additive = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)  # [n, cached + n]
+            additive = additive.masked_fill_(~to_device(mask, self.device), torch.finfo(self.dtype).min)[None, None]
         self.cached += len(tokens)
         return self.head(features[None], embeddings, positions[None], attention_mask=additive, cache=self.cache)[0]
 
@@ -149,7 +157,8 @@ class HeadState:
         end = len(context) - 1
         if self.fed < end:
             new = torch.stack(self.features[self.fed : end])
-            self.last = self.run(new, context[self.fed + 1 : end + 1], torch.arange(self.fed, end))[-1]
+            positions = torch.arange(self.fed, end, device=self.device)
+            self.last = self.run(new, context[self.fed + 1 : end + 1], positions)[-1]
             self.fed = end
         return self.last
 
@@ -159,9 +168,17 @@ class HeadState:
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """[n, vocab] full-vocabulary logits: the head's over its vocabulary, -inf elsewhere."""
-        out = torch.full((features.shape[0], self.vocab_size), float("-inf"))
-        out[:, self.vocab_ids] = self.lm_head(features).float()
-        return out
+        return full_vocabulary(features, self.lm_head(features).float(), self.vocab_ids, self.vocab_size)
+
+
+def full_vocabulary(features: torch.Tensor, draft_logits: torch.Tensor, vocab_ids: torch.Tensor,
+                    vocab_size: int) -> torch.Tensor:
+    """[n, V'] logits over a head's draft vocabulary `vocab_ids` -> [n, vocab_size], -inf elsewhere. The
+    buffer is made from `features` (`new_full`): on their device, and, in a sync count, their stand-in for
+    device data (`devices.Tracked`), as a GPU's would be."""
+    out = features.new_full((features.shape[0], vocab_size), float("-inf"), dtype=torch.float32)
+    out[:, vocab_ids] = draft_logits
+    return out
 
 
 class EagleDrafter(Drafter):
@@ -170,7 +187,12 @@ class EagleDrafter(Drafter):
     accepted tokens to those the scores predicted, so the engine verifies the prefix that pays on the
     target's cost curve. Stops at `max_tokens` or once the path's confidence falls under
     `min_confidence`. Deterministic drafts: verification treats them as one-hot, lossless under sampling
-    too."""
+    too.
+
+    Where the confidence is read (`stops_early`): on a CPU after each token, which costs nothing there and
+    spares the head's forwards past the stop; elsewhere the whole chain is drafted on the device and read
+    in one transfer, then cut where the confidence fell under `min_confidence` (a product of probabilities
+    never grows, so the cut chain is the one that stopping early drafts)."""
 
     name = "eagle"
     needs = Needs(hidden=True)
@@ -181,8 +203,10 @@ class EagleDrafter(Drafter):
             raise UserError(f"EAGLE needs max_tokens >= 1 and min_confidence in [0, 1); got {max_tokens}, {min_confidence}")
         self.state = state or HeadState(head, target_model)  # another head's state: EAGLE-3 (`drafters.eagle3`)
         self.max_tokens, self.min_confidence = max_tokens, min_confidence
+        # read each token's probability as it is drafted, to stop at once (see the class docstring)
+        self.stops_early = min_confidence > 0 and self.state.device.type == "cpu"
         self._calibration = Calibration()
-        self._scores = torch.empty(0)  # the last draft's scores
+        self._scores = torch.empty(0, device="cpu")  # the last draft's scores
 
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         self.state.reset(forget)
@@ -201,20 +225,34 @@ class EagleDrafter(Drafter):
         if feature is None:
             return Draft.empty()
         limit, end = min(max_tokens, self.max_tokens), len(context) - 1
-        tokens, scores, confidence = [], [], 1.0
+        probs, tokens = [], []  # [1] each, on the device: the head's top token at each depth and its probability
+        read = []  # each depth's probability, on the host once read
+        confidence = 1.0
         for depth in range(limit):
-            p, index = self.state.probs(feature).max(dim=-1)
-            confidence *= float(p)
+            p, index = self.state.probs(feature).max(dim=-1, keepdim=True)  # [1] each
+            probs.append(p)
+            tokens.append(self.state.vocab_ids[index])
+            if self.stops_early:  # one read per token: the stop is decided before the head runs again
+                read += devices.to_host(p)[0]
+                confidence *= read[-1]
+                if confidence < self.min_confidence:
+                    break
+            if depth + 1 < limit:
+                position = torch.full((1,), end + depth, device=self.state.device)
+                feature = self.state.run(feature[None], tokens[-1], position)[-1]
+        if not self.stops_early:  # the whole chain's probabilities in one read
+            read = devices.to_host(torch.cat(probs))[0]
+        # keep the tokens while the path's confidence stays at or above min_confidence
+        scores, confidence = [], 1.0
+        for p in read:
+            confidence *= p
             if confidence < self.min_confidence:
                 break
-            tokens.append(int(self.state.vocab_ids[index]))
             scores.append(confidence)
-            if depth + 1 < limit:
-                feature = self.state.run(feature[None], tokens[-1:], torch.tensor([end + depth]))[-1]
-        if not tokens:
+        if not scores:
             return Draft.empty()
-        self._scores = (torch.tensor(scores) * self._calibration.factor).clamp(max=1.0)
-        return Draft(tokens=torch.tensor(tokens), scores=self._scores)
+        self._scores = (torch.tensor(scores, device="cpu") * self._calibration.factor).clamp(max=1.0)
+        return Draft(tokens=torch.cat(tokens)[: len(scores)], scores=self._scores)  # tokens on the device
 
 
 class EagleTreeDrafter(DraftModelTreeDrafter):
@@ -227,13 +265,16 @@ class EagleTreeDrafter(DraftModelTreeDrafter):
     needs = Needs(hidden=True)
 
     def __init__(self, head: EagleHead, target_model, curve, draft_cost: float = 0.05, state: HeadState | None = None,
-                 clock: Callable[[], float] = time.perf_counter, **tree_options):
+                 clock: Callable[[], float] | None = None, **tree_options):
         super().__init__(model=None, curve=curve, draft_cost=draft_cost, **tree_options)
         self.state = state or HeadState(head, target_model)
         self._outputs: dict[int, torch.Tensor] = {}  # node -> the head's prediction after it
         # the head's rounds as timed, by width (latest first): what a round costs on this machine, for
-        # `_round_cost`; `draft_cost` is only the guess before a width has been timed
-        self.clock, self._rounds = clock, defaultdict(lambda: deque(maxlen=ROUND_TIMINGS))
+        # `_round_cost`; `draft_cost` is only the guess before a width has been timed. The clock waits for
+        # the device (`devices.clock`), else it would time a round's kernel launches; the wait costs
+        # nothing more, as each round's children are read on the host right after it (`_add_children`).
+        self.clock = clock or devices.clock(self.state.device)
+        self._rounds = defaultdict(lambda: deque(maxlen=ROUND_TIMINGS))
 
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         self.state.reset(forget)
@@ -255,17 +296,19 @@ class EagleTreeDrafter(DraftModelTreeDrafter):
     @torch.inference_mode()
     def _feed(self, tree, expand: list[int], fed: list[int], length: int, depth: int) -> torch.Tensor:
         context_pairs = self.state.fed
-        mask = torch.zeros(len(expand), context_pairs + len(fed) + len(expand), dtype=torch.bool)
+        # the tree's structure, built on the host: [width, context pairs + fed + width] bool
+        mask = torch.zeros(len(expand), context_pairs + len(fed) + len(expand), dtype=torch.bool, device="cpu")
         mask[:, :context_pairs] = True
         for row, node in enumerate(expand):
             ancestors = tree.ancestors(node)
-            mask[row, context_pairs : context_pairs + len(fed)] = torch.tensor([f in ancestors for f in fed], dtype=torch.bool)
+            mask[row, context_pairs : context_pairs + len(fed)] = torch.tensor([f in ancestors for f in fed],
+                                                                               dtype=torch.bool, device="cpu")
             mask[row, context_pairs + len(fed) + row] = True
         # a node of depth d - 1 is fed with its parent's prediction, at the parent's position length + d - 3
-        features = torch.stack([self._outputs[tree.parents[node]] for node in expand])
+        features = torch.stack([self._outputs[tree.parents[node]] for node in expand])  # [width, d]
         start = self.clock()
         out = self.state.run(features, [tree.tokens[node] for node in expand],
-                             torch.full((len(expand),), length + depth - 3), mask)
+                             torch.full((len(expand),), length + depth - 3, device=self.state.device), mask)
         for row, node in enumerate(expand):
             self._outputs[node] = out[row]
         logits = self.state.logits(out)
@@ -291,7 +334,7 @@ def build_eagle(target, draft, options) -> Drafter:
     """The `eagle` method: the head trained for the target (`specdecode train eagle`), shipped in the
     repository for the default target; a chain, or EAGLE-2's dynamic tree with `options.tree`."""
     model, folder = shipped_or_explain(target, "EAGLE", WEIGHTS)
-    head, _ = EagleHead.load(folder, dtype=model.dtype)
+    head, _ = EagleHead.load(folder, dtype=model.dtype, device=model.device)
     if options.tree:
         return EagleTreeDrafter(head, model, target.cost_curve(), budget=options.budget)
     return EagleDrafter(head, model)

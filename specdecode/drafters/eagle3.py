@@ -32,8 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdecode.devices import to_device
 from specdecode.drafters.base import Drafter, Needs, tensor_bytes
-from specdecode.drafters.eagle import EagleDrafter, EagleTreeDrafter
+from specdecode.drafters.eagle import EagleDrafter, EagleTreeDrafter, full_vocabulary
 from specdecode.drafters.heads import for_drafting, shipped_or_explain
 from specdecode.errors import UserError
 
@@ -170,15 +171,15 @@ class Eagle3Head(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         draft_ids = draft_ids.long()
         # d2t: the target id of draft id i is i + d2t[i]; t2d: which target ids the draft vocabulary holds
-        self.register_buffer("d2t", draft_ids - torch.arange(len(draft_ids)), persistent=True)
-        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+        self.register_buffer("d2t", draft_ids - torch.arange(len(draft_ids), device=draft_ids.device), persistent=True)
+        t2d = torch.zeros(c.vocab_size, dtype=torch.bool, device=draft_ids.device)
         t2d[draft_ids] = True
         self.register_buffer("t2d", t2d, persistent=True)
 
     @property
     def draft_ids(self) -> torch.Tensor:
-        """[V'] the target token id of each draft id."""
-        return torch.arange(len(self.d2t)) + self.d2t
+        """[V'] the target token id of each draft id (on the head's device)."""
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """[..., layers * d_target] the target's layer inputs -> [..., d] the head's feature."""
@@ -226,7 +227,8 @@ class Eagle3Head(nn.Module):
         (folder / CONFIG).write_text(json.dumps({"config": self.config.to_dict(), **record}, indent=1))
 
     @classmethod
-    def load(cls, folder: Path, dtype: torch.dtype = torch.float32) -> tuple[Eagle3Head, dict]:
+    def load(cls, folder: Path, dtype: torch.dtype = torch.float32,
+             device: torch.device | str = "cpu") -> tuple[Eagle3Head, dict]:
         from safetensors.torch import load_file
 
         folder = Path(folder)
@@ -237,30 +239,30 @@ class Eagle3Head(nn.Module):
         record = json.loads((folder / CONFIG).read_text())
         config = Eagle3Config.from_dict(record.pop("config"))
         weights = {k: v for f in files for k, v in load_file(str(f)).items()}
-        head = cls(config, torch.arange(config.draft_vocab_size) + weights["d2t"])
+        head = cls(config, torch.arange(config.draft_vocab_size, device="cpu") + weights["d2t"])
         head.load_state_dict(weights)
-        return head.to(dtype).eval(), record
+        return head.to(device=device, dtype=dtype).eval(), record
 
 
-def _mask(rows: int, step: int) -> torch.Tensor:
+def _mask(rows: int, step: int, device: torch.device) -> torch.Tensor:
     """[rows, (step + 1) rows] bool: step 0's keys up to the row, then the row's own keys of steps 1..step."""
-    causal = torch.ones(rows, rows, dtype=torch.bool).tril()
+    causal = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
     if step == 0:
         return causal
-    eye = torch.eye(rows, dtype=torch.bool)
+    eye = torch.eye(rows, dtype=torch.bool, device=device)
     return torch.cat([causal] + [eye] * step, dim=1)
 
 
 def unroll(head: Eagle3Head, embed, tokens: torch.Tensor, aux: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """Training-time test's forward (`training.eagle3`, `drafters.online`): the head's outputs [m, d] at each of
-    `steps` draft steps, m = len(tokens) - steps - 1 rows."""
-    m = len(tokens) - steps - 1
+    `steps` draft steps, m = len(tokens) - steps - 1 rows. `tokens` [n] and `aux` [n, k d] on the head's device."""
+    m, device = len(tokens) - steps - 1, tokens.device
     hidden = head.fuse(aux[:m].float())
     keys, values, outputs = [], [], []
     for step in range(steps):
         past = None if step == 0 else (torch.cat(keys, 1), torch.cat(values, 1))
         embeddings = embed(tokens[step + 1 : step + 1 + m]).float()
-        out, (k, v) = head(hidden, embeddings, torch.arange(m) + step, _mask(m, step), past)
+        out, (k, v) = head(hidden, embeddings, torch.arange(m, device=device) + step, _mask(m, step, device), past)
         keys.append(k)
         values.append(v)
         outputs.append(out)
@@ -271,22 +273,25 @@ def unroll(head: Eagle3Head, embed, tokens: torch.Tensor, aux: torch.Tensor, ste
 class Eagle3State:
     """An EAGLE-3 head's view of one sequence (the interface of `eagle.HeadState`, so the EAGLE chain and
     tree drafters run it): the fused features of the context, the head's KV cache over the context's
-    pairs, and the speculative entries after them."""
+    pairs, and the speculative entries after them, all on the target's device."""
 
     def __init__(self, head: Eagle3Head, target_model, adaptation=None):
         self.trained, self.target_model = head, target_model
+        self.device = target_model.get_output_embeddings().weight.device
         self.adaptation = adaptation  # a head that learns while it drafts (`drafters.online`), or None
         self._drafting_copy(head)
         self.dtype = torch.float32
         self.embed = target_model.get_input_embeddings()
-        self.vocab_ids = head.draft_ids
+        self.vocab_ids = head.draft_ids.to(self.device)
         self.vocab_size = target_model.get_output_embeddings().weight.shape[0]
         self.features = []
         self.reset()
 
     def _drafting_copy(self, head: Eagle3Head) -> None:
-        """The head as it drafts: float32, its layers on the quantized kernels where the machine has them."""
-        self.head, self.lm_head = for_drafting(head, self.target_model.get_output_embeddings().weight[head.draft_ids])
+        """The head as it drafts: float32 on the target's device, its layers on the quantized kernels where
+        that is a CPU that has them."""
+        weight = self.target_model.get_output_embeddings().weight  # [vocab, d]
+        self.head, self.lm_head = for_drafting(head, weight[head.draft_ids.to(self.device)])
 
     def reset(self, forget: bool = False) -> None:
         """Ready for a new sequence. With an adaptation, the head first learns from the one that ended;
@@ -309,19 +314,20 @@ class Eagle3State:
 
     def observe(self, hidden: torch.Tensor, num_pending: int, verdict) -> None:
         rows = list(range(num_pending)) + [num_pending + node for node in verdict.path]
-        self.features += list(hidden[rows].to(self.dtype))
+        self.features += list(hidden[to_device(rows, hidden.device)].to(self.dtype))  # [pending + accepted] rows
 
-    def run(self, hidden: torch.Tensor, tokens: list[int], positions: torch.Tensor,
+    def run(self, hidden: torch.Tensor, tokens: list[int] | torch.Tensor, positions: torch.Tensor,
             mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Feed pairs (hidden[i], tokens[i]) at `positions` after the cache; mask [n, cached + n] bool
-        (None: causal). Returns the head's outputs [n, d]."""
+        """Feed pairs (hidden[i], tokens[i]) at `positions` [n] (on the device) after the cache; `tokens` from
+        the host or the device, mask [n, cached + n] bool from either (None: causal). Returns the head's
+        outputs [n, d]."""
         n = len(tokens)
-        if mask is None:
-            mask = torch.ones(n, self.cached + n, dtype=torch.bool)
-            mask[:, self.cached :] = torch.ones(n, n, dtype=torch.bool).tril()
-        embeddings = self.embed(torch.tensor(tokens)).to(self.dtype)
+        if mask is None:  # causal: every cached entry, then the new rows up to each
+            mask = torch.ones(n, self.cached + n, dtype=torch.bool, device=self.device)
+            mask[:, self.cached :] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        embeddings = self.embed(to_device(tokens, self.device)).to(self.dtype)  # [n, d]
         past = None if self.keys is None else (self.keys, self.values)
-        out, (k, v) = self.head(hidden.to(self.dtype), embeddings, positions, mask, past)
+        out, (k, v) = self.head(hidden.to(self.dtype), embeddings, positions, to_device(mask, self.device), past)
         self.keys = k if self.keys is None else torch.cat([self.keys, k], 1)
         self.values = v if self.values is None else torch.cat([self.values, v], 1)
         self.cached += n
@@ -342,7 +348,8 @@ class Eagle3State:
         end = len(context) - 1
         if self.fed < end:
             fused = self.head.fuse(torch.stack(self.features[self.fed : end]))
-            self.last = self.run(fused, context[self.fed + 1 : end + 1], torch.arange(self.fed, end))[-1]
+            positions = torch.arange(self.fed, end, device=self.device)
+            self.last = self.run(fused, context[self.fed + 1 : end + 1], positions)[-1]
             self.fed = end
         return self.last
 
@@ -351,9 +358,8 @@ class Eagle3State:
 
     def logits(self, outputs: torch.Tensor) -> torch.Tensor:
         """[n, vocab]: the draft logits on the draft vocabulary, -inf elsewhere."""
-        out = torch.full((outputs.shape[0], self.vocab_size), float("-inf"))
-        out[:, self.vocab_ids] = self.head.logits(outputs, self.lm_head).float()
-        return out
+        return full_vocabulary(outputs, self.head.logits(outputs, self.lm_head).float(), self.vocab_ids,
+                               self.vocab_size)
 
 
 class Eagle3Drafter(EagleDrafter):
@@ -386,7 +392,7 @@ def build_eagle3(target, draft, options, adapt=None) -> Drafter:
     """The `eagle3` method: the target's EAGLE-3 head (`specdecode train eagle3`; shipped for the default target)
     drafting a chain, or with `options.tree` the dynamic tree; `adapt(head, target model)`: its `drafters.online`."""
     model, folder = shipped_or_explain(target, "EAGLE3", CONFIG)
-    head, _ = Eagle3Head.load(folder, dtype=torch.float32)
+    head, _ = Eagle3Head.load(folder, dtype=torch.float32, device=model.device)
     adaptation = None if adapt is None else adapt(head, model)
     if options.tree:
         return Eagle3TreeDrafter(head, model, target.cost_curve(), budget=options.budget, adaptation=adaptation)

@@ -66,16 +66,18 @@ DRAFT_BITS: int | None = 4
 
 def for_drafting(head: nn.Module, lm_rows: torch.Tensor) -> tuple[nn.Module, nn.Module]:
     """(a float32 copy of a trained head, a layer computing its draft logits from the LM head's rows of its
-    vocabulary `lm_rows` [V', d]) as they draft: their linear layers on the quantized kernels (DRAFT_BITS)
-    where this machine has them. Lossless whatever it does to the drafts: drafts are only proposals, and
-    sampled verification uses the distribution the head drafted from."""
+    vocabulary `lm_rows` [V', d]) as they draft, both on the device of `lm_rows` (the target's): on the CPU
+    their linear layers on the quantized kernels (DRAFT_BITS) where this machine has them; elsewhere in
+    float32 (the kernels are the CPU's). Lossless whatever it does to the drafts: drafts are only proposals,
+    and sampled verification uses the distribution the head drafted from."""
     from specdecode.models import int4
     from specdecode.models.int8 import quantize_linears
 
-    drafting = copy.deepcopy(head).float().eval()
-    logits = nn.Linear(lm_rows.shape[1], lm_rows.shape[0], bias=False)
+    device = lm_rows.device
+    drafting = copy.deepcopy(head).float().eval().to(device)
+    logits = nn.Linear(lm_rows.shape[1], lm_rows.shape[0], bias=False, device=device)
     logits.weight.data = lm_rows.detach().float().contiguous()
-    if DRAFT_BITS is not None and int4.available():
+    if DRAFT_BITS is not None and device.type == "cpu" and int4.available():
         quantize_linears(drafting, DRAFT_BITS)
         logits = quantize_linears(nn.Sequential(logits), DRAFT_BITS)[0]
     return drafting, logits.eval()

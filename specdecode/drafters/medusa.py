@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdecode import devices
 from specdecode.drafters.base import Drafter, Needs, Outcome
 from specdecode.drafters.heads import for_drafting, load_head, save_head, shipped_or_explain
 from specdecode.errors import UserError
@@ -66,11 +67,12 @@ class MedusaHeads(nn.Module):
         save_head(self, folder, WEIGHTS, CONFIG, shape, record)
 
     @classmethod
-    def load(cls, folder: Path, dtype: torch.dtype = torch.bfloat16) -> tuple[MedusaHeads, dict]:
+    def load(cls, folder: Path, dtype: torch.dtype = torch.bfloat16,
+             device: torch.device | str = "cpu") -> tuple[MedusaHeads, dict]:
         shape, weights, record = load_head(folder, WEIGHTS, CONFIG, "Medusa")
         heads = cls(shape["hidden_size"], shape["num_heads"], weights["vocab_ids"])
         heads.load_state_dict(weights)
-        return heads.to(dtype).eval(), record
+        return heads.to(device=device, dtype=dtype).eval(), record
 
 
 def best_first(probs: torch.Tensor, top_k: int, max_nodes: int) -> tuple[list[int], list[int], list[float]]:
@@ -78,9 +80,10 @@ def best_first(probs: torch.Tensor, top_k: int, max_nodes: int) -> tuple[list[in
 
     probs: [depth, V] each head's distribution. A node at depth d takes one of head d's top-k tokens;
     its score is the product of its path's probabilities. Nodes come out best first (so every prefix of
-    the list is closed under ancestors): (draft indices, parents, scores)."""
-    p, index = probs.topk(min(top_k, probs.shape[-1]), dim=-1)  # [depth, k]
-    p, index = p.tolist(), index.tolist()
+    the list is closed under ancestors): (draft indices, parents, scores). The heads' top-k reach the host
+    in one transfer; the rest is host work."""
+    top = probs.topk(min(top_k, probs.shape[-1]), dim=-1)  # [depth, k]
+    p, index = devices.to_host(top.values, top.indices)
     depth, k = len(p), len(p[0])
     # heap items: (-score, ranks along the path, parent score); popping a node pushes its first child
     # and its next sibling, which enumerates the products in decreasing order
@@ -117,10 +120,13 @@ class MedusaDrafter(Drafter):
             raise ValueError("a Medusa tree needs the target's cost curve or a fixed budget")
         if top_k < 1 or max_nodes < 1:
             raise UserError(f"Medusa needs top_k >= 1 and max_nodes >= 1; got {top_k}, {max_nodes}")
-        weight = target_model.get_output_embeddings().weight.detach()
-        self.vocab_ids = torch.arange(weight.shape[0]) if full_vocabulary else heads.vocab_ids
-        # the heads as they draft: float32, on the quantized kernels where the machine has them
-        self.heads, self.lm_head = for_drafting(heads, weight if full_vocabulary else weight[heads.vocab_ids])
+        weight = target_model.get_output_embeddings().weight.detach()  # [vocab, d] on the target's device
+        vocab_ids = torch.arange(weight.shape[0], device="cpu") if full_vocabulary else heads.vocab_ids.cpu()
+        # draft index -> token id: on the device for chains (drafted there), on the host for trees (built there)
+        self.vocab_ids, self.host_vocab_ids = vocab_ids.to(weight.device), vocab_ids
+        # the heads as they draft: float32 on the target's device, on the quantized kernels where that is a
+        # CPU that has them
+        self.heads, self.lm_head = for_drafting(heads, weight if full_vocabulary else weight[self.vocab_ids])
         self.dtype = torch.float32
         self.curve, self.tree, self.top_k, self.max_nodes, self.budget = curve, tree, top_k, max_nodes, budget
         self.draft_cost = draft_cost
@@ -131,7 +137,7 @@ class MedusaDrafter(Drafter):
         self._feature: torch.Tensor | None = None  # the target's feature at the context's last-but-one token
         self._valid_for = -1  # the context length that feature belongs to
         self._asked = 0  # the context length of the last proposal
-        self._scores = torch.empty(0)
+        self._scores = torch.empty(0, device="cpu")
         self._calibration.reset()
 
     def observe(self, outcome: Outcome) -> None:
@@ -156,8 +162,10 @@ class MedusaDrafter(Drafter):
         probs = self.distributions(self._feature, min(self.heads.num_heads, max_tokens))
         factor = self._calibration.factor
         if not self.tree:
-            p, index = probs.max(dim=-1)
-            self._scores = (torch.cumprod(p, 0) * factor).clamp(max=1.0)
+            p, index = probs.max(dim=-1)  # [depth] each
+            # the scores reach the host in one transfer (the engine cuts the chain by them); the tokens stay
+            scores = (torch.cumprod(p, 0) * factor).clamp(max=1.0)
+            self._scores = torch.tensor(devices.to_host(scores)[0], dtype=scores.dtype, device="cpu")
             return Draft(tokens=self.vocab_ids[index], scores=self._scores)
         ids, parents, raw = best_first(probs, self.top_k, self.max_nodes)
         scores = [min(s * factor, 1.0) for s in raw]  # best first, so already descending
@@ -165,15 +173,16 @@ class MedusaDrafter(Drafter):
         n = min(n, len(ids))
         if n == 0:
             return Draft.empty()
-        self._scores = torch.tensor(scores[:n])
-        return Draft(tokens=self.vocab_ids[torch.tensor(ids[:n])], parents=torch.tensor(parents[:n]))
+        self._scores = torch.tensor(scores[:n], device="cpu")
+        return Draft(tokens=self.host_vocab_ids[torch.tensor(ids[:n], device="cpu")],
+                     parents=torch.tensor(parents[:n], device="cpu"))
 
 
 def build_medusa(target, draft, options) -> Drafter:
     """The `medusa` method: the heads trained for the target (`specdecode train medusa`), shipped in the
     repository for the default target; a chain of their top tokens, or their tree with `options.tree`."""
     model, folder = shipped_or_explain(target, "Medusa", WEIGHTS)
-    heads, _ = MedusaHeads.load(folder, dtype=model.dtype)
+    heads, _ = MedusaHeads.load(folder, dtype=model.dtype, device=model.device)
     if options.tree:
         return MedusaDrafter(heads, model, target.cost_curve(), tree=True, budget=options.budget)
     return MedusaDrafter(heads, model)

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import copy
 import random
-import time
 from collections import deque
 
 import torch
 import torch.nn.functional as F
 
+from specdecode import devices
+from specdecode.devices import to_device
 from specdecode.drafters.base import Drafter, tensor_bytes
 from specdecode.drafters.eagle3 import Eagle3Head, build_eagle3, unroll
 
@@ -37,20 +38,21 @@ MIN_TOKENS = 16  # a shorter sequence teaches nothing worth a step
 
 
 class OnlineAdaptation:
-    """The float32 head that learns (a copy of the one given) and its optimiser."""
+    """The float32 head that learns (a copy of the one given) and its optimiser, on the target's device."""
 
     def __init__(self, head: Eagle3Head, target_model, learning_rate: float | None = None, steps: int | None = None,
                  unroll: int = UNROLL, replay_tokens: int = REPLAY_TOKENS):
         """`learning_rate` and `steps`: the module's LEARNING_RATE and STEPS unless given."""
         self.trained = head
-        self.head = copy.deepcopy(head).float()
+        self.table = target_model.get_input_embeddings().weight.detach()  # [vocab, d], the target's own (no copy)
+        self.device = self.table.device
+        self.head = self._copy(head)
         self.learning_rate = LEARNING_RATE if learning_rate is None else learning_rate
         self.steps, self.unroll, self.replay_tokens = STEPS if steps is None else steps, unroll, replay_tokens
         self.optimiser = self._optimiser()
-        self.table = target_model.get_input_embeddings().weight.detach()  # [vocab, d], the target's own (no copy)
         self.lm_rows = target_model.get_output_embeddings().weight.detach()[self.head.draft_ids].float()  # [V', d]
-        draft_index = torch.full((self.table.shape[0],), -1, dtype=torch.long)
-        draft_index[self.head.draft_ids] = torch.arange(len(self.head.draft_ids))
+        draft_index = torch.full((self.table.shape[0],), -1, dtype=torch.long, device=self.device)
+        draft_index[self.head.draft_ids] = torch.arange(len(self.head.draft_ids), device=self.device)
         self.draft_index = draft_index  # target id -> draft id (-1: outside the draft vocabulary)
         self.replay: deque[tuple[torch.Tensor, torch.Tensor]] = deque()  # (tokens [n], features [n, k d])
         self.updates = 0  # optimiser steps made
@@ -62,13 +64,17 @@ class OnlineAdaptation:
         """The learning head, its optimiser's state, the LM head's rows and the replay buffer."""
         return tensor_bytes(self.head, self.optimiser, self.lm_rows, self.replay)
 
+    def _copy(self, head: Eagle3Head) -> Eagle3Head:
+        """A float32 copy of `head` on the target's device, to learn."""
+        return copy.deepcopy(head).float().to(self.device)
+
     def _optimiser(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.head.parameters(), lr=self.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
 
     def restart(self) -> bool:
         """Back to the trained head, nothing learnt (`forget`); True if it had learnt something."""
         changed = self.updates > 0
-        self.head = copy.deepcopy(self.trained).float()
+        self.head = self._copy(self.trained)
         self.optimiser = self._optimiser()
         self.replay.clear()
         self.updates, self.losses, self.seconds = 0, [], 0.0
@@ -80,10 +86,11 @@ class OnlineAdaptation:
         n = min(len(tokens), features.shape[0])
         if n < MIN_TOKENS:
             return False
-        self.replay.append((torch.tensor(tokens[:n]), features[:n].float()))
+        self.replay.append((to_device(tokens[:n], self.device), features[:n].float()))
         while sum(len(t) for t, _ in self.replay) > self.replay_tokens and len(self.replay) > 1:
             self.replay.popleft()
-        start = time.perf_counter()
+        clock = devices.clock(self.device)  # what learning took, the device's work done
+        start = clock()
         self.head.train()
         total = 0.0
         newest, earlier = self.replay[-1], list(self.replay)[:-1]
@@ -102,7 +109,7 @@ class OnlineAdaptation:
             total += float(loss.detach())
         self.head.eval()
         self.losses.append(total / max(1, self.steps))
-        self.seconds += time.perf_counter() - start
+        self.seconds += clock() - start
         return True
 
     def _loss(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor | None:

@@ -1,4 +1,4 @@
-"""Training an EAGLE head on stored target features (`training.features`), on the CPU.
+"""Training an EAGLE head on stored target features (`training.features`), on the target's device.
 
 For a sequence with features f_0..f_{n-1} and tokens x_0..x_{n-1}, the head reads the pairs
 (f_t, x_{t+1}) for t = 0..n-3 and predicts f_{t+1}. Two losses, as the paper: a smooth-L1 regression of
@@ -7,7 +7,7 @@ applied to the prediction) against the target's own (the same head applied to th
 distillation, nothing generated), weighted 0.1. Only positions whose predicted token belongs to an
 assistant turn count. Input features get uniform noise (the paper's data augmentation: drafting feeds
 the head its own imperfect predictions). Matmuls run in bfloat16 autocast with float32 weights where the
-CPU has bf16 units.
+device has bf16 units (`loop.autocast`).
 
 Held-out accuracy per draft position k (1 = the first draft token): the head drafts k tokens on its own
 features from a context position, fed the text's actual next tokens, and its k-th token is compared
@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.drafters.eagle import EagleHead, head_config
-from specdecode.models.precision import bf16_units
 from specdecode.training.features import Shard
-from specdecode.training.loop import Schedule, TrainingRecord, frequent_tokens, optimise, split, windows
+from specdecode.training.loop import (
+    Schedule, TrainingRecord, autocast, frequent_tokens, on_device, optimise, split, windows,
+)
 
 NOISE = 0.2  # uniform noise on the input features, +-NOISE/2 (relative to their RMS of about 1)
 CLASSIFICATION_WEIGHT = 0.1
@@ -41,14 +42,14 @@ class TrainingSettings(Schedule):
 
 
 def losses(head: EagleHead, embed, head_weight: torch.Tensor, tokens, features, assistant, noise: float):
-    """(regression, classification, positions) of one window."""
+    """(regression, classification, positions) of one window (on the head's device)."""
     f = features.float()
     inputs = f[:-2]
     if noise:
         inputs = inputs + (torch.rand_like(inputs) - 0.5) * noise
     n = inputs.shape[0]
     embeddings = embed(tokens[1:-1]).float()
-    predicted = head(inputs[None], embeddings[None], torch.arange(n)[None])[0].float()  # f^_{t+1}
+    predicted = head(inputs[None], embeddings[None], torch.arange(n, device=f.device)[None])[0].float()  # f^_{t+1}
     truth = f[1:-1]
     mask = assistant[2:].float()
     if mask.sum() == 0:
@@ -69,29 +70,33 @@ def held_out_accuracy(head: EagleHead, embed, head_weight, full_head, data, posi
     from transformers import DynamicCache
 
     hits, totals = [0] * positions, [0] * positions
-    rng = random.Random(1)
-    for tokens, features, assistant in data:
+    rng, device = random.Random(1), head_weight.device
+    for window in data:
+        tokens, features, _ = on_device(window, device)
+        assistant = window[2].tolist()  # host data: which positions to start from
         f = features.float()
         candidates = [t for t in range(4, len(tokens) - positions - 1) if assistant[t + 1]]
         for t in rng.sample(candidates, min(starts, len(candidates))):
             cache = DynamicCache(config=head.config)
             # pairs (f_s, x_{s+1}), s < t: the last prediction is f^_t, the first draft's feature
-            feature = head(f[None, :t], embed(tokens[1 : t + 1]).float()[None], torch.arange(t)[None], cache=cache)[0, -1]
+            feature = head(f[None, :t], embed(tokens[1 : t + 1]).float()[None], torch.arange(t, device=device)[None],
+                           cache=cache)[0, -1]
             for k in range(positions):
                 drafted = int(head.vocab_ids[(feature.float() @ head_weight.T).argmax()])
                 wanted = int((f[t + k] @ full_head.T).argmax())  # the target's choice after position t + k
                 hits[k] += drafted == wanted
                 totals[k] += 1
                 feature = head(feature.float()[None, None], embed(tokens[t + k + 1 : t + k + 2]).float()[None],
-                               torch.tensor([[t + k]]), cache=cache)[0, 0]
+                               torch.full((1, 1), t + k, device=device), cache=cache)[0, 0]
     return [h / n if n else float("nan") for h, n in zip(hits, totals)]
 
 
 def train(target_model, shards: list[Shard], settings: TrainingSettings, progress: bool = True,
           log=print, checkpoint: Path | None = None) -> tuple[EagleHead, TrainingRecord]:
-    """Train a head for `target_model` (a transformers causal LM) on its stored features (carrying on from
-    `checkpoint` where it exists: `loop.optimise`)."""
+    """Train a head for `target_model` (a transformers causal LM) on its stored features, on the target's
+    device (carrying on from `checkpoint` where it exists: `loop.optimise`)."""
     torch.manual_seed(settings.seed)
+    device = target_model.device
     table = target_model.get_input_embeddings().weight.detach()  # frozen: the target's own
 
     def embed(ids: torch.Tensor) -> torch.Tensor:
@@ -101,8 +106,8 @@ def train(target_model, shards: list[Shard], settings: TrainingSettings, progres
     from specdecode.models.hf import _eos_ids
 
     vocab_ids = frequent_tokens(shards, settings.vocab_size, sorted(_eos_ids(target_model)))
-    head_weight = full_head[vocab_ids]
-    head = EagleHead(head_config(target_model.config, settings.intermediate_size), vocab_ids).float()
+    head_weight = full_head[vocab_ids.to(device)]
+    head = EagleHead(head_config(target_model.config, settings.intermediate_size), vocab_ids).float().to(device)
     training, evaluation = split(windows(shards, settings.sequence_tokens), settings.seed)
     record = TrainingRecord(settings=vars(settings) | {"vocab": len(vocab_ids), "train_windows": len(training),
                                                "held_out_windows": len(evaluation)})
@@ -116,7 +121,7 @@ def train(target_model, shards: list[Shard], settings: TrainingSettings, progres
                 {"regression": regression.detach(), "classification": classification.detach()}, positions)
 
     optimise(head, loss, training, settings, record, "training EAGLE", progress, checkpoint)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_units()):  # as in training (`loop.optimise`)
+    with autocast(device):  # as in training (`loop.optimise`)
         record.held_out_accuracy = held_out_accuracy(head, embed, head_weight, full_head, evaluation,
                                                      settings.eval_positions)
     log(f"EAGLE head: {record.steps} steps, {record.tokens_seen} tokens, {record.seconds:.0f} s; held-out accuracy "

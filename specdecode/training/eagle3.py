@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from specdecode.drafters.eagle3 import Eagle3Config, Eagle3Head, unroll
 from specdecode.errors import UserError
 from specdecode.training.features import Shard
-from specdecode.training.loop import Schedule, TrainingRecord, frequent_tokens, optimise, split, windows
+from specdecode.training.loop import Schedule, TrainingRecord, frequent_tokens, on_device, optimise, split, windows
 
 STEP_DECAY = 0.8  # weight of draft step j's loss: STEP_DECAY ** j
 
@@ -47,7 +47,8 @@ Window = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # tokens
 
 
 def losses(head, embed, draft_head: torch.Tensor, window: Window, steps: int):
-    """(total, {step_k: cross-entropy}, positions) of one window, or None when it has no assistant row."""
+    """(total, {step_k: cross-entropy}, positions) of one window (on the head's device), or None when it has no
+    assistant row."""
     tokens, hidden, assistant, aux = window
     m = len(tokens) - steps - 1
     # step j's row t predicts x_{t+j+2}: it counts if that is an assistant token, and its teacher is the
@@ -57,7 +58,7 @@ def losses(head, embed, draft_head: torch.Tensor, window: Window, steps: int):
     if any(len(r) == 0 for r in rows):  # decided before the unroll: a prompt's window costs nothing
         return None
     with torch.no_grad():  # only the counted rows' distributions: logits elsewhere would be thrown away
-        teachers = torch.zeros(steps + m - 1, draft_head.shape[0])
+        teachers = torch.zeros(steps + m - 1, draft_head.shape[0], device=draft_head.device)
         # .float(): under bfloat16 autocast the product, and its softmax, come out in bfloat16
         teachers[counted] = torch.softmax(hidden[1 + counted].float() @ draft_head.T, dim=-1).float()
     total, parts = 0.0, {}
@@ -74,9 +75,10 @@ def held_out_agreement(head, embed, draft_head, full_head, data: list[Window], p
     """By draft position: how often the head's most likely token is the target's most likely token."""
     hits, totals = [0] * positions, [0] * positions
     draft_ids = head.draft_ids
-    for tokens, hidden, assistant, aux in data:
-        if len(tokens) < positions + 8:
+    for window in data:
+        if len(window[0]) < positions + 8:
             continue
+        tokens, hidden, assistant, aux = on_device(window, draft_head.device)
         m = len(tokens) - positions - 1
         targets = (hidden[1 : positions + m].float() @ full_head.T).argmax(-1)  # once for every position
         for step, out in enumerate(unroll(head, embed, tokens, aux, positions)):
@@ -92,7 +94,8 @@ def train(target_model, shards: list[Shard], settings: TrainingSettings, layers:
           progress: bool = True, log=print, checkpoint: Path | None = None,
           init: Eagle3Head | None = None) -> tuple[Eagle3Head, TrainingRecord]:
     """Train an EAGLE-3 head for `target_model` (a transformers causal LM) on its stored features, whose
-    layer inputs are those of `layers` (carrying on from `checkpoint` where it exists: `loop.optimise`);
+    layer inputs are those of `layers`, on the target's device (carrying on from `checkpoint` where it exists:
+    `loop.optimise`);
     from `init`'s weights and draft vocabulary when given (a head trained before, carried on to more data;
     its MLP width and vocabulary size replace the settings')."""
     from specdecode.models.hf import _eos_ids
@@ -100,6 +103,7 @@ def train(target_model, shards: list[Shard], settings: TrainingSettings, layers:
     if settings.steps < 1:
         raise UserError(f"training-time test needs at least one draft step, got {settings.steps}")
     torch.manual_seed(settings.seed)
+    device = target_model.device
     table = target_model.get_input_embeddings().weight.detach().float()
 
     def embed(ids: torch.Tensor) -> torch.Tensor:
@@ -112,10 +116,10 @@ def train(target_model, shards: list[Shard], settings: TrainingSettings, layers:
         vocab_ids = init.draft_ids.clone()
     else:
         vocab_ids = frequent_tokens(shards, settings.vocab_size, sorted(_eos_ids(target_model)))
-    draft_head = full_head[vocab_ids]
+    draft_head = full_head[vocab_ids.to(device)]
     config = Eagle3Config.for_target(target_model.config, settings.intermediate_size, len(vocab_ids))
     config.aux_layers = tuple(layers)
-    head = Eagle3Head(config, vocab_ids).float()
+    head = Eagle3Head(config, vocab_ids).float().to(device)
     if init is not None:
         if init.config != config:
             raise UserError("the head to start from was made for another target or other layers "

@@ -67,8 +67,9 @@ class Shard:
 @torch.inference_mode()
 def hidden_states(model, token_ids: list[int], layers: tuple[int, ...] | None = None):
     """[n, d] the model's last hidden state (after its final norm, as its LM head reads it); with `layers`,
-    also [n, k d] the inputs of those decoder layers (transformers' hidden_states[i]) side by side."""
-    out = model.model(input_ids=torch.tensor([token_ids]), output_hidden_states=layers is not None)
+    also [n, k d] the inputs of those decoder layers (transformers' hidden_states[i]) side by side; on the
+    model's device."""
+    out = model.model(input_ids=torch.tensor([token_ids], device=model.device), output_hidden_states=layers is not None)
     if layers is None:
         return out.last_hidden_state[0]
     return out.last_hidden_state[0], torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
@@ -101,14 +102,14 @@ class Writer:
         self.pending: list[tuple[str, Sequence, torch.Tensor, torch.Tensor | None]] = []
 
     def add(self, ident: str, sequence: Sequence, hidden: torch.Tensor, aux: torch.Tensor | None = None) -> None:
-        """A sequence's features: `hidden` [n, d] (the final-norm states), `aux` [n, k d] (the layer inputs);
-        nothing if the folder holds that id already."""
+        """A sequence's features: `hidden` [n, d] (the final-norm states), `aux` [n, k d] (the layer inputs),
+        from any device (kept on the host until written); nothing if the folder holds that id already."""
         if ident in self.done:
             return
         if hidden.shape[0] != len(sequence.token_ids) or (aux is None) != (self.manifest["aux_layers"] is None):
             raise ValueError(f"features of {ident} do not fit its {len(sequence.token_ids)} tokens or the layers")
-        aux = None if aux is None else aux.to(torch.bfloat16)
-        self.pending.append((ident, sequence, hidden.to(torch.bfloat16), aux))
+        aux = None if aux is None else aux.to("cpu", torch.bfloat16)
+        self.pending.append((ident, sequence, hidden.to("cpu", torch.bfloat16), aux))
         self.done.add(ident)
         if sum(len(s.token_ids) for _, s, _, _ in self.pending) >= SHARD_TOKENS:
             self.flush()

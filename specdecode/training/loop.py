@@ -1,18 +1,23 @@
 """What training any head on stored target features shares: the data windows, the draft vocabulary,
 the held-out split, the record, and the optimisation loop (AdamW, warm-up then cosine decay, gradient
 clipping, a time budget per run, checkpoints a later run resumes from, bfloat16 autocast over float32
-weights where the CPU has bf16 units, a progress bar).
+weights where the device computes in bf16 natively, a progress bar).
+
+Training runs on the device of the module it trains (the target's, `specdecode train --device`): the
+stored features are host data, mapped from their files, and each window goes to the device as it is
+trained on (`on_device`).
 
 Training on a CPU takes hours, so it runs in bounded pieces: `optimise` saves where it is to a
 checkpoint every CHECKPOINT_SECONDS and when its time budget runs out (the head's and the optimiser's
 state, the learning-rate schedule, the step, the position in the shuffled windows (whose order the seed
-fixes), torch's global generator (feature noise draws from it), the record so far), and a run given the
-same checkpoint, settings and data carries on from there: a run cut into pieces, or killed and started
-again, ends with the weights one uninterrupted run gives. The checkpoint is removed once the schedule is
-complete."""
+fixes), torch's global generators (the CPU's, and a GPU's where it trains: feature noise draws from the
+device's), the record so far), and a run given the same checkpoint, settings and data carries on from
+there: a run cut into pieces, or killed and started again, ends with the weights one uninterrupted run
+gives. The checkpoint is removed once the schedule is complete."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -25,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from specdecode.devices import to_device
 from specdecode.errors import UserError
 from specdecode.models.precision import bf16_units
 from specdecode.training.features import Shard
@@ -56,13 +62,28 @@ class TrainingRecord:
     notes: dict = field(default_factory=dict)  # further measurements a kind of head records
 
 
+def autocast(device: torch.device):
+    """bfloat16 autocast over float32 weights where `device` computes in bf16 natively: a CPU with bf16 units
+    (emulated, it is far slower), a CUDA GPU of compute capability 8 or more; else nothing (float32)."""
+    if device.type == "cpu":
+        enabled = bf16_units()
+    else:
+        enabled = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+
+
+def on_device(window: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A window's tensors (host data, mapped from the features' files) on `device`."""
+    return tuple(to_device(part, device) for part in window)
+
+
 def frequent_tokens(shards: list[Shard], size: int, always: list[int]) -> torch.Tensor:
     """The `size` most frequent token ids of the data (assistant tokens counted), plus `always`, sorted."""
     counts = Counter()
     for shard in shards:
         counts.update(shard.tokens[shard.assistant].tolist())
     chosen = {token for token, _ in counts.most_common(size)} | set(always)
-    return torch.tensor(sorted(chosen)[: max(size, len(always))], dtype=torch.long)
+    return torch.tensor(sorted(chosen)[: max(size, len(always))], dtype=torch.long, device="cpu")  # host data
 
 
 def windows(shards: list[Shard], length: int, shortest: int = 8, aux: bool = False) -> list[tuple[str, Window]]:
@@ -107,6 +128,7 @@ class _Run:
     def __init__(self, module: torch.nn.Module, training: list[Window], schedule: Schedule, record: TrainingRecord,
                  checkpoint: Path | None):
         self.module, self.schedule, self.record, self.checkpoint = module, schedule, record, checkpoint
+        self.device = next(module.parameters()).device  # where it trains, and each window goes
         rng = random.Random(schedule.seed)
         self.total_steps = max(1, schedule.epochs * len(training) // schedule.batch_windows)
         self.optimiser = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad],
@@ -136,7 +158,7 @@ class _Run:
         """Carry on from the checkpoint, if there is one."""
         if self.checkpoint is None or not self.checkpoint.exists():
             return
-        state = torch.load(self.checkpoint, weights_only=False)
+        state = torch.load(self.checkpoint, weights_only=False, map_location="cpu")  # the module's device next
         if state["identity"] != self.identity:
             raise UserError(f"{self.checkpoint} is from training with other settings or data; delete it to start "
                             "afresh, or run with the settings and data it was made with")
@@ -144,6 +166,8 @@ class _Run:
         self.optimiser.load_state_dict(state["optimiser"])
         self.lr_schedule.load_state_dict(state["lr_schedule"])
         torch.set_rng_state(state["torch_rng"])
+        if "cuda_rng" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         self.step, self.position, self.sums, self.count = state["step"], state["position"], state["sums"], state["count"]
         self.record.losses, self.record.tokens_seen = state["losses"], state["tokens_seen"]
         self.earlier_seconds = state["seconds"]
@@ -154,16 +178,18 @@ class _Run:
                     "optimiser": self.optimiser.state_dict(), "lr_schedule": self.lr_schedule.state_dict(),
                     "torch_rng": torch.get_rng_state(), "step": self.step, "position": self.position,
                     "sums": self.sums, "count": self.count, "losses": self.record.losses,
-                    "tokens_seen": self.record.tokens_seen, "seconds": self.seconds()}, temporary)
+                    "tokens_seen": self.record.tokens_seen, "seconds": self.seconds(),
+                    **({"cuda_rng": torch.cuda.get_rng_state(self.device)} if self.device.type == "cuda" else {})},
+                   temporary)
         os.replace(temporary, self.checkpoint)  # a run killed while saving leaves the previous checkpoint whole
 
-    def train_step(self, loss: LossFn, training: list[Window], bf16: bool) -> bool:
+    def train_step(self, loss: LossFn, training: list[Window]) -> bool:
         """One optimiser step on the next batch of windows; False if none of them had anything to learn."""
         batch = self.order[self.position : self.position + self.schedule.batch_windows]
         self.position += len(batch)
         self.optimiser.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            parts = [loss(training[i]) for i in batch]
+        with autocast(self.device):
+            parts = [loss(on_device(training[i], self.device)) for i in batch]
         parts = [p for p in parts if p is not None]
         if not parts:
             return False
@@ -199,7 +225,6 @@ def optimise(module: torch.nn.Module, loss: LossFn, training: list[Window], sche
 
     run = _Run(module, training, schedule, record, checkpoint)
     run.resume()
-    bf16 = bf16_units()  # bfloat16 autocast only where the CPU has bf16 units: emulated, it is far slower
     module.train()
     run.start = last_saved = time.perf_counter()
     columns = [TextColumn(label), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
@@ -207,7 +232,7 @@ def optimise(module: torch.nn.Module, loss: LossFn, training: list[Window], sche
     with Progress(*columns, disable=not progress) as bar:
         task = bar.add_task("train", total=run.total_steps, completed=run.step, loss="")
         while run.unfinished() and time.perf_counter() - run.start <= schedule.seconds:
-            if not run.train_step(loss, training, bf16):
+            if not run.train_step(loss, training):
                 continue
             shown = run.log()
             if shown is not None:

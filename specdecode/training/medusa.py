@@ -1,4 +1,4 @@
-"""Training Medusa heads on stored target features (`training.features`), on the CPU.
+"""Training Medusa heads on stored target features (`training.features`), on the target's device.
 
 Head k (1..K) reads the target's feature f_t and should give the distribution the target itself gives
 k positions later, softmax(LM(f_{t+k})), that of token t + 1 + k: self-distillation on teacher-forced
@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 
 from specdecode.drafters.medusa import MedusaHeads
-from specdecode.models.precision import bf16_units
 from specdecode.training.features import Shard
-from specdecode.training.loop import Schedule, TrainingRecord, frequent_tokens, optimise, split, windows
+from specdecode.training.loop import (
+    Schedule, TrainingRecord, autocast, frequent_tokens, on_device, optimise, split, windows,
+)
 
 DECAY = 0.8  # head k's loss weight is DECAY ** (k - 1)
 
@@ -36,7 +37,7 @@ class TrainingSettings(Schedule):
 
 
 def losses(heads: MedusaHeads, head_weight: torch.Tensor, tokens, features, assistant):
-    """(the weighted loss, each head's cross-entropy, positions) of one window."""
+    """(the weighted loss, each head's cross-entropy, positions) of one window (on the heads' device)."""
     f = features.float()
     n, K = f.shape[0], heads.num_heads
     with torch.no_grad():
@@ -63,7 +64,8 @@ def held_out_accuracy(heads: MedusaHeads, vocab_ids, head_weight, full_head, dat
     against the target's own choice, over the held-out windows."""
     hits = [0] * heads.num_heads
     totals = [0] * heads.num_heads
-    for tokens, features, assistant in data:
+    for window in data:
+        tokens, features, assistant = on_device(window, head_weight.device)
         f = features.float()
         n = f.shape[0]
         states = heads(f)  # [n, K, d]
@@ -80,24 +82,25 @@ def held_out_accuracy(heads: MedusaHeads, vocab_ids, head_weight, full_head, dat
 
 def train(target_model, shards: list[Shard], settings: TrainingSettings, progress: bool = True,
           log=print, checkpoint: Path | None = None) -> tuple[MedusaHeads, TrainingRecord]:
-    """Train Medusa heads for `target_model` (a transformers causal LM) on its stored features (carrying on
-    from `checkpoint` where it exists: `loop.optimise`)."""
+    """Train Medusa heads for `target_model` (a transformers causal LM) on its stored features, on the
+    target's device (carrying on from `checkpoint` where it exists: `loop.optimise`)."""
     from specdecode.models.hf import _eos_ids
 
     torch.manual_seed(settings.seed)
+    device = target_model.device
     full_head = target_model.get_output_embeddings().weight.detach().float()
-    vocab_ids = frequent_tokens(shards, settings.vocab_size, sorted(_eos_ids(target_model)))
+    vocab_ids = frequent_tokens(shards, settings.vocab_size, sorted(_eos_ids(target_model))).to(device)
     head_weight = full_head[vocab_ids]
-    heads = MedusaHeads(full_head.shape[1], settings.num_heads, vocab_ids).float()
+    heads = MedusaHeads(full_head.shape[1], settings.num_heads, vocab_ids).float().to(device)
     training, evaluation = split(windows(shards, settings.sequence_tokens), settings.seed)
     record = TrainingRecord(settings=vars(settings) | {"vocab": len(vocab_ids), "train_windows": len(training),
                                                "held_out_windows": len(evaluation)})
     optimise(heads, lambda window: losses(heads, head_weight, *window), training, settings, record,
              "training Medusa", progress, checkpoint)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_units()):  # as in training (`loop.optimise`)
+    with autocast(device):  # as in training (`loop.optimise`)
         record.held_out_accuracy = held_out_accuracy(heads, vocab_ids, head_weight, full_head, evaluation)
         record.notes["held_out_accuracy_full_vocabulary"] = held_out_accuracy(
-            heads, torch.arange(full_head.shape[0]), full_head, full_head, evaluation)
+            heads, torch.arange(full_head.shape[0], device=device), full_head, full_head, evaluation)
     log(f"Medusa heads: {record.steps} steps, {record.tokens_seen} tokens, {record.seconds:.0f} s; held-out top-1 "
         f"by head: {', '.join(f'{a:.2f}' for a in record.held_out_accuracy)} (full vocabulary: "
         f"{', '.join(f'{a:.2f}' for a in record.notes['held_out_accuracy_full_vocabulary'])})")

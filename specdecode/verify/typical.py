@@ -19,7 +19,9 @@ from dataclasses import replace
 
 import torch
 
+from specdecode.devices import to_device, to_host
 from specdecode.sampling import logits_to_probs, sample
+from specdecode.tree import structure
 from specdecode.types import Draft, SamplingParams, Verdict
 from specdecode.verify.tree import _verdict, verify
 
@@ -42,14 +44,18 @@ def verify_typical(
     delta: float = DELTA,
 ) -> Verdict:
     """Typical acceptance of a chain or tree draft (lossy under sampling; exact greedy matching at
-    temperature 0)."""
+    temperature 0). Two host reads: the nodes' tokens, probabilities and thresholds together, then the
+    token sampled after the accepted path."""
     if params.greedy or len(draft) == 0:
         return verify(target_logits, draft, params, generator)
     probs = logits_to_probs(target_logits, params)  # [n + 1, vocab]
-    threshold = typical_thresholds(probs, epsilon, delta).tolist()
-    tokens = draft.tokens.tolist()
-    parents = draft.parents if draft.is_tree else torch.arange(len(tokens)) - 1
-    token_probs = probs[parents + 1, draft.tokens].tolist()  # each node's probability under its parent's row
+    device = probs.device
+    parents = draft.parents if draft.is_tree else structure.chain(len(draft))  # [n] on the host
+    draft_tokens = to_device(draft.tokens, device)  # [n]
+    rows = to_device(parents + 1, device)  # [n] each node's parent's row
+    # each row's threshold, each node's token and its probability under its parent's row
+    threshold, tokens, token_probs = to_host(typical_thresholds(probs, epsilon, delta), draft_tokens,
+                                             probs[rows, draft_tokens])
     # a node is accepted when it and all its ancestors are typical; nodes come parents first
     depth, up = [0] * len(tokens), parents.tolist()
     for node, parent in enumerate(up):

@@ -21,8 +21,9 @@ FLAT = CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.05, 1.1, 1.2, 1.4))
 
 def test_head_shapes_and_config(tiny_target):
     head = random_head(tiny_target, vocab=40)
-    d = tiny_target.config.hidden_size
-    out = head(torch.randn(2, 5, d), torch.randn(2, 5, d), torch.arange(5).repeat(2, 1))
+    d, device = tiny_target.config.hidden_size, tiny_target.device
+    out = head(torch.randn(2, 5, d, device=device), torch.randn(2, 5, d, device=device),
+               torch.arange(5, device=device).repeat(2, 1))
     assert out.shape == (2, 5, d)
     assert head.config.num_hidden_layers == 1 and head.config.intermediate_size == 32
     assert head.vocab_ids.shape == (40,)
@@ -31,11 +32,13 @@ def test_head_shapes_and_config(tiny_target):
 def test_save_and_load_round_trip(tiny_target, tmp_path):
     head = random_head(tiny_target, vocab=50)
     head.save(tmp_path / "head", {"trained_on": "nothing"})
-    loaded, record = EagleHead.load(tmp_path / "head", dtype=torch.float32)
+    device = tiny_target.device
+    loaded, record = EagleHead.load(tmp_path / "head", dtype=torch.float32, device=device)
     assert record["trained_on"] == "nothing"
     assert torch.equal(loaded.vocab_ids, head.vocab_ids)
     d = tiny_target.config.hidden_size
-    x, e, p = torch.randn(1, 4, d), torch.randn(1, 4, d), torch.arange(4)[None]
+    x, e = torch.randn(1, 4, d, device=device), torch.randn(1, 4, d, device=device)
+    p = torch.arange(4, device=device)[None]
     assert torch.allclose(loaded(x, e, p), head.to(torch.bfloat16).float()(x, e, p), atol=1e-5)
     with pytest.raises(UserError, match="no EAGLE head"):
         EagleHead.load(tmp_path / "missing")

@@ -50,7 +50,7 @@ def test_save_and_load_round_trip_in_shards(tiny_target, tmp_path, monkeypatch):
     for f in files:  # under the limit (with the header), or one tensor bigger than it alone
         with safe_open(str(f), "pt") as opened:
             assert f.stat().st_size < 4096 + 2048 or len(list(opened.keys())) == 1
-    loaded, record = Eagle3Head.load(tmp_path)
+    loaded, record = Eagle3Head.load(tmp_path, device=tiny_target.device)
     assert record["note"] == "test" and loaded.config == head.config
     for name, tensor in head.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor.to(torch.bfloat16).float() if tensor.is_floating_point() else tensor)
@@ -66,7 +66,8 @@ def test_the_engine_hands_over_the_three_layers_inputs(tiny_target):
         prompt, GenerationConfig(max_new_tokens=6))
     context = prompt + result.token_ids
     with torch.inference_mode():
-        states = tiny_target.model(input_ids=torch.tensor([context]), output_hidden_states=True).hidden_states
+        states = tiny_target.model(input_ids=torch.tensor([context], device=tiny_target.device),
+                                   output_hidden_states=True).hidden_states
     expected = torch.cat([states[i][0] for i in head.config.aux_layers], dim=-1)  # [n, 3d]
     kept = torch.stack(drafter.state.features)
     assert kept.shape[1] == 3 * tiny_target.config.hidden_size
@@ -86,6 +87,7 @@ def test_greedy_eagle3_equals_plain_decoding(tiny_target, vocab, kind):
     assert drafted > 0
 
 
+@pytest.mark.cpu_only  # the quantized kernels are the CPU's
 @pytest.mark.skipif(not int4.available(), reason="no quantized kernels")
 @pytest.mark.parametrize("bits", [8, 4])
 def test_a_head_drafts_from_a_quantized_copy_close_to_it(tiny_target, monkeypatch, bits):
@@ -107,13 +109,26 @@ def test_a_head_drafts_from_a_quantized_copy_close_to_it(tiny_target, monkeypatc
     assert (exact.argmax(-1) == drafted.argmax(-1)).float().mean() >= 0.75
 
 
+def test_off_the_cpu_a_head_drafts_in_float32_on_the_targets_device(tiny_target, monkeypatch):
+    """`heads.for_drafting` swaps in the CPU's quantized kernels only on the CPU: given the rows of an LM head
+    on another device (`meta` stands in for a GPU), the drafting copy and its logits layer are float32
+    nn.Linear layers there, even where the host CPU runs the kernels."""
+    monkeypatch.setattr(heads, "DRAFT_BITS", 4)
+    monkeypatch.setattr(int4, "available", lambda: True)
+    head = random_head(tiny_target, vocab=60, intermediate=64)
+    drafting, logits = heads.for_drafting(head, torch.empty(60, head.config.hidden_size, device="meta"))
+    assert type(drafting.fc) is torch.nn.Linear and type(logits) is torch.nn.Linear
+    assert all(p.device.type == "meta" and p.dtype == torch.float32
+               for p in [*drafting.parameters(), *logits.parameters()])
+
+
 def test_unroll_attends_as_drafting_does(tiny_target, monkeypatch):
     """Training-time test's step j at row t equals drafting j + 1 tokens after the context x_0..x_{t+1}
     through the inference cache: same outputs, so training sees what inference will (the head in float32
     here; drafting quantizes it where the machine can: `heads.for_drafting`)."""
     monkeypatch.setattr(heads, "DRAFT_BITS", None)
     head = random_head(tiny_target, vocab=60)
-    tokens = torch.tensor(random_prompts(1, seed=9, low=20, high=21)[0])
+    tokens = torch.tensor(random_prompts(1, seed=9, low=20, high=21)[0], device=tiny_target.device)
     with torch.inference_mode():
         states = tiny_target.model(input_ids=tokens[None], output_hidden_states=True).hidden_states
     aux = torch.cat([states[i][0] for i in head.config.aux_layers], dim=-1)
@@ -126,7 +141,7 @@ def test_unroll_attends_as_drafting_does(tiny_target, monkeypatch):
         out = state.sync(tokens[: t + 2].tolist())  # pairs 0..t: step 0 at row t
         torch.testing.assert_close(out, outputs[0][t], atol=1e-5, rtol=1e-5)
         for step in range(1, steps):  # the data's tokens fed as the drafts
-            out = state.run(out[None], [int(tokens[t + step + 1])], torch.tensor([t + step]))[-1]
+            out = state.run(out[None], [int(tokens[t + step + 1])], torch.tensor([t + step], device=tokens.device))[-1]
             torch.testing.assert_close(out, outputs[step][t], atol=1e-5, rtol=1e-5)
 
 
@@ -165,7 +180,7 @@ def test_training_lowers_every_steps_loss_and_the_trained_head_drafts_losslessly
     again = training.TrainingSettings(**(vars(settings) | {"epochs": 4, "vocab_size": 16, "intermediate_size": 8}))
     carried, carried_record = training.train(tiny_target, shards, again, layers, progress=False,
                                              log=lambda *_: None, init=loaded)
-    assert torch.equal(carried.draft_ids, loaded.draft_ids) and carried.config == loaded.config
+    assert torch.equal(carried.draft_ids.cpu(), loaded.draft_ids) and carried.config == loaded.config
     assert all(carried_record.losses[0][f"step{k}"] < first[f"step{k}"] - 0.3 for k in (1, 2, 3))
     with pytest.raises(UserError, match="another target or other layers"):
         training.train(tiny_target, shards, again, (0, 1, 1), progress=False, log=lambda *_: None, init=loaded)

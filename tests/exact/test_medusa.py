@@ -38,10 +38,10 @@ def test_fresh_heads_start_as_the_target_next_token_prediction(tiny_target):
 def test_save_and_load_round_trip(tiny_target, tmp_path):
     heads = random_medusa_heads(tiny_target, num_heads=2, vocab=50)
     heads.save(tmp_path / "heads", {"trained_on": "nothing"})
-    loaded, record = MedusaHeads.load(tmp_path / "heads", dtype=torch.float32)
+    loaded, record = MedusaHeads.load(tmp_path / "heads", dtype=torch.float32, device=tiny_target.device)
     assert record["trained_on"] == "nothing" and loaded.num_heads == 2
     assert torch.equal(loaded.vocab_ids, heads.vocab_ids)
-    x = torch.randn(3, tiny_target.config.hidden_size)
+    x = torch.randn(3, tiny_target.config.hidden_size, device=tiny_target.device)
     assert torch.allclose(loaded(x), heads.to(torch.bfloat16).float()(x), atol=1e-5)
     with pytest.raises(UserError, match="no Medusa head"):
         MedusaHeads.load(tmp_path / "missing")
@@ -97,7 +97,7 @@ def test_heads_that_know_the_future_are_accepted(tiny_target, kind):
     reference = greedy_references(tiny_target, [prompt], 20)[0]
     full = prompt + reference  # (the oracle looks features up in it: exact match only in float32)
     with torch.inference_mode():
-        truth = tiny_target.model(input_ids=torch.tensor([full])).last_hidden_state[0]
+        truth = tiny_target.model(input_ids=torch.tensor([full], device=tiny_target.device)).last_hidden_state[0]
 
     class Oracle(MedusaHeads):
         def forward(self, features):
@@ -119,7 +119,7 @@ def test_a_tree_follows_the_budget_and_the_curve(tiny_target):
     fixed = MedusaDrafter(heads, tiny_target, tree=True, budget=5)
     steep = MedusaDrafter(heads, tiny_target, CostCurve.linear(1.0), tree=True)  # each node costs a forward
     for drafter in (fixed, steep):
-        drafter._feature, drafter._valid_for = torch.randn(tiny_target.config.hidden_size), 7
+        drafter._feature, drafter._valid_for = torch.randn(tiny_target.config.hidden_size).to(tiny_target.device), 7
     draft = fixed.propose(list(range(7)), 10, SamplingParams(), None)
     assert len(draft) == 5 and draft.is_tree
     assert len(steep.propose(list(range(7)), 10, SamplingParams(), None)) == 0  # nothing pays

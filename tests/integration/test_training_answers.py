@@ -303,6 +303,28 @@ def test_train_eagle3_says_which_features_it_lacks(monkeypatch, capsys, tmp_path
     assert code == 2 and "--answers" in err and "--tokens 0" in err
 
 
+@pytest.mark.parametrize("command", [["eagle", "--data", "DATA"], ["eagle3", "--data", "DATA"],
+                                     ["medusa", "--data", "DATA"], ["data"]], ids=lambda c: c[0])
+@pytest.mark.parametrize("device", ["nope", "cuda:7"])
+def test_train_refuses_a_device_it_cannot_use_in_one_line(monkeypatch, capsys, tmp_path, command, device):
+    """`train ... --device`: a device this machine lacks fails at once (before any model loads or any folder
+    is written) with a one-line error (the console may wrap it) and exit code 2."""
+    if device.startswith("cuda") and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has that GPU")
+    args = [str(tmp_path / "data") if a == "DATA" else a for a in command]
+    code, _, err = run_cli(monkeypatch, capsys, "train", *args, "--out", str(tmp_path / "out"), "--device", device)
+    message = " ".join(err.split())
+    assert code == 2 and message.startswith("error:") and "Traceback" not in err, err
+    assert ("unknown device 'nope'" if device == "nope" else "--device cuda:7") in message
+    assert not (tmp_path / "out").exists() and not (tmp_path / "data").exists()
+
+
+def test_train_data_takes_no_device_on_a_ray_cluster(monkeypatch, capsys, tmp_path):
+    code, _, err = run_cli(monkeypatch, capsys, "train", "data", "--out", str(tmp_path / "out"), "--ray", "local",
+                           "--device", "cpu")
+    assert code == 2 and err.startswith("error:") and "Ray" in err and "Traceback" not in err, err
+
+
 def test_an_extraction_cut_short_carries_on(three_layers, sources, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 

@@ -1,0 +1,135 @@
+"""Host reads per step of the trained heads' drafting (EAGLE, EAGLE-3, Medusa), counted on the CPU as
+`test_syncs` counts the engine's: the heads compute on the tracked target's hidden states, so what they
+draft stands for device data too, and each read of it on the host counts.
+
+The budgets: a head's chain drafted on the device (as off the CPU) is read once, so a step reads twice
+with its verification; stopping early (on the CPU) reads one probability per token drafted; a head's
+tree reads each level it grows once; Medusa reads its heads' guesses once.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import random_eagle3_head, random_eagle_head, random_medusa_heads
+from specdecode import devices
+from specdecode.drafters.eagle import EagleDrafter, EagleTreeDrafter
+from specdecode.drafters.eagle3 import Eagle3Drafter, Eagle3TreeDrafter
+from specdecode.drafters.medusa import MedusaDrafter
+from specdecode.engine import GenerationConfig, SpeculativeEngine
+from specdecode.models.costs import CostCurve
+from specdecode.verify.typical import verify_typical
+from test_syncs import GREEDY, PROMPT, SAMPLED, syncs_per_step, tracked
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.cpu_only]  # the CPU's stand-in for a device
+
+FLAT = CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.05, 1.1, 1.2, 1.4))
+CHAINS = {"eagle": (EagleDrafter, random_eagle_head), "eagle3": (Eagle3Drafter, random_eagle3_head)}
+TREES = {"eagle": (EagleTreeDrafter, random_eagle_head), "eagle3": (Eagle3TreeDrafter, random_eagle3_head)}
+PARAMS = pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+
+
+def head_chain(kind: str, target, stops_early: bool) -> EagleDrafter:
+    """A head's chain of up to 5 tokens, cut where its confidence falls under 0.01 (after 1 or 2 tokens
+    with these random heads: the cut is exercised), read as on the CPU (`stops_early`) or as elsewhere."""
+    drafter_class, head = CHAINS[kind]
+    drafter = drafter_class(head(target), target, max_tokens=5, min_confidence=0.01)
+    drafter.stops_early = stops_early  # (the test picks the policy: the CPU's or a GPU's)
+    return drafter
+
+
+def drafts_and_syncs(engine: SpeculativeEngine, params, max_new_tokens: int = 24):
+    """(each step's draft as (tokens, scores) lists, each step's host reads), the drafts read on the host
+    only after the count."""
+    drafts, propose = [], engine.drafter.propose
+
+    def recorded(*args):
+        draft = propose(*args)
+        drafts.append(draft)
+        return draft
+
+    engine.drafter.propose = recorded
+    counts, _ = syncs_per_step(engine, params, max_new_tokens)
+    return [(d.tokens.tolist(), [] if d.scores is None else d.scores.tolist()) for d in drafts], counts
+
+
+@pytest.mark.parametrize("kind", CHAINS)
+@PARAMS
+def test_a_head_chain_drafted_on_the_device_is_read_once(tiny_target, kind, params):
+    """Off the CPU the chain is drafted whole on the device: one read for the draft, one to verify it."""
+    engine = SpeculativeEngine(tracked(tiny_target), drafter=head_chain(kind, tiny_target, stops_early=False),
+                               gate=False)
+    drafts, counts = drafts_and_syncs(engine, params)
+    assert any(tokens for tokens, _ in drafts)
+    assert counts[0] == 1 and max(counts) == 2, counts  # the first step: no features yet, verification alone
+
+
+@pytest.mark.parametrize("kind", CHAINS)
+def test_stopping_early_drafts_the_chain_the_device_cuts(tiny_target, kind):
+    """Read token by token (the CPU's way) or whole and cut afterwards (a GPU's way), a head drafts the same
+    chains with the same scores; token by token, a step reads the probability of each token it drafts and
+    of the one that stopped it, and verifies with one more read."""
+    early, early_counts = drafts_and_syncs(
+        SpeculativeEngine(tracked(tiny_target), drafter=head_chain(kind, tiny_target, True), gate=False), GREEDY)
+    whole, _ = drafts_and_syncs(
+        SpeculativeEngine(tracked(tiny_target), drafter=head_chain(kind, tiny_target, False), gate=False), GREEDY)
+    assert early == whole
+    lengths = [len(tokens) for tokens, _ in early]
+    assert 0 < max(lengths) < 5  # cut by the confidence, not by max_tokens
+    assert all(count <= length + 2 for count, length in zip(early_counts, lengths)), (early_counts, lengths)
+
+
+@pytest.mark.parametrize("kind", TREES)
+@PARAMS
+def test_a_head_tree_reads_each_level_once(tiny_target, kind, params):
+    """Growing EAGLE-2's tree, the head's children of each level reach the host in one read (`_add_children`,
+    called once per level) and nothing else of the drafting is read; greedy verification reads once more,
+    sampled verification once per level it reaches."""
+    drafter_class, head = TREES[kind]
+    drafter = drafter_class(head(tiny_target), tiny_target, FLAT, draft_cost=0.001, top_k=2, width=2, max_depth=4)
+    levels, add_children = [0], drafter._add_children
+
+    def counted(*args):
+        levels[-1] += 1
+        return add_children(*args)
+
+    drafter._add_children = counted
+    engine = SpeculativeEngine(tracked(tiny_target), drafter=drafter, gate=False)
+    config = GenerationConfig(max_new_tokens=24, sampling=params, seed=0)
+    counts, depths = [], []
+    with devices.SyncCounter("cpu") as counter:
+        for event in engine.stream(PROMPT, config):
+            counts.append(counter.total)
+            depths.append(event.stats.draft_depth or 0)
+            levels.append(0)
+            counter.reset()
+    levels.pop()
+    assert max(levels) >= 3  # trees grew past their first level
+    for count, grown, depth in zip(counts, levels, depths):
+        verification = 1 if params.greedy else depth + 1
+        assert grown + 1 <= count <= grown + verification, (counts, levels, depths)
+
+
+@PARAMS
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_medusa_reads_its_heads_guesses_once(tiny_target, tree, params):
+    """A Medusa chain reads its scores once (the engine's gate cuts it by them, the calibration learns from
+    them), a tree its heads' top-k once."""
+    drafter = MedusaDrafter(random_medusa_heads(tiny_target), tiny_target, FLAT, tree=tree)
+    engine = SpeculativeEngine(tracked(tiny_target), drafter=drafter)  # the gate cuts a chain by its scores
+    drafts, counts = drafts_and_syncs(engine, params)
+    assert any(tokens for tokens, _ in drafts)
+    if params.greedy or not tree:
+        assert max(counts) == 2, counts
+    else:  # sampled tree verification reads once per level it reaches
+        assert max(counts) <= 1 + max(len(tokens) for tokens, _ in drafts) + 1, counts
+
+
+def test_typical_acceptance_reads_twice(tiny_target):
+    """Typical acceptance reads the nodes' tokens, probabilities and thresholds together, then the token it
+    samples after the accepted path; with Medusa's tree read once, a step reads three times."""
+    drafter = MedusaDrafter(random_medusa_heads(tiny_target), tiny_target, FLAT, tree=True)
+    engine = SpeculativeEngine(tracked(tiny_target), drafter=drafter, gate=False, verifier=verify_typical)
+    drafts, counts = drafts_and_syncs(engine, SAMPLED)
+    assert any(tokens for tokens, _ in drafts)
+    assert counts[0] == 1 and max(counts) == 3, counts  # the first step: no feature yet, no draft
