@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from specdecode.api import load_models
 from specdecode.drafters.eagle import EagleHead
-from specdecode.drafters.eagle3 import Eagle3Head
+from specdecode.drafters.eagle3_head import Eagle3Head
 from specdecode.training import eagle as eagle_training
 from specdecode.training import features
 from specdecode.training.eagle3 import TrainingSettings, held_out_agreement

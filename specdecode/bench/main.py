@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.markdown import Markdown
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
-from specdecode import cluster
+from specdecode import cluster, devices
 from specdecode.bench import ray_shards, report
 from specdecode.bench.datasets import TRANSLATION_SOURCE, Task, sample_tasks
 from specdecode.bench.exactness import diagnose_divergences, sampled_fidelity
@@ -129,7 +129,8 @@ def run_here(setup: Setup, tasks: list[Task], config: GenerationConfig, repeats:
                              f"{', token ids' if engine.spec.api == 'completions' else ', its own template'})"
                              for label, engine in engine_rows.items()) or None
     return Outcome(records, lossless, notes, models.target.precision, torch.get_num_threads(),
-                   [f"{platform.processor() or platform.machine()}, torch {torch.__version__}"],
+                   [f"{platform.processor() or platform.machine()}, torch {torch.__version__}"
+                    + ("" if models.target.device.type == "cpu" else f", {devices.name(models.target.device)}")],
                    level_runs if loaded else None, engines_line, references)
 
 

@@ -32,7 +32,8 @@ def export_eagle(
         raise UserError(f"no such folder: {head}")
 
     from specdecode.api import load_models
-    from specdecode.drafters.eagle3 import Eagle3Head, load_shipped
+    from specdecode.drafters.eagle3 import load_shipped
+    from specdecode.drafters.eagle3_head import Eagle3Head
 
     eagle3_head, _ = Eagle3Head.load(head) if head is not None else load_shipped(target)
     config = eagle3_head.config

@@ -40,8 +40,6 @@ DraftDTypeOption = Annotated[DraftDType, typer.Option(
     help="Draft model weights: auto (default: int4 where its kernel runs, else int8; on a GPU bfloat16), int4 (4-bit weights, "
     "AVX2 CPUs: the cheapest draft token), int8 (~3x cheaper than bfloat16 on a CPU), bfloat16 or float32. "
     "Lossless whatever it is: the target verifies every token.")]
-DeviceOption = Annotated[str, typer.Option(help=(
-    "Where the torch backend runs: auto (CUDA where torch sees one, else the CPU), cpu, cuda, cuda:N or mps."))]
 TreeOption = Annotated[bool, typer.Option("--tree", help="Draft a token tree instead of a chain (methods with a tree form).")]
 BudgetOption = Annotated[int | None, typer.Option(
     min=1, max=4096, help="Tree nodes verified per step (default: chosen each step from the measured cost curve).")]

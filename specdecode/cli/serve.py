@@ -72,17 +72,10 @@ def serve(
     import uvicorn
 
     from specdecode.api import load_models
-    from specdecode.methods import choose
     from specdecode.serve.app import Limits, Server, create_app
     from specdecode.serve.guard import Guard, uvicorn_options
 
-    # every method resolved before the models load: the default one with the datastore it retrieves from,
-    # the others offered with it where they take one
-    default = choose(method.value, datastore=datastore)
-    if no_drafter and default.method.needs_draft_model:
-        raise UserError(f"method {method.value!r} needs the draft model; drop --no-drafter or pick another --method")
-    offered = [choose(m.strip(), datastore=datastore, only_if_taken=True)
-               for m in methods.split(",") if m.strip()] if methods else None
+    default, offered = _methods(method.value, methods, datastore, no_drafter)
     # one key per --api-key, as given (a key with a space is refused); the variable is split on spaces by click
     keys = tuple(api_key or ())
     guard = Guard.for_address(host, tuple(allowed_host or ()), api_keys=keys,
@@ -99,3 +92,16 @@ def serve(
     console.print(f"serving [bold]{name}[/] ({method.value} by default) on http://{host}:{port}/ "
                   f"({'API key required' if keys else 'no API key: this machine only'}); Ctrl-C stops")
     uvicorn.run(create_app(server, guard), host=host, port=port, **uvicorn_options(guard))
+
+
+def _methods(method: str, methods: str | None, datastore: Path | None, no_drafter: bool):
+    """(the default method, the others offered or None: all), resolved before the models load: the default
+    with the datastore it retrieves from, the others with it where they take one."""
+    from specdecode.methods import choose
+
+    default = choose(method, datastore=datastore)
+    if no_drafter and default.method.needs_draft_model:
+        raise UserError(f"method {method!r} needs the draft model; drop --no-drafter or pick another --method")
+    offered = [choose(m.strip(), datastore=datastore, only_if_taken=True)
+               for m in methods.split(",") if m.strip()] if methods else None
+    return default, offered

@@ -37,7 +37,7 @@ def _target_features(target: str, data: Path | None, tokens: int, seed: int, dty
     decoder layers an EAGLE-3 head reads too (`describe["aux_layers"]`). `extract=False` takes only the
     features the data job kept on this machine and extracts nothing (`data` unused)."""
     from specdecode.api import load_models
-    from specdecode.drafters.eagle3 import default_layers
+    from specdecode.drafters.eagle3_head import default_layers
     from specdecode.training import answer_store, features
 
     models = load_models(target, None, dtype=dtype, device=device)
@@ -237,7 +237,7 @@ def train_eagle3(
     """Train an EAGLE-3 head for TARGET on the path it will draft on (--dtype, --device): the inputs of three
     of its layers over its own answers and a teacher-forced corpus (built once into --data), then the head
     with training-time test within --seconds."""
-    from specdecode.drafters.eagle3 import Eagle3Head
+    from specdecode.drafters.eagle3_head import Eagle3Head
     from specdecode.training import eagle3
 
     device = devices.resolve(device)  # first: a device this machine lacks fails at once

@@ -34,6 +34,7 @@ from specdecode.devices import to_device
 from specdecode.drafters.base import Drafter, Needs, Outcome, tensor_bytes
 from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
 from specdecode.drafters.heads import for_drafting, load_head, save_head, shipped_or_explain
+from specdecode.models.cache import cache_keyword
 from specdecode.tree import structure
 from specdecode.errors import UserError
 from specdecode.tree.budget import Calibration
@@ -78,7 +79,7 @@ class EagleHead(nn.Module):
     ) -> torch.Tensor:
         x = self.fc(torch.cat([features, embeddings], dim=-1))
         out = self.layer(inputs_embeds=x, position_ids=position_ids, attention_mask=attention_mask,
-                         past_key_values=cache, use_cache=cache is not None)
+                         **{cache_keyword(self.layer): cache}, use_cache=cache is not None)
         return out.last_hidden_state  # [b, n, d]
 
     # -- storage ---------------------------------------------------------------------------------

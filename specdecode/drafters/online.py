@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from specdecode import devices
 from specdecode.devices import to_device
 from specdecode.drafters.base import Drafter, tensor_bytes
-from specdecode.drafters.eagle3 import Eagle3Head, build_eagle3, unroll
+from specdecode.drafters.eagle3 import build_eagle3
+from specdecode.drafters.eagle3_head import Eagle3Head, unroll
 
 LEARNING_RATE = 1e-4
 STEPS = 2  # optimiser steps after each sequence, each on it and one earlier sequence (replay)

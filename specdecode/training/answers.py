@@ -58,7 +58,7 @@ def check_limits(tokens: int, seconds: float | None, batch: int) -> None:
 class Answerer:
     """The target answering prompts in batches, by plain decoding in the batch engine: prompts join with
     `add`; `step` makes one target forward for every sequence in flight and returns the answers that ended.
-    With `layers` (EAGLE-3's, `drafters.eagle3.default_layers`), the forwards also keep the target's features
+    With `layers` (EAGLE-3's, `drafters.eagle3_head.default_layers`), the forwards also keep the target's features
     of every token they feed, and `captured[answer id]` holds each ended answer's: (the sequence, hidden,
     aux) as `features.Writer.add` takes them, of the prompt and the answer but its last token (which no
     forward feeds)."""
@@ -167,7 +167,7 @@ def generate(
     run out; `batch` sequences in flight. Resumes a folder begun with the same target and settings. With
     `keep_features`, the target's features of each answer (those an EAGLE-3 head learns from) go to
     `out/features` as it is generated (`features_folder`), sparing the training a pass over the answers."""
-    from specdecode.drafters.eagle3 import default_layers
+    from specdecode.drafters.eagle3_head import default_layers
     from specdecode.progress import Progress
 
     check_limits(tokens, seconds, batch)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdecode.drafters.eagle3 import Eagle3Config, Eagle3Head, unroll
+from specdecode.drafters.eagle3_head import Eagle3Config, Eagle3Head, unroll
 from specdecode.errors import UserError
 from specdecode.training.features import Shard
 from specdecode.training.loop import Schedule, TrainingRecord, frequent_tokens, on_device, optimise, split, windows

@@ -36,7 +36,7 @@ from typing import Literal
 
 import torch
 
-from specdecode.drafters.eagle3 import Eagle3Config
+from specdecode.drafters.eagle3_head import Eagle3Config
 from specdecode.errors import UserError
 
 FORMATS = ("vllm", "sglang")

@@ -9,8 +9,10 @@ import torch
 from conftest import LetterTokenizer, greedy_references, greedy_runs, random_prompts
 from conftest import random_eagle3_head as random_head
 from specdecode.drafters import eagle3 as eagle3_drafters
+from specdecode.drafters import eagle3_head
 from specdecode.drafters import heads
-from specdecode.drafters.eagle3 import Eagle3Drafter, Eagle3Head, Eagle3TreeDrafter, default_layers
+from specdecode.drafters.eagle3 import Eagle3Drafter, Eagle3TreeDrafter
+from specdecode.drafters.eagle3_head import Eagle3Head, default_layers
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.models.costs import CostCurve
@@ -41,7 +43,7 @@ def test_layout_follows_the_eagle3_checkpoint(tiny_target):
 
 def test_save_and_load_round_trip_in_shards(tiny_target, tmp_path, monkeypatch):
     head = random_head(tiny_target, vocab=60)
-    monkeypatch.setattr(eagle3_drafters, "MAX_FILE_BYTES", 4096)  # several shards for a tiny head
+    monkeypatch.setattr(eagle3_head, "MAX_FILE_BYTES", 4096)  # several shards for a tiny head
     head.save(tmp_path, {"note": "test"})
     files = sorted(tmp_path.glob("eagle3-*.safetensors"))
     from safetensors import safe_open

@@ -361,7 +361,7 @@ def target_folder(tmp_path_factory):
 
 def test_cli_exports_a_trained_head_for_its_target(monkeypatch, capsys, tmp_path, target_folder):
     """End to end on a tiny local target: the head class's own storage, the target's LM head rows."""
-    eagle3 = pytest.importorskip("specdecode.drafters.eagle3")
+    eagle3 = pytest.importorskip("specdecode.drafters.eagle3_head")
     target = AutoModelForCausalLM.from_pretrained(target_folder)
     config = eagle3.Eagle3Config.for_target(target.config, intermediate_size=16, draft_vocab_size=8)
     draft_ids = torch.tensor([9, 2, 30, 4, 5, 17, 11, 0])
@@ -378,7 +378,7 @@ def test_cli_exports_a_trained_head_for_its_target(monkeypatch, capsys, tmp_path
 
 
 def test_cli_refuses_a_head_reading_layers_its_target_lacks(monkeypatch, capsys, tmp_path, target_folder):
-    eagle3 = pytest.importorskip("specdecode.drafters.eagle3")
+    eagle3 = pytest.importorskip("specdecode.drafters.eagle3_head")
     target = AutoModelForCausalLM.from_pretrained(target_folder)
     config = eagle3.Eagle3Config.for_target(target.config, intermediate_size=16, draft_vocab_size=8)
     eagle3.Eagle3Head(replace(config, aux_layers=(1, 2, 9)), torch.arange(8)).save(tmp_path / "head", {})

@@ -12,7 +12,7 @@ import torch
 
 from conftest import TOKENS, run_cli, tiny_chat_qwen2, tiny_tokenizer
 from specdecode.api import load_models
-from specdecode.drafters.eagle3 import default_layers
+from specdecode.drafters.eagle3_head import default_layers
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.models import int4
