@@ -18,12 +18,13 @@ The gate spreads speculation across the batch (`tree.budget.cut_batch`): every s
 every sequence competes for the forward on the cost curve, so as the batch grows speculation shrinks, and
 it switches itself off where the curve says a wider forward no longer pays.
 
-Prompts: a step carries at most one chunk of prompt tokens in all (`costs.prefill_chunk`), so that no prompt
-holds the batch for longer than a chunk. Prompts that fit in a chunk are fed whole, oldest first, while they
-fit together; a longer prompt is fed a chunk a step, drafting and verifying nothing until its rest fits in
-a chunk, and takes turns with the other sequences (`PrefillShare`): a sequence that comes in while a long
-prompt is being fed waits for the chunk under way, not for the prompt. Several long prompts take turns too,
-the one that has fed the fewest chunks first.
+Prompts: a step carries at most one chunk of prompt tokens in all (`costs.prefill_chunk`, then what takes as
+long at the pace of the last chunk: `PrefillShare`), so that no prompt holds the batch for longer than a
+chunk. Prompts that fit in a chunk are fed whole, oldest first, while they fit together; a longer prompt is
+fed a chunk a step, drafting and verifying nothing until its rest fits in a chunk, and takes turns with the
+other sequences (`PrefillShare`): a sequence that comes in while a long prompt is being fed waits for the
+chunk under way, not for the prompt. Several long prompts take turns too, the one that has fed the fewest
+chunks first.
 
 Drafters here must not run a model of their own or the target (prompt lookup, retrieval, plain
 decoding: `Drafter.batchable`); each sequence gets its own drafter.
@@ -46,7 +47,7 @@ from specdecode.engine.sequence import (
 )
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
-from specdecode.models.costs import CostCurve, LiveCurve, prefill_chunk
+from specdecode.models.costs import CHUNK_SECONDS, MIN_CHUNK, CostCurve, LiveCurve, prefill_chunk
 from specdecode.tree.budget import cut_batch
 from specdecode.types import Draft
 from specdecode.verify.tree import verify
@@ -67,24 +68,36 @@ class Member:
 
 
 class PrefillShare:
-    """Turns between long prompts' chunks and the other sequences' steps: a chunk goes into a step once the
-    steps since the previous chunk have taken as long as that chunk did (or when the step would carry
-    nothing else). So while a long prompt is fed, the sequences decoding get at least half of the time
-    (and a token in each chunk's step too), and the prompt the other half; the rule follows what chunks
-    cost as the context grows, since it compares times."""
+    """Turns between long prompts' chunks and the other sequences' steps, and the chunks' size.
+
+    A chunk goes into a step once the steps since the previous chunk have taken as long as that chunk did
+    (or when the step would carry nothing else). So while a long prompt is fed, the sequences decoding get
+    at least half of the time (and a token in each chunk's step too), and the prompt the other half.
+
+    A chunk is what takes CHUNK_SECONDS at the pace of the last one, within MIN_CHUNK and the curve's chunk
+    (`costs.prefill_chunk`, timed at the start of a prompt): a token's attention grows with the context, and
+    a machine shared with other work slows every forward, so that a newcomer waits about as long for the
+    chunk under way deep into a long prompt, or on a busy machine, as at its start on a quiet one."""
 
     def __init__(self) -> None:
         self.chunk_seconds = 0.0  # the last step that carried a chunk
         self.since = 0.0  # the steps after it
+        self.per_token = 0.0  # the last chunk's step, seconds a token it fed (0: none yet)
 
     def turn(self) -> bool:
         """Whether a chunk may go into the next step."""
         return self.since >= self.chunk_seconds
 
-    def record(self, seconds: float, chunked: bool) -> None:
-        """A step took `seconds`; `chunked`: it carried a long prompt's chunk."""
+    def chunk(self, most: int) -> int:
+        """Prompt tokens the next step may carry, `most` at the most."""
+        if not self.per_token > 0:
+            return most
+        return max(min(most, MIN_CHUNK), min(most, round(CHUNK_SECONDS / self.per_token)))
+
+    def record(self, seconds: float, chunked: bool, tokens: int) -> None:
+        """A step fed `tokens` in `seconds`; `chunked`: a long prompt's chunk among them."""
         if chunked:
-            self.chunk_seconds, self.since = seconds, 0.0
+            self.chunk_seconds, self.since, self.per_token = seconds, 0.0, seconds / tokens
         else:
             self.since += seconds
 
@@ -223,7 +236,7 @@ class BatchEngine:
                 out[-1] = (ident, out[-1][1], m.progress.result(m.method))
                 del self.members[ident]
         self._collect()
-        self._share.record(self.clock() - began, chunked)
+        self._share.record(self.clock() - began, chunked, total)
         return out
 
     def _plan(self) -> dict[int, int]:
@@ -231,7 +244,7 @@ class BatchEngine:
         *Prompts*): prompts whose rest fits in a chunk whole, oldest first, while they fit in one chunk
         together; then, at a long prompt's turn (`PrefillShare`) or when the step would carry nothing else,
         what is left of the chunk to the long prompt that has fed the fewest chunks (then the oldest)."""
-        chunk = budget = self.prefill_chunk
+        chunk = budget = self._share.chunk(self.prefill_chunk)
         plan: dict[int, int] = {}
         prompts = {i: len(m.progress.prompt_ids) - len(m.slots) for i, m in self.members.items()
                    if len(m.slots) < len(m.progress.prompt_ids)}

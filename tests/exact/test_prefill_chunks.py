@@ -44,15 +44,16 @@ class Clock:
 
 
 class CountingLM(FakeLM):
-    """A FakeLM that records the tokens each forward feeds, and spends one tick of `clock` a token."""
+    """A FakeLM that records the tokens each forward feeds, and spends `token_seconds(cache length)` of `clock`
+    a token (default: one tick)."""
 
-    def __init__(self, clock: Clock | None = None):
+    def __init__(self, clock: Clock | None = None, token_seconds=lambda cached: 1.0):
         super().__init__(TARGET, max_context=2048)
-        self.clock, self.fed = clock or Clock(), []
+        self.clock, self.token_seconds, self.fed = clock or Clock(), token_seconds, []
 
     def forward(self, token_ids, **options):
         self.fed.append(token_ids.tolist())
-        self.clock.now += token_ids.numel()
+        self.clock.now += self.token_seconds(self.cache_length) * token_ids.numel()
         return super().forward(token_ids, **options)
 
 
@@ -125,9 +126,9 @@ def test_a_drafter_that_reads_hidden_states_gets_the_whole_prompts(tiny_target, 
 # --- The batch --------------------------------------------------------------------------------------------
 
 
-def batch(chunk: int) -> tuple[BatchEngine, CountingLM]:
+def batch(chunk: int, token_seconds=lambda cached: 1.0) -> tuple[BatchEngine, CountingLM]:
     clock = Clock()
-    target = CountingLM(clock)
+    target = CountingLM(clock, token_seconds)
     engine = BatchEngine(target, LetterTokenizer(), gate=False, clock=clock)
     engine.prefill_chunk = chunk
     return engine, target
@@ -192,6 +193,22 @@ def test_prompts_that_fit_in_a_chunk_are_fed_whole_oldest_first_one_chunk_in_all
     second = [ident for ident, _, _ in engine.step()]
     assert first == idents[:2] and second == idents[2:]  # 3 + 3 fit in 7, the third's 3 wait
     assert [len(f) for f in target.fed] == [6, 3]
+
+
+def test_chunks_shrink_to_what_takes_half_a_second_as_their_tokens_cost_more():
+    """A token costs 5 ms and 2.5 ms more every 100 tokens of context before it (attention grows with the
+    context): the first chunk is the curve's (64 tokens), then each is what takes CHUNK_SECONDS at the pace
+    of the one before, so none takes much longer however deep into the prompt."""
+    engine, target = batch(chunk=64, token_seconds=lambda cached: 0.005 * (1 + cached / 200))
+    engine.add(prompt(1200, seed=8), GenerationConfig(max_new_tokens=1))
+    cached, seconds = 0, []
+    while engine.members:
+        engine.step()
+        seconds.append(0.005 * (1 + cached / 200) * len(target.fed[-1]))
+        cached += len(target.fed[-1])
+    sizes = [len(f) for f in target.fed]
+    assert sizes[:3] == [64, 64, 64] and sizes[-2] < 20 and sizes[:-1] == sorted(sizes[:-1], reverse=True)
+    assert max(seconds) < 1.25 * costs.CHUNK_SECONDS  # (a chunk is sized at the pace of the one before)
 
 
 def test_the_batch_asks_the_targets_curve_for_its_chunk():
