@@ -43,6 +43,9 @@ def serve(
         min=0.001, help="Seconds from a request's arrival after which its generation ends where it is.")] = 300.0,
     max_queue: Annotated[int, typer.Option(
         min=1, help="Requests that may wait for the model; beyond, 429 with Retry-After.")] = 64,
+    max_prompt_tokens: Annotated[int | None, typer.Option(
+        min=1, help="The longest prompt a request may send, in tokens (400 beyond, before any work on it; "
+                    "default: the model's context).")] = None,
     max_body_mib: Annotated[float, typer.Option(min=0.001, help="The largest request body, in MiB (413 beyond).")] = 4.0,
     read_timeout: Annotated[float, typer.Option(
         min=0.001, help="Seconds a client has to send a request's headers, and again its body.")] = 15.0,
@@ -50,9 +53,12 @@ def serve(
         help="Who shares the memory of earlier requests (suffix decoding's text, eagle3-online's learning): "
              "tenant (one API key and `user` field; a request with neither shares nothing), request (nobody), "
              "server (everybody: one trusted user only).")] = MemoryScope("tenant"),
+    memory_owners: Annotated[int, typer.Option(
+        min=1, help="Owners of a memory kept for each API key (or for the keyless server), the key's least "
+                    "recently used forgotten first: a key cannot push out another key's.")] = 64,
     memory_budget_gib: Annotated[float | None, typer.Option(
-        min=0.0, help="What the owners' memories may hold together, in GiB, the least recently used forgotten "
-                      "first (default: a quarter of this machine's memory).")] = None,
+        min=0.0, help="What one API key's owners' memories may hold together, in GiB, its least recently used "
+                      "forgotten first (default: a quarter of this machine's memory, shared out among the keys).")] = None,
     docs: Annotated[bool, typer.Option("--docs", help="Serve /docs and /openapi.json (behind the key).")] = False,
     model_name: Annotated[str | None, typer.Option(
         help="The model id clients send (default: the target's name).")] = None,
@@ -73,6 +79,7 @@ def serve(
 
     from specdecode.api import load_models
     from specdecode.serve.app import Limits, Server, create_app
+    from specdecode.serve.engines import default_memory_budget
     from specdecode.serve.guard import Guard, uvicorn_options
 
     default, offered = _methods(method.value, methods, datastore, no_drafter)
@@ -82,13 +89,15 @@ def serve(
                               allowed_origins=tuple(allowed_origin or ()), docs=docs,
                               max_body_bytes=int(max_body_mib * 2**20), read_seconds=read_timeout)
     limits = Limits(max_tokens=max_tokens, default_max_tokens=default_max_tokens, request_seconds=request_timeout,
-                    max_queue=max_queue)
+                    max_queue=max_queue, max_prompt_tokens=max_prompt_tokens)
+    budget = (default_memory_budget() // max(1, len(keys)) if memory_budget_gib is None
+              else int(memory_budget_gib * 2**30))
     models = load_models(target, None if no_drafter else drafter, dtype=dtype.value, draft_dtype=draft_dtype.value,
                          backend=backend.value, device=backend_device(backend, device))
     name = model_name or Path(target.rstrip("/")).name.removesuffix(".gguf")
     server = Server(models, name, default, datastore=str(datastore) if datastore else None, max_batch=max_batch,
-                    limits=limits, methods=offered, memory_scope=memory_scope.value,
-                    memory_budget=None if memory_budget_gib is None else int(memory_budget_gib * 2**30))
+                    limits=limits, methods=offered, memory_scope=memory_scope.value, memory_owners=memory_owners,
+                    memory_budget=budget)
     console.print(f"serving [bold]{name}[/] ({method.value} by default) on http://{host}:{port}/ "
                   f"({'API key required' if keys else 'no API key: this machine only'}); Ctrl-C stops")
     uvicorn.run(create_app(server, guard), host=host, port=port, **uvicorn_options(guard))

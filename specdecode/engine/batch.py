@@ -18,6 +18,14 @@ The gate spreads speculation across the batch (`tree.budget.cut_batch`): every s
 every sequence competes for the forward on the cost curve, so as the batch grows speculation shrinks, and
 it switches itself off where the curve says a wider forward no longer pays.
 
+Prompts: a step carries at most one chunk of prompt tokens in all (`costs.prefill_chunk`, then what takes as
+long at the pace of the last chunk: `PrefillShare`), so that no prompt holds the batch for longer than a
+chunk. Prompts that fit in a chunk are fed whole, oldest first, while they fit together; a longer prompt is
+fed a chunk a step, drafting and verifying nothing until its rest fits in a chunk, and takes turns with the
+other sequences (`PrefillShare`): a sequence that comes in while a long prompt is being fed waits for the
+chunk under way, not for the prompt. Several long prompts take turns too, the one that has fed the fewest
+chunks first.
+
 Drafters here must not run a model of their own or the target (prompt lookup, retrieval, plain
 decoding: `Drafter.batchable`); each sequence gets its own drafter.
 """
@@ -32,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode import devices
 from specdecode.drafters.base import Drafter
 from specdecode.engine.sequence import (
     GenerationConfig, GenerationResult, SequenceState, StepEvent, VerifiedStep, check_prompt, conclude, draft_inputs,
@@ -39,7 +48,7 @@ from specdecode.engine.sequence import (
 )
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
-from specdecode.models.costs import CostCurve, LiveCurve
+from specdecode.models.costs import CHUNK_SECONDS, MIN_CHUNK, CostCurve, LiveCurve, prefill_chunk
 from specdecode.tree.budget import cut_batch
 from specdecode.types import Draft
 from specdecode.verify.tree import verify
@@ -56,6 +65,42 @@ class Member:
     method: str
     verifier: Callable  # the method's (exact verification unless the method is lossy)
     slots: list[int]  # the cache slots of context[:len(slots)], in order
+    chunks: int = 0  # chunks of its prompt fed before its first step
+
+
+class PrefillShare:
+    """Turns between long prompts' chunks and the other sequences' steps, and the chunks' size.
+
+    A chunk goes into a step once the steps since the previous chunk have taken as long as that chunk did
+    (or when the step would carry nothing else). So while a long prompt is fed, the sequences decoding get
+    at least half of the time (and a token in each chunk's step too), and the prompt the other half.
+
+    A chunk is what takes CHUNK_SECONDS at the pace of the last one, within MIN_CHUNK and the curve's chunk
+    (`costs.prefill_chunk`, timed at the start of a prompt): a token's attention grows with the context, and
+    a machine shared with other work slows every forward, so that a newcomer waits about as long for the
+    chunk under way deep into a long prompt, or on a busy machine, as at its start on a quiet one."""
+
+    def __init__(self) -> None:
+        self.chunk_seconds = 0.0  # the last step that carried a chunk
+        self.since = 0.0  # the steps after it
+        self.per_token = 0.0  # the last chunk's step, seconds a token it fed (0: none yet)
+
+    def turn(self) -> bool:
+        """Whether a chunk may go into the next step."""
+        return self.since >= self.chunk_seconds
+
+    def chunk(self, most: int) -> int:
+        """Prompt tokens the next step may carry, `most` at the most."""
+        if not self.per_token > 0:
+            return most
+        return max(min(most, MIN_CHUNK), min(most, round(CHUNK_SECONDS / self.per_token)))
+
+    def record(self, seconds: float, chunked: bool, tokens: int) -> None:
+        """A step fed `tokens` in `seconds`; `chunked`: a long prompt's chunk among them."""
+        if chunked:
+            self.chunk_seconds, self.since, self.per_token = seconds, 0.0, seconds / tokens
+        else:
+            self.since += seconds
 
 
 class BatchEngine:
@@ -63,20 +108,28 @@ class BatchEngine:
     it ends)."""
 
     def __init__(self, target: CausalLM, tokenizer=None, gate: bool = True,
-                 keep_hidden: bool | tuple[int, ...] = False):
+                 keep_hidden: bool | tuple[int, ...] = False, clock: Callable[[], float] | None = None):
         """`keep_hidden`: the hidden states (`CausalLM.forward`'s `output_hidden`) of every context token a
-        sequence feeds are kept, bfloat16, in `hidden[id]` (one piece a step, in order; the caller pops them)."""
+        sequence feeds are kept, bfloat16, in `hidden[id]` (one piece a step, in order; the caller pops them).
+        `clock` times whole steps, for the turns of long prompts (`PrefillShare`)."""
         if not target.several_sequences:
             raise UserError(f"{type(target).__name__} holds one sequence at a time; batching needs the torch backend")
         self.target, self.tokenizer, self.gate, self.keep_hidden = target, tokenizer, gate, keep_hidden
+        self.clock = clock or devices.clock(target.device)  # read after the device's queued work is done
         self.members: dict[int, Member] = {}
         self.hidden: dict[int, list[torch.Tensor]] = {}
         self._ids = itertools.count()
+        self._share = PrefillShare()
 
     @functools.cached_property
     def curve(self) -> CostCurve | LiveCurve:
         """The target's verification cost curve, as `SpeculativeEngine.curve`."""
         return self.target.cost_curve()
+
+    @functools.cached_property
+    def prefill_chunk(self) -> int:
+        """Prompt tokens a step feeds at most (`costs.prefill_chunk`; a test may assign it)."""
+        return prefill_chunk(self.target.cost_curve())
 
     def __len__(self) -> int:
         return len(self.members)
@@ -108,55 +161,72 @@ class BatchEngine:
             self.target.reset()
 
     def step(self) -> list[tuple[int, StepEvent, GenerationResult | None]]:
-        """One forward for every sequence: (id, event, result if it ended) for each. A sequence that ends
-        also yields its held-back text as a last event."""
-        idents, members = list(self.members), list(self.members.values())
-        if not members:
+        """One forward for the sequences in the batch: (id, event, result if it ended) for each that stepped.
+        A sequence that ends also yields its held-back text as a last event. A sequence whose prompt is fed
+        only in part (module docstring: *Prompts*), or waits, yields nothing."""
+        if not self.members:
             return []
+        began = self.clock()
+        # 0. What the forward carries: every sequence past its prompt, and prompt tokens within one chunk in all.
+        plan = self._plan()
+        idents = [i for i, m in self.members.items() if i in plan or len(m.slots) >= len(m.progress.prompt_ids)]
+        members = [self.members[i] for i in idents]
+        pending = [m.progress.context[len(m.slots) : len(m.slots) + plan.get(i, len(m.progress.context))]
+                   for i, m in zip(idents, members)]
+        # a sequence steps (drafts, verifies, appends) once the forward feeds all of its context
+        stepping = [len(m.slots) + len(p) == len(m.progress.context) for m, p in zip(members, pending)]
+        chunked = any(i in plan and not steps for i, steps in zip(idents, stepping))  # a long prompt's chunk
         # 1. Draft, each sequence on its own; then the gate shares the forward out.
         drafts, draft_seconds = [], []
-        for m in members:
+        for m, steps in zip(members, stepping):
             start = time.perf_counter()
             room = m.progress.room() - 1  # the step adds a token beyond its accepted drafts
             params = m.progress.config.sampling
             drafts.append(m.drafter.propose(m.progress.context, room, params, m.progress.generator)
-                          if m.drafter is not None and room > 0 else Draft.empty())
+                          if m.drafter is not None and room > 0 and steps else Draft.empty())
             draft_seconds.append(time.perf_counter() - start)
-        pending = [m.progress.context[len(m.slots):] for m in members]
         if self.gate:
             drafts = cut_batch(drafts, self.curve, sum(len(p) for p in pending))
         # 2. One forward over every sequence's pending tokens and draft.
-        start = time.perf_counter()
+        start = self.clock()
         cached = self.target.cache_length
         fed, positions, spans, rows = [], [], [], []
-        for m, p, draft in zip(members, pending, drafts):
+        for m, p, draft, steps in zip(members, pending, drafts, stepping):
             offset, n = sum(len(f) for f in fed), len(p) + len(draft)
-            position, local = draft_inputs(draft, len(p), len(m.progress.context))  # [n], [n, n]
+            position, local = draft_inputs(draft, len(p), len(m.slots) + len(p))  # [n], [n, n]
             fed.append(torch.cat([torch.tensor(p, dtype=torch.long, device="cpu"), draft.tokens.cpu()]))  # host drafts
             positions.append(position)
             spans.append((offset, n, local))
-            rows.append(torch.arange(offset + len(p) - 1, offset + n, device="cpu"))  # from the last context token's on
+            if steps:  # from the last context token's on
+                rows.append(torch.arange(offset + len(p) - 1, offset + n, device="cpu"))
         total = sum(len(f) for f in fed)
         mask = torch.zeros(total, cached + total, dtype=torch.bool, device="cpu")  # the forward moves it
         for m, (offset, n, local) in zip(members, spans):
             if m.slots:
                 mask[offset : offset + n, m.slots] = True
             mask[offset : offset + n, cached + offset : cached + offset + n] = local
+        # (a forward of chunks alone asks one row of logits, unused: every backend computes at least one)
         output = self.target.forward(torch.cat(fed), positions=torch.cat(positions), tree_mask=mask,
-                                     rows=torch.cat(rows), output_hidden=self.keep_hidden)
-        logits = output.logits  # [sum(len(draft) + 1), vocab]
-        forward_seconds = time.perf_counter() - start
-        if self.gate and all(m.slots for m in members):  # a prompt's prefill (cold, all attention) is not timed
+                                     rows=torch.cat(rows) if rows else torch.tensor([total - 1], device="cpu"),
+                                     output_hidden=self.keep_hidden)
+        logits = output.logits  # [sum(len(draft) + 1), vocab] over the sequences that step
+        forward_seconds = self.clock() - start
+        if self.gate and not plan:  # a prompt's prefill (cold, all attention) is not timed
             self.curve.observe(total, forward_seconds)
         # 3. Verify each sequence on its rows; keep the slots of its context and accepted tokens.
         out, row = [], 0
-        for ident, m, p, draft, (offset, n, _), spent in zip(idents, members, pending, drafts, spans, draft_seconds):
-            mine = logits[row : row + len(draft) + 1]  # [len(draft) + 1, vocab]
-            row += len(draft) + 1
-            verdict = verify_draft(m.verifier, draft, mine, m.progress.config.sampling, m.progress.generator)
+        for ident, m, p, draft, (offset, n, _), spent, steps in zip(idents, members, pending, drafts, spans,
+                                                                    draft_seconds, stepping):
             first = cached + offset
             if self.keep_hidden:  # the context tokens' rows (a draft's are not context yet)
                 self.hidden.setdefault(ident, []).append(output.hidden[offset : offset + len(p)].to(torch.bfloat16))
+            if not steps:  # a chunk of its prompt
+                m.slots += list(range(first, first + len(p)))
+                m.chunks += 1
+                continue
+            mine = logits[row : row + len(draft) + 1]  # [len(draft) + 1, vocab]
+            row += len(draft) + 1
+            verdict = verify_draft(m.verifier, draft, mine, m.progress.config.sampling, m.progress.generator)
             m.slots += list(range(first, first + len(p))) + [first + len(p) + node for node in verdict.path]
             # 4. The sequence's tokens appended; its drafter learns how its draft fared.
             event = conclude(m.progress, m.drafter, VerifiedStep(draft, verdict, mine, len(p), spent, forward_seconds))
@@ -167,7 +237,28 @@ class BatchEngine:
                 out[-1] = (ident, out[-1][1], m.progress.result(m.method))
                 del self.members[ident]
         self._collect()
+        self._share.record(self.clock() - began, chunked, total)
         return out
+
+    def _plan(self) -> dict[int, int]:
+        """The prompt tokens each sequence still feeding its prompt feeds in this step (module docstring,
+        *Prompts*): prompts whose rest fits in a chunk whole, oldest first, while they fit in one chunk
+        together; then, at a long prompt's turn (`PrefillShare`) or when the step would carry nothing else,
+        what is left of the chunk to the long prompt that has fed the fewest chunks (then the oldest)."""
+        chunk = budget = self._share.chunk(self.prefill_chunk)
+        plan: dict[int, int] = {}
+        prompts = {i: len(m.progress.prompt_ids) - len(m.slots) for i, m in self.members.items()
+                   if len(m.slots) < len(m.progress.prompt_ids)}
+        for ident, left in prompts.items():  # in arrival order
+            if left <= chunk:
+                if left > budget:
+                    break
+                plan[ident], budget = left, budget - left
+        long = [(self.members[i].chunks, i) for i, left in prompts.items() if left > chunk]
+        alone = not plan and len(prompts) == len(self.members)  # nothing else to feed
+        if long and budget and (alone or self._share.turn()):
+            plan[min(long)[1]] = budget
+        return plan
 
     def _collect(self) -> None:
         """Squeeze the garbage out of the cache once it is GARBAGE_SHARE of it."""

@@ -12,11 +12,11 @@ from specdecode.devices import to_device
 from specdecode.drafters.base import Drafter
 from specdecode.engine.payoff import StepAside
 from specdecode.engine.sequence import (
-    GenerationConfig, GenerationResult, SequenceState, StepEvent, Stream, VerifiedStep, check_prompt, conclude,
-    draft_inputs, verify_draft,
+    GenerationConfig, GenerationResult, SequenceState, StepEvent, Stream, VerifiedStep, after_prefill, check_prompt,
+    conclude, draft_inputs, prefill, verify_draft,
 )
 from specdecode.models.base import CausalLM
-from specdecode.models.costs import CostCurve, LiveCurve
+from specdecode.models.costs import MIN_CHUNK, CostCurve, LiveCurve, prefill_chunk
 from specdecode.types import AuxiliaryTokens, Draft, SamplingParams
 from specdecode.tree.budget import cut_chain
 from specdecode.verify.tree import verify
@@ -101,6 +101,11 @@ class SpeculativeEngine:
         the forwards this engine times; a test may assign a fixed one)."""
         return self.target.cost_curve()
 
+    @functools.cached_property
+    def prefill_chunk(self) -> int:
+        """Prompt tokens one forward of a prefill feeds at most (`costs.prefill_chunk`; a test may assign it)."""
+        return prefill_chunk(self.target.cost_curve())
+
     def step(
         self, context: list[int], room: int, params: SamplingParams, generator, speculate: bool = True
     ) -> VerifiedStep:
@@ -135,8 +140,8 @@ class SpeculativeEngine:
         rows = fed.numel() - len(pending) + 1  # from the last context token's on
         hidden = self.drafter.needs.hidden if self.drafter is not None else False
         # the curve learns from the timed forward, but for a sequence's first: the prompt's prefill (cold
-        # caches, attention over the whole prompt) prices nothing a draft's verification costs
-        timed = self.gate and self.drafter is not None and self.target.cache_length > 0
+        # caches, attention over the whole prompt, or its last chunk) prices nothing a draft's verification costs
+        timed = self.gate and self.drafter is not None and self.target.cache_length > 0 and len(pending) == 1
         forward_start = self.clock()
         out = self.target.forward(fed, positions=positions, tree_mask=mask, num_logits=rows, output_hidden=hidden)
         if timed:
@@ -158,6 +163,13 @@ class SpeculativeEngine:
             self.drafter.begin(list(prompt_ids), forget=self._forget)
             self._forget = False
         state = SequenceState(prompt_ids, config, self.tokenizer, self.target)
+        # A long prompt is fed a chunk a forward (a caller may stop between two: `Stream.items`), all but the
+        # last chunk, which the first step feeds with its draft. (No chunk splits a prompt of MIN_CHUNK tokens:
+        # its chunk needs no cost curve.)
+        hidden = self.drafter.needs.hidden if self.drafter is not None else False
+        chunk = self.prefill_chunk if len(prompt_ids) > MIN_CHUNK else MIN_CHUNK
+        pieces = yield from prefill(self.target, prompt_ids, chunk, hidden)
+        prefilled = self.target.cache_length
         aside = self.step_aside
         if aside is not None:
             aside.begin()
@@ -165,6 +177,8 @@ class SpeculativeEngine:
             start, speculate = self.clock(), aside is None or aside.speculate
             # Each step emits at least one token beyond its accepted drafts, hence room - 1.
             step = self.step(state.context, room - 1, config.sampling, state.generator, speculate=speculate)
+            if prefilled:  # the first step: the drafter sees the prompt as if this forward had fed it whole
+                step, prefilled = after_prefill(step, prefilled, pieces), 0
             # 5. Append the step's tokens; the drafter learns how its draft fared.
             event = conclude(state, self.drafter, step, stepped_aside=not speculate)
             if aside is not None:

@@ -7,8 +7,8 @@ both engines take for each sequence: its forward's inputs (`draft_inputs`), its 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -116,14 +116,30 @@ class GenerationResult:
         }
 
 
-class Stream:
-    """Iterate for StepEvents; once exhausted, `result` holds the GenerationResult."""
+@dataclass(frozen=True)
+class Prefilled:
+    """A chunk of a prompt's prefill fed (`prefill`): `fed` of the prompt's `total` tokens are in the cache."""
 
-    def __init__(self, events: Iterator[StepEvent]):
+    fed: int
+    total: int
+
+
+class Stream:
+    """Iterate for StepEvents; once exhausted, `result` holds the GenerationResult. `items` gives, before
+    the first event, each chunk of a long prompt's prefill too."""
+
+    def __init__(self, events: Iterator[StepEvent | Prefilled]):
         self._events = events
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[StepEvent]:
+        for item in self.items():
+            if isinstance(item, StepEvent):
+                yield item
+
+    def items(self) -> Iterator[StepEvent | Prefilled]:
+        """What each forward did: a chunk of the prompt fed (`Prefilled`), or a step's event. For a caller
+        that acts between any two forwards (the server's worker notices a client leaving there)."""
         self.result = yield from self._events
 
     def close(self) -> None:
@@ -145,6 +161,27 @@ def check_prompt(target: CausalLM, prompt_ids: list[int]) -> None:
     bad = [t for t in prompt_ids if not 0 <= t < target.vocab_size]
     if bad:
         raise UserError(f"token ids out of the vocabulary (size {target.vocab_size}): {bad[:5]}")
+
+
+def prefill_spans(prompt_length: int, chunk: int) -> list[tuple[int, int]]:
+    """The spans [start, end) of a prompt fed before its first step, `chunk` tokens each from its start; the
+    last 1 to `chunk` tokens are left to the first step, which feeds them with its draft."""
+    return [(start, start + chunk) for start in range(0, prompt_length - chunk, chunk)]
+
+
+def prefill(target: CausalLM, prompt_ids: list[int], chunk: int, hidden: bool | tuple[int, ...] = False
+            ) -> Generator[Prefilled, None, list[torch.Tensor]]:
+    """Feed a prompt but its last chunk into the target's empty cache, one chunk a forward (`prefill_spans`),
+    yielding after each. Returns the chunks' hidden states [chunk, d] when asked (`CausalLM.forward`'s
+    `output_hidden`), for a drafter that reads them (`after_prefill`)."""
+    pieces = []
+    for start, end in prefill_spans(len(prompt_ids), chunk):
+        # one row of logits, unused: every backend computes at least one
+        out = target.forward(torch.tensor(prompt_ids[start:end], device="cpu"), num_logits=1, output_hidden=hidden)
+        if hidden:
+            pieces.append(out.hidden)
+        yield Prefilled(end, len(prompt_ids))
+    return pieces
 
 
 class SequenceState:
@@ -249,6 +286,14 @@ def verify_draft(verifier, draft: Draft, logits: torch.Tensor, params: SamplingP
     """Accept the longest admissible prefix (or tree path) of a sequence's draft and add the correction or
     bonus token, with the method's verifier. logits: [len(draft) + 1 (+ aux), vocab], the sequence's rows."""
     return verifier(logits[: len(draft) + 1], draft, params, generator)  # [draft_len + 1, vocab]
+
+
+def after_prefill(step: VerifiedStep, prefilled: int, pieces: list[torch.Tensor]) -> VerifiedStep:
+    """A sequence's first step after `prefilled` prompt tokens were fed in chunks (`prefill`, whose hidden
+    states are `pieces`), as if its forward had fed them: they count among its pending tokens, and their
+    hidden states come first."""
+    hidden = None if step.hidden is None else torch.cat([*pieces, step.hidden])  # [prefilled + num_pending + ..., d]
+    return replace(step, num_pending=prefilled + step.num_pending, hidden=hidden)
 
 
 def conclude(state: SequenceState, drafter: Drafter | None, step: VerifiedStep, stepped_aside: bool = False) -> StepEvent:

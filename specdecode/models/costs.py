@@ -211,6 +211,24 @@ def measure_prefill(model: CausalLM, tokens: int = PREFILL_TOKENS, generator: to
     return best / tokens
 
 
+CHUNK_SECONDS = 0.5  # a long prompt's prefill is fed in forwards of about this long (`prefill_chunk`)
+DEFAULT_CHUNK = 256  # prompt tokens a forward, where the curve has no prefill figure
+MIN_CHUNK, MAX_CHUNK = 16, 4096
+
+
+def prefill_chunk(curve: CostCurve | LiveCurve) -> int:
+    """Prompt tokens one forward of a prefill feeds at most: about CHUNK_SECONDS by the curve's prefill
+    figure (DEFAULT_CHUNK where it has none), within MIN_CHUNK .. MAX_CHUNK.
+
+    Why chunks: between two forwards a server runs other requests' steps and notices a client leaving or a
+    deadline passing (`engine.batch`, `serve.worker`), and a forward's activations stay bounded. The figure is
+    timed at the start of a prompt; attention grows with the context, so a chunk deep into a long prompt costs
+    more (the measured ratio: README, *Serving*)."""
+    if not curve.prefill > 0:
+        return DEFAULT_CHUNK
+    return max(MIN_CHUNK, min(MAX_CHUNK, round(CHUNK_SECONDS / curve.prefill)))
+
+
 def _machine() -> str:
     cpu = platform.processor()
     try:

@@ -25,6 +25,7 @@ class Limits:
     default_max_tokens: int = 512
     request_seconds: float = 300.0  # from arrival; then the generation ends where it is
     max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting for the model; beyond: 429
+    max_prompt_tokens: int | None = None  # the longest prompt a request may send (None: the model's context)
 
     def __post_init__(self) -> None:
         if not 1 <= self.default_max_tokens <= self.max_tokens:
@@ -32,6 +33,20 @@ class Limits:
                             f"({self.max_tokens})")
         if not self.request_seconds > 0 or self.max_queue < 1:
             raise UserError("the request timeout must be positive and the queue hold at least one request")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise UserError(f"the longest prompt must be at least one token, got {self.max_prompt_tokens}")
+
+    def prompt_tokens(self, context: int) -> int:
+        """The most prompt tokens a request may send: `max_prompt_tokens`, never beyond the context."""
+        return context if self.max_prompt_tokens is None else min(self.max_prompt_tokens, context)
+
+    def check_prompt(self, prompt_ids: list[int], context: int, param: str) -> None:
+        """Refuse a prompt longer than this server takes (`max_prompt_tokens`) before any work on it; one
+        that does not fit in the context is refused by `config`."""
+        most = self.prompt_tokens(context)
+        if most < context and len(prompt_ids) > most:
+            raise APIError(400, f"This server takes prompts of at most {most} tokens; the request has "
+                                f"{len(prompt_ids)}.", param=param, code="prompt_too_long")
 
     def answer_limit(self, body: SamplingRequest, context: int) -> int | None:
         """The tokens a request asks to generate at most (None: a chat request that names none), checked."""
@@ -78,10 +93,15 @@ def prompt_byte_limit(tokenizer, context: int) -> int | None:
     return context * longest * (NORMALISED_SHRINK if normaliser is not None else 1)
 
 
-def check_prompt_bytes(texts: list[str], byte_limit: int | None, context: int, param: str) -> None:
-    """Refuse a prompt whose bytes already exceed what the context could hold (`prompt_byte_limit`),
-    before it is tokenized."""
+def check_prompt_bytes(texts: list[str], byte_limit: int | None, context: int, param: str,
+                       most: int | None = None) -> None:
+    """Refuse a prompt whose bytes already exceed what the context could hold (`prompt_byte_limit`), or
+    the `most` tokens a server takes when fewer, before it is tokenized."""
     size = sum(len(text.encode("utf-8")) for text in texts)
-    if byte_limit is not None and size > byte_limit:
-        raise APIError(400, f"This model's maximum context length is {context} tokens; the prompt's {size} bytes "
-                            "cannot fit in it.", param=param, code="context_length_exceeded")
+    if byte_limit is None or size <= byte_limit:
+        return
+    if most is not None and most < context:
+        raise APIError(400, f"This server takes prompts of at most {most} tokens; the prompt's {size} bytes "
+                            "cannot fit in them.", param=param, code="prompt_too_long")
+    raise APIError(400, f"This model's maximum context length is {context} tokens; the prompt's {size} bytes "
+                        "cannot fit in it.", param=param, code="context_length_exceeded")

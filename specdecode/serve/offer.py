@@ -8,10 +8,7 @@ other request waits for it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import sys
 import threading
 from collections.abc import Sequence
 from concurrent import futures
@@ -21,7 +18,7 @@ from dataclasses import dataclass
 from specdecode.api import Models
 from specdecode.errors import UserError
 from specdecode.methods import MethodChoice, choose, variant_names
-from specdecode.serve.engines import Engines
+from specdecode.serve.engines import Engines, yield_the_cpu
 
 log = logging.getLogger("specdecode.serve")
 
@@ -100,7 +97,7 @@ class Preparation:
                 future = self._preparing[choice.name] = Future()
 
                 def prepare() -> None:
-                    _yield_the_cpu()
+                    yield_the_cpu()
                     self.prepare(choice)
                     future.set_result(choice.name)
 
@@ -110,11 +107,3 @@ class Preparation:
     def wait(self, timeout: float | None = None) -> None:
         """Block until every preparation under way has ended."""
         futures.wait(list(self._preparing.values()), timeout)
-
-
-def _yield_the_cpu() -> None:
-    """Give this thread, and the threads it starts (torch's for a layer search), the lowest priority
-    (Linux: nice 19): a preparation takes only the CPU that decoding leaves."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)

@@ -8,13 +8,16 @@ Several users at once (see also `serve.guard` for keys, hosts and the HTTP limit
   one drafter per *owner*: with `memory_scope="tenant"` (the default) an owner is an API key's tenant
   and the request's OpenAI `user` field; a request with neither (no keys, no `user` or an empty one) has
   a drafter of its own that forgets it afterwards. "request" never shares; "server" shares one memory among all (one
-  trusted user). So a request's drafts, rejected text and token origins carry only its owner's text.
-- *Cost*: `Limits` caps a request's tokens, its time (past its deadline a generation ends where it is,
-  as at max_tokens) and the requests waiting (429 beyond); a client that disconnects, streaming or not,
-  stops its generation within one step.
+  trusted user). So a request's drafts, rejected text and token origins carry only its owner's text. The
+  owners are kept per tenant (`memory_owners`, `memory_budget` each): a tenant pushes out only its own.
+- *Cost*: `Limits` caps a request's tokens, its prompt's (400 beyond, before any work), its time (past its
+  deadline a generation ends where it is, as at max_tokens) and the requests waiting (429 beyond); a client
+  that disconnects, streaming or not, stops its generation within one step, or one chunk of its prompt.
 - *Preparation*: the methods a server is given (`methods`; without them, the default method) are
   prepared at start-up, any other on its first request, in the background (`serve.offer`): the request is
-  served if that takes under PREPARE_GRACE, and the method answers 503 until ready otherwise.
+  served if that takes under PREPARE_GRACE, and the method answers 503 until ready otherwise. A new owner's
+  engine (eagle3-online's head) is built beside the worker too, the request waiting for it (503 while
+  its tenant's builder is busy with another owner's).
 - *The event loop*: tokenizing and templating run on a thread pool; a prompt whose bytes already exceed
   what the context could hold is refused before it is tokenized.
 """
@@ -23,21 +26,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import os
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specdecode.api import Models
-from specdecode.engine import GenerationResult
+from specdecode.engine import GenerationResult, SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.methods import MethodChoice
 from specdecode.serve import protocol, replies
-from specdecode.serve.engines import Engines
+from specdecode.serve.engines import Engines, Owner
 from specdecode.serve.guard import ClientGone
 from specdecode.serve.limits import Limits, check_prompt_bytes, prompt_byte_limit
 from specdecode.serve.metrics import ServerMetrics
@@ -49,6 +53,8 @@ from specdecode.serve.worker import DEFAULT_MAX_BATCH, Job, Worker
 MEMORY_SCOPES = ("tenant", "request", "server")
 TOKENIZER_THREADS = 2
 PREPARE_GRACE = 1.0  # seconds a request waits for its method's preparation before a 503
+
+log = logging.getLogger("specdecode.serve")
 
 
 class Server:
@@ -62,7 +68,9 @@ class Server:
         """`methods`: those clients may name (default: every one the models can run), by name or resolved
         already (`methods.choose`); `datastore`: the retrieval datastore of those that take one; `prepare`:
         those prepared before the server takes requests (default: all of `methods` when given, else the
-        default method), each other one being prepared in the background on its first request."""
+        default method), each other one being prepared in the background on its first request;
+        `memory_owners`, `memory_budget` (bytes; None: a quarter of the machine's memory): what one tenant's
+        memory owners may be and hold together (`serve.engines`)."""
         self.offer = Offer.resolve(models, default_method, methods, datastore)
         self.offered = tuple(self.offer.names())
         if prepare is None:
@@ -76,7 +84,8 @@ class Server:
         self.limits, self.memory_scope = limits, memory_scope
         self.metrics = ServerMetrics()
         self._recent_seconds = 1.0  # a moving average of request latency, for Retry-After
-        self.prompt_bytes = prompt_byte_limit(models.tokenizer, models.target.max_context)
+        self.prompt_tokens = limits.prompt_tokens(models.target.max_context)
+        self.prompt_bytes = prompt_byte_limit(models.tokenizer, self.prompt_tokens)
         # Requests are tokenized on these threads, one text each. The tokenizer's own thread pool (Rust's
         # rayon, at full priority) is turned off: a datastore's tokenization on it would take the cores
         # from decoding (a concurrent stream stalled with it, not without: README, *Figures behind the code's choices*).
@@ -121,14 +130,14 @@ class Server:
         """Block until every preparation under way has ended (tests, benchmarks)."""
         self.preparation.wait(timeout)
 
-    def memory_owner(self, tenant: str | None, user: str | None) -> Hashable | None:
+    def memory_owner(self, tenant: str | None, user: str | None) -> Owner | None:
         """Whose cross-request memory a request may read and add to (None: its own only)."""
         user = user or None  # an empty name is none (a client library's default must not make a crowd)
         if self.memory_scope == "server":
-            return "server"
+            return Owner(None, "server")
         if self.memory_scope == "request" or (tenant is None and user is None):
             return None
-        return (tenant, user)
+        return Owner(tenant, user)
 
     def _finished(self, job: Job, result: GenerationResult) -> None:
         seconds = time.perf_counter() - job.submitted
@@ -172,7 +181,7 @@ class Server:
         return self.limits.answer_limit(body, self.models.target.max_context)
 
     def _check_bytes(self, texts: list[str], param: str) -> None:
-        check_prompt_bytes(texts, self.prompt_bytes, self.models.target.max_context, param)
+        check_prompt_bytes(texts, self.prompt_bytes, self.models.target.max_context, param, self.prompt_tokens)
 
     def _encode_completion(self, prompt: str | list[int]) -> list[int]:  # on the tokenizing pool
         if isinstance(prompt, str):
@@ -212,14 +221,18 @@ class Server:
             raise APIError(429, f"The server is busy: {self.limits.max_queue} requests are waiting; retry in "
                                 f"{retry} s.", type="server_error", code="queue_full", headers={"Retry-After": str(retry)})
         loop = asyncio.get_running_loop()
+        memory = self.memory_owner(request.state.tenant, body.user)
         try:
             prompt_ids = await loop.run_in_executor(self._tokenizing, encode)
+            self.limits.check_prompt(prompt_ids, self.models.target.max_context, param)
             config = self.limits.config(body, prompt_ids, limit, self.models.target.max_context, param)
+            engine = None
+            if self.worker.runs_alone(choice):
+                engine = await self._engine(choice, memory, request)
         except BaseException:
             self.worker.leave()
             raise
-        memory = self.memory_owner(request.state.tenant, body.user)
-        job = Job(choice, prompt_ids, config, loop, asyncio.Queue(), memory=memory,
+        job = Job(choice, prompt_ids, config, loop, asyncio.Queue(), memory=memory, engine=engine,
                   deadline=arrival + self.limits.request_seconds)
         self.worker.submit(job)
         watcher = asyncio.create_task(replies.disconnected(request))
@@ -250,6 +263,33 @@ class Server:
             watcher.cancel()
             if not finished:  # the client left, or the request failed: stop the generation
                 job.cancelled.set()
+
+    async def _engine(self, choice: MethodChoice, memory: Owner | None, request: Request) -> SpeculativeEngine:
+        """The engine a job that runs alone will run with, built beside the worker if need be (`Engines.building`):
+        the request waits for it while the others are served; 503 while its tenant's builder is busy with
+        another owner's engine; ClientGone if the client leaves meanwhile (the build goes on, for its owner)."""
+        future = self.engines.building(choice, memory, request.state.tenant)
+        if future is None:
+            raise APIError(503, f"Another memory owner's engine for `{choice.name}` is being built for this key; "
+                                "retry later.", type="server_error", code="owner_not_ready",
+                           headers={"Retry-After": str(NOT_READY_RETRY_SECONDS)})
+        if not future.done():
+            built = asyncio.wrap_future(future)
+            watcher = asyncio.create_task(replies.disconnected(request))
+            try:
+                await asyncio.wait({built, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                watcher.cancel()
+            if not built.done():
+                self.metrics.cancelled.inc()
+                raise ClientGone
+        try:
+            return future.result()
+        except UserError as error:
+            raise api_error(error) from None
+        except Exception as error:  # the server's fault: its log says what happened
+            log.error("building the engine of method %s failed", choice.name, exc_info=error)
+            raise api_error(error) from None
 
     async def _next(self, job: Job, watcher: asyncio.Task):
         """The job's next event, or ClientGone once the client has disconnected (its job cancelled)."""

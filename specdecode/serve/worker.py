@@ -7,16 +7,25 @@ skipping, lookahead's window...) has the target to itself: it waits for the batc
 and no new request joins the batch while it waits (so it is not starved). On a backend whose cache holds
 one sequence (llama.cpp) every request runs alone, in arrival order.
 
-Each step's event goes to the request's asyncio queue. Between two steps the worker looks at every job:
+A long prompt is fed in chunks, each a step of its job (`costs.prefill_chunk`): in the batch it takes turns
+with the other sequences' steps (`engine.batch.PrefillShare`), so a request that comes in while another's
+long prompt is being fed waits for the chunk under way, not for the prompt; a job that runs alone feeds
+its chunks one after another (`Stream.items`), holding the target as for its steps. A job that runs alone
+gets its engine before it is submitted (`Job.engine`), built beside the worker where it must be built (a
+new memory owner's: `serve.engines`).
+
+Each step's event goes to the request's asyncio queue. Between two steps, and between two chunks of a
+prompt, the worker looks at every job:
 
 - *cancelled* (its client went away): it leaves before the next step, and its cache entries are freed;
 - *expired* (past its deadline): it ends where it is, its answer what it has generated so far with the
   finish reason `length`, as if it had reached max_tokens; a job that expires before it starts gets
   `Busy` (the server answers 503).
 
-So a generation stops within one step of either. At most `max_queue` requests wait for the model: a
-request takes its place with `enter()` before the server prepares it (tokenizing, templating) and keeps
-it until the worker starts it or drops it; `enter()` is refused beyond that (the server answers 429).
+So a generation stops within one step, or one chunk of its prompt, of either. At most `max_queue` requests
+wait for the model: a request takes its place with `enter()` before the server prepares it (tokenizing,
+templating, building its engine) and keeps it until the worker starts it or drops it; `enter()` is refused
+beyond that (the server answers 429).
 """
 
 from __future__ import annotations
@@ -93,6 +102,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue  # Step..., then a GenerationResult or an Exception
     memory: Hashable | None = None  # whose cross-request memory its drafter may read (None: its own only)
+    engine: SpeculativeEngine | None = None  # built beside the worker for a job that runs alone (None: the factory's)
     deadline: float = math.inf  # time.perf_counter() past which it ends where it is
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
@@ -158,6 +168,10 @@ class Worker:
         """Give a place back: the request will not be submitted after all (or has left the queue)."""
         with self._lock:
             self._queued -= 1
+
+    def runs_alone(self, choice: MethodChoice) -> bool:
+        """Whether a job of this method has the target to itself (its engine: `Job.engine`), or joins the batch."""
+        return self.batch is None or not choice.method.batchable
 
     def submit(self, job: Job) -> None:
         """Queue a job that holds a place (`enter`); the worker gives the place back as it takes the job."""
@@ -237,7 +251,7 @@ class Worker:
                 self._fail(job, Busy(f"the server is busy: the request waited {waited:.0f} s for the model"))
                 continue
             try:
-                if self.batch is None or not job.choice.method.batchable:
+                if self.runs_alone(job.choice):
                     if self._active:
                         return  # wait for the batch to drain
                     self._dequeue()
@@ -278,14 +292,15 @@ class Worker:
     def _run_alone(self, job: Job) -> None:
         engine = None
         try:
-            engine = self.factory.engine(job.choice, job.memory)
+            engine = job.engine or self.factory.engine(job.choice, job.memory)
             stream = engine.stream(job.prompt_ids, job.config)
-            for event in stream:
+            for item in stream.items():  # a step's event, or a chunk of the prompt fed
                 if job.cancelled.is_set():
                     stream.close()
                     engine.target.reset()  # frees the cancelled sequence's cache
                     return
-                self._emit(job, event)
+                if isinstance(item, StepEvent):
+                    self._emit(job, item)
                 if job.past_deadline():
                     stream.close()
                     engine.target.reset()

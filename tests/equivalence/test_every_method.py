@@ -24,6 +24,7 @@ from specdecode.api import load_models
 from specdecode.drafters import heads
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.methods import choose, resolve, variant_names
+from specdecode.models import costs
 from specdecode.types import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -90,6 +91,22 @@ def test_no_tensor_lands_on_the_wrong_device(variant, models, plain, random_head
         engine.generate(prompts[1], sampled)
     if resolve(variant)[0].lossless:
         assert greedy.token_ids == references[0][:12]
+
+
+@pytest.mark.parametrize("variant", LOSSLESS)
+def test_greedy_output_is_plain_decoding_after_a_chunked_prefill(variant, models, random_heads, monkeypatch):
+    """The same with the prompts (about 30 tokens) fed five tokens a forward before the first step
+    (`engine.sequence.prefill`), plain decoding's fed whole. (That the heads get the prompt's hidden states
+    as before: `exact/test_prefill_chunks.py`.)"""
+    monkeypatch.setattr(heads, "shipped_head", lambda model, kind: random_heads / kind)
+    prompts = [models.encode(" ".join([text] * 3)) for text in PROMPTS[:2]]
+    assert all(len(p) > costs.MIN_CHUNK for p in prompts)  # long enough to be chunked
+    plain = SpeculativeEngine(models.target, models.tokenizer)
+    references = [plain.generate(p, GenerationConfig(max_new_tokens=max(LENGTHS))).token_ids for p in prompts]
+    reference = None if "-tree" in variant else REFERENCE
+    engine = models.engine_for(choose(variant, reference=reference, only_if_taken=True))
+    engine.prefill_chunk = 5
+    list(greedy_runs(engine, prompts, references, LENGTHS[1:]))
 
 
 def test_every_lossless_method_is_here():

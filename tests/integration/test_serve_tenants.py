@@ -107,7 +107,7 @@ def test_owners_beyond_the_limit_are_forgotten_least_recent_first(models):
             stream(running.url, "one two", user=user)
     finally:
         running.stop()
-    assert [owner for _, owner in state.engines.owned] == [(None, "a"), (None, "c")]
+    assert [owner.name for _, owner in state.engines.owned[None]] == ["a", "c"]
 
 
 def test_owners_beyond_the_memory_budget_are_forgotten_least_recent_first():
@@ -139,7 +139,7 @@ def test_owners_beyond_the_memory_budget_are_forgotten_least_recent_first():
     def visit(owner):
         coming.append(owner)
         engines.engine(choice, owner)
-        return [key[1] for key in engines.owned]
+        return [key[1] for key in engines.owned[None]]
 
     assert visit("a") == ["a"] and visit("b") == ["a", "b"]
     assert visit("c") == ["b", "c"]  # 40 + 30 + 50 > 100: a, the least recent, goes
