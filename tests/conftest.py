@@ -61,8 +61,14 @@ def wrong_device_trap():
         with torch.device(self.device):
             return torch.nn.Module.__call__(self, *args, **kwargs)
 
+    def step_on_the_host(self, *args, **kwargs):  # torch's optimisers keep their step counts on the host
+        with torch.device("cpu"):
+            return adamw_step(self, *args, **kwargs)
+
     patch = pytest.MonkeyPatch()
     patch.setattr(PreTrainedModel, "__call__", call_on_the_models_device, raising=False)
+    adamw_step = torch.optim.AdamW.step  # (the online head's optimiser)
+    patch.setattr(torch.optim.AdamW, "step", step_on_the_host)
     try:
         with torch.device("meta"):
             yield
