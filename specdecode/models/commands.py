@@ -115,8 +115,7 @@ def clean(
                      "installed chunk packages on the next use, minutes per model)."),
     ] = False,
 ) -> None:
-    """Delete the prepared weights: the int8 and int4 models quantized once and kept for later starts (the
-    next such start quantizes again and keeps the result)."""
+    """Delete the prepared weights: int8 and int4 models quantized once for later starts (the next quantizes again)."""
     freed = prepared.clean()
     console.print(f"Removed the prepared weights in {prepared.root()} ({_gigabytes(freed)})")
     if everything:
