@@ -184,6 +184,28 @@ def layer_searches_in_a_temporary_folder(tmp_path_factory):
     patch.undo()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def prepared_weights_in_a_temporary_folder(tmp_path_factory):
+    """Test models quantized at int8 or int4 are kept (`models.prepared`) in a temporary folder, not the
+    user's cache; the registered models (folders in the user's cache) keep the user's, as a run of theirs
+    would, and a test that sets SPECDECODE_CACHE gets its own."""
+    from specdecode.models import prepared
+    from specdecode.paths import cache_dir
+
+    folder = tmp_path_factory.mktemp("prepared")
+    entry = prepared.entry
+    patch = pytest.MonkeyPatch()
+
+    def temporary(model_folder, bits):
+        own = entry(model_folder, bits)
+        users = os.environ.get("SPECDECODE_CACHE") or Path(model_folder).resolve().is_relative_to(cache_dir())
+        return own if users else folder / own.name
+
+    patch.setattr(prepared, "entry", temporary)
+    yield folder
+    patch.undo()
+
+
 @pytest.fixture
 def real_measure(monkeypatch):
     """costs.measure as it is: timing forwards."""

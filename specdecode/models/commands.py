@@ -1,4 +1,4 @@
-"""`specdecode models ...`: fetch the registered models and list what is in the cache.
+"""`specdecode models ...`: fetch the registered models, list what is in the cache, clean it.
 
 The main command line mounts this as `app.add_typer(commands.app, name="models")`; a `UserError` raised
 here is turned into a one-line message there.
@@ -7,6 +7,7 @@ here is turned into a one-line message there.
 from __future__ import annotations
 
 import importlib
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -17,7 +18,8 @@ from rich.console import Console
 from rich.table import Table
 
 from specdecode.errors import UserError
-from specdecode.models.loading import console, converted_dir, gguf_path, is_assembled, prepare_registered
+from specdecode.models import prepared
+from specdecode.models.loading import cache_dir, console, converted_dir, gguf_path, is_assembled, prepare_registered
 from specdecode.models.registry import (
     DEFAULT_DRAFTER,
     DEFAULT_TARGET,
@@ -28,7 +30,8 @@ from specdecode.models.registry import (
 )
 
 app = typer.Typer(
-    help="Fetch the registered models (the default target/drafter pair) and list the model cache.",
+    help="Fetch the registered models (the default target/drafter pair), list the model cache, and clean "
+    "the prepared (quantized) weights that int8 and int4 starts load.",
     no_args_is_help=True,
 )
 
@@ -102,3 +105,21 @@ def list_models() -> None:
             path, size = "", _gigabytes(model.size) + " (GGUF)"
         table.add_row(name, roles.get(name, ""), state, str(path), size)
     Console().print(table)  # stdout: this is the command's output, not progress
+
+
+@app.command()
+def clean(
+    everything: Annotated[
+        bool,
+        typer.Option("--all", help="Also the assembled GGUF files and converted folders (made again from the "
+                     "installed chunk packages on the next use, minutes per model)."),
+    ] = False,
+) -> None:
+    """Delete the prepared weights: int8 and int4 models quantized once for later starts (the next quantizes again)."""
+    freed = prepared.clean()
+    console.print(f"Removed the prepared weights in {prepared.root()} ({_gigabytes(freed)})")
+    if everything:
+        for folder in (cache_dir() / "gguf", cache_dir() / "models"):  # conversion.gguf_path, converted_dir
+            size = _folder_size(folder) if folder.is_dir() else 0
+            shutil.rmtree(folder, ignore_errors=True)
+            console.print(f"Removed {folder} ({_gigabytes(size)})")

