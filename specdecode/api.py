@@ -197,7 +197,7 @@ _loaded: dict[tuple, Models] = {}
 def generate(
     prompt: str | list[int],
     *,
-    method: str = "suffix",  # the best lossless method on the int4 path `dtype="auto"` takes (README)
+    method: str = "suffix",  # the best lossless method on the int4 path `dtype="auto"` takes (docs/methods/index.md)
     target: str | PreTrainedModel = DEFAULT_TARGET,
     drafter: str | PreTrainedModel | None = DEFAULT_DRAFTER,
     tokenizer: PreTrainedTokenizerBase | None = None,

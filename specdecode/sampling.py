@@ -40,9 +40,9 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 
     By inverting the cumulative distribution, summed in float64 (an error of about 1e-11 over a 150k
     vocabulary, where float32 would reach 1e-5): a uniform u in [0, total) picks the first token whose
-    cumulative mass exceeds u, so a token of zero probability is never drawn. 20 times faster than
-    `torch.multinomial` over a 150k vocabulary on a CPU (0.18 against 3.9 ms: it draws an exponential
-    per token), a cost every sampled step pays. On the device of `probs`, with no host synchronisation
+    cumulative mass exceeds u, so a token of zero probability is never drawn. Far faster than
+    `torch.multinomial` over a 150k vocabulary on a CPU, which draws an exponential per token, a cost every
+    sampled step pays (docs/results/code-choices.md). On the device of `probs`, with no host synchronisation
     (`generator` must live there too)."""
     flat = probs.reshape(-1, probs.shape[-1])  # [rows, vocab]
     wide = torch.float32 if flat.device.type == "mps" else torch.float64  # MPS has no float64

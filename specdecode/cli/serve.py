@@ -79,27 +79,20 @@ def serve(
 
     from specdecode.api import load_models
     from specdecode.serve.app import Limits, Server, create_app
-    from specdecode.serve.engines import default_memory_budget
-    from specdecode.serve.guard import Guard, uvicorn_options
+    from specdecode.serve.guard import uvicorn_options
 
     default, offered = _methods(method.value, methods, datastore, no_drafter)
-    # one key per --api-key, as given (a key with a space is refused); the variable is split on spaces by click
-    keys = tuple(api_key or ())
-    guard = Guard.for_address(host, tuple(allowed_host or ()), api_keys=keys,
-                              allowed_origins=tuple(allowed_origin or ()), docs=docs,
-                              max_body_bytes=int(max_body_mib * 2**20), read_seconds=read_timeout)
-    limits = Limits(max_tokens=max_tokens, default_max_tokens=default_max_tokens, request_seconds=request_timeout,
-                    max_queue=max_queue, max_prompt_tokens=max_prompt_tokens)
-    budget = (default_memory_budget() // max(1, len(keys)) if memory_budget_gib is None
-              else int(memory_budget_gib * 2**30))
+    guard, keys = _guard(host, allowed_host, api_key, allowed_origin, docs, max_body_mib, read_timeout)
     models = load_models(target, None if no_drafter else drafter, dtype=dtype.value, draft_dtype=draft_dtype.value,
                          backend=backend.value, device=backend_device(backend, device))
     name = model_name or Path(target.rstrip("/")).name.removesuffix(".gguf")
     server = Server(models, name, default, datastore=str(datastore) if datastore else None, max_batch=max_batch,
-                    limits=limits, methods=offered, memory_scope=memory_scope.value, memory_owners=memory_owners,
-                    memory_budget=budget)
-    console.print(f"serving [bold]{name}[/] ({method.value} by default) on http://{host}:{port}/ "
-                  f"({'API key required' if keys else 'no API key: this machine only'}); Ctrl-C stops")
+                    limits=Limits(max_tokens=max_tokens, default_max_tokens=default_max_tokens,
+                                  request_seconds=request_timeout, max_queue=max_queue,
+                                  max_prompt_tokens=max_prompt_tokens), methods=offered, memory_scope=memory_scope.value, memory_owners=memory_owners,
+                    memory_budget=_memory_budget(memory_budget_gib, len(keys)))
+    console.print(f"serving [bold]{name}[/] ({method.value} by default) on http://{host}:{port}/ ("
+                  f"{'API key required' if keys else 'no API key: this machine only'}); Ctrl-C stops")
     uvicorn.run(create_app(server, guard), host=host, port=port, **uvicorn_options(guard))
 
 
@@ -114,3 +107,21 @@ def _methods(method: str, methods: str | None, datastore: Path | None, no_drafte
     offered = [choose(m.strip(), datastore=datastore, only_if_taken=True)
                for m in methods.split(",") if m.strip()] if methods else None
     return default, offered
+
+
+def _memory_budget(gib: float | None, keys: int) -> int:
+    """Bytes each API key's owners may hold: --memory-budget-gib, else the machine's default shared among the keys."""
+    from specdecode.serve.engines import default_memory_budget
+
+    return default_memory_budget() // max(1, keys) if gib is None else int(gib * 2**30)
+
+
+def _guard(host: str, allowed_host, api_key, allowed_origin, docs: bool, max_body_mib: float, read_timeout: float):
+    """(the server's guard, its keys): one key per --api-key, as given (a key with a space is refused; the
+    environment variable is split on spaces by click), the hosts and origins allowed, the body's limits."""
+    from specdecode.serve.guard import Guard
+
+    keys = tuple(api_key or ())
+    return Guard.for_address(host, tuple(allowed_host or ()), api_keys=keys,
+                             allowed_origins=tuple(allowed_origin or ()), docs=docs,
+                             max_body_bytes=int(max_body_mib * 2**20), read_seconds=read_timeout), keys

@@ -196,7 +196,7 @@ def train_eagle(
     device: DeviceOption = "auto",
 ) -> None:
     """Train an EAGLE head for TARGET on --device: its features over ShareGPT and standard-library code (built
-    once into --data, about 140 tokens/s on a CPU), then the head within --seconds."""
+    once into --data), then the head within --seconds."""
     from specdecode.training import eagle
 
     device = devices.resolve(device)  # first: a device this machine lacks fails at once
@@ -273,7 +273,7 @@ def train_medusa(
     device: DeviceOption = "auto",
 ) -> None:
     """Train Medusa heads for TARGET on --device: its features over ShareGPT and standard-library code (built
-    once into --data, about 140 tokens/s on a CPU; the same folder serves EAGLE), then the heads within
+    once into --data; the same folder serves EAGLE), then the heads within
     --seconds."""
     from specdecode.training import medusa
 

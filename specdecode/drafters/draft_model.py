@@ -142,9 +142,10 @@ class DraftModelDrafter(Drafter):
     forward, `draft_cost`, and the target's cost curve (the step then costs k * draft_cost + curve(k + 1)
     target forwards). The length may be 0: where no draft beats plain decoding, drafting switches
     off, with a one-token probe every PROBE_EVERY steps to notice when it would pay again, and for good
-    when it could not pay even at BEST_ACCEPTANCE (llama.cpp on this CPU, where verifying 2 tokens
-    costs 1.7 forwards and a 0.5B draft token 0.6). The costs are fixed numbers during a run, so a
-    seed still reproduces a sampled run: the methods registry takes them from the two models' cost
+    when it could not pay even at BEST_ACCEPTANCE (llama.cpp on a CPU, where a verification costs nearly
+    one forward per token and a draft token a large share of one: docs/results/code-choices.md). The
+    costs are fixed numbers during a run, so a seed still reproduces a sampled run: the methods registry
+    takes them from the two models' cost
     curves, measured once per machine and cached (`models.costs`). Drafting also stops early when the drafter's own
     probability of its token falls under `confidence_threshold`: such a token is likely rejected, and
     drafting past it costs draft forwards for nothing. Given the draft model's own cost curve, adaptive

@@ -11,8 +11,8 @@ number that maximises expected tokens per unit of time on the target's measured 
 Both decisions leave out the drafting already spent in the step (sunk: it is paid whatever follows). It
 used to count, and it includes the draft model catching up on the context (the whole prompt at a
 sequence's first step, the skipped tokens after plain steps), so after a long catch-up any tree looked
-cheap beside it: the int4 target, where a 64-token forward costs 18 one-token ones, verified 47-64 nodes
-for 1-2 tokens at those steps.
+cheap beside it, and trees far wider than paid were verified at those steps for a token or two
+(docs/results/int4-target.md).
 
 Fixed shape: the same rounds, but the nodes to expand and the ranks of their children come from a
 Medusa/EAGLE "choices" list, for comparison with the dynamic tree.

@@ -58,9 +58,8 @@ def shipped_or_explain(target, kind: str, weights: str):
 
 
 # The bits a trained head drafts with where the machine has the quantized kernels (`for_drafting`); None:
-# float32. A head's drafting step reads all its weights for a few rows, like a target's decoding step: the
-# shipped EAGLE-3 head's tree steps took 27.8 ms in float32, 6.8 in int8 and 3.2 in int4 beside a ~45 ms
-# int4 target step (README, *Figures behind the code's choices*).
+# float32. A head's drafting step reads all its weights for a few rows, like a target's decoding step, so the
+# bytes of its weights decide what it costs beside a target step (docs/results/code-choices.md).
 DRAFT_BITS: int | None = 4
 
 

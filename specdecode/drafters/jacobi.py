@@ -38,7 +38,7 @@ from specdecode.types import Draft, SamplingParams
 LOOKUP_NGRAM = 2  # the longest n-gram matched when copying guesses (down to 1)
 
 # A block of 4 guesses keeps the verification forward at 5 tokens, barely dearer than one token on a
-# CPU's cost curve (README, *Figures behind the code's choices*). Jacobi guesses past the first few are
+# CPU's cost curve (docs/results/code-choices.md). Jacobi guesses past the first few are
 # rarely right except while the text repeats itself, where the copies are; the lead tunes this by
 # benchmark.
 DEFAULT_BLOCK = 4

@@ -40,16 +40,17 @@ from specdecode.tree.budget import Calibration, prune
 from specdecode.tree.trie import build_trie, stack
 from specdecode.types import AuxiliaryTokens, Draft, SamplingParams
 
-# Defaults for a 2-core CPU, where a bf16 forward over 16 tokens costs little more than one and wider ones
-# grow steeply (the curve: README, *Figures behind the code's choices*). The reference's GPU settings (W = 15,
+# Defaults for a CPU on which a bf16 forward over 16 tokens costs little more than one and wider ones grow
+# steeply (the curve: docs/results/code-choices.md). The reference's GPU settings (W = 15,
 # N = 5, G = 15: about 120 tokens a forward) would cost several forwards here; W = 5, N = 3, G = 3 keep a
 # step to at most 1 + 9 window + 6 draft = 16 tokens, so the window costs a fraction of a forward and a
 # full 2-gram match pays for it. 2-grams cap a step at 3 tokens; the lead tunes W, N and G by benchmark.
 DEFAULT_WINDOW = 5
 DEFAULT_NGRAM = 3
 DEFAULT_CANDIDATES = 3
-# Where verification width is dear (an AVX2 CPU in bf16: 8 tokens cost 6 forwards), the window is left out
-# once it costs more than this share of a forward, and the candidates' trie is cut to the nodes that pay.
+# Where verification width is dear (bf16 emulated on a CPU without bf16 units: docs/results/cost-curves.md),
+# the window is left out once it costs more than this share of a forward, and the candidates' trie is cut to
+# the nodes that pay.
 WINDOW_SHARE = 0.25
 PRIOR_ACCEPTANCE = 0.5  # per level, before the calibration has evidence
 

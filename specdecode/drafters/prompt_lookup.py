@@ -78,7 +78,8 @@ PRIOR_WEIGHT = 4.0  # the priors count as this many observations
 # A copy is offered at most twice as long as the longest draft this request has had accepted, and at
 # least this long: the estimates above are judged on 16-token windows, so past the longest run seen they
 # extrapolate, and an answer that quotes its source ends where the source goes on (a RAG answer, an
-# edit's last line). Where width is dear (llama.cpp) a 64-token decode costs 17 single-token ones, and
+# edit's last line). Where width is dear (llama.cpp: docs/results/code-choices.md) a long copy's decode costs many
+# single-token ones, and
 # the replay of the benchmark's outputs (`benchmarks/copy_acceptance.py`) gains on code-edit and rag;
 # where it is cheap (PyTorch) the cap doubles away within a few steps.
 FIRST_CAP = 16

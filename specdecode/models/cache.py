@@ -2,8 +2,8 @@
 preallocated room instead of concatenating.
 
 transformers' `DynamicLayer` appends a forward's keys and values with `torch.cat`, which copies the whole
-cache every forward, a cost that grows with the context (a few milliseconds of a 1.5B model's one-token
-forward at 1–2k tokens on two cores: README, *Figures behind the code's choices*). `GrowingLayer`
+cache every forward, a cost that grows with the context and shows in a one-token forward at long
+contexts (docs/results/code-choices.md). `GrowingLayer`
 keeps each layer's keys and values in buffers with room to spare and writes new entries into the room;
 `keys` and `values` stay what every reader expects, tensors [batch, kv_heads, length, head_dim], now
 views of the buffers' first `length` positions. Cropping (transformers' own `crop`) shortens the views;

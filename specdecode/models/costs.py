@@ -1,7 +1,7 @@
 """The verification cost curve: what one forward over n new tokens costs, relative to one token.
 
 On a CPU decoding is bound by reading the weights, so a forward over 8 tokens costs little more than
-over 1 (figures: README, *Figures behind the code's choices*), and a wider draft tree is nearly free up to a
+over 1 (figures: docs/results/cost-curves.md), and a wider draft tree is nearly free up to a
 point that depends on the model, the backend and the machine. The curve is measured once per model,
 backend and machine and cached as JSON under the package cache; tree drafters size their trees from it.
 """
@@ -54,8 +54,7 @@ class CostCurve:
         size of at least n costs (the cheapest of it and every larger size), linear beyond the last.
 
         A step rather than a line between sizes because batch sizes are not smooth on every backend:
-        llama.cpp's matrix kernels take 16 tokens for less than 17, or even 12 (README, *Figures
-        behind the code's choices*).
+        llama.cpp's matrix kernels take 16 tokens for less than 17, or even 12 (docs/results/code-choices.md).
         A forward of a size that was not measured is charged as if padded to one that was, and a drafter
         that can offer more tokens (a longer copy, more tree nodes) fills the batch up to it, as the
         budget search finds on its own.
@@ -223,7 +222,7 @@ def prefill_chunk(curve: CostCurve | LiveCurve) -> int:
     Why chunks: between two forwards a server runs other requests' steps and notices a client leaving or a
     deadline passing (`engine.batch`, `serve.worker`), and a forward's activations stay bounded. The figure is
     timed at the start of a prompt; attention grows with the context, so a chunk deep into a long prompt costs
-    more (the measured ratio: README, *Serving*)."""
+    more (docs/results/code-choices.md)."""
     if not curve.prefill > 0:
         return DEFAULT_CHUNK
     return max(MIN_CHUNK, min(MAX_CHUNK, round(CHUNK_SECONDS / curve.prefill)))

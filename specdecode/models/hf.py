@@ -134,7 +134,7 @@ class HFCausalLM(CausalLM):
             use_cache=True,
             # Indices, not a count: transformers then gathers a contiguous copy of those hidden states;
             # a count gives a strided view, and the bf16 LM head on a strided input is far slower on CPU
-            # (README, *Figures behind the code's choices*).
+            # (docs/results/code-choices.md).
             logits_to_keep=rows,
             output_hidden_states=bool(output_hidden),
         )

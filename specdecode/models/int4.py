@@ -95,8 +95,8 @@ def _ops():
 
 def kernels() -> list[str]:
     """The kernel variants this machine runs, slowest first (the last is the one used). An AVX-512
-    variant only where ATen runs its AVX-512 code too: `ATEN_CPU_CAPABILITY=avx2` makes an AVX-512
-    machine an AVX2 one for PyTorch's kernels and ours alike (how AVX2 figures are approximated there)."""
+    variant only where ATen runs its AVX-512 code too: `ATEN_CPU_CAPABILITY=avx2` makes a CPU with
+    AVX-512 run as an AVX2 one for PyTorch's kernels and ours alike (how AVX2 figures are approximated there)."""
     capped = torch.backends.cpu.get_cpu_capability() != "AVX512"
     return [name for number, name in enumerate(KERNELS)
             if _ops().supported(number) and not (capped and name.startswith("avx512"))]
@@ -134,8 +134,7 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     Each block's ideal step is its largest magnitude over 8 (or 7 when that value is positive, which
     maps onto +7); the channel's scale is the largest ideal step over 15, and each block's multiplier is
     the integer 1..15 (of the rounded one and its neighbours) that reconstructs the block best. Computed
-    1024 channels at a time (faster than all at once, README, *Figures behind the code's choices*: the
-    temporaries stay in cache)."""
+    1024 channels at a time (faster than all at once, docs/results/code-choices.md: the temporaries stay in cache)."""
     parts = [_quantize_rows(rows) for rows in weight.detach().split(1024)]
     return tuple(torch.cat(part) for part in zip(*parts))
 

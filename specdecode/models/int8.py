@@ -3,7 +3,7 @@
 Speculative decoding is exact only if the target scores a token the same whether its forward carries one
 token or a whole draft. fbgemm's dynamic int8 matrix product (`torch.ops.quantized.linear_dynamic`, what
 `torch.ao.quantization.quantize_dynamic` runs) is the fastest CPU kernel torch ships for small batches
-(for 1 row and for 8 on AVX2 cores, against emulated bf16: README, *Figures behind the code's choices*), but it
+(for 1 row and for 8 on AVX2 cores, against emulated bf16: docs/results/code-choices.md), but it
 quantizes its input with one scale and zero point for the whole tensor, chosen from the tensor's minimum
 and maximum: a row's result then depends on the other rows of the batch.
 
@@ -196,7 +196,7 @@ def fuse_gate_up(model: nn.Module) -> nn.Module:
     """Each gated MLP of a known kind (GATED_MLPS) computes its gate and up projections as one linear layer,
     `gate_up_proj` (their weights stacked), in place. Quantization is per output channel, so the quantized
     layer holds exactly the two layers' quantized weights, and the outputs are the same, bit for bit; one
-    product over both costs less than two (on the 4-bit kernel: README, *Figures behind the code's choices*)."""
+    product over both costs less than two (on the 4-bit kernel: docs/results/code-choices.md)."""
     for module in list(model.modules()):  # the list first: the loop replaces modules' children
         gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
         if type(module).__name__ not in GATED_MLPS or not isinstance(gate, nn.Linear) or not isinstance(up, nn.Linear):
@@ -300,7 +300,7 @@ def _attention_by_rows(query, key, value, rows: list[torch.Tensor | int], scalin
             key[:, :, seen], value[:, :, seen])
         # the query heads that share a key head are that head's query rows (head h reads key head
         # h // group): one call, no copy of the keys per query head as enable_gqa makes (slower per
-        # row at long contexts: README, *Figures behind the code's choices*)
+        # row at long contexts: docs/results/code-choices.md)
         grouped = query[:, :, i].reshape(1, kv_heads, heads // kv_heads, d)
         out_rows.append(F.scaled_dot_product_attention(grouped, keys, values, scale=scaling).reshape(1, heads, 1, d))
     out = out_rows[0] if n == 1 else torch.cat(out_rows, dim=2)  # [1, heads, n, d]

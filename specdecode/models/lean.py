@@ -1,12 +1,12 @@
 """The quantized paths' decoder loop of our own: a forward of the Llama family without transformers' generic
 machinery.
 
-On the int4 path a one-token forward of the 1.5B target took about 45 ms on two cores, of which the 197
-quantized products took 25-30 ms; much of the rest was transformers' machinery around them, which a
-model of any kind needs and a decoding step of a known one does not: the model's mask building and output
-capture, a keyword-argument journey through every layer, the attention implementation looked up by name
-in each layer, module calls with their hooks (README, *Figures behind the code's choices*). `LeanDecoder`
-runs the same submodules' arithmetic in the same order on the same tensors -- embedding, rotary embedding,
+On the int4 path a one-token forward spends much of its time beside the quantized products, in
+transformers' machinery around them, which a model of any kind needs and a decoding step of a known one
+does not: the model's mask building and output capture, a keyword-argument journey through every layer,
+the attention implementation looked up by name in each layer, module calls with their hooks (a profile:
+docs/results/code-choices.md). `LeanDecoder` runs the same submodules' arithmetic in the same order on the
+same tensors -- embedding, rotary embedding,
 per layer RMSNorm, the query/key/value products, rotary positions, cache append, the batch-invariant
 attention (`int8.invariant_attention`'s kernel), output product, residual, RMSNorm, gated MLP, residual,
 then the final norm -- so its logits, hidden states and cache entries are transformers', bit for bit

@@ -9,7 +9,7 @@ and cached under `specdecode.paths.cache_dir()`:
    `<cache>/gguf/<name>.gguf`, checked against the pinned size and SHA-256 (a marker spares later runs
    the rehash);
 3. *convert* (`conversion.convert_gguf`): transformers dequantises the GGUF (slow, so once per model:
-   README, *Figures behind the code's choices*) into a bf16 safetensors folder with the tokenizer and its
+   docs/results/code-choices.md) into a bf16 safetensors folder with the tokenizer and its
    chat template, `<cache>/models/<name>/` (a user's file: `gguf-<stem>-<size>-<mtime>/`);
 4. *load*: transformers loads the folder in `dtype`; for the exact int8 and int4 paths, the prepared
    (quantized) model is loaded from `<cache>/prepared/` (`models.prepared`), or else the folder is loaded
@@ -203,7 +203,7 @@ def _fastest_dtype(folder: Path | str) -> torch.dtype | str:
 
 def _dynamic_int8(model: PreTrainedModel) -> PreTrainedModel:
     """A drafter's int8 (`exact_int8=False`): torch.ao's dynamic quantization, one activation scale per
-    tensor, faster than the exact form (README, *Figures behind the code's choices*); a drafter only
+    tensor, faster than the exact form (docs/results/code-choices.md); a drafter only
     proposes, so its rounding never changes the output. torch 2.13 marks torch.ao.quantization deprecated in
     favour of torchao; it ships with torch (no extra package that could pull another torch)."""
     with warnings.catch_warnings():

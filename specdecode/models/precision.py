@@ -3,7 +3,7 @@
 CPUs of the same kind differ: with AVX-512 bf16 units a bfloat16 product is several times faster than
 float32 and nearly as cheap for 8 rows as for one; with AVX2 only, bfloat16 is emulated (its cost grows with
 the rows) and fbgemm's int8 product is the fastest (timings of one product of the 1.5B's MLP shape:
-README, *Figures behind the code's choices*). So each
+docs/results/cost-curves.md). So each
 candidate path times one product of the model's MLP shape, for 1 row (plain decoding) and 8 rows (a
 speculative step), and the cheapest per generated token wins: min(t1, t8 / 3), as if an 8-token
 verification yielded three tokens; a quantized path (int8, or int4 where its AVX2 kernel runs), which
@@ -23,7 +23,7 @@ from specdecode.models.int8 import InvariantInt8Linear
 
 CANDIDATES = ("bfloat16", "float32", "int8", "int4")
 TOKENS_PER_WIDE_STEP = 3  # what an 8-token verification is taken to yield
-# the quantized paths are not the float model (greedy agreement in the README): taken only when at least
+# the quantized paths are not the float model (greedy agreement: docs/results/quality.md): taken only when at least
 # this much cheaper per token than the best float path
 QUANTIZED_MARGIN = 1.3
 

@@ -88,7 +88,7 @@ class Server:
         self.prompt_bytes = prompt_byte_limit(models.tokenizer, self.prompt_tokens)
         # Requests are tokenized on these threads, one text each. The tokenizer's own thread pool (Rust's
         # rayon, at full priority) is turned off: a datastore's tokenization on it would take the cores
-        # from decoding (a concurrent stream stalled with it, not without: README, *Figures behind the code's choices*).
+        # from decoding (a concurrent stream stalled with it, not without: docs/results/serving.md).
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="specdecode-tokenize")
         self.engines = Engines(models, memory_owners, memory_budget)

@@ -88,7 +88,7 @@ def cut_batch(drafts: list[Draft], curve: CostCurve, pending: int) -> list[Draft
     ranked = sorted(((float(s), j, i) for i in scored for j, s in enumerate(drafts[i].scores.tolist())),
                     key=lambda c: (-c[0], c[1]))
     # no wider than the largest measured forward: beyond it the curve is a guess (on llama.cpp a 65-token
-    # forward costs far more than the line through 48 and 64 says: README, *Figures behind the code's choices*)
+    # forward costs far more than the line through 48 and 64 says: docs/results/code-choices.md)
     cap = max(curve.sizes[-1] - fixed, 0)
     count = best_budget([c[0] for c in ranked], curve, 0.0, pending=fixed, cap=cap, base=float(len(drafts)))
     keep = {i: 0 for i in scored}
