@@ -64,15 +64,18 @@ class Models:
         choices: tuple[tuple[int, ...], ...] | None = None,
         datastore: str | None = None,
         reference: str | None = None,
+        head: str | Path | None = None,
     ) -> SpeculativeEngine:
         """An engine for a method by name (`draft`, `draft-tree`, `pld-tree`...); `tree=True` switches a
         method to its tree form, `budget` fixes the tree nodes verified per step (default: chosen from
         the target's measured cost curve), `choices` gives the tree a fixed shape, `datastore` is a
-        retrieval datastore's path (default: the Python standard library's) and `reference` a document's
-        text to draft from, for the methods that take them (`Method.takes`; the others ignore them). The method is resolved here (`methods.choose`); `engine_for` takes one
+        retrieval datastore's path (default: the Python standard library's), `reference` a document's
+        text to draft from and `head` a trained head's folder (`specdecode train KIND --out`; default: the one
+        shipped for the target), for the methods that take them (`Method.takes`, a head the methods of its
+        kind; the others ignore them). The method is resolved here (`methods.choose`); `engine_for` takes one
         resolved already."""
         return self.engine_for(choose(method, tree=tree, budget=budget, choices=choices, datastore=datastore,
-                                      reference=reference, only_if_taken=True))
+                                      reference=reference, head=head, only_if_taken=True))
 
     def engine_for(self, choice: MethodChoice) -> SpeculativeEngine:
         """An engine for a resolved method (`methods.choose`)."""
@@ -214,10 +217,11 @@ def generate(
     budget: int | None = None,
     backend: str = "torch",
     device: torch.device | str | None = None,
+    head: str | Path | None = None,
 ) -> GenerationResult:
     """Generate with one method; models loaded by name are kept for the next call. `device` as in
-    `load_models`."""
-    choice = choose(method, tree=tree, budget=budget)  # before any model loads
+    `load_models`; `head`: a trained head's folder for the head methods (`specdecode train KIND --out`)."""
+    choice = choose(method, tree=tree, budget=budget, head=head)  # before any model loads
     needs_draft = choice.method.needs_draft_model
     key = (id(target) if isinstance(target, PreTrainedModel) else target,
            (id(drafter) if isinstance(drafter, PreTrainedModel) else drafter) if needs_draft else None, str(dtype),

@@ -23,6 +23,7 @@ from specdecode.drafters.other_tokenizer import OtherTokenizerDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
 from specdecode.drafters.jacobi import build_jacobi
 from specdecode.drafters.eagle import build_eagle
+from specdecode.drafters.heads import kind_of
 from specdecode.drafters.eagle3 import build_eagle3
 from specdecode.drafters.online import build_eagle3_online
 from specdecode.drafters.medusa import build_medusa, build_medusa_tree
@@ -50,13 +51,13 @@ class Method:
     lossless: bool = True
     tree: bool = False  # offers a token-tree form
     choices: bool = False  # its tree can take a fixed shape
-    takes: tuple[str, ...] = ()  # the outside sources it drafts from: "datastore", "reference"
+    takes: tuple[str, ...] = ()  # the outside sources it drafts from: "datastore", "reference", "head"
     # drafts without running a model, so the server decodes its requests in a batch (`engine.batch`;
     # its drafters say so too: `Drafter.batchable`)
     batchable: bool = False
-    # drafts with a head trained for the target (`specdecode train ...`); the repository ships one for
-    # the default target only
-    trained: bool = False
+    # the kind of head trained for the target it drafts with ("eagle", "eagle3", "medusa": `specdecode train
+    # KIND`, a folder given as `head`); the repository ships one of each for the default target only
+    head: str | None = None
     # runs the target's own layers or reads its hidden states: the torch backend only
     torch_only: bool = False
     # drafts from the text of earlier requests its drafter served: a server keeps one drafter per owner
@@ -67,6 +68,11 @@ class Method:
     # its chain form drafts with a model whose tokenizer differs from the target's (through text,
     # `drafters.other_tokenizer`)
     other_tokenizer: bool = False
+
+    @property
+    def trained(self) -> bool:
+        """Drafts with a head trained for the target."""
+        return self.head is not None
 
     def drafter(self, target: CausalLM, draft: CausalLM | None, options: DrafterOptions | None = None) -> Drafter | None:
         """Its drafter for these models, `options` as `choose` validated them (None: plain decoding)."""
@@ -127,23 +133,25 @@ METHODS: dict[str, Method] = {
                remembers=True),
         Method("eagle", "EAGLE: a trained one-layer head on the target's own features drafts a chain scored by "
                "its confidence (tree: EAGLE-2's dynamic tree; the default target's head ships with the package, "
-               "`specdecode train eagle` trains one)", False, build_eagle, tree=True, trained=True,
-               torch_only=True),
+               "`specdecode train eagle` trains one)", False, build_eagle, tree=True, head="eagle",
+               takes=("head",), torch_only=True),
         Method("eagle3", "EAGLE-3: a trained head on three of the target's layers (low, middle, high), trained on "
                "its own drafts for several steps (training-time test) and on the target's own answers; a chain "
                "(tree: EAGLE-2's dynamic tree; `specdecode train eagle3` trains one, `specdecode export eagle` "
-               "writes it for vLLM and SGLang)", False, build_eagle3, tree=True, trained=True, torch_only=True),
+               "writes it for vLLM and SGLang)", False, build_eagle3, tree=True, head="eagle3", takes=("head",),
+               torch_only=True),
         Method("eagle3-online", "EAGLE-3 whose head keeps learning while it serves (online speculative decoding): "
                "after each sequence a few optimiser steps on the tokens the target wrote and its features "
                "(the verifications' own), replayed with the sequences before; kept per owner, never saved",
-               False, build_eagle3_online, tree=True, trained=True, torch_only=True, remembers=True),
+               False, build_eagle3_online, tree=True, head="eagle3", takes=("head",), torch_only=True,
+               remembers=True),
         Method("medusa", "Medusa: trained heads on the target's last hidden state guess the next tokens at once; "
                "a chain of their top tokens (tree: the best paths through their top-k; the default target's "
                "heads ship with the package, `specdecode train medusa` trains them)", False, build_medusa,
-               tree=True, trained=True, torch_only=True),
+               tree=True, head="medusa", takes=("head",), torch_only=True),
         Method("medusa-typical", "Medusa's tree under typical acceptance: LOSSY, a drafted token the target "
                "finds plausible enough is kept (exact under greedy decoding)", False, build_medusa_tree,
-               lossless=False, trained=True, torch_only=True, verifier=verify_typical),
+               lossless=False, head="medusa", takes=("head",), torch_only=True, verifier=verify_typical),
         Method("composite", "prompt lookup and retrieval, plus the draft model only where they promise less "
                "than one accepted token, merged into one tree (a chain unless --tree)",
                True, build_composite, tree=True, takes=("datastore", "reference")),
@@ -219,8 +227,8 @@ def name_of(method: Method, options: DrafterOptions) -> str:
 @dataclass(frozen=True)
 class MethodChoice:
     """A method resolved once (`choose`) and passed down as it is: the method, its options (chain or tree,
-    the tree's budget or fixed shape, the datastore it retrieves from), and the text of the document it
-    copies from. What depends on the loaded models (the reference's token ids, the tokenizers) they add
+    the tree's budget or fixed shape, the datastore it retrieves from, the trained head it drafts with), and
+    the text of the document it copies from. What depends on the loaded models (the reference's token ids, the tokenizers) they add
     when they build its drafter (`api.Models.drafter_for`)."""
 
     method: Method
@@ -249,12 +257,14 @@ def choose(
     choices: tuple[tuple[int, ...], ...] | None = None,
     datastore: str | Path | None = None,
     reference: str | None = None,
+    head: str | Path | None = None,
     only_if_taken: bool = False,
 ) -> MethodChoice:
     """Resolve a method by name (`resolve`; `tree` switches it to its tree form, `budget` and `choices`
     as `DrafterOptions`) with the sources it drafts from, and check them all: a UserError of one line
-    otherwise. A datastore or reference the method does not draft from is refused, or with
-    `only_if_taken` dropped (a server's or a benchmark's sources, shared by every method it runs)."""
+    otherwise. A datastore, reference or trained head (a folder written by `specdecode train KIND --out`) the
+    method does not draft from is refused, or with `only_if_taken` dropped (a server's or a benchmark's
+    sources, shared by every method it runs: a head goes to the methods of its kind)."""
     method, named = resolve(spec)
     options = DrafterOptions(tree=tree or named.tree, budget=budget,
                              choices=choices if choices is not None else named.choices)
@@ -271,8 +281,14 @@ def choose(
             return None
         raise UserError(f"--{source} applies to {takers(source)}, not {method.name}")
 
-    datastore, reference = taken("datastore", datastore), taken("reference", reference)
+    datastore, reference, head = taken("datastore", datastore), taken("reference", reference), taken("head", head)
     if datastore is not None and not Path(datastore).expanduser().is_file():
         raise UserError(f"no datastore at {datastore} (build one with `specdecode datastore build`)")
-    return MethodChoice(method, replace(options, datastore=str(datastore) if datastore is not None else None),
+    if head is not None and kind_of(head) != method.head:
+        if not only_if_taken:
+            raise UserError(f"{head} holds {kind_of(head)} heads; {method.name} drafts with {method.head} heads "
+                            f"(`specdecode train {method.head} --out DIR`)")
+        head = None
+    return MethodChoice(method, replace(options, datastore=str(datastore) if datastore is not None else None,
+                                        head=str(Path(head).expanduser()) if head is not None else None),
                         reference or None)

@@ -323,6 +323,15 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory):
     return folder
 
 
+@pytest.fixture(scope="session")
+def three_layers(tmp_path_factory):
+    """A tiny model folder deep enough for EAGLE-3's three layers (no head ships for it)."""
+    folder = tmp_path_factory.mktemp("tiny-three")
+    tiny_chat_qwen2(vocab_size=len(TOKENS) + 10, layers=3).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models gain nothing from threads, and where another job shares the cores two threads contend

@@ -23,7 +23,8 @@ from specdecode.bench.runners import PEERS, Setup, runner_names
 from specdecode.engine import GenerationConfig
 from specdecode.errors import UserError
 from specdecode.models import loading
-from specdecode.methods import resolve, variant_names
+from specdecode.drafters.heads import kind_of
+from specdecode.methods import METHODS, resolve, variant_names
 from specdecode.progress import Progress
 
 ALL_METHODS = [*variant_names(), *PEERS]
@@ -134,6 +135,16 @@ def run_here(setup: Setup, tasks: list[Task], config: GenerationConfig, repeats:
                    level_runs if loaded else None, engines_line, references)
 
 
+def check_head(head: str | None, methods: list[str]) -> None:
+    """A one-line UserError when --head names no head, or a head no method of the run drafts with."""
+    if head is None:
+        return
+    kind = kind_of(head)
+    if not any(name not in PEERS and resolve(name)[0].head == kind for name in methods):
+        raise UserError(f"{head} holds {kind} heads and no method of this run drafts with one (methods: "
+                        f"{', '.join(m.name for m in METHODS.values() if m.head == kind)})")
+
+
 def sampling_caveat() -> list[str]:
     return ["Sampling run: outputs are judged statistically, not token for token ('exact vs ar' only counts "
             "chance agreement); the exact distribution is also proven by tests/statistical/test_sampling_statistical.py."]
@@ -144,6 +155,7 @@ def run(
     out: Path, target: str, drafter: str, dtype: str, draft_dtype: str, threads: int, backend: str, temperature: float, top_k: int,
     top_p: float, seed: int, datastore: str | None = None, engines: list[str] | None = None,
     concurrency: list[int] | None = None, reference: str = "ar", ray: str | None = None, device: str | None = None,
+    head: str | None = None,
 ) -> Path:
     """The benchmark on this machine, or with `ray` (a Ray cluster's address) on the cluster's nodes, each
     running every method on its share of the tasks; either way one records file, report and plots."""
@@ -152,12 +164,13 @@ def run(
     levels = check_options(methods, repeats, concurrency, engines, backend, ray)
     if datastore is not None and not Path(datastore).is_file():
         raise UserError(f"no datastore at {datastore} (build one with `specdecode datastore build`)")
+    check_head(head, methods)
     rows = runner_names(methods)
     if ray is not None and reference not in rows:
         raise UserError(f"the reference {reference!r} is not a row of this run; rows: {', '.join(rows)}")
     config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p), seed=seed)
     tasks = sample_tasks(categories, per_category, seed=seed)
-    setup = Setup(methods, target, drafter, dtype, draft_dtype, backend, threads, datastore, device)
+    setup = Setup(methods, target, drafter, dtype, draft_dtype, backend, threads, datastore, device, head)
     console = Console(stderr=True)
     out.mkdir(parents=True, exist_ok=True)
     records_path = out / "records.jsonl"
@@ -175,6 +188,7 @@ def run(
                # what the run ran on, so the line reproduces it
                "backend": backend, "target": target, "drafter": drafter, "dtype": dtype, "draft-dtype": draft_dtype,
                "threads": threads, **({"datastore": datastore} if datastore is not None else {}),
+               **({"head": head} if head is not None else {}),
                **({"reference": reference} if reference != "ar" else {}),
                **({"concurrency": ",".join(map(str, levels))} if levels != [1] else {}),
                **({"ray": ray} if ray is not None else {}), "out": out}

@@ -20,8 +20,8 @@ from specdecode.errors import UserError
 from specdecode.methods import resolve
 
 
-def our_runner(models: Models, method: str, datastore: str | None = None) -> Runner:
-    engine = models.engine(method, datastore=datastore)
+def our_runner(models: Models, method: str, datastore: str | None = None, head: str | None = None) -> Runner:
+    engine = models.engine(method, datastore=datastore, head=head)
     return engine_runner(engine, resolve(method)[0].lossless)
 
 
@@ -118,10 +118,12 @@ def runner_names(names: list[str]) -> list[str]:
     return list(dict.fromkeys(["ar", *names]))
 
 
-def build_runners(models: Models, names: list[str], datastore: str | None = None) -> dict[str, Runner]:
-    """Runners by name (ours and peers); `ar` always comes first: it is the reference."""
+def build_runners(models: Models, names: list[str], datastore: str | None = None,
+                  head: str | None = None) -> dict[str, Runner]:
+    """Runners by name (ours and peers); `ar` always comes first: it is the reference. `datastore` and `head`
+    go to the methods that take them (`api.Models.engine`)."""
     return {name: our_runner(models, name) if name == "ar" else PEERS[name].build(models) if name in PEERS
-            else our_runner(models, name, datastore) for name in runner_names(names)}
+            else our_runner(models, name, datastore, head) for name in runner_names(names)}
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,7 @@ class Setup:
     threads: int = 2
     datastore: str | None = None
     device: str | None = None  # the torch backend's (`devices.resolve`); None: "auto"
+    head: str | None = None  # a trained head's folder for the methods of its kind (the same path on every Ray node)
 
     def load(self, progress: bool = True) -> tuple[Models, dict[str, Runner]]:
         """The models (the draft model only when a method needs it) and the runners, on `threads` threads."""
@@ -144,4 +147,4 @@ class Setup:
         drafter = self.drafter if needs_draft_model(self.methods) else None
         models = load_models(self.target, drafter, dtype=self.dtype, draft_dtype=self.draft_dtype,
                              backend=self.backend, progress=progress, device=self.device)
-        return models, build_runners(models, self.methods, datastore=self.datastore)
+        return models, build_runners(models, self.methods, datastore=self.datastore, head=self.head)

@@ -10,7 +10,7 @@ import typer
 
 from specdecode.cli.options import (
     Backend, BackendOption, DatastoreOption, DeviceOption, DraftDType, DraftDTypeOption, DrafterOption, DType,
-    DTypeOption, TargetOption, backend_device)
+    DTypeOption, HeadOption, TargetOption, backend_device)
 from specdecode.errors import UserError
 from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
 
@@ -40,6 +40,7 @@ def bench(
     backend: BackendOption = Backend("torch"),
     device: DeviceOption = "auto",
     datastore: DatastoreOption = None,
+    head: HeadOption = None,
     target: TargetOption = DEFAULT_TARGET,
     drafter: DrafterOption = DEFAULT_DRAFTER,
     engine: Annotated[list[str] | None, typer.Option(help=(
@@ -77,6 +78,6 @@ def bench(
         target=target, drafter=drafter, dtype=dtype.value, draft_dtype=draft_dtype.value, threads=threads,
         backend=backend.value, device=backend_device(backend, device),
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-        datastore=str(datastore) if datastore else None,
+        datastore=str(datastore) if datastore else None, head=str(head) if head else None,
         engines=engine or [], concurrency=levels, reference=reference, ray=ray,
     )

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from specdecode.cli.options import (
     Backend, BackendOption, BudgetOption, ChoicesOption, DatastoreOption, DeviceOption, DraftDType, DraftDTypeOption,
-    DrafterOption, DType, DTypeOption, MethodName, ReferenceOption, TargetOption, TreeOption, backend_device, console,
+    DrafterOption, DType, DTypeOption, HeadOption, MethodName, ReferenceOption, TargetOption, TreeOption, backend_device, console,
     read_reference)
 from specdecode.methods import METHODS
 from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
@@ -41,6 +41,7 @@ def generate(
     choices: ChoicesOption = None,
     datastore: DatastoreOption = None,
     reference: ReferenceOption = None,
+    head: HeadOption = None,
     target: TargetOption = DEFAULT_TARGET,
     drafter: DrafterOption = DEFAULT_DRAFTER,
 ) -> None:
@@ -51,7 +52,7 @@ def generate(
     from specdecode.types import SamplingParams
 
     choice = choose(method.value, tree=tree, budget=budget, choices=parse_choices(choices) if choices else None,
-                    datastore=datastore, reference=read_reference(reference))
+                    datastore=datastore, reference=read_reference(reference), head=head)
     needs_draft = choice.method.needs_draft_model
     models = load_models(target, drafter if needs_draft else None, dtype=dtype.value, draft_dtype=draft_dtype.value,
                          backend=backend.value, device=backend_device(backend, device))

@@ -52,6 +52,10 @@ ChoicesOption = Annotated[str | None, typer.Option(
 DatastoreOption = Annotated[Path | None, typer.Option(
     help=f"A retrieval datastore for {takers('datastore')} (`specdecode datastore build`; default: the Python "
          "standard library's, built once).")]
+HeadOption = Annotated[Path | None, typer.Option(
+    help=f"A trained head's folder for {takers('head')} (`specdecode train eagle3|eagle|medusa --out DIR`; its record "
+         "must fit the target; default: the head shipped for the default target). A server or benchmark gives it "
+         "to the methods of its kind.")]
 ReferenceOption = Annotated[Path | None, typer.Option(
     help=f"A document to draft from, for {takers('reference')} (retrieved passages, a file being edited).")]
 

@@ -9,7 +9,7 @@ import typer
 
 from specdecode.cli.options import (
     Backend, BackendOption, DatastoreOption, DeviceOption, DraftDType, DraftDTypeOption, DrafterOption, DType,
-    DTypeOption, MemoryScope, MethodName, TargetOption, backend_device, console)
+    DTypeOption, HeadOption, MemoryScope, MethodName, TargetOption, backend_device, console)
 from specdecode.errors import UserError
 from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
 
@@ -71,6 +71,7 @@ def serve(
     backend: BackendOption = Backend("torch"),
     device: DeviceOption = "auto",
     datastore: DatastoreOption = None,
+    head: HeadOption = None,
     target: TargetOption = DEFAULT_TARGET,
     drafter: DrafterOption = DEFAULT_DRAFTER,
 ) -> None:
@@ -81,12 +82,13 @@ def serve(
     from specdecode.serve.app import Limits, Server, create_app
     from specdecode.serve.guard import uvicorn_options
 
-    default, offered = _methods(method.value, methods, datastore, no_drafter)
+    default, offered = _methods(method.value, methods, datastore, no_drafter, head)
     guard, keys = _guard(host, allowed_host, api_key, allowed_origin, docs, max_body_mib, read_timeout)
     models = load_models(target, None if no_drafter else drafter, dtype=dtype.value, draft_dtype=draft_dtype.value,
                          backend=backend.value, device=backend_device(backend, device))
     name = model_name or Path(target.rstrip("/")).name.removesuffix(".gguf")
-    server = Server(models, name, default, datastore=str(datastore) if datastore else None, max_batch=max_batch,
+    server = Server(models, name, default, datastore=str(datastore) if datastore else None,
+                    head=str(head) if head else None, max_batch=max_batch,
                     limits=Limits(max_tokens=max_tokens, default_max_tokens=default_max_tokens,
                                   request_seconds=request_timeout, max_queue=max_queue,
                                   max_prompt_tokens=max_prompt_tokens), methods=offered, memory_scope=memory_scope.value, memory_owners=memory_owners,
@@ -96,15 +98,16 @@ def serve(
     uvicorn.run(create_app(server, guard), host=host, port=port, **uvicorn_options(guard))
 
 
-def _methods(method: str, methods: str | None, datastore: Path | None, no_drafter: bool):
+def _methods(method: str, methods: str | None, datastore: Path | None, no_drafter: bool, head: Path | None = None):
     """(the default method, the others offered or None: all), resolved before the models load: the default
-    with the datastore it retrieves from, the others with it where they take one."""
+    with the datastore it retrieves from and the head it drafts with, the others with them where they take
+    them (a head: the methods of its kind)."""
     from specdecode.methods import choose
 
-    default = choose(method, datastore=datastore)
+    default = choose(method, datastore=datastore, head=head)
     if no_drafter and default.method.needs_draft_model:
         raise UserError(f"method {method!r} needs the draft model; drop --no-drafter or pick another --method")
-    offered = [choose(m.strip(), datastore=datastore, only_if_taken=True)
+    offered = [choose(m.strip(), datastore=datastore, head=head, only_if_taken=True)
                for m in methods.split(",") if m.strip()] if methods else None
     return default, offered
 

@@ -131,6 +131,7 @@ class DrafterOptions:
     budget: int | None = None  # tree nodes verified per step; None: chosen from the measured cost curve
     choices: tuple[tuple[int, ...], ...] | None = None  # a fixed tree shape (draft model only)
     datastore: str | None = None  # a retrieval datastore (`specdecode datastore build`); None: the default
+    head: str | None = None  # a trained head's folder (`specdecode train KIND --out`); None: the one shipped
     reference_ids: tuple[int, ...] | None = None  # a document to copy from (retrieved passages, a file being edited)
     tokenizer: object | None = field(default=None, compare=False)  # the target's, for drafters that tokenize text
     # the draft model's when it differs from the target's (its drafts are translated through text); None: the same

@@ -33,7 +33,7 @@ from specdecode import devices
 from specdecode.devices import to_device
 from specdecode.drafters.base import Drafter, Needs, Outcome, tensor_bytes
 from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
-from specdecode.drafters.heads import for_drafting, load_head, save_head, shipped_or_explain
+from specdecode.drafters.heads import check_fits, for_drafting, head_folder, load_head, save_head
 from specdecode.models.cache import cache_keyword
 from specdecode.tree import structure
 from specdecode.errors import UserError
@@ -332,10 +332,11 @@ class EagleTreeDrafter(DraftModelTreeDrafter):
 
 
 def build_eagle(target, draft, options) -> Drafter:
-    """The `eagle` method: the head trained for the target (`specdecode train eagle`), shipped in the
-    repository for the default target; a chain, or EAGLE-2's dynamic tree with `options.tree`."""
-    model, folder = shipped_or_explain(target, "EAGLE", WEIGHTS)
-    head, _ = EagleHead.load(folder, dtype=model.dtype, device=model.device)
+    """The `eagle` method: the head trained for the target (`specdecode train eagle`): `options.head`, else the
+    one shipped for the default target; a chain, or EAGLE-2's dynamic tree with `options.tree`."""
+    model, folder = head_folder(target, "eagle", options.head)
+    head, record = EagleHead.load(folder, dtype=model.dtype, device=model.device)
+    check_fits(folder, "eagle", record, head.config.hidden_size, int(head.vocab_ids.max()) + 1, model.config)
     if options.tree:
         return EagleTreeDrafter(head, model, target.cost_curve(), budget=options.budget)
     return EagleDrafter(head, model)

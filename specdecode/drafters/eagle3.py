@@ -33,7 +33,8 @@ from specdecode.devices import to_device
 from specdecode.drafters.base import Drafter, Needs, tensor_bytes
 from specdecode.drafters.eagle import EagleDrafter, EagleTreeDrafter, full_vocabulary
 from specdecode.drafters.eagle3_head import CONFIG, Eagle3Head
-from specdecode.drafters.heads import for_drafting, shipped_or_explain
+from specdecode.drafters.heads import check_fits, for_drafting, head_folder
+from specdecode.errors import UserError
 
 
 class Eagle3State:
@@ -155,10 +156,15 @@ class Eagle3TreeDrafter(EagleTreeDrafter):
 
 
 def build_eagle3(target, draft, options, adapt=None) -> Drafter:
-    """The `eagle3` method: the target's EAGLE-3 head (`specdecode train eagle3`; shipped for the default target)
-    drafting a chain, or with `options.tree` the dynamic tree; `adapt(head, target model)`: its `drafters.online`."""
-    model, folder = shipped_or_explain(target, "EAGLE3", CONFIG)
-    head, _ = Eagle3Head.load(folder, dtype=torch.float32, device=model.device)
+    """The `eagle3` method: the target's EAGLE-3 head (`specdecode train eagle3`): `options.head`, else the one
+    shipped for the default target, drafting a chain, or with `options.tree` the dynamic tree; `adapt(head,
+    target model)`: its `drafters.online`."""
+    model, folder = head_folder(target, "eagle3", options.head)
+    head, record = Eagle3Head.load(folder, dtype=torch.float32, device=model.device)
+    check_fits(folder, "eagle3", record, head.config.target_hidden_size, head.config.vocab_size, model.config)
+    if max(head.config.aux_layers) >= model.config.num_hidden_layers:
+        raise UserError(f"the eagle3 head in {folder} reads the target's layers {list(head.config.aux_layers)}; "
+                        f"this target has {model.config.num_hidden_layers}")
     adaptation = None if adapt is None else adapt(head, model)
     if options.tree:
         return Eagle3TreeDrafter(head, model, target.cost_curve(), budget=options.budget, adaptation=adaptation)

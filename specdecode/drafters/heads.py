@@ -1,7 +1,9 @@
 """Storage of the trained heads that draft from the target's features (EAGLE, Medusa): one folder per
 head, its weights in safetensors (bfloat16) and a JSON file with its shape and its training record.
 
-The repository ships the heads trained for the default target under specdecode/heads/<model>/<kind>.
+The repository ships the heads trained for the default target under specdecode/heads/<model>/<kind>; a head
+trained with `specdecode train KIND --out DIR` drafts from DIR (`--head DIR`, `DrafterOptions.head`) once its
+record says it fits the target (`check_fits`).
 """
 
 from __future__ import annotations
@@ -39,21 +41,61 @@ def load_head(folder: Path, weights: str, config: str, kind: str) -> tuple[dict,
     return record.pop("config"), load_file(str(folder / weights)), record
 
 
+RECORDS = {"eagle": "eagle.json", "eagle3": "eagle3.json", "medusa": "medusa.json"}  # kind -> its JSON record
+
+
+def kind_of(folder: str | Path) -> str:
+    """The kind of head a folder holds ("eagle", "eagle3", "medusa"), by its JSON record; a UserError if none."""
+    folder = Path(folder).expanduser()
+    kinds = [kind for kind, record in RECORDS.items() if (folder / record).is_file()]
+    if len(kinds) != 1:
+        raise UserError(f"{folder} holds {'no' if not kinds else 'more than one'} trained head (one of "
+                        f"{', '.join(RECORDS.values())}); write one with `specdecode train eagle3|eagle|medusa --out DIR`")
+    return kinds[0]
+
+
+def check_fits(folder: Path, kind: str, record: dict, hidden_size: int, vocab_size: int, target_config) -> None:
+    """A one-line UserError unless a head (its `hidden_size`, and `vocab_size`: the target vocabulary it was
+    trained over, or for heads that store only their draft vocabulary's ids the highest id + 1) fits the target
+    whose transformers config is `target_config`."""
+    target_vocab = target_config.vocab_size
+    fits = hidden_size == target_config.hidden_size and (
+        vocab_size == target_vocab if kind == "eagle3" else vocab_size <= target_vocab)
+    if not fits:
+        trained_for = record.get("target") or "another model"
+        target = Path(str(target_config._name_or_path).rstrip("/")).name or "this target"
+        raise UserError(f"the {kind} head in {folder} was trained for {trained_for} (hidden size {hidden_size}, "
+                        f"vocabulary {vocab_size}); {target} has hidden size {target_config.hidden_size}, vocabulary "
+                        f"{target_vocab}: train one for it with `specdecode train {kind} --target ... --out DIR`")
+
+
 def shipped_head(target_model, kind: str) -> Path:
     """Where the repository keeps a trained head for a target: specdecode/heads/<model name>/<kind>."""
     name = Path(str(target_model.config._name_or_path).rstrip("/")).name
     return Path(__file__).resolve().parents[1] / "heads" / name / kind
 
 
-def shipped_or_explain(target, kind: str, weights: str):
-    """The transformers model behind `target` and the folder of its shipped head, or a clear error."""
+def shipped_heads() -> list[tuple[str, str, Path]]:
+    """(target name, kind, folder) of every head the package ships."""
+    root = Path(__file__).resolve().parents[1] / "heads"
+    return [(folder.parent.name, kind, folder) for folder in sorted(root.glob("*/*"))
+            for kind in [folder.name] if (folder / RECORDS.get(kind, "-")).is_file()]
+
+
+def head_folder(target, kind: str, head: str | None):
+    """The transformers model behind `target` and the folder of the head to draft with: `head` (a folder
+    `specdecode train KIND --out` wrote), else the one shipped for the target; or a clear error."""
     model = getattr(target, "model", None)
     if model is None:
         raise UserError(f"{kind} drafts from the target's hidden states: run it on the torch backend")
-    folder = shipped_head(model, kind.lower())
-    if not (folder / weights).is_file():
-        raise UserError(f"no {kind} head for {Path(str(model.config._name_or_path)).name}: train one with "
-                        f"`specdecode train {kind.lower()} --data DIR --out {folder}`")
+    if head is not None:
+        if kind_of(head) != kind:
+            raise UserError(f"{head} holds {kind_of(head)} heads, not {kind} (`specdecode train {kind} --out DIR`)")
+        return model, Path(head).expanduser()
+    folder = shipped_head(model, kind)
+    if not (folder / RECORDS[kind]).is_file():
+        raise UserError(f"no {kind} head ships for {Path(str(model.config._name_or_path)).name}: train one with "
+                        f"`specdecode train {kind} --target ... --out DIR`, then pass --head DIR")
     return model, folder
 
 

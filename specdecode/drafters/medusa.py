@@ -34,7 +34,7 @@ from torch import nn
 
 from specdecode import devices
 from specdecode.drafters.base import Drafter, Needs, Outcome
-from specdecode.drafters.heads import for_drafting, load_head, save_head, shipped_or_explain
+from specdecode.drafters.heads import check_fits, for_drafting, head_folder, load_head, save_head
 from specdecode.errors import UserError
 from specdecode.tree.budget import MAX_BUDGET, Calibration, best_budget
 from specdecode.types import Draft, SamplingParams
@@ -179,10 +179,11 @@ class MedusaDrafter(Drafter):
 
 
 def build_medusa(target, draft, options) -> Drafter:
-    """The `medusa` method: the heads trained for the target (`specdecode train medusa`), shipped in the
-    repository for the default target; a chain of their top tokens, or their tree with `options.tree`."""
-    model, folder = shipped_or_explain(target, "Medusa", WEIGHTS)
-    heads, _ = MedusaHeads.load(folder, dtype=model.dtype, device=model.device)
+    """The `medusa` method: the heads trained for the target (`specdecode train medusa`): `options.head`, else
+    those shipped for the default target; a chain of their top tokens, or their tree with `options.tree`."""
+    model, folder = head_folder(target, "medusa", options.head)
+    heads, record = MedusaHeads.load(folder, dtype=model.dtype, device=model.device)
+    check_fits(folder, "medusa", record, heads.blocks[0].in_features, int(heads.vocab_ids.max()) + 1, model.config)
     if options.tree:
         return MedusaDrafter(heads, model, target.cost_curve(), tree=True, budget=options.budget)
     return MedusaDrafter(heads, model)

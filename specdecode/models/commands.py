@@ -105,6 +105,24 @@ def list_models() -> None:
             path, size = "", _gigabytes(model.size) + " (GGUF)"
         table.add_row(name, roles.get(name, ""), state, str(path), size)
     Console().print(table)  # stdout: this is the command's output, not progress
+    _list_heads()
+
+
+def _list_heads() -> None:
+    """The trained heads the package ships, and where the user's own come from."""
+    from specdecode.drafters.heads import shipped_heads
+    from specdecode.methods import METHODS
+
+    table = Table(title="Trained heads shipped (your own: `specdecode train eagle3|eagle|medusa --out DIR`, then "
+                        "--head DIR)")
+    table.add_column("target", no_wrap=True)
+    table.add_column("head")
+    table.add_column("methods")
+    table.add_column("path", overflow="fold")
+    for target, kind, folder in shipped_heads():
+        methods = ", ".join(name for name, method in METHODS.items() if method.head == kind)
+        table.add_row(target, kind, methods, str(folder))
+    Console().print(table)
 
 
 @app.command()

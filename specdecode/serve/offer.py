@@ -32,15 +32,16 @@ class Offer:
 
     @classmethod
     def resolve(cls, models: Models, default: str | MethodChoice, methods: Sequence[str | MethodChoice] | None,
-                datastore: str | None = None) -> Offer:
+                datastore: str | None = None, head: str | None = None) -> Offer:
         """`methods`: those clients may name (default: every one the models can run), by name or resolved
-        already; `datastore` goes to those that retrieve from one. A UserError for an unknown name, or a
+        already; `datastore` goes to those that retrieve from one, `head` (a trained head's folder) to the
+        methods of its kind. A UserError for an unknown name, or a
         method that needs the draft model the server has not loaded."""
 
         def resolved(method: str | MethodChoice) -> MethodChoice:
             if isinstance(method, MethodChoice):
                 return method
-            return choose(method, datastore=datastore, only_if_taken=True)
+            return choose(method, datastore=datastore, head=head, only_if_taken=True)
 
         default_choice, named = resolved(default), [resolved(m) for m in methods or ()]
         for choice in [default_choice, *named]:

@@ -62,16 +62,17 @@ class Server:
     the metrics."""
 
     def __init__(self, models: Models, model_name: str, default_method: str | MethodChoice = "pld",
-                 datastore: str | None = None, max_batch: int = DEFAULT_MAX_BATCH, limits: Limits = Limits(),
+                 datastore: str | None = None, head: str | None = None, max_batch: int = DEFAULT_MAX_BATCH, limits: Limits = Limits(),
                  methods: Sequence[str | MethodChoice] | None = None, prepare: Sequence[str] | None = None,
                  memory_scope: str = "tenant", memory_owners: int = 64, memory_budget: int | None = None):
         """`methods`: those clients may name (default: every one the models can run), by name or resolved
-        already (`methods.choose`); `datastore`: the retrieval datastore of those that take one; `prepare`:
+        already (`methods.choose`); `datastore`: the retrieval datastore of those that take one; `head`: the
+        trained head's folder of the methods of its kind (default: the shipped ones); `prepare`:
         those prepared before the server takes requests (default: all of `methods` when given, else the
         default method), each other one being prepared in the background on its first request;
         `memory_owners`, `memory_budget` (bytes; None: a quarter of the machine's memory): what one tenant's
         memory owners may be and hold together (`serve.engines`)."""
-        self.offer = Offer.resolve(models, default_method, methods, datastore)
+        self.offer = Offer.resolve(models, default_method, methods, datastore, head)
         self.offered = tuple(self.offer.names())
         if prepare is None:
             prepare = self.offered if methods else ()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TOKENS, run_cli, tiny_chat_qwen2, tiny_tokenizer
+from conftest import run_cli
 from specdecode.api import load_models
 from specdecode.drafters.eagle3_head import default_layers
 from specdecode.engine import GenerationConfig, SpeculativeEngine
@@ -213,15 +213,6 @@ def test_the_command(monkeypatch, capsys, tiny_folder, sources, tmp_path):
 
 
 BITS = [8, pytest.param(4, marks=pytest.mark.skipif(not int4.available(), reason="no int4 kernel"))]
-
-
-@pytest.fixture(scope="module")
-def three_layers(tmp_path_factory):
-    """A tiny model folder deep enough for EAGLE-3's three layers."""
-    folder = tmp_path_factory.mktemp("tiny-three")
-    tiny_chat_qwen2(vocab_size=len(TOKENS) + 10, layers=3).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
 
 
 @pytest.mark.parametrize("bits", BITS)
