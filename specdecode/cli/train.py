@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from specdecode import devices
 from specdecode.cli.options import DeviceOption, DType, DTypeOption, TargetOption, console
 from specdecode.errors import UserError
 from specdecode.models.registry import DEFAULT_TARGET
@@ -122,6 +121,7 @@ def train_data(
     batches, greedily and by sampling, into --out: the trained drafters' data from the target's own answers
     (`training.answer_store.sequences`). Resumable: a rerun skips the prompts already answered."""
     from specdecode.api import load_models
+    from specdecode import devices
     from specdecode.training import answer_store, answers, ray_answers
 
     if ray is not None and device != "auto":
@@ -197,6 +197,7 @@ def train_eagle(
 ) -> None:
     """Train an EAGLE head for TARGET on --device: its features over ShareGPT and standard-library code (built
     once into --data, about 140 tokens/s on a CPU), then the head within --seconds."""
+    from specdecode import devices
     from specdecode.training import eagle
 
     device = devices.resolve(device)  # first: a device this machine lacks fails at once
@@ -238,6 +239,7 @@ def train_eagle3(
     of its layers over its own answers and a teacher-forced corpus (built once into --data), then the head
     with training-time test within --seconds."""
     from specdecode.drafters.eagle3_head import Eagle3Head
+    from specdecode import devices
     from specdecode.training import eagle3
 
     device = devices.resolve(device)  # first: a device this machine lacks fails at once
@@ -275,6 +277,7 @@ def train_medusa(
     """Train Medusa heads for TARGET on --device: its features over ShareGPT and standard-library code (built
     once into --data, about 140 tokens/s on a CPU; the same folder serves EAGLE), then the heads within
     --seconds."""
+    from specdecode import devices
     from specdecode.training import medusa
 
     device = devices.resolve(device)  # first: a device this machine lacks fails at once

@@ -61,14 +61,15 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from specdecode.drafters.base import Drafter, DrafterOptions, Needs, Outcome, RunningAcceptance
+from specdecode.drafters.base import Drafter, Needs, Outcome, RunningAcceptance
+from specdecode.drafters.options import DrafterOptions, check_budget
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.drafters.retrieval import build_retrieval
 from specdecode.errors import UserError
 from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
-from specdecode.tree.budget import best_budget, check_budget, prune
+from specdecode.tree.budget import best_budget, prune
 from specdecode.tree.trie import best_path
 from specdecode.types import Draft, SamplingParams, Verdict
 

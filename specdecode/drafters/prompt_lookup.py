@@ -10,10 +10,12 @@ import numpy as np
 import torch
 
 from specdecode.drafters.base import Drafter, Outcome, RunningAcceptance
+from specdecode.drafters.options import DrafterOptions, check_budget
 from specdecode.errors import UserError
+from specdecode.models.base import CausalLM
 from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
-from specdecode.tree.budget import DECAY, check_budget, prune
+from specdecode.tree.budget import DECAY, prune
 from specdecode.tree.trie import build_trie, stack
 from specdecode.types import Draft
 
@@ -287,3 +289,12 @@ class PromptLookupTreeDrafter(Drafter):
     def observe(self, outcome: Outcome) -> None:
         if outcome.verdict.num_drafted:
             self._acceptance.record(outcome.verdict)
+
+
+def build_prompt_lookup(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
+    """The `pld` method: a chain (from a reference document too) or a tree of every match."""
+    if not options.tree:
+        return PromptLookupDrafter(reference_ids=options.reference_ids)
+    if options.reference_ids:
+        raise UserError("a reference document is searched by the chain form of pld; drop --tree")
+    return PromptLookupTreeDrafter(target.cost_curve(), budget=options.budget)

@@ -6,7 +6,8 @@ from collections.abc import Iterable
 
 import torch
 
-from specdecode.drafters.base import Drafter, DrafterOptions
+from specdecode.drafters.base import Drafter
+from specdecode.drafters.options import DrafterOptions
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.self_speculative.layers import SkippedLayers, torch_target
 from specdecode.drafters.self_speculative.scoring import CONTINUATION
