@@ -66,7 +66,7 @@ class Record:
 
 
 @dataclass
-class Outcome:
+class BenchOutcome:
     """What a benchmark run gives, on this machine or gathered from a Ray cluster's nodes."""
 
     records: list[Record]

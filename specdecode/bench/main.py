@@ -17,7 +17,7 @@ from specdecode import cluster, devices
 from specdecode.bench import ray_shards, report
 from specdecode.bench.datasets import TRANSLATION_SOURCE, Task, sample_tasks
 from specdecode.bench.exactness import diagnose_divergences, sampled_fidelity
-from specdecode.bench.harness import Outcome, Record, run_benchmark
+from specdecode.bench.harness import BenchOutcome, Record, run_benchmark
 from specdecode.bench.openai_engines import LevelRun, build_engines, run_levels
 from specdecode.bench.runners import PEERS, Setup, runner_names
 from specdecode.engine import GenerationConfig
@@ -100,7 +100,7 @@ class RecordSink:
 
 
 def run_here(setup: Setup, tasks: list[Task], config: GenerationConfig, repeats: int, levels: list[int],
-             engines: list[str], reference: str, sink: RecordSink, console: Console) -> Outcome:
+             engines: list[str], reference: str, sink: RecordSink, console: Console) -> BenchOutcome:
     """The benchmark on this machine: our methods and peers, then the engine rows' concurrency levels."""
     models, runners = setup.load()
     probe = models.encode_chat([{"role": "user", "content": "Hello"}])
@@ -128,10 +128,10 @@ def run_here(setup: Setup, tasks: list[Task], config: GenerationConfig, repeats:
     engines_line = "; ".join(f"{label}: {engine.spec.url} ({engine.model}, /v1/{engine.spec.api}"
                              f"{', token ids' if engine.spec.api == 'completions' else ', its own template'})"
                              for label, engine in engine_rows.items()) or None
-    return Outcome(records, lossless, notes, models.target.precision, torch.get_num_threads(),
-                   [f"{platform.processor() or platform.machine()}, torch {torch.__version__}"
-                    + ("" if models.target.device.type == "cpu" else f", {devices.name(models.target.device)}")],
-                   level_runs if loaded else None, engines_line, references)
+    return BenchOutcome(records, lossless, notes, models.target.precision, torch.get_num_threads(),
+                        [f"{platform.processor() or platform.machine()}, torch {torch.__version__}"
+                         + ("" if models.target.device.type == "cpu" else f", {devices.name(models.target.device)}")],
+                        level_runs if loaded else None, engines_line, references)
 
 
 def sampling_caveat() -> list[str]:
@@ -200,7 +200,8 @@ def run(
     return write_report(out, outcome, settings, reference, console)
 
 
-def write_report(out: Path, outcome: Outcome, settings: dict[str, str], reference: str, console: Console) -> Path:
+def write_report(out: Path, outcome: BenchOutcome, settings: dict[str, str], reference: str,
+                 console: Console) -> Path:
     """report.md, the plots and (engines under load) levels.jsonl, from the records."""
     if outcome.levels:
         (out / "levels.jsonl").write_text("".join(json.dumps(run.to_json()) + "\n" for run in outcome.levels))

@@ -21,7 +21,6 @@ import torch
 from specdecode.models import int4
 from specdecode.models.int8 import InvariantInt8Linear
 
-CANDIDATES = ("bfloat16", "float32", "int8", "int4")
 TOKENS_PER_WIDE_STEP = 3  # what an 8-token verification is taken to yield
 # the quantized paths are not the float model (greedy agreement in the README): taken only when at least
 # this much cheaper per token than the best float path

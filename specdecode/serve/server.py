@@ -31,7 +31,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -121,10 +121,6 @@ class Server:
     def unavailable(self) -> dict[str, str]:
         """Method -> why it cannot run here."""
         return self.preparation.unavailable
-
-    def prepare_in_background(self, method: str) -> Future:
-        """Start preparing an offered method in the background (once); its future."""
-        return self.preparation.in_background(self.offer.get(method))
 
     def wait_until_prepared(self, timeout: float | None = None) -> None:
         """Block until every preparation under way has ended (tests, benchmarks)."""
