@@ -31,7 +31,16 @@ _PUBLIC = {
     "load_models": "specdecode.api",
 }
 
-__all__ = sorted(_PUBLIC)
+__all__ = [
+    "GenerationConfig",
+    "GenerationResult",
+    "Models",
+    "SamplingParams",
+    "SpeculativeEngine",
+    "UserError",
+    "generate",
+    "load_models",
+]
 
 
 def __getattr__(name: str):

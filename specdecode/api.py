@@ -69,8 +69,8 @@ class Models:
         method to its tree form, `budget` fixes the tree nodes verified per step (default: chosen from
         the target's measured cost curve), `choices` gives the tree a fixed shape, `datastore` is a
         retrieval datastore's path (default: the Python standard library's) and `reference` a document's
-        text to draft from, for the methods that take them (`Method.takes`; the others ignore them). The method is resolved here (`methods.choose`); `engine_for` takes one
-        resolved already."""
+        text to draft from, for the methods that take them (`Method.takes`; the others ignore them). The
+        method is resolved here (`methods.choose`); `engine_for` takes one resolved already."""
         return self.engine_for(choose(method, tree=tree, budget=budget, choices=choices, datastore=datastore,
                                       reference=reference, only_if_taken=True))
 
@@ -132,10 +132,10 @@ def load_models(
     """Load a target and (optionally) a draft model. The target runs in `dtype`: "auto" (the fastest of
     bfloat16, float32, int8 and int4 on this machine, `models.precision`), or one of them. The draft model's
     `draft_dtype` "auto" is int4 where its kernel runs, else int8 (`models.loading.draft_dtype`): cheaper per
-    draft token on a CPU, and lossless all the same, since the target verifies every token. A drafter whose tokenizer differs from the target's
-    is kept with its tokenizer: the methods that can draft across tokenizers translate its drafts through
-    text (`specdecode methods`), the others refuse it. With already loaded models, `tokenizer` is the
-    target's and `draft_tokenizer` the drafter's (default: `tokenizer`).
+    draft token on a CPU, and lossless all the same, since the target verifies every token. A drafter whose
+    tokenizer differs from the target's is kept with its tokenizer: the methods that can draft across
+    tokenizers translate its drafts through text (`specdecode methods`), the others refuse it. With already
+    loaded models, `tokenizer` is the target's and `draft_tokenizer` the drafter's (default: `tokenizer`).
 
     backend="llamacpp" runs .gguf files (or registered models) through llama.cpp as they are; dtypes
     do not apply there (the file's quantization is the model).

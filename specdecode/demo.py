@@ -52,13 +52,14 @@ def run_demo(target: str, drafter: str, dtype: str, draft_dtype: str, max_new_to
             elif choices[name].method.lossless:
                 divergence = diagnose(models.target, ids, reference, result.token_ids)
                 note = "identical to ar" if divergence is None else divergence.describe()
-            title = f"{name}: {result.tokens_per_second:.1f} tokens/s, {result.mean_accepted_tokens:.2f} tokens per target forward"
+            title = (f"{name}: {result.tokens_per_second:.1f} tokens/s, {result.mean_accepted_tokens:.2f} tokens "
+                     "per target forward")
             console.print(Panel(result.text, title=title, subtitle=note or None, title_align="left"), highlight=False)
     # all prompts of a method as one generation, so every figure comes from specdecode.metrics
     rows = [
         GenerationResult(
-            prompt_ids=[], token_ids=[t for r in rs for t in r.token_ids], text="", steps=[s for r in rs for s in r.steps],
-            seconds=sum(r.seconds for r in rs), finish_reason="", method=name,
+            prompt_ids=[], token_ids=[t for r in rs for t in r.token_ids], text="",
+            steps=[s for r in rs for s in r.steps], seconds=sum(r.seconds for r in rs), finish_reason="", method=name,
         ).summary()
         for name, rs in results.items()
     ]

@@ -111,7 +111,8 @@ def run_here(setup: Setup, tasks: list[Task], config: GenerationConfig, repeats:
         if name not in runners:
             raise UserError(f"the reference {name!r} is not a row of this run; rows: {', '.join(runners)}")
     first_turns = {t.task_id: models.encode_chat([{"role": "user", "content": t.turns[0]}]) for t in tasks}
-    too_long = [task_id for task_id, ids in first_turns.items() if len(ids) + config.max_new_tokens > models.target.max_context]
+    too_long = [task_id for task_id, ids in first_turns.items()
+                if len(ids) + config.max_new_tokens > models.target.max_context]
     if too_long:
         console.print(f"[yellow]{len(too_long)} of {len(tasks)} tasks do not fit the target's context of "
                       f"{models.target.max_context} tokens with --max-new-tokens {config.max_new_tokens}: they are "
@@ -136,14 +137,16 @@ def run_here(setup: Setup, tasks: list[Task], config: GenerationConfig, repeats:
 
 def sampling_caveat() -> list[str]:
     return ["Sampling run: outputs are judged statistically, not token for token ('exact vs ar' only counts "
-            "chance agreement); the exact distribution is also proven by tests/statistical/test_sampling_statistical.py."]
+            "chance agreement); the exact distribution is also proven by "
+            "tests/statistical/test_sampling_statistical.py."]
 
 
 def run(
     methods: list[str], categories: list[str], per_category: int | None, max_new_tokens: int, repeats: int,
-    out: Path, target: str, drafter: str, dtype: str, draft_dtype: str, threads: int, backend: str, temperature: float, top_k: int,
-    top_p: float, seed: int, datastore: str | None = None, engines: list[str] | None = None,
-    concurrency: list[int] | None = None, reference: str = "ar", ray: str | None = None, device: str | None = None,
+    out: Path, target: str, drafter: str, dtype: str, draft_dtype: str, threads: int, backend: str,
+    temperature: float, top_k: int, top_p: float, seed: int, datastore: str | None = None,
+    engines: list[str] | None = None, concurrency: list[int] | None = None, reference: str = "ar",
+    ray: str | None = None, device: str | None = None,
 ) -> Path:
     """The benchmark on this machine, or with `ray` (a Ray cluster's address) on the cluster's nodes, each
     running every method on its share of the tasks; either way one records file, report and plots."""
@@ -155,7 +158,8 @@ def run(
     rows = runner_names(methods)
     if ray is not None and reference not in rows:
         raise UserError(f"the reference {reference!r} is not a row of this run; rows: {', '.join(rows)}")
-    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p), seed=seed)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p),
+                              seed=seed)
     tasks = sample_tasks(categories, per_category, seed=seed)
     setup = Setup(methods, target, drafter, dtype, draft_dtype, backend, threads, datastore, device)
     console = Console(stderr=True)

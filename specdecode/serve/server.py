@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -207,15 +208,16 @@ class Server:
         if chat:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             self._check_bytes([m["content"] for m in messages], param)
-            encode = lambda: self._encode_chat(messages)  # noqa: E731
+            encode = functools.partial(self._encode_chat, messages)
         else:
             if isinstance(body.prompt, str):
                 self._check_bytes([body.prompt], param)
-            encode = lambda: self._encode_completion(body.prompt)  # noqa: E731
+            encode = functools.partial(self._encode_completion, body.prompt)
         if not self.worker.enter():
             retry = max(1, min(60, math.ceil(self._recent_seconds)))
             raise APIError(429, f"The server is busy: {self.limits.max_queue} requests are waiting; retry in "
-                                f"{retry} s.", type="server_error", code="queue_full", headers={"Retry-After": str(retry)})
+                                f"{retry} s.", type="server_error", code="queue_full",
+                           headers={"Retry-After": str(retry)})
         loop = asyncio.get_running_loop()
         memory = self.memory_owner(request.state.tenant, body.user)
         try:
