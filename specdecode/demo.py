@@ -10,6 +10,7 @@ from specdecode.api import load_models
 from specdecode.bench.exactness import diagnose
 from specdecode.engine import GenerationConfig, GenerationResult
 from specdecode.methods import choose
+from specdecode.tables import compact_table
 
 DEMO_PROMPTS = [
     "Add type hints and a docstring to this function, and return the whole function:\n\n"
@@ -69,12 +70,18 @@ def run_demo(target: str, drafter: str, dtype: str, draft_dtype: str, max_new_to
 
 def stats_table(rows: list[dict], baseline_tps: float | None = None) -> Table:
     """One row per run (`GenerationResult.summary()`), with speedups over `baseline_tps` if given: the
-    table of `specdecode generate` and of the demo."""
-    table = Table(show_edge=False)
-    for column in ["method", "new tokens", "seconds", "tokens/s", "target forwards", "mean accepted", "acceptance"]:
-        table.add_column(column, justify="left" if column == "method" else "right")
+    table of `specdecode generate` and of the demo, short column names explained below it (`--json` has
+    every figure)."""
+    meanings = {
+        "tokens": "new tokens", "s": "seconds", "tok/s": "new tokens per second", "fwd": "target forwards",
+        "len": "new tokens per target forward", "acc": "share of drafted tokens accepted",
+    }
     if baseline_tps:
-        table.add_column("speedup", justify="right")
+        meanings["x ar"] = "speedup, tok/s over ar's"
+    table = compact_table(meanings)
+    table.add_column("method", no_wrap=True)
+    for column in meanings:
+        table.add_column(column, justify="right", no_wrap=True)
     for row in rows:
         acceptance = row["acceptance_rate"]
         cells = [

@@ -14,7 +14,7 @@ from rich.markdown import Markdown
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from specdecode import cluster, devices
-from specdecode.bench import ray_shards, report
+from specdecode.bench import ray_shards, report, terminal
 from specdecode.bench.datasets import TRANSLATION_SOURCE, Task, sample_tasks
 from specdecode.bench.exactness import diagnose_divergences, sampled_fidelity
 from specdecode.bench.harness import BenchOutcome, Record, run_benchmark
@@ -213,7 +213,12 @@ def write_report(out: Path, outcome: BenchOutcome, settings: dict[str, str], ref
     text = report.markdown(summaries, settings, outcome.notes, reference, outcome.levels)
     (out / "report.md").write_text(text)
     report.plots(summaries, out)
-    Console().print(Markdown(text))
-    console.print(f"wrote {out / 'records.jsonl'}, {out / 'report.md'}, {out / 'speedup.png'}, "
-                  f"{out / 'acceptance_by_position.png'}")
+    screen = Console()  # stdout: the command's output; 80 columns are enough, report.md has it all
+    for table in [*terminal.leaderboard(summaries, reference, screen.width), terminal.per_method(summaries, reference)]:
+        screen.print(table)
+        screen.print()
+    if found := report.remarks(summaries, outcome.notes):
+        screen.print(Markdown("\n".join(found)))
+    console.print(f"wrote {out / 'records.jsonl'}, {out / 'report.md'} (every figure, the engines' tables), "
+                  f"{out / 'speedup.png'}, {out / 'acceptance_by_position.png'}")
     return out / "report.md"

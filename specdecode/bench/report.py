@@ -219,25 +219,32 @@ def markdown(summaries: list[MethodSummary], settings: dict[str, str], notes: li
             f"{acceptance} | {positions} | {share} | {cell.runs} | {cell.failures} |"
         )
     lines += _engine_tables(summaries, levels or [], reference)
-    remarks = []
+    if found := remarks(summaries, notes):
+        lines += ["", "## Remarks", ""] + found
+    lines += ["", "Metrics are defined in `specdecode/metrics.py`. Failed runs are listed above and kept out of "
+              "every average."]
+    return "\n".join(lines) + "\n"
+
+
+def remarks(summaries: list[MethodSummary], notes: list[str]) -> list[str]:
+    """The report's remarks, as markdown bullets: predictions far from the measurement, failures, engines
+    that counted other prompts, and `notes` (exactness, sampling)."""
+    found, disagreeing = [], []
     for s in summaries:
         measured = s.cells[OVERALL].speedup[0]
         if (s.predicted_speedup and measured == measured  # measured: not NaN
                 and abs(s.predicted_speedup - measured) > DISAGREEMENT * measured):
-            remarks.append(
-                f"- {s.method}: measured {measured:.2f}x but the analytical model predicts {s.predicted_speedup:.2f}x: "
-                "its assumptions (independent acceptance per token, a fixed draft length, decoding cost only — "
-                "the prefill is excluded from the prediction but not from the measurement) do not hold here."
-            )
-        remarks += [f"- {s.method} FAILED on {e}" for e in s.errors]
+            disagreeing.append(f"{s.method} (measured {measured:.2f}x, predicted {s.predicted_speedup:.2f}x)")
+        found += [f"- {s.method} FAILED on {e}" for e in s.errors]
         if s.prompt_mismatches:
-            remarks.append(f"- {s.method}: on {s.prompt_mismatches} turns the engine counted a different number of "
-                           "prompt tokens than our methods were given: its prompts are not identical to theirs.")
-    if remarks or notes:
-        lines += ["", "## Remarks", ""] + remarks + [f"- {n}" for n in notes]
-    lines += ["", "Metrics are defined in `specdecode/metrics.py`. Failed runs are listed above and kept out of "
-              "every average."]
-    return "\n".join(lines) + "\n"
+            found.append(f"- {s.method}: on {s.prompt_mismatches} turns the engine counted a different number of "
+                         "prompt tokens than our methods were given: its prompts are not identical to theirs.")
+    if disagreeing:
+        found.insert(0, f"- The analytical model's speedup is more than {DISAGREEMENT:.0%} off the measured one for "
+                        f"{', '.join(disagreeing)}: its assumptions (independent acceptance per token, a fixed draft "
+                        "length, decoding cost only — the prefill is excluded from the prediction but not from the "
+                        "measurement) do not hold there.")
+    return found + [f"- {n}" for n in notes]
 
 
 def _engine_tables(summaries: list[MethodSummary], levels: list, reference: str) -> list[str]:

@@ -3,6 +3,7 @@ side by side, the list of methods."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Annotated
 
@@ -16,6 +17,7 @@ from specdecode.cli.options import (
     read_reference)
 from specdecode.methods import METHODS
 from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
+from specdecode.tables import compact_table
 
 
 def generate(
@@ -93,14 +95,30 @@ def demo(
 
 
 
-def list_methods() -> None:
+def list_methods(
+    as_json: Annotated[bool, typer.Option("--json", help="Print every method's registry entry as JSON.")] = False,
+) -> None:
     """List the decoding methods."""
-    table = Table(show_edge=False)
-    for column in ["method", "needs a draft model", "lossless", "tree form (--tree)", "what it does"]:
-        table.add_column(column)
+    if as_json:
+        print(json.dumps([dataclasses.asdict(m) for m in METHODS.values()], indent=1))
+        return
+    Console().print(methods_table())
+
+
+def methods_table() -> Table:
+    """The methods, one row each: short flag columns and the description, the only column that wraps."""
+    table = compact_table({
+        "draft": "needs a draft model (same: with the target's tokenizer; any: any tokenizer, its chain drafts "
+                 "translated through text)",
+        "tree": "has a token-tree form (--tree, or NAME-tree)",
+        "lossless": "the output follows the target's distribution exactly (NO: lossy)",
+        "--json": "every field of the registry",
+    }, leading=1)
+    table.add_column("method", no_wrap=True)
+    for flag in ("draft", "tree", "lossless"):
+        table.add_column(flag, no_wrap=True)
+    table.add_column("description", ratio=1)
     for m in METHODS.values():
-        # a draft model with another tokenizer than the target's: its chain drafts translated through text
-        draft_model = ("yes, any tokenizer (chain)" if m.other_tokenizer else "yes, the target's tokenizer"
-                       ) if m.needs_draft_model else "no"
-        table.add_row(m.name, draft_model, "yes" if m.lossless else "NO", "yes" if m.tree else "no", m.summary)
-    Console().print(table)
+        draft = ("any" if m.other_tokenizer else "same") if m.needs_draft_model else "no"
+        table.add_row(m.name, draft, "yes" if m.tree else "no", "yes" if m.lossless else "NO", m.summary)
+    return table
