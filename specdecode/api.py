@@ -135,10 +135,10 @@ def load_models(
     """Load a target and (optionally) a draft model. The target runs in `dtype`: "auto" (the fastest of
     bfloat16, float32, int8 and int4 on this machine, `models.precision`), or one of them. The draft model's
     `draft_dtype` "auto" is int4 where its kernel runs, else int8 (`models.loading.draft_dtype`): cheaper per
-    draft token on a CPU, and lossless all the same, since the target verifies every token. A drafter whose tokenizer differs from the target's
-    is kept with its tokenizer: the methods that can draft across tokenizers translate its drafts through
-    text (`specdecode methods`), the others refuse it. With already loaded models, `tokenizer` is the
-    target's and `draft_tokenizer` the drafter's (default: `tokenizer`).
+    draft token on a CPU, and lossless all the same, since the target verifies every token. A drafter whose
+    tokenizer differs from the target's is kept with its tokenizer: the methods that can draft across
+    tokenizers translate its drafts through text (`specdecode methods`), the others refuse it. With already
+    loaded models, `tokenizer` is the target's and `draft_tokenizer` the drafter's (default: `tokenizer`).
 
     backend="llamacpp" runs .gguf files (or registered models) through llama.cpp as they are; dtypes
     do not apply there (the file's quantization is the model).

@@ -10,6 +10,7 @@ from specdecode.api import load_models
 from specdecode.bench.exactness import diagnose
 from specdecode.engine import GenerationConfig, GenerationResult
 from specdecode.methods import choose
+from specdecode.tables import compact_table
 
 DEMO_PROMPTS = [
     "Add type hints and a docstring to this function, and return the whole function:\n\n"
@@ -52,13 +53,14 @@ def run_demo(target: str, drafter: str, dtype: str, draft_dtype: str, max_new_to
             elif choices[name].method.lossless:
                 divergence = diagnose(models.target, ids, reference, result.token_ids)
                 note = "identical to ar" if divergence is None else divergence.describe()
-            title = f"{name}: {result.tokens_per_second:.1f} tokens/s, {result.mean_accepted_tokens:.2f} tokens per target forward"
+            title = (f"{name}: {result.tokens_per_second:.1f} tokens/s, {result.mean_accepted_tokens:.2f} tokens "
+                     "per target forward")
             console.print(Panel(result.text, title=title, subtitle=note or None, title_align="left"), highlight=False)
     # all prompts of a method as one generation, so every figure comes from specdecode.metrics
     rows = [
         GenerationResult(
-            prompt_ids=[], token_ids=[t for r in rs for t in r.token_ids], text="", steps=[s for r in rs for s in r.steps],
-            seconds=sum(r.seconds for r in rs), finish_reason="", method=name,
+            prompt_ids=[], token_ids=[t for r in rs for t in r.token_ids], text="",
+            steps=[s for r in rs for s in r.steps], seconds=sum(r.seconds for r in rs), finish_reason="", method=name,
         ).summary()
         for name, rs in results.items()
     ]
@@ -68,12 +70,18 @@ def run_demo(target: str, drafter: str, dtype: str, draft_dtype: str, max_new_to
 
 def stats_table(rows: list[dict], baseline_tps: float | None = None) -> Table:
     """One row per run (`GenerationResult.summary()`), with speedups over `baseline_tps` if given: the
-    table of `specdecode generate` and of the demo."""
-    table = Table(show_edge=False)
-    for column in ["method", "new tokens", "seconds", "tokens/s", "target forwards", "mean accepted", "acceptance"]:
-        table.add_column(column, justify="left" if column == "method" else "right")
+    table of `specdecode generate` and of the demo, short column names explained below it (`--json` has
+    every figure)."""
+    meanings = {
+        "tokens": "new tokens", "s": "seconds", "tok/s": "new tokens per second", "fwd": "target forwards",
+        "len": "new tokens per target forward", "acc": "share of drafted tokens accepted",
+    }
     if baseline_tps:
-        table.add_column("speedup", justify="right")
+        meanings["x ar"] = "speedup, tok/s over ar's"
+    table = compact_table(meanings)
+    table.add_column("method", no_wrap=True)
+    for column in meanings:
+        table.add_column(column, justify="right", no_wrap=True)
     for row in rows:
         acceptance = row["acceptance_rate"]
         cells = [

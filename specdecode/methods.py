@@ -12,34 +12,28 @@ drafts from), which is passed down as it is; the loaded models build its drafter
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from specdecode.drafters.base import Drafter, DrafterOptions  # DrafterOptions re-exported: callers import it here
-from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.draft_model_tree import DEFAULT_CHOICES, DraftModelTreeDrafter
-from specdecode.drafters.other_tokenizer import OtherTokenizerDrafter
-from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
-from specdecode.drafters.jacobi import build_jacobi
-from specdecode.drafters.eagle import build_eagle
-from specdecode.drafters.heads import kind_of
-from specdecode.drafters.eagle3 import build_eagle3
-from specdecode.drafters.online import build_eagle3_online
-from specdecode.drafters.medusa import build_medusa, build_medusa_tree
-from specdecode.drafters.lookahead import build_lookahead
-from specdecode.drafters.retrieval import build_retrieval
-from specdecode.drafters.self_speculative import build_earlyexit, build_layerskip
-from specdecode.drafters.sparse_kv import build_sparse_kv, build_sparse_kv_lookup
-from specdecode.drafters.suffix import build_suffix
-from specdecode.drafters.composite import build_composite
+from specdecode.drafters.options import DEFAULT_CHOICES, DrafterOptions  # DrafterOptions re-exported here
 from specdecode.errors import UserError
-from specdecode.models.base import CausalLM
-from specdecode.verify.tree import verify
-from specdecode.verify.typical import verify_typical
+
+if TYPE_CHECKING:
+    from specdecode.drafters.base import Drafter
+    from specdecode.models.base import CausalLM
+
+# (target, draft, options) -> its drafter
+Builder = Callable[["CausalLM", "CausalLM | None", DrafterOptions], "Drafter | None"]
 
 
-Builder = Callable[[CausalLM, "CausalLM | None", DrafterOptions], "Drafter | None"]  # (target, draft, options)
+def _named(path: str) -> Callable:
+    """The function at "module:name", imported on first use: the registry is read (the command line's
+    choices, `specdecode methods`) without importing a drafter, torch or transformers."""
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 @dataclass(frozen=True)
@@ -47,7 +41,7 @@ class Method:
     name: str
     summary: str
     needs_draft_model: bool
-    build: Builder
+    builder: str | None  # "module:function", a `Builder`; None: plain decoding, no drafter
     lossless: bool = True
     tree: bool = False  # offers a token-tree form
     choices: bool = False  # its tree can take a fixed shape
@@ -63,8 +57,9 @@ class Method:
     # drafts from the text of earlier requests its drafter served: a server keeps one drafter per owner
     # (tenant), so that no request's drafts, rejected text or token origins carry another's text
     remembers: bool = False
-    # how drafts are verified: exact (greedy match, speculative sampling) unless the method is lossy
-    verifier: Callable = verify
+    # how drafts are verified ("module:function"): exact (greedy match, speculative sampling) unless the
+    # method is lossy
+    verified_by: str = "specdecode.verify.tree:verify"
     # its chain form drafts with a model whose tokenizer differs from the target's (through text,
     # `drafters.other_tokenizer`)
     other_tokenizer: bool = False
@@ -74,87 +69,82 @@ class Method:
         """Drafts with a head trained for the target."""
         return self.head is not None
 
-    def drafter(self, target: CausalLM, draft: CausalLM | None, options: DrafterOptions | None = None) -> Drafter | None:
+    @property
+    def verifier(self) -> Callable:
+        """Its verification function (`verified_by`, imported)."""
+        return _named(self.verified_by)
+
+    def drafter(self, target: CausalLM, draft: CausalLM | None,
+                options: DrafterOptions | None = None) -> Drafter | None:
         """Its drafter for these models, `options` as `choose` validated them (None: plain decoding)."""
         options = options or DrafterOptions()
         if options.draft_tokenizer is not None and (options.tree or not self.other_tokenizer):
             raise UserError(
                 f"method {name_of(self, options)!r} needs a draft model with the target's tokenizer; this one's "
                 f"differs. Drafting across tokenizers: {', '.join(other_tokenizer_methods())} (chains only)")
-        return self.build(target, draft, options)
+        if self.builder is None:
+            return None
+        return _named(self.builder)(target, draft, options)
 
 
-def _draft_model(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
-    if options.draft_tokenizer is not None:
-        return OtherTokenizerDrafter.for_models(draft, target, target_tokenizer=options.tokenizer,
-                                                draft_tokenizer=options.draft_tokenizer)
-    if not options.tree:
-        return DraftModelDrafter.for_models(draft, target)
-    return DraftModelTreeDrafter.for_models(draft, target, budget=options.budget, choices=options.choices)
-
-
-def _prompt_lookup(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
-    if not options.tree:
-        return PromptLookupDrafter(reference_ids=options.reference_ids)
-    if options.reference_ids:
-        raise UserError("a reference document is searched by the chain form of pld; drop --tree")
-    return PromptLookupTreeDrafter(target.cost_curve(), budget=options.budget)
-
+_DRAFTERS = "specdecode.drafters."  # the package of the builders below
 
 METHODS: dict[str, Method] = {
     m.name: m
     for m in [
-        Method("ar", "plain autoregressive decoding (the baseline)", False, lambda target, draft, options: None,
-               batchable=True),
+        Method("ar", "plain autoregressive decoding (the baseline)", False, None, batchable=True),
         Method("draft", "an independent draft model drafts a chain (adaptive length) or an EAGLE-2-style tree; "
                "the chain also from a model with another tokenizer, translated through text",
-               True, _draft_model, tree=True, choices=True, other_tokenizer=True),
+               True, _DRAFTERS + "draft_model_tree:build_draft_model", tree=True, choices=True, other_tokenizer=True),
         Method("pld", "prompt lookup: copy what followed the last n-gram earlier (tree: every match)",
-               False, _prompt_lookup, tree=True, takes=("reference",), batchable=True),
+               False, _DRAFTERS + "prompt_lookup:build_prompt_lookup", tree=True, takes=("reference",), batchable=True),
         Method("rest", "retrieval (REST): the most frequent continuations of the context's longest suffix in "
                "a corpus datastore, by default the Python standard library (tree: all of them, as a trie)",
-               False, build_retrieval, tree=True, takes=("datastore",), batchable=True),
+               False, _DRAFTERS + "retrieval:build_retrieval", tree=True, takes=("datastore",), batchable=True),
         Method("jacobi", "Jacobi decoding: the target's own predictions from its last forward are the next "
-               "guesses, iterated to a fixed point by verification", False, build_jacobi),
+               "guesses, iterated to a fixed point by verification", False, _DRAFTERS + "jacobi:build_jacobi"),
         Method("lookahead", "lookahead decoding: a Jacobi window rides in every forward and harvests n-grams; "
-               "pool n-grams starting with the last token are verified as a tree", False, build_lookahead),
+               "pool n-grams starting with the last token are verified as a tree", False,
+               _DRAFTERS + "lookahead:build_lookahead"),
         Method("layerskip", "self-speculation: the target drafts with a searched subset of its own layers over "
-               "its own KV cache (Draft & Verify, SWIFT)", False, build_layerskip, torch_only=True),
+               "its own KV cache (Draft & Verify, SWIFT)", False, _DRAFTERS + "self_speculative:build_layerskip",
+               torch_only=True),
         Method("earlyexit", "self-speculation by early exit: the target's first k layers (k searched), then its "
-               "final norm and LM head", False, build_earlyexit, torch_only=True),
+               "final norm and LM head", False, _DRAFTERS + "self_speculative:build_earlyexit", torch_only=True),
         Method("sparse-kv", "self-speculation with a compressed cache: the target drafts over StreamingLLM's "
                "cache (4 sink entries and the last 512) and verifies over its whole cache; for long inputs",
-               False, build_sparse_kv, torch_only=True),
+               False, _DRAFTERS + "sparse_kv:build_sparse_kv", torch_only=True),
         Method("sparse-kv-pld", "sparse-kv under prompt lookup: copies from the input where lookup finds one, the "
-               "compressed-cache self-draft where it does not; for long inputs", False, build_sparse_kv_lookup,
-               takes=("reference",), torch_only=True),
+               "compressed-cache self-draft where it does not; for long inputs", False,
+               _DRAFTERS + "sparse_kv:build_sparse_kv_lookup", takes=("reference",), torch_only=True),
         Method("suffix", "suffix decoding: what followed the context's suffix in this request and in earlier "
-               "ones the drafter served (tree: all of it, as a trie)", False, build_suffix, tree=True,
-               remembers=True),
+               "ones the drafter served (tree: all of it, as a trie)", False, _DRAFTERS + "suffix:build_suffix",
+               tree=True, remembers=True),
         Method("eagle", "EAGLE: a trained one-layer head on the target's own features drafts a chain scored by "
                "its confidence (tree: EAGLE-2's dynamic tree; the default target's head ships with the package, "
-               "`specdecode train eagle` trains one)", False, build_eagle, tree=True, head="eagle",
+               "`specdecode train eagle` trains one)", False, _DRAFTERS + "eagle:build_eagle", tree=True, head="eagle",
                takes=("head",), torch_only=True),
         Method("eagle3", "EAGLE-3: a trained head on three of the target's layers (low, middle, high), trained on "
                "its own drafts for several steps (training-time test) and on the target's own answers; a chain "
                "(tree: EAGLE-2's dynamic tree; `specdecode train eagle3` trains one, `specdecode export eagle` "
-               "writes it for vLLM and SGLang)", False, build_eagle3, tree=True, head="eagle3", takes=("head",),
-               torch_only=True),
+               "writes it for vLLM and SGLang)", False, _DRAFTERS + "eagle3:build_eagle3", tree=True, head="eagle3",
+               takes=("head",), torch_only=True),
         Method("eagle3-online", "EAGLE-3 whose head keeps learning while it serves (online speculative decoding): "
                "after each sequence a few optimiser steps on the tokens the target wrote and its features "
                "(the verifications' own), replayed with the sequences before; kept per owner, never saved",
-               False, build_eagle3_online, tree=True, head="eagle3", takes=("head",), torch_only=True,
-               remembers=True),
+               False, _DRAFTERS + "online:build_eagle3_online", tree=True, head="eagle3", takes=("head",),
+               torch_only=True, remembers=True),
         Method("medusa", "Medusa: trained heads on the target's last hidden state guess the next tokens at once; "
                "a chain of their top tokens (tree: the best paths through their top-k; the default target's "
-               "heads ship with the package, `specdecode train medusa` trains them)", False, build_medusa,
-               tree=True, head="medusa", takes=("head",), torch_only=True),
+               "heads ship with the package, `specdecode train medusa` trains them)", False,
+               _DRAFTERS + "medusa:build_medusa", tree=True, head="medusa", takes=("head",), torch_only=True),
         Method("medusa-typical", "Medusa's tree under typical acceptance: LOSSY, a drafted token the target "
-               "finds plausible enough is kept (exact under greedy decoding)", False, build_medusa_tree,
-               lossless=False, head="medusa", takes=("head",), torch_only=True, verifier=verify_typical),
+               "finds plausible enough is kept (exact under greedy decoding)", False,
+               _DRAFTERS + "medusa:build_medusa_tree", lossless=False, head="medusa", takes=("head",), torch_only=True,
+               verified_by="specdecode.verify.typical:verify_typical"),
         Method("composite", "prompt lookup and retrieval, plus the draft model only where they promise less "
                "than one accepted token, merged into one tree (a chain unless --tree)",
-               True, build_composite, tree=True, takes=("datastore", "reference")),
+               True, _DRAFTERS + "composite:build_composite", tree=True, takes=("datastore", "reference")),
     ]
 }
 
@@ -212,7 +202,8 @@ def parse_choices(text: str) -> tuple[tuple[int, ...], ...]:
     try:
         choices = tuple(tuple(int(r) for r in choice) for choice in json.loads(text))
     except (ValueError, TypeError) as error:
-        raise UserError(f"tree choices must be a JSON list of lists of ranks, e.g. [[0], [1], [0, 0]]: {error}") from None
+        raise UserError(
+            f"tree choices must be a JSON list of lists of ranks, e.g. [[0], [1], [0, 0]]: {error}") from None
     from_choices(choices)  # every prefix present, ranks >= 0
     return choices
 
@@ -228,8 +219,8 @@ def name_of(method: Method, options: DrafterOptions) -> str:
 class MethodChoice:
     """A method resolved once (`choose`) and passed down as it is: the method, its options (chain or tree,
     the tree's budget or fixed shape, the datastore it retrieves from, the trained head it drafts with), and
-    the text of the document it copies from. What depends on the loaded models (the reference's token ids, the tokenizers) they add
-    when they build its drafter (`api.Models.drafter_for`)."""
+    the text of the document it copies from. What depends on the loaded models (the reference's token ids, the
+    tokenizers) they add when they build its drafter (`api.Models.drafter_for`)."""
 
     method: Method
     options: DrafterOptions = DrafterOptions()
@@ -284,11 +275,14 @@ def choose(
     datastore, reference, head = taken("datastore", datastore), taken("reference", reference), taken("head", head)
     if datastore is not None and not Path(datastore).expanduser().is_file():
         raise UserError(f"no datastore at {datastore} (build one with `specdecode datastore build`)")
-    if head is not None and kind_of(head) != method.head:
-        if not only_if_taken:
-            raise UserError(f"{head} holds {kind_of(head)} heads; {method.name} drafts with {method.head} heads "
-                            f"(`specdecode train {method.head} --out DIR`)")
-        head = None
+    if head is not None:
+        from specdecode.drafters.heads import kind_of  # (torch: imported only when a head is given)
+
+        if kind_of(head) != method.head:
+            if not only_if_taken:
+                raise UserError(f"{head} holds {kind_of(head)} heads; {method.name} drafts with {method.head} heads "
+                                f"(`specdecode train {method.head} --out DIR`)")
+            head = None
     return MethodChoice(method, replace(options, datastore=str(datastore) if datastore is not None else None,
                                         head=str(Path(head).expanduser()) if head is not None else None),
                         reference or None)

@@ -8,7 +8,7 @@ ends, so hours of data generation would leave an empty log. This bar prints its 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from rich.progress import Progress as RichProgress
 

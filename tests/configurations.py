@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from conftest import noisy_copy, random_prompts
 from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.draft_model_tree import DEFAULT_CHOICES, DraftModelTreeDrafter
+from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
+from specdecode.drafters.options import DEFAULT_CHOICES
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
 from specdecode.models.costs import CostCurve
 from specdecode.models.hf import HFCausalLM

@@ -61,7 +61,8 @@ def humaneval_prompts(limit: int | None = None) -> list[dict]:
 
 def humaneval_instruction(problem: dict) -> str:
     """The chat instruction every method receives for one HumanEval problem."""
-    return "Complete the following Python function. Reply with the code only.\n\n```python\n" + problem["prompt"] + "```"
+    return ("Complete the following Python function. Reply with the code only.\n\n```python\n"
+            + problem["prompt"] + "```")
 
 
 def _benchkit(name: str) -> list[dict]:
@@ -160,7 +161,8 @@ def translation(folder: Path = GERMAN_CATALOGUES) -> list[Task]:
 
 def _is_sentence(text: str) -> bool:
     words = text.split()
-    return 8 <= len(words) <= 60 and text[0].isupper() and text.rstrip()[-1:] in ".!?" and "%" not in text and "\n" not in text
+    return (8 <= len(words) <= 60 and text[0].isupper() and text.rstrip()[-1:] in ".!?" and "%" not in text
+            and "\n" not in text)
 
 
 # --- Long inputs -------------------------------------------------------------------------------------
@@ -247,7 +249,7 @@ def _long_digests(length: str) -> list[Task]:
     return tasks
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _module(path: Path) -> tuple[str, ast.Module, list[int]]:
     """A module's source, syntax tree and piece ends (read once: every length and kind looks at them)."""
     source = path.read_text(encoding="utf-8")

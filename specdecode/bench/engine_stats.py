@@ -68,7 +68,8 @@ class ServerStats:
         after_positions = self.accepted_by_position + [0] * (width - len(self.accepted_by_position))
         before_positions = before.accepted_by_position + [0] * (width - len(before.accepted_by_position))
         return ServerStats(self.source, sub(self.drafts, before.drafts), sub(self.drafted, before.drafted),
-                           sub(self.accepted, before.accepted), [a - b for a, b in zip(after_positions, before_positions)],
+                           sub(self.accepted, before.accepted),
+                           [a - b for a, b in zip(after_positions, before_positions)],
                            sub(self.forwards, before.forwards), sub(self.new_tokens, before.new_tokens),
                            self.mean_acceptance_length)
 
@@ -132,7 +133,8 @@ def from_vllm_metrics(text: str, model: str | None = None) -> ServerStats | None
                 totals[name] = totals.get(name, 0.0) + sample.value
     if "num_drafts" not in totals:
         return None
-    return ServerStats("vLLM /metrics", drafts=int(totals["num_drafts"]), drafted=int(totals.get("num_draft_tokens", 0)),
+    return ServerStats("vLLM /metrics", drafts=int(totals["num_drafts"]),
+                       drafted=int(totals.get("num_draft_tokens", 0)),
                        accepted=int(totals.get("num_accepted_tokens", 0)),
                        accepted_by_position=[int(positions.get(i, 0)) for i in range(len(positions))])
 

@@ -66,7 +66,7 @@ class Record:
 
 
 @dataclass
-class Outcome:
+class BenchOutcome:
     """What a benchmark run gives, on this machine or gathered from a Ray cluster's nodes."""
 
     records: list[Record]
@@ -104,7 +104,8 @@ def run_task(models: Models, runner: Runner, task: Task, config: GenerationConfi
             record.prompt_ids.append(prompt_ids)
             record.token_ids += output.token_ids
             record.turn_lengths.append(len(output.token_ids) if output.new_tokens is None else output.new_tokens)
-            record.ids_known = record.ids_known and (output.new_tokens is None or len(output.token_ids) == output.new_tokens)
+            record.ids_known = record.ids_known and (output.new_tokens is None
+                                                     or len(output.token_ids) == output.new_tokens)
             if output.server is not None:
                 record.server = output.server if record.server is None else record.server + output.server
             if output.prompt_tokens is not None:
@@ -120,7 +121,7 @@ def run_task(models: Models, runner: Runner, task: Task, config: GenerationConfi
                 output.token_ids, skip_special_tokens=True)
             record.texts.append(answer)
             messages.append({"role": "assistant", "content": answer})
-    except Exception as error:  # noqa: BLE001 - a failure is a result: recorded, reported, not averaged
+    except Exception as error:  # any failure is a result: recorded, reported, not averaged
         record.error = f"{type(error).__name__}: {error}"
         record.steps = None
         if not isinstance(error, UserError):

@@ -14,10 +14,10 @@ from rich.markdown import Markdown
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from specdecode import cluster, devices
-from specdecode.bench import ray_shards, report
+from specdecode.bench import ray_shards, report, terminal
 from specdecode.bench.datasets import TRANSLATION_SOURCE, Task, sample_tasks
 from specdecode.bench.exactness import diagnose_divergences, sampled_fidelity
-from specdecode.bench.harness import Outcome, Record, run_benchmark
+from specdecode.bench.harness import BenchOutcome, Record, run_benchmark
 from specdecode.bench.openai_engines import LevelRun, build_engines, run_levels
 from specdecode.bench.runners import PEERS, Setup, runner_names
 from specdecode.engine import GenerationConfig
@@ -101,7 +101,7 @@ class RecordSink:
 
 
 def run_here(setup: Setup, tasks: list[Task], config: GenerationConfig, repeats: int, levels: list[int],
-             engines: list[str], reference: str, sink: RecordSink, console: Console) -> Outcome:
+             engines: list[str], reference: str, sink: RecordSink, console: Console) -> BenchOutcome:
     """The benchmark on this machine: our methods and peers, then the engine rows' concurrency levels."""
     models, runners = setup.load()
     probe = models.encode_chat([{"role": "user", "content": "Hello"}])
@@ -112,7 +112,8 @@ def run_here(setup: Setup, tasks: list[Task], config: GenerationConfig, repeats:
         if name not in runners:
             raise UserError(f"the reference {name!r} is not a row of this run; rows: {', '.join(runners)}")
     first_turns = {t.task_id: models.encode_chat([{"role": "user", "content": t.turns[0]}]) for t in tasks}
-    too_long = [task_id for task_id, ids in first_turns.items() if len(ids) + config.max_new_tokens > models.target.max_context]
+    too_long = [task_id for task_id, ids in first_turns.items()
+                if len(ids) + config.max_new_tokens > models.target.max_context]
     if too_long:
         console.print(f"[yellow]{len(too_long)} of {len(tasks)} tasks do not fit the target's context of "
                       f"{models.target.max_context} tokens with --max-new-tokens {config.max_new_tokens}: they are "
@@ -129,10 +130,10 @@ def run_here(setup: Setup, tasks: list[Task], config: GenerationConfig, repeats:
     engines_line = "; ".join(f"{label}: {engine.spec.url} ({engine.model}, /v1/{engine.spec.api}"
                              f"{', token ids' if engine.spec.api == 'completions' else ', its own template'})"
                              for label, engine in engine_rows.items()) or None
-    return Outcome(records, lossless, notes, models.target.precision, torch.get_num_threads(),
-                   [f"{platform.processor() or platform.machine()}, torch {torch.__version__}"
-                    + ("" if models.target.device.type == "cpu" else f", {devices.name(models.target.device)}")],
-                   level_runs if loaded else None, engines_line, references)
+    return BenchOutcome(records, lossless, notes, models.target.precision, torch.get_num_threads(),
+                        [f"{platform.processor() or platform.machine()}, torch {torch.__version__}"
+                         + ("" if models.target.device.type == "cpu" else f", {devices.name(models.target.device)}")],
+                        level_runs if loaded else None, engines_line, references)
 
 
 def check_head(head: str | None, methods: list[str]) -> None:
@@ -147,15 +148,16 @@ def check_head(head: str | None, methods: list[str]) -> None:
 
 def sampling_caveat() -> list[str]:
     return ["Sampling run: outputs are judged statistically, not token for token ('exact vs ar' only counts "
-            "chance agreement); the exact distribution is also proven by tests/statistical/test_sampling_statistical.py."]
+            "chance agreement); the exact distribution is also proven by "
+            "tests/statistical/test_sampling_statistical.py."]
 
 
 def run(
     methods: list[str], categories: list[str], per_category: int | None, max_new_tokens: int, repeats: int,
-    out: Path, target: str, drafter: str, dtype: str, draft_dtype: str, threads: int, backend: str, temperature: float, top_k: int,
-    top_p: float, seed: int, datastore: str | None = None, engines: list[str] | None = None,
-    concurrency: list[int] | None = None, reference: str = "ar", ray: str | None = None, device: str | None = None,
-    head: str | None = None,
+    out: Path, target: str, drafter: str, dtype: str, draft_dtype: str, threads: int, backend: str,
+    temperature: float, top_k: int, top_p: float, seed: int, datastore: str | None = None,
+    engines: list[str] | None = None, concurrency: list[int] | None = None, reference: str = "ar",
+    ray: str | None = None, device: str | None = None, head: str | None = None,
 ) -> Path:
     """The benchmark on this machine, or with `ray` (a Ray cluster's address) on the cluster's nodes, each
     running every method on its share of the tasks; either way one records file, report and plots."""
@@ -168,7 +170,8 @@ def run(
     rows = runner_names(methods)
     if ray is not None and reference not in rows:
         raise UserError(f"the reference {reference!r} is not a row of this run; rows: {', '.join(rows)}")
-    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p), seed=seed)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p),
+                              seed=seed)
     tasks = sample_tasks(categories, per_category, seed=seed)
     setup = Setup(methods, target, drafter, dtype, draft_dtype, backend, threads, datastore, device, head)
     console = Console(stderr=True)
@@ -214,7 +217,8 @@ def run(
     return write_report(out, outcome, settings, reference, console)
 
 
-def write_report(out: Path, outcome: Outcome, settings: dict[str, str], reference: str, console: Console) -> Path:
+def write_report(out: Path, outcome: BenchOutcome, settings: dict[str, str], reference: str,
+                 console: Console) -> Path:
     """report.md, the plots and (engines under load) levels.jsonl, from the records."""
     if outcome.levels:
         (out / "levels.jsonl").write_text("".join(json.dumps(run.to_json()) + "\n" for run in outcome.levels))
@@ -222,7 +226,12 @@ def write_report(out: Path, outcome: Outcome, settings: dict[str, str], referenc
     text = report.markdown(summaries, settings, outcome.notes, reference, outcome.levels)
     (out / "report.md").write_text(text)
     report.plots(summaries, out)
-    Console().print(Markdown(text))
-    console.print(f"wrote {out / 'records.jsonl'}, {out / 'report.md'}, {out / 'speedup.png'}, "
-                  f"{out / 'acceptance_by_position.png'}")
+    screen = Console()  # stdout: the command's output; 80 columns are enough, report.md has it all
+    for table in [*terminal.leaderboard(summaries, reference, screen.width), terminal.per_method(summaries, reference)]:
+        screen.print(table)
+        screen.print()
+    if found := report.remarks(summaries, outcome.notes):
+        screen.print(Markdown("\n".join(found)))
+    console.print(f"wrote {out / 'records.jsonl'}, {out / 'report.md'} (every figure, the engines' tables), "
+                  f"{out / 'speedup.png'}, {out / 'acceptance_by_position.png'}")
     return out / "report.md"

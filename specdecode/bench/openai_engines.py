@@ -24,9 +24,9 @@ vLLM: `token_ids` with `return_token_ids`); otherwise outputs are compared as te
 
 from __future__ import annotations
 
+import functools
 import json
 import re
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -81,7 +81,8 @@ def parse_engine(option: str) -> EngineSpec:
     while position < len(rest):
         key, equals, _ = rest[position:].partition("=")
         if not equals or key.strip() not in KEYS:
-            raise UserError(f"--engine {label}: unknown field {key.strip()!r}; the fields are {', '.join(sorted(KEYS))}")
+            raise UserError(f"--engine {label}: unknown field {key.strip()!r}; "
+                            f"the fields are {', '.join(sorted(KEYS))}")
         key = key.strip()
         start = position + len(key) + 1
         if key == "extra_body":  # JSON may hold ';' itself: read one object, then expect ';' or the end
@@ -168,7 +169,8 @@ class OpenAIEngine:
             except (UserError, ValueError):
                 pass
         if wanted != "auto":
-            raise UserError(f"engine {self.spec.label}: stats={wanted}, but {self.spec.root} publishes no {wanted} figures")
+            raise UserError(f"engine {self.spec.label}: stats={wanted}, but {self.spec.root} publishes no "
+                            f"{wanted} figures")
         return None
 
     def counters(self) -> ServerStats | None:
@@ -229,7 +231,7 @@ class OpenAIEngine:
                     final.update({key: chunk[key] for key in ("speculative", "timings") if chunk.get(key)})
         except urllib.error.HTTPError as error:
             raise UserError(f"engine {label}: {url} answered HTTP {error.code}{_message(error)}") from None
-        except (urllib.error.URLError, socket.timeout, ConnectionError) as error:
+        except (TimeoutError, urllib.error.URLError, ConnectionError) as error:
             raise UserError(f"engine {label}: cannot reach {url} ({getattr(error, 'reason', error)})") from None
         except ValueError:
             raise UserError(f"engine {label}: {url} streamed something other than JSON events") from None
@@ -343,10 +345,10 @@ def run_levels(models, engines: dict[str, OpenAIEngine], runners: dict[str, Runn
                 engine.per_request_counters = False
                 before = engine.counters()
                 start = time.perf_counter()
+                configs = [task_config(config, repeat, index) for index in range(len(tasks))]
                 with ThreadPoolExecutor(level) as pool:
-                    records = list(pool.map(
-                        lambda item: run_task(models, runners[name], item[1], task_config(config, repeat, item[0]), repeat),
-                        enumerate(tasks)))
+                    records = list(pool.map(functools.partial(run_task, models, runners[name]), tasks, configs,
+                                            [repeat] * len(tasks)))
                 seconds = time.perf_counter() - start
                 after = engine.counters()
                 engine.per_request_counters = True

@@ -22,7 +22,7 @@ import torch
 from specdecode import cluster
 from specdecode.bench.datasets import Task
 from specdecode.bench.exactness import diagnose_divergences, distribution_notes, target_log_probs
-from specdecode.bench.harness import Outcome, Record, interleaved
+from specdecode.bench.harness import BenchOutcome, Record, interleaved
 from specdecode.bench.runners import Setup
 from specdecode.engine import GenerationConfig
 
@@ -72,7 +72,7 @@ def node_job(setup: Setup, tasks: list[tuple[int, Task]], count: int, config: Ge
 
 def run(address: str, setup: Setup, tasks: list[Task], config: GenerationConfig, repeats: int, reference: str,
         on_record: Callable[[Record], None], on_start: Callable[[int, str], None] = lambda total, what: None,
-        ) -> Outcome:
+        ) -> BenchOutcome:
     """The benchmark on the cluster at `address`: one job per node (no more nodes than tasks), pinned to
     it; records handed to `on_record` as they arrive, in no set order; `on_start(records to come, what
     runs them)` once every node has its models."""
@@ -99,5 +99,5 @@ def run(address: str, setup: Setup, tasks: list[Task], config: GenerationConfig,
             for method, values in item.log_probs.items():
                 log_probs.setdefault(method, []).extend(values)
     first = starts[nodes[0].name]
-    return Outcome(records, first.lossless, notes + distribution_notes(log_probs), first.precision, first.threads,
-                   [starts[node.name].machine for node in nodes])
+    return BenchOutcome(records, first.lossless, notes + distribution_notes(log_probs), first.precision,
+                        first.threads, [starts[node.name].machine for node in nodes])

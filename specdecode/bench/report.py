@@ -100,7 +100,8 @@ def _cell(records: list[Record], reference: list[Record]) -> Cell:
     steps = [s for r in ok if r.steps is not None for s in r.steps]
     server = summed_server(ok)
     accepted_tokens = metrics.mean_accepted_tokens(steps) if steps else None
-    if accepted_tokens is None and server is not None and server.mean_acceptance_length is None:  # not SGLang's lifetime figure
+    # not SGLang's lifetime figure
+    if accepted_tokens is None and server is not None and server.mean_acceptance_length is None:
         accepted_tokens = server.acceptance_length
     return Cell(
         tokens_per_second=metrics.mean_and_std(per_repeat),
@@ -108,7 +109,8 @@ def _cell(records: list[Record], reference: list[Record]) -> Cell:
         mean_accepted_tokens=accepted_tokens,
         runs=len(ok),
         failures=len(records) - len(ok),
-        decode_speedup=metrics.mean_and_std(decode_ratios) if decode_ratios and len(decode_ratios) == len(ratios) else None,
+        decode_speedup=(metrics.mean_and_std(decode_ratios) if decode_ratios and len(decode_ratios) == len(ratios)
+                        else None),
     )
 
 
@@ -141,7 +143,8 @@ def summarise(records: list[Record], lossless: dict[str, bool], reference_name: 
                                 engine=any(r.engine_prompt_tokens is not None for r in mine))
         if summary.engine:
             summary.first_token_seconds, summary.inter_token_seconds = _latencies(ok)
-            summary.prompt_mismatches = sum(len(p) != n for r in ok for p, n in zip(r.prompt_ids, r.engine_prompt_tokens or []))
+            summary.prompt_mismatches = sum(len(p) != n for r in ok
+                                            for p, n in zip(r.prompt_ids, r.engine_prompt_tokens or []))
         if summary.server is not None:
             summary.acceptance_rate = summary.server.acceptance_rate
             summary.accepted_per_position = summary.server.accepted_per_position
@@ -193,14 +196,17 @@ def markdown(summaries: list[MethodSummary], settings: dict[str, str], notes: li
             exact += f" (vs {s.reference})"
         lines.append(f"| {s.method} | " + " | ".join(cells) + f" | {exact} |")
     if any(s.cells[OVERALL].decode_speedup for s in summaries):
-        lines += ["", f"## Decoding alone: speedup over `{reference}` with the prefill (time to the first token) left out", ""]
+        lines += ["", f"## Decoding alone: speedup over `{reference}` with the prefill (time to the first token) "
+                  "left out", ""]
         lines.append("| method | " + " | ".join(categories) + " |")
         lines.append("|---" * (len(categories) + 1) + "|")
         for s in summaries:
-            cells = [_pm(s.cells[c].decode_speedup, suffix="x") if s.cells[c].decode_speedup else "-" for c in categories]
+            cells = [_pm(s.cells[c].decode_speedup, suffix="x") if s.cells[c].decode_speedup else "-"
+                     for c in categories]
             lines.append(f"| {s.method} | " + " | ".join(cells) + " |")
     lines += ["", "## Per method, all categories", ""]
-    lines.append("| method | tokens/s | speedup | predicted speedup | acceptance | accepted by draft position | draft share | runs | failures |")
+    lines.append("| method | tokens/s | speedup | predicted speedup | acceptance | accepted by draft position "
+                 "| draft share | runs | failures |")
     lines.append("|---" * 9 + "|")
     for s in summaries:
         cell = s.cells[OVERALL]
@@ -213,23 +219,32 @@ def markdown(summaries: list[MethodSummary], settings: dict[str, str], notes: li
             f"{acceptance} | {positions} | {share} | {cell.runs} | {cell.failures} |"
         )
     lines += _engine_tables(summaries, levels or [], reference)
-    remarks = []
+    if found := remarks(summaries, notes):
+        lines += ["", "## Remarks", ""] + found
+    lines += ["", "Metrics are defined in `specdecode/metrics.py`. Failed runs are listed above and kept out of "
+              "every average."]
+    return "\n".join(lines) + "\n"
+
+
+def remarks(summaries: list[MethodSummary], notes: list[str]) -> list[str]:
+    """The report's remarks, as markdown bullets: predictions far from the measurement, failures, engines
+    that counted other prompts, and `notes` (exactness, sampling)."""
+    found, disagreeing = [], []
     for s in summaries:
         measured = s.cells[OVERALL].speedup[0]
-        if s.predicted_speedup and measured == measured and abs(s.predicted_speedup - measured) > DISAGREEMENT * measured:
-            remarks.append(
-                f"- {s.method}: measured {measured:.2f}x but the analytical model predicts {s.predicted_speedup:.2f}x: "
-                "its assumptions (independent acceptance per token, a fixed draft length, decoding cost only — "
-                "the prefill is excluded from the prediction but not from the measurement) do not hold here."
-            )
-        remarks += [f"- {s.method} FAILED on {e}" for e in s.errors]
+        if (s.predicted_speedup and measured == measured  # measured: not NaN
+                and abs(s.predicted_speedup - measured) > DISAGREEMENT * measured):
+            disagreeing.append(f"{s.method} (measured {measured:.2f}x, predicted {s.predicted_speedup:.2f}x)")
+        found += [f"- {s.method} FAILED on {e}" for e in s.errors]
         if s.prompt_mismatches:
-            remarks.append(f"- {s.method}: on {s.prompt_mismatches} turns the engine counted a different number of "
-                           "prompt tokens than our methods were given: its prompts are not identical to theirs.")
-    if remarks or notes:
-        lines += ["", "## Remarks", ""] + remarks + [f"- {n}" for n in notes]
-    lines += ["", "Metrics are defined in `specdecode/metrics.py`. Failed runs are listed above and kept out of every average."]
-    return "\n".join(lines) + "\n"
+            found.append(f"- {s.method}: on {s.prompt_mismatches} turns the engine counted a different number of "
+                         "prompt tokens than our methods were given: its prompts are not identical to theirs.")
+    if disagreeing:
+        found.insert(0, f"- The analytical model's speedup is more than {DISAGREEMENT:.0%} off the measured one for "
+                        f"{', '.join(disagreeing)}: its assumptions (independent acceptance per token, a fixed draft "
+                        "length, decoding cost only — the prefill is excluded from the prediction but not from the "
+                        "measurement) do not hold there.")
+    return found + [f"- {n}" for n in notes]
 
 
 def _engine_tables(summaries: list[MethodSummary], levels: list, reference: str) -> list[str]:

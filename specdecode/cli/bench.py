@@ -67,7 +67,8 @@ def bench(
     try:
         levels = [int(level) for level in concurrency.split(",") if level.strip()]
     except ValueError:
-        raise UserError(f"--concurrency takes comma-separated numbers of streams, e.g. 1,4,16, not {concurrency!r}") from None
+        raise UserError(
+            f"--concurrency takes comma-separated numbers of streams, e.g. 1,4,16, not {concurrency!r}") from None
     defaults = [] if engine else TORCH_METHODS if backend.value == "torch" else LLAMACPP_METHODS
     run(
         methods=[m for m in methods.split(",") if m] or defaults,

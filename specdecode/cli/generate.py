@@ -3,6 +3,7 @@ side by side, the list of methods."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Annotated
 
@@ -12,10 +13,11 @@ from rich.table import Table
 
 from specdecode.cli.options import (
     Backend, BackendOption, BudgetOption, ChoicesOption, DatastoreOption, DeviceOption, DraftDType, DraftDTypeOption,
-    DrafterOption, DType, DTypeOption, HeadOption, MethodName, ReferenceOption, TargetOption, TreeOption, backend_device, console,
-    read_reference)
+    DrafterOption, DType, DTypeOption, HeadOption, MethodName, ReferenceOption, TargetOption, TreeOption,
+    backend_device, console, read_reference)
 from specdecode.methods import METHODS
 from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
+from specdecode.tables import compact_table
 
 
 def generate(
@@ -23,7 +25,8 @@ def generate(
     method: Annotated[MethodName, typer.Option(help=(
         "Decoding method (`specdecode methods`). The default, suffix, drafts from the prompt and the output "
         "and needs no draft model: on the int4 path that `--dtype auto` takes on the CPUs measured it beats "
-        "the draft model (README); on bfloat16 with bf16 units, draft or composite pays more."))] = MethodName("suffix"),
+        "the draft model (README); on bfloat16 with bf16 units, draft or composite pays more."
+    ))] = MethodName("suffix"),
     max_new_tokens: Annotated[int, typer.Option(min=1, max=1 << 20, help="Tokens to generate at most.")] = 128,
     temperature: Annotated[float, typer.Option(min=0.0, max=100.0, help="0 means greedy decoding.")] = 0.0,
     top_k: Annotated[int, typer.Option(min=0, help="Keep the k likeliest tokens (0: off).")] = 0,
@@ -93,14 +96,30 @@ def demo(
 
 
 
-def list_methods() -> None:
+def list_methods(
+    as_json: Annotated[bool, typer.Option("--json", help="Print every method's registry entry as JSON.")] = False,
+) -> None:
     """List the decoding methods."""
-    table = Table(show_edge=False)
-    for column in ["method", "needs a draft model", "lossless", "tree form (--tree)", "what it does"]:
-        table.add_column(column)
+    if as_json:
+        print(json.dumps([dataclasses.asdict(m) for m in METHODS.values()], indent=1))
+        return
+    Console().print(methods_table())
+
+
+def methods_table() -> Table:
+    """The methods, one row each: short flag columns and the description, the only column that wraps."""
+    table = compact_table({
+        "draft": "needs a draft model (same: with the target's tokenizer; any: any tokenizer, its chain drafts "
+                 "translated through text)",
+        "tree": "has a token-tree form (--tree, or NAME-tree)",
+        "lossless": "the output follows the target's distribution exactly (NO: lossy)",
+        "--json": "every field of the registry",
+    }, leading=1)
+    table.add_column("method", no_wrap=True)
+    for flag in ("draft", "tree", "lossless"):
+        table.add_column(flag, no_wrap=True)
+    table.add_column("description", ratio=1)
     for m in METHODS.values():
-        # a draft model with another tokenizer than the target's: its chain drafts translated through text
-        draft_model = ("yes, any tokenizer (chain)" if m.other_tokenizer else "yes, the target's tokenizer"
-                       ) if m.needs_draft_model else "no"
-        table.add_row(m.name, draft_model, "yes" if m.lossless else "NO", "yes" if m.tree else "no", m.summary)
-    Console().print(table)
+        draft = ("any" if m.other_tokenizer else "same") if m.needs_draft_model else "no"
+        table.add_row(m.name, draft, "yes" if m.tree else "no", "yes" if m.lossless else "NO", m.summary)
+    return table

@@ -37,16 +37,18 @@ def backend_device(backend, device: str) -> str | None:
     return None if backend.value == "llamacpp" and device == "auto" else device
 DraftDType = Enum("DraftDType", {n: n for n in ("auto", "int4", "int8", "bfloat16", "float16", "float32")}, type=str)
 DraftDTypeOption = Annotated[DraftDType, typer.Option(
-    help="Draft model weights: auto (default: int4 where its kernel runs, else int8; on a GPU bfloat16), int4 (4-bit weights, "
-    "AVX2 CPUs: the cheapest draft token), int8 (~3x cheaper than bfloat16 on a CPU), bfloat16 or float32. "
-    "Lossless whatever it is: the target verifies every token.")]
-TreeOption = Annotated[bool, typer.Option("--tree", help="Draft a token tree instead of a chain (methods with a tree form).")]
+    help="Draft model weights: auto (default: int4 where its kernel runs, else int8; on a GPU bfloat16), int4 "
+    "(4-bit weights, AVX2 CPUs: the cheapest draft token), int8 (~3x cheaper than bfloat16 on a CPU), bfloat16 "
+    "or float32. Lossless whatever it is: the target verifies every token.")]
+TreeOption = Annotated[bool, typer.Option(
+    "--tree", help="Draft a token tree instead of a chain (methods with a tree form).")]
 BudgetOption = Annotated[int | None, typer.Option(
     min=1, max=4096, help="Tree nodes verified per step (default: chosen each step from the measured cost curve).")]
 Backend = Enum("Backend", {"torch": "torch", "llamacpp": "llamacpp"}, type=str)
 MemoryScope = Enum("MemoryScope", {name: name for name in ("tenant", "request", "server")}, type=str)
 BackendOption = Annotated[Backend, typer.Option(
-    help="torch: any transformers model (target's path per --dtype, drafter per --draft-dtype); llamacpp: .gguf files through llama.cpp.")]
+    help="torch: any transformers model (target's path per --dtype, drafter per --draft-dtype); llamacpp: .gguf "
+         "files through llama.cpp.")]
 ChoicesOption = Annotated[str | None, typer.Option(
     help="A fixed tree shape for --method draft --tree: JSON choices like [[0],[1],[0,0]], or 'default'.")]
 DatastoreOption = Annotated[Path | None, typer.Option(

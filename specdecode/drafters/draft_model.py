@@ -137,8 +137,8 @@ class DraftModelDrafter(Drafter):
     """Drafts up to `num_tokens` tokens autoregressively with a small model.
 
     Adaptive draft length (on by default) picks the length that maximises expected tokens per unit of
-    time from the per-token acceptance probability a, estimated online (`RunningAcceptance`; a chain of k drafts then yields
-    (1 - a^(k+1)) / (1 - a) tokens per step), the cost of one draft token relative to one target
+    time from the per-token acceptance probability a, estimated online (`RunningAcceptance`; a chain of k
+    drafts then yields (1 - a^(k+1)) / (1 - a) tokens per step), the cost of one draft token relative to one target
     forward, `draft_cost`, and the target's cost curve (the step then costs k * draft_cost + curve(k + 1)
     target forwards). The length may be 0: where no draft beats plain decoding, drafting switches
     off, with a one-token probe every PROBE_EVERY steps to notice when it would pay again, and for good
@@ -195,7 +195,8 @@ class DraftModelDrafter(Drafter):
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         # where even a near-perfect draft could not pay, do not draft at all (not even the draft
         # model's prefill of the prompt)
-        hopeless = self.adaptive and not best_draft_length(BEST_ACCEPTANCE, self.draft_cost, self._lengths(), self.curve)
+        hopeless = self.adaptive and not best_draft_length(BEST_ACCEPTANCE, self.draft_cost, self._lengths(),
+                                                           self.curve)
         self.num_tokens = 0 if hopeless else self.initial_tokens
         self._idle = 0
         self._acceptance.reset()

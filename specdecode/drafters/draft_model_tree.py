@@ -30,25 +30,17 @@ import torch
 
 from specdecode import devices
 from specdecode.drafters.base import Drafter, Outcome
-from specdecode.drafters.draft_model import SyncedCache, late_start
+from specdecode.drafters.draft_model import DraftModelDrafter, SyncedCache, late_start
+from specdecode.drafters.options import DrafterOptions, check_budget
+from specdecode.drafters.other_tokenizer import OtherTokenizerDrafter
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.models import costs
 from specdecode.models.costs import CostCurve
 from specdecode.sampling import logits_to_probs
 from specdecode.tree import structure
-from specdecode.tree.budget import MAX_BUDGET, Calibration, best_budget, check_budget, prune
+from specdecode.tree.budget import MAX_BUDGET, Calibration, best_budget, prune
 from specdecode.types import Draft, SamplingParams
-
-# For comparison with the dynamic tree: a main chain 8 deep with second choices along its first levels.
-DEFAULT_CHOICES: tuple[tuple[int, ...], ...] = (
-    (0,), (1,), (2,),
-    (0, 0), (0, 1), (1, 0),
-    (0, 0, 0), (0, 0, 1), (0, 1, 0),
-    (0, 0, 0, 0), (0, 0, 0, 1),
-    (0, 0, 0, 0, 0), (0, 0, 0, 0, 1),
-    (0, 0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0, 0, 0),
-)
 
 
 class _Growing:
@@ -238,3 +230,13 @@ class DraftModelTreeDrafter(Drafter):
     def observe(self, outcome: Outcome) -> None:
         if outcome.verdict.num_drafted:
             self._calibration.record(self._predicted, outcome.verdict.num_accepted)
+
+
+def build_draft_model(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
+    """The `draft` method: a chain (from a draft model with another tokenizer too) or a tree."""
+    if options.draft_tokenizer is not None:
+        return OtherTokenizerDrafter.for_models(draft, target, target_tokenizer=options.tokenizer,
+                                                draft_tokenizer=options.draft_tokenizer)
+    if not options.tree:
+        return DraftModelDrafter.for_models(draft, target)
+    return DraftModelTreeDrafter.for_models(draft, target, budget=options.budget, choices=options.choices)

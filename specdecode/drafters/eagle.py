@@ -47,7 +47,8 @@ ROUND_TIMINGS = 5  # latest timings of a head's tree round, per width, whose low
 
 def head_config(target_config, intermediate_size: int | None = None) -> Qwen2Config:
     """One decoder layer with the target's width and attention, a (possibly narrower) MLP."""
-    config = Qwen2Config(**{key: value for key, value in target_config.to_dict().items() if key in Qwen2Config().to_dict()})
+    known = Qwen2Config().to_dict()
+    config = Qwen2Config(**{key: value for key, value in target_config.to_dict().items() if key in known})
     config.num_hidden_layers = 1
     config.layer_types = ["full_attention"]
     config.intermediate_size = intermediate_size or target_config.intermediate_size
@@ -201,7 +202,8 @@ class EagleDrafter(Drafter):
     def __init__(self, head: EagleHead, target_model, max_tokens: int = 8, min_confidence: float = 0.05,
                  state: HeadState | None = None):
         if max_tokens < 1 or not 0.0 <= min_confidence < 1.0:
-            raise UserError(f"EAGLE needs max_tokens >= 1 and min_confidence in [0, 1); got {max_tokens}, {min_confidence}")
+            raise UserError(f"EAGLE needs max_tokens >= 1 and min_confidence in [0, 1); got {max_tokens}, "
+                            f"{min_confidence}")
         self.state = state or HeadState(head, target_model)  # another head's state: EAGLE-3 (`drafters.eagle3`)
         self.max_tokens, self.min_confidence = max_tokens, min_confidence
         # read each token's probability as it is drafted, to stop at once (see the class docstring)

@@ -32,7 +32,7 @@ import torch
 from specdecode.devices import to_device
 from specdecode.drafters.base import Drafter, Needs, tensor_bytes
 from specdecode.drafters.eagle import EagleDrafter, EagleTreeDrafter, full_vocabulary
-from specdecode.drafters.eagle3_head import CONFIG, Eagle3Head
+from specdecode.drafters.eagle3_head import Eagle3Head
 from specdecode.drafters.heads import check_fits, for_drafting, head_folder
 from specdecode.errors import UserError
 

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.drafters.heads import load_head, save_head
 from specdecode.errors import UserError
 
 CONFIG = "eagle3.json"

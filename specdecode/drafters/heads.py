@@ -50,7 +50,8 @@ def kind_of(folder: str | Path) -> str:
     kinds = [kind for kind, record in RECORDS.items() if (folder / record).is_file()]
     if len(kinds) != 1:
         raise UserError(f"{folder} holds {'no' if not kinds else 'more than one'} trained head (one of "
-                        f"{', '.join(RECORDS.values())}); write one with `specdecode train eagle3|eagle|medusa --out DIR`")
+                        f"{', '.join(RECORDS.values())}); write one with "
+                        "`specdecode train eagle3|eagle|medusa --out DIR`")
     return kinds[0]
 
 

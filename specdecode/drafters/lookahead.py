@@ -81,14 +81,14 @@ class NgramPool:
 
 def window_tokens(levels: list[list[int]], context_length: int) -> AuxiliaryTokens:
     """The lookahead window as auxiliary tokens: every cell but (0, 0), which is the context's last token
-    (at position P = context_length - 1), level by level. Cell (l, c) sits at position P + l + c and
-    attends to level 0 up to column c and to column c up to level l (itself included)."""
-    cells = [(l, c) for l in range(len(levels)) for c in range(len(levels[0])) if (l, c) != (0, 0)]
-    level = torch.tensor([l for l, _ in cells], dtype=torch.long, device="cpu")  # [m]
-    column = torch.tensor([c for _, c in cells], dtype=torch.long, device="cpu")  # [m]
+    (at position P = context_length - 1), level by level. Cell (i, j) of level i and column j sits at position
+    P + i + j and attends to level 0 up to column j and to column j up to level i (itself included)."""
+    cells = [(i, j) for i in range(len(levels)) for j in range(len(levels[0])) if (i, j) != (0, 0)]
+    level = torch.tensor([i for i, _ in cells], dtype=torch.long, device="cpu")  # [m]
+    column = torch.tensor([j for _, j in cells], dtype=torch.long, device="cpu")  # [m]
     row_level, row_column = level[:, None], column[:, None]  # [m, 1] the attending cell
     mask = ((level == 0) & (column <= row_column)) | ((column == row_column) & (level <= row_level))  # [m, m]
-    tokens = torch.tensor([levels[l][c] for l, c in cells], dtype=torch.long, device="cpu")
+    tokens = torch.tensor([levels[i][j] for i, j in cells], dtype=torch.long, device="cpu")
     return AuxiliaryTokens(tokens=tokens, positions=context_length - 1 + level + column, mask=mask)
 
 

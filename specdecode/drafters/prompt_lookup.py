@@ -10,10 +10,12 @@ import numpy as np
 import torch
 
 from specdecode.drafters.base import Drafter, Outcome, RunningAcceptance
+from specdecode.drafters.options import DrafterOptions, check_budget
 from specdecode.errors import UserError
+from specdecode.models.base import CausalLM
 from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
-from specdecode.tree.budget import DECAY, check_budget, prune
+from specdecode.tree.budget import DECAY, prune
 from specdecode.tree.trie import build_trie, stack
 from specdecode.types import Draft
 
@@ -152,7 +154,8 @@ class PromptLookupDrafter(Drafter):
         ramp_up: bool = True,  # offer copies of at most twice the longest accepted run (FIRST_CAP at first)
     ):
         _check_lookup(max_ngram, min_ngram, num_tokens)
-        self.max_ngram, self.min_ngram, self.num_tokens, self.max_matches = max_ngram, min_ngram, num_tokens, max_matches
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.num_tokens, self.max_matches = num_tokens, max_matches
         self.ramp_up = ramp_up
         # Reference copying (LLMA): a document the caller passes (retrieved passages, a file being edited)
         # is searched as if it preceded the context, behind a separator no n-gram can match across.
@@ -250,7 +253,8 @@ class PromptLookupTreeDrafter(Drafter):
             raise UserError(f"prompt lookup needs max_matches >= 1, got {max_matches}")
         check_budget(budget)
         self.curve, self.budget = curve, budget
-        self.max_ngram, self.min_ngram, self.num_tokens, self.max_matches = max_ngram, min_ngram, num_tokens, max_matches
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.num_tokens, self.max_matches = num_tokens, max_matches
         self._acceptance = RunningAcceptance()
 
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
@@ -278,7 +282,8 @@ class PromptLookupTreeDrafter(Drafter):
         trie = build_trie(rows, np.repeat([[w] for _, w in weighted], rows.shape[1], axis=1))
         parents = torch.from_numpy(trie.parents)
         total = sum(w for _, w in weighted)
-        scores = torch.from_numpy(trie.weights).float() / total * self.acceptance ** structure.depths(parents).float()  # [n]
+        depths = structure.depths(parents).float()  # [n]
+        scores = torch.from_numpy(trie.weights).float() / total * self.acceptance ** depths  # [n]
         # 3. Keep the best nodes (none: no node pays on this cost curve, a plain step).
         keep = prune(parents, scores, self.curve, self.budget)
         if not keep.numel():
@@ -288,3 +293,12 @@ class PromptLookupTreeDrafter(Drafter):
     def observe(self, outcome: Outcome) -> None:
         if outcome.verdict.num_drafted:
             self._acceptance.record(outcome.verdict)
+
+
+def build_prompt_lookup(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
+    """The `pld` method: a chain (from a reference document too) or a tree of every match."""
+    if not options.tree:
+        return PromptLookupDrafter(reference_ids=options.reference_ids)
+    if options.reference_ids:
+        raise UserError("a reference document is searched by the chain form of pld; drop --tree")
+    return PromptLookupTreeDrafter(target.cost_curve(), budget=options.budget)

@@ -28,7 +28,7 @@ import torch
 from transformers import DynamicCache
 
 from specdecode.devices import to_device
-from specdecode.drafters.base import DrafterOptions
+from specdecode.drafters.options import DrafterOptions
 from specdecode.drafters.composite import CompositeDrafter, Source
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter

@@ -215,7 +215,7 @@ class BatchEngine:
             self.curve.observe(total, forward_seconds)
         # 3. Verify each sequence on its rows; keep the slots of its context and accepted tokens.
         out, row = [], 0
-        for ident, m, p, draft, (offset, n, _), spent, steps in zip(idents, members, pending, drafts, spans,
+        for ident, m, p, draft, (offset, _, _), spent, steps in zip(idents, members, pending, drafts, spans,
                                                                     draft_seconds, stepping):
             first = cached + offset
             if self.keep_hidden:  # the context tokens' rows (a draft's are not context yet)

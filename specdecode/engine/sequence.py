@@ -296,7 +296,8 @@ def after_prefill(step: VerifiedStep, prefilled: int, pieces: list[torch.Tensor]
     return replace(step, num_pending=prefilled + step.num_pending, hidden=hidden)
 
 
-def conclude(state: SequenceState, drafter: Drafter | None, step: VerifiedStep, stepped_aside: bool = False) -> StepEvent:
+def conclude(state: SequenceState, drafter: Drafter | None, step: VerifiedStep,
+             stepped_aside: bool = False) -> StepEvent:
     """A verified step's end for one sequence: append its tokens (`SequenceState.advance`) and tell the
     drafter how its draft fared (`Drafter.observe`, with what it `needs` of the forward)."""
     event = state.advance(step.draft, step.verdict, step.draft_seconds, step.verify_seconds, step.num_pending,

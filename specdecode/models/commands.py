@@ -18,8 +18,6 @@ from rich.console import Console
 from rich.table import Table
 
 from specdecode.errors import UserError
-from specdecode.models import prepared
-from specdecode.models.loading import cache_dir, console, converted_dir, gguf_path, is_assembled, prepare_registered
 from specdecode.models.registry import (
     DEFAULT_DRAFTER,
     DEFAULT_TARGET,
@@ -28,6 +26,7 @@ from specdecode.models.registry import (
     missing_parts,
     registered_models,
 )
+from specdecode.paths import console
 
 app = typer.Typer(
     help="Fetch the registered models (the default target/drafter pair), list the model cache, and clean "
@@ -60,6 +59,8 @@ def fetch(
     ] = None,
 ) -> None:
     """Download, assemble, check and convert registered models. Fast when already done."""
+    from specdecode.models.loading import converted_dir, is_assembled, prepare_registered  # torch, transformers
+
     models = [get_model(name) for name in (names or [DEFAULT_TARGET, DEFAULT_DRAFTER])]
     for model in models:
         folder = converted_dir(model)
@@ -85,6 +86,8 @@ def _gigabytes(size: int) -> str:
 @app.command("list")
 def list_models() -> None:
     """Show the registered models: whether each is fetched, where it lives, how big it is."""
+    from specdecode.models.loading import converted_dir, gguf_path, is_assembled  # torch, transformers
+
     table = Table(title="Registered models")
     table.add_column("name", no_wrap=True)
     table.add_column("role")
@@ -134,6 +137,9 @@ def clean(
     ] = False,
 ) -> None:
     """Delete the prepared weights: int8 and int4 models quantized once for later starts (the next quantizes again)."""
+    from specdecode.models import prepared  # torch, transformers
+    from specdecode.paths import cache_dir
+
     freed = prepared.clean()
     console.print(f"Removed the prepared weights in {prepared.root()} ({_gigabytes(freed)})")
     if everything:

@@ -102,7 +102,8 @@ class HFCausalLM(CausalLM):
 
     def _attention_mask(self, tree_mask: torch.Tensor) -> torch.Tensor:
         """[n, m] bool over the last m tokens -> the [1, 1, n, cached + n] additive mask transformers takes."""
-        mask = torch.zeros((tree_mask.shape[0], self._length + tree_mask.shape[0]), dtype=self.dtype, device=self.device)
+        n = tree_mask.shape[0]
+        mask = torch.zeros((n, self._length + n), dtype=self.dtype, device=self.device)
         mask.masked_fill_(~self._allowed(tree_mask), torch.finfo(self.dtype).min)
         return mask[None, None]  # [1, 1, n, cached + n]
 

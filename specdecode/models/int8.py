@@ -260,7 +260,8 @@ def _kernel():
         return None
 
 
-_PLAN = threading.local()  # .key, .rows, .csr: the last mask seen (or causal shape) and its rows' visible keys (every layer shares one)
+# .key, .rows, .csr: the last mask seen (or causal shape) and its rows' visible keys (every layer shares one)
+_PLAN = threading.local()
 
 
 def invariant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

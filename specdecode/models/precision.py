@@ -13,6 +13,7 @@ once per machine and shape, cached beside the cost curves.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 
@@ -21,7 +22,6 @@ import torch
 from specdecode.models import int4
 from specdecode.models.int8 import InvariantInt8Linear
 
-CANDIDATES = ("bfloat16", "float32", "int8", "int4")
 TOKENS_PER_WIDE_STEP = 3  # what an 8-token verification is taken to yield
 # the quantized paths are not the float model (greedy agreement: docs/results/quality.md): taken only when at least
 # this much cheaper per token than the best float path
@@ -60,14 +60,15 @@ def measure_paths(hidden: int, intermediate: int) -> dict[str, tuple[float, floa
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(intermediate, hidden, generator=generator) * hidden**-0.5
     inputs = {rows: torch.randn(rows, hidden, generator=generator) for rows in (1, 8)}
+    weight_bf16 = weight.bfloat16()
     paths = {
-        "bfloat16": (lambda x, w=weight.bfloat16(): x.bfloat16() @ w.t()),
-        "float32": (lambda x, w=weight: x @ w.t()),
+        "bfloat16": (lambda x: x.bfloat16() @ weight_bf16.t()),
+        "float32": (lambda x: x @ weight.t()),
         "int8": InvariantInt8Linear(weight),
     }
     if int4.available():
         paths["int4"] = int4.InvariantInt4Linear(weight)
-    calls = {(name, rows): (lambda path=path, x=inputs[rows]: path(x)) for name, path in paths.items() for rows in (1, 8)}
+    calls = {(name, rows): functools.partial(path, inputs[rows]) for name, path in paths.items() for rows in (1, 8)}
     with torch.inference_mode():
         seconds = _time_interleaved(calls)
     return {name: (seconds[name, 1], seconds[name, 8]) for name in paths}
@@ -90,7 +91,8 @@ def fastest(hidden: int, intermediate: int) -> str:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(measured))
     best_float = min(("bfloat16", "float32"), key=lambda name: per_token(measured[name]))
-    best_quantized = min((name for name in ("int8", "int4") if name in measured), key=lambda name: per_token(measured[name]))
+    best_quantized = min((name for name in ("int8", "int4") if name in measured),
+                         key=lambda name: per_token(measured[name]))
     if per_token(measured[best_quantized]) * QUANTIZED_MARGIN <= per_token(measured[best_float]):
         return best_quantized
     return best_float

@@ -146,7 +146,7 @@ def origin_name(origin: str) -> str:
     name = origin.strip().lower().rstrip("/")
     try:
         parts = urlsplit(name)
-        parts.port  # noqa: B018 (a ValueError for a port out of range or not a number)
+        _ = parts.port  # reading it raises a ValueError for a port out of range or not a number
     except ValueError:  # that, or an unclosed IPv6 bracket
         parts = None
     if not (parts and parts.scheme and parts.hostname and "@" not in parts.netloc

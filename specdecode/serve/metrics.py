@@ -14,7 +14,8 @@ class ServerMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("specdecode_requests", "Answers by endpoint and HTTP status (499: the client left first)",
+        self.requests = Counter("specdecode_requests",
+                                "Answers by endpoint and HTTP status (499: the client left first)",
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("specdecode_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generated_tokens = Counter("specdecode_generated_tokens", "Tokens generated", ["method"], registry=r)
@@ -24,7 +25,8 @@ class ServerMetrics:
         self.accepted_by_position = Counter(
             "specdecode_accepted_by_position", "Steps whose draft was accepted at least to this position (1-based)",
             ["method", "position"], registry=r)
-        self.cancelled = Counter("specdecode_cancelled_requests", "Generations stopped because the client left", registry=r)
+        self.cancelled = Counter("specdecode_cancelled_requests", "Generations stopped because the client left",
+                                 registry=r)
         self.expired = Counter("specdecode_expired_requests", "Generations ended at the request deadline", registry=r)
         self.latency = Histogram("specdecode_request_seconds", "From arrival to the last token", ["method"],
                                  buckets=LATENCY_BUCKETS, registry=r)

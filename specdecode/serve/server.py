@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -62,7 +63,8 @@ class Server:
     the metrics."""
 
     def __init__(self, models: Models, model_name: str, default_method: str | MethodChoice = "pld",
-                 datastore: str | None = None, head: str | None = None, max_batch: int = DEFAULT_MAX_BATCH, limits: Limits = Limits(),
+                 datastore: str | None = None, head: str | None = None, max_batch: int = DEFAULT_MAX_BATCH,
+                 limits: Limits = Limits(),
                  methods: Sequence[str | MethodChoice] | None = None, prepare: Sequence[str] | None = None,
                  memory_scope: str = "tenant", memory_owners: int = 64, memory_budget: int | None = None):
         """`methods`: those clients may name (default: every one the models can run), by name or resolved
@@ -122,10 +124,6 @@ class Server:
     def unavailable(self) -> dict[str, str]:
         """Method -> why it cannot run here."""
         return self.preparation.unavailable
-
-    def prepare_in_background(self, method: str) -> Future:
-        """Start preparing an offered method in the background (once); its future."""
-        return self.preparation.in_background(self.offer.get(method))
 
     def wait_until_prepared(self, timeout: float | None = None) -> None:
         """Block until every preparation under way has ended (tests, benchmarks)."""
@@ -212,15 +210,16 @@ class Server:
         if chat:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             self._check_bytes([m["content"] for m in messages], param)
-            encode = lambda: self._encode_chat(messages)  # noqa: E731
+            encode = functools.partial(self._encode_chat, messages)
         else:
             if isinstance(body.prompt, str):
                 self._check_bytes([body.prompt], param)
-            encode = lambda: self._encode_completion(body.prompt)  # noqa: E731
+            encode = functools.partial(self._encode_completion, body.prompt)
         if not self.worker.enter():
             retry = max(1, min(60, math.ceil(self._recent_seconds)))
             raise APIError(429, f"The server is busy: {self.limits.max_queue} requests are waiting; retry in "
-                                f"{retry} s.", type="server_error", code="queue_full", headers={"Retry-After": str(retry)})
+                                f"{retry} s.", type="server_error", code="queue_full",
+                           headers={"Retry-After": str(retry)})
         loop = asyncio.get_running_loop()
         memory = self.memory_owner(request.state.tenant, body.user)
         try:

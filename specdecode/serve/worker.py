@@ -77,7 +77,8 @@ def token_pieces(tokenizer, output: list[int], event: StepEvent) -> list[str]:
         return []
     start = len(output) - n
     window = max(0, start - 8)
-    texts = [tokenizer.decode(output[window:k], skip_special_tokens=True).rstrip("\ufffd") for k in range(start, len(output) + 1)]
+    texts = [tokenizer.decode(output[window:k], skip_special_tokens=True).rstrip("\ufffd")
+             for k in range(start, len(output) + 1)]
     pieces = [texts[i + 1][len(texts[i]):] if texts[i + 1].startswith(texts[i]) else "" for i in range(n)]
     if "".join(pieces) != event.text:
         pieces = [""] * (n - 1) + [event.text]

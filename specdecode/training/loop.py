@@ -168,7 +168,8 @@ class _Run:
         torch.set_rng_state(state["torch_rng"])
         if "cuda_rng" in state and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
-        self.step, self.position, self.sums, self.count = state["step"], state["position"], state["sums"], state["count"]
+        self.step, self.position = state["step"], state["position"]
+        self.sums, self.count = state["sums"], state["count"]
         self.record.losses, self.record.tokens_seen = state["losses"], state["tokens_seen"]
         self.earlier_seconds = state["seconds"]
 

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdecode.errors import UserError
 from specdecode.tree import structure
 from specdecode.types import Draft, Verdict
 
@@ -24,13 +23,6 @@ if TYPE_CHECKING:
 
 DECAY = 0.9  # weight of the past in the running calibration
 MAX_BUDGET = 64  # nodes a chosen budget verifies at most per step (the measured cost curve ends at 64)
-MAX_FIXED_BUDGET = 4096  # the largest budget a user may set
-
-
-def check_budget(budget: int | None) -> None:
-    """A budget set by hand: None (chosen from the cost curve) or 1 .. MAX_FIXED_BUDGET nodes."""
-    if budget is not None and not 1 <= budget <= MAX_FIXED_BUDGET:
-        raise UserError(f"the tree budget must be between 1 and {MAX_FIXED_BUDGET} nodes, got {budget}")
 
 
 def best_budget(

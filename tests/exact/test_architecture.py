@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "specdecode.sampling": 0,
     "specdecode.metrics": 0,
     "specdecode.cluster": 0,  # Ray, optional: connecting, a cluster's nodes, jobs pinned to them
+    "specdecode.tables": 0,  # rich tables that fit 80 columns: short column names and a legend
     "specdecode.models": 1,
     "specdecode.verify": 2,
     "specdecode.tree": 2,

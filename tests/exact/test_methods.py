@@ -6,15 +6,23 @@ import dataclasses
 
 import pytest
 
-from specdecode.drafters.draft_model_tree import DEFAULT_CHOICES
+from specdecode.drafters.options import DEFAULT_CHOICES
 from specdecode.errors import UserError
-from specdecode.methods import METHODS, MethodChoice, choose, takers, variant_names
+from specdecode.methods import METHODS, MethodChoice, _named, choose, takers, variant_names
 
 
 @pytest.mark.parametrize("name", variant_names())
 def test_every_name_resolves_to_itself(name):
     choice = choose(name)
     assert choice.name == name and choice.method is METHODS[name.split("-tree")[0]]
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_every_builder_and_verifier_names_a_function(name):
+    # the registry names them as "module:function", imported on first use: a typo shows here, not mid-run
+    method = METHODS[name]
+    assert method.builder is None or callable(_named(method.builder))
+    assert callable(method.verifier)
 
 
 def test_tree_forms_and_budgets():

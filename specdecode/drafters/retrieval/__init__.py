@@ -25,15 +25,31 @@ the trie of continuations is `tree.trie`'s). Tests patch `PIECE_CHARS`, `stdlib_
 on `build`, where they act.
 """
 
+from typing import TYPE_CHECKING
+
 from specdecode.drafters.retrieval.build import (
     DEFAULT_MAX_TOKENS, DEFAULT_PATTERN, STDLIB_SKIP, build_datastore, corpus_files, default_datastore,
 )
 from specdecode.drafters.retrieval.datastore import (
     SEPARATOR, Datastore, DatastoreInfo, SuffixRange, join_documents, open_datastore, suffix_array,
 )
-from specdecode.drafters.retrieval.drafter import (
-    RetrievalDrafter, RetrievalTreeDrafter, build_retrieval, heaviest_path,
-)
+
+if TYPE_CHECKING:
+    from specdecode.drafters.retrieval.drafter import (
+        RetrievalDrafter, RetrievalTreeDrafter, build_retrieval, heaviest_path,
+    )
+
+# The drafter's names are imported on first use (PEP 562): datastores (numpy) are built and read, and
+# `specdecode datastore build` shows its defaults, without importing torch.
+_DRAFTER_NAMES = {"RetrievalDrafter", "RetrievalTreeDrafter", "build_retrieval", "heaviest_path"}
+
+
+def __getattr__(name: str):
+    if name not in _DRAFTER_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from specdecode.drafters.retrieval import drafter
+
+    return getattr(drafter, name)
 
 __all__ = [
     "DEFAULT_MAX_TOKENS", "DEFAULT_PATTERN", "SEPARATOR", "STDLIB_SKIP", "Datastore", "DatastoreInfo", "SuffixRange",

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from specdecode.drafters.base import Drafter, Outcome
+from specdecode.drafters.options import check_budget
 from specdecode.drafters.retrieval.build import default_datastore
 from specdecode.drafters.retrieval.datastore import (
     MAX_MATCH, MAX_OCCURRENCES, MIN_MATCH, SEPARATOR, Datastore, open_datastore,
@@ -15,7 +16,7 @@ from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
-from specdecode.tree.budget import Calibration, check_budget, prune
+from specdecode.tree.budget import Calibration, prune
 from specdecode.tree.trie import build_trie
 from specdecode.types import Draft, SamplingParams
 

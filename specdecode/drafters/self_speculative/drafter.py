@@ -6,7 +6,8 @@ from collections.abc import Iterable
 
 import torch
 
-from specdecode.drafters.base import Drafter, DrafterOptions
+from specdecode.drafters.base import Drafter
+from specdecode.drafters.options import DrafterOptions
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.self_speculative.layers import SkippedLayers, torch_target
 from specdecode.drafters.self_speculative.scoring import CONTINUATION
@@ -135,9 +136,9 @@ def calibration_prompts(
 def build_layerskip(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
     """`layerskip`: the target drafts with the layers the search (`search_skip`, cached) leaves in."""
     target = torch_target(target, "layerskip")
-    prompts = calibration_prompts(options.tokenizer, target.vocab_size, max_length=target.max_context - CONTINUATION - 1)
-    result = search_skip(target, prompts,
-                         budget_seconds=SEARCH_SECONDS, continuation=CONTINUATION)
+    prompts = calibration_prompts(options.tokenizer, target.vocab_size,
+                                  max_length=target.max_context - CONTINUATION - 1)
+    result = search_skip(target, prompts, budget_seconds=SEARCH_SECONDS, continuation=CONTINUATION)
     return LayerSkipDrafter(target, result.best.skip, num_tokens=result.best.draft_length,
                             draft_cost=result.best.draft_cost, curve=target.cost_curve())
 
@@ -145,9 +146,9 @@ def build_layerskip(target: CausalLM, draft: CausalLM | None, options: DrafterOp
 def build_earlyexit(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
     """`earlyexit`: the target drafts with its first k layers, k from the search (`search_exit`, cached)."""
     target = torch_target(target, "earlyexit")
-    prompts = calibration_prompts(options.tokenizer, target.vocab_size, max_length=target.max_context - CONTINUATION - 1)
-    result = search_exit(target, prompts,
-                         budget_seconds=SEARCH_SECONDS, continuation=CONTINUATION)
+    prompts = calibration_prompts(options.tokenizer, target.vocab_size,
+                                  max_length=target.max_context - CONTINUATION - 1)
+    result = search_exit(target, prompts, budget_seconds=SEARCH_SECONDS, continuation=CONTINUATION)
     num_layers = target.model.config.num_hidden_layers
     exit_layer = min(result.best.skip, default=num_layers)
     return EarlyExitDrafter(target, exit_layer, num_tokens=result.best.draft_length,

@@ -185,7 +185,8 @@ class SkippedLayers(CausalLM):
         n, device = token_ids.numel(), self.device
         cached = self.cache_length
         token_ids = to_device(token_ids, device)
-        positions = torch.arange(cached, cached + n, device=device) if positions is None else to_device(positions, device)
+        positions = (torch.arange(cached, cached + n, device=device) if positions is None
+                     else to_device(positions, device))
         num_logits = n if num_logits is None else num_logits
         if tree_mask is not None:  # [n, m] over the last m tokens -> [n, cached + n]
             m = tree_mask.shape[1]

@@ -9,13 +9,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from specdecode.drafters.base import Drafter, DrafterOptions, Outcome
+from specdecode.drafters.base import Drafter, Outcome
+from specdecode.drafters.options import DrafterOptions, check_budget
 from specdecode.drafters.prompt_lookup import JUDGED, CopyAcceptance
 from specdecode.drafters.suffix.index import SuffixIndex
 from specdecode.errors import UserError
 from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
-from specdecode.tree.budget import check_budget, prune
+from specdecode.tree.budget import prune
 from specdecode.tree.trie import best_path, build_trie, stack
 from specdecode.types import Draft, SamplingParams
 
