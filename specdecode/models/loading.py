@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from typing import cast
 from pathlib import Path
 
 import torch
@@ -107,7 +108,9 @@ def quantize_int8(model: PreTrainedModel, exact: bool = True) -> PreTrainedModel
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.ao.quantization is deprecated")
         warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*")
-        return torch.ao.quantization.quantize_dynamic(model.float(), {torch.nn.Linear}, dtype=torch.qint8)
+        # a copy of the model, of its own class
+        quantized = torch.ao.quantization.quantize_dynamic(model.float(), {torch.nn.Linear}, dtype=torch.qint8)
+        return cast(PreTrainedModel, quantized)
 
 
 def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
@@ -229,7 +232,7 @@ def load_causal_lm(
         with status, transformers_progress_bars(False):  # the status line is enough for a few seconds
             if dtype == AUTO:
                 dtype = _fastest_dtype(folder)
-            model = AutoModelForCausalLM.from_pretrained(  # int8: from the checkpoint's own dtype
+            model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(  # int8: from the checkpoint's own dtype
                 folder, dtype="auto" if dtype in (INT8, INT4) else dtype, attn_implementation="sdpa",
                 device_map=None if device.type == "cpu" else device,
             )
