@@ -10,8 +10,10 @@ transformers models (then pass `tokenizer=` too).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import cast
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -105,7 +107,9 @@ class Models:
         if not getattr(self.tokenizer, "chat_template", None):
             raise UserError("this tokenizer has no chat template; drop --chat")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        if isinstance(ids, Mapping):  # a BatchEncoding (newer transformers)
+            ids = ids["input_ids"]
+        return list(cast("list[int]", ids))  # one conversation, tokenized: its ids
 
 
 def _load(model: str | PreTrainedModel, tokenizer, dtype, progress: bool, device: torch.device | None,
@@ -114,7 +118,8 @@ def _load(model: str | PreTrainedModel, tokenizer, dtype, progress: bool, device
     if isinstance(model, PreTrainedModel):
         if tokenizer is None:
             raise UserError("pass tokenizer= together with an already loaded model")
-        model = model if device is None else model.to(device)
+        # (transformers wraps PreTrainedModel.to in a decorator typed as an unbound function)
+        model = model if device is None else model.to(device)  # type: ignore[arg-type]
         return model.eval().requires_grad_(False), tokenizer
     return load_causal_lm(model, dtype=dtype, progress=progress, exact_int8=exact_int8,
                           device=device if device is not None else "auto")
@@ -153,14 +158,13 @@ def load_models(
         return _load_llamacpp(target, drafter, progress)
     if backend != "torch":
         raise UserError(f"unknown backend {backend!r}; choose torch or llamacpp")
-    device = None if device is None else devices.resolve(device)
-    target_model, target_tokenizer = _load(target, tokenizer, dtype, progress, device)
-    device = target_model.device  # the one device: the draft model and every drafter follow the target
+    asked = None if device is None else devices.resolve(device)
+    target_model, target_tokenizer = _load(target, tokenizer, dtype, progress, asked)
+    on = target_model.device  # the one device: the draft model and every drafter follow the target
     draft = other_tokenizer = None
     if drafter is not None:
         draft_model, draft_tokenizer = _load(drafter, draft_tokenizer or tokenizer,
-                                             resolve_draft_dtype(draft_dtype, device), progress, device,
-                                             exact_int8=False)
+                                             resolve_draft_dtype(draft_dtype, on), progress, on, exact_int8=False)
         if same_vocabulary(target_tokenizer, draft_tokenizer):
             check_same_vocabulary(target_tokenizer, draft_tokenizer, target_model, draft_model)
         else:

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable
+from typing import Any, TypeGuard
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -184,7 +185,7 @@ class SyncCounter(TorchFunctionMode):
         _counting.remove(self)
         return super().__exit__(*exc)
 
-    def _watched(self, tensor) -> bool:
+    def _watched(self, tensor: object) -> TypeGuard[torch.Tensor]:
         if self.paused or not isinstance(tensor, torch.Tensor):
             return False
         if self.device is None or self.device.type == "cpu":
@@ -224,8 +225,9 @@ def to_device(values: torch.Tensor | list[int], device: torch.device, dtype: tor
     return values.pin_memory().to(device, non_blocking=True)
 
 
-def to_host(*tensors: torch.Tensor) -> list[list]:
-    """Several small tensors' values on the host in one transfer (each as a nested list of its shape):
+def to_host(*tensors: torch.Tensor) -> list[Any]:
+    """Several small tensors' values on the host in one transfer (each as a nested list of its shape, a 0-d
+    tensor as a number):
     float and integer tensors travel together as float64, which holds every token id and float32 exactly."""
     flat = torch.cat([tensor.reshape(-1).to(torch.float64 if tensor.device.type != "mps" else torch.float32)
                       for tensor in tensors])

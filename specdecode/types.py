@@ -144,8 +144,9 @@ class Verdict:
     num_drafted: int  # draft tokens (tree nodes) the target verified
     num_accepted: int  # how many draft tokens were accepted
     tokens: tuple[int, ...]  # the accepted draft tokens, then the correction or bonus token
-    # The accepted nodes, root to deepest (default: the chain's first num_accepted positions).
-    path: tuple[int, ...] | None = None
+    # The accepted nodes, root to deepest, num_accepted of them (default: the chain's first num_accepted
+    # positions).
+    path: tuple[int, ...] = ()
     # True when the last token is a bonus token: no draft was offered after the accepted ones (the whole
     # chain was accepted, or the accepted path ends at a leaf of the tree). Default: the chain rule.
     bonus: bool | None = None
@@ -154,7 +155,7 @@ class Verdict:
     rejected: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.path is None:
+        if not self.path and self.num_accepted:  # a chain's: its first positions
             object.__setattr__(self, "path", tuple(range(self.num_accepted)))
         if self.bonus is None:
             object.__setattr__(self, "bonus", self.num_accepted == self.num_drafted)

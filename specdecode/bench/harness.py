@@ -10,6 +10,7 @@ from __future__ import annotations
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
+from typing import cast
 
 from specdecode.api import Models
 from specdecode.bench.datasets import Task
@@ -117,8 +118,8 @@ def run_task(models: Models, runner: Runner, task: Task, config: GenerationConfi
                 record.prefill_seconds += output.prefill_seconds
             if record.steps is not None and output.steps is not None:  # a peer's steps are not kept
                 record.steps += output.steps
-            answer = output.text if output.text is not None else models.tokenizer.decode(
-                output.token_ids, skip_special_tokens=True)
+            answer = output.text if output.text is not None else cast("str", models.tokenizer.decode(
+                output.token_ids, skip_special_tokens=True))  # one sequence's ids: one text
             record.texts.append(answer)
             messages.append({"role": "assistant", "content": answer})
     except Exception as error:  # any failure is a result: recorded, reported, not averaged

@@ -33,7 +33,7 @@ class ReplayStep:
 
 def _accept(draft: Draft, reference: list[int]) -> tuple[int, ...]:
     """The accepted nodes: the longest path of the draft that agrees with the reference tokens."""
-    parents = draft.parents if draft.is_tree else torch.arange(len(draft)) - 1
+    parents = draft.parents if draft.parents is not None else torch.arange(len(draft)) - 1
     tokens = draft.tokens.tolist()
     children = structure.children(parents)  # [i + 1]: node i's; [0]: the context's
     path: list[int] = []
@@ -70,7 +70,8 @@ def replay(
         path = _accept(draft, output[done:])  # nothing past the output's end is accepted
         verdict = Verdict(num_drafted=len(draft), num_accepted=len(path),
                           tokens=tuple(output[done : done + len(path) + 1]), path=path,
-                          bonus=not structure.children(draft.parents)[path[-1] + 1] if draft.is_tree and path else None)
+                          bonus=(not structure.children(draft.parents)[path[-1] + 1]
+                                 if draft.parents is not None and path else None))
         forward_tokens = pending + len(draft)
         steps.append(ReplayStep(len(draft), len(path), forward_tokens, curve(forward_tokens)))
         if drafter is not None:

@@ -57,9 +57,10 @@ def _throughput(records: list[Record]) -> float:
 
 
 def _decode_throughput(records: list[Record]) -> float | None:
-    if any(r.prefill_seconds is None for r in records):
+    known = [(r, r.prefill_seconds) for r in records if r.prefill_seconds is not None]
+    if len(known) < len(records):
         return None
-    seconds = sum(r.seconds - r.prefill_seconds for r in records)
+    seconds = sum(r.seconds - prefill for r, prefill in known)
     return metrics.tokens_per_second(sum(r.new_tokens - len(r.turn_lengths) for r in records), seconds)
 
 
@@ -75,11 +76,11 @@ def same_output(a: Record, b: Record) -> bool:
 
 def _latencies(records: list[Record]) -> tuple[float | None, float | None]:
     """Mean time to the first token per turn, and mean gap per token after it."""
-    ok = [r for r in records if r.ok and r.prefill_seconds is not None]
-    turns = sum(len(r.turn_lengths) for r in ok)
-    later = sum(r.new_tokens - len(r.turn_lengths) for r in ok)
-    first = sum(r.prefill_seconds for r in ok) / turns if turns else None
-    gap = sum(r.seconds - r.prefill_seconds for r in ok) / later if later > 0 else None
+    ok = [(r, r.prefill_seconds) for r in records if r.ok and r.prefill_seconds is not None]
+    turns = sum(len(r.turn_lengths) for r, _ in ok)
+    later = sum(r.new_tokens - len(r.turn_lengths) for r, _ in ok)
+    first = sum(prefill for _, prefill in ok) / turns if turns else None
+    gap = sum(r.seconds - prefill for r, prefill in ok) / later if later > 0 else None
     return first, gap
 
 
@@ -201,7 +202,7 @@ def markdown(summaries: list[MethodSummary], settings: dict[str, str], notes: li
         lines.append("| method | " + " | ".join(categories) + " |")
         lines.append("|---" * (len(categories) + 1) + "|")
         for s in summaries:
-            cells = [_pm(s.cells[c].decode_speedup, suffix="x") if s.cells[c].decode_speedup else "-"
+            cells = [_pm(speedup, suffix="x") if (speedup := s.cells[c].decode_speedup) else "-"
                      for c in categories]
             lines.append(f"| {s.method} | " + " | ".join(cells) + " |")
     lines += ["", "## Per method, all categories", ""]

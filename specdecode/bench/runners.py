@@ -18,6 +18,7 @@ from specdecode.bench.base import Output, Runner
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.methods import resolve
+from specdecode.models.hf import torch_target
 
 
 def our_runner(models: Models, method: str, datastore: str | None = None, head: str | None = None) -> Runner:
@@ -39,7 +40,7 @@ def engine_runner(engine: SpeculativeEngine, lossless: bool = True) -> Runner:
 
 def peer_runner(models: Models, name: str, **generate_kwargs) -> Runner:
     """transformers' generate() on the same target model, counted from ids like ours."""
-    model, tokenizer = models.target.model, models.tokenizer
+    model, tokenizer = torch_target(models.target, name).model, models.tokenizer
 
     def run(prompt_ids: list[int], config: GenerationConfig) -> Output:
         params = config.sampling
@@ -98,7 +99,7 @@ def _llamacpp_prompt_lookup(models: Models) -> Runner:
 PEERS = {
     "hf-plain": Peer("torch", False, lambda models: peer_runner(models, "hf-plain")),
     "hf-assisted": Peer("torch", True, lambda models: peer_runner(
-        models, "hf-assisted", assistant_model=models.require_draft().model)),
+        models, "hf-assisted", assistant_model=torch_target(models.require_draft(), "hf-assisted").model)),
     "hf-prompt-lookup": Peer("torch", False, lambda models: peer_runner(
         models, "hf-prompt-lookup", prompt_lookup_num_tokens=10)),
     **{name: Peer("llamacpp", name == "llama-server-draft", _llamacpp_server(name))

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from specdecode.cli.options import TargetOption
-from specdecode.drafters.retrieval import DEFAULT_MAX_TOKENS, DEFAULT_PATTERN
+from specdecode.drafters.retrieval.defaults import DEFAULT_MAX_TOKENS, DEFAULT_PATTERN
 from specdecode.errors import UserError
 from specdecode.models.registry import DEFAULT_TARGET
 

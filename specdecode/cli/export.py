@@ -27,24 +27,24 @@ def export_eagle(
     from specdecode.models.registry import registered_models
     from specdecode.training.export import FILE_LIMIT, check_destination, export_eagle3, serve_commands
 
-    check_destination(fmt, out)  # before anything loads
+    known = check_destination(fmt, out)  # before anything loads
     if head is not None and not head.is_dir():
         raise UserError(f"no such folder: {head}")
 
     from specdecode.api import load_models
     from specdecode.drafters.eagle3 import load_shipped
     from specdecode.drafters.eagle3_head import Eagle3Head
+    from specdecode.models.hf import torch_target
 
     eagle3_head, _ = Eagle3Head.load(head) if head is not None else load_shipped(target)
-    config = eagle3_head.config
-    config = config if isinstance(config, dict) else config.to_dict()
-    model = load_models(target, None, dtype="float32", progress=True).target.model
+    config = eagle3_head.config.to_dict()
+    model = torch_target(load_models(target, None, dtype="float32", progress=True).target, "exporting a head").model
     layers = model.config.num_hidden_layers
     if any(i >= layers for i in config.get("aux_layers") or ()):  # the engines capture a decoder layer's input
         raise UserError(f"the head reads layers {list(config['aux_layers'])} but {target} has {layers}: is this "
                         "the head's target?")
     exported = export_eagle3(eagle3_head.state_dict(), config, model.get_output_embeddings().weight, None, out,
-                             fmt)  # no embedding: both engines share the target's
+                             known)  # no embedding: both engines share the target's
     console.print(f"wrote {out}: config.json, {', '.join(exported.files)}")
     for name in exported.oversize:
         console.print(f"[yellow]note:[/] {name} holds one tensor of over {FILE_LIMIT / 1e6:.0f} MB, more than the "

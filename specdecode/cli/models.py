@@ -98,6 +98,7 @@ def list_models() -> None:
     for name in registered_models():
         model = get_model(name)
         folder, gguf = converted_dir(model), gguf_path(model)
+        path: Path | None
         if folder.is_dir():
             state, path, size = "ready", folder, _gigabytes(_folder_size(folder))
         elif is_assembled(model):
@@ -105,8 +106,8 @@ def list_models() -> None:
         else:
             installed = model.num_parts - len(missing_parts(model))
             state = f"not fetched ({installed}/{model.num_parts} chunk packages installed)"
-            path, size = "", _gigabytes(model.size) + " (GGUF)"
-        table.add_row(name, roles.get(name, ""), state, str(path), size)
+            path, size = None, _gigabytes(model.size) + " (GGUF)"
+        table.add_row(name, roles.get(name, ""), state, "" if path is None else str(path), size)
     Console().print(table)  # stdout: this is the command's output, not progress
     _list_heads()
 

@@ -3,9 +3,9 @@ commands take, with their help text."""
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -15,8 +15,23 @@ from specdecode.methods import METHODS, takers
 
 console = Console(stderr=True)
 
-MethodName = Enum("MethodName", {name: name for name in METHODS}, type=str)
-DType = Enum("DType", {name: name for name in ("auto", "bfloat16", "float16", "float32", "int8", "int4")}, type=str)
+if TYPE_CHECKING:  # members computed from the registry are beyond a type checker: to it, a str enum
+    class MethodName(StrEnum):
+        """A registered method's name (`specdecode.methods.METHODS`), as the command line takes it."""
+else:
+    MethodName = StrEnum("MethodName", {name: name for name in METHODS})
+
+
+class DType(StrEnum):
+    """The target's path (`DTypeOption`)."""
+
+    auto = "auto"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+    int8 = "int8"
+    int4 = "int4"
+
 
 TargetOption = Annotated[str, typer.Option(help="Target model: registered name, .gguf file, folder or hub id.")]
 DrafterOption = Annotated[str, typer.Option(help="Draft model for --method draft (same vocabulary as the target).")]
@@ -35,7 +50,19 @@ DeviceOption = Annotated[str, typer.Option(help=(
 def backend_device(backend, device: str) -> str | None:
     """The device `load_models` gets: the torch backend's; for llama.cpp None, unless one was named."""
     return None if backend.value == "llamacpp" and device == "auto" else device
-DraftDType = Enum("DraftDType", {n: n for n in ("auto", "int4", "int8", "bfloat16", "float16", "float32")}, type=str)
+
+
+class DraftDType(StrEnum):
+    """The draft model's weights (`DraftDTypeOption`)."""
+
+    auto = "auto"
+    int4 = "int4"
+    int8 = "int8"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
 DraftDTypeOption = Annotated[DraftDType, typer.Option(
     help="Draft model weights: auto (default: int4 where its kernel runs, else int8; on a GPU bfloat16), int4 "
     "(4-bit weights, AVX2 CPUs: the cheapest draft token), int8 (~3x cheaper than bfloat16 on a CPU), bfloat16 "
@@ -44,8 +71,23 @@ TreeOption = Annotated[bool, typer.Option(
     "--tree", help="Draft a token tree instead of a chain (methods with a tree form).")]
 BudgetOption = Annotated[int | None, typer.Option(
     min=1, max=4096, help="Tree nodes verified per step (default: chosen each step from the measured cost curve).")]
-Backend = Enum("Backend", {"torch": "torch", "llamacpp": "llamacpp"}, type=str)
-MemoryScope = Enum("MemoryScope", {name: name for name in ("tenant", "request", "server")}, type=str)
+
+
+class Backend(StrEnum):
+    """Which library runs the models (`BackendOption`)."""
+
+    torch = "torch"
+    llamacpp = "llamacpp"
+
+
+class MemoryScope(StrEnum):
+    """Who shares the memory of earlier requests (`specdecode serve --memory-scope`)."""
+
+    tenant = "tenant"
+    request = "request"
+    server = "server"
+
+
 BackendOption = Annotated[Backend, typer.Option(
     help="torch: any transformers model (target's path per --dtype, drafter per --draft-dtype); llamacpp: .gguf "
          "files through llama.cpp.")]

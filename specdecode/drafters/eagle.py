@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -62,6 +63,8 @@ def head_config(target_config, intermediate_size: int | None = None) -> Qwen2Con
 class EagleHead(nn.Module):
     """(feature, next token's embedding) pairs -> predicted next features; logits over `vocab_ids`."""
 
+    vocab_ids: torch.Tensor  # a buffer (register_buffer), declared for the type checker
+
     def __init__(self, config: Qwen2Config, vocab_ids: torch.Tensor):
         super().__init__()
         d = config.hidden_size
@@ -95,6 +98,25 @@ class EagleHead(nn.Module):
         head = cls(Qwen2Config(**shape), weights["vocab_ids"])
         head.load_state_dict(weights)
         return head.to(device=device, dtype=dtype).eval(), record
+
+
+class State(Protocol):
+    """What the EAGLE drafters use of a head's view of one sequence: `HeadState` for an EAGLE head,
+    `eagle3.Eagle3State` for an EAGLE-3 one."""
+
+    device: torch.device
+    vocab_ids: torch.Tensor  # draft index -> token id, on the device
+    fed: int  # context pairs in the head's cache
+
+    def reset(self, forget: bool = False) -> None: ...
+    def memory_bytes(self) -> int: ...
+    def observe(self, hidden: torch.Tensor, num_pending: int, verdict: Verdict, /) -> None: ...
+    def run(self, features: torch.Tensor, tokens: list[int] | torch.Tensor, positions: torch.Tensor,
+            mask: torch.Tensor | None = None, /) -> torch.Tensor: ...
+    def crop(self) -> None: ...
+    def sync(self, context: list[int], /) -> torch.Tensor | None: ...
+    def probs(self, feature: torch.Tensor, /) -> torch.Tensor: ...
+    def logits(self, features: torch.Tensor, /) -> torch.Tensor: ...
 
 
 class HeadState:
@@ -183,6 +205,15 @@ def full_vocabulary(features: torch.Tensor, draft_logits: torch.Tensor, vocab_id
     return out
 
 
+def head_state(head: EagleHead | None, target_model, state: State | None) -> State:
+    """`state` when given (another head's: EAGLE-3's, `drafters.eagle3`), else an EAGLE head's own."""
+    if state is not None:
+        return state
+    if head is None:
+        raise ValueError("an EAGLE drafter needs a head or a head's state")
+    return HeadState(head, target_model)
+
+
 class EagleDrafter(Drafter):
     """Drafts a chain with an EAGLE head: the head's most likely token at each step, scored by the
     product of its probabilities (EAGLE-2: draft confidence tracks acceptance) times the running ratio of
@@ -199,12 +230,12 @@ class EagleDrafter(Drafter):
     name = "eagle"
     needs = Needs(hidden=True)
 
-    def __init__(self, head: EagleHead, target_model, max_tokens: int = 8, min_confidence: float = 0.05,
-                 state: HeadState | None = None):
+    def __init__(self, head: EagleHead | None, target_model, max_tokens: int = 8, min_confidence: float = 0.05,
+                 state: State | None = None):
         if max_tokens < 1 or not 0.0 <= min_confidence < 1.0:
             raise UserError(f"EAGLE needs max_tokens >= 1 and min_confidence in [0, 1); got {max_tokens}, "
                             f"{min_confidence}")
-        self.state = state or HeadState(head, target_model)  # another head's state: EAGLE-3 (`drafters.eagle3`)
+        self.state = head_state(head, target_model, state)
         self.max_tokens, self.min_confidence = max_tokens, min_confidence
         # read each token's probability as it is drafted, to stop at once (see the class docstring)
         self.stops_early = min_confidence > 0 and self.state.device.type == "cpu"
@@ -219,7 +250,7 @@ class EagleDrafter(Drafter):
         return self.state.memory_bytes()
 
     def observe(self, outcome: Outcome) -> None:
-        self.state.observe(outcome.hidden, outcome.num_pending, outcome.verdict)
+        self.state.observe(outcome.require_hidden(), outcome.num_pending, outcome.verdict)
         self._calibration.record_verdict(self._scores, outcome.verdict)
 
     @torch.inference_mode()
@@ -267,17 +298,18 @@ class EagleTreeDrafter(DraftModelTreeDrafter):
     name = "eagle-tree"
     needs = Needs(hidden=True)
 
-    def __init__(self, head: EagleHead, target_model, curve, draft_cost: float = 0.05, state: HeadState | None = None,
-                 clock: Callable[[], float] | None = None, **tree_options):
-        super().__init__(model=None, curve=curve, draft_cost=draft_cost, **tree_options)
-        self.state = state or HeadState(head, target_model)
+    def __init__(self, head: EagleHead | None, target_model, curve, draft_cost: float = 0.05,
+                 state: State | None = None, clock: Callable[[], float] | None = None, **tree_options):
+        # no draft model: the head drafts (`_start` and `_feed` are this class's own)
+        super().__init__(model=None, curve=curve, draft_cost=draft_cost, **tree_options)  # type: ignore[arg-type]
+        self.state = head_state(head, target_model, state)
         self._outputs: dict[int, torch.Tensor] = {}  # node -> the head's prediction after it
         # the head's rounds as timed, by width (latest first): what a round costs on this machine, for
         # `_round_cost`; `draft_cost` is only the guess before a width has been timed. The clock waits for
         # the device (`devices.clock`), else it would time a round's kernel launches; the wait costs
         # nothing more, as each round's children are read on the host right after it (`_add_children`).
         self.clock = clock or devices.clock(self.state.device)
-        self._rounds = defaultdict(lambda: deque(maxlen=ROUND_TIMINGS))
+        self._rounds: defaultdict[int, deque[float]] = defaultdict(lambda: deque(maxlen=ROUND_TIMINGS))
 
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         self.state.reset(forget)
@@ -287,14 +319,17 @@ class EagleTreeDrafter(DraftModelTreeDrafter):
         return self.state.memory_bytes()
 
     def observe(self, outcome: Outcome) -> None:
-        self.state.observe(outcome.hidden, outcome.num_pending, outcome.verdict)
+        self.state.observe(outcome.require_hidden(), outcome.num_pending, outcome.verdict)
         super().observe(outcome)
 
     @torch.inference_mode()
     def _start(self, context: list[int]):
         root = self.state.sync(context)
+        if root is None:  # before the target's first forward
+            self._outputs = {}
+            return None
         self._outputs = {structure.ROOT: root}
-        return None if root is None else self.state.logits(root[None])
+        return self.state.logits(root[None])
 
     @torch.inference_mode()
     def _feed(self, tree, expand: list[int], fed: list[int], length: int, depth: int) -> torch.Tensor:

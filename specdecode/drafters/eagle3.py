@@ -51,7 +51,9 @@ class Eagle3State:
         self.embed = target_model.get_input_embeddings()
         self.vocab_ids = head.draft_ids.to(self.device)
         self.vocab_size = target_model.get_output_embeddings().weight.shape[0]
-        self.features = []
+        self.features: list[torch.Tensor] = []  # [layers * d] the target's layer inputs at each context position
+        self.keys: torch.Tensor | None = None  # [kv_heads, cached, head_dim]
+        self.values: torch.Tensor | None = None
         self.reset()
 
     def _drafting_copy(self, head: Eagle3Head) -> None:
@@ -69,8 +71,8 @@ class Eagle3State:
             if self.adaptation.learn(self.context, torch.stack(self.features)):
                 self._drafting_copy(self.adaptation.head)
         self.context: list[int] = []  # the sequence's context as last synced
-        self.features: list[torch.Tensor] = []  # [layers * d] the target's layer inputs at each context position
-        self.keys = self.values = None  # [kv_heads, cached, head_dim]
+        self.features = []
+        self.keys = self.values = None
         self.fed = 0  # context pairs in the cache: positions 0 .. fed - 1
         self.cached = 0  # entries in the cache (the fed pairs, then speculative ones)
         self.last: torch.Tensor | None = None  # the head's output after its last real pair
@@ -101,7 +103,7 @@ class Eagle3State:
         return out
 
     def crop(self) -> None:
-        if self.cached > self.fed:
+        if self.cached > self.fed and self.keys is not None and self.values is not None:
             self.keys, self.values = self.keys[:, : self.fed], self.values[:, : self.fed]
             self.cached = self.fed
 
@@ -136,7 +138,7 @@ class Eagle3Drafter(EagleDrafter):
 
     def __init__(self, head: Eagle3Head, target_model, max_tokens: int = 8, min_confidence: float = 0.05,
                  adaptation=None):
-        super().__init__(head, target_model, max_tokens, min_confidence,
+        super().__init__(None, target_model, max_tokens, min_confidence,
                          state=Eagle3State(head, target_model, adaptation))
         self.needs = Needs(hidden=tuple(head.config.aux_layers))
         self.name = "eagle3" if adaptation is None else "eagle3-online"
@@ -149,7 +151,7 @@ class Eagle3TreeDrafter(EagleTreeDrafter):
 
     def __init__(self, head: Eagle3Head, target_model, curve, draft_cost: float = 0.05, adaptation=None,
                  **tree_options):
-        super().__init__(head, target_model, curve, draft_cost, state=Eagle3State(head, target_model, adaptation),
+        super().__init__(None, target_model, curve, draft_cost, state=Eagle3State(head, target_model, adaptation),
                          **tree_options)
         self.needs = Needs(hidden=tuple(head.config.aux_layers))
         self.name = "eagle3-tree" if adaptation is None else "eagle3-online-tree"

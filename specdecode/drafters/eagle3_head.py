@@ -87,6 +87,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Attention(nn.Module):
+    inverse_frequencies: torch.Tensor  # a buffer (register_buffer), declared for the type checker
+
     def __init__(self, c: Eagle3Config):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -138,6 +140,10 @@ class MidLayer(nn.Module):
 class Eagle3Head(nn.Module):
     """(feature h_t, embedding of token t + 1) pairs -> the head's outputs o_t (pre-norm), whose draft logits
     (`logits`) predict token t + 2 and which are the next draft step's h."""
+
+    # buffers (register_buffer), declared for the type checker
+    d2t: torch.Tensor
+    t2d: torch.Tensor
 
     def __init__(self, config: Eagle3Config, draft_ids: torch.Tensor):
         super().__init__()
@@ -236,7 +242,9 @@ def unroll(head: Eagle3Head, embed, tokens: torch.Tensor, aux: torch.Tensor, ste
     `steps` draft steps, m = len(tokens) - steps - 1 rows. `tokens` [n] and `aux` [n, k d] on the head's device."""
     m, device = len(tokens) - steps - 1, tokens.device
     hidden = head.fuse(aux[:m].float())
-    keys, values, outputs = [], [], []
+    keys: list[torch.Tensor] = []  # each step's [kv_heads, m, head_dim]
+    values: list[torch.Tensor] = []
+    outputs: list[torch.Tensor] = []
     for step in range(steps):
         past = None if step == 0 else (torch.cat(keys, 1), torch.cat(values, 1))
         embeddings = embed(tokens[step + 1 : step + 1 + m]).float()

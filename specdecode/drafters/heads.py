@@ -11,11 +11,14 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from specdecode.errors import UserError
+
+H = TypeVar("H", bound=nn.Module)  # a trained head, copied for drafting as the class it is
 
 
 def save_head(module: nn.Module, folder: Path, weights: str, config: str, shape: dict, record: dict) -> None:
@@ -106,7 +109,7 @@ def head_folder(target, kind: str, head: str | None):
 DRAFT_BITS: int | None = 4
 
 
-def for_drafting(head: nn.Module, lm_rows: torch.Tensor) -> tuple[nn.Module, nn.Module]:
+def for_drafting(head: H, lm_rows: torch.Tensor) -> tuple[H, nn.Module]:
     """(a float32 copy of a trained head, a layer computing its draft logits from the LM head's rows of its
     vocabulary `lm_rows` [V', d]) as they draft, both on the device of `lm_rows` (the target's): on the CPU
     their linear layers on the quantized kernels (DRAFT_BITS) where this machine has them; elsewhere in
@@ -117,9 +120,10 @@ def for_drafting(head: nn.Module, lm_rows: torch.Tensor) -> tuple[nn.Module, nn.
 
     device = lm_rows.device
     drafting = copy.deepcopy(head).float().eval().to(device)
-    logits = nn.Linear(lm_rows.shape[1], lm_rows.shape[0], bias=False, device=device)
-    logits.weight.data = lm_rows.detach().float().contiguous()
+    linear = nn.Linear(lm_rows.shape[1], lm_rows.shape[0], bias=False, device=device)
+    linear.weight.data = lm_rows.detach().float().contiguous()
+    logits: nn.Module = linear
     if DRAFT_BITS is not None and device.type == "cpu" and int4.available():
         quantize_linears(drafting, DRAFT_BITS)
-        logits = quantize_linears(nn.Sequential(logits), DRAFT_BITS)[0]
+        logits = quantize_linears(nn.Sequential(linear), DRAFT_BITS)[0]
     return drafting, logits.eval()

@@ -140,7 +140,7 @@ class LookaheadDrafter(Drafter):
         tokens, parents = merged.tokens.tolist(), merged.parents.tolist()
         scores = None
         if tokens and self.curve is not None:  # the nodes that pay on the cost curve
-            tokens, parents, scores = self._cut(tokens, parents)
+            tokens, parents, scores = self._cut(self.curve, tokens, parents)
         # 2. Lookahead branch: the window, its level 0 starting at the context's last token, where it fits
         #    and costs at most WINDOW_SHARE of a forward (else the pool grows from the context alone).
         if not self._levels:
@@ -180,7 +180,8 @@ class LookaheadDrafter(Drafter):
             self.pool.add(column[0], tuple(column[1:]))
         self._levels = self._levels[1:] + [predicted]
 
-    def _cut(self, tokens: list[int], parents: list[int]) -> tuple[list[int], list[int], torch.Tensor]:
+    def _cut(self, curve: CostCurve, tokens: list[int], parents: list[int]
+             ) -> tuple[list[int], list[int], torch.Tensor]:
         """The trie's nodes that pay on the cost curve, each scored by the share of the candidates through
         it times PRIOR_ACCEPTANCE per level, rescaled by how often such scores held (`Calibration`)."""
         parents_t = torch.tensor(parents, device="cpu")
@@ -189,7 +190,7 @@ class LookaheadDrafter(Drafter):
             through[[node for node in path if node >= 0]] += 1
         scores = (through / through.max() * PRIOR_ACCEPTANCE ** structure.depths(parents_t).float()
                   * self.calibration.factor)  # [n], never higher for a child than for its parent
-        keep = prune(parents_t, scores, self.curve, cap=len(tokens))
+        keep = prune(parents_t, scores, curve, cap=len(tokens))
         self._scores = scores[keep]
         return [tokens[i] for i in keep.tolist()], structure.select(parents_t, keep).tolist(), self._scores
 

@@ -45,25 +45,33 @@ WEIGHTS, CONFIG = "medusa.safetensors", "medusa.json"
 class MedusaHeads(nn.Module):
     """K residual blocks on the target's feature: [..., d] -> [..., K, d], each read by the LM head."""
 
+    vocab_ids: torch.Tensor  # a buffer (register_buffer), declared for the type checker
+
     def __init__(self, hidden_size: int, num_heads: int, vocab_ids: torch.Tensor):
         super().__init__()
         if num_heads < 1:
             raise UserError(f"Medusa needs at least one head, got {num_heads}")
-        self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_heads))
-        for block in self.blocks:  # each head starts as the target's own next-token prediction
+        blocks = [nn.Linear(hidden_size, hidden_size) for _ in range(num_heads)]
+        for block in blocks:  # each head starts as the target's own next-token prediction
             nn.init.zeros_(block.weight)
             nn.init.zeros_(block.bias)
+        self.blocks = nn.ModuleList(blocks)
+        self.num_features = hidden_size
         self.register_buffer("vocab_ids", vocab_ids.long().clone(), persistent=True)  # draft index -> token id
 
     @property
     def num_heads(self) -> int:
         return len(self.blocks)
 
+    @property
+    def hidden_size(self) -> int:
+        return self.num_features  # set with the blocks: a ModuleList's items are typed as Module
+
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return torch.stack([features + F.silu(block(features)) for block in self.blocks], dim=-2)
 
     def save(self, folder: Path, record: dict) -> None:
-        shape = {"hidden_size": self.blocks[0].in_features, "num_heads": self.num_heads}
+        shape = {"hidden_size": self.hidden_size, "num_heads": self.num_heads}
         save_head(self, folder, WEIGHTS, CONFIG, shape, record)
 
     @classmethod
@@ -87,9 +95,11 @@ def best_first(probs: torch.Tensor, top_k: int, max_nodes: int) -> tuple[list[in
     depth, k = len(p), len(p[0])
     # heap items: (-score, ranks along the path, parent score); popping a node pushes its first child
     # and its next sibling, which enumerates the products in decreasing order
-    heap = [(-p[0][0], (0,), 1.0)]
+    heap: list[tuple[float, tuple[int, ...], float]] = [(-p[0][0], (0,), 1.0)]
     node_of: dict[tuple[int, ...], int] = {}
-    ids, parents, scores = [], [], []
+    ids: list[int] = []
+    parents: list[int] = []
+    scores: list[float] = []
     while heap and len(ids) < max_nodes:
         negative, ranks, parent_score = heapq.heappop(heap)
         d, r = len(ranks) - 1, ranks[-1]
@@ -145,7 +155,7 @@ class MedusaDrafter(Drafter):
         # context token fed; the context then gains the accepted nodes and that token
         verdict, pending = outcome.verdict, outcome.num_pending
         row = pending + verdict.path[-1] if verdict.path else pending - 1
-        self._feature = outcome.hidden[row].to(self.dtype)  # [d]
+        self._feature = outcome.require_hidden()[row].to(self.dtype)  # [d]
         self._valid_for = self._asked + len(verdict.path) + 1
         self._calibration.record_verdict(self._scores, verdict)
 
@@ -168,12 +178,12 @@ class MedusaDrafter(Drafter):
             self._scores = torch.tensor(devices.to_host(scores)[0], dtype=scores.dtype, device="cpu")
             return Draft(tokens=self.vocab_ids[index], scores=self._scores)
         ids, parents, raw = best_first(probs, self.top_k, self.max_nodes)
-        scores = [min(s * factor, 1.0) for s in raw]  # best first, so already descending
-        n = self.budget or best_budget(scores, self.curve, self.draft_cost, cap=MAX_BUDGET)
+        node_scores = [min(s * factor, 1.0) for s in raw]  # best first, so already descending
+        n = self.budget or best_budget(node_scores, self.curve, self.draft_cost, cap=MAX_BUDGET)
         n = min(n, len(ids))
         if n == 0:
             return Draft.empty()
-        self._scores = torch.tensor(scores[:n], device="cpu")
+        self._scores = torch.tensor(node_scores[:n], device="cpu")
         return Draft(tokens=self.host_vocab_ids[torch.tensor(ids[:n], device="cpu")],
                      parents=torch.tensor(parents[:n], device="cpu"))
 
@@ -183,7 +193,8 @@ def build_medusa(target, draft, options) -> Drafter:
     those shipped for the default target; a chain of their top tokens, or their tree with `options.tree`."""
     model, folder = head_folder(target, "medusa", options.head)
     heads, record = MedusaHeads.load(folder, dtype=model.dtype, device=model.device)
-    check_fits(folder, "medusa", record, heads.blocks[0].in_features, int(heads.vocab_ids.max()) + 1, model.config)
+    vocab_ids: torch.Tensor = heads.vocab_ids
+    check_fits(folder, "medusa", record, heads.hidden_size, int(vocab_ids.max()) + 1, model.config)
     if options.tree:
         return MedusaDrafter(heads, model, target.cost_curve(), tree=True, budget=options.budget)
     return MedusaDrafter(heads, model)

@@ -102,7 +102,7 @@ class OnlineAdaptation:
                       if loss is not None]
             if not losses:
                 break
-            loss = sum(losses) / len(losses)
+            loss = sum(losses[1:], losses[0]) / len(losses)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.head.parameters(), 0.5)
             self.optimiser.step()
@@ -120,15 +120,17 @@ class OnlineAdaptation:
             return None
         m = len(tokens) - self.unroll - 1
         outputs = unroll(self.head, lambda ids: F.embedding(ids, self.table).float(), tokens, features, self.unroll)
-        total, counted = 0.0, 0
+        total: torch.Tensor | None = None
+        counted = 0
         for step, out in enumerate(outputs):
             labels = self.draft_index[tokens[step + 2 : step + 2 + m]]  # [m]
             keep = labels >= 0
             if keep.any():
                 logits = self.head.logits(out[keep], self.lm_rows)
-                total = total + F.cross_entropy(logits, labels[keep], reduction="sum")
+                loss = F.cross_entropy(logits, labels[keep], reduction="sum")
+                total = loss if total is None else total + loss
                 counted += int(keep.sum())
-        return total / counted if counted else None
+        return None if total is None else total / counted
 
 
 def build_eagle3_online(target, draft, options) -> Drafter:

@@ -127,7 +127,7 @@ class OtherTokenizerDrafter(DraftModelDrafter):
             return Draft.empty()
         window = context_window(self.target_tokenizer, context) if length >= 2 else None
         draft_context = self.draft_ids(context) if window is not None else []
-        if not draft_context:
+        if window is None or not draft_context:
             return Draft.empty()
         # 1. the draft model, in step with the context, drafts greedily in its own tokens
         drafted, _ = self._draft(self._cache.sync(draft_context), length, SamplingParams(), None)

@@ -33,12 +33,13 @@ from specdecode.drafters.composite import CompositeDrafter, Source
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.drafters.self_speculative.layers import (
-    causal_allowed, check_layer_skipping, crop_layers, head_output, kv_cache, run_layers, torch_target,
+    causal_allowed, check_layer_skipping, crop_layers, head_output, kv_cache, run_layers,
 )
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM, ForwardOutput
 from specdecode.models.costs import CostCurve
-from specdecode.models.hf import HFCausalLM
+from specdecode.models.cache import keys_values
+from specdecode.models.hf import HFCausalLM, torch_target
 from specdecode.types import Draft
 
 SINKS = 4  # StreamingLLM's attention sinks: the first few entries draw attention whatever the text
@@ -97,7 +98,8 @@ class CompressedView(CausalLM):
         self._cache = DynamicCache(config=self.target.model.config)
         if length:
             for index, layer in enumerate(kv_cache(self.target).layers):
-                self._cache.update(self._select(layer.keys, length), self._select(layer.values, length), index)
+                keys, values = keys_values(layer)
+                self._cache.update(self._select(keys, length), self._select(values, length), index)
         self._base, self._kept, self._own = length, self.kept(length), 0
 
     def _select(self, entries: torch.Tensor, length: int) -> torch.Tensor:  # [1, kv_heads, length, d]
@@ -122,10 +124,13 @@ class CompressedView(CausalLM):
         positions: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
         num_logits: int | None = None,
-        output_hidden: bool = False,
+        output_hidden: bool | tuple[int, ...] = False,
+        rows: torch.Tensor | None = None,
     ) -> ForwardOutput:
         if tree_mask is not None:
             raise ValueError("the compressed view drafts chains")
+        if rows is not None or isinstance(output_hidden, tuple):  # one sequence, the last layer's states
+            raise ValueError("the compressed view gives the last logits and the final hidden states only")
         n, device = token_ids.numel(), self.device
         token_ids = to_device(token_ids, device)
         if positions is None:
@@ -191,7 +196,7 @@ class SparseKVDrafter(DraftModelDrafter):
 
 def build_sparse_kv(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> SparseKVDrafter:
     """`sparse-kv`: the target drafts over StreamingLLM's cache (sinks and a recent window)."""
-    target = torch_target(target, "sparse-kv")
+    target = torch_target(target, "method 'sparse-kv'")
     return SparseKVDrafter(target, curve=target.cost_curve())
 
 
@@ -209,4 +214,4 @@ def under_lookup(target: HFCausalLM, reference_ids=None, curve: CostCurve | None
 
 def build_sparse_kv_lookup(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> CompositeDrafter:
     """`sparse-kv-pld`: `under_lookup` with the default sinks and window."""
-    return under_lookup(torch_target(target, "sparse-kv-pld"), options.reference_ids)
+    return under_lookup(torch_target(target, "method 'sparse-kv-pld'"), options.reference_ids)

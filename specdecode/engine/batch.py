@@ -181,8 +181,7 @@ class BatchEngine:
         for m, steps in zip(members, stepping):
             start = time.perf_counter()
             room = m.progress.room() - 1  # the step adds a token beyond its accepted drafts
-            params = m.progress.config.sampling
-            drafts.append(m.drafter.propose(m.progress.context, room, params, m.progress.generator)
+            drafts.append(m.drafter.propose(m.progress.context, room, m.progress.config.sampling, m.progress.generator)
                           if m.drafter is not None and room > 0 and steps else Draft.empty())
             draft_seconds.append(time.perf_counter() - start)
         if self.gate:
@@ -190,7 +189,8 @@ class BatchEngine:
         # 2. One forward over every sequence's pending tokens and draft.
         start = self.clock()
         cached = self.target.cache_length
-        fed, positions, spans, rows = [], [], [], []
+        fed: list[torch.Tensor] = []  # each sequence's pending tokens and draft
+        positions, spans, rows = [], [], []  # spans: (offset, n, the draft's own mask [n, n])
         for m, p, draft, steps in zip(members, pending, drafts, stepping):
             offset, n = sum(len(f) for f in fed), len(p) + len(draft)
             position, local = draft_inputs(draft, len(p), len(m.slots) + len(p))  # [n], [n, n]
@@ -214,11 +214,12 @@ class BatchEngine:
         if self.gate and not plan:  # a prompt's prefill (cold, all attention) is not timed
             self.curve.observe(total, forward_seconds)
         # 3. Verify each sequence on its rows; keep the slots of its context and accepted tokens.
-        out, row = [], 0
+        out: list[tuple[int, StepEvent, GenerationResult | None]] = []
+        row = 0
         for ident, m, p, draft, (offset, _, _), spent, steps in zip(idents, members, pending, drafts, spans,
                                                                     draft_seconds, stepping):
             first = cached + offset
-            if self.keep_hidden:  # the context tokens' rows (a draft's are not context yet)
+            if self.keep_hidden and output.hidden is not None:  # the context tokens' rows (not a draft's)
                 self.hidden.setdefault(ident, []).append(output.hidden[offset : offset + len(p)].to(torch.bfloat16))
             if not steps:  # a chunk of its prompt
                 m.slots += list(range(first, first + len(p)))

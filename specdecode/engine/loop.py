@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 
 import torch
 
@@ -12,8 +12,8 @@ from specdecode.devices import to_device
 from specdecode.drafters.base import Drafter
 from specdecode.engine.payoff import StepAside
 from specdecode.engine.sequence import (
-    GenerationConfig, GenerationResult, SequenceState, StepEvent, Stream, VerifiedStep, after_prefill, check_prompt,
-    conclude, draft_inputs, prefill, verify_draft,
+    GenerationConfig, GenerationResult, Prefilled, SequenceState, StepEvent, Stream, VerifiedStep, after_prefill,
+    check_prompt, conclude, draft_inputs, prefill, verify_draft,
 )
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import MIN_CHUNK, CostCurve, LiveCurve, prefill_chunk
@@ -118,8 +118,8 @@ class SpeculativeEngine:
         #    switches itself off for the step.
         start = self.clock()
         pending = context[self.target.cache_length :]
-        asked = self.drafter is not None and room > 0 and speculate
-        draft = self.drafter.propose(context, room, params, generator) if asked else Draft.empty()
+        drafter = self.drafter if room > 0 and speculate else None  # None: a plain step
+        draft = drafter.propose(context, room, params, generator) if drafter is not None else Draft.empty()
         if self.gate and draft.scores is not None:
             cut = cut_chain(draft, self.curve, pending=len(pending))
             # now and then one size wider than pays, to time it again (`LiveCurve.probe`)
@@ -135,8 +135,8 @@ class SpeculativeEngine:
         positions = mask = None  # a chain alone: consecutive positions after the cache, causal
         if draft.is_tree or draft.auxiliary is not None:
             positions, mask = draft_inputs(draft, len(pending), len(context))
-        if draft.auxiliary is not None:
-            fed, positions, mask = with_auxiliary(fed, positions, mask, draft.auxiliary, len(pending))
+            if draft.auxiliary is not None:
+                fed, positions, mask = with_auxiliary(fed, positions, mask, draft.auxiliary, len(pending))
         rows = fed.numel() - len(pending) + 1  # from the last context token's on
         hidden = self.drafter.needs.hidden if self.drafter is not None else False
         # the curve learns from the timed forward, but for a sequence's first: the prompt's prefill (cold
@@ -154,7 +154,8 @@ class SpeculativeEngine:
         return VerifiedStep(draft, verdict, out.logits, len(pending), drafted - start, self.clock() - drafted,
                             out.hidden)
 
-    def _events(self, prompt_ids: list[int], config: GenerationConfig) -> Iterator[StepEvent]:
+    def _events(self, prompt_ids: list[int], config: GenerationConfig
+                ) -> Generator[StepEvent | Prefilled, None, GenerationResult]:
         check_prompt(self.target, prompt_ids)
         if self.gate and self.drafter is not None:
             _ = self.curve  # measured (once per model and machine) before the target's cache is in use

@@ -116,8 +116,10 @@ class StepAside:
             self.period = min(2 * self.period, LAST_PERIOD)
         else:
             self.leader, self.period = winner, FIRST_PERIOD
-        if self.leader == PLAIN and self._dear():  # plain runs long enough for the trials to cost TRIAL_SHARE
-            self.period = max(self.period, math.ceil(self.trial_cost / (TRIAL_SHARE * self.rates[PLAIN].per_token)))
+        plain = self.rates[PLAIN].per_token
+        if self.leader == PLAIN and plain is not None and self._dear():
+            # plain runs long enough for the trials to cost TRIAL_SHARE
+            self.period = max(self.period, math.ceil(self.trial_cost / (TRIAL_SHARE * plain)))
         self.way, self.left, self.trial = self.leader, self.period, False
 
     def _winner(self) -> str:

@@ -128,7 +128,7 @@ class Stream:
     """Iterate for StepEvents; once exhausted, `result` holds the GenerationResult. `items` gives, before
     the first event, each chunk of a long prompt's prefill too."""
 
-    def __init__(self, events: Iterator[StepEvent | Prefilled]):
+    def __init__(self, events: Generator[StepEvent | Prefilled, None, GenerationResult]):
         self._events = events
         self.result: GenerationResult | None = None
 
@@ -137,7 +137,7 @@ class Stream:
             if isinstance(item, StepEvent):
                 yield item
 
-    def items(self) -> Iterator[StepEvent | Prefilled]:
+    def items(self) -> Generator[StepEvent | Prefilled, None, None]:
         """What each forward did: a chunk of the prompt fed (`Prefilled`), or a step's event. For a caller
         that acts between any two forwards (the server's worker notices a client leaving there)."""
         self.result = yield from self._events
@@ -149,7 +149,8 @@ class Stream:
 
 def _origins(verdict: Verdict) -> list[TokenOrigin]:
     last: TokenOrigin = "target" if verdict.num_drafted == 0 else "bonus" if verdict.bonus else "corrected"
-    return ["accepted"] * verdict.num_accepted + [last]
+    accepted: list[TokenOrigin] = ["accepted"] * verdict.num_accepted
+    return accepted + [last]
 
 
 def check_prompt(target: CausalLM, prompt_ids: list[int]) -> None:
@@ -178,7 +179,7 @@ def prefill(target: CausalLM, prompt_ids: list[int], chunk: int, hidden: bool | 
     for start, end in prefill_spans(len(prompt_ids), chunk):
         # one row of logits, unused: every backend computes at least one
         out = target.forward(torch.tensor(prompt_ids[start:end], device="cpu"), num_logits=1, output_hidden=hidden)
-        if hidden:
+        if out.hidden is not None:  # asked for
             pieces.append(out.hidden)
         yield Prefilled(end, len(prompt_ids))
     return pieces
@@ -235,7 +236,7 @@ class SequenceState:
             draft_seconds=draft_seconds,
             verify_seconds=verify_seconds,
             forward_tokens=forward_tokens + verdict.num_drafted,
-            draft_depth=int(tree.depths(draft.parents).max()) if draft.is_tree and len(draft) else None,
+            draft_depth=int(tree.depths(draft.parents).max()) if draft.parents is not None and len(draft) else None,
             auxiliary_tokens=len(draft.auxiliary) if draft.auxiliary is not None else 0,
             stepped_aside=stepped_aside,
         )
@@ -277,7 +278,7 @@ class VerifiedStep:
 def draft_inputs(draft: Draft, num_pending: int, context_length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Position ids [p + n] and attention mask [p + n, p + n] bool of a forward over a sequence's p pending
     context tokens and its draft of n nodes: a tree's through its ancestor mask, a chain's causal."""
-    if draft.is_tree:
+    if draft.parents is not None:  # a tree
         return tree.verification_inputs(draft.parents, num_pending, context_length)
     return tree.chain_inputs(num_pending + len(draft), num_pending, context_length)
 

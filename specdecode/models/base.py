@@ -42,6 +42,11 @@ class CausalLM(abc.ABC):
         return torch.device("cpu")
 
     @property
+    def precision(self) -> str:
+        """The path its weights run on, as reports name it: "bfloat16", "int8", a GGUF file's quantization."""
+        return "unknown"
+
+    @property
     @abc.abstractmethod
     def cache_length(self) -> int:
         """How many tokens the KV cache holds."""

@@ -35,30 +35,31 @@ class GrowingLayer(DynamicLayer):
             self._key_buffer = self._value_buffer = None
         length = self.get_seq_length()
         total = length + key_states.shape[-2]
-        if not self._holds_views() or total > self._key_buffer.shape[-2]:
-            self._key_buffer = self._regrow(self.keys, key_states, length, total)
-            self._value_buffer = self._regrow(self.values, value_states, length, total)
-        self._key_buffer[..., length:total, :] = key_states
-        self._value_buffer[..., length:total, :] = value_states
-        self.keys = self._key_buffer[..., :total, :]
-        self.values = self._value_buffer[..., :total, :]
+        keys, values = self._key_buffer, self._value_buffer
+        if keys is None or values is None or not self._holds_views() or total > keys.shape[-2]:
+            keys = self._key_buffer = self._regrow(self.keys, key_states, length, total)
+            values = self._value_buffer = self._regrow(self.values, value_states, length, total)
+        keys[..., length:total, :] = key_states
+        values[..., length:total, :] = value_states
+        self.keys, self.values = keys[..., :total, :], values[..., :total, :]
         return self.keys, self.values
 
     def _holds_views(self) -> bool:
         """Whether `keys` and `values` are still views of the buffers (something may have replaced them)."""
+        keys, values = self._key_buffer, self._value_buffer
         return (
-            self._key_buffer is not None
-            and self.keys.data_ptr() == self._key_buffer.data_ptr()
-            and self.values.data_ptr() == self._value_buffer.data_ptr()
+            keys is not None and values is not None and self.keys is not None and self.values is not None
+            and self.keys.data_ptr() == keys.data_ptr()
+            and self.values.data_ptr() == values.data_ptr()
         )
 
     @staticmethod
-    def _regrow(old: torch.Tensor, new: torch.Tensor, length: int, total: int) -> torch.Tensor:
+    def _regrow(old: torch.Tensor | None, new: torch.Tensor, length: int, total: int) -> torch.Tensor:
         """A buffer with room for `total` positions and a quarter more (at least ROOM), rounded up to ROOM,
         holding the first `length` positions of `old`."""
         room = -(-(total + max(ROOM, total // 4)) // ROOM) * ROOM
         buffer = new.new_empty((*new.shape[:-2], room, new.shape[-1]))
-        if length:
+        if length and old is not None:  # None: nothing cached yet
             buffer[..., :length, :] = old[..., :length, :]
         return buffer
 
@@ -80,3 +81,21 @@ def cache_keyword(module: torch.nn.Module) -> str:
     """The name under which `module`'s forward takes its KV cache: `cache` from transformers 5.24 on (which
     deprecates `past_key_values` and drops it in 5.40), `past_key_values` before."""
     return _keyword(type(module).forward)
+
+
+def keys_values(layer: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cache layer's keys and values, each [batch, kv_heads, length, head_dim]. transformers types a cache's
+    layers as any kind; the code that moves, crops or copies entries runs on attention layers, which hold
+    both once anything is cached (a layer of another kind, such as linear attention's, is refused)."""
+    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+    if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+        raise TypeError(f"a {type(layer).__name__} holds no keys and values")
+    return keys, values
+
+
+def attention_layer(layer: object) -> DynamicLayer:
+    """A cache layer that can be cropped: an attention layer (`DynamicLayer`, `GrowingLayer`...); see
+    `keys_values` for why another kind is refused."""
+    if not isinstance(layer, DynamicLayer):
+        raise TypeError(f"a {type(layer).__name__} cannot be cropped here")
+    return layer

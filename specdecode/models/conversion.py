@@ -135,7 +135,7 @@ def _corrupt_parts(model: ChunkedGGUF) -> list[int]:
             if record.as_posix() != model.chunk_path_in_wheel(part) or record.hash is None:
                 continue
             digest = hashlib.sha256()
-            with Path(dist.locate_file(record)).open("rb") as source:
+            with Path(str(dist.locate_file(record))).open("rb") as source:
                 while block := source.read(_COPY_BLOCK):
                     digest.update(block)
             recorded = record.hash.value

@@ -19,7 +19,7 @@ import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -32,6 +32,16 @@ if TYPE_CHECKING:
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 log = logging.getLogger("specdecode.costs")
 FLOOR = 1e-3  # no forward costs less than this (noisy measurements must not make one free)
+
+
+class Curve(Protocol):
+    """What the budget and draft-length choices read of a cost curve: a `CostCurve`, or a `LiveCurve`
+    correcting one from the forwards the engine times."""
+
+    @property
+    def sizes(self) -> tuple[int, ...]: ...
+
+    def __call__(self, n: int) -> float: ...
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,12 @@ from transformers import PreTrainedModel
 
 from specdecode import devices
 from specdecode.devices import to_device
+from specdecode.errors import UserError
 from specdecode.models.base import CausalLM, ForwardOutput
-from specdecode.models.cache import cache_keyword, growing_cache
+from specdecode.models.cache import cache_keyword, growing_cache, keys_values
 from specdecode.models.int4 import InvariantInt4Linear
 from specdecode.models.int8 import InvariantInt8Linear
-from specdecode.models.lean import QUANTIZED_LAYERS, lean_decoder
+from specdecode.models.lean import QUANTIZED_LAYERS, LeanDecoder, lean_decoder
 
 
 def _eos_ids(model: PreTrainedModel) -> frozenset[int]:
@@ -126,7 +127,7 @@ class HFCausalLM(CausalLM):
         num_logits = n if num_logits is None else num_logits
         rows = torch.arange(n - num_logits, n, device=device) if rows is None else to_device(rows, device)
         if self._lean is not None:
-            return self._lean_forward(token_ids, positions, tree_mask, rows, output_hidden)
+            return self._lean_forward(self._lean, token_ids, positions, tree_mask, rows, output_hidden)
         out = self.model(
             input_ids=token_ids.view(1, n),
             position_ids=positions.view(1, n),
@@ -147,12 +148,13 @@ class HFCausalLM(CausalLM):
             hidden = torch.cat([out.hidden_states[i][0] for i in output_hidden], dim=-1)
         return ForwardOutput(logits=out.logits[0].float(), hidden=hidden)
 
-    def _lean_forward(self, token_ids, positions, tree_mask, rows, output_hidden) -> ForwardOutput:
+    def _lean_forward(self, lean: LeanDecoder, token_ids, positions, tree_mask, rows,
+                      output_hidden) -> ForwardOutput:
         n = token_ids.numel()
         allowed = None if tree_mask is None else self._allowed(tree_mask)  # [n, cached + n]
-        trace = [] if output_hidden and output_hidden is not True else None
-        final = self._lean.run(range(len(self._lean.decoder.layers)), token_ids.view(n), positions.view(n), allowed,
-                               self._cache, trace)  # [n, hidden]
+        trace: list[torch.Tensor] | None = [] if output_hidden and output_hidden is not True else None
+        final = lean.run(range(len(lean.decoder.layers)), token_ids.view(n), positions.view(n), allowed, self._cache,
+                         trace)  # [n, hidden]
         self._length += n
         hidden = None
         if output_hidden is True:
@@ -160,7 +162,7 @@ class HFCausalLM(CausalLM):
         elif trace is not None:  # transformers' hidden_states: each layer's input, then the final-norm states
             states = trace[:-1] + [final]
             hidden = torch.cat([states[i] for i in output_hidden], dim=-1)
-        return ForwardOutput(logits=self._lean.logits(final[rows]), hidden=hidden)
+        return ForwardOutput(logits=lean.logits(final[rows]), hidden=hidden)
 
     def crop(self, length: int) -> None:
         if not 0 <= length <= self._length:
@@ -172,10 +174,20 @@ class HFCausalLM(CausalLM):
     @torch.inference_mode()  # the cache holds inference tensors
     def _move(self, start: int, keep: list[int]) -> None:
         source = start + torch.tensor(keep, device=self.device)
-        for layer in self._cache.layers:  # keys, values: [batch, kv_heads, length, head_dim]
-            layer.keys[..., start : start + len(keep), :] = layer.keys[..., source, :]
-            layer.values[..., start : start + len(keep), :] = layer.values[..., source, :]
+        for layer in self._cache.layers:
+            keys, values = keys_values(layer)  # [batch, kv_heads, length, head_dim]
+            keys[..., start : start + len(keep), :] = keys[..., source, :]
+            values[..., start : start + len(keep), :] = values[..., source, :]
 
     def reset(self) -> None:
         self._cache = growing_cache(self.model.config)
         self._length = 0
+
+
+def torch_target(target: CausalLM, what: str) -> HFCausalLM:
+    """`target` itself, when it runs on the torch backend: `what` (a method, training, an export) runs the
+    target's own layers or reads its weights."""
+    if not isinstance(target, HFCausalLM):
+        raise UserError(f"{what} runs the target's own layers, which needs the torch backend "
+                        f"(this target is {type(target).__name__}); use --backend torch")
+    return target

@@ -136,7 +136,8 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     the integer 1..15 (of the rounded one and its neighbours) that reconstructs the block best. Computed
     1024 channels at a time (faster than all at once, docs/results/code-choices.md: the temporaries stay in cache)."""
     parts = [_quantize_rows(rows) for rows in weight.detach().split(1024)]
-    return tuple(torch.cat(part) for part in zip(*parts))
+    nibbles, groups, scales = (torch.cat(part) for part in zip(*parts))
+    return nibbles, groups, scales
 
 
 def _quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -146,16 +147,18 @@ def _quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     ideal = torch.where(extreme > 0, extreme / 7, -extreme / 8)  # [o, b]
     scales = (ideal.amax(dim=1) / 15).clamp_min(1e-12)  # [o]
     rounded = (ideal / scales[:, None]).round()
-    best_error, best_group = None, None
-    for shift in (-1, 0, 1):
-        group = (rounded + shift).clamp(1, 15)  # [o, b]
+
+    def error_of(group: torch.Tensor) -> torch.Tensor:  # [o, b] multipliers -> [o, b] squared error
         step = (scales[:, None] * group)[..., None]  # [o, b, 1]
-        error = (blocks - (blocks / step).round().clamp(-8, 7) * step).square().sum(dim=2)  # [o, b]
-        if best_error is None:
-            best_error, best_group = error, group
-        else:
-            better = error < best_error
-            best_error, best_group = torch.where(better, error, best_error), torch.where(better, group, best_group)
+        return (blocks - (blocks / step).round().clamp(-8, 7) * step).square().sum(dim=2)
+
+    best_group = (rounded - 1).clamp(1, 15)  # [o, b]
+    best_error = error_of(best_group)
+    for shift in (0, 1):  # a later multiplier wins only if strictly better
+        group = (rounded + shift).clamp(1, 15)
+        error = error_of(group)
+        better = error < best_error
+        best_error, best_group = torch.where(better, error, best_error), torch.where(better, group, best_group)
     step = (scales[:, None] * best_group)[..., None]
     values = ((blocks / step).round().clamp(-8, 7) + 8).to(torch.uint8)  # [o, b, 32], 0..15
     groups = best_group.to(torch.uint8)
@@ -179,6 +182,13 @@ def dequantize(nibbles: torch.Tensor, groups: torch.Tensor, scales: torch.Tensor
 class InvariantInt4Linear(nn.Module):
     """y = x W^T + b with 4-bit weights and per-row 7-bit activations; each output row depends on its
     input row alone (bitwise), whatever else the batch holds."""
+
+    # buffers (register_buffer), declared for the type checker
+    nibbles: torch.Tensor
+    groups: torch.Tensor
+    scales: torch.Tensor
+    weight_sums: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()

@@ -38,11 +38,12 @@ import functools
 import threading
 import warnings
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTENTION = "specdecode_invariant"  # the attention implementation's name in transformers' registry
@@ -66,9 +67,17 @@ def _guard(in_features: int) -> torch.Tensor:
     return guard
 
 
+M = TypeVar("M", bound=nn.Module)  # a module quantized in place, returned as it came
+
+
 class InvariantInt8Linear(nn.Module):
     """y = x W^T + b with int8 weights and per-row int8 activations; each output row depends on its input
     row alone (bitwise), whatever else the batch holds."""
+
+    # buffers (register_buffer), declared for the type checker
+    weight_sums: torch.Tensor
+    bias: torch.Tensor | None
+    guard: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -151,7 +160,7 @@ class InvariantInt8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def quantize_invariant(model: nn.Module, bits: int = 8, progress: bool = False) -> nn.Module:
+def quantize_invariant(model: PreTrainedModel, bits: int = 8, progress: bool = False) -> PreTrainedModel:
     """Every nn.Linear of `model` (the LM head included) replaced, in place, by an InvariantInt8Linear
     (bits=8) or an `int4.InvariantInt4Linear` (bits=4; layers whose input size the 4-bit kernel cannot
     take stay int8) computing in float32, the other parameters (embeddings, norms) in float32, and
@@ -164,7 +173,7 @@ def quantize_invariant(model: nn.Module, bits: int = 8, progress: bool = False) 
     return model
 
 
-def quantize_linears(module: nn.Module, bits: int = 8, progress: bool = False) -> nn.Module:
+def quantize_linears(module: M, bits: int = 8, progress: bool = False) -> M:
     """Every nn.Linear within `module` replaced, in place, by an InvariantInt8Linear (bits=8) or an
     `int4.InvariantInt4Linear` (bits=4; a layer whose input size the 4-bit kernel cannot take stays int8)."""
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
@@ -199,22 +208,23 @@ def fuse_gate_up(model: nn.Module) -> nn.Module:
     product over both costs less than two (on the 4-bit kernel: docs/results/code-choices.md)."""
     for module in list(model.modules()):  # the list first: the loop replaces modules' children
         gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
-        if type(module).__name__ not in GATED_MLPS or not isinstance(gate, nn.Linear) or not isinstance(up, nn.Linear):
+        if (type(module).__name__ not in GATED_MLPS or not isinstance(gate, nn.Linear) or not isinstance(up, nn.Linear)
+                or gate.out_features != up.out_features):  # the fused output is cut in two halves
             continue
         fused = nn.Linear(gate.in_features, gate.out_features + up.out_features, bias=gate.bias is not None,
                           dtype=gate.weight.dtype, device=gate.weight.device)
         fused.weight = nn.Parameter(torch.cat([gate.weight, up.weight]), requires_grad=False)
         if gate.bias is not None:
             fused.bias = nn.Parameter(torch.cat([gate.bias, up.bias]), requires_grad=False)
-        module.gate_up_proj, module.gate_width = fused, gate.out_features
+        module.gate_up_proj = fused
         del module.gate_proj, module.up_proj
         module.forward = _fused_mlp_forward.__get__(module)
     return model
 
 
 def _fused_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    both = self.gate_up_proj(x)
-    return self.down_proj(self.act_fn(both[..., : self.gate_width]) * both[..., self.gate_width :])
+    gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    return self.down_proj(self.act_fn(gate) * up)
 
 
 def _visible(attention_mask: torch.Tensor | None, n: int, length: int) -> list[torch.Tensor | int]:

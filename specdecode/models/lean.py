@@ -151,8 +151,8 @@ class LeanDecoder:
             out, _ = invariant_attention(attention, query.transpose(0, 1)[None], key, value, mask, attention.scaling)
             hidden = hidden + attention.o_proj.rows(out.reshape(n, -1))  # out: [1, n, heads, d]
             mlp = layer.mlp
-            both = mlp.gate_up_proj.rows(_rms_norm(layer.post_attention_layernorm, hidden))
-            hidden = hidden + mlp.down_proj.rows(mlp.act_fn(both[:, : mlp.gate_width]) * both[:, mlp.gate_width :])
+            gate, up = mlp.gate_up_proj.rows(_rms_norm(layer.post_attention_layernorm, hidden)).chunk(2, dim=-1)
+            hidden = hidden + mlp.down_proj.rows(mlp.act_fn(gate) * up)
         if trace is not None:
             trace.append(hidden)
         return _rms_norm(decoder.norm, hidden)

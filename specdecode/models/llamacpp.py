@@ -37,7 +37,7 @@ def _llama_cpp():
     return llama_cpp
 
 
-_QUIET = []  # the logging callback, kept alive for as long as llama.cpp may call it
+_QUIET: list = []  # the logging callback, kept alive for as long as llama.cpp may call it
 
 
 def _silence(lib) -> None:

@@ -250,9 +250,9 @@ def load_causal_lm(
         tokenizer = AutoTokenizer.from_pretrained(folder)
         # the exact quantized paths (8 or 4 bits) are prepared once per local folder (`models.prepared`)
         bits = {INT8: 8 if exact_int8 else None, INT4: 4}.get(dtype) if isinstance(dtype, str) else None
-        cacheable = bits is not None and isinstance(folder, Path)
-        if cacheable and (model := prepared.load(folder, bits)) is not None:
-            return model, tokenizer
+        local = folder if bits is not None and isinstance(folder, Path) else None  # hub ids are not kept
+        if local is not None and bits is not None and (ready := prepared.load(local, bits)) is not None:
+            return ready, tokenizer
         model = AutoModelForCausalLM.from_pretrained(  # int8 and int4: from the checkpoint's own dtype
             folder, dtype="auto" if dtype in (INT8, INT4) else dtype, attn_implementation="sdpa",
             device_map=None if device.type == "cpu" else device,
@@ -261,8 +261,8 @@ def load_causal_lm(
         from specdecode.models.int8 import quantize_invariant
 
         model = quantize_invariant(model, bits=bits, progress=progress)
-        if cacheable:
-            prepared.save(model, folder, bits, progress=progress)
+        if local is not None:
+            prepared.save(model, local, bits, progress=progress)
     elif dtype == INT8:
         model = _dynamic_int8(model)
     return model, tokenizer

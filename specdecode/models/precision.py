@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 import json
 import time
+from collections.abc import Callable, Hashable, Mapping
+from typing import TypeVar
 
 import torch
 
@@ -26,6 +28,9 @@ TOKENS_PER_WIDE_STEP = 3  # what an 8-token verification is taken to yield
 # the quantized paths are not the float model (greedy agreement: docs/results/quality.md): taken only when at least
 # this much cheaper per token than the best float path
 QUANTIZED_MARGIN = 1.3
+
+
+K = TypeVar("K", bound=Hashable)  # what names a timed call
 
 
 def bf16_units() -> bool:
@@ -39,13 +44,13 @@ def bf16_units() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def _time_interleaved(calls: dict[str, object], repeats: int = 9) -> dict[str, float]:
+def _time_interleaved(calls: Mapping[K, Callable[[], object]], repeats: int = 9) -> dict[K, float]:
     """Median seconds of each call, timed in turn round after round (after warm-up rounds), so that a
     moment of load elsewhere on the machine falls on every call alike, not on whichever ran then."""
     for _ in range(3):
         for fn in calls.values():
             fn()
-    times: dict[str, list[float]] = {name: [] for name in calls}
+    times: dict[K, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, fn in calls.items():
             start = time.perf_counter()
@@ -61,7 +66,7 @@ def measure_paths(hidden: int, intermediate: int) -> dict[str, tuple[float, floa
     weight = torch.randn(intermediate, hidden, generator=generator) * hidden**-0.5
     inputs = {rows: torch.randn(rows, hidden, generator=generator) for rows in (1, 8)}
     weight_bf16 = weight.bfloat16()
-    paths = {
+    paths: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "bfloat16": (lambda x: x.bfloat16() @ weight_bf16.t()),
         "float32": (lambda x: x @ weight.t()),
         "int8": InvariantInt8Linear(weight),

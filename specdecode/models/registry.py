@@ -103,7 +103,7 @@ def _installed_chunk(model: ChunkedGGUF, part: int) -> Path | None:
         return None
     if dist.version != model.version:
         return None
-    path = Path(dist.locate_file(model.chunk_path_in_wheel(part)))
+    path = Path(str(dist.locate_file(model.chunk_path_in_wheel(part))))
     return path if path.is_file() else None
 
 

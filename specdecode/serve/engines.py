@@ -119,9 +119,9 @@ class Engines:
         Under the lock."""
         if not choice.method.remembers:
             return self.shared.get(choice.name)
-        owners = self.owned.get(_tenant(memory), {})
+        owners = self.owned.get(_tenant(memory))
         key = (choice.name, memory)
-        if memory is None or key not in owners:
+        if memory is None or owners is None or key not in owners:
             return None
         owners.move_to_end(key)
         return owners[key]

@@ -42,6 +42,7 @@ import json
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 from urllib.parse import urlsplit
 
 import h11
@@ -224,7 +225,7 @@ class GuardMiddleware:
                                 f"`specdecode serve --allowed-host NAME`).", code="invalid_host")
         origin = headers.get("origin")
         if scope["method"] not in SAFE_METHODS and not self.guard.origin_allowed(origin, headers.get("host")):
-            raise APIError(403, f"This server does not take requests from the web page at `{quoted(origin)}` "
+            raise APIError(403, f"This server does not take requests from the web page at `{quoted(origin or '')}` "
                                 "(allow its origin with `specdecode serve --allowed-origin ORIGIN`).",
                            code="invalid_origin")
         if not self.guard.api_keys or scope["path"] in PUBLIC_PATHS:
@@ -317,10 +318,13 @@ class GuardedProtocol(H11Protocol):
     """
 
     head_seconds = DEFAULT_READ_SECONDS
+    _head_timer: asyncio.TimerHandle | None
+    _linger_timer: asyncio.TimerHandle | None
 
     def connection_made(self, transport) -> None:
         self._raw, self.lingering, self._dropped, self._linger_timer = transport, False, 0, None
-        super().connection_made(_LingeringTransport(transport, self))
+        # the proxy stands in for the transport (every attribute but close and is_closing is the transport's)
+        super().connection_made(cast(asyncio.Transport, _LingeringTransport(transport, self)))
         self._head_timer = self.loop.call_later(self.head_seconds, self._head_too_slow)
 
     def data_received(self, data: bytes) -> None:

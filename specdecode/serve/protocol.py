@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar, cast
 
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -128,6 +128,10 @@ class CompletionRequest(SamplingRequest):
             return prompt
         raise ValueError("the prompt must be a string, a list of one string, or a list of token ids")
 
+    def one_prompt(self) -> str | list[int]:
+        """The prompt as `_one_prompt` validated it: a text, or token ids (the schema keeps the forms sent)."""
+        return cast("str | list[int]", self.prompt)
+
 
 class TextPart(BaseModel):
     """A content part of a chat message; only text ones (this server reads no images or audio)."""
@@ -162,7 +166,7 @@ class ChatMessage(BaseModel):
         return "".join(texts)
 
     def text(self) -> str:
-        return self.content or ""
+        return self.content if isinstance(self.content, str) else ""  # validated to a string or None
 
 
 class ChatRequest(SamplingRequest):
@@ -202,7 +206,10 @@ def _neutral(value: Any, neutral: tuple) -> bool:
     return any(type(value) is type(n) and value == n for n in neutral)  # True is not 1, 0.0 is not False
 
 
-def parse(raw: bytes, model: type[SamplingRequest]) -> SamplingRequest:
+Request = TypeVar("Request", bound="SamplingRequest")
+
+
+def parse(raw: bytes, model: type[Request]) -> Request:
     """A request body (JSON bytes) as `model`, or an APIError (400) saying what is wrong with it."""
     try:
         data = pydantic_core.from_json(raw, allow_inf_nan=False)  # invalid UTF-8, lone surrogates, deep nesting

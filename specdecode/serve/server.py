@@ -103,8 +103,9 @@ class Server:
         models.target.cost_curve()
         if models.draft is not None and any(c.method.needs_draft_model for c in self.offer.choices):
             models.draft.cost_curve()
-        for name in first:
-            self.preparation.prepare(self.offer.get(name))
+        for choice in [self.offer.get(name) for name in first]:
+            if choice is not None:  # (every one is: checked above)
+                self.preparation.prepare(choice)
         unavailable = self.preparation.unavailable
         if failed := [m for m in first if m in unavailable]:  # asked for by name: say so now
             self.close()
@@ -203,18 +204,20 @@ class Server:
     async def complete(self, request: Request, chat: bool) -> Response:
         """One request to /v1/completions or /v1/chat/completions, from its body to its response."""
         arrival = time.perf_counter()
-        body = protocol.parse(await request.body(), ChatRequest if chat else CompletionRequest)
+        raw = await request.body()
+        body = protocol.parse(raw, ChatRequest) if chat else protocol.parse(raw, CompletionRequest)
         choice = await self._method(body)
         limit = self._answer_limit(body)
         param = "messages" if chat else "prompt"
-        if chat:
+        if isinstance(body, ChatRequest):
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             self._check_bytes([m["content"] for m in messages], param)
             encode = functools.partial(self._encode_chat, messages)
         else:
-            if isinstance(body.prompt, str):
-                self._check_bytes([body.prompt], param)
-            encode = functools.partial(self._encode_completion, body.prompt)
+            prompt = body.one_prompt()
+            if isinstance(prompt, str):
+                self._check_bytes([prompt], param)
+            encode = functools.partial(self._encode_completion, prompt)
         if not self.worker.enter():
             retry = max(1, min(60, math.ceil(self._recent_seconds)))
             raise APIError(429, f"The server is busy: {self.limits.max_queue} requests are waiting; retry in "

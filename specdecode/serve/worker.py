@@ -170,6 +170,12 @@ class Worker:
         with self._lock:
             self._queued -= 1
 
+    def _batched(self) -> BatchEngine:
+        """The batch engine, which every job in `_active` is in (a worker without one runs each job alone)."""
+        if self.batch is None:
+            raise RuntimeError("this worker has no batch engine: its jobs run alone")
+        return self.batch
+
     def runs_alone(self, choice: MethodChoice) -> bool:
         """Whether a job of this method has the target to itself (its engine: `Job.engine`), or joins the batch."""
         return self.batch is None or not choice.method.batchable
@@ -226,7 +232,7 @@ class Worker:
             self._admit()
             for ident, job in list(self._active.items()):
                 if job.cancelled.is_set() or job.past_deadline():
-                    self.batch.remove(ident)
+                    self._batched().remove(ident)
                     del self._active[ident]
                     if not job.cancelled.is_set():
                         self._expire(job)
@@ -263,7 +269,7 @@ class Worker:
                     return
                 job.started = time.perf_counter()
                 drafter = self.factory.drafter(job.choice)
-                self._active[self.batch.add(job.prompt_ids, job.config, drafter, job.choice.name,
+                self._active[self._batched().add(job.prompt_ids, job.config, drafter, job.choice.name,
                                             verifier=job.choice.method.verifier)] = job
                 self._dequeue()
             except Exception as error:  # reaches the request as its error (UserError: 400, others: 500)
@@ -272,11 +278,11 @@ class Worker:
 
     def _step_batch(self) -> None:
         try:
-            outcomes = self.batch.step()
+            outcomes = self._batched().step()
         except Exception as error:  # every member's request fails with it; the batch starts afresh
-            for ident, job in self._active.items():
-                self.batch.remove(ident)
-                self._fail(job, error)
+            for ident, member in self._active.items():
+                self._batched().remove(ident)
+                self._fail(member, error)
             self._active.clear()
             return
         self._on_batch_step(len(self._active), sum(e.stats.drafted for _, e, _ in outcomes))

@@ -66,7 +66,7 @@ class Answerer:
     def __init__(self, models, settings: Settings, layers: tuple[int, ...] | None = None):
         from specdecode.engine.batch import BatchEngine
 
-        self.layers = layers
+        self.layers = layers or ()  # (): no features kept
         keep = (*layers, models.target.model.config.num_hidden_layers) if layers else False  # + the final norm's
         # no tokenizer: the text of the answers is not needed, and decoding it every step costs
         self.engine = BatchEngine(models.target, None, gate=False, keep_hidden=keep)

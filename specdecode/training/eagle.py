@@ -113,7 +113,8 @@ def train(target_model, shards: list[Shard], settings: TrainingSettings, progres
                                                "held_out_windows": len(evaluation)})
 
     def loss(window):
-        parts = losses(head, embed, head_weight, *window, NOISE)
+        tokens, features, assistant = window
+        parts = losses(head, embed, head_weight, tokens, features, assistant, NOISE)
         if parts is None:
             return None
         regression, classification, positions = parts

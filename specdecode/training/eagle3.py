@@ -29,7 +29,9 @@ import torch.nn.functional as F
 from specdecode.drafters.eagle3_head import Eagle3Config, Eagle3Head, unroll
 from specdecode.errors import UserError
 from specdecode.training.features import Shard
-from specdecode.training.loop import Schedule, TrainingRecord, frequent_tokens, on_device, optimise, split, windows
+from specdecode.training.loop import (
+    Schedule, TrainingRecord, Window, frequent_tokens, on_device, optimise, split, windows,
+)
 
 STEP_DECAY = 0.8  # weight of draft step j's loss: STEP_DECAY ** j
 
@@ -41,9 +43,6 @@ class TrainingSettings(Schedule):
     sequence_tokens: int = 512
     steps: int = 3  # draft steps unrolled in training (training-time test)
     eval_positions: int = 4
-
-
-Window = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # tokens, hidden, assistant, aux
 
 
 def losses(head, embed, draft_head: torch.Tensor, window: Window, steps: int):
@@ -61,13 +60,14 @@ def losses(head, embed, draft_head: torch.Tensor, window: Window, steps: int):
         teachers = torch.zeros(steps + m - 1, draft_head.shape[0], device=draft_head.device)
         # .float(): under bfloat16 autocast the product, and its softmax, come out in bfloat16
         teachers[counted] = torch.softmax(hidden[1 + counted].float() @ draft_head.T, dim=-1).float()
-    total, parts = 0.0, {}
+    weighted: list[torch.Tensor] = []  # each step's loss, decayed
+    parts = {}
     for step, (out, r) in enumerate(zip(unroll(head, embed, tokens, aux, steps), rows)):
         student = torch.log_softmax(head.logits(out[r - step], draft_head).float(), dim=-1)
         loss = -(teachers[r] * student).sum(-1).mean()
-        total = total + STEP_DECAY**step * loss
+        weighted.append(STEP_DECAY**step * loss)
         parts[f"step{step + 1}"] = loss.detach()
-    return total, parts, len(rows[-1])
+    return sum(weighted[1:], weighted[0]), parts, len(rows[-1])  # steps >= 1
 
 
 @torch.no_grad()

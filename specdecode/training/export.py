@@ -39,7 +39,8 @@ import torch
 from specdecode.drafters.eagle3_head import Eagle3Config
 from specdecode.errors import UserError
 
-FORMATS = ("vllm", "sglang")
+Format = Literal["vllm", "sglang"]  # the engines an export is laid out for
+FORMATS: tuple[Format, ...] = ("vllm", "sglang")
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # both engines' registered name for a one-layer Llama EAGLE-3 draft
 MAX_SHARD_BYTES = 36 * 2**20  # tensor bytes per file; with its header a file stays under FILE_LIMIT
 FILE_LIMIT = 40 * 10**6  # the repository takes no larger file
@@ -107,7 +108,7 @@ class Exported:
 
 
 def export_eagle3(state: dict[str, torch.Tensor], config: dict, lm_head: torch.Tensor, embed: torch.Tensor | None,
-                  out: Path, fmt: Literal["vllm", "sglang"], dtype: torch.dtype = torch.bfloat16) -> Exported:
+                  out: Path, fmt: Format, dtype: torch.dtype = torch.bfloat16) -> Exported:
     """Write the head as `fmt`'s EAGLE-3 draft folder `out` (absent or empty).
 
     state: the head's state dict in the EAGLE-3 layout (HEAD_WEIGHTS, `d2t`, optionally `t2d`);
@@ -122,13 +123,16 @@ def export_eagle3(state: dict[str, torch.Tensor], config: dict, lm_head: torch.T
     return write_weights(tensors, out)
 
 
-def check_destination(fmt: str, out: Path) -> None:
-    """A known format and a folder that is new or empty (nothing of another export is mixed in)."""
-    if fmt not in FORMATS:
+def check_destination(fmt: str, out: Path) -> Format:
+    """A known format (returned as one) and a folder that is new or empty (nothing of another export is mixed
+    in)."""
+    known = next((f for f in FORMATS if f == fmt), None)
+    if known is None:
         raise UserError(f"unknown format {fmt!r}; choose {' or '.join(FORMATS)}")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} exists and is not an empty folder; pick a new one")
+    return known
 
 
 def head_tensors(state: dict[str, torch.Tensor], shape: Eagle3Config, lm_head: torch.Tensor,

@@ -121,15 +121,15 @@ class Writer:
             name = f"shard-{len(self.manifest['shards']):04d}.safetensors"
             sequences = [s for _, s, _, _ in self.pending]
             lengths = [len(s.token_ids) for s in sequences]
-            aux = [a for _, _, _, a in self.pending]
+            aux = [a for _, _, _, a in self.pending if a is not None]  # all or none: EAGLE-3's layer inputs
             save_file({
                 "tokens": torch.tensor([t for s in sequences for t in s.token_ids], dtype=torch.int32),
                 "hidden": torch.cat([h for _, _, h, _ in self.pending]).contiguous(),
                 "assistant": torch.tensor([a for s in sequences for a in s.assistant], dtype=torch.uint8),
                 "starts": torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int64),
-                **({"aux": torch.cat(aux).contiguous()} if aux[0] is not None else {}),
+                **({"aux": torch.cat(aux).contiguous()} if aux else {}),
             }, str(self.folder / name))
-            by_source = {}
+            by_source: dict[str, int] = {}
             for s in sequences:
                 by_source[s.source] = by_source.get(s.source, 0) + len(s.token_ids)
             self.manifest["shards"].append({

@@ -38,7 +38,8 @@ from specdecode.training.features import Shard
 HELD_OUT = 0.05  # share of sequences kept for evaluation (`held_out`)
 CHECKPOINT_SECONDS = 300.0  # how often a run saves where it is (and always when its time budget ends)
 
-Window = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # tokens [n], features [n, d], assistant [n]
+# tokens [n], features [n, d], assistant [n]; with EAGLE-3's layer inputs [n, k d] after them
+Window = tuple[torch.Tensor, ...]
 
 
 @dataclass
@@ -79,7 +80,7 @@ def on_device(window: tuple[torch.Tensor, ...], device: torch.device) -> tuple[t
 
 def frequent_tokens(shards: list[Shard], size: int, always: list[int]) -> torch.Tensor:
     """The `size` most frequent token ids of the data (assistant tokens counted), plus `always`, sorted."""
-    counts = Counter()
+    counts: Counter[int] = Counter()
     for shard in shards:
         counts.update(shard.tokens[shard.assistant].tolist())
     chosen = {token for token, _ in counts.most_common(size)} | set(always)
@@ -174,6 +175,8 @@ class _Run:
         self.earlier_seconds = state["seconds"]
 
     def save(self) -> None:
+        if self.checkpoint is None:
+            raise ValueError("this run has no checkpoint to save to")
         temporary = self.checkpoint.with_suffix(".partial")
         torch.save({"identity": self.identity, "module": self.module.state_dict(),
                     "optimiser": self.optimiser.state_dict(), "lr_schedule": self.lr_schedule.state_dict(),
@@ -190,11 +193,12 @@ class _Run:
         self.position += len(batch)
         self.optimiser.zero_grad(set_to_none=True)
         with autocast(self.device):
-            parts = [loss(on_device(training[i], self.device)) for i in batch]
-        parts = [p for p in parts if p is not None]
+            results = [loss(on_device(training[i], self.device)) for i in batch]
+        parts = [p for p in results if p is not None]
         if not parts:
             return False
-        (sum(p[0] for p in parts) / len(parts)).backward()
+        totals = [p[0] for p in parts]
+        (sum(totals[1:], totals[0]) / len(parts)).backward()
         torch.nn.utils.clip_grad_norm_(self.module.parameters(), 0.5)
         self.optimiser.step()
         self.lr_schedule.step()

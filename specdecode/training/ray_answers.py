@@ -125,7 +125,8 @@ def generate(address: str, out: Path, *, target: str, dtype: str = "auto", setti
             """The node's next call: more prompts while there is time and room, else finish its own (or,
             the time out, drop them)."""
             nonlocal stopped_by, dropped
-            if left() is not None and left() <= 0:
+            remaining = left()
+            if remaining is not None and remaining <= 0:
                 stopped_by = "seconds"
                 dropped += ray.get(nodes[name].drop.remote())
                 return None

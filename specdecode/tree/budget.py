@@ -19,7 +19,7 @@ from specdecode.tree import structure
 from specdecode.types import Draft, Verdict
 
 if TYPE_CHECKING:
-    from specdecode.models.costs import CostCurve
+    from specdecode.models.costs import Curve
 
 DECAY = 0.9  # weight of the past in the running calibration
 MAX_BUDGET = 64  # nodes a chosen budget verifies at most per step (the measured cost curve ends at 64)
@@ -27,7 +27,7 @@ MAX_BUDGET = 64  # nodes a chosen budget verifies at most per step (the measured
 
 def best_budget(
     scores: Sequence[float],  # descending: the nodes' acceptance estimates
-    curve: CostCurve,
+    curve: Curve,
     sunk_cost: float,  # drafting already spent this step, in single-token target forwards
     pending: int = 1,  # context tokens the target forward also carries
     cap: int | None = None,
@@ -47,7 +47,7 @@ def best_budget(
 def prune(
     parents: torch.Tensor,  # [n] a token tree
     scores: torch.Tensor,  # [n] acceptance estimates, never growing from a parent to its child
-    curve: CostCurve,
+    curve: Curve | None,  # None: `budget` says how many
     budget: int | None = None,
     cap: int = MAX_BUDGET,
 ) -> torch.Tensor:
@@ -55,6 +55,8 @@ def prune(
     (None) as many of the best as maximise expected tokens per unit of time on the cost curve (at most
     `cap`, drafting taken as sunk); [] when none pays. -> [kept]"""
     if budget is None:
+        if curve is None:
+            raise ValueError("a tree is pruned to what pays on the cost curve, or to a budget: neither was given")
         ranked = torch.sort(scores, descending=True).values[:cap]  # [<= cap]
         budget = best_budget(ranked.tolist(), curve, 0.0, cap=cap)
     if not budget:
@@ -62,22 +64,23 @@ def prune(
     return structure.top_nodes(parents, scores, budget)
 
 
-def cut_chain(draft: Draft, curve: CostCurve, pending: int = 1) -> Draft:
+def cut_chain(draft: Draft, curve: Curve, pending: int = 1) -> Draft:
     """A scored chain cut to the prefix that pays on the cost curve (maybe none of it); other drafts as
     they are. `pending`: context tokens the same target forward carries."""
     return cut_batch([draft], curve, pending)[0]
 
 
-def cut_batch(drafts: list[Draft], curve: CostCurve, pending: int) -> list[Draft]:
+def cut_batch(drafts: list[Draft], curve: Curve, pending: int) -> list[Draft]:
     """The drafts of several sequences that share one target forward, their scored chains cut together:
     every scored token competes for the forward, the best-scored first (each chain's scores fall along
     it, so each keeps a prefix), as many as maximise expected tokens (one per sequence plus the scores)
     per cost of the whole forward. So the larger the batch, the less each sequence drafts, down to
     nothing where the curve says a wider forward no longer pays. `pending`: the context tokens of all
     sequences the forward carries. Trees and unscored drafts go as they are, their tokens counted."""
-    scored = [i for i, d in enumerate(drafts) if d.scores is not None and not d.is_tree and len(d)]
+    scored = {i: d.scores.tolist() for i, d in enumerate(drafts)  # the scored chains' scores, by draft
+              if d.scores is not None and not d.is_tree and len(d)}
     fixed = pending + sum(len(d) for i, d in enumerate(drafts) if i not in scored)
-    ranked = sorted(((float(s), j, i) for i in scored for j, s in enumerate(drafts[i].scores.tolist())),
+    ranked = sorted(((float(s), j, i) for i, scores in scored.items() for j, s in enumerate(scores)),
                     key=lambda c: (-c[0], c[1]))
     # no wider than the largest measured forward: beyond it the curve is a guess (on llama.cpp a 65-token
     # forward costs far more than the line through 48 and 64 says: docs/results/code-choices.md)

@@ -34,7 +34,8 @@ def verify_tree_greedy(
     target_tokens = target_logits.argmax(-1)  # [n + 1]
     target_list, tokens = to_host(target_tokens, draft_tokens.to(target_tokens.device))
     kids = structure.children(parents)
-    node, path = structure.ROOT, []
+    node = structure.ROOT
+    path: list[int] = []  # the accepted nodes, root first
     while True:
         want = target_list[node + 1]
         match = next((child for child in kids[node + 1] if tokens[child] == want), None)
@@ -71,7 +72,8 @@ def verify_tree_sampling(
     draft_tokens = draft_tokens.to(device)
     kids = structure.children(parents)
     uniforms = torch.rand(draft_tokens.numel(), generator=generator, device=device)  # [n] one per node, up front
-    node, path = structure.ROOT, []
+    node = structure.ROOT
+    path: list[int] = []  # the accepted nodes, root first
     while True:
         probs = target_probs[node + 1]  # [vocab] the target's distribution after the path so far
         winner = torch.full((), -1, dtype=torch.long, device=device)  # the accepted child's rank; -1: none yet
@@ -101,7 +103,7 @@ def verify(
     """Any draft, chain or tree: greedy match when decoding greedily, speculative sampling otherwise.
     Refuses a tree's probs unless its nodes were drawn independently (`Draft.check_probs`)."""
     draft.check_probs()
-    if not draft.is_tree:
+    if draft.parents is None:  # a chain
         return verify_chain(target_logits, draft, params, generator)
     if params.greedy:
         return verify_tree_greedy(target_logits, draft.tokens, draft.parents)

@@ -50,7 +50,7 @@ def verify_typical(
         return verify(target_logits, draft, params, generator)
     probs = logits_to_probs(target_logits, params)  # [n + 1, vocab]
     device = probs.device
-    parents = draft.parents if draft.is_tree else structure.chain(len(draft))  # [n] on the host
+    parents = draft.parents if draft.parents is not None else structure.chain(len(draft))  # [n] on the host
     draft_tokens = to_device(draft.tokens, device)  # [n]
     rows = to_device(parents + 1, device)  # [n] each node's parent's row
     # each row's threshold, each node's token and its probability under its parent's row

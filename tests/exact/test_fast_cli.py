@@ -1,6 +1,7 @@
-"""The command line starts without torch and transformers: `specdecode --help`, each command's `--help` and
-`specdecode methods` import neither (each command that runs a model imports them inside its function).
-Checked by what a fresh interpreter has imported, not by a timing, which a busy machine would make flaky."""
+"""The command line starts without torch, transformers or numpy: `specdecode --help`, each command's `--help`
+and `specdecode methods` import none of them (each command that runs a model imports them inside its
+function; numpy alone is a third of a bare start). Checked by what a fresh interpreter has imported, not by a
+timing, which a busy machine would make flaky."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ try:
     main()
 except SystemExit as exit:
     assert not exit.code, exit.code
-print("imported:", *[name for name in ("torch", "transformers") if name in sys.modules])
+print("imported:", *[name for name in ("torch", "transformers", "numpy") if name in sys.modules])
 """
 
 
@@ -36,7 +37,8 @@ def _run(code: str, *args: str) -> str:
 
 @pytest.mark.parametrize("module", ["specdecode", "specdecode.cli", "specdecode.methods"])
 def test_importing_leaves_torch_and_transformers_out(module):
-    out = _run(f"import sys, {module}; print('imported:', *[m for m in ('torch', 'transformers') if m in sys.modules])")
+    heavy = ("torch", "transformers", "numpy")
+    out = _run(f"import sys, {module}; print('imported:', *[m for m in {heavy!r} if m in sys.modules])")
     assert out.strip() == "imported:", out
 
 

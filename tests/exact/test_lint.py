@@ -25,3 +25,8 @@ def test_ruff_finds_nothing():
     done = _run("ruff", "check", "--no-cache", "specdecode", timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
 
+
+def test_mypy_finds_nothing():
+    # the files and settings are pyproject.toml's; its cache (.mypy_cache) makes a second run take seconds
+    done = _run("mypy", timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -25,31 +25,37 @@ the trie of continuations is `tree.trie`'s). Tests patch `PIECE_CHARS`, `stdlib_
 on `build`, where they act.
 """
 
+import importlib
 from typing import TYPE_CHECKING
 
-from specdecode.drafters.retrieval.build import (
-    DEFAULT_MAX_TOKENS, DEFAULT_PATTERN, STDLIB_SKIP, build_datastore, corpus_files, default_datastore,
-)
-from specdecode.drafters.retrieval.datastore import (
-    SEPARATOR, Datastore, DatastoreInfo, SuffixRange, join_documents, open_datastore, suffix_array,
-)
-
 if TYPE_CHECKING:
+    from specdecode.drafters.retrieval.build import (
+        STDLIB_SKIP, build_datastore, corpus_files, default_datastore,
+    )
+    from specdecode.drafters.retrieval.datastore import (
+        SEPARATOR, Datastore, DatastoreInfo, SuffixRange, join_documents, open_datastore, suffix_array,
+    )
+    from specdecode.drafters.retrieval.defaults import DEFAULT_MAX_TOKENS, DEFAULT_PATTERN
     from specdecode.drafters.retrieval.drafter import (
         RetrievalDrafter, RetrievalTreeDrafter, build_retrieval, heaviest_path,
     )
 
-# The drafter's names are imported on first use (PEP 562): datastores (numpy) are built and read, and
-# `specdecode datastore build` shows its defaults, without importing torch.
-_DRAFTER_NAMES = {"RetrievalDrafter", "RetrievalTreeDrafter", "build_retrieval", "heaviest_path"}
+# Each name is imported from its module on first use (PEP 562): `specdecode datastore build` shows the
+# defaults without importing numpy, and datastores are built and read without importing torch.
+_MODULES = {
+    **dict.fromkeys(["DEFAULT_MAX_TOKENS", "DEFAULT_PATTERN"], "defaults"),
+    **dict.fromkeys(["STDLIB_SKIP", "build_datastore", "corpus_files", "default_datastore"], "build"),
+    **dict.fromkeys(["SEPARATOR", "Datastore", "DatastoreInfo", "SuffixRange", "join_documents", "open_datastore",
+                     "suffix_array"], "datastore"),
+    **dict.fromkeys(["RetrievalDrafter", "RetrievalTreeDrafter", "build_retrieval", "heaviest_path"], "drafter"),
+}
 
 
 def __getattr__(name: str):
-    if name not in _DRAFTER_NAMES:
+    if name not in _MODULES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from specdecode.drafters.retrieval import drafter
+    return getattr(importlib.import_module(f"{__name__}.{_MODULES[name]}"), name)
 
-    return getattr(drafter, name)
 
 __all__ = [
     "DEFAULT_MAX_TOKENS", "DEFAULT_PATTERN", "SEPARATOR", "STDLIB_SKIP", "Datastore", "DatastoreInfo", "SuffixRange",

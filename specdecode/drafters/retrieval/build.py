@@ -13,12 +13,11 @@ from pathlib import Path
 import numpy as np
 
 from specdecode.drafters.retrieval.datastore import FORMAT, SEPARATOR, Datastore, DatastoreInfo
+from specdecode.drafters.retrieval.defaults import DEFAULT_MAX_TOKENS, DEFAULT_PATTERN
 from specdecode.errors import UserError
 from specdecode.paths import cache_dir, console
 
-DEFAULT_PATTERN = "**/*.py"
 BYTES_PER_TOKEN = 16  # memory at the peak of sorting, the tokens included (measured; see suffix_array)
-DEFAULT_MAX_TOKENS = 100_000_000  # about 1.5 GiB while sorting
 PIECE_CHARS = 1 << 20  # text tokenized per batch, and the most of one file tokenized in one piece
 # Folders of the standard library left out of the default datastore: its test suite (17 MB, more than
 # the library itself, mostly assertion boilerplate), installed third-party packages, and the

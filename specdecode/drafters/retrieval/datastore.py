@@ -140,11 +140,11 @@ class Datastore:
         cls, documents: Iterable[Sequence[int]], vocab_size: int, *, tokenizer: str = "", corpus: str = ""
     ) -> Datastore:
         """Index token id lists (tests, or corpora tokenized elsewhere)."""
-        documents = [np.asarray(d, dtype=np.int64).reshape(-1) for d in documents]
-        for ids in documents:
+        arrays = [np.asarray(d, dtype=np.int64).reshape(-1) for d in documents]
+        for ids in arrays:
             if ids.size and not (0 <= int(ids.min()) and int(ids.max()) < vocab_size):
                 raise UserError(f"token ids must lie in [0, {vocab_size}), got {int(ids.min())} .. {int(ids.max())}")
-        tokens = join_documents(documents)
+        tokens = join_documents(arrays)
         files = int((tokens == SEPARATOR).sum())  # one separator per non-empty document
         info = DatastoreInfo(tokenizer, vocab_size, corpus, files, tokens.size - files)
         return cls.from_tokens(tokens, info)

@@ -9,13 +9,13 @@ import torch
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.options import DrafterOptions
 from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.self_speculative.layers import SkippedLayers, torch_target
+from specdecode.drafters.self_speculative.layers import SkippedLayers
 from specdecode.drafters.self_speculative.scoring import CONTINUATION
 from specdecode.drafters.self_speculative.search import SEARCH_SECONDS, search_exit, search_skip
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import CostCurve
-from specdecode.models.hf import HFCausalLM
+from specdecode.models.hf import HFCausalLM, torch_target
 from specdecode.types import Draft
 
 EXIT_FRACTION = 0.75  # EarlyExitDrafter's default exit layer, as a fraction of the layers (see there)
@@ -135,7 +135,7 @@ def calibration_prompts(
 
 def build_layerskip(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
     """`layerskip`: the target drafts with the layers the search (`search_skip`, cached) leaves in."""
-    target = torch_target(target, "layerskip")
+    target = torch_target(target, "method 'layerskip'")
     prompts = calibration_prompts(options.tokenizer, target.vocab_size,
                                   max_length=target.max_context - CONTINUATION - 1)
     result = search_skip(target, prompts, budget_seconds=SEARCH_SECONDS, continuation=CONTINUATION)
@@ -145,7 +145,7 @@ def build_layerskip(target: CausalLM, draft: CausalLM | None, options: DrafterOp
 
 def build_earlyexit(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
     """`earlyexit`: the target drafts with its first k layers, k from the search (`search_exit`, cached)."""
-    target = torch_target(target, "earlyexit")
+    target = torch_target(target, "method 'earlyexit'")
     prompts = calibration_prompts(options.tokenizer, target.vocab_size,
                                   max_length=target.max_context - CONTINUATION - 1)
     result = search_exit(target, prompts, budget_seconds=SEARCH_SECONDS, continuation=CONTINUATION)

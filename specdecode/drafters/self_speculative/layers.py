@@ -34,7 +34,7 @@ from transformers import DynamicCache, PreTrainedModel
 from specdecode.devices import to_device
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM, ForwardOutput
-from specdecode.models.cache import cache_keyword
+from specdecode.models.cache import attention_layer, cache_keyword
 from specdecode.models.hf import HFCausalLM, module_bytes
 from specdecode.models.lean import lean_decoder
 
@@ -116,7 +116,7 @@ def head_output(model: PreTrainedModel, hidden: torch.Tensor, num_logits: int, o
 def crop_layers(cache: DynamicCache, layers: Iterable[int], length: int) -> None:
     """Drop the entries past `length` of the given layers of the cache (the others are not touched)."""
     for index in layers:
-        layer = cache.layers[index]
+        layer = attention_layer(cache.layers[index])
         surplus = layer.get_seq_length() - length
         if surplus > 0:
             layer.crop(-surplus)  # transformers takes minus the count to drop
@@ -180,14 +180,18 @@ class SkippedLayers(CausalLM):
         positions: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
         num_logits: int | None = None,
-        output_hidden: bool = False,
+        output_hidden: bool | tuple[int, ...] = False,
+        rows: torch.Tensor | None = None,
     ) -> ForwardOutput:
+        if rows is not None or isinstance(output_hidden, tuple):  # one sequence, the last layer's states
+            raise ValueError("skipped layers give the last logits and the final hidden states only")
         n, device = token_ids.numel(), self.device
         cached = self.cache_length
         token_ids = to_device(token_ids, device)
         positions = (torch.arange(cached, cached + n, device=device) if positions is None
                      else to_device(positions, device))
         num_logits = n if num_logits is None else num_logits
+        allowed: torch.Tensor | None  # [n, cached + n] bool; None: one token, which sees the whole cache
         if tree_mask is not None:  # [n, m] over the last m tokens -> [n, cached + n]
             m = tree_mask.shape[1]
             if m > cached + n:
@@ -211,11 +215,3 @@ class SkippedLayers(CausalLM):
         """Drop the view's own entries; the sequence itself is the target's to reset."""
         self.crop(self.target.cache_length)
 
-
-
-def torch_target(target: CausalLM, method: str) -> HFCausalLM:
-    """`target` itself, when it runs on the torch backend (whose layers a method runs itself)."""
-    if not isinstance(target, HFCausalLM):
-        raise UserError(f"method {method!r} runs the target's own layers, which needs the torch backend "
-                        f"(this target is {type(target).__name__}); use --backend torch")
-    return target

@@ -63,7 +63,8 @@ def greedy_continuation(model: CausalLM, prompt_ids: list[int], max_new_tokens: 
     """Plain greedy decoding, as the engine without a drafter does it (one forward per token, the argmax
     of its one row): up to `max_new_tokens` new tokens, an end-of-sequence token (kept) or a full context."""
     model.reset()
-    context, output, pending = list(prompt_ids), [], list(prompt_ids)
+    context, pending = list(prompt_ids), list(prompt_ids)
+    output: list[int] = []
     while len(output) < max_new_tokens and len(context) < model.max_context:
         logits = model.forward(torch.tensor(pending, device="cpu"), num_logits=1).logits  # [1, vocab]
         token = int(logits[0].argmax())
