@@ -280,7 +280,7 @@ def test_methods_can_be_restricted(models):
         reply = post(running.url, "/v1/completions", completion("pld", 4))
         assert reply.status_code == 400 and openai_error(reply)["code"] == "unknown_method"
         assert [m["id"] for m in get(running.url, "/v1/methods").json()["data"]] == ["ar"]
-    with pytest.raises(UserError, match="no EAGLE head"):  # named, and it cannot run: refused at start-up
+    with pytest.raises(UserError, match="no eagle head"):  # named, and it cannot run: refused at start-up
         Server(models, MODEL, default_method="ar", methods=["ar", "eagle"])
 
 
