@@ -206,9 +206,10 @@ def measure_prefill(model: CausalLM, tokens: int = PREFILL_TOKENS, generator: to
 
 
 # A long prompt's prefill is fed in forwards of about this long (`prefill_chunk`): what a request that comes
-# in meanwhile waits at most on a server (`engine.batch`), against a weight read (a one-token forward's cost)
-# paid once a chunk; the figures: README, *Figures behind the code's choices*.
-CHUNK_SECONDS = 0.5
+# in meanwhile waits at most on a server (`engine.batch`), against the weights read once more for every chunk
+# (a forward's share that does not shrink with its tokens); the figures: README, *Figures behind the code's
+# choices*.
+CHUNK_SECONDS = 1.0
 DEFAULT_CHUNK = 256  # prompt tokens a forward, where the curve has no prefill figure
 MIN_CHUNK, MAX_CHUNK = 16, 4096
 

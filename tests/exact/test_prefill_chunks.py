@@ -63,10 +63,10 @@ def test_prefill_spans_leave_the_last_chunk_to_the_first_step():
     assert prefill_spans(4, 4) == prefill_spans(1, 4) == []
 
 
-def test_the_chunk_is_what_the_curve_prefills_in_half_a_second():
+def test_the_chunk_is_what_the_curve_prefills_in_chunk_seconds():
     curve = CostCurve.linear(0.05)
     assert costs.prefill_chunk(curve) == costs.DEFAULT_CHUNK  # no prefill figure
-    assert costs.prefill_chunk(CostCurve(curve.sizes, curve.relative, prefill=0.01)) == 50
+    assert costs.prefill_chunk(CostCurve(curve.sizes, curve.relative, prefill=costs.CHUNK_SECONDS / 50)) == 50
     assert costs.prefill_chunk(CostCurve(curve.sizes, curve.relative, prefill=1.0)) == costs.MIN_CHUNK
     assert costs.prefill_chunk(CostCurve(curve.sizes, curve.relative, prefill=1e-9)) == costs.MAX_CHUNK
 
@@ -195,16 +195,18 @@ def test_prompts_that_fit_in_a_chunk_are_fed_whole_oldest_first_one_chunk_in_all
     assert [len(f) for f in target.fed] == [6, 3]
 
 
-def test_chunks_shrink_to_what_takes_half_a_second_as_their_tokens_cost_more():
-    """A token costs 5 ms and 2.5 ms more every 100 tokens of context before it (attention grows with the
-    context): the first chunk is the curve's (64 tokens), then each is what takes CHUNK_SECONDS at the pace
-    of the one before, so none takes much longer however deep into the prompt."""
-    engine, target = batch(chunk=64, token_seconds=lambda cached: 0.005 * (1 + cached / 200))
+def test_chunks_shrink_to_what_takes_chunk_seconds_as_their_tokens_cost_more():
+    """A token costs a hundredth of CHUNK_SECONDS, and half as much again every 100 tokens of context
+    before it (attention grows with the context): the first chunk is the curve's (64 tokens), then each is
+    what takes CHUNK_SECONDS at the pace of the one before, so none takes much longer however deep into the
+    prompt."""
+    cost = lambda cached: costs.CHUNK_SECONDS / 100 * (1 + cached / 200)  # noqa: E731
+    engine, target = batch(chunk=64, token_seconds=cost)
     engine.add(prompt(1200, seed=8), GenerationConfig(max_new_tokens=1))
     cached, seconds = 0, []
     while engine.members:
         engine.step()
-        seconds.append(0.005 * (1 + cached / 200) * len(target.fed[-1]))
+        seconds.append(cost(cached) * len(target.fed[-1]))
         cached += len(target.fed[-1])
     sizes = [len(f) for f in target.fed]
     assert sizes[:3] == [64, 64, 64] and sizes[-2] < 20 and sizes[:-1] == sorted(sizes[:-1], reverse=True)
@@ -212,5 +214,5 @@ def test_chunks_shrink_to_what_takes_half_a_second_as_their_tokens_cost_more():
 
 
 def test_the_batch_asks_the_targets_curve_for_its_chunk():
-    engine = BatchEngine(FakeLM(TARGET, curve=CostCurve((1, 2), (1.0, 1.1), prefill=0.02)))
+    engine = BatchEngine(FakeLM(TARGET, curve=CostCurve((1, 2), (1.0, 1.1), prefill=costs.CHUNK_SECONDS / 25)))
     assert engine.prefill_chunk == 25 == SpeculativeEngine(engine.target).prefill_chunk
