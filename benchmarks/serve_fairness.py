@@ -33,6 +33,7 @@ import socket
 import statistics
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -173,14 +174,13 @@ def main() -> None:
         owner = f"probe-owner-{secrets.token_hex(6)}"
         body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 2, "temperature": 0,
                 "method": "eagle3-online", "user": owner}
-        result: dict = {}
-        thread = threading.Thread(target=lambda: result.update(seconds=post(target, target.key_a, body)[0]))
-        thread.start()
-        time.sleep(args.owner_offset)
-        b = short(target)
-        thread.join()
+        with ThreadPoolExecutor(1) as pool:
+            owners = pool.submit(post, target, target.key_a, body)
+            time.sleep(args.owner_offset)
+            b = short(target)
+            seconds = owners.result()[0]
         note(f"B while A's new eagle3-online owner is built (try {repeat + 1})",
-             f"{b:.2f} s (alone just before {before:.2f} s); A's request {result['seconds']:.2f} s")
+             f"{b:.2f} s (alone just before {before:.2f} s); A's request {seconds:.2f} s")
 
     if running is not None:
         running.stop()

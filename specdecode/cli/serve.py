@@ -38,8 +38,7 @@ def serve(
     max_queue: Annotated[int, typer.Option(
         min=1, help="Requests that may wait for the model; beyond, 429 with Retry-After.")] = 64,
     max_prompt_tokens: Annotated[int | None, typer.Option(
-        min=1, help="The longest prompt a request may send, in tokens (400 beyond, before any work on it; "
-                    "default: the model's context).")] = None,
+        min=1, help="The longest prompt in tokens (400 beyond, before any work; default: the context).")] = None,
     max_body_mib: Annotated[float, typer.Option(min=0.001, help="The largest request body, in MiB (413 beyond).")] = 4.0,
     read_timeout: Annotated[float, typer.Option(
         min=0.001, help="Seconds a client has to send a request's headers, and again its body.")] = 15.0,
@@ -48,8 +47,7 @@ def serve(
              "tenant (one API key and `user` field; a request with neither shares nothing), request (nobody), "
              "server (everybody: one trusted user only).")] = MemoryScope("tenant"),
     memory_owners: Annotated[int, typer.Option(
-        min=1, help="Owners of a memory kept for each API key (or for the keyless server), the key's least "
-                    "recently used forgotten first: a key cannot push out another key's.")] = 64,
+        min=1, help="Memory owners kept for each API key, its least recently used forgotten first.")] = 64,
     memory_budget_gib: Annotated[float | None, typer.Option(
         min=0.0, help="What one API key's owners' memories may hold together, in GiB, its least recently used "
                       "forgotten first (default: a quarter of this machine's memory, shared out among the keys).")] = None,
@@ -73,7 +71,6 @@ def serve(
     from specdecode.api import load_models
     from specdecode.methods import choose
     from specdecode.serve.app import Limits, Server, create_app
-    from specdecode.serve.engines import default_memory_budget
     from specdecode.serve.guard import Guard, uvicorn_options
 
     # every method resolved before the models load: the default one with the datastore it retrieves from,
@@ -88,14 +85,20 @@ def serve(
                               max_body_bytes=int(max_body_mib * 2**20), read_seconds=read_timeout)
     limits = Limits(max_tokens=max_tokens, default_max_tokens=default_max_tokens, request_seconds=request_timeout,
                     max_queue=max_queue, max_prompt_tokens=max_prompt_tokens)
-    budget = (default_memory_budget() // max(1, len(keys)) if memory_budget_gib is None
-              else int(memory_budget_gib * 2**30))
     models = load_models(target, None if no_drafter else drafter, dtype=dtype.value, draft_dtype=draft_dtype.value,
                          backend=backend.value)
     name = model_name or Path(target.rstrip("/")).name.removesuffix(".gguf")
     server = Server(models, name, default, datastore=str(datastore) if datastore else None, max_batch=max_batch,
                     limits=limits, methods=offered, memory_scope=memory_scope.value, memory_owners=memory_owners,
-                    memory_budget=budget)
+                    memory_budget=_memory_budget(memory_budget_gib, len(keys)))
     console.print(f"serving [bold]{name}[/] ({method.value} by default) on http://{host}:{port}/ "
                   f"({'API key required' if keys else 'no API key: this machine only'}); Ctrl-C stops")
     uvicorn.run(create_app(server, guard), host=host, port=port, **uvicorn_options(guard))
+
+
+def _memory_budget(gib: float | None, keys: int) -> int:
+    """Bytes one API key's memory owners may hold together: `gib`, or a quarter of the machine's memory shared
+    out among the keys."""
+    from specdecode.serve.engines import default_memory_budget
+
+    return default_memory_budget() // max(1, keys) if gib is None else int(gib * 2**30)

@@ -200,7 +200,9 @@ def test_chunks_shrink_to_what_takes_chunk_seconds_as_their_tokens_cost_more():
     before it (attention grows with the context): the first chunk is the curve's (64 tokens), then each is
     what takes CHUNK_SECONDS at the pace of the one before, so none takes much longer however deep into the
     prompt."""
-    cost = lambda cached: costs.CHUNK_SECONDS / 100 * (1 + cached / 200)  # noqa: E731
+    def cost(cached: int) -> float:
+        return costs.CHUNK_SECONDS / 100 * (1 + cached / 200)
+
     engine, target = batch(chunk=64, token_seconds=cost)
     engine.add(prompt(1200, seed=8), GenerationConfig(max_new_tokens=1))
     cached, seconds = 0, []
