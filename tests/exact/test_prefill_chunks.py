@@ -10,19 +10,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import LetterTokenizer, random_eagle3_head, random_eagle_head
+from conftest import LetterTokenizer, random_eagle3_head, random_eagle_head, tiny_qwen2
 from fakes import TARGET, VOCAB, FakeLM
 from specdecode.drafters.eagle import EagleDrafter
 from specdecode.drafters.eagle3 import Eagle3Drafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.engine.batch import BatchEngine
-from specdecode.engine.sequence import Prefilled, StepEvent, prefill_spans
-from specdecode.models import costs
+from specdecode.engine.sequence import Prefilled, StepEvent, prefill, prefill_spans
+from specdecode.models import costs, int4
 from specdecode.models.costs import CostCurve
 from specdecode.models.hf import HFCausalLM
+from specdecode.models.int8 import quantize_invariant
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+LEAN_BITS = [8, pytest.param(4, marks=pytest.mark.skipif(not int4.available(), reason="no int4 kernel"))]
 
 
 def prompt(length: int, seed: int = 0) -> list[int]:
@@ -121,6 +123,21 @@ def test_a_drafter_that_reads_hidden_states_gets_the_whole_prompts(tiny_target, 
     assert sum(s.drafted for s in chunked.steps) == sum(s.drafted for s in whole.steps) > 0
     assert features.shape == whole_features.shape and features.shape[0] >= len(ids)
     torch.testing.assert_close(features, whole_features, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", LEAN_BITS)
+def test_the_lean_paths_chunked_prefill_is_the_whole_prefill_bit_for_bit(bits):
+    """On the quantized paths (`models.lean`) no row's result depends on the other rows of its forward, so a
+    prompt fed in chunks leaves the cache it leaves fed whole, and the same logits after it, bit for bit."""
+    model = quantize_invariant(tiny_qwen2(seed=7, layers=3), bits=bits)
+    chunked, whole = HFCausalLM(model), HFCausalLM(model)
+    assert chunked._lean is not None
+    ids = prompt(60, seed=9)
+    assert [p.fed for p in prefill(chunked, ids, 7)] == [7, 14, 21, 28, 35, 42, 49, 56]
+    last = chunked.forward(torch.tensor(ids[56:]), num_logits=1).logits
+    assert torch.equal(last, whole.forward(torch.tensor(ids), num_logits=1).logits)
+    for mine, theirs in zip(chunked._cache.layers, whole._cache.layers, strict=True):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
 
 
 # --- The batch --------------------------------------------------------------------------------------------
