@@ -62,8 +62,7 @@ def serve(
              "tenant (one API key and `user` field; a request with neither shares nothing), request (nobody), "
              "server (everybody: one trusted user only).")] = MemoryScope("tenant"),
     memory_owners: Annotated[int, typer.Option(
-        min=1, help="Owners of a memory kept for each API key (or for the keyless server), the key's least "
-                    "recently used forgotten first: a key cannot push out another key's.")] = 64,
+        min=1, help="Memory owners kept for each API key, its least recently used forgotten first.")] = 64,
     memory_budget_gib: Annotated[float | None, typer.Option(
         min=0.0, help="What one API key's owners' memories may hold together, in GiB, its least recently used "
                       "forgotten first (default: a quarter of this machine's memory, shared out among the "

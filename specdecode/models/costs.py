@@ -220,7 +220,10 @@ def measure_prefill(model: CausalLM, tokens: int = PREFILL_TOKENS, generator: to
     return best / tokens
 
 
-CHUNK_SECONDS = 0.5  # a long prompt's prefill is fed in forwards of about this long (`prefill_chunk`)
+# A long prompt's prefill is fed in forwards of about this long (`prefill_chunk`): what a request that comes
+# in meanwhile waits at most on a server (`engine.batch`), against the weights read once more for every chunk
+# (a forward's share that does not shrink with its tokens); the figures: docs/results/code-choices.md.
+CHUNK_SECONDS = 1.0
 DEFAULT_CHUNK = 256  # prompt tokens a forward, where the curve has no prefill figure
 MIN_CHUNK, MAX_CHUNK = 16, 4096
 
@@ -230,9 +233,9 @@ def prefill_chunk(curve: CostCurve | LiveCurve) -> int:
     figure (DEFAULT_CHUNK where it has none), within MIN_CHUNK .. MAX_CHUNK.
 
     Why chunks: between two forwards a server runs other requests' steps and notices a client leaving or a
-    deadline passing (`engine.batch`, `serve.worker`), and a forward's activations stay bounded. The figure is
-    timed at the start of a prompt; attention grows with the context, so a chunk deep into a long prompt costs
-    more (docs/results/code-choices.md)."""
+    deadline passing (`engine.batch`, `serve.worker`), and a forward's activations stay bounded. The figure
+    is timed at the start of a prompt; attention grows with the context, so a chunk deep into a long prompt
+    costs more (the batch sizes its chunks by their pace: `engine.batch.PrefillShare`)."""
     if not curve.prefill > 0:
         return DEFAULT_CHUNK
     return max(MIN_CHUNK, min(MAX_CHUNK, round(CHUNK_SECONDS / curve.prefill)))

@@ -100,7 +100,7 @@ class Engines:
             engine = failure = None
             try:
                 engine = self.models.engine_for(choice)
-            except BaseException as error:  # the request's to report (UserError: 400, others: 500)
+            except Exception as error:  # the request's to report (UserError: 400, others: 500)
                 failure = error
             with self._lock:
                 if engine is not None:

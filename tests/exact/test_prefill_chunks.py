@@ -10,19 +10,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import LetterTokenizer, random_eagle3_head, random_eagle_head
+from conftest import LetterTokenizer, random_eagle3_head, random_eagle_head, tiny_qwen2
 from fakes import TARGET, VOCAB, FakeLM
 from specdecode.drafters.eagle import EagleDrafter
 from specdecode.drafters.eagle3 import Eagle3Drafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.engine.batch import BatchEngine
-from specdecode.engine.sequence import Prefilled, StepEvent, prefill_spans
-from specdecode.models import costs
+from specdecode.engine.sequence import Prefilled, StepEvent, prefill, prefill_spans
+from specdecode.models import costs, int4
 from specdecode.models.costs import CostCurve
 from specdecode.models.hf import HFCausalLM
+from specdecode.models.int8 import quantize_invariant
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+LEAN_BITS = [8, pytest.param(4, marks=pytest.mark.skipif(not int4.available(), reason="no int4 kernel"))]
 
 
 def prompt(length: int, seed: int = 0) -> list[int]:
@@ -63,10 +65,10 @@ def test_prefill_spans_leave_the_last_chunk_to_the_first_step():
     assert prefill_spans(4, 4) == prefill_spans(1, 4) == []
 
 
-def test_the_chunk_is_what_the_curve_prefills_in_half_a_second():
+def test_the_chunk_is_what_the_curve_prefills_in_chunk_seconds():
     curve = CostCurve.linear(0.05)
     assert costs.prefill_chunk(curve) == costs.DEFAULT_CHUNK  # no prefill figure
-    assert costs.prefill_chunk(CostCurve(curve.sizes, curve.relative, prefill=0.01)) == 50
+    assert costs.prefill_chunk(CostCurve(curve.sizes, curve.relative, prefill=costs.CHUNK_SECONDS / 50)) == 50
     assert costs.prefill_chunk(CostCurve(curve.sizes, curve.relative, prefill=1.0)) == costs.MIN_CHUNK
     assert costs.prefill_chunk(CostCurve(curve.sizes, curve.relative, prefill=1e-9)) == costs.MAX_CHUNK
 
@@ -121,6 +123,21 @@ def test_a_drafter_that_reads_hidden_states_gets_the_whole_prompts(tiny_target, 
     assert sum(s.drafted for s in chunked.steps) == sum(s.drafted for s in whole.steps) > 0
     assert features.shape == whole_features.shape and features.shape[0] >= len(ids)
     torch.testing.assert_close(features, whole_features, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", LEAN_BITS)
+def test_the_lean_paths_chunked_prefill_is_the_whole_prefill_bit_for_bit(bits):
+    """On the quantized paths (`models.lean`) no row's result depends on the other rows of its forward, so a
+    prompt fed in chunks leaves the cache it leaves fed whole, and the same logits after it, bit for bit."""
+    model = quantize_invariant(tiny_qwen2(seed=7, layers=3), bits=bits)
+    chunked, whole = HFCausalLM(model), HFCausalLM(model)
+    assert chunked._lean is not None
+    ids = prompt(60, seed=9)
+    assert [p.fed for p in prefill(chunked, ids, 7)] == [7, 14, 21, 28, 35, 42, 49, 56]
+    last = chunked.forward(torch.tensor(ids[56:]), num_logits=1).logits
+    assert torch.equal(last, whole.forward(torch.tensor(ids), num_logits=1).logits)
+    for mine, theirs in zip(chunked._cache.layers, whole._cache.layers, strict=True):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
 
 
 # --- The batch --------------------------------------------------------------------------------------------
@@ -195,16 +212,20 @@ def test_prompts_that_fit_in_a_chunk_are_fed_whole_oldest_first_one_chunk_in_all
     assert [len(f) for f in target.fed] == [6, 3]
 
 
-def test_chunks_shrink_to_what_takes_half_a_second_as_their_tokens_cost_more():
-    """A token costs 5 ms and 2.5 ms more every 100 tokens of context before it (attention grows with the
-    context): the first chunk is the curve's (64 tokens), then each is what takes CHUNK_SECONDS at the pace
-    of the one before, so none takes much longer however deep into the prompt."""
-    engine, target = batch(chunk=64, token_seconds=lambda cached: 0.005 * (1 + cached / 200))
+def test_chunks_shrink_to_what_takes_chunk_seconds_as_their_tokens_cost_more():
+    """A token costs a hundredth of CHUNK_SECONDS, and half as much again every 100 tokens of context
+    before it (attention grows with the context): the first chunk is the curve's (64 tokens), then each is
+    what takes CHUNK_SECONDS at the pace of the one before, so none takes much longer however deep into the
+    prompt."""
+    def cost(cached: int) -> float:
+        return costs.CHUNK_SECONDS / 100 * (1 + cached / 200)
+
+    engine, target = batch(chunk=64, token_seconds=cost)
     engine.add(prompt(1200, seed=8), GenerationConfig(max_new_tokens=1))
     cached, seconds = 0, []
     while engine.members:
         engine.step()
-        seconds.append(0.005 * (1 + cached / 200) * len(target.fed[-1]))
+        seconds.append(cost(cached) * len(target.fed[-1]))
         cached += len(target.fed[-1])
     sizes = [len(f) for f in target.fed]
     assert sizes[:3] == [64, 64, 64] and sizes[-2] < 20 and sizes[:-1] == sorted(sizes[:-1], reverse=True)
@@ -212,5 +233,5 @@ def test_chunks_shrink_to_what_takes_half_a_second_as_their_tokens_cost_more():
 
 
 def test_the_batch_asks_the_targets_curve_for_its_chunk():
-    engine = BatchEngine(FakeLM(TARGET, curve=CostCurve((1, 2), (1.0, 1.1), prefill=0.02)))
+    engine = BatchEngine(FakeLM(TARGET, curve=CostCurve((1, 2), (1.0, 1.1), prefill=costs.CHUNK_SECONDS / 25)))
     assert engine.prefill_chunk == 25 == SpeculativeEngine(engine.target).prefill_chunk

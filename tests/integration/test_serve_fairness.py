@@ -235,7 +235,7 @@ def held_builds(models: Models) -> tuple[Models, threading.Event, threading.Even
 
 def test_a_new_owners_engine_is_built_beside_the_worker(models):
     slow, begun, release = held_builds(models)
-    with serving(slow) as (running, state), ThreadPoolExecutor(1) as pool:
+    with serving(slow) as (running, _), ThreadPoolExecutor(1) as pool:
         try:
             first = pool.submit(ask, running.url, KEY_A, "the cat sat", "suffix", "new-owner")
             assert begun.wait(60)
