@@ -25,7 +25,7 @@ def generate(
     method: Annotated[MethodName, typer.Option(help=(
         "Decoding method (`specdecode methods`). The default, suffix, drafts from the prompt and the output "
         "and needs no draft model: on the int4 path that `--dtype auto` takes on the CPUs measured it beats "
-        "the draft model (README); on bfloat16 with bf16 units, draft or composite pays more."
+        "the draft model (docs: Methods); on bfloat16 with bf16 units, draft or composite pays more."
     ))] = MethodName("suffix"),
     max_new_tokens: Annotated[int, typer.Option(min=1, max=1 << 20, help="Tokens to generate at most.")] = 128,
     temperature: Annotated[float, typer.Option(min=0.0, max=100.0, help="0 means greedy decoding.")] = 0.0,

@@ -65,7 +65,7 @@ class DraftDType(StrEnum):
 
 DraftDTypeOption = Annotated[DraftDType, typer.Option(
     help="Draft model weights: auto (default: int4 where its kernel runs, else int8; on a GPU bfloat16), int4 "
-    "(4-bit weights, AVX2 CPUs: the cheapest draft token), int8 (~3x cheaper than bfloat16 on a CPU), bfloat16 "
+    "(4-bit weights, AVX2 CPUs: the cheapest draft token), int8 (cheaper than bfloat16 on a CPU), bfloat16 "
     "or float32. Lossless whatever it is: the target verifies every token.")]
 TreeOption = Annotated[bool, typer.Option(
     "--tree", help="Draft a token tree instead of a chain (methods with a tree form).")]
