@@ -40,7 +40,7 @@ def test_save_and_load_round_trip(tiny_target, tmp_path):
     x, e = torch.randn(1, 4, d, device=device), torch.randn(1, 4, d, device=device)
     p = torch.arange(4, device=device)[None]
     assert torch.allclose(loaded(x, e, p), head.to(torch.bfloat16).float()(x, e, p), atol=1e-5)
-    with pytest.raises(UserError, match="no eagle head"):
+    with pytest.raises(UserError, match="no EAGLE head"):
         EagleHead.load(tmp_path / "missing")
 
 
