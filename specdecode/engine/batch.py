@@ -200,13 +200,21 @@ class BatchEngine:
             if steps:  # from the last context token's on
                 rows.append(torch.arange(offset + len(p) - 1, offset + n, device="cpu"))
         total = sum(len(f) for f in fed)
-        mask = torch.zeros(total, cached + total, dtype=torch.bool, device="cpu")  # the forward moves it
-        for m, (offset, n, local) in zip(members, spans):
-            if m.slots:
-                mask[offset : offset + n, m.slots] = True
-            mask[offset : offset + n, cached + offset : cached + offset + n] = local
+        # A sequence alone in the forward and in the cache (a lone request, or the last one left) steps as the
+        # single-sequence engine does: the cache is its context, so no mask over it, and a chain is plain causal
+        # attention; its rejected drafts are cropped away rather than left as garbage.
+        alone = len(members) == 1 and len(members[0].slots) == cached
+        if alone:
+            tree_mask, where = (spans[0][2], positions[0]) if drafts[0].is_tree else (None, None)
+        else:
+            tree_mask = torch.zeros(total, cached + total, dtype=torch.bool, device="cpu")  # the forward moves it
+            for m, (offset, n, local) in zip(members, spans):
+                if m.slots:
+                    tree_mask[offset : offset + n, m.slots] = True
+                tree_mask[offset : offset + n, cached + offset : cached + offset + n] = local
+            where = torch.cat(positions)
         # (a forward of chunks alone asks one row of logits, unused: every backend computes at least one)
-        output = self.target.forward(torch.cat(fed), positions=torch.cat(positions), tree_mask=mask,
+        output = self.target.forward(torch.cat(fed), positions=where, tree_mask=tree_mask,
                                      rows=torch.cat(rows) if rows else torch.tensor([total - 1], device="cpu"),
                                      output_hidden=self.keep_hidden)
         logits = output.logits  # [sum(len(draft) + 1), vocab] over the sequences that step
@@ -228,7 +236,11 @@ class BatchEngine:
             mine = logits[row : row + len(draft) + 1]  # [len(draft) + 1, vocab]
             row += len(draft) + 1
             verdict = verify_draft(m.verifier, draft, mine, m.progress.config.sampling, m.progress.generator)
-            m.slots += list(range(first, first + len(p))) + [first + len(p) + node for node in verdict.path]
+            if alone:  # the cache keeps its context and accepted drafts, as `SpeculativeEngine.step` keeps them
+                self.target.compact(first + len(p), verdict.path)
+                m.slots = list(range(self.target.cache_length))
+            else:
+                m.slots += list(range(first, first + len(p))) + [first + len(p) + node for node in verdict.path]
             # 4. The sequence's tokens appended; its drafter learns how its draft fared.
             event = conclude(m.progress, m.drafter, VerifiedStep(draft, verdict, mine, len(p), spent, forward_seconds))
             out.append((ident, event, None))
@@ -267,7 +279,9 @@ class BatchEngine:
             self.target.reset()
             return
         live = sorted(s for m in self.members.values() for s in m.slots)
-        if self.target.cache_length - len(live) <= GARBAGE_SHARE * self.target.cache_length:
+        garbage = self.target.cache_length - len(live)
+        # the last sequence left gets the cache to itself at once, so that it steps alone (`step`)
+        if garbage == 0 or (garbage <= GARBAGE_SHARE * self.target.cache_length and len(self.members) > 1):
             return
         self.target.compact(0, live)
         moved = {old: new for new, old in enumerate(live)}

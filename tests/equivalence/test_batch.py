@@ -80,6 +80,42 @@ def test_greedy_batch_equals_plain_decoding(tiny_target, monkeypatch, garbage_sh
     assert len(engine) == 0 and target.cache_length == 0  # everyone left: the cache is free
 
 
+class Recorded(HFCausalLM):
+    """Records what every forward was given: the tokens, whether positions came with them, and the columns of
+    its mask over the cache (None: no mask, causal attention; 0: a tree's mask over the fed tokens alone)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.calls: list[tuple[list[int], bool, int | None]] = []
+
+    def forward(self, token_ids, *, positions=None, tree_mask=None, **kwargs):
+        over_cache = None if tree_mask is None else tree_mask.shape[1] - tree_mask.shape[0]
+        self.calls.append((token_ids.tolist(), positions is not None, over_cache))
+        return super().forward(token_ids, positions=positions, tree_mask=tree_mask, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["ar", "pld", "pld-tree"])
+def test_a_lone_sequence_runs_the_single_engines_forwards(tiny_target, kind):
+    """A batch of one (a lone request on the server) feeds the target what `SpeculativeEngine` feeds it, forward for
+    forward: the same tokens, chains with no mask (plain causal attention), no garbage left in the cache; and a
+    sequence left alone by the others goes back to that once they leave."""
+    prompt, config = repetitive_prompts(3)[2], GenerationConfig(max_new_tokens=24)
+    single = Recorded(tiny_target)
+    expected = SpeculativeEngine(single, LetterTokenizer(), drafter(kind), gate=False).generate(prompt, config)
+    alone = Recorded(tiny_target)
+    results = run_all(BatchEngine(alone, LetterTokenizer(), gate=False), [(0, prompt, config, kind)])
+    assert results[0].token_ids == expected.token_ids
+    assert alone.calls == single.calls
+    if kind != "ar":
+        assert any(len(tokens) > 1 for tokens, _, _ in alone.calls[1:])  # it did draft
+    assert all(mask is None for _, _, mask in single.calls) == (kind != "pld-tree")
+    # two sequences share forwards (masked over the cache); once the short one ends, the other's are not
+    shared = Recorded(tiny_target)
+    run_all(BatchEngine(shared, LetterTokenizer(), gate=False),
+            [(0, prompt, config, kind), (0, repetitive_prompts(2)[0], GenerationConfig(max_new_tokens=3), "ar")])
+    assert shared.calls[1][2] and not shared.calls[-1][2]
+
+
 def test_no_tensor_of_the_batch_lands_on_the_wrong_device(tiny_target):
     """The batch engine, greedy and sampled, chains and trees, with every tensor it and its drafters create
     without naming a device sent to `meta` (`conftest.wrong_device_trap`); greedy output stays plain decoding's."""
