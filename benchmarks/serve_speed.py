@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -39,7 +40,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", default="auto", help="the target's path, on both sides")
-    parser.add_argument("--threads", type=int, default=2, help="the bench's torch threads (the server takes torch's)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the bench and of the server")
     parser.add_argument("--out", type=Path, default=None, help="default: results/serve-speed-<time>")
     args = parser.parse_args(argv)
     args.out = args.out or Path("results") / time.strftime("serve-speed-%Y%m%d-%H%M%S")
@@ -78,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if not methods:
         raise UserError("--methods names no method")
     port = free_port()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the server's torch threads, as the bench's --threads
     serve = [*SPECDECODE, "serve", "--methods", ",".join(methods), "--dtype", args.dtype, "--port", str(port)]
     with ServerProcess("specdecode serve", serve, port) as server:
         print(f"starting {shlex.join(serve)}", flush=True)

@@ -15,7 +15,7 @@ import torch
 from specdecode.api import Models, load_models
 from specdecode.bench import llamacpp_peers
 from specdecode.bench.base import Output, Runner
-from specdecode.engine import GenerationConfig, SpeculativeEngine
+from specdecode.engine import GenerationConfig, SpeculativeEngine, StepEvent
 from specdecode.errors import UserError
 from specdecode.methods import resolve
 from specdecode.models.hf import torch_target
@@ -30,9 +30,16 @@ def engine_runner(engine: SpeculativeEngine, lossless: bool = True) -> Runner:
     """Any engine, for instance one whose drafter has settings no method name gives (tuning scripts)."""
 
     def run(prompt_ids: list[int], config: GenerationConfig) -> Output:
-        result = engine.generate(prompt_ids, config)
+        # until the first token: a long prompt's chunks fed before the first step, then that step
+        start, chunks = time.perf_counter(), 0.0
+        stream = engine.stream(prompt_ids, config)
+        for item in stream.items():
+            if not isinstance(item, StepEvent):
+                chunks = time.perf_counter() - start
+        result = stream.result
+        assert result is not None  # the stream ran to its end
         first = result.steps[0] if result.steps else None
-        prefill = first.draft_seconds + first.verify_seconds if first else None
+        prefill = chunks + first.draft_seconds + first.verify_seconds if first else None
         return Output(result.token_ids, result.seconds, result.steps, prefill)
 
     return Runner(engine.method, lossless, False, run, engine.forget, engine.target.max_context)
