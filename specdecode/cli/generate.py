@@ -119,7 +119,12 @@ def auto_here(target: str = DEFAULT_TARGET, drafter: str | None = DEFAULT_DRAFTE
     trees = "".join(f", {kind} tree" for kind in kinds)
     heads = f" ({', '.join(kinds)} ship for {target}; torch backend only)" if kinds else ""
     fallback = f"; the draft model {drafter} as the fallback" if drafter else ""
-    return f"prompt lookup, the suffix cache{trees}{fallback}{heads}"
+    from specdecode.models.dtype_choice import cached_choice
+
+    path = cached_choice(get_model(target).name)
+    where = (f"; the target's path here: {path} (--dtype auto's choice)" if path else
+             "; the target's path: --dtype auto times the candidates at the first load")
+    return f"prompt lookup, the suffix cache{trees}{fallback}{heads}{where}"
 
 
 def methods_table() -> Table:
