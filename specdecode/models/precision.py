@@ -7,9 +7,9 @@ the LM head and the work around each layer's kernels are part of every step, and
 rank int8 first where the whole int4 model decodes faster.
 
 So the choice is made in two rounds. First each candidate path times one product of the model's MLP shape
-(`measure_paths`, cheap: no model loaded), which only prunes the paths more than `WHOLE_WITHIN` times dearer
-per token than the best (on a CPU without bf16 units, bfloat16 and float32; they would also take the most
-memory to load). Then the model itself is loaded on each remaining path in turn and its own decoder's
+(`measure_paths`, cheap: no model loaded), which only prunes the float paths more than `WHOLE_WITHIN` times
+dearer per token than the best (on a CPU without bf16 units, bfloat16 and float32; they would also take the
+most memory to load); the quantized paths are always timed whole. Then the model itself is loaded on each remaining path in turn and its own decoder's
 one-token and eight-token forwards after a context are timed (`time_forwards`); the cheapest per generated
 token wins (`decide`): min(t1, t8 / 3), as if an 8-token verification yielded three tokens, a quantized path
 (int8, or int4 where its AVX2 kernel runs), which is not the float model, only when it is QUANTIZED_MARGIN
@@ -110,9 +110,11 @@ def decide(measured: Mapping[str, tuple[float, float]]) -> str:
 
 
 def candidates(products: Mapping[str, tuple[float, float]]) -> list[str]:
-    """The paths worth timing whole: those whose product costs at most WHOLE_WITHIN times the best per token."""
+    """The paths worth timing whole: every quantized one (the fewest bytes to load, and the ones a product
+    misranks most), and the float ones whose product costs at most WHOLE_WITHIN times the best per token."""
     best = min(per_token(times) for times in products.values())
-    return [name for name, times in products.items() if per_token(times) <= WHOLE_WITHIN * best]
+    return [name for name, times in products.items()
+            if name in QUANTIZED or per_token(times) <= WHOLE_WITHIN * best]
 
 
 def time_forwards(model, context: int = 64, repeats: int = 5) -> tuple[float, float]:

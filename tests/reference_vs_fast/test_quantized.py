@@ -320,6 +320,9 @@ def test_auto_decides_from_whole_forwards_not_one_product(monkeypatch, tmp_path)
     products = {"bfloat16": (0.78, 6.9), "float32": (3.4, 6.7), "int8": (0.25, 0.40), "int4": (0.30, 0.60)}
     whole = {"int8": (0.14, 0.20), "int4": (0.10, 0.17)}
     assert precision.candidates(products) == ["int8", "int4"]
+    # where bf16 units make an eight-row product cheap, the quantized paths are still timed whole
+    amx = {"bfloat16": (0.008, 0.008), "float32": (0.009, 0.018), "int8": (0.008, 0.032), "int4": (0.008, 0.016)}
+    assert precision.candidates(amx) == ["bfloat16", "int8", "int4"]
     assert precision.decide(products) == "int8"  # what one product would have taken
     monkeypatch.setattr(precision, "measure_paths", lambda hidden, intermediate: products)
     monkeypatch.setattr(precision, "time_forwards", lambda model: whole[model])
