@@ -257,6 +257,10 @@ class CompositeDrafter(Drafter):
         self._merged: Merged | None = None
         self._submitted: dict[int, int] = {}  # merged node -> its index in the submitted draft
 
+    def memory_bytes(self) -> int:
+        """What its sources hold (a server keeps one composite per owner where a source remembers)."""
+        return sum(source.drafter.memory_bytes() for source in self.sources)
+
     def rate(self, source: int) -> float:
         """Running per-token acceptance of a source's proposals (prior 2/3), for drafts without scores."""
         return self._acceptance[source].value

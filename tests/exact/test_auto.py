@@ -212,6 +212,8 @@ def test_auto_is_made_of_what_the_models_allow(models, random_heads, monkeypatch
     assert isinstance(drafter, CompositeDrafter) and drafter.name == "auto"
     assert describe(drafter.sources) == "pld, suffix, medusa, eagle3-tree; draft (fallback)"
     assert drafter.needs.hidden == (3, *drafter.sources[3].drafter.needs.hidden)
+    # what a server counts against an owner's memory budget: its sources' (the suffix cache's, the heads')
+    assert drafter.memory_bytes() == sum(source.drafter.memory_bytes() for source in drafter.sources) > 0
     # a head given replaces the shipped one of its kind
     given = choose("auto", head=str(random_heads / "medusa"))
     assert heads_for(models.target, given.options.head) == [("medusa", random_heads / "medusa"), ("eagle3", None)]
