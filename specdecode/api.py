@@ -92,7 +92,10 @@ class Models:
                          if choice.reference else None)
         options = replace(choice.options, reference_ids=reference_ids, tokenizer=self.tokenizer,
                           draft_tokenizer=self.draft_tokenizer if method.needs_draft_model else None)
-        return method.drafter(self.target, self.require_draft() if method.needs_draft_model else None, options)
+        draft = self.require_draft() if method.needs_draft_model else None
+        if method.uses_draft_model and self.draft_tokenizer is None:  # merged by token ids: the target's tokenizer
+            draft = self.draft
+        return method.drafter(self.target, draft, options)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids of a prompt; with chat=True, as the single user turn of the chat template."""
@@ -204,7 +207,7 @@ _loaded: dict[tuple, Models] = {}
 def generate(
     prompt: str | list[int],
     *,
-    method: str = "suffix",  # the best lossless method on the int4 path `dtype="auto"` takes (docs/methods/index.md)
+    method: str = "auto",  # the composite that fits the loaded models (docs/methods/index.md)
     target: str | PreTrainedModel = DEFAULT_TARGET,
     drafter: str | PreTrainedModel | None = DEFAULT_DRAFTER,
     tokenizer: PreTrainedTokenizerBase | None = None,
@@ -226,7 +229,7 @@ def generate(
     """Generate with one method; models loaded by name are kept for the next call. `device` as in
     `load_models`; `head`: a trained head's folder for the head methods (`specdecode train KIND --out`)."""
     choice = choose(method, tree=tree, budget=budget, head=head)  # before any model loads
-    needs_draft = choice.method.needs_draft_model
+    needs_draft = choice.method.loads_draft_model
     key = (id(target) if isinstance(target, PreTrainedModel) else target,
            (id(drafter) if isinstance(drafter, PreTrainedModel) else drafter) if needs_draft else None, str(dtype),
            str(draft_dtype), backend, str(device))

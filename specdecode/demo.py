@@ -22,9 +22,8 @@ DEMO_PROMPTS = [
 
 # One of each family, in a few minutes: the self-speculative methods (layerskip, earlyexit) search their
 # layers on first use (minutes), so they are left to `specdecode generate` and the benchmark.
-DEMO_METHODS = ["ar", "draft", "draft-tree", "pld", "pld-tree", "rest", "lookahead", "jacobi", "suffix", "eagle-tree",
-                "medusa-tree",
-                "composite"]
+DEMO_METHODS = ["ar", "auto", "draft", "draft-tree", "pld", "pld-tree", "rest", "lookahead", "jacobi", "suffix",
+                "eagle-tree", "medusa-tree", "composite"]
 
 
 def run_demo(target: str, drafter: str, dtype: str, draft_dtype: str, max_new_tokens: int,

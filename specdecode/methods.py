@@ -63,6 +63,13 @@ class Method:
     # its chain form drafts with a model whose tokenizer differs from the target's (through text,
     # `drafters.other_tokenizer`)
     other_tokenizer: bool = False
+    # drafts with the draft model where one with the target's tokenizer is loaded, and without one otherwise
+    uses_draft_model: bool = False
+
+    @property
+    def loads_draft_model(self) -> bool:
+        """Whether a command running it loads the draft model: it needs one, or uses one where loaded."""
+        return self.needs_draft_model or self.uses_draft_model
 
     @property
     def trained(self) -> bool:
@@ -92,6 +99,11 @@ _DRAFTERS = "specdecode.drafters."  # the package of the builders below
 METHODS: dict[str, Method] = {
     m.name: m
     for m in [
+        Method("auto", "the default: one composite of what the loaded models allow, asked cheapest first and each "
+               "only while it pays on the request: prompt lookup, the suffix cache, the target's trained heads "
+               "(Medusa, EAGLE-3; torch), the draft model as the fallback where one is loaded; merged into one "
+               "tree sized on the cost curve", False, _DRAFTERS + "auto:build_auto",
+               takes=("datastore", "reference", "head"), remembers=True, uses_draft_model=True),
         Method("ar", "plain autoregressive decoding (the baseline)", False, None, batchable=True),
         Method("draft", "an independent draft model drafts a chain (adaptive length) or an EAGLE-2-style tree; "
                "the chain also from a model with another tokenizer, translated through text",
@@ -278,7 +290,9 @@ def choose(
     if head is not None:
         from specdecode.drafters.heads import kind_of  # (torch: imported only when a head is given)
 
-        if kind_of(head) != method.head:
+        if method.head is None:  # a method that drafts with a head of any kind (auto)
+            kind_of(head)  # a folder holding one
+        elif kind_of(head) != method.head:
             if not only_if_taken:
                 raise UserError(f"{head} holds {kind_of(head)} heads; {method.name} drafts with {method.head} heads "
                                 f"(`specdecode train {method.head} --out DIR`)")

@@ -117,7 +117,7 @@ PEERS = {
 
 
 def needs_draft_model(names: list[str]) -> bool:
-    return any(PEERS[name].needs_draft_model if name in PEERS else resolve(name)[0].needs_draft_model
+    return any(PEERS[name].needs_draft_model if name in PEERS else resolve(name)[0].loads_draft_model
                for name in names)
 
 

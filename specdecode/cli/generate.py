@@ -23,10 +23,10 @@ from specdecode.tables import compact_table
 def generate(
     prompt: Annotated[str, typer.Argument(help="The prompt text.")],
     method: Annotated[MethodName, typer.Option(help=(
-        "Decoding method (`specdecode methods`). The default, suffix, drafts from the prompt and the output "
-        "and needs no draft model: on the int4 path that `--dtype auto` takes on the CPUs measured it beats "
-        "the draft model (docs: Methods); on bfloat16 with bf16 units, draft or composite pays more."
-    ))] = MethodName("suffix"),
+        "Decoding method (`specdecode methods`). The default, auto, composes what the loaded models allow "
+        "(prompt lookup, the suffix cache, the target's trained heads, the draft model as a fallback) and asks "
+        "each only while it pays."
+    ))] = MethodName("auto"),
     max_new_tokens: Annotated[int, typer.Option(min=1, max=1 << 20, help="Tokens to generate at most.")] = 128,
     temperature: Annotated[float, typer.Option(min=0.0, max=100.0, help="0 means greedy decoding.")] = 0.0,
     top_k: Annotated[int, typer.Option(min=0, help="Keep the k likeliest tokens (0: off).")] = 0,
@@ -56,7 +56,7 @@ def generate(
 
     choice = choose(method.value, tree=tree, budget=budget, choices=parse_choices(choices) if choices else None,
                     datastore=datastore, reference=read_reference(reference), head=head)
-    needs_draft = choice.method.needs_draft_model
+    needs_draft = choice.method.loads_draft_model
     models = load_models(target, drafter if needs_draft else None, dtype=dtype.value, draft_dtype=draft_dtype.value,
                          backend=backend.value, device=backend_device(backend, device))
     ids = models.encode(prompt, chat=chat)
@@ -104,13 +104,34 @@ def list_methods(
         print(json.dumps([dataclasses.asdict(m) for m in METHODS.values()], indent=1))
         return
     Console().print(methods_table())
+    Console().print(f"auto here: {auto_here()}", highlight=False)
+
+
+def auto_here(target: str = DEFAULT_TARGET, drafter: str | None = DEFAULT_DRAFTER) -> str:
+    """What `auto` is made of on this machine with the default models (as `drafters.auto` composes it), read
+    from the package's files without loading a model."""
+    from pathlib import Path
+
+    from specdecode.models.registry import get_model
+
+    folder = Path(__file__).resolve().parents[1] / "heads" / get_model(target).name
+    kinds = [kind for kind in ("medusa", "eagle3") if (folder / kind / f"{kind}.json").is_file()]
+    trees = "".join(f", {kind} tree" for kind in kinds)
+    heads = f" ({', '.join(kinds)} ship for {target}; torch backend only)" if kinds else ""
+    fallback = f"; the draft model {drafter} as the fallback" if drafter else ""
+    from specdecode.models.dtype_choice import cached_choice
+
+    path = cached_choice(get_model(target).name)
+    where = (f"; the target's path here: {path} (--dtype auto's choice)" if path else
+             "; the target's path: --dtype auto times the candidates at the first load")
+    return f"prompt lookup, the suffix cache{trees}{fallback}{heads}{where}"
 
 
 def methods_table() -> Table:
     """The methods, one row each: short flag columns and the description, the only column that wraps."""
     table = compact_table({
         "draft": "needs a draft model (same: with the target's tokenizer; any: any tokenizer, its chain drafts "
-                 "translated through text)",
+                 "translated through text; if loaded: uses one where it is loaded)",
         "tree": "has a token-tree form (--tree, or NAME-tree)",
         "lossless": "the output follows the target's distribution exactly (NO: lossy)",
         "--json": "every field of the registry",
@@ -120,6 +141,7 @@ def methods_table() -> Table:
         table.add_column(flag, no_wrap=True)
     table.add_column("description", ratio=1)
     for m in METHODS.values():
-        draft = ("any" if m.other_tokenizer else "same") if m.needs_draft_model else "no"
+        draft = ("any" if m.other_tokenizer else "same") if m.needs_draft_model else (
+            "if loaded" if m.uses_draft_model else "no")
         table.add_row(m.name, draft, "yes" if m.tree else "no", "yes" if m.lossless else "NO", m.summary)
     return table

@@ -36,8 +36,8 @@ class DType(StrEnum):
 TargetOption = Annotated[str, typer.Option(help="Target model: registered name, .gguf file, folder or hub id.")]
 DrafterOption = Annotated[str, typer.Option(help="Draft model for --method draft (same vocabulary as the target).")]
 DTypeOption = Annotated[DType, typer.Option(help=(
-    "Target's path: auto (the fastest here, measured once: bfloat16 where the CPU has bf16 units and it wins, "
-    "else int4 or int8), bfloat16, float32, int8 (int8 weights and per-row int8 activations, computed row by row "
+    "Target's path: auto (the fastest here: the model's own forwards timed on each candidate path, once per "
+    "machine and model), bfloat16, float32, int8 (int8 weights and per-row int8 activations, computed row by row "
     "so speculation stays exact; not the float model's output), or int4 (4-bit weights, the same exactness, "
     "AVX2 CPUs; its kernel compiles on first use). On a GPU (--device cuda) auto is bfloat16 (float16 where the "
     "GPU lacks it), and int8 and int4, CPU kernels, are refused. Probabilities are always float32."))]

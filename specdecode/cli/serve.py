@@ -34,7 +34,7 @@ MethodsOption = Annotated[str | None, typer.Option(
 
 
 def serve(
-    method: Annotated[MethodName, typer.Option(help="The method of requests that name none.")] = MethodName("pld"),
+    method: Annotated[MethodName, typer.Option(help="The method of requests that name none.")] = MethodName("auto"),
     host: Annotated[str, typer.Option(
         help="Address to listen on (127.0.0.1: this machine only; anything else needs --api-key).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,

@@ -61,6 +61,15 @@ class Outcome:
     # draft nodes' (and the auxiliary tokens')
     hidden: torch.Tensor | None = None
     num_pending: int = 0  # context tokens the forward fed before the draft
+    # the accepted path of the draft the forward fed, whose rows `hidden` holds, where `verdict` judges
+    # another (a composite's source hears of its own proposal, `drafters.composite`); None: verdict.path
+    fed_path: tuple[int, ...] | None = None
+
+    @property
+    def accepted_path(self) -> tuple[int, ...]:
+        """The accepted nodes of the fed draft, in `hidden`'s rows after the pending ones: the tokens the
+        context gained whose states the forward computed."""
+        return self.verdict.path if self.fed_path is None else self.fed_path
 
     def require_hidden(self) -> torch.Tensor:
         """`hidden`, which the engine gives every drafter whose `needs` asks for it."""

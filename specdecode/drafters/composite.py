@@ -48,16 +48,28 @@ step appended to the context, not always all of it; its StepStats carry its own 
 counts, the step's new_tokens and timings. A source that needs the target's logits (`Needs.logits`)
 gets, as its outcome's draft, the nodes of its proposal that were verified, and their rows (the verdict
 still judges its whole proposal, and so indexes it: the two agree on the accepted count); the others get
-their whole proposal. No source gets hidden states.
+their whole proposal.
+
+Sources that read the target's hidden states (trained heads: Medusa's final-norm state, EAGLE-3's layer
+inputs) get them every step, asked or not: the composite asks the forward for the union of what they need
+(`hidden_request`; the final-norm state is transformers' last hidden state, index `final_layer` of a layer
+tuple), and each hears its own columns with the accepted path of the draft that was fed (`Outcome.fed_path`),
+so its features follow the context whatever source drafted it, while its verdict judges its own proposal.
+
+What pays. Each source's drafting is timed (`clock`) and weighed against the tokens it adds beyond the
+sources asked before it, per request (`drafters.source_payoff`): one that does not pay is not asked until
+the text changes character. Where nothing is asked or nothing pays on the cost curve, the draft is empty
+and the step is the target's plain one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -66,6 +78,8 @@ from specdecode.drafters.options import DrafterOptions, check_budget
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.drafters.retrieval import build_retrieval
+from specdecode.drafters.source_payoff import Payoff
+from specdecode.drafters.sources import Source, columns, hidden_request
 from specdecode.errors import UserError
 from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
@@ -76,26 +90,12 @@ from specdecode.types import Draft, SamplingParams, Verdict
 if TYPE_CHECKING:
     from specdecode.models.base import CausalLM
 
-CostClass = Literal["free", "expensive"]
-COST_CLASSES = ("free", "expensive")
 DROPPED = -2  # a sub-draft node the merge left out (deeper than allowed, or under such a node)
 
 COMBINE: dict[str, Callable[[float, float], float]] = {
     "max": max,
     "noisy-or": lambda a, b: 1.0 - (1.0 - a) * (1.0 - b),
 }
-
-
-@dataclass(frozen=True)
-class Source:
-    """A drafter the composite asks, and its cost class (see the module docstring)."""
-
-    drafter: Drafter
-    cost: CostClass = "free"
-
-    def __post_init__(self) -> None:
-        if self.cost not in COST_CLASSES:
-            raise UserError(f"a source's cost class is one of {COST_CLASSES}, got {self.cost!r}")
 
 
 # --- Pure functions: scores, merging, selection, translation ------------------------------------
@@ -231,6 +231,8 @@ class CompositeDrafter(Drafter):
         budget: int | None = None,
         fallback_below: float = 1.0,
         combine: str = "max",
+        final_layer: int | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self.sources = [s if isinstance(s, Source) else Source(s) for s in sources]
         if not self.sources:
@@ -244,12 +246,20 @@ class CompositeDrafter(Drafter):
             raise UserError(f"fallback_below must be >= 0 expected tokens, got {fallback_below}")
         self.curve, self.tree, self.budget = curve, tree, budget
         self.fallback_below, self.combine = fallback_below, combine
-        self.needs = Needs(logits=any(s.drafter.needs.logits for s in self.sources))
+        self.hidden, self._blocks = hidden_request([s.drafter.needs.hidden for s in self.sources], final_layer)
+        self.needs = Needs(logits=any(s.drafter.needs.logits for s in self.sources), hidden=self.hidden)
+        self.clock = clock
+        self.payoff = Payoff(len(self.sources))  # per request
+        self._costs = [0.0] * len(self.sources)  # this step's drafting, per source, in plain steps
         # What the composite learns describes its sources and the target, not one request: kept across.
         self._acceptance = [RunningAcceptance() for _ in self.sources]  # per source
         self._proposals: list[Draft | None] = []  # this step's, per source (None: not asked)
         self._merged: Merged | None = None
         self._submitted: dict[int, int] = {}  # merged node -> its index in the submitted draft
+
+    def memory_bytes(self) -> int:
+        """What its sources hold (a server keeps one composite per owner where a source remembers)."""
+        return sum(source.drafter.memory_bytes() for source in self.sources)
 
     def rate(self, source: int) -> float:
         """Running per-token acceptance of a source's proposals (prior 2/3), for drafts without scores."""
@@ -258,6 +268,7 @@ class CompositeDrafter(Drafter):
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         for source in self.sources:
             source.drafter.begin(list(prompt_ids), forget)
+        self.payoff.begin()
         self._proposals, self._merged, self._submitted = [], None, {}
 
     def _merge(self, depth: int) -> Merged:
@@ -280,12 +291,18 @@ class CompositeDrafter(Drafter):
         self._proposals, self._merged, self._submitted = [], None, {}
         if max_tokens <= 0:
             return Draft.empty()
-        # 1. Ask the sources in order; an expensive one only while the others promise too little.
-        for source in self.sources:
-            if source.cost == "expensive" and self.promised(self._merge(max_tokens)) >= self.fallback_below:
+        # 1. Ask the sources in order, but those that have not paid on this request; an expensive one only
+        #    while the others promise too little. Each one's drafting is timed, in plain steps.
+        step = getattr(self.curve, "seconds", 0.0)
+        self._costs = [0.0] * len(self.sources)
+        for i, source in enumerate(self.sources):
+            if not self.payoff.asks(i) or (
+                    source.cost == "expensive" and self.promised(self._merge(max_tokens)) >= self.fallback_below):
                 self._proposals.append(None)
                 continue
+            start = self.clock()
             self._proposals.append(source.drafter.propose(context, max_tokens, params, generator))
+            self._costs[i] = (self.clock() - start) / step if step > 0 else 0.0
         # 2. Merge into one trie and keep the nodes that pay.
         merged = self._merged = self._merge(max_tokens)
         keep, scores = self._choose(merged)
@@ -323,6 +340,7 @@ class CompositeDrafter(Drafter):
         draft, verdict, stats = outcome.draft, outcome.verdict, outcome.stats
         # the engine's gate may have cut a chain: only the nodes it kept were verified
         self._submitted = {node: i for node, i in self._submitted.items() if i < len(draft)}
+        accepted: list[int | None] = []  # per source, what its proposal alone would have had accepted
         for i, source in enumerate(self.sources):
             proposal = self._proposals[i] if i < len(self._proposals) else None
             depth = None  # the longest path of its tree, if it drafted one
@@ -333,12 +351,19 @@ class CompositeDrafter(Drafter):
                 self._acceptance[i].record(own)
                 if own.num_drafted and proposal.parents is not None:
                     depth = int(structure.depths(proposal.parents).max())
+            accepted.append(None if proposal is None else own.num_accepted)
             own_stats = dataclasses.replace(stats, drafted=own.num_drafted, accepted=own.num_accepted,
                                             draft_depth=depth)
             seen, logits = proposal if proposal is not None else Draft.empty(), None
             if source.drafter.needs.logits and proposal is not None and outcome.logits is not None:
                 seen, logits = self._rows(i, proposal, draft, outcome.logits)
-            source.drafter.observe(Outcome(seen, own, own_stats, logits))
+            hidden, blocks = None, self._blocks[i]
+            if blocks is not None and outcome.hidden is not None:  # its columns, rows of the draft fed
+                hidden = columns(outcome.hidden, blocks, 1 if self.hidden is True else len(self.hidden or ()))
+            source.drafter.observe(Outcome(seen, own, own_stats, logits, hidden, outcome.num_pending,
+                                           fed_path=verdict.path if hidden is not None else None))
+        if self._proposals:  # a step the composite drafted (not one the engine played plain)
+            self.payoff.record(accepted, self._costs, verdict.num_accepted)
         self._proposals, self._merged, self._submitted = [], None, {}
 
 

@@ -225,7 +225,10 @@ class DraftModelTreeDrafter(Drafter):
         keep = prune(parents, scores, self.curve, budget)
         self.last_scores = scores[keep]  # [kept] the kept nodes' cumulative draft probabilities
         self._predicted = float(scores[keep].sum())
-        return Draft(tokens=torch.tensor(tree.tokens, device="cpu")[keep], parents=structure.select(parents, keep))
+        # the scores as acceptance estimates (a composite merges trees by them; the engine verifies a tree whole)
+        estimates = (self.last_scores * self._calibration.factor).clamp(max=1.0)
+        return Draft(tokens=torch.tensor(tree.tokens, device="cpu")[keep], parents=structure.select(parents, keep),
+                     scores=estimates)
 
     def observe(self, outcome: Outcome) -> None:
         if outcome.verdict.num_drafted:

@@ -39,7 +39,7 @@ from specdecode.models.cache import cache_keyword
 from specdecode.tree import structure
 from specdecode.errors import UserError
 from specdecode.tree.budget import Calibration
-from specdecode.types import Draft, SamplingParams, Verdict
+from specdecode.types import Draft, SamplingParams
 
 WEIGHTS, CONFIG = "eagle.safetensors", "eagle.json"
 
@@ -110,7 +110,7 @@ class State(Protocol):
 
     def reset(self, forget: bool = False) -> None: ...
     def memory_bytes(self) -> int: ...
-    def observe(self, hidden: torch.Tensor, num_pending: int, verdict: Verdict, /) -> None: ...
+    def observe(self, hidden: torch.Tensor, num_pending: int, path: tuple[int, ...], /) -> None: ...
     def run(self, features: torch.Tensor, tokens: list[int] | torch.Tensor, positions: torch.Tensor,
             mask: torch.Tensor | None = None, /) -> torch.Tensor: ...
     def crop(self) -> None: ...
@@ -147,10 +147,10 @@ class HeadState:
     def memory_bytes(self) -> int:
         return tensor_bytes(self.head, self.lm_head, self.features)
 
-    def observe(self, hidden: torch.Tensor, num_pending: int, verdict: Verdict) -> None:
+    def observe(self, hidden: torch.Tensor, num_pending: int, path: tuple[int, ...]) -> None:
         # the fed tokens: the pending context tokens, then the draft's nodes; the context gains the
-        # accepted nodes (their features are the target's now), the last verdict token has none yet
-        rows = list(range(num_pending)) + [num_pending + node for node in verdict.path]
+        # accepted nodes `path` (their features are the target's now), the last verdict token has none yet
+        rows = list(range(num_pending)) + [num_pending + node for node in path]
         self.features += list(hidden[to_device(rows, hidden.device)].to(self.dtype))  # [pending + accepted] rows
 
     def run(self, features: torch.Tensor, tokens: list[int] | torch.Tensor, positions: torch.Tensor,
@@ -250,7 +250,7 @@ class EagleDrafter(Drafter):
         return self.state.memory_bytes()
 
     def observe(self, outcome: Outcome) -> None:
-        self.state.observe(outcome.require_hidden(), outcome.num_pending, outcome.verdict)
+        self.state.observe(outcome.require_hidden(), outcome.num_pending, outcome.accepted_path)
         self._calibration.record_verdict(self._scores, outcome.verdict)
 
     @torch.inference_mode()
@@ -319,7 +319,7 @@ class EagleTreeDrafter(DraftModelTreeDrafter):
         return self.state.memory_bytes()
 
     def observe(self, outcome: Outcome) -> None:
-        self.state.observe(outcome.require_hidden(), outcome.num_pending, outcome.verdict)
+        self.state.observe(outcome.require_hidden(), outcome.num_pending, outcome.accepted_path)
         super().observe(outcome)
 
     @torch.inference_mode()

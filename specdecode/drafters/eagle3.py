@@ -81,8 +81,8 @@ class Eagle3State:
         return tensor_bytes(self.trained, self.head, self.lm_head, self.features, self.keys, self.values) + (
             self.adaptation.memory_bytes() if self.adaptation is not None else 0)
 
-    def observe(self, hidden: torch.Tensor, num_pending: int, verdict) -> None:
-        rows = list(range(num_pending)) + [num_pending + node for node in verdict.path]
+    def observe(self, hidden: torch.Tensor, num_pending: int, path: tuple[int, ...]) -> None:
+        rows = list(range(num_pending)) + [num_pending + node for node in path]
         self.features += list(hidden[to_device(rows, hidden.device)].to(self.dtype))  # [pending + accepted] rows
 
     def run(self, hidden: torch.Tensor, tokens: list[int] | torch.Tensor, positions: torch.Tensor,

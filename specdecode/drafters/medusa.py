@@ -146,18 +146,19 @@ class MedusaDrafter(Drafter):
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         self._feature: torch.Tensor | None = None  # the target's feature at the context's last-but-one token
         self._valid_for = -1  # the context length that feature belongs to
-        self._asked = 0  # the context length of the last proposal
+        self._length = len(prompt_ids)  # the context's length, followed from the verdicts
         self._scores = torch.empty(0, device="cpu")
         self._calibration.reset()
 
     def observe(self, outcome: Outcome) -> None:
         # the row whose logits gave the verdict's last token: the deepest accepted node, else the last
         # context token fed; the context then gains the accepted nodes and that token
-        verdict, pending = outcome.verdict, outcome.num_pending
-        row = pending + verdict.path[-1] if verdict.path else pending - 1
+        path, pending = outcome.accepted_path, outcome.num_pending
+        row = pending + path[-1] if path else pending - 1
         self._feature = outcome.require_hidden()[row].to(self.dtype)  # [d]
-        self._valid_for = self._asked + len(verdict.path) + 1
-        self._calibration.record_verdict(self._scores, verdict)
+        self._length += len(path) + 1
+        self._valid_for = self._length
+        self._calibration.record_verdict(self._scores, outcome.verdict)
 
     @torch.inference_mode()
     def distributions(self, feature: torch.Tensor, depth: int) -> torch.Tensor:
@@ -166,7 +167,6 @@ class MedusaDrafter(Drafter):
         return torch.softmax(self.lm_head(states).float(), dim=-1)
 
     def propose(self, context: list[int], max_tokens: int, params: SamplingParams, generator) -> Draft:
-        self._asked = len(context)
         if self._feature is None or self._valid_for != len(context) or max_tokens <= 0:
             return Draft.empty()
         probs = self.distributions(self._feature, min(self.heads.num_heads, max_tokens))
@@ -185,7 +185,7 @@ class MedusaDrafter(Drafter):
             return Draft.empty()
         self._scores = torch.tensor(node_scores[:n], device="cpu")
         return Draft(tokens=self.host_vocab_ids[torch.tensor(ids[:n], device="cpu")],
-                     parents=torch.tensor(parents[:n], device="cpu"))
+                     parents=torch.tensor(parents[:n], device="cpu"), scores=self._scores)
 
 
 def build_medusa(target, draft, options) -> Drafter:

@@ -187,15 +187,23 @@ def draft_dtype(dtype: torch.dtype | str, device: torch.device | None = None) ->
     return dtype
 
 
-def _fastest_dtype(folder: Path | str) -> torch.dtype | str:
-    """dtype="auto": the fastest path for this model's shape on this machine."""
+def _fastest_dtype(folder: Path | str, progress: bool) -> torch.dtype | str:
+    """dtype="auto": the fastest path for this model on this machine, from its own timed forwards (measured
+    once, `models.precision`)."""
     from transformers import AutoConfig
 
+    from specdecode.models.hf import HFCausalLM
     from specdecode.models.precision import fastest
 
     config = AutoConfig.from_pretrained(folder)
     intermediate = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
-    return _resolve_dtype(fastest(config.hidden_size, intermediate))
+
+    def load(path: str) -> HFCausalLM:
+        if progress:
+            console.print(f"Choosing the target's path on this machine (once): timing its {path} forwards")
+        return HFCausalLM(load_causal_lm(str(folder), dtype=path, progress=False)[0])
+
+    return _resolve_dtype(fastest(str(folder), config.hidden_size, intermediate, load))
 
 
 # --- Step 4: load (and quantize) ----------------------------------------------------------------------
@@ -246,7 +254,7 @@ def load_causal_lm(
     status = console.status(f"Loading {spec}") if progress else contextlib.nullcontext()
     with status, transformers_progress_bars(False), _hub_errors(spec, folder):  # a few seconds: a status line
         if dtype == AUTO:
-            dtype = _fastest_dtype(folder)
+            dtype = _fastest_dtype(folder, progress)
         tokenizer = AutoTokenizer.from_pretrained(folder)
         # the exact quantized paths (8 or 4 bits) are prepared once per local folder (`models.prepared`)
         bits = {INT8: 8 if exact_int8 else None, INT4: 4}.get(dtype) if isinstance(dtype, str) else None

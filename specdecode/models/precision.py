@@ -1,19 +1,27 @@
-"""`dtype="auto"`: the target's fastest path on this machine, chosen by measurement.
+"""`dtype="auto"`: the target's fastest path on this machine, chosen by timing whole forwards.
 
 CPUs of the same kind differ: with AVX-512 bf16 units a bfloat16 product is several times faster than
 float32 and nearly as cheap for 8 rows as for one; with AVX2 only, bfloat16 is emulated (its cost grows with
-the rows) and fbgemm's int8 product is the fastest (timings of one product of the 1.5B's MLP shape:
-docs/results/cost-curves.md). So each
-candidate path times one product of the model's MLP shape, for 1 row (plain decoding) and 8 rows (a
-speculative step), and the cheapest per generated token wins: min(t1, t8 / 3), as if an 8-token
-verification yielded three tokens; a quantized path (int8, or int4 where its AVX2 kernel runs), which
-is not the float model, only when it is QUANTIZED_MARGIN times cheaper than the best float path. Measured
-once per machine and shape, cached beside the cost curves.
+the rows), and which quantized path wins depends on more than one matrix product: the attention, the norms,
+the LM head and the work around each layer's kernels are part of every step, and one MLP-shaped product can
+rank int8 first where the whole int4 model decodes faster.
+
+So the choice is made in two rounds. First each candidate path times one product of the model's MLP shape
+(`measure_paths`, cheap: no model loaded), which only prunes the float paths more than `WHOLE_WITHIN` times
+dearer per token than the best (on a CPU without bf16 units, bfloat16 and float32; they would also take the
+most memory to load); the quantized paths are always timed whole. Then the model itself is loaded on each remaining path in turn and its own decoder's
+one-token and eight-token forwards after a context are timed (`time_forwards`); the cheapest per generated
+token wins (`decide`): min(t1, t8 / 3), as if an 8-token verification yielded three tokens, a quantized path
+(int8, or int4 where its AVX2 kernel runs), which is not the float model, only when it is QUANTIZED_MARGIN
+times cheaper than the best float path timed. The whole choice is measured once per machine and model and
+cached beside the cost curves (the quantized paths timed are prepared on disk then, `models.prepared`, so
+the chosen one loads at once), so a second start reads it.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import time
 from collections.abc import Callable, Hashable, Mapping
@@ -21,7 +29,7 @@ from typing import TypeVar
 
 import torch
 
-from specdecode.models import int4
+from specdecode.models import dtype_choice, int4
 from specdecode.models.int8 import InvariantInt8Linear
 
 TOKENS_PER_WIDE_STEP = 3  # what an 8-token verification is taken to yield
@@ -84,20 +92,68 @@ def per_token(seconds: tuple[float, float]) -> float:
     return min(one, eight / TOKENS_PER_WIDE_STEP)
 
 
-def fastest(hidden: int, intermediate: int) -> str:
-    """The cheapest path for a model of this shape on this machine (measured once, then cached)."""
-    from specdecode.models import costs
+FLOATS, QUANTIZED = ("bfloat16", "float32"), ("int8", "int4")
+WHOLE_WITHIN = 2.0  # a path whose product costs more than this many times the best per token is not timed whole
 
-    path = costs.cache_root() / f"precision2-{costs.machine_digest()}-{hidden}x{intermediate}.json"  # 2: int4
-    if path.exists():
-        measured = {name: tuple(times) for name, times in json.loads(path.read_text()).items()}
-    else:
-        measured = measure_paths(hidden, intermediate)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(measured))
-    best_float = min(("bfloat16", "float32"), key=lambda name: per_token(measured[name]))
-    best_quantized = min((name for name in ("int8", "int4") if name in measured),
-                         key=lambda name: per_token(measured[name]))
+
+def decide(measured: Mapping[str, tuple[float, float]]) -> str:
+    """The path to take given each candidate's (one-token, eight-token) seconds (see the module docstring)."""
+    floats = [name for name in FLOATS if name in measured]
+    quantized = [name for name in QUANTIZED if name in measured]
+    if not floats or not quantized:
+        return min(floats or quantized, key=lambda name: per_token(measured[name]))
+    best_float = min(floats, key=lambda name: per_token(measured[name]))
+    best_quantized = min(quantized, key=lambda name: per_token(measured[name]))
     if per_token(measured[best_quantized]) * QUANTIZED_MARGIN <= per_token(measured[best_float]):
         return best_quantized
     return best_float
+
+
+def candidates(products: Mapping[str, tuple[float, float]]) -> list[str]:
+    """The paths worth timing whole: every quantized one (the fewest bytes to load, and the ones a product
+    misranks most), and the float ones whose product costs at most WHOLE_WITHIN times the best per token."""
+    best = min(per_token(times) for times in products.values())
+    return [name for name, times in products.items()
+            if name in QUANTIZED or per_token(times) <= WHOLE_WITHIN * best]
+
+
+def time_forwards(model, context: int = 64, repeats: int = 5) -> tuple[float, float]:
+    """Median seconds of a `CausalLM`'s forward over one and over eight new tokens after `context` tokens,
+    timed in turn, the cache cropped back after each."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.vocab_size if hasattr(model, "vocab_size") else 1000
+    tokens = torch.randint(0, min(vocab, 1000), (context + 8,), generator=generator)
+    model.reset()
+    model.forward(tokens[:context], num_logits=1)
+
+    def forward(n: int) -> None:
+        model.forward(tokens[context : context + n], num_logits=n)
+        model.crop(context)
+
+    seconds = _time_interleaved({1: functools.partial(forward, 1), 8: functools.partial(forward, 8)}, repeats)
+    model.reset()
+    return seconds[1], seconds[8]
+
+
+def fastest(model_key: str, hidden: int, intermediate: int, load: Callable[[str], object]) -> str:
+    """The cheapest path for a model on this machine: `load(path)` gives it as a `CausalLM` on a path, loaded
+    only for the paths the product timing leaves (see the module docstring); measured once, then cached under
+    `model_key` (what names the model: its folder)."""
+    from specdecode.models import costs
+
+    name = hashlib.sha256(f"{model_key}|{hidden}x{intermediate}".encode()).hexdigest()[:16]
+    path = costs.cache_root() / f"precision3-{costs.machine_digest()}-{name}.json"  # 3: whole forwards
+    if path.exists():
+        return json.loads(path.read_text())["choice"]
+    products = measure_paths(hidden, intermediate)
+    whole: dict[str, tuple[float, float]] = {}
+    for candidate in candidates(products):
+        model = load(candidate)
+        with torch.inference_mode():
+            whole[candidate] = time_forwards(model)
+        del model  # one path's weights in memory at a time
+    choice = decide(whole)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"choice": choice, "forwards": whole, "products": products}))
+    dtype_choice.remember(model_key, choice)
+    return choice

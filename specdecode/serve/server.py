@@ -62,7 +62,7 @@ class Server:
     """The models, the methods offered and their preparation, the engines (`serve.engines`), the worker and
     the metrics."""
 
-    def __init__(self, models: Models, model_name: str, default_method: str | MethodChoice = "pld",
+    def __init__(self, models: Models, model_name: str, default_method: str | MethodChoice = "auto",
                  datastore: str | None = None, head: str | None = None, max_batch: int = DEFAULT_MAX_BATCH,
                  limits: Limits = Limits(),
                  methods: Sequence[str | MethodChoice] | None = None, prepare: Sequence[str] | None = None,
@@ -101,7 +101,7 @@ class Server:
         self.metrics.waiting.set_function(lambda: self.worker.queued)
         # What the methods share, measured once per machine while the models are idle: the cost curves.
         models.target.cost_curve()
-        if models.draft is not None and any(c.method.needs_draft_model for c in self.offer.choices):
+        if models.draft is not None and any(c.method.loads_draft_model for c in self.offer.choices):
             models.draft.cost_curve()
         for choice in [self.offer.get(name) for name in first]:
             if choice is not None:  # (every one is: checked above)

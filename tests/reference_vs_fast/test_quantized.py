@@ -294,21 +294,59 @@ def test_every_drafter_on_a_quantized_target_equals_its_plain_decoding(kind, qua
     assert drafted > 0
 
 
-def test_auto_takes_a_quantized_path_only_where_it_is_clearly_cheaper(monkeypatch, tmp_path):
-    from specdecode.models import costs, precision
+def test_auto_takes_a_quantized_path_only_where_it_is_clearly_cheaper():
+    from specdecode.models import precision
+
+    whole = {  # (one-token, eight-token) seconds of whole forwards per path
+        "avx2": {"int8": (0.40, 0.70)},
+        "avx2-int4": {"int8": (0.14, 0.20), "int4": (0.10, 0.17)},
+        "avx512-bf16": {"bfloat16": (0.30, 0.40), "float32": (0.9, 1.2), "int8": (0.25, 0.35), "int4": (0.2, 0.5)},
+        "floats only": {"bfloat16": (0.30, 0.40), "float32": (0.9, 1.2)},
+    }
+    for machine, expected in (("avx2", "int8"), ("avx2-int4", "int4"), ("avx512-bf16", "bfloat16"),
+                              ("floats only", "bfloat16")):
+        assert precision.decide(whole[machine]) == expected, machine
+
+
+def test_auto_decides_from_whole_forwards_not_one_product(monkeypatch, tmp_path):
+    """The AVX2 case: one MLP-shaped product ranks int8 first, the whole int4 model decodes faster: int4. The
+    product timing only prunes the float paths (far dearer there), which are never loaded; the choice is cached
+    per machine and model, so a second start loads nothing to decide."""
+    from specdecode.models import costs, dtype_choice, precision
 
     monkeypatch.setattr(costs, "cache_root", lambda: tmp_path)
-    timings = {  # (1 row, 8 rows) seconds per path
-        "avx2": {"bfloat16": (0.78, 6.9), "float32": (3.4, 6.7), "int8": (0.40, 0.70)},
-        "avx2-int4": {"bfloat16": (0.78, 6.9), "float32": (3.4, 6.7), "int8": (0.40, 0.70), "int4": (0.25, 0.60)},
-        "avx512-bf16": {"bfloat16": (0.30, 0.40), "float32": (0.9, 1.2), "int8": (0.25, 0.35), "int4": (0.2, 0.5)},
-    }
-    for machine, expected in (("avx2", "int8"), ("avx2-int4", "int4"), ("avx512-bf16", "bfloat16")):
-        monkeypatch.setattr(precision, "measure_paths", lambda hidden, intermediate, t=timings[machine]: t)
-        monkeypatch.setattr(costs, "machine_digest", lambda m=machine: m)
-        assert precision.fastest(64, 128) == expected
-    monkeypatch.setattr(precision, "measure_paths", lambda *args: pytest.fail("measured twice"))
-    assert precision.fastest(64, 128) == "bfloat16"  # cached per machine and shape
+    monkeypatch.setattr(costs, "machine_digest", lambda: "avx2")
+    monkeypatch.setattr(dtype_choice, "cache_dir", lambda: tmp_path)
+    products = {"bfloat16": (0.78, 6.9), "float32": (3.4, 6.7), "int8": (0.25, 0.40), "int4": (0.30, 0.60)}
+    whole = {"int8": (0.14, 0.20), "int4": (0.10, 0.17)}
+    assert precision.candidates(products) == ["int8", "int4"]
+    # where bf16 units make an eight-row product cheap, the quantized paths are still timed whole
+    amx = {"bfloat16": (0.008, 0.008), "float32": (0.009, 0.018), "int8": (0.008, 0.032), "int4": (0.008, 0.016)}
+    assert precision.candidates(amx) == ["bfloat16", "int8", "int4"]
+    assert precision.decide(products) == "int8"  # what one product would have taken
+    monkeypatch.setattr(precision, "measure_paths", lambda hidden, intermediate: products)
+    monkeypatch.setattr(precision, "time_forwards", lambda model: whole[model])
+    loaded: list[str] = []
+
+    def load(path: str) -> str:
+        loaded.append(path)
+        return path  # (the fake timing reads the path back)
+
+    assert precision.fastest("models/tiny", 64, 128, load) == "int4"
+    assert loaded == ["int8", "int4"]
+    assert precision.fastest("models/tiny", 64, 128, load) == "int4" and loaded == ["int8", "int4"]  # cached
+    assert dtype_choice.cached_choice("tiny") == "int4"  # what `specdecode methods` reads
+    monkeypatch.setattr(costs, "machine_digest", lambda: "another")
+    assert precision.fastest("models/tiny", 64, 128, load) == "int4" and len(loaded) == 4  # another machine
+
+
+def test_whole_forwards_are_timed_on_the_model(tiny_target):
+    from specdecode.models import precision
+    from specdecode.models.hf import HFCausalLM
+
+    model = HFCausalLM(tiny_target)
+    one, eight = precision.time_forwards(model, context=8, repeats=2)
+    assert one > 0 and eight > 0 and model.cache_length == 0
 
 
 def test_the_paths_are_timed_on_the_same_product():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_medusa_heads, tiny_qwen2
+from conftest import random_eagle3_head, random_medusa_heads, tiny_qwen2
 import fakes
 from fakes import FakeLM, IndependentTreeDrafter, TopKTreeDrafter
 from goodness_of_fit import (
@@ -17,8 +17,10 @@ from specdecode.drafters.composite import CompositeDrafter, Source
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
 from specdecode.drafters.eagle import EagleHead, EagleTreeDrafter, head_config
+from specdecode.drafters.eagle3 import Eagle3TreeDrafter
 from specdecode.drafters.medusa import MedusaDrafter
-from specdecode.drafters.prompt_lookup import PromptLookupTreeDrafter
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
+from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.models.costs import CostCurve
 from specdecode.models.hf import HFCausalLM
@@ -94,9 +96,11 @@ def test_tree_probs_need_independently_drawn_nodes(one_thread):
 REAL_VOCAB, REAL_RUNS = 3, 1200
 
 
-@pytest.mark.parametrize("kind", ["eagle-tree", "medusa-tree"])
+@pytest.mark.parametrize("kind", ["eagle-tree", "medusa-tree", "auto"])
 def test_sampled_output_of_trained_heads_follows_target_distribution(kind, one_thread):
-    target_model = tiny_qwen2(seed=21, layers=2, hidden=32, vocab=REAL_VOCAB)
+    """`auto`: the composite `auto` builds where heads ship (prompt lookup, the suffix cache, Medusa's and
+    EAGLE-3's trees), its sources as `drafters.auto` gives them."""
+    target_model = tiny_qwen2(seed=21, layers=3 if kind == "auto" else 2, hidden=32, vocab=REAL_VOCAB)
     with torch.no_grad():  # flatten the distributions so every pair has mass
         target_model.lm_head.weight.mul_(0.15)
     prompt = [1, 0, 2, 1, 0, 2, 2, 0, 2]
@@ -107,6 +111,12 @@ def test_sampled_output_of_trained_heads_follows_target_distribution(kind, one_t
             FREE, draft_cost=1e-3, top_k=2, width=2, max_depth=2),
         "medusa-tree": lambda: MedusaDrafter(random_medusa_heads(target_model), target_model, FREE,
                                              tree=True, top_k=2, max_nodes=6, draft_cost=1e-3),
+        "auto": lambda: CompositeDrafter([
+            PromptLookupDrafter(), SuffixDrafter(FREE, tree=True),
+            MedusaDrafter(random_medusa_heads(target_model), target_model, FREE, tree=True, top_k=2, max_nodes=6,
+                          draft_cost=1e-3),
+            Eagle3TreeDrafter(random_eagle3_head(target_model), target_model, FREE, draft_cost=1e-3, top_k=2,
+                              width=2, max_depth=2)], FREE, final_layer=3),
     }[kind]()
     engine = SpeculativeEngine(HFCausalLM(target_model), drafter=drafter)
     engine.curve = FREE  # nothing timed

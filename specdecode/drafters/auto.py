@@ -1,0 +1,99 @@
+"""`auto`: the composite that fits the loaded models, the default method.
+
+No method wins everywhere: copying (prompt lookup, the suffix cache) wins where the answer repeats the
+prompt or earlier answers and gives almost nothing elsewhere, where the cheap trained heads (Medusa,
+EAGLE-3) are the ones that pay. `auto` asks them all in one composite (`drafters.composite`), cheapest
+first, their proposals merged into one token tree sized on the target's cost curve:
+
+1. prompt lookup (with the `--reference` document), 2. the suffix cache of this and earlier requests,
+3. retrieval, only from a datastore given (`--datastore`), 4. the trained heads there are for the target
+(`heads_for`: the shipped Medusa and EAGLE-3 heads, or a head given with `--head`, which replaces the
+shipped one of its kind), on the torch backend (they read the target's hidden states), 5. the draft
+model, where one is loaded, as the expensive fallback asked only while the others promise less than one
+accepted token.
+
+Each source is asked only while it pays on the request (`drafters.source_payoff`), and the engine's gate and
+step-aside switch keep a step plain where speculation does not pay at all. Lossless like every part: the
+merged tree is verified exactly (greedy match, or speculative sampling over fixed nodes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from specdecode.drafters.base import Drafter
+from specdecode.drafters.composite import CompositeDrafter
+from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters import heads
+from specdecode.drafters.options import DrafterOptions
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+from specdecode.drafters.sources import Source
+from specdecode.drafters.suffix import SuffixDrafter
+
+if TYPE_CHECKING:
+    from specdecode.models.base import CausalLM
+
+HEAD_KINDS = ("medusa", "eagle3", "eagle")  # the heads auto drafts with, in the order asked (cheapest first)
+
+
+def heads_for(target: CausalLM, head: str | None = None) -> list[tuple[str, Path | None]]:
+    """The trained heads auto drafts with on this target: (kind, the folder given, or None: the shipped one),
+    for every kind there is a head of; none off the torch backend (no hidden states there)."""
+    model = getattr(target, "model", None)
+    if model is None:
+        return []
+    given = heads.kind_of(head) if head is not None else None
+    found: list[tuple[str, Path | None]] = []
+    for kind in HEAD_KINDS:
+        if kind == given:
+            found.append((kind, Path(str(head)).expanduser()))
+        elif kind != "eagle" and (heads.shipped_head(model, kind) / heads.RECORDS[kind]).is_file():
+            found.append((kind, None))  # EAGLE-3 supersedes the first EAGLE: that one only when given
+    return found
+
+
+def head_drafter(target: CausalLM, kind: str, folder: Path | None, options: DrafterOptions) -> Drafter:
+    """A head's tree drafter, as its own method builds it."""
+    from specdecode.drafters.eagle import build_eagle
+    from specdecode.drafters.eagle3 import build_eagle3
+    from specdecode.drafters.medusa import build_medusa
+
+    build = {"medusa": build_medusa, "eagle3": build_eagle3, "eagle": build_eagle}[kind]
+    drafter = build(target, None, dataclasses.replace(options, tree=True, budget=None,
+                                                      head=None if folder is None else str(folder)))
+    assert drafter is not None
+    return drafter
+
+
+def auto_sources(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> list[Source]:
+    """What `auto` composes for these models, in the order asked (see the module docstring)."""
+    curve = target.cost_curve()
+    sources = [Source(PromptLookupDrafter(reference_ids=options.reference_ids)),
+               Source(SuffixDrafter(curve, tree=True))]
+    if options.datastore is not None:
+        from specdecode.drafters.retrieval import build_retrieval
+
+        sources.append(Source(build_retrieval(target, None, dataclasses.replace(options, tree=False, budget=None))))
+    sources += [Source(head_drafter(target, kind, folder, options)) for kind, folder in heads_for(target, options.head)]
+    if draft is not None:  # (one with the target's tokenizer: `api.Models.drafter_for`)
+        sources.append(Source(DraftModelDrafter.for_models(draft, target), "expensive"))
+    return sources
+
+
+def build_auto(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
+    """The `auto` method: `auto_sources` merged into one tree sized on the target's cost curve."""
+    model = getattr(target, "model", None)
+    final_layer = None if model is None else model.config.num_hidden_layers  # the final-norm state's index
+    drafter = CompositeDrafter(auto_sources(target, draft, options), target.cost_curve(), tree=True,
+                               final_layer=final_layer)
+    drafter.name = "auto"
+    return drafter
+
+
+def describe(sources: list[Source]) -> str:
+    """What an `auto` drafter is made of, in words: "pld, suffix, medusa-tree, eagle3-tree; draft (fallback)"."""
+    free = [s.drafter.name for s in sources if s.cost == "free"]
+    expensive = [s.drafter.name for s in sources if s.cost == "expensive"]
+    return ", ".join(free) + "".join(f"; {name} (fallback)" for name in expensive)
