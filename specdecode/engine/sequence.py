@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specdecode import devices, metrics
+from specdecode.constraints import Constraint, Matcher, masked_logits
 from specdecode.drafters.base import Drafter, Outcome
 from specdecode.engine.stopping import TextTracker
 from specdecode.errors import UserError
@@ -30,6 +31,8 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()  # stop strings; the output text ends right before the first one
     seed: int | None = None  # seeds the one torch.Generator every random choice goes through
     ignore_eos: bool = False
+    # the language the output must belong to (`specdecode.constraints`); the sequence ends once it is complete
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
@@ -56,7 +59,9 @@ class GenerationResult:
     text: str
     steps: list[StepStats]
     seconds: float
-    finish_reason: str  # "eos", "length" (max_new_tokens or the context is full) or "stop" (a stop string)
+    # "eos" (an end-of-sequence token, or the constraint complete), "length" (max_new_tokens or the context is
+    # full) or "stop" (a stop string)
+    finish_reason: str
     method: str
     # Tree nodes verified per step: a fixed number, "auto" (chosen each step from the cost curve),
     # "whole" (a fixed shape verified whole); None for chains.
@@ -202,6 +207,9 @@ class SequenceState:
         self.output: list[int] = []
         self.steps: list[StepStats] = []
         self.finish_reason = "length"  # until EOS or a stop string
+        # the grammar state after the context (None: unconstrained)
+        self.matcher = None if config.constraint is None else Matcher(
+            config.constraint, tokenizer, target.vocab_size, target.eos_token_ids)
         self.start = time.perf_counter()
 
     def room(self) -> int:
@@ -222,6 +230,10 @@ class SequenceState:
             del new[hit_eos + 1 :], origins[hit_eos + 1 :]
             self.finish_reason = "eos"
         previous = len(self.output)
+        if self.matcher is not None:
+            self.matcher.consume(new)
+            if self.matcher.complete and self.finish_reason == "length":  # nothing may follow
+                self.finish_reason = "eos"
         self.output.extend(new)
         self.context.extend(new)
         text, keep = self.tracker.update(self.output, previous)
@@ -283,10 +295,24 @@ def draft_inputs(draft: Draft, num_pending: int, context_length: int) -> tuple[t
     return tree.chain_inputs(num_pending + len(draft), num_pending, context_length)
 
 
-def verify_draft(verifier, draft: Draft, logits: torch.Tensor, params: SamplingParams, generator) -> Verdict:
+def legal_draft(draft: Draft, matcher: Matcher | None, params: SamplingParams) -> Draft:
+    """The draft cut at what the sequence's constraint forbids (`Matcher.legal_draft`), before the target
+    sees it; as it is when unconstrained."""
+    if matcher is None:
+        return draft
+    return matcher.legal_draft(draft, sampled=not params.greedy and draft.probs is not None)
+
+
+def verify_draft(verifier, draft: Draft, logits: torch.Tensor, params: SamplingParams, generator,
+                 matcher: Matcher | None = None) -> Verdict:
     """Accept the longest admissible prefix (or tree path) of a sequence's draft and add the correction or
-    bonus token, with the method's verifier. logits: [len(draft) + 1 (+ aux), vocab], the sequence's rows."""
-    return verifier(logits[: len(draft) + 1], draft, params, generator)  # [draft_len + 1, vocab]
+    bonus token, with the method's verifier. logits: [len(draft) + 1 (+ aux), vocab], the sequence's rows.
+    The one place the target's distributions at the drafted positions are formed: under a constraint
+    (`matcher`), each row is masked by the grammar state after its prefix (`Matcher.draft_masks`)."""
+    rows = logits[: len(draft) + 1]  # [draft_len + 1, vocab]
+    if matcher is not None:
+        rows = masked_logits(rows, matcher.draft_masks(draft))
+    return verifier(rows, draft, params, generator)
 
 
 def after_prefill(step: VerifiedStep, prefilled: int, pieces: list[torch.Tensor]) -> VerifiedStep:
