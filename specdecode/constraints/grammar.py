@@ -112,5 +112,8 @@ def engine_tokenizer(tokenizer, vocab_size: int, eos_ids: frozenset[int]) -> llg
     per_tokenizer = _TOKENIZERS.setdefault(tokenizer, {})
     if key not in per_tokenizer:
         eos = sorted(eos_ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()))
-        per_tokenizer[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos or None)
+        try:
+            per_tokenizer[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos or None)
+        except ValueError as error:
+            raise UserError(f"the grammar engine cannot read this tokenizer: {error}") from None
     return per_tokenizer[key]

@@ -63,10 +63,15 @@ class Matcher:
         """The tokens the grammar forces next, canonically tokenized (empty where it leaves a choice)."""
         return [] if self.complete else list(self._engine.compute_ff_tokens())
 
-    def consume(self, tokens: list[int]) -> None:
-        """Advance along accepted tokens (each one allowed: verification masked the rest)."""
-        if tokens and not self._engine.consume_tokens(tokens):
-            raise RuntimeError(f"a token the grammar forbids was accepted: {self._engine.get_error()}")
+    def consume(self, tokens: list[int]) -> int:
+        """Advance along accepted tokens (each one allowed: verification masked the rest), up to where the
+        output is complete; returns how many it took."""
+        for taken, token in enumerate(tokens):
+            if self.complete:
+                return taken
+            if not self._engine.consume_token(token):
+                raise RuntimeError(f"a token the grammar forbids was accepted: {self._engine.get_error()}")
+        return len(tokens)
 
     def legal_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens`, in order from the current state, the grammar allows."""

@@ -44,7 +44,6 @@ from specdecode import devices
 from specdecode.drafters.base import Drafter
 from specdecode.engine.sequence import (
     GenerationConfig, GenerationResult, SequenceState, StepEvent, VerifiedStep, check_prompt, conclude, draft_inputs,
-    legal_draft, verify_draft,
 )
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
@@ -181,9 +180,8 @@ class BatchEngine:
         for m, steps in zip(members, stepping):
             start = time.perf_counter()
             room = m.progress.room() - 1  # the step adds a token beyond its accepted drafts
-            draft = (m.drafter.propose(m.progress.context, room, m.progress.config.sampling, m.progress.generator)
-                     if m.drafter is not None and room > 0 and steps else Draft.empty())
-            drafts.append(legal_draft(draft, m.progress.matcher, m.progress.config.sampling))
+            drafts.append(m.progress.legal(m.drafter.propose(m.progress.context, room, m.progress.config.sampling,
+                          m.progress.generator)) if m.drafter is not None and room > 0 and steps else Draft.empty())
             draft_seconds.append(time.perf_counter() - start)
         if self.gate:
             drafts = cut_batch(drafts, self.curve, sum(len(p) for p in pending))
@@ -228,8 +226,7 @@ class BatchEngine:
                 continue
             mine = logits[row : row + len(draft) + 1]  # [len(draft) + 1, vocab]
             row += len(draft) + 1
-            verdict = verify_draft(m.verifier, draft, mine, m.progress.config.sampling, m.progress.generator,
-                                   m.progress.matcher)
+            verdict = m.progress.verify(m.verifier, draft, mine)  # masked by its constraint, if any
             m.slots += list(range(first, first + len(p))) + [first + len(p) + node for node in verdict.path]
             # 4. The sequence's tokens appended; its drafter learns how its draft fared.
             event = conclude(m.progress, m.drafter, VerifiedStep(draft, verdict, mine, len(p), spent, forward_seconds))

@@ -229,11 +229,11 @@ class SequenceState:
         if hit_eos is not None:
             del new[hit_eos + 1 :], origins[hit_eos + 1 :]
             self.finish_reason = "eos"
-        previous = len(self.output)
-        if self.matcher is not None:
-            self.matcher.consume(new)
-            if self.matcher.complete and self.finish_reason == "length":  # nothing may follow
+        if self.matcher is not None:  # up to where the constraint is complete: nothing may follow
+            del new[self.matcher.consume(new) :], origins[len(new) :]
+            if self.matcher.complete and self.finish_reason == "length":
                 self.finish_reason = "eos"
+        previous = len(self.output)
         self.output.extend(new)
         self.context.extend(new)
         text, keep = self.tracker.update(self.output, previous)
@@ -255,6 +255,14 @@ class SequenceState:
         self.steps.append(stats)
         return StepEvent(token_ids=new[:kept], origins=origins[:kept], text=text, stats=stats,
                          rejected_ids=list(verdict.rejected))
+
+    def legal(self, draft: Draft) -> Draft:
+        """The draft cut at what the constraint forbids (`legal_draft`)."""
+        return legal_draft(draft, self.matcher, self.config.sampling)
+
+    def verify(self, verifier, draft: Draft, logits: torch.Tensor) -> Verdict:
+        """`verify_draft` with this sequence's sampling, generator and constraint."""
+        return verify_draft(verifier, draft, logits, self.config.sampling, self.generator, self.matcher)
 
     def tail(self) -> StepEvent | None:
         """Once done: the text held back so far (an incomplete character), if any."""
