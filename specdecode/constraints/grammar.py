@@ -17,6 +17,7 @@ UserErrors carrying the engine's own message.
 from __future__ import annotations
 
 import json
+import re
 import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -95,8 +96,9 @@ def describe(kind: Kind) -> str:
 
 
 def one_line(message: str) -> str:
-    """The engine's message on one line (a regex error comes with a caret drawing)."""
-    return " ".join(line.strip() for line in message.strip().splitlines() if line.strip())
+    """The engine's message on one line, without the source lines and carets it draws under them."""
+    drawing = re.compile(r"^\s*(\^+|\d+ \|.*)\s*$")
+    return " ".join(line.strip() for line in message.strip().splitlines() if line.strip() and not drawing.match(line))
 
 
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
