@@ -121,7 +121,7 @@ class Matcher:
             common = 0
             while common < min(len(walked), len(path) - 1) and walked[common] == path[common]:
                 common += 1
-            self._rollback(len(walked) - common)
+            self.rollback(len(walked) - common)
             del walked[common:]
             rest = [tokens[n] for n in path[common:]]
             if self.legal_prefix(rest) < len(rest):
@@ -129,10 +129,11 @@ class Matcher:
             self._engine.consume_tokens(rest)
             walked.extend(path[common:])
             self.fill(bitmask, node + 1)  # (once complete: the end alone)
-        self._rollback(len(walked))
+        self.rollback(len(walked))
         return bitmask
 
-    def _rollback(self, count: int) -> None:
+    def rollback(self, count: int) -> None:
+        """Undo the last `count` tokens consumed."""
         if count:
             self._engine.rollback(count)
 

@@ -13,12 +13,13 @@ from specdecode.drafters.base import Drafter
 from specdecode.engine.payoff import StepAside
 from specdecode.engine.sequence import (
     GenerationConfig, GenerationResult, Prefilled, SequenceState, StepEvent, Stream, VerifiedStep, after_prefill,
-    check_prompt, conclude, draft_inputs, legal_draft, prefill, verify_draft,
+    check_prompt, conclude, draft_inputs, prefill, verify_draft,
 )
+from specdecode.engine import forced
 from specdecode.constraints import Matcher
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import MIN_CHUNK, CostCurve, LiveCurve, prefill_chunk
-from specdecode.types import AuxiliaryTokens, Draft, SamplingParams
+from specdecode.types import AuxiliaryTokens, SamplingParams
 from specdecode.tree.budget import cut_chain
 from specdecode.verify.tree import verify
 
@@ -122,8 +123,8 @@ class SpeculativeEngine:
         start = self.clock()
         pending = context[self.target.cache_length :]
         drafter = self.drafter if room > 0 and speculate else None  # None: a plain step
-        draft = drafter.propose(context, room, params, generator) if drafter is not None else Draft.empty()
-        draft = legal_draft(draft, matcher, params)  # what the grammar forbids never reaches the target
+        # (under a constraint: the grammar's forced run first, and nothing it forbids: `engine.forced`)
+        draft = forced.propose(drafter, context, room, params, generator, matcher)
         if self.gate and draft.scores is not None:
             cut = cut_chain(draft, self.curve, pending=len(pending))
             # now and then one size wider than pays, to time it again (`LiveCurve.probe`)

@@ -14,6 +14,7 @@ import torch
 
 from specdecode import devices, metrics
 from specdecode.constraints import Constraint, Matcher, masked_logits
+from specdecode.engine import forced
 from specdecode.drafters.base import Drafter, Outcome
 from specdecode.engine.stopping import TextTracker
 from specdecode.errors import UserError
@@ -118,6 +119,7 @@ class GenerationResult:
             "tree_budget": self.tree_budget,
             "mean_draft_tokens": metrics.mean_drafted(self.steps),
             "stepped_aside": metrics.stepped_aside(self.steps),
+            "forced_share": metrics.forced_share(self.steps),
         }
 
 
@@ -251,14 +253,16 @@ class SequenceState:
             draft_depth=int(tree.depths(draft.parents).max()) if draft.parents is not None and len(draft) else None,
             auxiliary_tokens=len(draft.auxiliary) if draft.auxiliary is not None else 0,
             stepped_aside=stepped_aside,
+            forced=min(draft.forced, verdict.num_accepted, kept),
         )
         self.steps.append(stats)
         return StepEvent(token_ids=new[:kept], origins=origins[:kept], text=text, stats=stats,
                          rejected_ids=list(verdict.rejected))
 
-    def legal(self, draft: Draft) -> Draft:
-        """The draft cut at what the constraint forbids (`legal_draft`)."""
-        return legal_draft(draft, self.matcher, self.config.sampling)
+    def propose(self, drafter: Drafter | None, room: int) -> Draft:
+        """This sequence's draft of at most `room` tokens (`engine.forced.propose`: the grammar's forced run
+        first under a constraint, nothing it forbids)."""
+        return forced.propose(drafter, self.context, room, self.config.sampling, self.generator, self.matcher)
 
     def verify(self, verifier, draft: Draft, logits: torch.Tensor) -> Verdict:
         """`verify_draft` with this sequence's sampling, generator and constraint."""
@@ -301,14 +305,6 @@ def draft_inputs(draft: Draft, num_pending: int, context_length: int) -> tuple[t
     if draft.parents is not None:  # a tree
         return tree.verification_inputs(draft.parents, num_pending, context_length)
     return tree.chain_inputs(num_pending + len(draft), num_pending, context_length)
-
-
-def legal_draft(draft: Draft, matcher: Matcher | None, params: SamplingParams) -> Draft:
-    """The draft cut at what the sequence's constraint forbids (`Matcher.legal_draft`), before the target
-    sees it; as it is when unconstrained."""
-    if matcher is None:
-        return draft
-    return matcher.legal_draft(draft, sampled=not params.greedy and draft.probs is not None)
 
 
 def verify_draft(verifier, draft: Draft, logits: torch.Tensor, params: SamplingParams, generator,
