@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -57,8 +58,10 @@ class Tally:
         return metrics.tokens_per_second(self.tokens, self.seconds)
 
 
-def run(setup: Setup, tasks: list[Task], max_new_tokens: int, repeats: int) -> dict[tuple[str, str], Tally]:
-    """Every method on every task in both modes, the methods' order turning from task to task."""
+def run(setup: Setup, tasks: list[Task], max_new_tokens: int, repeats: int,
+        on_task: Callable[[dict[tuple[str, str], Tally]], None]) -> dict[tuple[str, str], Tally]:
+    """Every method on every task in both modes, the methods' order turning from task to task; `on_task` sees
+    the tallies after each task (a long run's report is saved as it goes)."""
     models, runners = setup.load()
     config = GenerationConfig(max_new_tokens=max_new_tokens)
     for runner in runners.values():  # warm up, the grammar engine's view of the tokenizer built once
@@ -78,7 +81,20 @@ def run(setup: Setup, tasks: list[Task], max_new_tokens: int, repeats: int) -> d
                     tallies[name, mode].add(record, task.constraint, references[mode])
                     print(f"  {name:<10} {mode:<11} {task.task_id:<18} {record.new_tokens:>4} tokens "
                           f"{record.seconds:6.1f} s {'ok' if record.ok else record.error}", flush=True)
+            on_task(tallies)
     return tallies
+
+
+def first_of_each_kind(tasks: list[Task], count: int | None) -> list[Task]:
+    """The first `count` tasks of each kind (the task id's first part), in order; all when None."""
+    seen: dict[str, int] = {}
+    kept = []
+    for task in tasks:
+        kind = task.task_id.split("/")[0]
+        seen[kind] = seen.get(kind, 0) + 1
+        if count is None or seen[kind] <= count:
+            kept.append(task)
+    return kept
 
 
 def report(tallies: dict[tuple[str, str], Tally], header: dict[str, str]) -> str:
@@ -102,7 +118,8 @@ def report(tallies: dict[tuple[str, str], Tally], header: dict[str, str]) -> str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", default="ar,suffix,pld,draft,composite")
-    parser.add_argument("--prompts", type=int, default=None, help="tasks (all 12 by default)")
+    parser.add_argument("--per-kind", type=int, default=None,
+                        help="the first N tasks of each kind (extraction, tool call, form); all 4 by default")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--target", default=DEFAULT_TARGET)
@@ -113,14 +130,13 @@ def main() -> None:
     args = parser.parse_args()
     methods = [m for m in args.methods.split(",") if m]
     setup = Setup(methods=methods, target=args.target, drafter=args.drafter, dtype=args.dtype, threads=args.threads)
-    tasks = sample_tasks(["structured"], args.prompts)
+    tasks = first_of_each_kind(sample_tasks(["structured"], None), args.per_kind)
     started = time.strftime("%Y-%m-%d")
-    tallies = run(setup, tasks, args.max_new_tokens, args.repeats)
     header = {"date": started, "CPU capability": torch.backends.cpu.get_cpu_capability(), "target": args.target,
               "dtype": args.dtype, "tasks": str(len(tasks)), "max new tokens": str(args.max_new_tokens),
               "repeats": str(args.repeats), "command": "python benchmarks/structured.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "out")}
-    save_report(report(tallies, header), args.out)
+    run(setup, tasks, args.max_new_tokens, args.repeats, lambda tallies: save_report(report(tallies, header), args.out))
 
 
 if __name__ == "__main__":

@@ -154,3 +154,12 @@ def test_a_lenient_schema_ignores_what_it_cannot_enforce(models):  # noqa: F811
     engine = SpeculativeEngine(models.target, models.tokenizer)
     result = constrained(engine, models.encode("the cat"), constraint)
     assert result.finish_reason == "eos" and len(json.loads(result.text)) <= 3
+
+
+def test_a_lossy_verifier_is_masked_too(models, plain_constrained, random_heads, monkeypatch):  # noqa: F811
+    """Typical acceptance (Medusa's, lossy) verifies the same masked rows: its output is in the language."""
+    monkeypatch.setattr(heads, "shipped_head", lambda model, kind: random_heads / kind)
+    engine = models.engine_for(choose("medusa-typical", only_if_taken=True))
+    for prompt, constraint, _ in plain_constrained:
+        result = constrained(engine, prompt, constraint)  # validated when complete
+        assert result.finish_reason == "eos"

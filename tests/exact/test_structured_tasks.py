@@ -42,12 +42,12 @@ def test_valid_checks_answers_without_the_grammar_engine(constraint, good, bad):
 class FakeModels:
     """What `run_task` asks of the models: a chat encoding and a decoder."""
 
-    class tokenizer:  # noqa: N801
+    class tokenizer:
         @staticmethod
         def decode(ids, skip_special_tokens=True):
             return "".join(chr(i) for i in ids)
 
-    class target:  # noqa: N801
+    class target:
         max_context = 1000
 
     @staticmethod
