@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from specdecode.api import Models, generate, load_models
+    from specdecode.constraints import Constraint
     from specdecode.engine import GenerationConfig, GenerationResult, SpeculativeEngine
     from specdecode.errors import UserError
     from specdecode.types import SamplingParams
 
 # each public name, by the module it comes from
 _PUBLIC = {
+    "Constraint": "specdecode.constraints",
     "GenerationConfig": "specdecode.engine",
     "GenerationResult": "specdecode.engine",
     "Models": "specdecode.api",
@@ -32,6 +34,7 @@ _PUBLIC = {
 }
 
 __all__ = [
+    "Constraint",
     "GenerationConfig",
     "GenerationResult",
     "Models",

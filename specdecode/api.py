@@ -19,6 +19,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdecode import devices
+from specdecode.constraints import Constraint
 from specdecode.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.drafters.base import Drafter
@@ -225,9 +226,12 @@ def generate(
     backend: str = "torch",
     device: torch.device | str | None = None,
     head: str | Path | None = None,
+    constraint: Constraint | None = None,
 ) -> GenerationResult:
     """Generate with one method; models loaded by name are kept for the next call. `device` as in
-    `load_models`; `head`: a trained head's folder for the head methods (`specdecode train KIND --out`)."""
+    `load_models`; `head`: a trained head's folder for the head methods (`specdecode train KIND --out`);
+    `constraint`: the language the output must belong to (`Constraint.json_schema(schema)`, `.json_object()`,
+    `.regex(pattern)`, `.grammar(lark)`), enforced losslessly under every method (docs/structured-output.md)."""
     choice = choose(method, tree=tree, budget=budget, head=head)  # before any model loads
     needs_draft = choice.method.loads_draft_model
     key = (id(target) if isinstance(target, PreTrainedModel) else target,
@@ -243,5 +247,6 @@ def generate(
         sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
         stop=tuple(stop),
         seed=seed,
+        constraint=constraint,
     )
     return models.engine_for(choice).generate(ids, config)

@@ -43,6 +43,13 @@ def stepped_aside(steps: Sequence[StepStats]) -> float:
     return sum(s.stepped_aside for s in steps) / len(steps) if steps else 0.0
 
 
+def forced_share(steps: Sequence[StepStats]) -> float:
+    """The share of new tokens that a constraint's grammar forced and that were drafted from it alone
+    (`engine.forced`): output the target verified but no drafter had to guess."""
+    new = sum(s.new_tokens for s in steps)
+    return sum(s.forced for s in steps) / new if new else 0.0
+
+
 def acceptance_rate(steps: Sequence[StepStats]) -> float | None:
     drafted = sum(s.drafted for s in steps)
     return sum(s.accepted for s in steps) / drafted if drafted else None

@@ -105,6 +105,9 @@ class Draft:
     # as one-hot. Verification refuses probs on a tree without this flag (`check_probs`). A chain needs none:
     # each token is alone after its prefix.
     drawn_independently: bool = False
+    # How many leading tokens (a chain's first nodes) a constraint's grammar forced (`engine.forced`): drafted
+    # from the grammar alone, not by the drafter.
+    forced: int = 0
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
@@ -118,6 +121,7 @@ class Draft:
             probs=None if self.probs is None else self.probs[:n],
             scores=None if self.scores is None else self.scores[:n],
             auxiliary=self.auxiliary,
+            forced=min(self.forced, n),
         )
 
     @property
@@ -179,3 +183,4 @@ class StepStats:
     draft_depth: int | None = None  # the longest root-to-leaf path of a tree draft; None: a chain (= drafted)
     auxiliary_tokens: int = 0  # unverified tokens the forward also carried (`AuxiliaryTokens`)
     stepped_aside: bool = False  # a plain step because speculation was timed slower (`engine.payoff`)
+    forced: int = 0  # accepted draft tokens a constraint's grammar forced (`engine.forced`), among `accepted`

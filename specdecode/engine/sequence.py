@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specdecode import devices, metrics
+from specdecode.constraints import Constraint, Matcher, masked_logits
+from specdecode.engine import forced
 from specdecode.drafters.base import Drafter, Outcome
 from specdecode.engine.stopping import TextTracker
 from specdecode.errors import UserError
@@ -30,6 +32,8 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()  # stop strings; the output text ends right before the first one
     seed: int | None = None  # seeds the one torch.Generator every random choice goes through
     ignore_eos: bool = False
+    # the language the output must belong to (`specdecode.constraints`); the sequence ends once it is complete
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
@@ -56,7 +60,9 @@ class GenerationResult:
     text: str
     steps: list[StepStats]
     seconds: float
-    finish_reason: str  # "eos", "length" (max_new_tokens or the context is full) or "stop" (a stop string)
+    # "eos" (an end-of-sequence token, or the constraint complete), "length" (max_new_tokens or the context is
+    # full) or "stop" (a stop string)
+    finish_reason: str
     method: str
     # Tree nodes verified per step: a fixed number, "auto" (chosen each step from the cost curve),
     # "whole" (a fixed shape verified whole); None for chains.
@@ -113,6 +119,7 @@ class GenerationResult:
             "tree_budget": self.tree_budget,
             "mean_draft_tokens": metrics.mean_drafted(self.steps),
             "stepped_aside": metrics.stepped_aside(self.steps),
+            "forced_share": metrics.forced_share(self.steps),
         }
 
 
@@ -202,6 +209,9 @@ class SequenceState:
         self.output: list[int] = []
         self.steps: list[StepStats] = []
         self.finish_reason = "length"  # until EOS or a stop string
+        # the grammar state after the context (None: unconstrained)
+        self.matcher = None if config.constraint is None else Matcher(
+            config.constraint, tokenizer, target.vocab_size, target.eos_token_ids)
         self.start = time.perf_counter()
 
     def room(self) -> int:
@@ -221,6 +231,10 @@ class SequenceState:
         if hit_eos is not None:
             del new[hit_eos + 1 :], origins[hit_eos + 1 :]
             self.finish_reason = "eos"
+        if self.matcher is not None:  # up to where the constraint is complete: nothing may follow
+            del new[self.matcher.consume(new) :], origins[len(new) :]
+            if self.matcher.complete and self.finish_reason == "length":
+                self.finish_reason = "eos"
         previous = len(self.output)
         self.output.extend(new)
         self.context.extend(new)
@@ -239,10 +253,20 @@ class SequenceState:
             draft_depth=int(tree.depths(draft.parents).max()) if draft.parents is not None and len(draft) else None,
             auxiliary_tokens=len(draft.auxiliary) if draft.auxiliary is not None else 0,
             stepped_aside=stepped_aside,
+            forced=min(draft.forced, verdict.num_accepted, kept),
         )
         self.steps.append(stats)
         return StepEvent(token_ids=new[:kept], origins=origins[:kept], text=text, stats=stats,
                          rejected_ids=list(verdict.rejected))
+
+    def propose(self, drafter: Drafter | None, room: int) -> Draft:
+        """This sequence's draft of at most `room` tokens (`engine.forced.propose`: the grammar's forced run
+        first under a constraint, nothing it forbids)."""
+        return forced.propose(drafter, self.context, room, self.config.sampling, self.generator, self.matcher)
+
+    def verify(self, verifier, draft: Draft, logits: torch.Tensor) -> Verdict:
+        """`verify_draft` with this sequence's sampling, generator and constraint."""
+        return verify_draft(verifier, draft, logits, self.config.sampling, self.generator, self.matcher)
 
     def tail(self) -> StepEvent | None:
         """Once done: the text held back so far (an incomplete character), if any."""
@@ -283,10 +307,16 @@ def draft_inputs(draft: Draft, num_pending: int, context_length: int) -> tuple[t
     return tree.chain_inputs(num_pending + len(draft), num_pending, context_length)
 
 
-def verify_draft(verifier, draft: Draft, logits: torch.Tensor, params: SamplingParams, generator) -> Verdict:
+def verify_draft(verifier, draft: Draft, logits: torch.Tensor, params: SamplingParams, generator,
+                 matcher: Matcher | None = None) -> Verdict:
     """Accept the longest admissible prefix (or tree path) of a sequence's draft and add the correction or
-    bonus token, with the method's verifier. logits: [len(draft) + 1 (+ aux), vocab], the sequence's rows."""
-    return verifier(logits[: len(draft) + 1], draft, params, generator)  # [draft_len + 1, vocab]
+    bonus token, with the method's verifier. logits: [len(draft) + 1 (+ aux), vocab], the sequence's rows.
+    The one place the target's distributions at the drafted positions are formed: under a constraint
+    (`matcher`), each row is masked by the grammar state after its prefix (`Matcher.draft_masks`)."""
+    rows = logits[: len(draft) + 1]  # [draft_len + 1, vocab]
+    if matcher is not None:
+        rows = masked_logits(rows, matcher.draft_masks(draft))
+    return verifier(rows, draft, params, generator)
 
 
 def after_prefill(step: VerifiedStep, prefilled: int, pieces: list[torch.Tensor]) -> VerifiedStep:

@@ -75,7 +75,8 @@ class Limits:
                                   top_p=1.0 if body.top_p is None else body.top_p)
         try:
             return GenerationConfig(max_new_tokens=limit or min(self.default_max_tokens, room),
-                                    sampling=sampling, stop=tuple(body.stop or ()), seed=body.seed)
+                                    sampling=sampling, stop=tuple(body.stop or ()), seed=body.seed,
+                                    constraint=body.constraint())
         except UserError as error:
             raise APIError(400, str(error)) from None
 

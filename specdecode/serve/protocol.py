@@ -17,7 +17,9 @@ from typing import Any, ClassVar, Literal, TypeVar, cast
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from specdecode.constraints import Constraint
 from specdecode.engine import GenerationResult
+from specdecode.errors import UserError
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 COMPLETION_MAX_TOKENS = 16  # what /v1/completions generates at most when max_tokens is left out or null (OpenAI's)
@@ -50,6 +52,37 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
+class JSONSchemaFormat(BaseModel):
+    """`response_format.json_schema`: OpenAI's named schema; `strict` (default false, as OpenAI's) makes a
+    schema keyword the grammar engine cannot enforce a 400, where otherwise it is ignored."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON that validates against a schema."""
+
+    model_config = STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """Ours, named as vLLM's `structured_outputs`: the output matches a regular expression, or belongs to a
+    Lark grammar's language (one of the two)."""
+
+    model_config = STRICT
+
+    regex: str | None = None
+    grammar: str | None = None
+
+
 class SamplingRequest(BaseModel):
     """The fields both endpoints share."""
 
@@ -68,6 +101,8 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=MAX_NAME)  # the end user: scopes cross-request memory
     method: str | None = Field(None, max_length=MAX_NAME)  # ours: the speculative method (default: the server's)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # as vLLM's: a regular expression or a Lark grammar
 
     # OpenAI fields this server does not implement, with the values that ask for nothing (taken, then
     # dropped); any other value is a 400
@@ -91,6 +126,41 @@ class SamplingRequest(BaseModel):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def constraint(self) -> Constraint | None:
+        """What `response_format` or `structured_outputs` asks the output to be (None: free text); a 400 with
+        the grammar engine's message for a schema, expression or grammar it refuses."""
+        asked = self._asked()
+        if len(asked) > 1:
+            raise APIError(400, f"Give one constraint, not {' and '.join(name for name, _ in asked)}.",
+                           param=asked[1][0])
+        if not asked:
+            return None
+        param, make = asked[0]
+        try:
+            return make()
+        except UserError as error:
+            raise APIError(400, f"Invalid `{param}`: {error}", param=param) from None
+
+    def _asked(self) -> list[tuple[str, Any]]:
+        asked: list[tuple[str, Any]] = []
+        form = self.response_format
+        if form is not None and form.type == "json_object":
+            asked.append(("response_format", Constraint.json_object))
+        elif form is not None and form.type == "json_schema":
+            if form.json_schema is None or form.json_schema.schema_ is None:
+                raise APIError(400, "A `json_schema` response format needs `json_schema.schema`.",
+                               param="response_format.json_schema")
+            schema, strict = form.json_schema.schema_, bool(form.json_schema.strict)
+            asked.append(("response_format.json_schema.schema", lambda: Constraint.json_schema(schema, strict)))
+        outputs = self.structured_outputs
+        if outputs is not None and outputs.regex is not None:
+            pattern = outputs.regex
+            asked.append(("structured_outputs.regex", lambda: Constraint.regex(pattern)))
+        if outputs is not None and outputs.grammar is not None:
+            lark = outputs.grammar
+            asked.append(("structured_outputs.grammar", lambda: Constraint.grammar(lark)))
+        return asked
 
 
 class CompletionRequest(SamplingRequest):
@@ -182,7 +252,6 @@ class ChatRequest(SamplingRequest):
         "parallel_tool_calls": (None, True, False),  # about tools, which there are none of
         "functions": (None, []),
         "function_call": (None, "none"),
-        "response_format": (None, {"type": "text"}),
         "modalities": (None, ["text"]),
         "audio": (None,),
         "prediction": (None,),

@@ -36,6 +36,7 @@ LAYERS: dict[str, int] = {
     "specdecode.cluster": 0,  # Ray, optional: connecting, a cluster's nodes, jobs pinned to them
     "specdecode.tables": 0,  # rich tables that fit 80 columns: short column names and a legend
     "specdecode.models": 1,
+    "specdecode.constraints": 1,  # structured output: grammars and their per-sequence matchers (llguidance)
     "specdecode.verify": 2,
     "specdecode.tree": 2,
     "specdecode.drafters": 3,

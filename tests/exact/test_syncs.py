@@ -114,3 +114,25 @@ def test_sampled_tree_verification_reads_the_device_once_per_level():
             verdict = verify(target.log().as_subclass(devices.Tracked), draft, SAMPLED, generator)
         assert counter.total == len(verdict.path) + 1  # one per level it reached
     assert int(structure.depths(parents).max()) == 4
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_constrained_step_reads_the_device_no_more(params):
+    """Under a constraint the masks are built on the host and sent to the device (no read): a prompt-lookup
+    step still reads the device once, forced tokens drafted or not."""
+    from conftest import TOKENS, tiny_chat_qwen2, tiny_tokenizer
+    from specdecode.constraints import Constraint
+
+    tokenizer = tiny_tokenizer()
+    engine = SpeculativeEngine(tracked(tiny_chat_qwen2(len(TOKENS) + 10)), tokenizer, drafter=PromptLookupDrafter())
+    regex = "(the cat|a dog)( sat on the (mat|cat))+"
+    prompt = tokenizer.encode("the cat sat on the mat. the cat sat on the cat. a dog sat on the mat.")
+    config = GenerationConfig(max_new_tokens=24, sampling=params, seed=0, constraint=Constraint.regex(regex))
+    counts, events = [], []
+    with devices.SyncCounter("cpu") as counter:
+        for event in engine.stream(prompt, config):
+            counts.append(counter.total)
+            events.append(event)
+            counter.reset()
+    assert sum(e.stats.forced for e in events) > 0 and any(e.stats.drafted > e.stats.forced for e in events)
+    assert counts and max(counts) == 1, counts

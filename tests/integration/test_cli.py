@@ -162,3 +162,43 @@ def test_progress_reaches_a_log_once_a_minute():
         bar.update(task, completed=6)
     lines = log.getvalue().splitlines()
     assert [line.split()[1] for line in lines] == ["2/10", "6/10", "6/10"]  # the last is rich's own, at the end
+
+
+def test_generate_under_a_constraint(monkeypatch, capsys, tiny_folder, tmp_path):
+    """--json-schema, --regex and --grammar: the output is in the language, the same under speculation."""
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                                         "maximum": 99}},
+                                  "required": ["n"], "additionalProperties": False}))
+    grammar = tmp_path / "colours.lark"
+    grammar.write_text('start: "the " colour\ncolour: "red" | "green"')
+    common = ["--target", str(tiny_folder), "--drafter", str(tiny_folder), "--json", "--max-new-tokens", "30",
+              "--dtype", "float32"]
+    for constraint, valid in ((["--json-schema", str(schema)], lambda text: 0 <= json.loads(text)["n"] <= 99),
+                              (["--regex", "(yes|no) [0-9]"], lambda text: text[:-1] in ("yes ", "no ")),
+                              (["--grammar", str(grammar)], lambda text: text in ("the red", "the green"))):
+        outputs = []
+        for method in ("ar", "draft"):
+            code, out, _ = run(monkeypatch, capsys, "generate", "the cat", "--method", method, *constraint, *common)
+            result = json.loads(out)
+            assert code == 0 and result["finish_reason"] == "eos" and valid(result["text"]), result["text"]
+            outputs.append(result["token_ids"])
+        assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--regex", "(open"], "unclosed group"),
+    (["--json-schema", "SCHEMA"], "Invalid type"),
+    (["--json-schema", "/no/such/schema.json"], "cannot read"),
+    (["--grammar", "GRAMMAR"], "unknown name"),
+    (["--regex", "a", "--grammar", "GRAMMAR"], "one constraint"),
+    (["--regex", "[^\\s\\S]"], "empty"),
+])
+def test_a_bad_constraint_is_exit_2_with_the_engines_message(monkeypatch, capsys, tiny_folder, tmp_path, args, words):
+    (tmp_path / "schema.json").write_text('{"type": "nope"}')
+    (tmp_path / "bad.lark").write_text("start: missing")
+    args = [str(tmp_path / "schema.json") if a == "SCHEMA" else str(tmp_path / "bad.lark") if a == "GRAMMAR" else a
+            for a in args]
+    code, out, err = run(monkeypatch, capsys, "generate", "the cat", "--method", "ar", "--target", str(tiny_folder),
+                         "--dtype", "float32", *args)
+    assert code == 2 and words in " ".join(err.split()) and "Traceback" not in err, err

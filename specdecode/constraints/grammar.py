@@ -1,0 +1,121 @@
+"""What a constraint is: a JSON schema (strict or lenient), any JSON object, a regular expression or a Lark
+grammar, turned into the grammar engine's (llguidance) own form and checked once, when it is made.
+
+Glossary:
+- *constraint*: the language the output must belong to (`Constraint`).
+- *matcher*: one sequence's position in that language (`constraints.matcher.Matcher`): the tokens allowed
+  next, forced tokens, completion.
+- *allowed* tokens: those after which the output can still end inside the language; the grammar's *mask*.
+- *forced* tokens: where the grammar allows exactly one continuation for a while, its canonical tokens.
+- *complete*: the output is in the language and nothing may follow it; the sequence ends.
+
+A constraint's user mistakes (a schema that is not valid JSON or not a schema, a feature the engine does not
+enforce under `strict`, a regular expression or grammar that does not compile, an empty language) are
+UserErrors carrying the engine's own message.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import weakref
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import llguidance
+import llguidance.hf
+
+from specdecode.errors import UserError
+
+Kind = Literal["json_schema", "json_object", "regex", "grammar"]
+
+# JSON as Python's json.dumps writes it (", " and ": "): no whitespace left to the model between tokens,
+# so that separators are forced (drafted for free) and a weak model cannot pad an answer with blanks.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A language the output must belong to. Make one with `json_schema`, `json_object`, `regex` or
+    `grammar`; `source` is what the user gave (the schema as JSON text), `compiled` the engine's form."""
+
+    kind: Kind
+    source: str
+    compiled: str  # llguidance's grammar (JSON text), checked when made
+
+    @staticmethod
+    def json_schema(schema: dict[str, Any] | str, strict: bool = True) -> Constraint:
+        """Output that validates against `schema` (a JSON Schema, as a dict or JSON text). `strict`: a
+        keyword the engine cannot enforce is an error; otherwise a warning, and the rest is enforced (as
+        OpenAI's `strict: false`, where the schema is a hint)."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as error:
+                raise UserError(f"the JSON schema is not valid JSON: {error}") from None
+        if not isinstance(schema, dict):
+            raise UserError(f"a JSON schema is a JSON object, got {type(schema).__name__}")
+        options = dict(JSON_OPTIONS, lenient=not strict)
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)  # type: ignore[arg-type]
+        except ValueError as error:
+            raise UserError(f"invalid JSON schema: {error}") from None
+        return Constraint._checked("json_schema", json.dumps(schema), grammar)
+
+    @staticmethod
+    def json_object() -> Constraint:
+        """Any JSON object (OpenAI's `response_format: {"type": "json_object"}`)."""
+        grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)  # type: ignore[arg-type]
+        return Constraint._checked("json_object", '{"type": "object"}', grammar)
+
+    @staticmethod
+    def regex(pattern: str) -> Constraint:
+        """Output that matches `pattern` whole (Rust regex syntax, as llguidance reads it)."""
+        return Constraint._checked("regex", pattern, llguidance.LLMatcher.grammar_from_regex(pattern))
+
+    @staticmethod
+    def grammar(lark: str) -> Constraint:
+        """Output in the language of a Lark grammar (its `start` rule; llguidance's Lark dialect, which also
+        takes JSON schemas and regular expressions inline)."""
+        return Constraint._checked("grammar", lark, llguidance.LLMatcher.grammar_from_lark(lark))
+
+    @staticmethod
+    def _checked(kind: Kind, source: str, grammar: str) -> Constraint:
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+        if failed:
+            raise UserError(f"the {describe(kind)} does not compile: {one_line(messages[0])}")
+        return Constraint(kind, source, grammar)
+
+    def describe(self) -> str:
+        return describe(self.kind)
+
+
+def describe(kind: Kind) -> str:
+    return {"json_schema": "JSON schema", "json_object": "JSON object constraint", "regex": "regular expression",
+            "grammar": "grammar"}[kind]
+
+
+def one_line(message: str) -> str:
+    """The engine's message on one line, without the source lines and carets it draws under them."""
+    drawing = re.compile(r"^\s*(\^+|\d+ \|.*)\s*$")
+    return " ".join(line.strip() for line in message.strip().splitlines() if line.strip() and not drawing.match(line))
+
+
+_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def engine_tokenizer(tokenizer, vocab_size: int, eos_ids: frozenset[int]) -> llguidance.LLTokenizer:
+    """The grammar engine's view of a Hugging Face fast tokenizer with `vocab_size` logits (the target's, which
+    may pad the tokenizer's) and the given end-of-sequence tokens; built once per tokenizer (a second on a
+    150k vocabulary)."""
+    if not hasattr(tokenizer, "backend_tokenizer"):
+        raise UserError("a constraint needs the model's own (fast) tokenizer; this model has none loaded")
+    key = (vocab_size, eos_ids)
+    per_tokenizer = _TOKENIZERS.setdefault(tokenizer, {})
+    if key not in per_tokenizer:
+        eos = sorted(eos_ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()))
+        try:
+            per_tokenizer[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos or None)
+        except ValueError as error:
+            raise UserError(f"the grammar engine cannot read this tokenizer: {error}") from None
+    return per_tokenizer[key]
