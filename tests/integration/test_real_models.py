@@ -151,3 +151,32 @@ def test_chat_template_and_eos(models):
     result = models.engine("draft").generate(ids, GenerationConfig(max_new_tokens=20))
     assert result.finish_reason == "eos"
     assert "yes" in result.text.lower()
+
+
+def test_gemma_drafts_for_the_real_target_across_tokenizers():
+    """Gemma 3 270M (`specdecode models fetch gemma3-270m`: another tokenizer, 262,144 tokens) drafting for the int4
+    target through text: greedy output equals the target's plain decoding token for token, and the target accepts
+    some of its tokens. Drafting is forced on (no adaptive length, no gate): whether it pays is the bench's question."""
+    import gc
+
+    from specdecode.drafters.other_tokenizer import OtherTokenizerDrafter
+    from specdecode.engine import SpeculativeEngine
+    from specdecode.models.loading import converted_dir
+    from specdecode.models.registry import OTHER_TOKENIZER_DRAFTER, get_model
+
+    if not converted_dir(get_model(OTHER_TOKENIZER_DRAFTER)).is_dir():
+        pytest.skip(f"{OTHER_TOKENIZER_DRAFTER} is not fetched (`specdecode models fetch {OTHER_TOKENIZER_DRAFTER}`)")
+    pair = load_models(drafter=OTHER_TOKENIZER_DRAFTER, dtype="int4", progress=False)
+    assert pair.draft is not None and pair.draft_tokenizer is not None
+    drafter = OtherTokenizerDrafter(pair.draft, pair.tokenizer, pair.draft_tokenizer, num_tokens=4, adaptive=False)
+    engine = SpeculativeEngine(pair.target, pair.tokenizer, drafter, method="draft", gate=False)
+    accepted = 0
+    for prompt in PROMPTS[:2]:
+        ids = pair.encode(prompt, chat=True)
+        reference = pair.engine("ar").generate(ids, CONFIG).token_ids
+        result = engine.generate(ids, CONFIG)
+        assert result.token_ids == reference, diagnose(pair.target, ids, reference, result.token_ids)
+        accepted += sum(s.accepted for s in result.steps)
+    assert accepted > 0
+    del pair, engine, drafter
+    gc.collect()
