@@ -16,9 +16,11 @@ UserErrors carrying the engine's own message.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -56,10 +58,8 @@ class Constraint:
         if not isinstance(schema, dict):
             raise UserError(f"a JSON schema is a JSON object, got {type(schema).__name__}")
         options = dict(JSON_OPTIONS, lenient=not strict)
-        try:
+        with refusals("json_schema"):
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)  # type: ignore[arg-type]
-        except ValueError as error:
-            raise UserError(f"invalid JSON schema: {error}") from None
         return Constraint._checked("json_schema", json.dumps(schema), grammar)
 
     @staticmethod
@@ -81,13 +81,29 @@ class Constraint:
 
     @staticmethod
     def _checked(kind: Kind, source: str, grammar: str) -> Constraint:
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+        with refusals(kind):
+            failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
         if failed:
             raise UserError(f"the {describe(kind)} does not compile: {one_line(messages[0])}")
         return Constraint(kind, source, grammar)
 
     def describe(self) -> str:
         return describe(self.kind)
+
+
+@contextlib.contextmanager
+def refusals(kind: Kind) -> Iterator[None]:
+    """The grammar engine's refusal of a user's input as a UserError: a ValueError, or a panic of its Rust code
+    (pyo3's PanicException, a BaseException; some malformed schemas reach one) that would otherwise escape
+    every `except Exception` up to the server's 500."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as error:
+        if not isinstance(error, ValueError) and type(error).__name__ != "PanicException":
+            raise
+        raise UserError(f"the {describe(kind)} does not compile: {one_line(str(error))[:300]}") from None
 
 
 def describe(kind: Kind) -> str:

@@ -11,9 +11,10 @@ sees it (`Matcher.legal_draft`).
 from __future__ import annotations
 
 import llguidance
+import numpy as np
 import torch
 
-from specdecode.constraints.grammar import Constraint, engine_tokenizer, one_line
+from specdecode.constraints.grammar import Constraint, engine_tokenizer, one_line, refusals
 from specdecode.errors import UserError
 from specdecode.types import Draft
 
@@ -29,7 +30,8 @@ class Matcher:
         self.vocab_size = vocab_size
         self.words = (vocab_size + BITS - 1) // BITS
         vocabulary = engine_tokenizer(tokenizer, vocab_size, eos_ids)
-        self._engine = llguidance.LLMatcher(vocabulary, constraint.compiled, log_level=0)
+        with refusals(constraint.kind):
+            self._engine = llguidance.LLMatcher(vocabulary, constraint.compiled, log_level=0)
         if self._engine.is_error():
             raise UserError(f"the {constraint.describe()} does not compile: {one_line(self._engine.get_error())}")
         self.eos_ids = frozenset(vocabulary.eos_tokens)  # the target's and the tokenizer's
@@ -173,14 +175,14 @@ def select(draft: Draft, nodes: list[int]) -> Draft:
 
 
 def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, words] int32 bitmask -> [rows, vocab_size] bool, on the bitmask's device."""
-    shifts = torch.arange(BITS, dtype=torch.int32, device=bitmask.device)
-    bits = torch.bitwise_right_shift(bitmask.unsqueeze(-1), shifts) & 1  # [rows, words, 32]
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    """[rows, words] int32 bitmask, on the host -> [rows, vocab_size] bool, on the host (bit j of word w:
+    token 32 w + j; numpy's unpacking, a byte at a time, little-endian)."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")  # [rows, 32 words]
+    return torch.from_numpy(bits[:, :vocab_size]).view(torch.bool)
 
 
 def masked_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits [rows, vocab] with the tokens the bitmask ([rows, words] int32, host) forbids at -inf. The bitmask
-    travels to the logits' device once (no host read), and is unpacked there."""
-    allowed = unpack(bitmask.to(logits.device, non_blocking=True), logits.shape[-1])  # [rows, vocab]
-    return logits.masked_fill(~allowed, float("-inf"))
+    """logits [rows, vocab] with the tokens the bitmask ([rows, words] int32, host) forbids at -inf: unpacked on
+    the host, sent to the logits' device (no host read), one elementwise select there."""
+    allowed = unpack(bitmask, logits.shape[-1]).to(logits.device, non_blocking=True)  # [rows, vocab]
+    return torch.where(allowed, logits, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))

@@ -135,6 +135,9 @@ def test_generated_constraints(constraint, which, models):  # noqa: F811
     lambda: Constraint.json_schema({"type": "string", "format": "no-such-format"}),  # strict: unsupported
     lambda: Constraint.json_schema({"allOf": [{"type": "integer"}, {"type": "string"}]}),  # unsatisfiable
     lambda: Constraint.regex("(unclosed"),
+    # a panic in llguidance's Rust code (pyo3's PanicException, a BaseException), found by the server's fuzz test
+    lambda: Constraint.json_schema({"pattern": [{"": None, "0000\x1f\x1f": None, '000"\x1f\x1f': 4.1611033563876776e16},
+                                                "00000\x1f\x1f\x80\x80\x80"]}),
     lambda: Constraint.grammar("start: missing_rule"),
 ])
 def test_bad_constraints_are_user_errors(make):

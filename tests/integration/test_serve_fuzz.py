@@ -52,6 +52,12 @@ COMPLETION = {
     "echo": st.just(False),
     "best_of": st.just(1),
     "logprobs": st.none(),
+    # a constraint (one field per endpoint, so that most bodies ask for one at most): mostly plausible ones, now
+    # and then a schema, expression or grammar of any content (the grammar engine's refusals are 400s)
+    "structured_outputs": st.one_of(
+        st.sampled_from([{"regex": "[a-z]{1,3}"}, {"regex": "(yes|no)"}, {"grammar": 'start: "a" | "b"'}]),
+        st.sampled_from([{"regex": "[a-z]{1,3}"}, {"grammar": 'start: "a"+'}]),
+        st.fixed_dictionaries({}, optional={"regex": words, "grammar": text})),
 }
 part = st.fixed_dictionaries({"type": st.just("text"), "text": text})
 message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "developer", "tool"])},
@@ -62,6 +68,12 @@ CHAT = {
     "max_completion_tokens": st.integers(1, 3),
     "logprobs": st.just(False),
     "tools": st.just([]),
+    "response_format": st.one_of(st.sampled_from([
+        {"type": "text"}, {"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}, "strict": True}},
+    ]), st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries(
+        {"name": st.just("answer"), "schema": st.dictionaries(st.sampled_from(["type", "enum", "pattern"]),
+                                                              json_values, max_size=2)})})),
 }
 REQUIRED = {"/v1/completions": ("prompt",), "/v1/chat/completions": ("messages",)}
 
