@@ -49,6 +49,7 @@ from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import CHUNK_SECONDS, MIN_CHUNK, CostCurve, LiveCurve, prefill_chunk
 from specdecode.tree.budget import cut_batch
+from specdecode.types import Draft
 from specdecode.verify.tree import verify
 
 GARBAGE_SHARE = 0.25  # compact the cache once this share of it belongs to no sequence
@@ -99,6 +100,38 @@ class PrefillShare:
             self.chunk_seconds, self.since, self.per_token = seconds, 0.0, seconds / tokens
         else:
             self.since += seconds
+
+
+def forward_inputs(members: list[Member], pending: list[list[int]], drafts: list[Draft], stepping: list[bool]):
+    """Per sequence in the forward: the tokens fed (its pending context tokens, then its draft), their positions,
+    its span (offset, n, the draft's own mask [n, n]), and the rows of logits it verifies on, if it steps."""
+    fed: list[torch.Tensor] = []
+    positions, spans, rows = [], [], []
+    for m, p, draft, steps in zip(members, pending, drafts, stepping):
+        offset, n = sum(len(f) for f in fed), len(p) + len(draft)
+        position, local = draft_inputs(draft, len(p), len(m.slots) + len(p))  # [n], [n, n]
+        fed.append(torch.cat([torch.tensor(p, dtype=torch.long, device="cpu"), draft.tokens.cpu()]))  # host drafts
+        positions.append(position)
+        spans.append((offset, n, local))
+        if steps:  # from the last context token's on
+            rows.append(torch.arange(offset + len(p) - 1, offset + n, device="cpu"))
+    return fed, positions, spans, rows
+
+
+def attention_inputs(members: list[Member], spans: list[tuple[int, int, torch.Tensor]], positions: list[torch.Tensor],
+                     drafts: list[Draft], cached: int, alone: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The forward's tree mask and positions: for a sequence `alone` in the forward and the cache, what the
+    single-sequence engine passes (none for a chain, the tree's own mask and positions for a tree); for several, the
+    full mask over the cache (each sequence its own slots) and the fed tokens (each its own draft's mask)."""
+    if alone:
+        return (spans[0][2], positions[0]) if drafts[0].is_tree else (None, None)
+    total = sum(n for _, n, _ in spans)
+    tree_mask = torch.zeros(total, cached + total, dtype=torch.bool, device="cpu")  # the forward moves it
+    for m, (offset, n, local) in zip(members, spans):
+        if m.slots:
+            tree_mask[offset : offset + n, m.slots] = True
+        tree_mask[offset : offset + n, cached + offset : cached + offset + n] = local
+    return tree_mask, torch.cat(positions)
 
 
 class BatchEngine:
@@ -186,30 +219,13 @@ class BatchEngine:
         # 2. One forward over every sequence's pending tokens and draft.
         start = self.clock()
         cached = self.target.cache_length
-        fed: list[torch.Tensor] = []  # each sequence's pending tokens and draft
-        positions, spans, rows = [], [], []  # spans: (offset, n, the draft's own mask [n, n])
-        for m, p, draft, steps in zip(members, pending, drafts, stepping):
-            offset, n = sum(len(f) for f in fed), len(p) + len(draft)
-            position, local = draft_inputs(draft, len(p), len(m.slots) + len(p))  # [n], [n, n]
-            fed.append(torch.cat([torch.tensor(p, dtype=torch.long, device="cpu"), draft.tokens.cpu()]))  # host drafts
-            positions.append(position)
-            spans.append((offset, n, local))
-            if steps:  # from the last context token's on
-                rows.append(torch.arange(offset + len(p) - 1, offset + n, device="cpu"))
+        fed, positions, spans, rows = forward_inputs(members, pending, drafts, stepping)
         total = sum(len(f) for f in fed)
         # A sequence alone in the forward and in the cache (a lone request, or the last one left) steps as the
         # single-sequence engine does: the cache is its context, so no mask over it, and a chain is plain causal
         # attention; its rejected drafts are cropped away rather than left as garbage.
         alone = len(members) == 1 and len(members[0].slots) == cached
-        if alone:
-            tree_mask, where = (spans[0][2], positions[0]) if drafts[0].is_tree else (None, None)
-        else:
-            tree_mask = torch.zeros(total, cached + total, dtype=torch.bool, device="cpu")  # the forward moves it
-            for m, (offset, n, local) in zip(members, spans):
-                if m.slots:
-                    tree_mask[offset : offset + n, m.slots] = True
-                tree_mask[offset : offset + n, cached + offset : cached + offset + n] = local
-            where = torch.cat(positions)
+        tree_mask, where = attention_inputs(members, spans, positions, drafts, cached, alone)
         # (a forward of chunks alone asks one row of logits, unused: every backend computes at least one)
         output = self.target.forward(torch.cat(fed), positions=where, tree_mask=tree_mask,
                                      rows=torch.cat(rows) if rows else torch.tensor([total - 1], device="cpu"),
