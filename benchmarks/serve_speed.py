@@ -4,8 +4,8 @@ one client, one interleaved `specdecode bench` run.
     python benchmarks/serve_speed.py [--methods ar,pld] [--categories code,qa] [--per-category 2]
                                      [--max-new-tokens 64] [--repeats 2] [--dtype auto] [--out DIR]
 
-Starts `specdecode serve --methods M1,M2 --dtype D` on a free loopback port (its default method is the
-server's own default) and runs `specdecode bench --methods M1,M2` with one `--engine served-M` row per
+Starts `specdecode serve --methods M1,M2 --dtype D` on a free loopback port (its default method the last
+of them) and runs `specdecode bench --methods M1,M2` with one `--engine served-M` row per
 method (`extra_body={"method": M}`, token ids over /v1/completions, so both sides decode the very same
 prompt ids), so each prompt runs in-process and served, method after method, in one interleaved order. The
 server process idles while the bench decodes in-process, and the bench only reads a socket while the server
@@ -80,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--methods names no method")
     port = free_port()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the server's torch threads, as the bench's --threads
-    serve = [*SPECDECODE, "serve", "--methods", ",".join(methods), "--dtype", args.dtype, "--port", str(port)]
+    serve = [*SPECDECODE, "serve", "--methods", ",".join(methods), "--method", methods[-1], "--dtype", args.dtype,
+             "--port", str(port)]
     with ServerProcess("specdecode serve", serve, port) as server:
         print(f"starting {shlex.join(serve)}", flush=True)
         server.wait_until_up(timeout=1800)
