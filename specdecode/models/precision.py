@@ -8,15 +8,14 @@ rank int8 first where the whole int4 model decodes faster.
 
 So the choice is made in two rounds. First each candidate path times one product of the model's MLP shape
 (`measure_paths`, cheap: no model loaded), which only prunes the float paths more than `WHOLE_WITHIN` times
-dearer per token than the best (on a CPU without bf16 units, bfloat16 and float32; they would also take the
-most memory to load); the quantized paths are always timed whole. Then the model itself is loaded on each
-remaining path in turn and its own decoder's
-one-token and eight-token forwards after a context are timed (`time_forwards`); the cheapest per generated
-token wins (`decide`): min(t1, t8 / 3), as if an 8-token verification yielded three tokens, a quantized path
-(int8, or int4 where its AVX2 kernel runs), which is not the float model, only when it is QUANTIZED_MARGIN
-times cheaper than the best float path timed. The whole choice is measured once per machine and model and
-cached beside the cost curves (the quantized paths timed are prepared on disk then, `models.prepared`, so
-the chosen one loads at once), so a second start reads it.
+dearer per token than the best (on a CPU without bf16 units, bfloat16 and float32; they would also take the most
+memory to load); the quantized paths are always timed whole. Then the model itself is loaded on each remaining
+path in turn and its own decoder's one-token and eight-token forwards after a context are timed
+(`time_forwards`); the cheapest per generated token wins (`decide`): min(t1, t8 / 3), as if an 8-token
+verification yielded three tokens, a quantized path (int8, or int4 where its AVX2 kernel runs), which is not the
+float model, only when it is QUANTIZED_MARGIN times cheaper than the best float path timed. The whole choice is
+measured once per machine and model and cached beside the cost curves (the quantized paths timed are prepared on
+disk then, `models.prepared`, so the chosen one loads at once), so a second start reads it.
 """
 
 from __future__ import annotations

@@ -156,7 +156,7 @@ def test_the_composite_stops_asking_a_source_that_does_not_pay():
     dear = Costly([7, 8], clock, 0.05)  # half a plain step, never right
     composite = CompositeDrafter([cheap, dear], curve, clock=lambda: clock[0])
     composite.begin([0])
-    for step in range(EVIDENCE + 3):
+    for _ in range(EVIDENCE + 3):
         draft = composite.propose([0], 4, SamplingParams(), None)
         merged = composite._merged
         assert merged is not None
