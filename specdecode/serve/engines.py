@@ -7,7 +7,9 @@ it was resolved once (`methods.MethodChoice`), and the engines it keeps:
   memory owner (`Job.memory`, an `Owner`), kept per tenant (an API key): at most `memory_owners` owners of a
   tenant, whose drafters hold at most `memory_budget` bytes together (`Drafter.memory_bytes`: a head that
   learns online holds ~0.3-0.6 GB), the tenant's least recently used dropped first, so that a tenant can
-  only push out its own owners; a job with no owner gets a new one that forgets it afterwards;
+  only push out its own owners; the jobs with no owner share one engine, which forgets everything before each
+  of them (`SpeculativeEngine.forget`, called by the worker: `worker.Job.forgets`), so that such a job neither reads another's
+  text nor pays for building the method's drafters (loading and preparing its heads) again;
 - one sequence of a batch: a new drafter of its own, which remembers nothing after.
 
 A job that runs alone gets its engine before it is submitted (`building`): built beside the worker, on a
@@ -51,6 +53,7 @@ class Engines:
         self.models, self.memory_owners = models, memory_owners
         self.memory_budget = default_memory_budget() if memory_budget is None else memory_budget
         self.shared: dict[str, SpeculativeEngine] = {}  # methods that remember nothing: one each, by name
+        self.forgetful: dict[str, SpeculativeEngine] = {}  # methods that remember: the ownerless jobs' one each
         # tenant -> (method, owner) -> engine, least recent first
         self.owned: dict[str | None, OrderedDict[tuple[str, Hashable], SpeculativeEngine]] = {}
         self._lock = threading.Lock()  # the worker, the builders and the server's event loop share the above
@@ -90,7 +93,7 @@ class Engines:
             key = (choice.name, memory)
             if tenant in self._building:
                 under_way, future = self._building[tenant]
-                return future if under_way == key and memory is not None else None
+                return future if under_way == key else None
             future = Future()
             future.set_running_or_notify_cancel()  # no waiter can cancel it: other jobs of the owner may wait too
             self._building[tenant] = (key, future)
@@ -119,9 +122,11 @@ class Engines:
         Under the lock."""
         if not choice.method.remembers:
             return self.shared.get(choice.name)
+        if memory is None:
+            return self.forgetful.get(choice.name)
         owners = self.owned.get(_tenant(memory))
         key = (choice.name, memory)
-        if memory is None or owners is None or key not in owners:
+        if owners is None or key not in owners:
             return None
         owners.move_to_end(key)
         return owners[key]
@@ -134,7 +139,8 @@ class Engines:
             self.shared.setdefault(choice.name, engine)
             return
         if memory is None:
-            return  # forgotten after its job
+            self.forgetful.setdefault(choice.name, engine)
+            return
         owners = self.owned.setdefault(_tenant(memory), OrderedDict())
         owners[(choice.name, memory)] = engine
         held = sum(_held(e) for e in owners.values())

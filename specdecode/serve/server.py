@@ -7,8 +7,8 @@ Several users at once (see also `serve.guard` for keys, hosts and the HTTP limit
 - *Memory*: a method that drafts from earlier requests' text (`Method.remembers`: suffix decoding) gets
   one drafter per *owner*: with `memory_scope="tenant"` (the default) an owner is an API key's tenant
   and the request's OpenAI `user` field; a request with neither (no keys, no `user` or an empty one) has
-  a drafter of its own that forgets it afterwards. "request" never shares; "server" shares one memory among all (one
-  trusted user). So a request's drafts, rejected text and token origins carry only its owner's text. The
+  a drafter that has forgotten every earlier request (one engine for all such requests, reset before each).
+  "request" never shares; "server" shares one memory among all (one trusted user). So a request's drafts, rejected text and token origins carry only its owner's text. The
   owners are kept per tenant (`memory_owners`, `memory_budget` each): a tenant pushes out only its own.
 - *Cost*: `Limits` caps a request's tokens, its prompt's (400 beyond, before any work), its time (past its
   deadline a generation ends where it is, as at max_tokens) and the requests waiting (429 beyond); a client

@@ -116,6 +116,13 @@ class Job:
     def past_deadline(self) -> bool:
         return time.perf_counter() > self.deadline
 
+    @property
+    def forgets(self) -> bool:
+        """Whether its engine must forget earlier jobs before it runs: a remembering method's engine for jobs
+        with no memory owner is shared by all of them (`serve.engines`). The worker calls `forget`, not whoever
+        hands the engine out: another job may be running on it then."""
+        return self.memory is None and self.choice.method.remembers
+
     def so_far(self) -> GenerationResult:
         """What it generated up to now, as a result that reached its length."""
         return GenerationResult(prompt_ids=self.prompt_ids, token_ids=self.output, text=self.text, steps=self.steps,
@@ -300,6 +307,8 @@ class Worker:
         engine = None
         try:
             engine = job.engine or self.factory.engine(job.choice, job.memory)
+            if job.forgets:
+                engine.forget()
             stream = engine.stream(job.prompt_ids, job.config)
             for item in stream.items():  # a step's event, or a chunk of the prompt fed
                 if job.cancelled.is_set():

@@ -167,3 +167,26 @@ def test_a_growing_index_finds_what_a_plain_search_finds():
         # a plain search: every position preceded by the context's last 4 tokens, within one sequence
         expected = {i for i in range(4, len(log)) if log[i] >= 0 and log[i - 4 : i] == sequence[4:8]}
         assert len(found) == len(expected)
+
+
+def test_requests_without_an_owner_share_one_engine_built_once(models):
+    """A remembering method's engine for requests with no owner is built once (a head's loading and
+    preparation is not paid again per request) and shared; what keeps them apart is the worker's `forget`
+    before each (`test_a_second_client_sees_nothing_of_the_first` fails without it)."""
+    from specdecode.methods import choose
+    from specdecode.serve.worker import Job
+
+    running, state = serve(models, "tenant")
+    built = []
+    engine_for = state.engines.models.engine_for
+    state.engines.models.engine_for = lambda choice: built.append(choice.name) or engine_for(choice)
+    try:
+        for _ in range(3):
+            stream(running.url, PROBE_PROMPT)
+        stream(running.url, PROBE_PROMPT, user="carol")
+    finally:
+        running.stop()
+        state.engines.models.engine_for = engine_for
+    assert built.count("suffix") == 2  # one for every ownerless request, one for carol
+    suffix = choose("suffix")
+    assert Job(suffix, [], None, None, None).forgets and not Job(suffix, [], None, None, None, memory="x").forgets
