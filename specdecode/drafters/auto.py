@@ -6,9 +6,9 @@ EAGLE-3) are the ones that pay. `auto` asks them all in one composite (`drafters
 first, their proposals merged into one token tree sized on the target's cost curve:
 
 1. prompt lookup (with the `--reference` document), 2. the suffix cache of this and earlier requests,
-3. retrieval, only from a datastore given (`--datastore`), 4. the trained heads there are for the target
-(`heads_for`: the shipped Medusa and EAGLE-3 heads, or a head given with `--head`, which replaces the
-shipped one of its kind), on the torch backend (they read the target's hidden states), 5. the draft
+3. retrieval, only from a datastore given (`--datastore`), 4. one trained head of the target (`heads_for`: a
+head given with `--head`, else the shipped Medusa heads, else the shipped EAGLE-3 head), on the torch
+backend (it reads the target's hidden states), 5. the draft
 model, where one is loaded, as the expensive fallback asked only while the others promise less than one
 accepted token.
 
@@ -35,23 +35,28 @@ from specdecode.drafters.suffix import SuffixDrafter
 if TYPE_CHECKING:
     from specdecode.models.base import CausalLM
 
-HEAD_KINDS = ("medusa", "eagle3", "eagle")  # the heads auto drafts with, in the order asked (cheapest first)
+HEAD_KINDS = ("medusa", "eagle3", "eagle")  # the shipped heads auto may draft with, cheapest first (`heads_for`)
 
 
 def heads_for(target: CausalLM, head: str | None = None) -> list[tuple[str, Path | None]]:
-    """The trained heads auto drafts with on this target: (kind, the folder given, or None: the shipped one),
-    for every kind there is a head of; none off the torch backend (no hidden states there)."""
+    """The trained head auto drafts with on this target: [(kind, the folder given, or None: the shipped one)],
+    the head given (`--head`), else the first kind of HEAD_KINDS shipped for the target; none off the torch
+    backend (no hidden states there).
+
+    One head, not every one there is: a second head's drafts overlap the first's and the copies', while
+    its drafting time and the wider tree it adds cost every step, which the per-source ledger
+    (`drafters.source_payoff`) does not charge in full (it weighs a source's drafting time, not the
+    verification width its nodes take). On the benchmark auto with Medusa alone beside the copies was
+    faster than with Medusa and EAGLE-3 in 7 of 8 categories (docs/results/auto.md)."""
     model = getattr(target, "model", None)
     if model is None:
         return []
-    given = heads.kind_of(head) if head is not None else None
-    found: list[tuple[str, Path | None]] = []
-    for kind in HEAD_KINDS:
-        if kind == given:
-            found.append((kind, Path(str(head)).expanduser()))
-        elif kind != "eagle" and (heads.shipped_head(model, kind) / heads.RECORDS[kind]).is_file():
-            found.append((kind, None))  # EAGLE-3 supersedes the first EAGLE: that one only when given
-    return found
+    if head is not None:
+        return [(heads.kind_of(head), Path(str(head)).expanduser())]
+    for kind in HEAD_KINDS:  # (the first EAGLE only when given: EAGLE-3 supersedes it)
+        if kind != "eagle" and (heads.shipped_head(model, kind) / heads.RECORDS[kind]).is_file():
+            return [(kind, None)]
+    return []
 
 
 def head_drafter(target: CausalLM, kind: str, folder: Path | None, options: DrafterOptions) -> Drafter:
@@ -93,7 +98,7 @@ def build_auto(target: CausalLM, draft: CausalLM | None, options: DrafterOptions
 
 
 def describe(sources: list[Source]) -> str:
-    """What an `auto` drafter is made of, in words: "pld, suffix, medusa-tree, eagle3-tree; draft (fallback)"."""
+    """What an `auto` drafter is made of, in words: "pld, suffix, medusa; draft (fallback)"."""
     free = [s.drafter.name for s in sources if s.cost == "free"]
     expensive = [s.drafter.name for s in sources if s.cost == "expensive"]
     return ", ".join(free) + "".join(f"; {name} (fallback)" for name in expensive)

@@ -205,18 +205,21 @@ def test_auto_is_made_of_what_the_models_allow(models, random_heads, monkeypatch
     sources = auto_sources(models.target, models.draft, options)
     assert describe(sources) == "pld, suffix; draft (fallback)"
     assert describe(auto_sources(models.target, None, options)) == "pld, suffix"
-    # its shipped heads, cheapest first
+    # the cheapest of its shipped heads
     monkeypatch.setattr(heads, "shipped_head", lambda model, kind: random_heads / kind)
-    assert heads_for(models.target) == [("medusa", None), ("eagle3", None)]
+    assert heads_for(models.target) == [("medusa", None)]
     drafter = models.drafter_for(choose("auto"))
     assert isinstance(drafter, CompositeDrafter) and drafter.name == "auto"
-    assert describe(drafter.sources) == "pld, suffix, medusa, eagle3-tree; draft (fallback)"
-    assert drafter.needs.hidden == (3, *drafter.sources[3].drafter.needs.hidden)
-    # what a server counts against an owner's memory budget: its sources' (the suffix cache's, the heads')
+    assert describe(drafter.sources) == "pld, suffix, medusa; draft (fallback)"
+    assert drafter.needs.hidden is True  # Medusa reads the final-norm state alone
+    # a head given is the one auto drafts with, whatever its kind
+    given = choose("auto", head=str(random_heads / "eagle3"))
+    assert heads_for(models.target, given.options.head) == [("eagle3", random_heads / "eagle3")]
+    drafter = models.drafter_for(given)
+    assert describe(drafter.sources) == "pld, suffix, eagle3-tree; draft (fallback)"
+    assert drafter.needs.hidden == drafter.sources[2].drafter.needs.hidden  # its layers alone
+    # what a server counts against an owner's memory budget: its sources' (an EAGLE-3 head's features and cache)
     assert drafter.memory_bytes() == sum(source.drafter.memory_bytes() for source in drafter.sources) > 0
-    # a head given replaces the shipped one of its kind
-    given = choose("auto", head=str(random_heads / "medusa"))
-    assert heads_for(models.target, given.options.head) == [("medusa", random_heads / "medusa"), ("eagle3", None)]
 
 
 def test_auto_off_the_torch_backend_has_no_heads():
