@@ -7,9 +7,9 @@ it was resolved once (`methods.MethodChoice`), and the engines it keeps:
   memory owner (`Job.memory`, an `Owner`), kept per tenant (an API key): at most `memory_owners` owners of a
   tenant, whose drafters hold at most `memory_budget` bytes together (`Drafter.memory_bytes`: a head that
   learns online holds ~0.3-0.6 GB), the tenant's least recently used dropped first, so that a tenant can
-  only push out its own owners; the jobs with no owner share one engine, which forgets everything before each
-  of them (`SpeculativeEngine.forget`, called by the worker: `worker.Job.forgets`), so that such a job neither reads another's
-  text nor pays for building the method's drafters (loading and preparing its heads) again;
+  only push out its own owners; the jobs with no owner share one engine, which forgets everything before
+  each of them (`SpeculativeEngine.forget`, called by the worker: `worker.Job.forgets`), so that such a job
+  neither reads another's text nor pays for building the method's drafters (loading its heads) again;
 - one sequence of a batch: a new drafter of its own, which remembers nothing after.
 
 A job that runs alone gets its engine before it is submitted (`building`): built beside the worker, on a

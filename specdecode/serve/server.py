@@ -8,8 +8,9 @@ Several users at once (see also `serve.guard` for keys, hosts and the HTTP limit
   one drafter per *owner*: with `memory_scope="tenant"` (the default) an owner is an API key's tenant
   and the request's OpenAI `user` field; a request with neither (no keys, no `user` or an empty one) has
   a drafter that has forgotten every earlier request (one engine for all such requests, reset before each).
-  "request" never shares; "server" shares one memory among all (one trusted user). So a request's drafts, rejected text and token origins carry only its owner's text. The
-  owners are kept per tenant (`memory_owners`, `memory_budget` each): a tenant pushes out only its own.
+  "request" never shares; "server" shares one memory among all (one trusted user). So a request's drafts,
+  rejected text and token origins carry only its owner's text. The owners are kept per tenant
+  (`memory_owners`, `memory_budget` each): a tenant pushes out only its own.
 - *Cost*: `Limits` caps a request's tokens, its prompt's (400 beyond, before any work), its time (past its
   deadline a generation ends where it is, as at max_tokens) and the requests waiting (429 beyond); a client
   that disconnects, streaming or not, stops its generation within one step, or one chunk of its prompt.
@@ -38,6 +39,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specdecode.api import Models
+from specdecode.constraints import grammar
 from specdecode.engine import GenerationResult, SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.methods import MethodChoice
@@ -201,6 +203,16 @@ class Server:
         except TemplateError as error:  # the template refuses the conversation (e.g. roles out of order)
             raise APIError(400, f"The chat template cannot render these messages: {error}", param="messages") from None
 
+    def _grammar_vocabulary(self) -> None:  # on the tokenizing pool
+        """The grammar engine's view of the tokenizer (`constraints.grammar.engine_tokenizer`), built here on a
+        constrained request's way in: built once, it takes seconds on a large vocabulary, which on the worker
+        (where a sequence's matcher is made) would hold every other request up."""
+        target = self.models.target
+        try:
+            grammar.engine_tokenizer(self.models.tokenizer, target.vocab_size, target.eos_token_ids)
+        except UserError as error:
+            raise APIError(400, str(error), param="response_format") from None
+
     async def complete(self, request: Request, chat: bool) -> Response:
         """One request to /v1/completions or /v1/chat/completions, from its body to its response."""
         arrival = time.perf_counter()
@@ -229,6 +241,8 @@ class Server:
             prompt_ids = await loop.run_in_executor(self._tokenizing, encode)
             self.limits.check_prompt(prompt_ids, self.models.target.max_context, param)
             config = self.limits.config(body, prompt_ids, limit, self.models.target.max_context, param)
+            if config.constraint is not None:
+                await loop.run_in_executor(self._tokenizing, self._grammar_vocabulary)
             engine = None
             if self.worker.runs_alone(choice):
                 engine = await self._engine(choice, memory, request)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import openai
 import pytest
@@ -143,3 +144,22 @@ def test_text_is_the_neutral_response_format(server):
     reply = post(running.url, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 2,
                                                        "response_format": {"type": "text"}})
     assert reply.status_code == 200
+
+
+def test_the_grammar_engines_vocabulary_is_built_off_the_worker(server, monkeypatch):
+    """Its first build takes seconds on a large vocabulary: made on the worker it would hold every request up."""
+    import llguidance.hf
+
+    from specdecode.constraints import grammar
+
+    running, _ = server
+    built_on = []
+    build = llguidance.hf.from_tokenizer
+    monkeypatch.setattr(grammar, "_TOKENIZERS", type(grammar._TOKENIZERS)())  # as on a new server
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer",
+                        lambda *a, **k: built_on.append(threading.current_thread().name) or build(*a, **k))
+    body = {"model": MODEL, "prompt": "pick one", "max_tokens": 8, "temperature": 0,
+            "structured_outputs": {"regex": "(yes|no)"}}
+    for _ in range(2):
+        assert post(running.url, "/v1/completions", body).status_code == 200
+    assert len(built_on) == 1 and built_on[0].startswith("specdecode-tokenize")

@@ -1,0 +1,88 @@
+"""What `auto` should be made of: its composite with some of its sources left out, beside `ar` and `pld`, in one
+interleaved run (greedy, the default pair, int4 target, 64 tokens).
+
+    python benchmarks/auto_sources.py [--per-category 1] [--repeats 2] [--out records.jsonl]
+    python benchmarks/over_peer.py records.jsonl --baseline ar
+
+Variants: `auto-all` (the copies, Medusa and EAGLE-3 trees, the draft model as the fallback: what `auto` was
+before it took one head), `auto-nodraft` (the same without the draft model), `copy+medusa`, `copy` (prompt
+lookup and the suffix cache). Every method forgets earlier prompts before each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from specdecode.api import load_models
+from specdecode.bench.datasets import DEFAULT_CATEGORIES, sample_tasks
+from specdecode.bench.harness import run_task
+from specdecode.bench.runners import engine_runner, our_runner
+from specdecode.drafters.auto import HEAD_KINDS, head_drafter
+from specdecode.drafters.composite import CompositeDrafter
+from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.options import DrafterOptions
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+from specdecode.drafters.sources import Source
+from specdecode.drafters.suffix import SuffixDrafter
+from specdecode.engine import GenerationConfig, SpeculativeEngine
+from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+VARIANTS = {  # name -> the sources kept: copies, heads by kind, "draft"
+    "auto-all": ("copy", "medusa", "eagle3", "draft"),
+    "auto-nodraft": ("copy", "medusa", "eagle3"),
+    "copy+medusa": ("copy", "medusa"),
+    "copy": ("copy",),
+}
+
+
+def variant(models, name: str, kept: tuple[str, ...]):
+    target = models.target
+    curve = target.cost_curve()
+    sources = [Source(PromptLookupDrafter()), Source(SuffixDrafter(curve, tree=True))] if "copy" in kept else []
+    sources += [Source(head_drafter(target, kind, None, DrafterOptions())) for kind in HEAD_KINDS if kind in kept]
+    if "draft" in kept:
+        sources.append(Source(DraftModelDrafter.for_models(models.draft, target), "expensive"))
+    drafter = CompositeDrafter(sources, curve, tree=True, final_layer=target.model.config.num_hidden_layers)
+    drafter.name = name
+    return engine_runner(SpeculativeEngine(target, models.tokenizer, drafter, method=name))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--per-category", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("results/auto-sources.jsonl"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    models = load_models(DEFAULT_TARGET, DEFAULT_DRAFTER, dtype="int4", progress=True)
+    runners = {"ar": our_runner(models, "ar"), "pld": our_runner(models, "pld"), "auto": our_runner(models, "auto")}
+    runners |= {name: variant(models, name, kept) for name, kept in VARIANTS.items()}
+    tasks = sample_tasks(DEFAULT_CATEGORIES, args.per_category)
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    names = list(runners)
+    for name in names:  # warm up
+        run_task(models, runners[name], tasks[0], GenerationConfig(max_new_tokens=8), -1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("w") as out:
+        for repeat in range(args.repeats):
+            for index, task in enumerate(tasks):
+                shift = (index + repeat) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    runners[name].forget()
+                    record = run_task(models, runners[name], task, config, repeat)
+                    out.write(json.dumps({"method": name, "category": task.category, "task_id": task.task_id,
+                                          "repeat": repeat, "turn_lengths": record.turn_lengths,
+                                          "seconds": record.seconds, "error": record.error}) + "\n")
+                    out.flush()
+                print(f"repeat {repeat}: {task.task_id}", flush=True)
+    print(f"wrote {args.out}; summarise with: python benchmarks/over_peer.py {args.out} --baseline ar")
+
+
+if __name__ == "__main__":
+    main()
