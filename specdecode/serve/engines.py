@@ -60,13 +60,13 @@ class Engines:
         self._building: dict[str | None, tuple[tuple[str, Hashable | None], Future]] = {}  # tenant -> its build
 
     def prepare(self, choice: MethodChoice, keep: bool = True) -> None:
-        """Build a method's engine now, paying what it costs once (a layer search, a datastore...); kept
-        for its jobs when `keep` (not for a method whose jobs are batched) and it remembers nothing.
-        Raises what building it raises."""
+        """Build a method's engine now, paying what it costs once (a layer search, a datastore, a head...);
+        kept for its jobs when `keep` (not for a method whose jobs are batched): a method that remembers keeps it
+        as the one its ownerless jobs share. Raises what building it raises."""
         engine = self.models.engine_for(choice)
-        if keep and not choice.method.remembers:
+        if keep:
             with self._lock:
-                self.shared[choice.name] = engine
+                self._keep(choice, None, engine)
 
     def engine(self, choice: MethodChoice, memory: Hashable | None) -> SpeculativeEngine:
         """The engine a job runs alone with, built here if need be (on the worker thread, for a job

@@ -170,13 +170,15 @@ def test_a_growing_index_finds_what_a_plain_search_finds():
 
 
 def test_requests_without_an_owner_share_one_engine_built_once(models):
-    """A remembering method's engine for requests with no owner is built once (a head's loading and
-    preparation is not paid again per request) and shared; what keeps them apart is the worker's `forget`
+    """A remembering method's engine for requests with no owner is built once, at the start-up preparation (a
+    head's loading is not paid again per request), and shared; what keeps them apart is the worker's `forget`
     before each (`test_a_second_client_sees_nothing_of_the_first` fails without it)."""
     from specdecode.methods import choose
     from specdecode.serve.worker import Job
 
     running, state = serve(models, "tenant")
+    state.wait_until_prepared(timeout=120)
+    prepared = state.engines.forgetful["suffix"]
     built = []
     engine_for = state.engines.models.engine_for
     state.engines.models.engine_for = lambda choice: built.append(choice.name) or engine_for(choice)
@@ -187,6 +189,7 @@ def test_requests_without_an_owner_share_one_engine_built_once(models):
     finally:
         running.stop()
         state.engines.models.engine_for = engine_for
-    assert built.count("suffix") == 2  # one for every ownerless request, one for carol
+    assert built == ["suffix"]  # carol's; the ownerless requests ran on the prepared engine
+    assert state.engines.forgetful["suffix"] is prepared
     suffix = choose("suffix")
     assert Job(suffix, [], None, None, None).forgets and not Job(suffix, [], None, None, None, memory="x").forgets
