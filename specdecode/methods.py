@@ -101,8 +101,8 @@ METHODS: dict[str, Method] = {
     for m in [
         Method("auto", "the default: one composite of what the loaded models allow, asked cheapest first and each "
                "only while it pays on the request: prompt lookup, the suffix cache, one trained head of the "
-               "target (the one given, else Medusa; torch), the draft model as the fallback where one is loaded; merged into one "
-               "tree sized on the cost curve", False, _DRAFTERS + "auto:build_auto",
+               "target (the one given, else Medusa; torch), the draft model as the fallback where one is "
+               "loaded; merged into one tree sized on the cost curve", False, _DRAFTERS + "auto:build_auto",
                takes=("datastore", "reference", "head"), remembers=True, uses_draft_model=True),
         Method("ar", "plain autoregressive decoding (the baseline)", False, None, batchable=True),
         Method("draft", "an independent draft model drafts a chain (adaptive length) or an EAGLE-2-style tree; "
