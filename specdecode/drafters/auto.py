@@ -46,8 +46,7 @@ def heads_for(target: CausalLM, head: str | None = None) -> list[tuple[str, Path
     One head, not every one there is: a second head's drafts overlap the first's and the copies', while
     its drafting time and the wider tree it adds cost every step, which the per-source ledger
     (`drafters.source_payoff`) does not charge in full (it weighs a source's drafting time, not the
-    verification width its nodes take). On the benchmark auto with Medusa alone beside the copies was
-    faster than with Medusa and EAGLE-3 in 7 of 8 categories (docs/results/auto.md)."""
+    verification width its nodes take); measured in docs/results/auto.md ("Which sources")."""
     model = getattr(target, "model", None)
     if model is None:
         return []
