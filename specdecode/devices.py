@@ -12,6 +12,7 @@ clock is read honestly on it, and what counts as a host synchronisation.
   budget of each step (one transfer per greedy verification) enforced without a GPU.
 - `name(device)`: what a cache key says of a device (a GPU's name, capability, torch's and CUDA's
   versions; the CPU's ATen capability).
+- `attention(device)`: the attention kernels a forward may use there (on CUDA, every one but cuDNN's).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from typing import Any, TypeGuard
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from specdecode.errors import UserError
@@ -55,6 +57,22 @@ def resolve(spec: str | torch.device | None = "auto") -> torch.device:
     if device.type not in ("cpu", "cuda", "mps"):
         raise UserError(f"unknown device {spec!r}; use one of {', '.join(CHOICES)}")
     return device
+
+
+# cuDNN's fused attention builds an execution graph on the host for every new shape it meets, and decoding
+# meets a new key length at every step (one token more in the cache): each token paid one build per layer,
+# more than the forward itself (docs/results/gpu.md, "cuDNN attention"). Flash and memory-efficient
+# attention take any length as it comes; the math kernel is the last resort (float32 on some cards).
+_ATTENTION_ON_CUDA = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def attention(device: torch.device | str | None) -> contextlib.AbstractContextManager:
+    """The context a forward runs in so that its attention (torch's scaled_dot_product_attention, as
+    transformers' "sdpa" and our heads call it) never picks cuDNN's kernel on CUDA; elsewhere nothing
+    changes. The choice is process-wide while inside, as torch keeps it."""
+    if device is None or torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel(list(_ATTENTION_ON_CUDA))
 
 
 def refuse_off_cpu(device: torch.device, what: str, alternative: str) -> None:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdecode import devices
 from specdecode.errors import UserError
 
 CONFIG = "eagle3.json"
@@ -111,8 +112,9 @@ class Attention(nn.Module):
         cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         keys, values = (k, v) if past is None else (torch.cat([past[0], k], 1), torch.cat([past[1], v], 1))
-        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask[None, None],
-                                             enable_gqa=True)[0]  # [heads, n, hd]
+        with devices.attention(x.device):
+            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask[None, None],
+                                                 enable_gqa=True)[0]  # [heads, n, hd]
         return self.o_proj(out.transpose(0, 1).reshape(n, -1)), (k, v)
 
 

@@ -128,7 +128,19 @@ class HFCausalLM(CausalLM):
         rows = torch.arange(n - num_logits, n, device=device) if rows is None else to_device(rows, device)
         if self._lean is not None:
             return self._lean_forward(self._lean, token_ids, positions, tree_mask, rows, output_hidden)
-        out = self.model(
+        with devices.attention(device):
+            out = self._model_forward(token_ids, positions, tree_mask, rows, output_hidden)
+        self._length += n
+        hidden = None  # every fed token's: the final-norm state, or the named layers' inputs side by side
+        if output_hidden is True:
+            hidden = out.hidden_states[-1][0]
+        elif output_hidden:
+            hidden = torch.cat([out.hidden_states[i][0] for i in output_hidden], dim=-1)
+        return ForwardOutput(logits=out.logits[0].float(), hidden=hidden)
+
+    def _model_forward(self, token_ids, positions, tree_mask, rows, output_hidden):
+        n = token_ids.numel()
+        return self.model(
             input_ids=token_ids.view(1, n),
             position_ids=positions.view(1, n),
             attention_mask=None if tree_mask is None else self._attention_mask(tree_mask),
@@ -140,13 +152,6 @@ class HFCausalLM(CausalLM):
             logits_to_keep=rows,
             output_hidden_states=bool(output_hidden),
         )
-        self._length += n
-        hidden = None  # every fed token's: the final-norm state, or the named layers' inputs side by side
-        if output_hidden is True:
-            hidden = out.hidden_states[-1][0]
-        elif output_hidden:
-            hidden = torch.cat([out.hidden_states[i][0] for i in output_hidden], dim=-1)
-        return ForwardOutput(logits=out.logits[0].float(), hidden=hidden)
 
     def _lean_forward(self, lean: LeanDecoder, token_ids, positions, tree_mask, rows,
                       output_hidden) -> ForwardOutput:

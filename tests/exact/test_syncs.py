@@ -136,3 +136,42 @@ def test_a_constrained_step_reads_the_device_no_more(params):
             counter.reset()
     assert sum(e.stats.forced for e in events) > 0 and any(e.stats.drafted > e.stats.forced for e in events)
     assert counts and max(counts) == 1, counts
+
+
+def test_attention_on_cuda_leaves_out_cudnn_and_elsewhere_changes_nothing():
+    before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+              torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
+    with devices.attention(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    with devices.attention(torch.device("cpu")), devices.attention(None):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before[0]
+    assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+            torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()) == before
+
+
+def test_every_forward_runs_its_attention_inside_the_devices_choice(tiny_target, monkeypatch):
+    """The target's forward, an EAGLE-3 head's and the self-speculative layers' all ask `devices.attention`
+    for their device: a new path that forgot would decode on CUDA with cuDNN's per-length graph builds."""
+    from conftest import random_eagle3_head
+    from specdecode.drafters.self_speculative.layers import run_layers
+
+    asked: list[str] = []
+    real = devices.attention
+
+    def recording(device):
+        asked.append(torch.device(device).type)
+        return real(device)
+
+    monkeypatch.setattr(devices, "attention", recording)
+    lm = HFCausalLM(tiny_target)
+    lm.forward(torch.tensor(PROMPT[:5]))
+    assert asked == ["cpu"]
+    head = random_eagle3_head(tiny_target)
+    attention = head.midlayer.self_attn
+    d = attention.q_proj.in_features  # the head's attention reads [n, 2 hidden]
+    attention(torch.randn(3, d), torch.arange(3), torch.ones(3, 3, dtype=torch.bool).tril(), None)
+    assert asked == ["cpu", "cpu"]
+    run_layers(tiny_target, [0], torch.tensor(PROMPT[:1]), torch.arange(1), None, None)
+    assert asked[2:] == ["cpu"]

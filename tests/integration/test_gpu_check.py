@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PARTS = ["versions", "exactness", "syncs", "pytest", "cost", "overhead", "throughput"]
+PARTS = ["versions", "exactness", "syncs", "pytest", "cost", "overhead", "jitter", "throughput"]
 METHODS = ["ar", "pld", "draft", "eagle3"]
 
 
@@ -48,6 +48,12 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
         (0, "plain"), (4, "accepted"), (4, "rejected"), (8, "accepted"), (8, "rejected")] * len(plan["targets"])
     assert all(r["steps_timed"] > 0 for r in overhead)
 
+    jitter = parts["jitter"]["result"]
+    assert jitter["samples"] and all(s["step_ms"] > 0 and s["forward_ms"] > 0 for s in jitter["samples"])
+    assert jitter["profile_steps"]["self_cpu_ms"] > 0 and "aten::" in jitter["profile_steps"]["table"]
+    assert [r["attention"] for r in jitter["new_lengths"]] == ["ours", "torch default"] * 2
+    assert len({r["prompt"] for r in jitter["new_lengths"]}) == 4  # each run from a length met nowhere before
+
     throughput = parts["throughput"]["result"]["rows"]
     assert {(r["shape"], r["method"]) for r in throughput} == {(s, m) for s in plan["targets"] for m in METHODS}
     assert all(r["new_tokens"] == plan["new_tokens"] and r["tokens_per_s"] > 0 for r in throughput)
@@ -56,3 +62,12 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     summary = done.stdout.strip().splitlines()
     assert summary[0].endswith("PASSED") and summary[-1].startswith("report: ")
     assert "\n".join(summary[:-1]) in (out / "gpu-check.md").read_text()  # the Markdown's summary, printed last
+
+
+def test_gpu_check_runs_the_parts_asked_for_and_names_an_unknown_one(tmp_path):
+    check = [sys.executable, str(REPO / "scripts" / "gpu-check"), "--device", "cpu", "--small", "--out", str(tmp_path)]
+    done = subprocess.run([*check, "--parts", "versions,syncs"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert list(json.loads((tmp_path / "gpu-check.json").read_text())["parts"]) == ["versions", "syncs"]
+    done = subprocess.run([*check, "--parts", "versions,speed"], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "no part named speed" in done.stderr and "Traceback" not in done.stderr
