@@ -11,8 +11,10 @@ So the choice is made in two rounds. First each candidate path times one product
 dearer per token than the best (on a CPU without bf16 units, bfloat16 and float32; they would also take the most
 memory to load); the quantized paths are always timed whole. Then the model itself is loaded on each remaining
 path in turn and its own decoder's one-token and eight-token forwards after a context are timed
-(`time_forwards`); the cheapest per generated token wins (`decide`): min(t1, t8 / 3), as if an 8-token
-verification yielded three tokens, a quantized path (int8, or int4 where its AVX2 kernel runs), which is not the
+(`time_forwards`); the cheapest per generated token wins (`decide`): (t1 + t8 / 3) / 2, decoding taken as
+as many steps that verify one token as steps that verify eight and yield three (where text gives speculation
+little, most steps are narrow; judging by the wide ones alone ranked int8 first on an AVX2 machine where int4
+decodes a token in two thirds of int8's time), a quantized path (int8, or int4 where its AVX2 kernel runs), which is not the
 float model, only when it is QUANTIZED_MARGIN times cheaper than the best float path timed. The whole choice is
 measured once per machine and model and cached beside the cost curves (the quantized paths timed are prepared on
 disk then, `models.prepared`, so the chosen one loads at once), so a second start reads it.
@@ -88,8 +90,15 @@ def measure_paths(hidden: int, intermediate: int) -> dict[str, tuple[float, floa
 
 
 def per_token(seconds: tuple[float, float]) -> float:
+    """The best a path can do per token: plain, or an 8-token verification at its yield (to prune with)."""
     one, eight = seconds
     return min(one, eight / TOKENS_PER_WIDE_STEP)
+
+
+def mixed_per_token(seconds: tuple[float, float]) -> float:
+    """A path's seconds per token over as many plain steps as 8-token verifications (to choose with)."""
+    one, eight = seconds
+    return (one + eight / TOKENS_PER_WIDE_STEP) / 2
 
 
 FLOATS, QUANTIZED = ("bfloat16", "float32"), ("int8", "int4")
@@ -101,10 +110,10 @@ def decide(measured: Mapping[str, tuple[float, float]]) -> str:
     floats = [name for name in FLOATS if name in measured]
     quantized = [name for name in QUANTIZED if name in measured]
     if not floats or not quantized:
-        return min(floats or quantized, key=lambda name: per_token(measured[name]))
-    best_float = min(floats, key=lambda name: per_token(measured[name]))
-    best_quantized = min(quantized, key=lambda name: per_token(measured[name]))
-    if per_token(measured[best_quantized]) * QUANTIZED_MARGIN <= per_token(measured[best_float]):
+        return min(floats or quantized, key=lambda name: mixed_per_token(measured[name]))
+    best_float = min(floats, key=lambda name: mixed_per_token(measured[name]))
+    best_quantized = min(quantized, key=lambda name: mixed_per_token(measured[name]))
+    if mixed_per_token(measured[best_quantized]) * QUANTIZED_MARGIN <= mixed_per_token(measured[best_float]):
         return best_quantized
     return best_float
 
@@ -143,8 +152,13 @@ def fastest(model_key: str, hidden: int, intermediate: int, load: Callable[[str]
 
     name = hashlib.sha256(f"{model_key}|{hidden}x{intermediate}".encode()).hexdigest()[:16]
     path = costs.cache_root() / f"precision3-{costs.machine_digest()}-{name}.json"  # 3: whole forwards
-    if path.exists():
-        return json.loads(path.read_text())["choice"]
+    if path.exists():  # measured before: decided again from the timings kept (the rule may have changed)
+        kept = json.loads(path.read_text())
+        choice = decide(kept["forwards"]) if kept.get("forwards") else kept["choice"]
+        if choice != kept["choice"]:
+            path.write_text(json.dumps(kept | {"choice": choice}))
+            dtype_choice.remember(model_key, choice)
+        return choice
     products = measure_paths(hidden, intermediate)
     whole: dict[str, tuple[float, float]] = {}
     for candidate in candidates(products):
