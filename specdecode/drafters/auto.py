@@ -8,9 +8,14 @@ first, their proposals merged into one token tree sized on the target's cost cur
 1. prompt lookup (with the `--reference` document), 2. the suffix cache of this and earlier requests,
 3. retrieval, only from a datastore given (`--datastore`), 4. one trained head of the target (`heads_for`: a
 head given with `--head`, else the shipped Medusa heads, else the shipped EAGLE-3 head), on the torch
-backend (it reads the target's hidden states), 5. the draft
-model, where one is loaded, as the expensive fallback asked only while the others promise less than one
-accepted token.
+backend (it reads the target's hidden states), 5. where no head drafts, the draft model, where one is loaded, as
+the expensive fallback asked only while the others promise less than one accepted token.
+
+Not the draft model beside a head: the first speculative step after plain ones brings it up to the whole
+context (its prefill), which makes the engine's speculative trials dear (`engine.payoff`); after a stretch of
+text where nothing paid, the engine then kept whole requests plain, copy-heavy ones included (code edits on
+the AVX2 stand-in: docs/results/auto.md, "The draft model beside a head"). A head already guesses open text,
+for far less.
 
 Each source is asked only while it pays on the request (`drafters.source_payoff`), and the engine's gate and
 step-aside switch keep a step plain where speculation does not pay at all. Lossless like every part: the
@@ -80,8 +85,9 @@ def auto_sources(target: CausalLM, draft: CausalLM | None, options: DrafterOptio
         from specdecode.drafters.retrieval import build_retrieval
 
         sources.append(Source(build_retrieval(target, None, dataclasses.replace(options, tree=False, budget=None))))
-    sources += [Source(head_drafter(target, kind, folder, options)) for kind, folder in heads_for(target, options.head)]
-    if draft is not None:  # (one with the target's tokenizer: `api.Models.drafter_for`)
+    guessers = [Source(head_drafter(target, kind, folder, options)) for kind, folder in heads_for(target, options.head)]
+    sources += guessers
+    if draft is not None and not guessers:  # (one with the target's tokenizer: `api.Models.drafter_for`)
         sources.append(Source(DraftModelDrafter.for_models(draft, target), "expensive"))
     return sources
 

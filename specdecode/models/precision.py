@@ -13,9 +13,10 @@ memory to load); the quantized paths are always timed whole. Then the model itse
 path in turn and its own decoder's one-token and eight-token forwards after a context are timed
 (`time_forwards`); the cheapest per generated token wins (`decide`): (t1 + t8 / 3) / 2, decoding taken as
 as many steps that verify one token as steps that verify eight and yield three (where text gives speculation
-little, most steps are narrow; judging by the wide ones alone ranked int8 first on an AVX2 machine where int4
-decodes a token in two thirds of int8's time), a quantized path (int8, or int4 where its AVX2 kernel runs), which is not the
-float model, only when it is QUANTIZED_MARGIN times cheaper than the best float path timed. The whole choice is
+little, most steps are narrow; judging by the wide ones alone can rank first a path whose one-token forward
+is far dearer: docs/backends.md, "`--dtype auto`"), a quantized path (int8, or int4 where its AVX2 kernel
+runs), which is not the float model, only when it is QUANTIZED_MARGIN times cheaper than the best float path
+timed. The whole choice is
 measured once per machine and model and cached beside the cost curves (the quantized paths timed are prepared on
 disk then, `models.prepared`, so the chosen one loads at once), so a second start reads it.
 """
