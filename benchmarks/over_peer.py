@@ -17,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 OPEN_ENDED = ("multi-turn", "qa", "math", "translation")
-FIELDS = ("method", "category", "task_id", "repeat", "turn_lengths", "seconds", "error")
+FIELDS = ("method", "category", "task_id", "repeat", "turn_lengths", "seconds", "prefill_seconds", "error")
 
 
 def rates(records: list[dict]) -> dict[tuple[str, str, int], tuple[float, str]]:
@@ -64,7 +64,7 @@ def main() -> None:
         raise SystemExit(f"error: no run of {args.baseline} in {args.records}")
     print("\n".join(table(records, args.baseline)))
     if args.slim is not None:
-        args.slim.write_text("".join(json.dumps({k: r[k] for k in FIELDS}) + "\n" for r in records))
+        args.slim.write_text("".join(json.dumps({k: r.get(k) for k in FIELDS}) + "\n" for r in records))
 
 
 if __name__ == "__main__":

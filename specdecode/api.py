@@ -233,7 +233,7 @@ def generate(
     `constraint`: the language the output must belong to (`Constraint.json_schema(schema)`, `.json_object()`,
     `.regex(pattern)`, `.grammar(lark)`), enforced losslessly under every method (docs/structured-output.md)."""
     choice = choose(method, tree=tree, budget=budget, head=head)  # before any model loads
-    needs_draft = choice.method.loads_draft_model
+    needs_draft = choice.loads_draft_model(target, backend)
     key = (id(target) if isinstance(target, PreTrainedModel) else target,
            (id(drafter) if isinstance(drafter, PreTrainedModel) else drafter) if needs_draft else None, str(dtype),
            str(draft_dtype), backend, str(device))

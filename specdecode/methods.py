@@ -243,6 +243,18 @@ class MethodChoice:
         """Its display name: `draft`, `draft-tree`, `draft-tree-fixed`."""
         return name_of(self.method, self.options)
 
+    def loads_draft_model(self, target, backend: str = "torch") -> bool:
+        """Whether a command running it on `target` (a name or path, or a loaded model) loads the draft model:
+        its method needs one or uses one where loaded (`Method.loads_draft_model`), except `auto` where a
+        trained head will draft (given, or shipped for the target), which it prefers to the draft model."""
+        if not self.method.loads_draft_model:
+            return False
+        if self.method.name == "auto":
+            from specdecode.drafters.auto import drafts_with_head
+
+            return not drafts_with_head(target, self.options.head, backend)
+        return True
+
     @property
     def tree_budget(self) -> int | str | None:
         """Tree nodes verified per step: a number, "whole" (a fixed shape), "auto" (from the cost curve), or

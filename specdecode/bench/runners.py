@@ -17,7 +17,7 @@ from specdecode.bench import llamacpp_peers
 from specdecode.bench.base import Output, Runner
 from specdecode.engine import GenerationConfig, SpeculativeEngine, StepEvent
 from specdecode.errors import UserError
-from specdecode.methods import resolve
+from specdecode.methods import choose, resolve
 from specdecode.models.hf import torch_target
 
 
@@ -116,9 +116,10 @@ PEERS = {
 }
 
 
-def needs_draft_model(names: list[str]) -> bool:
-    return any(PEERS[name].needs_draft_model if name in PEERS else resolve(name)[0].loads_draft_model
-               for name in names)
+def needs_draft_model(names: list[str], target, backend: str = "torch", head: str | None = None) -> bool:
+    """Whether a row loads the draft model (ours: `MethodChoice.loads_draft_model` on this target)."""
+    return any(PEERS[name].needs_draft_model if name in PEERS
+               else choose(name, head=head, only_if_taken=True).loads_draft_model(target, backend) for name in names)
 
 
 def runner_names(names: list[str]) -> list[str]:
@@ -152,7 +153,7 @@ class Setup:
     def load(self, progress: bool = True) -> tuple[Models, dict[str, Runner]]:
         """The models (the draft model only when a method needs it) and the runners, on `threads` threads."""
         torch.set_num_threads(self.threads)
-        drafter = self.drafter if needs_draft_model(self.methods) else None
+        drafter = self.drafter if needs_draft_model(self.methods, self.target, self.backend, self.head) else None
         models = load_models(self.target, drafter, dtype=self.dtype, draft_dtype=self.draft_dtype,
                              backend=self.backend, progress=progress, device=self.device)
         return models, build_runners(models, self.methods, datastore=self.datastore, head=self.head)

@@ -63,6 +63,16 @@ def heads_for(target: CausalLM, head: str | None = None) -> list[tuple[str, Path
     return []
 
 
+def drafts_with_head(target, head: str | Path | None = None, backend: str = "torch") -> bool:
+    """Whether `auto` will draft with a trained head on this target, known before the models load (`target`: its
+    name or path, or a loaded transformers model): a head given, or one shipped for it, on the torch backend.
+    Where it will, a command running `auto` does not load the draft model (`methods.loads_draft_model`)."""
+    if backend != "torch":
+        return False
+    return head is not None or any((heads.shipped_head(target, kind) / heads.RECORDS[kind]).is_file()
+                                   for kind in HEAD_KINDS if kind != "eagle")
+
+
 def head_drafter(target: CausalLM, kind: str, folder: Path | None, options: DrafterOptions) -> Drafter:
     """A head's tree drafter, as its own method builds it."""
     from specdecode.drafters.eagle import build_eagle

@@ -73,9 +73,13 @@ def check_fits(folder: Path, kind: str, record: dict, hidden_size: int, vocab_si
                         f"{target_vocab}: train one for it with `specdecode train {kind} --target ... --out DIR`")
 
 
-def shipped_head(target_model, kind: str) -> Path:
-    """Where the repository keeps a trained head for a target: specdecode/heads/<model name>/<kind>."""
-    name = Path(str(target_model.config._name_or_path).rstrip("/")).name
+def shipped_head(target, kind: str) -> Path:
+    """Where the repository keeps a trained head for a target: specdecode/heads/<model name>/<kind>. `target`:
+    a transformers model, or before it loads its name or path (a registered name, a hub id, a folder), which
+    names the same folder as the model loaded from it. Lower case, as the folders are: a hub id
+    (`Qwen/Qwen2.5-Coder-1.5B-Instruct`) finds its model's heads (their records are checked against it on load)."""
+    config = getattr(target, "config", None)
+    name = Path(str(config._name_or_path if config is not None else target).rstrip("/")).name.lower()
     return Path(__file__).resolve().parents[1] / "heads" / name / kind
 
 

@@ -222,6 +222,24 @@ def test_auto_is_made_of_what_the_models_allow(models, random_heads, monkeypatch
     assert drafter.memory_bytes() == sum(source.drafter.memory_bytes() for source in drafter.sources) > 0
 
 
+def test_auto_loads_the_draft_model_only_where_no_head_will_draft(models, random_heads, monkeypatch, tmp_path):
+    """Known before the models load, from the target's name: where a head ships (or is given) auto drafts
+    with it, not with the draft model, so the commands do not load one; elsewhere it is auto's fallback."""
+    monkeypatch.setattr(heads, "shipped_head", lambda target, kind: (random_heads if "with-heads" in str(target)
+                                                                    else tmp_path) / kind)
+    auto = choose("auto")
+    assert not auto.loads_draft_model("models/with-heads")
+    assert auto.loads_draft_model("models/with-heads", backend="llamacpp")  # no hidden states there: no head
+    assert auto.loads_draft_model("models/plain")
+    assert not choose("auto", head=str(random_heads / "eagle3")).loads_draft_model("models/plain")
+    assert choose("draft").loads_draft_model("models/with-heads") and not choose("pld").loads_draft_model("x")
+    # the rule that finds a shipped head on the loaded model finds it from the name the model was loaded by
+    monkeypatch.undo()
+    assert heads.shipped_head("~/.cache/specdecode/models/qwen-x/", "medusa") == heads.shipped_head(
+        type("Model", (), {"config": type("Config", (), {"_name_or_path": "qwen-x"})})(), "medusa")
+    assert heads.shipped_head("Org/Qwen-X", "medusa") == heads.shipped_head("qwen-x", "medusa")  # a hub id's case
+
+
 def test_auto_off_the_torch_backend_has_no_heads():
     class NoHidden:  # a backend without hidden states (llama.cpp's)
         pass

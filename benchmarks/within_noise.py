@@ -1,0 +1,129 @@
+"""Is one method as fast as the best of the others in every category, within noise? From benchmark records.
+
+    python benchmarks/within_noise.py RECORDS.jsonl [MORE.jsonl ...] [--method auto] [--rivals pld,suffix]
+                                      [--decoding-alone]
+
+Each run's tokens per second is paired with every rival's on the same prompt and repeat (one interleaved run;
+several files are pooled, a pair never crossing files). Per category and rival: the geometric mean of
+`method / rival` over the pairs and a 90% interval for it (Student's t over the pairs' log ratios: the noise of
+the measurement on these prompts, not a claim about other prompts). The category's verdict is against its
+strongest rival (the lowest geometric mean): *ahead* where the whole interval is above 1, *level* where it holds
+1 (the gap is within noise), *behind* where it is all below 1. Beside it, the repeat noise of the run: how far
+one run of a prompt lies from the mean of its repeats (one method, the root mean square over methods and
+prompts), what two runs of the very same work differ by here.
+
+`--decoding-alone`: the rates after the first token of each turn (the records' `prefill_seconds` left out),
+where the prompt's feeding is the same work for every method and its time only adds noise to the comparison.
+
+Rivals: every other method in the records but `ar` (the default), llama.cpp's rows included; lossy rows are not
+told apart (pass --rivals to choose).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+Key = tuple[int, str, int]  # (file, task, repeat)
+
+
+def load(paths: list[Path], decoding_alone: bool = False) -> dict[str, dict[str, dict[Key, float]]]:
+    """category -> method -> (file, task, repeat) -> log tokens per second; failed and warm-up runs left out
+    (and with `decoding_alone`, runs without a prefill time: slimmed records, llama.cpp's rows)."""
+    out: dict[str, dict[str, dict[Key, float]]] = defaultdict(lambda: defaultdict(dict))
+    for index, path in enumerate(paths):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record["repeat"] < 0 or record["error"] or not record["seconds"]:
+                continue
+            tokens, seconds = sum(record["turn_lengths"]), record["seconds"]
+            if decoding_alone:
+                if record.get("prefill_seconds") is None:
+                    continue
+                tokens, seconds = tokens - len(record["turn_lengths"]), seconds - record["prefill_seconds"]
+                if tokens < 1 or seconds <= 0:
+                    continue
+            rate = tokens / seconds
+            out[record["category"]][record["method"]][index, record["task_id"], record["repeat"]] = math.log(rate)
+    return out
+
+
+# Student's t, 95th percentile, by degrees of freedom (1-30; beyond, the normal's 1.645 plus a little)
+T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
+       1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
+
+
+def interval(differences: list[float]) -> tuple[float, float, float]:
+    """Mean log ratio and its 90% interval (t over the pairs); one pair: no interval (infinite)."""
+    mean = statistics.fmean(differences)
+    if len(differences) < 2:
+        return mean, -math.inf, math.inf
+    degrees = len(differences) - 1
+    quantile = T95[degrees - 1] if degrees <= len(T95) else 1.645 + 1.5 / degrees
+    half = quantile * statistics.stdev(differences) / math.sqrt(len(differences))
+    return mean, mean - half, mean + half
+
+
+def repeat_noise(measured: dict[str, dict[str, dict[Key, float]]]) -> float:
+    """Root mean square deviation of a log rate from its prompt's mean over repeats (one method, one prompt)."""
+    squares, count = 0.0, 0
+    for methods in measured.values():
+        for runs in methods.values():
+            by_prompt: dict[tuple[int, str], list[float]] = defaultdict(list)
+            for (index, task, _), value in runs.items():
+                by_prompt[index, task].append(value)
+            for values in by_prompt.values():
+                if len(values) > 1:
+                    centre = statistics.fmean(values)
+                    squares += sum((v - centre) ** 2 for v in values)
+                    count += len(values) - 1
+    return math.sqrt(squares / count) if count else float("nan")
+
+
+def table(measured, method: str, rivals: list[str] | None) -> list[str]:
+    lines = [f"| category | strongest rival | `{method}` / rival (geometric mean) | 90% interval | pairs | verdict "
+             "| every rival |", "|---|---|---|---|---|---|---|"]
+    for category in sorted(measured):
+        runs = measured[category]
+        if method not in runs:
+            continue
+        others = [m for m in (rivals or sorted(runs)) if m in runs and m != method and (rivals or m != "ar")]
+        rows = []
+        for rival in others:
+            pairs = [value - runs[rival][key] for key, value in runs[method].items() if key in runs[rival]]
+            if pairs:
+                rows.append((rival, len(pairs), *interval(pairs)))
+        if not rows:
+            continue
+        rival, count, mean, low, high = min(rows, key=lambda row: row[2])
+        verdict = "ahead" if low > 0 else "behind" if high < 0 else "level"
+        every = ", ".join(f"{name} {math.exp(m):.2f}" for name, _, m, _, _ in sorted(rows, key=lambda row: row[2]))
+        lines.append(f"| {category} | {rival} | {math.exp(mean):.3f} | {math.exp(low):.3f}-{math.exp(high):.3f} "
+                     f"| {count} | {verdict} | {every} |")
+    noise = repeat_noise(measured)
+    lines.append("")
+    lines.append(f"Repeat noise: one run of a prompt lies {100 * (math.exp(noise) - 1):.1f}% (root mean square, log "
+                 "scale) from the mean of its repeats.")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("records", type=Path, nargs="+")
+    parser.add_argument("--method", default="auto")
+    parser.add_argument("--rivals", default=None, help="comma-separated (default: every other method but ar)")
+    parser.add_argument("--decoding-alone", action="store_true", help="leave each turn's first token out")
+    args = parser.parse_args()
+    for path in args.records:
+        if not path.is_file():
+            parser.error(f"no such file: {path}")
+    rivals = [r.strip() for r in args.rivals.split(",") if r.strip()] if args.rivals else None
+    print("\n".join(table(load(args.records, args.decoding_alone), args.method, rivals)))
+
+
+if __name__ == "__main__":
+    main()
