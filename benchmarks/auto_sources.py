@@ -1,16 +1,15 @@
 """What `auto` should be made of: its composite with some of its sources left out, beside `ar` and `pld`, in one
 interleaved run (greedy, the default pair, int4 target, 64 tokens).
 
-    python benchmarks/auto_sources.py [--variants auto-nowidth,copy] [--categories rag,qa] [--per-category 1]
+    python benchmarks/auto_sources.py [--variants copy+medusa,copy] [--categories rag,qa] [--per-category 1]
                                       [--repeats 2] [--out records.jsonl]
     python benchmarks/over_peer.py records.jsonl --baseline ar
     python benchmarks/within_noise.py records.jsonl [--decoding-alone]
 
 Variants: `auto-all` (the copies, Medusa and EAGLE-3 trees, the draft model as the fallback: what `auto` was
 before it took one head), `auto-nodraft` (the same without the draft model), `copy+medusa`, `copy` (prompt
-lookup and the suffix cache), `auto-nowidth` (`auto`'s own sources, the copies and Medusa, with the width its
-sources' nodes add to the forward left out of their payoff: `CompositeDrafter(charge_width=False)`). Rows `ar`,
-`pld`, `suffix` and `auto` always run. Every method forgets earlier prompts before each run.
+lookup and the suffix cache). Rows `ar`, `pld`, `suffix` and `auto` always run. Every method forgets earlier
+prompts before each run.
 """
 
 from __future__ import annotations
@@ -35,24 +34,22 @@ from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
 
-VARIANTS = {  # name -> the sources kept (copies, heads by kind, "draft"), whether their width is charged
-    "auto-all": (("copy", "medusa", "eagle3", "draft"), True),
-    "auto-nodraft": (("copy", "medusa", "eagle3"), True),
-    "copy+medusa": (("copy", "medusa"), True),
-    "copy": (("copy",), True),
-    "auto-nowidth": (("copy", "medusa"), False),
+VARIANTS = {  # name -> the sources kept: copies, heads by kind, "draft"
+    "auto-all": ("copy", "medusa", "eagle3", "draft"),
+    "auto-nodraft": ("copy", "medusa", "eagle3"),
+    "copy+medusa": ("copy", "medusa"),
+    "copy": ("copy",),
 }
 
 
-def variant(models, name: str, kept: tuple[str, ...], charge_width: bool):
+def variant(models, name: str, kept: tuple[str, ...]):
     target = models.target
     curve = target.cost_curve()
     sources = [Source(PromptLookupDrafter()), Source(SuffixDrafter(curve, tree=True))] if "copy" in kept else []
     sources += [Source(head_drafter(target, kind, None, DrafterOptions())) for kind in HEAD_KINDS if kind in kept]
     if "draft" in kept:
         sources.append(Source(DraftModelDrafter.for_models(models.draft, target), "expensive"))
-    drafter = CompositeDrafter(sources, curve, tree=True, final_layer=target.model.config.num_hidden_layers,
-                               charge_width=charge_width)
+    drafter = CompositeDrafter(sources, curve, tree=True, final_layer=target.model.config.num_hidden_layers)
     drafter.name = name
     return engine_runner(SpeculativeEngine(target, models.tokenizer, drafter, method=name))
 
@@ -73,7 +70,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     models = load_models(DEFAULT_TARGET, DEFAULT_DRAFTER, dtype="int4", progress=True)
     runners = {name: our_runner(models, name) for name in ("ar", "pld", "suffix", "auto")}
-    runners |= {name: variant(models, name, *VARIANTS[name]) for name in chosen}
+    runners |= {name: variant(models, name, VARIANTS[name]) for name in chosen}
     tasks = sample_tasks([c.strip() for c in args.categories.split(",") if c.strip()], args.per_category)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
     names = list(runners)

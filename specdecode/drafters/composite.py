@@ -56,14 +56,10 @@ inputs) get them every step, asked or not: the composite asks the forward for th
 tuple), and each hears its own columns with the accepted path of the draft that was fed (`Outcome.fed_path`),
 so its features follow the context whatever source drafted it, while its verdict judges its own proposal.
 
-What pays. Each source's cost per step is its drafting, timed (`clock`), plus the width its own nodes add to
-the forward (`charge_width`): the nodes of the submitted draft that no source asked before it proposed, priced
-on the cost curve as what the forward costs with them over what it would cost without them. Both, in plain
-steps, are weighed against the tokens it adds beyond the sources asked before it, per request
-(`drafters.source_payoff`): one that does not pay is not asked until the text changes character. Without the
-width a source whose drafting is cheap but whose nodes mostly fail (a head on copied text beside the copies)
-looked free while every step verified its nodes. Where nothing is asked or nothing pays on the cost curve, the
-draft is empty and the step is the target's plain one.
+What pays. Each source's drafting is timed (`clock`) and weighed against the tokens it adds beyond the
+sources asked before it, per request (`drafters.source_payoff`): one that does not pay is not asked until
+the text changes character. Where nothing is asked or nothing pays on the cost curve, the draft is empty
+and the step is the target's plain one.
 """
 
 from __future__ import annotations
@@ -237,7 +233,6 @@ class CompositeDrafter(Drafter):
         combine: str = "max",
         final_layer: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
-        charge_width: bool = True,
     ):
         self.sources = [s if isinstance(s, Source) else Source(s) for s in sources]
         if not self.sources:
@@ -250,7 +245,7 @@ class CompositeDrafter(Drafter):
         if math.isnan(fallback_below) or fallback_below < 0:
             raise UserError(f"fallback_below must be >= 0 expected tokens, got {fallback_below}")
         self.curve, self.tree, self.budget = curve, tree, budget
-        self.fallback_below, self.combine, self.charge_width = fallback_below, combine, charge_width
+        self.fallback_below, self.combine = fallback_below, combine
         self.hidden, self._blocks = hidden_request([s.drafter.needs.hidden for s in self.sources], final_layer)
         self.needs = Needs(logits=any(s.drafter.needs.logits for s in self.sources), hidden=self.hidden)
         self.clock = clock
@@ -311,9 +306,6 @@ class CompositeDrafter(Drafter):
         # 2. Merge into one trie and keep the nodes that pay.
         merged = self._merged = self._merge(max_tokens)
         keep, scores = self._choose(merged)
-        if self.charge_width:
-            for i, nodes in self._own_nodes(merged, keep).items():
-                self._costs[i] += self.curve(len(keep) + 1) - self.curve(len(keep) + 1 - nodes)
         auxiliary = next((d.auxiliary for d in self._proposals if d is not None and d.auxiliary is not None), None)
         self._submitted = {node: i for i, node in enumerate(keep.tolist())}
         tokens = torch.tensor(merged.tokens, dtype=torch.long, device="cpu")[keep]
@@ -321,16 +313,6 @@ class CompositeDrafter(Drafter):
         all_parents = torch.tensor(merged.parents, dtype=torch.long, device="cpu")
         parents = structure.select(all_parents, keep) if self.tree else None
         return Draft(tokens=tokens, parents=parents, scores=scores, auxiliary=auxiliary)
-
-    def _own_nodes(self, merged: Merged, keep: torch.Tensor) -> dict[int, int]:
-        """Per source asked, how many of the submitted nodes it proposed and no source asked before it did."""
-        kept, seen, own = set(keep.tolist()), set[int](), {}
-        asked = [i for i, d in enumerate(self._proposals) if d is not None]
-        for i, mapping in zip(asked, merged.mappings):
-            nodes = kept.intersection(mapping)
-            own[i] = len(nodes - seen)
-            seen |= nodes
-        return own
 
     def _verified_part(self, source: int, draft: Draft) -> tuple[Draft, list[int]]:
         """The nodes of a source's draft that were verified, as a draft, and their submitted indices."""

@@ -167,42 +167,6 @@ def test_the_composite_stops_asking_a_source_that_does_not_pay():
     assert composite.payoff.benched() == [1]
 
 
-class Sure(Costly):
-    """A Costly chain that scores every node 0.9: the budget keeps it however often it is wrong."""
-
-    def propose(self, context, max_tokens, params, generator) -> Draft:
-        draft = super().propose(context, max_tokens, params, generator)
-        return Draft(tokens=draft.tokens, scores=torch.full((len(self.tokens),), 0.9))
-
-
-def test_a_sources_nodes_cost_the_width_they_add_to_the_forward():
-    """A source that drafts for free but whose own nodes are never right pays for the width they add (on the cost
-    curve): benched like one whose drafting is dear. Nodes another source proposed first are not charged to it."""
-    curve = CostCurve(tuple(range(1, 9)), tuple(1.0 + 0.2 * n for n in range(8)), seconds=0.1)
-
-    def run(charge_width: bool) -> tuple[CompositeDrafter, list[list[float]], Costly]:
-        clock = [0.0]
-        cheap, wide = Costly([1, 2], clock, 0.0), Sure([1, 2, 7, 8], clock, 0.0)  # its own: 7, 8 (wrong)
-        composite = CompositeDrafter([cheap, wide], curve, clock=lambda: clock[0], charge_width=charge_width)
-        composite.begin([0])
-        costs = []
-        for _ in range(EVIDENCE + 3):
-            draft = composite.propose([0], 4, SamplingParams(), None)
-            costs.append(list(composite._costs))
-            merged = composite._merged
-            assert merged is not None
-            path = tuple(merged.tokens.index(t) for t in (1, 2))
-            verdict = Verdict(num_drafted=len(draft), num_accepted=2, tokens=(1, 2, 3), path=path)
-            composite.observe(Outcome(draft, verdict, STATS))
-        return composite, costs, wide
-
-    composite, costs, wide = run(charge_width=True)
-    assert costs[0] == pytest.approx([curve(5) - curve(3)] * 2)  # 1 and 2 were the first source's; 7, 8 its own
-    assert wide.calls == EVIDENCE and composite.payoff.benched() == [1]
-    composite, costs, wide = run(charge_width=False)
-    assert costs[0] == [0.0, 0.0] and wide.calls == EVIDENCE + 3 and composite.payoff.benched() == []
-
-
 def test_nothing_asked_is_a_plain_step():
     composite = CompositeDrafter([PromptLookupDrafter()], FREE)
     composite.begin([1, 2, 3])
