@@ -63,7 +63,8 @@ class Method:
     # its chain form drafts with a model whose tokenizer differs from the target's (through text,
     # `drafters.other_tokenizer`)
     other_tokenizer: bool = False
-    # drafts with the draft model where one with the target's tokenizer is loaded, and without one otherwise
+    # drafts with the draft model where one with the target's tokenizer is loaded, and without one otherwise;
+    # a method that also takes a head (auto) only where no head drafts (`MethodChoice.loads_draft_model`)
     uses_draft_model: bool = False
 
     @property
@@ -245,15 +246,17 @@ class MethodChoice:
 
     def loads_draft_model(self, target, backend: str = "torch") -> bool:
         """Whether a command running it on `target` (a name or path, or a loaded model) loads the draft model:
-        its method needs one or uses one where loaded (`Method.loads_draft_model`), except `auto` where a
-        trained head will draft (given, or shipped for the target), which it prefers to the draft model."""
-        if not self.method.loads_draft_model:
+        its method needs one, or uses one where loaded (`Method.loads_draft_model`) and, taking a head, has no
+        trained head to draft with instead (given, or shipped for the target: `drafters.auto.drafts_with_head`)."""
+        if self.method.needs_draft_model:
+            return True
+        if not self.method.uses_draft_model:
             return False
-        if self.method.name == "auto":
-            from specdecode.drafters.auto import drafts_with_head
+        if "head" not in self.method.takes:
+            return True
+        from specdecode.drafters.auto import drafts_with_head
 
-            return not drafts_with_head(target, self.options.head, backend)
-        return True
+        return not drafts_with_head(target, self.options.head, backend)
 
     @property
     def tree_budget(self) -> int | str | None:

@@ -57,20 +57,22 @@ def heads_for(target: CausalLM, head: str | None = None) -> list[tuple[str, Path
         return []
     if head is not None:
         return [(heads.kind_of(head), Path(str(head)).expanduser())]
-    for kind in HEAD_KINDS:  # (the first EAGLE only when given: EAGLE-3 supersedes it)
-        if kind != "eagle" and (heads.shipped_head(model, kind) / heads.RECORDS[kind]).is_file():
-            return [(kind, None)]
-    return []
+    kind = shipped_kind(model)
+    return [] if kind is None else [(kind, None)]
+
+
+def shipped_kind(target) -> str | None:
+    """The first kind of HEAD_KINDS shipped for the target (a transformers model, or its name or path before it
+    loads: `heads.shipped_head`), the first EAGLE left out: it drafts only when given, EAGLE-3 supersedes it."""
+    return next((kind for kind in HEAD_KINDS
+                 if kind != "eagle" and (heads.shipped_head(target, kind) / heads.RECORDS[kind]).is_file()), None)
 
 
 def drafts_with_head(target, head: str | Path | None = None, backend: str = "torch") -> bool:
     """Whether `auto` will draft with a trained head on this target, known before the models load (`target`: its
     name or path, or a loaded transformers model): a head given, or one shipped for it, on the torch backend.
     Where it will, a command running `auto` does not load the draft model (`methods.loads_draft_model`)."""
-    if backend != "torch":
-        return False
-    return head is not None or any((heads.shipped_head(target, kind) / heads.RECORDS[kind]).is_file()
-                                   for kind in HEAD_KINDS if kind != "eagle")
+    return backend == "torch" and (head is not None or shipped_kind(target) is not None)
 
 
 def head_drafter(target: CausalLM, kind: str, folder: Path | None, options: DrafterOptions) -> Drafter:
