@@ -8,7 +8,8 @@ interleaved run (greedy, the default pair, int4 target, 64 tokens).
 
 Variants: `auto-all` (the copies, Medusa and EAGLE-3 trees, the draft model as the fallback: what `auto` was
 before it took one head), `auto-nodraft` (the same without the draft model), `copy+medusa`, `copy` (prompt
-lookup and the suffix cache). Rows `ar`, `pld`, `suffix` and `auto` always run. Every method forgets earlier
+lookup and the suffix cache), `head-below-1` and `head-below-2` (the copies, and the shipped Medusa heads asked
+only while the copies promise fewer than 1 or 2 accepted tokens, as the draft model is asked). Rows `ar`, `pld`, `suffix` and `auto` always run. Every method forgets earlier
 prompts before each run.
 """
 
@@ -39,6 +40,9 @@ VARIANTS = {  # name -> the sources kept: copies, heads by kind, "draft"
     "auto-nodraft": ("copy", "medusa", "eagle3"),
     "copy+medusa": ("copy", "medusa"),
     "copy": ("copy",),
+    # the shipped head asked only while the copies promise fewer than 1 or 2 accepted tokens (the fallback rule)
+    "head-below-1": ("copy", "medusa", "head-fallback"),
+    "head-below-2": ("copy", "medusa", "head-fallback"),
 }
 
 
@@ -46,10 +50,14 @@ def variant(models, name: str, kept: tuple[str, ...]):
     target = models.target
     curve = target.cost_curve()
     sources = [Source(PromptLookupDrafter()), Source(SuffixDrafter(curve, tree=True))] if "copy" in kept else []
-    sources += [Source(head_drafter(target, kind, None, DrafterOptions())) for kind in HEAD_KINDS if kind in kept]
+    head_cost = "expensive" if "head-fallback" in kept else "free"
+    sources += [Source(head_drafter(target, kind, None, DrafterOptions()), head_cost)
+                for kind in HEAD_KINDS if kind in kept]
     if "draft" in kept:
         sources.append(Source(DraftModelDrafter.for_models(models.draft, target), "expensive"))
-    drafter = CompositeDrafter(sources, curve, tree=True, final_layer=target.model.config.num_hidden_layers)
+    below = float(name.rsplit("-", 1)[1]) if "head-fallback" in kept else 1.0
+    drafter = CompositeDrafter(sources, curve, tree=True, final_layer=target.model.config.num_hidden_layers,
+                               fallback_below=below)
     drafter.name = name
     return engine_runner(SpeculativeEngine(target, models.tokenizer, drafter, method=name))
 

@@ -9,7 +9,8 @@ of them) and runs `specdecode bench --methods M1,M2` with one `--engine served-M
 method (`extra_body={"method": M}`, token ids over /v1/completions, so both sides decode the very same
 prompt ids), so each prompt runs in-process and served, method after method, in one interleaved order. The
 server process idles while the bench decodes in-process, and the bench only reads a socket while the server
-decodes. Prints, per method, tokens per second served over in-process (whole requests, from the engines' own
+decodes. Both sides keep nothing between prompts (`bench --memory prompt`): the server keeps no memory for
+requests without an owner, so methods that learn across prompts (suffix, auto) start each prompt afresh on both. Prints, per method, tokens per second served over in-process (whole requests, from the engines' own
 token counts) and the inter-token pace, and writes the bench's usual report to --out.
 """
 
@@ -90,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         bench = [*SPECDECODE, "bench", "--methods", ",".join(methods), "--categories", args.categories,
                  "--per-category", str(args.per_category), "--max-new-tokens", str(args.max_new_tokens),
                  "--repeats", str(args.repeats), "--dtype", args.dtype, "--threads", str(args.threads),
+                 "--memory", "prompt",
                  "--out", str(args.out), *(word for engine in engines for word in ("--engine", engine))]
         print(shlex.join(bench), flush=True)
         status = subprocess.run(bench, check=False).returncode

@@ -20,6 +20,10 @@ from specdecode.engine import GenerationConfig
 from specdecode.errors import UserError
 from specdecode.types import StepStats
 
+# What methods that learn across prompts (the suffix cache, `auto`'s ledgers, the step-aside switch) keep between
+# the prompts of a run: "repeat", what the earlier prompts of the same repeat taught them (each repeat starts
+# afresh); "prompt", nothing, as the server keeps nothing between requests without a memory owner.
+MEMORY = ("repeat", "prompt")
 WARM_UP_CHARACTERS = 2000  # of the warm-up run's prompt: a few hundred tokens warm every method's code paths
 
 
@@ -147,12 +151,15 @@ def interleaved(
     positions: list[int] | None = None,
     count: int | None = None,
     on_start: Callable[[str, str], None] = lambda method, task_id: None,
+    memory: str = "repeat",
 ) -> Iterator[Record]:
     """Every method on every task, repeat after repeat, one record at a time. `positions`: each task's place
     in the whole benchmark's list of `count` tasks, when these are a share of it (a Ray node's,
     `bench.ray_shards`): its seed and its order of methods are then those it has in the whole run.
     `on_start(method, task_id)` is told of each run as it begins (a progress bar's description: a 16k-token
-    prefill takes minutes)."""
+    prefill takes minutes). `memory`: what methods that learn across prompts keep (`MEMORY`)."""
+    if memory not in MEMORY:
+        raise UserError(f"--memory is one of {', '.join(MEMORY)}, not {memory!r}")
     positions = list(range(len(tasks))) if positions is None else positions
     count = len(tasks) if count is None else count
     warm = GenerationConfig(max_new_tokens=4, sampling=config.sampling, seed=config.seed)
@@ -172,6 +179,8 @@ def interleaved(
             seeded = task_config(config, repeat, position)
             for name in names[shift:] + names[:shift]:
                 on_start(name, task.task_id)
+                if memory == "prompt":
+                    runners[name].forget()
                 yield run_task(models, runners[name], task, seeded, repeat)
 
 
@@ -183,9 +192,10 @@ def run_benchmark(
     repeats: int,
     on_record: Callable[[Record], None] = lambda record: None,
     on_start: Callable[[str, str], None] = lambda method, task_id: None,
+    memory: str = "repeat",
 ) -> list[Record]:
     records = []
-    for record in interleaved(models, runners, tasks, config, repeats, on_start=on_start):
+    for record in interleaved(models, runners, tasks, config, repeats, on_start=on_start, memory=memory):
         records.append(record)
         on_record(record)
     return records

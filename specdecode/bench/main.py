@@ -17,7 +17,7 @@ from specdecode import cluster, devices
 from specdecode.bench import ray_shards, report, terminal
 from specdecode.bench.datasets import TRANSLATION_SOURCE, Task, sample_tasks
 from specdecode.bench.exactness import diagnose_divergences, sampled_fidelity
-from specdecode.bench.harness import BenchOutcome, Record, run_benchmark
+from specdecode.bench.harness import MEMORY, BenchOutcome, Record, run_benchmark
 from specdecode.bench.openai_engines import LevelRun, build_engines, run_levels
 from specdecode.bench.runners import PEERS, Setup, runner_names
 from specdecode.engine import GenerationConfig
@@ -101,7 +101,8 @@ class RecordSink:
 
 
 def run_here(setup: Setup, tasks: list[Task], config: GenerationConfig, repeats: int, levels: list[int],
-             engines: list[str], reference: str, sink: RecordSink, console: Console) -> BenchOutcome:
+             engines: list[str], reference: str, sink: RecordSink, console: Console,
+             memory: str = "repeat") -> BenchOutcome:
     """The benchmark on this machine: our methods and peers, then the engine rows' concurrency levels."""
     models, runners = setup.load()
     probe = models.encode_chat([{"role": "user", "content": "Hello"}])
@@ -120,7 +121,7 @@ def run_here(setup: Setup, tasks: list[Task], config: GenerationConfig, repeats:
                       f"recorded as failures ({', '.join(too_long[:4])}{', ...' if len(too_long) > 4 else ''})")
     lossless = {name: runner.lossless for name, runner in runners.items()}
     sink.expect(repeats * len(tasks) * (len(runners) + len(engine_rows) * sum(level > 1 for level in levels)))
-    records = run_benchmark(models, runners, tasks, config, repeats, sink, on_start=sink.starting)
+    records = run_benchmark(models, runners, tasks, config, repeats, sink, on_start=sink.starting, memory=memory)
     loaded = run_levels(models, engine_rows, runners, tasks, config, levels, repeats, sink)
     level_runs = [LevelRun(name, 1, repeat, sum(r.seconds for r in mine if r.ok), mine, report.summed_server(mine))
                   for name in engine_rows for repeat in range(repeats)
@@ -157,7 +158,7 @@ def run(
     out: Path, target: str, drafter: str, dtype: str, draft_dtype: str, threads: int, backend: str,
     temperature: float, top_k: int, top_p: float, seed: int, datastore: str | None = None,
     engines: list[str] | None = None, concurrency: list[int] | None = None, reference: str = "ar",
-    ray: str | None = None, device: str | None = None, head: str | None = None,
+    ray: str | None = None, device: str | None = None, head: str | None = None, memory: str = "repeat",
 ) -> Path:
     """The benchmark on this machine, or with `ray` (a Ray cluster's address) on the cluster's nodes, each
     running every method on its share of the tasks; either way one records file, report and plots."""
@@ -167,6 +168,8 @@ def run(
     if datastore is not None and not Path(datastore).is_file():
         raise UserError(f"no datastore at {datastore} (build one with `specdecode datastore build`)")
     check_head(head, methods)
+    if memory not in MEMORY:
+        raise UserError(f"--memory is one of {', '.join(MEMORY)}, not {memory!r}")
     rows = runner_names(methods)
     if ray is not None and reference not in rows:
         raise UserError(f"the reference {reference!r} is not a row of this run; rows: {', '.join(rows)}")
@@ -180,9 +183,10 @@ def run(
     start = time.time()
     with RecordSink(records_path, console) as sink:
         if ray is None:
-            outcome = run_here(setup, tasks, config, repeats, levels, engines or [], reference, sink, console)
+            outcome = run_here(setup, tasks, config, repeats, levels, engines or [], reference, sink, console,
+                               memory)
         else:
-            outcome = ray_shards.run(ray, setup, tasks, config, repeats, reference, sink, sink.expect)
+            outcome = ray_shards.run(ray, setup, tasks, config, repeats, reference, sink, sink.expect, memory)
             if not config.sampling.greedy:
                 outcome.notes[:0] = sampling_caveat()
     options = {"methods": ",".join(methods) or "ar", "categories": ",".join(categories),
@@ -193,6 +197,7 @@ def run(
                "threads": threads, **({"datastore": datastore} if datastore is not None else {}),
                **({"head": head} if head is not None else {}),
                **({"reference": reference} if reference != "ar" else {}),
+               **({"memory": memory} if memory != "repeat" else {}),
                **({"concurrency": ",".join(map(str, levels))} if levels != [1] else {}),
                **({"ray": ray} if ray is not None else {}), "out": out}
     settings = {

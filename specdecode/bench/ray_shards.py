@@ -51,7 +51,7 @@ def share(tasks: list[Task], nodes: int) -> list[list[tuple[int, Task]]]:
 
 
 def node_job(setup: Setup, tasks: list[tuple[int, Task]], count: int, config: GenerationConfig, repeats: int,
-             reference: str, node: str) -> Iterator[NodeStart | Record | NodeEnd]:
+             reference: str, node: str, memory: str = "repeat") -> Iterator[NodeStart | Record | NodeEnd]:
     """On a node: load the models, run every method on its share of the `count` tasks, then the notes."""
     models, runners = setup.load(progress=False)
     lossless = {name: runner.lossless for name, runner in runners.items()}
@@ -60,7 +60,7 @@ def node_job(setup: Setup, tasks: list[tuple[int, Task]], count: int, config: Ge
                                                   f"{precision}, threads {threads}, torch {torch.__version__}")
     records = []
     for record in interleaved(models, runners, [task for _, task in tasks], config, repeats,
-                              positions=[position for position, _ in tasks], count=count):
+                              positions=[position for position, _ in tasks], count=count, memory=memory):
         record.node = node
         records.append(record)
         yield record
@@ -72,7 +72,7 @@ def node_job(setup: Setup, tasks: list[tuple[int, Task]], count: int, config: Ge
 
 def run(address: str, setup: Setup, tasks: list[Task], config: GenerationConfig, repeats: int, reference: str,
         on_record: Callable[[Record], None], on_start: Callable[[int, str], None] = lambda total, what: None,
-        ) -> BenchOutcome:
+        memory: str = "repeat") -> BenchOutcome:
     """The benchmark on the cluster at `address`: one job per node (no more nodes than tasks), pinned to
     it; records handed to `on_record` as they arrive, in no set order; `on_start(records to come, what
     runs them)` once every node has its models."""
@@ -80,7 +80,7 @@ def run(address: str, setup: Setup, tasks: list[Task], config: GenerationConfig,
     nodes = cluster.nodes(ray)[: len(tasks)]
     job = ray.remote(node_job)
     streams = {node.name: cluster.pinned(job, node, setup.threads).remote(
-        setup, shard, len(tasks), config, repeats, reference, node.name)
+        setup, shard, len(tasks), config, repeats, reference, node.name, memory)
         for node, shard in zip(nodes, share(tasks, len(nodes)))}
     starts: dict[str, NodeStart] = {}
     records: list[Record] = []

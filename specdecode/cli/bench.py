@@ -53,6 +53,10 @@ def bench(
     )] = "1",
     reference: Annotated[str, typer.Option(help=(
         "The row speedups and exactness are measured against: ar, or an --engine label."))] = "ar",
+    memory: Annotated[str, typer.Option(help=(
+        "What methods that learn across prompts (suffix, auto) keep between prompts: repeat (what the earlier "
+        "prompts of the same repeat taught them; each repeat starts afresh), or prompt (nothing, as the server keeps "
+        "nothing between requests without a memory owner: the setting to compare with served rows)."))] = "repeat",
     ray: Annotated[str | None, typer.Option(help=(
         "Share the prompts out over a Ray cluster's nodes, each running every method on its share (ratios stay "
         "within a node): auto, ray://HOST:PORT, HOST:PORT, or local (a Ray started on this machine). Needs "
@@ -80,5 +84,5 @@ def bench(
         backend=backend.value, device=backend_device(backend, device),
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         datastore=str(datastore) if datastore else None, head=str(head) if head else None,
-        engines=engine or [], concurrency=levels, reference=reference, ray=ray,
+        engines=engine or [], concurrency=levels, reference=reference, ray=ray, memory=memory,
     )

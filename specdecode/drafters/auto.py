@@ -8,8 +8,16 @@ first, their proposals merged into one token tree sized on the target's cost cur
 1. prompt lookup (with the `--reference` document), 2. the suffix cache of this and earlier requests,
 3. retrieval, only from a datastore given (`--datastore`), 4. one trained head of the target (`heads_for`: a
 head given with `--head`, else the shipped Medusa heads, else the shipped EAGLE-3 head), on the torch
-backend (it reads the target's hidden states), 5. where no head drafts, the draft model, where one is loaded, as
-the expensive fallback asked only while the others promise less than one accepted token.
+backend (it reads the target's hidden states), asked only while the copies promise fewer than `HEAD_BELOW`
+accepted tokens, 5. where no head drafts, the draft model, where one is loaded, as the expensive fallback asked
+only while the others promise less than one accepted token.
+
+The head as a fallback, not asked every step: while a copy runs long, the head's tree adds little the copy does
+not already propose (the copy's path is the target's continuation until it ends), and its nodes still widen the
+forward and its drafting costs milliseconds a step. Asked every step, the head made `auto` 7% slower than prompt
+lookup alone on summaries; asked only below two promised tokens, `auto` is level with the copies there and faster
+than before in every category tried (docs/results/auto.md, "The head as a fallback"). Its features follow every
+step whether asked or not (`drafters.composite`), so it drafts at once when the copy ends.
 
 Not the draft model beside a head: the first speculative step after plain ones brings it up to the whole
 context (its prefill), which makes the engine's speculative trials dear (`engine.payoff`); after a stretch of
@@ -41,6 +49,7 @@ if TYPE_CHECKING:
     from specdecode.models.base import CausalLM
 
 HEAD_KINDS = ("medusa", "eagle3", "eagle")  # the shipped heads auto may draft with, cheapest first (`heads_for`)
+HEAD_BELOW = 2.0  # the head is asked while the copies promise fewer accepted tokens than this (module docstring)
 
 
 def heads_for(target: CausalLM, head: str | None = None) -> list[tuple[str, Path | None]]:
@@ -97,7 +106,8 @@ def auto_sources(target: CausalLM, draft: CausalLM | None, options: DrafterOptio
         from specdecode.drafters.retrieval import build_retrieval
 
         sources.append(Source(build_retrieval(target, None, dataclasses.replace(options, tree=False, budget=None))))
-    guessers = [Source(head_drafter(target, kind, folder, options)) for kind, folder in heads_for(target, options.head)]
+    guessers = [Source(head_drafter(target, kind, folder, options), "expensive")
+                for kind, folder in heads_for(target, options.head)]
     sources += guessers
     if draft is not None and not guessers:  # (one with the target's tokenizer: `api.Models.drafter_for`)
         sources.append(Source(DraftModelDrafter.for_models(draft, target), "expensive"))
@@ -108,8 +118,11 @@ def build_auto(target: CausalLM, draft: CausalLM | None, options: DrafterOptions
     """The `auto` method: `auto_sources` merged into one tree sized on the target's cost curve."""
     model = getattr(target, "model", None)
     final_layer = None if model is None else model.config.num_hidden_layers  # the final-norm state's index
-    drafter = CompositeDrafter(auto_sources(target, draft, options), target.cost_curve(), tree=True,
-                               final_layer=final_layer)
+    sources = auto_sources(target, draft, options)
+    # with a head, the one expensive source is the head (no draft model beside it): asked below HEAD_BELOW
+    with_head = any(source.drafter.needs.hidden for source in sources)
+    drafter = CompositeDrafter(sources, target.cost_curve(), tree=True, final_layer=final_layer,
+                               fallback_below=HEAD_BELOW if with_head else 1.0)
     drafter.name = "auto"
     return drafter
 

@@ -13,7 +13,7 @@ from conftest import (
 )
 from specdecode.api import load_models
 from specdecode.drafters import heads
-from specdecode.drafters.auto import auto_sources, describe, heads_for
+from specdecode.drafters.auto import HEAD_BELOW, auto_sources, describe, heads_for
 from specdecode.drafters.base import Drafter, Outcome
 from specdecode.drafters.composite import CompositeDrafter
 from specdecode.drafters.eagle3 import Eagle3TreeDrafter
@@ -210,13 +210,14 @@ def test_auto_is_made_of_what_the_models_allow(models, random_heads, monkeypatch
     assert heads_for(models.target) == [("medusa", None)]
     drafter = models.drafter_for(choose("auto"))
     assert isinstance(drafter, CompositeDrafter) and drafter.name == "auto"
-    assert describe(drafter.sources) == "pld, suffix, medusa"  # a head guesses: no draft model beside it
+    assert describe(drafter.sources) == "pld, suffix; medusa (fallback)"  # a head guesses: no draft model beside it
+    assert drafter.fallback_below == HEAD_BELOW  # asked while the copies promise fewer tokens than that
     assert drafter.needs.hidden is True  # Medusa reads the final-norm state alone
     # a head given is the one auto drafts with, whatever its kind
     given = choose("auto", head=str(random_heads / "eagle3"))
     assert heads_for(models.target, given.options.head) == [("eagle3", random_heads / "eagle3")]
     drafter = models.drafter_for(given)
-    assert describe(drafter.sources) == "pld, suffix, eagle3-tree"
+    assert describe(drafter.sources) == "pld, suffix; eagle3-tree (fallback)"
     assert drafter.needs.hidden == drafter.sources[2].drafter.needs.hidden  # its layers alone
     # what a server counts against an owner's memory budget: its sources' (an EAGLE-3 head's features and cache)
     assert drafter.memory_bytes() == sum(source.drafter.memory_bytes() for source in drafter.sources) > 0

@@ -13,6 +13,7 @@ from specdecode.bench.datasets import CATEGORIES, Task, sample_tasks
 from specdecode.bench.harness import run_benchmark
 from specdecode.bench.runners import Output, Runner, build_runners
 from specdecode.engine import GenerationConfig
+from specdecode.errors import UserError
 from specdecode.types import StepStats
 
 
@@ -91,6 +92,26 @@ def test_the_warm_up_is_short_when_every_task_is_long(tiny_folder):
     assert started == [("ar", "warm-up", 0), ("ar", "long/1", 1), ("ar", "long/2", 2)]  # before each run, not after
     warm_up, *measured = fed
     assert warm_up < min(measured) / 4 and warm_up < WARM_UP_CHARACTERS
+
+
+@pytest.mark.parametrize("memory, forgets", [("repeat", ["forget", "a/1", "b/1", "forget", "a/1", "b/1"]),
+                                             ("prompt", ["forget", "forget", "a/1", "forget", "b/1",
+                                                         "forget", "forget", "a/1", "forget", "b/1"])])
+def test_memory_says_when_a_runner_forgets(tiny_folder, memory, forgets):
+    """`memory="repeat"`: a runner forgets what earlier prompts taught it as each repeat starts; "prompt": before
+    every prompt too (as the server does for requests without a memory owner). An unknown setting is refused."""
+    models = load_models(str(tiny_folder), None, dtype="float32", progress=False)
+    tasks = [Task("a", "a/1", ("the cat",)), Task("b", "b/1", ("the cat sat on the mat",))]
+    task_of = {len(models.encode_chat([{"role": "user", "content": t.turns[0]}])): t.task_id for t in tasks}
+    assert len(task_of) == 2
+    seen: list[str] = []
+    runner = Runner("ar", True, False, lambda ids, config: (seen.append(task_of.get(len(ids), "?"))
+                                                            or Output([1], 1.0, None)),
+                    forget=lambda: seen.append("forget"))
+    run_benchmark(models, {"ar": runner}, tasks, GenerationConfig(max_new_tokens=1), repeats=2, memory=memory)
+    assert seen[1:] == forgets  # (the first: the warm-up run)
+    with pytest.raises(UserError, match="--memory"):
+        run_benchmark(models, {"ar": runner}, tasks, GenerationConfig(max_new_tokens=1), repeats=1, memory="task")
 
 
 def test_harness_records_failures_and_keeps_them_out(tiny_folder, tmp_path):
