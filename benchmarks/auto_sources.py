@@ -9,8 +9,11 @@ interleaved run (greedy, the default pair, int4 target, 64 tokens).
 Variants: `auto-all` (the copies, Medusa and EAGLE-3 trees, the draft model as the fallback: what `auto` was
 before it took one head), `auto-nodraft` (the same without the draft model), `copy+medusa`, `copy` (prompt
 lookup and the suffix cache), `head-below-1` and `head-below-2` (the copies, and the shipped Medusa heads asked
-only while the copies promise fewer than 1 or 2 accepted tokens, as the draft model is asked). Rows `ar`, `pld`, `suffix` and `auto` always run. Every method forgets earlier
-prompts before each run.
+only while the copies promise fewer than 1 or 2 accepted tokens, as the draft model is asked),
+`suffix-head-below-2` (the same without prompt lookup), `auto-dear` (`auto` with the step-aside switch pricing a
+slow first speculative step as a trial's cost, as it did before `Drafter.catches_up`). Rows `ar`, `pld`,
+`suffix` and `auto` always run. Every method forgets earlier prompts before each run (`--memory prompt`), or as
+each repeat starts (`--memory repeat`, as `specdecode bench` does).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.drafters.sources import Source
 from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
+from specdecode.engine.payoff import StepAside
 from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
 
 VARIANTS = {  # name -> the sources kept: copies, heads by kind, "draft"
@@ -43,13 +47,19 @@ VARIANTS = {  # name -> the sources kept: copies, heads by kind, "draft"
     # the shipped head asked only while the copies promise fewer than 1 or 2 accepted tokens (the fallback rule)
     "head-below-1": ("copy", "medusa", "head-fallback"),
     "head-below-2": ("copy", "medusa", "head-fallback"),
+    # the same without prompt lookup: the suffix cache indexes the prompt too
+    "suffix-head-below-2": ("suffix", "medusa", "head-fallback"),
+    # `auto` with the step-aside switch as it was: a slow first speculative step after plain ones is a trial's
+    # price even where the drafter owes nothing then (`Drafter.catches_up`)
+    "auto-dear": (),
 }
 
 
 def variant(models, name: str, kept: tuple[str, ...]):
     target = models.target
     curve = target.cost_curve()
-    sources = [Source(PromptLookupDrafter()), Source(SuffixDrafter(curve, tree=True))] if "copy" in kept else []
+    sources = [Source(PromptLookupDrafter())] if "copy" in kept else []
+    sources += [Source(SuffixDrafter(curve, tree=True))] if "copy" in kept or "suffix" in kept else []
     head_cost = "expensive" if "head-fallback" in kept else "free"
     sources += [Source(head_drafter(target, kind, None, DrafterOptions()), head_cost)
                 for kind in HEAD_KINDS if kind in kept]
@@ -71,6 +81,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("results/auto-sources.jsonl"))
+    parser.add_argument("--memory", choices=("prompt", "repeat"), default="prompt",
+                        help="forget what earlier prompts taught before every prompt, or as each repeat starts")
     args = parser.parse_args()
     chosen = [name.strip() for name in args.variants.split(",") if name.strip()]
     if unknown := [name for name in chosen if name not in VARIANTS]:
@@ -78,7 +90,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     models = load_models(DEFAULT_TARGET, DEFAULT_DRAFTER, dtype="int4", progress=True)
     runners = {name: our_runner(models, name) for name in ("ar", "pld", "suffix", "auto")}
-    runners |= {name: variant(models, name, VARIANTS[name]) for name in chosen}
+    runners |= {name: variant(models, name, VARIANTS[name]) for name in chosen if name != "auto-dear"}
+    if "auto-dear" in chosen:
+        engine = models.engine("auto")
+        engine.method, engine.step_aside = "auto-dear", StepAside(dear_trials=True)
+        runners["auto-dear"] = engine_runner(engine)
     tasks = sample_tasks([c.strip() for c in args.categories.split(",") if c.strip()], args.per_category)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
     names = list(runners)
@@ -87,10 +103,13 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w") as out:
         for repeat in range(args.repeats):
+            for runner in runners.values():
+                runner.forget()
             for index, task in enumerate(tasks):
                 shift = (index + repeat) % len(names)
                 for name in names[shift:] + names[:shift]:
-                    runners[name].forget()
+                    if args.memory == "prompt":
+                        runners[name].forget()
                     record = run_task(models, runners[name], task, config, repeat)
                     out.write(json.dumps({"method": name, "category": task.category, "task_id": task.task_id,
                                           "repeat": repeat, "turn_lengths": record.turn_lengths,

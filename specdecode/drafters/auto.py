@@ -128,7 +128,7 @@ def build_auto(target: CausalLM, draft: CausalLM | None, options: DrafterOptions
 
 
 def describe(sources: list[Source]) -> str:
-    """What an `auto` drafter is made of, in words: "pld, suffix, medusa; draft (fallback)"."""
+    """What an `auto` drafter is made of, in words: "pld, suffix; medusa (fallback)"."""
     free = [s.drafter.name for s in sources if s.cost == "free"]
     expensive = [s.drafter.name for s in sources if s.cost == "expensive"]
     return ", ".join(free) + "".join(f"; {name} (fallback)" for name in expensive)

@@ -91,6 +91,10 @@ class Drafter(abc.ABC):
     # True: drafts without running a model (neither its own nor the target), so one instance per sequence
     # can serve a batch (`engine.batch`)
     batchable: bool = False
+    # True: its first draft after plain steps (the engine's step-aside switch, `engine.payoff`) does extra work
+    # for the tokens it did not draft (a draft model's cache catching up). False where nothing is owed: a slow
+    # such step is then the machine's noise, not what a trial of speculation costs
+    catches_up: bool = True
     needs: Needs = Needs()
 
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:

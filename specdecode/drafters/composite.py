@@ -248,6 +248,7 @@ class CompositeDrafter(Drafter):
         self.fallback_below, self.combine = fallback_below, combine
         self.hidden, self._blocks = hidden_request([s.drafter.needs.hidden for s in self.sources], final_layer)
         self.needs = Needs(logits=any(s.drafter.needs.logits for s in self.sources), hidden=self.hidden)
+        self.catches_up = any(s.drafter.catches_up for s in self.sources)
         self.clock = clock
         self.payoff = Payoff(len(self.sources))  # per request
         self._costs = [0.0] * len(self.sources)  # this step's drafting, per source, in plain steps

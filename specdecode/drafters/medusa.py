@@ -122,6 +122,7 @@ class MedusaDrafter(Drafter):
 
     name = "medusa"
     needs = Needs(hidden=True)
+    catches_up = False  # it reads the last token's state, which every forward returns
 
     def __init__(self, heads: MedusaHeads, target_model, curve=None, tree: bool = False, top_k: int = 8,
                  max_nodes: int = 64, budget: int | None = None, full_vocabulary: bool = False,

@@ -141,6 +141,7 @@ class PromptLookupDrafter(Drafter):
     """
 
     batchable = True  # no model: one instance per sequence serves a batch
+    catches_up = False
 
     name = "pld"
 
@@ -236,6 +237,7 @@ class PromptLookupTreeDrafter(Drafter):
     """
 
     batchable = True  # no model: one instance per sequence serves a batch
+    catches_up = False
 
     name = "pld-tree"
 

@@ -88,7 +88,7 @@ class SpeculativeEngine:
         wanted = self._step_aside
         if wanted is None:
             wanted = self.gate and isinstance(self.curve, LiveCurve)
-        return StepAside() if wanted else None
+        return StepAside(dear_trials=self.drafter.catches_up) if wanted else None
 
     def forget(self) -> None:
         """Forget what was learnt from earlier sequences (a benchmark's repeats start afresh): the drafter

@@ -19,7 +19,9 @@ after plain ones is not timed (a drafter with a model of its own catches up on t
 then, a draft model on the whole prompt at a sequence's first draft), but its seconds beyond a plain step
 are what a trial costs. Where that exceeds DEAR plain steps, a new sequence carries on the plain run, and
 plain runs last long enough that trials cost at most TRIAL_SHARE of the time (for a draft model that does
-not pay on this machine: a trial every few sequences instead of a prompt prefill in every one).
+not pay on this machine: a trial every few sequences instead of a prompt prefill in every one). Only a drafter
+that owes such work calls trials dear (`Drafter.catches_up`): for the copies and Medusa a slow first speculative
+step is the machine's noise, not a price worth carrying plain runs across sequences for.
 """
 
 from __future__ import annotations
@@ -55,7 +57,10 @@ class _Rate:
 class StepAside:
     """Decides, step by step, whether the engine drafts (`speculate`), from the steps it times (`record`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dear_trials: bool = True) -> None:
+        # False: the drafter owes nothing after plain steps (`Drafter.catches_up`), so a slow first speculative step
+        # is noise, never a price that keeps whole sequences plain
+        self.dear_trials = dear_trials
         self.forget()
 
     def forget(self) -> None:
@@ -74,7 +79,7 @@ class StepAside:
 
     def _dear(self) -> bool:
         plain = self.rates[PLAIN].per_token
-        return plain is not None and self.trial_cost > DEAR * plain
+        return self.dear_trials and plain is not None and self.trial_cost > DEAR * plain
 
     def begin(self) -> None:
         """A new sequence: its first step (the prompt's prefill) is not timed; a speculative trial first

@@ -9,7 +9,10 @@ import pytest
 from conftest import LetterTokenizer, greedy_references, oracle_eagle_head, random_prompts
 from specdecode.api import load_models
 from specdecode.drafters import heads
+from specdecode.drafters.composite import CompositeDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+from specdecode.drafters.sources import Source
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.engine import payoff
 from specdecode.engine.payoff import StepAside
@@ -120,6 +123,24 @@ def test_dear_trials_grow_rare_and_a_new_sequence_carries_on_the_plain_run():
     cheap = StepAside()  # the same, catching up for free: every sequence starts with a trial, as before
     runs = play_sequences(cheap, sequences=4, steps=60, speculative=1.1, catch_up=1.1)
     assert all(ways[1] for ways in runs)
+
+
+def test_a_drafter_that_owes_nothing_after_plain_steps_never_makes_trials_dear(tiny_target, tiny_drafter):
+    """The same slow first speculative steps, from a drafter that catches up on nothing (`Drafter.catches_up`
+    False: the copies, Medusa, a composite of them): they are noise, so every new sequence still starts with a
+    trial; the engine tells its switch which kind of drafter it has."""
+    aside = StepAside(dear_trials=False)
+    runs = play_sequences(aside, sequences=6, steps=60, speculative=1.1, catch_up=31.0)
+    assert not aside._dear() and all(ways[1] for ways in runs[1:])
+    curve = CostCurve((1, 2), (1.0, 1.0))
+    draft = HFCausalLM(tiny_drafter)
+    copies = CompositeDrafter([PromptLookupDrafter(), Source(DraftModelDrafter(draft), "expensive")], curve)
+    assert copies.catches_up  # a draft model among its sources
+    copies = CompositeDrafter([PromptLookupDrafter()], curve)
+    assert not copies.catches_up
+    for drafter, dear in ((copies, False), (DraftModelDrafter(draft), True)):
+        engine = SpeculativeEngine(HFCausalLM(tiny_target), None, drafter, step_aside=True)
+        assert engine.step_aside is not None and engine.step_aside.dear_trials is dear
 
 
 class SlowDrafter(DraftModelDrafter):

@@ -56,6 +56,7 @@ class _RetrievalDrafter(Drafter):
     """What the chain and tree forms share: the lookup and the calibration of their scores."""
 
     batchable = True  # no model: one instance per sequence serves a batch
+    catches_up = False
 
     def __init__(self, datastore: Datastore, num_tokens: int, max_match: int, min_match: int, max_occurrences: int):
         _check_retrieval(num_tokens, max_match, min_match, max_occurrences)

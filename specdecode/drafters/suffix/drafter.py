@@ -70,6 +70,7 @@ class SuffixDrafter(Drafter):
     """
 
     name = "suffix"
+    catches_up = False  # its index hears every step's tokens (`observe`), drafted or not
 
     def __init__(
         self,
