@@ -10,8 +10,9 @@ method (`extra_body={"method": M}`, token ids over /v1/completions, so both side
 prompt ids), so each prompt runs in-process and served, method after method, in one interleaved order. The
 server process idles while the bench decodes in-process, and the bench only reads a socket while the server
 decodes. Both sides keep nothing between prompts (`bench --memory prompt`): the server keeps no memory for
-requests without an owner, so methods that learn across prompts (suffix, auto) start each prompt afresh on both. Prints, per method, tokens per second served over in-process (whole requests, from the engines' own
-token counts) and the inter-token pace, and writes the bench's usual report to --out.
+requests without an owner, so methods that learn across prompts (suffix, auto) start each prompt afresh on both.
+Prints, per method, tokens per second served over in-process (whole requests, from the engines' own token counts)
+and the inter-token pace, and writes the bench's usual report to --out.
 """
 
 from __future__ import annotations

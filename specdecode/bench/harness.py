@@ -24,6 +24,14 @@ from specdecode.types import StepStats
 # the prompts of a run: "repeat", what the earlier prompts of the same repeat taught them (each repeat starts
 # afresh); "prompt", nothing, as the server keeps nothing between requests without a memory owner.
 MEMORY = ("repeat", "prompt")
+
+
+def check_memory(memory: str) -> None:
+    """A one-line error for a `memory` setting that is not one of MEMORY."""
+    if memory not in MEMORY:
+        raise UserError(f"--memory is one of {', '.join(MEMORY)}, not {memory!r}")
+
+
 WARM_UP_CHARACTERS = 2000  # of the warm-up run's prompt: a few hundred tokens warm every method's code paths
 
 
@@ -158,8 +166,7 @@ def interleaved(
     `bench.ray_shards`): its seed and its order of methods are then those it has in the whole run.
     `on_start(method, task_id)` is told of each run as it begins (a progress bar's description: a 16k-token
     prefill takes minutes). `memory`: what methods that learn across prompts keep (`MEMORY`)."""
-    if memory not in MEMORY:
-        raise UserError(f"--memory is one of {', '.join(MEMORY)}, not {memory!r}")
+    check_memory(memory)
     positions = list(range(len(tasks))) if positions is None else positions
     count = len(tasks) if count is None else count
     warm = GenerationConfig(max_new_tokens=4, sampling=config.sampling, seed=config.seed)

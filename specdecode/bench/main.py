@@ -17,7 +17,7 @@ from specdecode import cluster, devices
 from specdecode.bench import ray_shards, report, terminal
 from specdecode.bench.datasets import TRANSLATION_SOURCE, Task, sample_tasks
 from specdecode.bench.exactness import diagnose_divergences, sampled_fidelity
-from specdecode.bench.harness import MEMORY, BenchOutcome, Record, run_benchmark
+from specdecode.bench.harness import BenchOutcome, Record, check_memory, run_benchmark
 from specdecode.bench.openai_engines import LevelRun, build_engines, run_levels
 from specdecode.bench.runners import PEERS, Setup, runner_names
 from specdecode.engine import GenerationConfig
@@ -168,8 +168,7 @@ def run(
     if datastore is not None and not Path(datastore).is_file():
         raise UserError(f"no datastore at {datastore} (build one with `specdecode datastore build`)")
     check_head(head, methods)
-    if memory not in MEMORY:
-        raise UserError(f"--memory is one of {', '.join(MEMORY)}, not {memory!r}")
+    check_memory(memory)  # before the models load
     rows = runner_names(methods)
     if ray is not None and reference not in rows:
         raise UserError(f"the reference {reference!r} is not a row of this run; rows: {', '.join(rows)}")
