@@ -14,10 +14,8 @@ only while the others promise less than one accepted token.
 
 The head as a fallback, not asked every step: while a copy runs long, the head's tree adds little the copy does
 not already propose (the copy's path is the target's continuation until it ends), and its nodes still widen the
-forward and its drafting costs milliseconds a step. Asked every step, the head made `auto` 7% slower than prompt
-lookup alone on summaries; asked only below two promised tokens, `auto` is level with the copies there and faster
-than before in every category tried (docs/results/auto.md, "The head as a fallback"). Its features follow every
-step whether asked or not (`drafters.composite`), so it drafts at once when the copy ends.
+forward and its drafting costs time every step (measured: docs/results/auto.md, "The head as a fallback"). Its
+features follow every step whether asked or not (`drafters.composite`), so it drafts at once when the copy ends.
 
 Not the draft model beside a head: the first speculative step after plain ones brings it up to the whole
 context (its prefill), which makes the engine's speculative trials dear (`engine.payoff`); after a stretch of
