@@ -11,9 +11,11 @@ before it took one head), `auto-nodraft` (the same without the draft model), `co
 lookup and the suffix cache), `head-below-1` and `head-below-2` (the copies, and the shipped Medusa heads asked
 only while the copies promise fewer than 1 or 2 accepted tokens, as the draft model is asked),
 `suffix-head-below-2` (the same without prompt lookup), `auto-dear` (`auto` with the step-aside switch pricing a
-slow first speculative step as a trial's cost, as it did before `Drafter.catches_up`). Rows `ar`, `pld`,
-`suffix` and `auto` always run. Every method forgets earlier prompts before each run (`--memory prompt`), or as
-each repeat starts (`--memory repeat`, as `specdecode bench` does).
+slow first speculative step as a trial's cost, as it did before `Drafter.catches_up`), `auto-aside` (`auto`
+with the engine's step-aside switch, as before `Drafter.weighs_itself`; in the records of
+benchmarks/reports/auto-always-2026-11-27/, made before that change, `auto` is this and `auto-always` today's
+`auto`). Rows `ar`, `pld`, `suffix` and `auto` always run. Every method forgets earlier prompts before each run
+(`--memory prompt`), or as each repeat starts (`--memory repeat`, as `specdecode bench` does).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ VARIANTS = {  # name -> the sources kept: copies, heads by kind, "draft"
     # `auto` with the step-aside switch as it was: a slow first speculative step after plain ones is a trial's
     # price even where the drafter owes nothing then (`Drafter.catches_up`)
     "auto-dear": (),
+    # `auto` with the engine's step-aside switch, as it was before `Drafter.weighs_itself`
+    "auto-aside": (),
 }
 
 
@@ -90,11 +94,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     models = load_models(DEFAULT_TARGET, DEFAULT_DRAFTER, dtype="int4", progress=True)
     runners = {name: our_runner(models, name) for name in ("ar", "pld", "suffix", "auto")}
-    runners |= {name: variant(models, name, VARIANTS[name]) for name in chosen if name != "auto-dear"}
+    runners |= {name: variant(models, name, VARIANTS[name]) for name in chosen if VARIANTS[name]}
     if "auto-dear" in chosen:
-        engine = models.engine("auto")
-        engine.method, engine.step_aside = "auto-dear", StepAside(dear_trials=True)
+        engine = SpeculativeEngine(models.target, models.tokenizer, models.engine("auto").drafter, method="auto-dear")
+        engine.step_aside = StepAside(dear_trials=True)
         runners["auto-dear"] = engine_runner(engine)
+    if "auto-aside" in chosen:
+        engine = SpeculativeEngine(models.target, models.tokenizer, models.engine("auto").drafter, method="auto-aside",
+                                   step_aside=True)
+        runners["auto-aside"] = engine_runner(engine)
     tasks = sample_tasks([c.strip() for c in args.categories.split(",") if c.strip()], args.per_category)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
     names = list(runners)

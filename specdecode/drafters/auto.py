@@ -23,8 +23,12 @@ text where nothing paid, the engine then kept whole requests plain, copy-heavy o
 the AVX2 stand-in: docs/results/auto.md, "The draft model beside a head"). A head already guesses open text,
 for far less.
 
-Each source is asked only while it pays on the request (`drafters.source_payoff`), and the engine's gate and
-step-aside switch keep a step plain where speculation does not pay at all. Lossless like every part: the
+Each source is asked only while it pays on the request (`drafters.source_payoff`), and the merged tree keeps only
+the nodes that pay on the cost curve, so a step where nothing pays is the target's plain one. The engine's
+step-aside switch (`engine.payoff`) is left out (`Drafter.weighs_itself`): it judges speculation from a few
+timed steps, and on copied text, where what pays comes in bursts, a trial that met no copy kept whole requests
+plain; without it `auto` was as fast or faster in every category (docs/results/auto.md, "Without the step-aside
+switch"). Lossless like every part: the
 merged tree is verified exactly (greedy match, or speculative sampling over fixed nodes).
 """
 
@@ -122,6 +126,7 @@ def build_auto(target: CausalLM, draft: CausalLM | None, options: DrafterOptions
     drafter = CompositeDrafter(sources, target.cost_curve(), tree=True, final_layer=final_layer,
                                fallback_below=HEAD_BELOW if with_head else 1.0)
     drafter.name = "auto"
+    drafter.weighs_itself = True  # no step-aside switch (module docstring)
     return drafter
 
 

@@ -95,6 +95,10 @@ class Drafter(abc.ABC):
     # for the tokens it did not draft (a draft model's cache catching up). False where nothing is owed: a slow
     # such step is then the machine's noise, not what a trial of speculation costs
     catches_up: bool = True
+    # True: it weighs each step's cost against its gain itself (`auto`'s composite: every node it submits pays on
+    # the target's cost curve, every source's drafting time is charged against the tokens it adds), so the engine's
+    # step-aside switch, which judges from timings of whole steps, is left out (`engine.loop`)
+    weighs_itself: bool = False
     needs: Needs = Needs()
 
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:

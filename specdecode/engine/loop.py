@@ -76,7 +76,8 @@ class SpeculativeEngine:
         # `time.perf_counter` read after the target's device has finished its queued work (`devices.clock`)
         self.clock = clock or devices.clock(target.device)
         # step aside (plain steps) while speculation is timed slower than plain decoding (`engine.payoff`);
-        # None: wherever the gate follows a measured curve, not a fixed one (tests fix theirs)
+        # None: wherever the gate follows a measured curve, not a fixed one (tests fix theirs), and the drafter
+        # does not weigh its own steps (`Drafter.weighs_itself`)
         self._step_aside = step_aside
         self._forget = False  # the drafter forgets earlier sequences at its next begin (`forget`)
 
@@ -87,7 +88,7 @@ class SpeculativeEngine:
             return None
         wanted = self._step_aside
         if wanted is None:
-            wanted = self.gate and isinstance(self.curve, LiveCurve)
+            wanted = self.gate and isinstance(self.curve, LiveCurve) and not self.drafter.weighs_itself
         return StepAside(dear_trials=self.drafter.catches_up) if wanted else None
 
     def forget(self) -> None:

@@ -23,7 +23,7 @@ from specdecode.drafters.source_payoff import EVIDENCE, FIRST_REST, Payoff, band
 from specdecode.drafters.sources import columns, hidden_request
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.methods import METHODS, choose
-from specdecode.models.costs import CostCurve
+from specdecode.models.costs import CostCurve, LiveCurve
 from specdecode.models.hf import HFCausalLM
 from specdecode.types import Draft, SamplingParams, StepStats, Verdict
 
@@ -239,6 +239,19 @@ def test_auto_loads_the_draft_model_only_where_no_head_will_draft(models, random
     assert heads.shipped_head("~/.cache/specdecode/models/qwen-x/", "medusa") == heads.shipped_head(
         type("Model", (), {"config": type("Config", (), {"_name_or_path": "qwen-x"})})(), "medusa")
     assert heads.shipped_head("Org/Qwen-X", "medusa") == heads.shipped_head("qwen-x", "medusa")  # a hub id's case
+
+
+def test_auto_weighs_its_own_steps_so_the_engine_does_not_step_aside(models):
+    """Where the gate follows a live curve the engine times whole steps and steps aside (`engine.payoff`), but not
+    for `auto`: its merged tree keeps only nodes that pay and its sources' drafting time is charged against their
+    gains (`Drafter.weighs_itself`). A switch asked for still applies."""
+    for method, switch in (("auto", False), ("pld", True), ("composite", True)):
+        engine = models.engine(method)
+        engine.curve = LiveCurve(CostCurve.linear(0.02))
+        assert (engine.step_aside is not None) is switch, method
+    engine = SpeculativeEngine(models.target, models.tokenizer, models.drafter_for(choose("auto")), step_aside=True)
+    engine.curve = LiveCurve(CostCurve.linear(0.02))
+    assert engine.step_aside is not None
 
 
 def test_auto_off_the_torch_backend_has_no_heads():
