@@ -22,6 +22,8 @@ plain runs last long enough that trials cost at most TRIAL_SHARE of the time (fo
 not pay on this machine: a trial every few sequences instead of a prompt prefill in every one). Only a drafter
 that owes such work calls trials dear (`Drafter.catches_up`): for the copies and Medusa a slow first speculative
 step is the machine's noise, not a price worth carrying plain runs across sequences for.
+
+A drafter that weighs each step's cost against its gain itself (`Drafter.weighs_itself`: `auto`) gets no switch.
 """
 
 from __future__ import annotations
