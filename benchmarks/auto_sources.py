@@ -39,6 +39,7 @@ from specdecode.drafters.sources import Source
 from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.engine.payoff import StepAside
+from specdecode.methods import choose
 from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
 
 VARIANTS = {  # name -> the sources kept: copies, heads by kind, "draft"
@@ -95,14 +96,13 @@ def main() -> None:
     models = load_models(DEFAULT_TARGET, DEFAULT_DRAFTER, dtype="int4", progress=True)
     runners = {name: our_runner(models, name) for name in ("ar", "pld", "suffix", "auto")}
     runners |= {name: variant(models, name, VARIANTS[name]) for name in chosen if VARIANTS[name]}
-    if "auto-dear" in chosen:
-        engine = SpeculativeEngine(models.target, models.tokenizer, models.engine("auto").drafter, method="auto-dear")
-        engine.step_aside = StepAside(dear_trials=True)
-        runners["auto-dear"] = engine_runner(engine)
-    if "auto-aside" in chosen:
-        engine = SpeculativeEngine(models.target, models.tokenizer, models.engine("auto").drafter, method="auto-aside",
-                                   step_aside=True)
-        runners["auto-aside"] = engine_runner(engine)
+    # `auto` with a step-aside switch put back: trials always dear, or dear as the engine would have them
+    for name, dear in (("auto-dear", True), ("auto-aside", None)):
+        if name in chosen:
+            drafter = models.drafter_for(choose("auto"))
+            engine = SpeculativeEngine(models.target, models.tokenizer, drafter, method=name)
+            engine.step_aside = StepAside(dear_trials=drafter.catches_up if dear is None else dear)
+            runners[name] = engine_runner(engine)
     tasks = sample_tasks([c.strip() for c in args.categories.split(",") if c.strip()], args.per_category)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
     names = list(runners)
