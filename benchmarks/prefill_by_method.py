@@ -2,9 +2,12 @@
 method after method in interleaved rounds, and how much of it the target's forwards take.
 
     python benchmarks/prefill_by_method.py [--methods ar,pld,auto] [--paragraphs 40] [--rounds 4] [--dtype int4]
+                                           [--category long-context/4k]
 
-Each run feeds the same chat-templated prompt (a summarisation request over `--paragraphs` repeated paragraphs)
-and generates two tokens, so what it measures is the prompt's chunks and the first step. Prints per method the
+Each run feeds the same chat-templated prompt (a summarisation request over `--paragraphs` repeated paragraphs, or
+with `--category` the first turn of that benchmark category's first task) and generates two tokens, so what it
+measures is the prompt's chunks and the first step. The methods take turns, each round starting one later, so
+that none always follows the same one. Prints per method the
 median over rounds of the whole run, of the time inside `target.forward`, and of the rest (the drafter's
 `begin`, the suffix index, the hidden states a head reads), and the forwards' shapes of the first round.
 """
@@ -18,6 +21,7 @@ import time
 import torch
 
 from specdecode.api import load_models
+from specdecode.bench.datasets import sample_tasks
 from specdecode.engine import GenerationConfig
 
 
@@ -25,6 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", default="ar,pld,auto")
     parser.add_argument("--paragraphs", type=int, default=40, help="the prompt's length (about 20 tokens each)")
+    parser.add_argument("--category", default=None, help="a benchmark category (long-context/4k...): its first task")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--dtype", default="int4")
     parser.add_argument("--threads", type=int, default=2)
@@ -32,9 +37,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     models = load_models(dtype=args.dtype, drafter=None, progress=False)
     engines = {name: models.engine(name.strip()) for name in args.methods.split(",") if name.strip()}
-    text = " ".join(f"Paragraph {i}: the committee met again and discussed the budget, the roads and the school."
-                    for i in range(args.paragraphs))
-    prompt = models.encode("Summarise this text:\n" + text, chat=True)
+    if args.category:
+        task = sample_tasks([args.category], per_category=1)[0]
+        prompt = models.encode_chat([{"role": "user", "content": task.turns[0]}])
+    else:
+        text = " ".join(f"Paragraph {i}: the committee met again and discussed the budget, the roads and the school."
+                        for i in range(args.paragraphs))
+        prompt = models.encode("Summarise this text:\n" + text, chat=True)
     print(f"prompt: {len(prompt)} tokens; chunk: {next(iter(engines.values())).prefill_chunk} tokens")
 
     forward, spent = models.target.forward, []
@@ -49,12 +58,16 @@ def main() -> None:
     config = GenerationConfig(max_new_tokens=2)
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
     for round_ in range(args.rounds):
-        for name, engine in engines.items():
+        names = list(engines)
+        for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+            engine = engines[name]
             engine.forget()
             spent.clear()
             start = time.perf_counter()
             engine.generate(prompt, config)
             runs[name].append((time.perf_counter() - start, sum(seconds for _, _, seconds in spent)))
+            whole, forwards = runs[name][-1]
+            print(f"round {round_} {name}: {whole:.2f} s, in forwards {forwards:.2f} s", flush=True)
             if round_ == 0:
                 print(f"{name}: forwards (tokens, hidden asked): {[(n, h) for n, h, _ in spent]}")
     print("| method | to the first token (s) | in the target's forwards (s) | the rest (s) |")

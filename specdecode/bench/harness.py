@@ -1,7 +1,8 @@
 """Run every method on every task, interleaved and repeated, and keep one record per run.
 
-Fairness rules: the same chat-templated prompt ids for every method; the order of methods rotates for
-every task and repeat so machine drift cancels; a warm-up run is excluded; tokens are counted from ids;
+Fairness rules: the same chat-templated prompt ids for every method; the order of methods changes for
+every task and repeat (`method_order`) so machine drift cancels and no method always follows the same one;
+a warm-up run is excluded; tokens are counted from ids;
 a failed run is recorded with its error and kept out of every average.
 """
 
@@ -182,13 +183,27 @@ def interleaved(
         for runner in runners.values():  # methods that learn across prompts start each repeat afresh
             runner.forget()
         for position, task in zip(positions, tasks):
-            shift = (repeat * count + position) % len(names)
             seeded = task_config(config, repeat, position)
-            for name in names[shift:] + names[:shift]:
+            for name in method_order(names, repeat * count + position):
                 on_start(name, task.task_id)
                 if memory == "prompt":
                     runners[name].forget()
                 yield run_task(models, runners[name], task, seeded, repeat)
+
+
+def method_order(names: list[str], index: int) -> list[str]:
+    """The order of `names` for the `index`-th (task, repeat) of a run: the rows of a balanced Latin square
+    (Williams 1949) in turn. Over every n rows (2n for an odd number n of methods) each method runs once in
+    each place and right after each other method equally often, so neither a drifting machine nor what one
+    method leaves behind for the next (a warm cache, a busy core) favours one of them; a plain rotation
+    always put the same method after the same one."""
+    n = len(names)
+    base = [0]  # 0, 1, n-1, 2, n-2, ...: consecutive differences that are all distinct modulo n
+    for step in range(1, n):
+        base.append((step + 1) // 2 if step % 2 else n - step // 2)
+    row = index % (n if n % 2 == 0 else 2 * n)
+    order = [names[(b + row) % n] for b in base]
+    return order[::-1] if row >= n else order
 
 
 def run_benchmark(

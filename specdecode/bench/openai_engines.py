@@ -331,16 +331,16 @@ class LevelRun:
 
 def run_levels(models, engines: dict[str, OpenAIEngine], runners: dict[str, Runner], tasks, config: GenerationConfig,
                levels: list[int], repeats: int, on_record=lambda record: None) -> list[LevelRun]:
-    """For each level above 1: every engine in turn (the order rotating per repeat) runs every task with
-    `level` client streams at once; throughput is all new tokens over the level's wall time."""
-    from specdecode.bench.harness import run_task, task_config
+    """For each level above 1: every engine in turn (the order changing per repeat: `harness.method_order`)
+    runs every task with `level` client streams at once; throughput is all new tokens over the level's wall
+    time."""
+    from specdecode.bench.harness import method_order, run_task, task_config
 
     names = list(engines)
     runs = []
     for level in [n for n in levels if n > 1]:
         for repeat in range(repeats):
-            shift = repeat % len(names)
-            for name in names[shift:] + names[:shift]:
+            for name in method_order(names, repeat):
                 engine = engines[name]
                 engine.per_request_counters = False
                 before = engine.counters()

@@ -10,7 +10,7 @@ from specdecode import metrics
 from specdecode.api import load_models
 from specdecode.bench import report
 from specdecode.bench.datasets import CATEGORIES, Task, sample_tasks
-from specdecode.bench.harness import run_benchmark
+from specdecode.bench.harness import method_order, run_benchmark
 from specdecode.bench.runners import Output, Runner, build_runners
 from specdecode.engine import GenerationConfig
 from specdecode.errors import UserError
@@ -66,6 +66,22 @@ def test_sample_is_seeded_and_per_category():
     assert first == sample_tasks(["qa", "math"], 3, seed=1)
     assert first != sample_tasks(["qa", "math"], 3, seed=2)
     assert [t.category for t in first] == ["qa"] * 3 + ["math"] * 3
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_method_order_is_a_balanced_latin_square(n):
+    """Over one cycle of rows each method runs exactly as often in every
+    place, and right after every other method exactly as often: a method is never always behind the same one."""
+    from collections import Counter
+    names = [f"m{i}" for i in range(n)]
+    cycle = n if n % 2 == 0 else 2 * n
+    rows = [method_order(names, index) for index in range(cycle)]
+    assert all(sorted(row) == names for row in rows)
+    assert set(Counter((name, place) for row in rows for place, name in enumerate(row)).values()) == {cycle // n}
+    after = Counter((a, b) for row in rows for a, b in zip(row, row[1:]))
+    if n > 1:
+        assert len(after) == n * (n - 1) and set(after.values()) == {cycle // n}
+    assert method_order(names, cycle + 1) == rows[1]
 
 
 # --- the harness on tiny models --------------------------------------------------------------------------
