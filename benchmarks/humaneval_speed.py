@@ -5,7 +5,7 @@
 Runs, on the same chat-templated HumanEval prompts, greedy, bf16, 2 threads:
   ours:  ar (the reference), draft (the 0.5B drafter), pld (prompt lookup)
   peers: transformers generate() plain, with assistant_model= (the 0.5B), with prompt_lookup_num_tokens=10
-through the benchmark's harness (`specdecode.bench`): order rotating across methods for every prompt and
+through the benchmark's harness (`specdecode.bench`): order of methods changing for every prompt and
 repeat, a warm-up excluded, tokens counted from ids. Prints tokens/s and speedup over our ar (mean over
 repeats), mean accepted tokens, and whether each output equals ar's, with the target's logit margin
 where one differs.

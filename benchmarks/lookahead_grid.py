@@ -3,7 +3,7 @@
     python benchmarks/lookahead_grid.py [--grid 5,3,3 7,4,5 ...] [--categories code,math] [--prompts 2]
 
 Every setting runs through the benchmark's harness beside plain decoding (`ar`) on the same prompts, order
-rotating, a warm-up excluded; prints decode-only speedup over ar per category, mean accepted tokens and
+changing per prompt, a warm-up excluded; prints decode-only speedup over ar per category, mean accepted tokens and
 whether the outputs equal ar's. The defaults in `specdecode.drafters.lookahead` come from this script.
 """
 
