@@ -28,7 +28,7 @@ import torch
 
 from specdecode.api import load_models
 from specdecode.bench.datasets import DEFAULT_CATEGORIES, sample_tasks
-from specdecode.bench.harness import run_task
+from specdecode.bench.harness import method_order, run_task
 from specdecode.bench.runners import engine_runner, our_runner
 from specdecode.drafters.auto import HEAD_KINDS, head_drafter
 from specdecode.drafters.composite import CompositeDrafter
@@ -114,8 +114,7 @@ def main() -> None:
             for runner in runners.values():
                 runner.forget()
             for index, task in enumerate(tasks):
-                shift = (index + repeat) % len(names)
-                for name in names[shift:] + names[:shift]:
+                for name in method_order(names, repeat * len(tasks) + index):
                     if args.memory == "prompt":
                         runners[name].forget()
                     record = run_task(models, runners[name], task, config, repeat)

@@ -6,8 +6,8 @@ method after method in interleaved rounds, and how much of it the target's forwa
 
 Each run feeds the same chat-templated prompt (a summarisation request over `--paragraphs` repeated paragraphs, or
 with `--category` the first turn of that benchmark category's first task) and generates two tokens, so what it
-measures is the prompt's chunks and the first step. The methods take turns, each round starting one later, so
-that none always follows the same one. Prints per method the
+measures is the prompt's chunks and the first step. The methods take turns in the benchmark's balanced order
+(`bench.harness.method_order`), so that none always follows the same one. Prints per method the
 median over rounds of the whole run, of the time inside `target.forward`, and of the rest (the drafter's
 `begin`, the suffix index, the hidden states a head reads), and the forwards' shapes of the first round.
 """
@@ -22,6 +22,7 @@ import torch
 
 from specdecode.api import load_models
 from specdecode.bench.datasets import sample_tasks
+from specdecode.bench.harness import method_order
 from specdecode.engine import GenerationConfig
 
 
@@ -58,8 +59,7 @@ def main() -> None:
     config = GenerationConfig(max_new_tokens=2)
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
     for round_ in range(args.rounds):
-        names = list(engines)
-        for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+        for name in method_order(list(engines), round_):
             engine = engines[name]
             engine.forget()
             spent.clear()

@@ -20,7 +20,7 @@ import torch
 
 from specdecode import metrics
 from specdecode.bench.datasets import Task, sample_tasks
-from specdecode.bench.harness import Record, run_task
+from specdecode.bench.harness import Record, method_order, run_task
 from specdecode.bench.runners import Setup
 from specdecode.bench.scripts import save_report
 from specdecode.bench.structured import valid
@@ -60,8 +60,8 @@ class Tally:
 
 def run(setup: Setup, tasks: list[Task], max_new_tokens: int, repeats: int,
         on_task: Callable[[dict[tuple[str, str], Tally]], None]) -> dict[tuple[str, str], Tally]:
-    """Every method on every task in both modes, the methods' order turning from task to task; `on_task` sees
-    the tallies after each task (a long run's report is saved as it goes)."""
+    """Every method on every task in both modes, the methods' order changing from task to task (`method_order`);
+    `on_task` sees the tallies after each task (a long run's report is saved as it goes)."""
     models, runners = setup.load()
     config = GenerationConfig(max_new_tokens=max_new_tokens)
     for runner in runners.values():  # warm up, the grammar engine's view of the tokenizer built once
@@ -70,8 +70,7 @@ def run(setup: Setup, tasks: list[Task], max_new_tokens: int, repeats: int,
     names = list(runners)
     for repeat in range(repeats):
         for index, task in enumerate(tasks):
-            shift = (repeat * len(tasks) + index) % len(names)
-            order = names[shift:] + names[:shift]
+            order = method_order(names, repeat * len(tasks) + index)
             references: dict[str, list[int]] = {}
             for mode in MODES if (repeat + index) % 2 == 0 else MODES[::-1]:
                 shaped = task if mode == "constrained" else replace(task, constraint=None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -70,9 +71,8 @@ def test_sample_is_seeded_and_per_category():
 
 @pytest.mark.parametrize("n", range(1, 9))
 def test_method_order_is_a_balanced_latin_square(n):
-    """Over one cycle of rows each method runs exactly as often in every
-    place, and right after every other method exactly as often: a method is never always behind the same one."""
-    from collections import Counter
+    """Over one cycle of rows each method runs exactly as often in every place, and right after every other
+    method exactly as often: a method is never always behind the same one."""
     names = [f"m{i}" for i in range(n)]
     cycle = n if n % 2 == 0 else 2 * n
     rows = [method_order(names, index) for index in range(cycle)]
