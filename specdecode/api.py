@@ -25,7 +25,6 @@ from specdecode.errors import UserError
 from specdecode.drafters.base import Drafter
 from specdecode.methods import MethodChoice, choose
 from specdecode.models.base import CausalLM
-from specdecode.models.hf import HFCausalLM
 from specdecode.models.loading import (
     check_logits_cover,
     check_same_vocabulary,
@@ -35,6 +34,7 @@ from specdecode.models.loading import (
     load_gguf_lm,
     same_vocabulary,
 )
+from specdecode.models.static import StaticCausalLM, torch_lm
 from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET, get_model, registered_models
 from specdecode.types import SamplingParams
 
@@ -82,7 +82,7 @@ class Models:
 
     def engine_for(self, choice: MethodChoice) -> SpeculativeEngine:
         """An engine for a resolved method (`methods.choose`)."""
-        return SpeculativeEngine(self.target, self.tokenizer, self.drafter_for(choice), method=choice.name,
+        return SpeculativeEngine(self.target_for(choice), self.tokenizer, self.drafter_for(choice), method=choice.name,
                                  tree_budget=choice.tree_budget, verifier=choice.method.verifier)
 
     def drafter_for(self, choice: MethodChoice) -> Drafter | None:
@@ -96,7 +96,14 @@ class Models:
         draft = self.require_draft() if method.needs_draft_model else None
         if method.uses_draft_model and self.draft_tokenizer is None:  # merged by token ids: the target's tokenizer
             draft = self.draft
-        return method.drafter(self.target, draft, options)
+        return method.drafter(self.target_for(choice), draft, options)
+
+    def target_for(self, choice: MethodChoice) -> CausalLM:
+        """The target as the method runs it: a method that runs the target's layers over the target's own cache
+        (`Method.shares_target_cache`) gets a static target's dynamic twin (`StaticCausalLM.twin`)."""
+        if choice.method.shares_target_cache and isinstance(self.target, StaticCausalLM):
+            return self.target.twin
+        return self.target
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids of a prompt; with chat=True, as the single user turn of the chat template."""
@@ -140,6 +147,7 @@ def load_models(
     progress: bool = True,
     backend: str = "torch",
     device: torch.device | str | None = None,
+    static: bool | None = None,
 ) -> Models:
     """Load a target and (optionally) a draft model. The target runs in `dtype`: "auto" (the fastest of
     bfloat16, float32, int8 and int4 on this machine, `models.precision`), or one of them. The draft model's
@@ -154,7 +162,8 @@ def load_models(
 
     `device`: where the torch backend runs ("auto": CUDA where torch sees one, else the CPU; "cpu", "cuda",
     "cuda:N", "mps"); the draft model goes to the target's device. None: "auto" for models loaded by name,
-    and an already loaded model stays where it is."""
+    and an already loaded model stays where it is. `static`: the torch backend's static-shape path, its
+    forwards captured as CUDA graphs (`models.static`); None: on a CUDA device, for the models it fits."""
     if backend == "llamacpp":
         if device is not None:
             devices.refuse_off_cpu(devices.resolve(device), "the llama.cpp backend as shipped",
@@ -175,8 +184,8 @@ def load_models(
             check_logits_cover(target_tokenizer, target_model, "target")
             check_logits_cover(draft_tokenizer, draft_model, "drafter")
             other_tokenizer = draft_tokenizer
-        draft = HFCausalLM(draft_model)
-    return Models(HFCausalLM(target_model), target_tokenizer, draft, target_gguf=gguf_of(target),
+        draft = torch_lm(draft_model, static)
+    return Models(torch_lm(target_model, static), target_tokenizer, draft, target_gguf=gguf_of(target),
                   draft_tokenizer=other_tokenizer)
 
 

@@ -66,6 +66,9 @@ class Method:
     # drafts with the draft model where one with the target's tokenizer is loaded, and without one otherwise;
     # a method that also takes a head (auto) only where no head drafts (`MethodChoice.loads_draft_model`)
     uses_draft_model: bool = False
+    # runs the target's layers over the target's own KV cache (self-speculation): the dynamic path's cache
+    # (`api.Models.target_for`), not the static path's
+    shares_target_cache: bool = False
 
     @property
     def loads_draft_model(self) -> bool:
@@ -121,15 +124,17 @@ METHODS: dict[str, Method] = {
                _DRAFTERS + "lookahead:build_lookahead"),
         Method("layerskip", "self-speculation: the target drafts with a searched subset of its own layers over "
                "its own KV cache (Draft & Verify, SWIFT)", False, _DRAFTERS + "self_speculative:build_layerskip",
-               torch_only=True),
+               torch_only=True, shares_target_cache=True),
         Method("earlyexit", "self-speculation by early exit: the target's first k layers (k searched), then its "
-               "final norm and LM head", False, _DRAFTERS + "self_speculative:build_earlyexit", torch_only=True),
+               "final norm and LM head", False, _DRAFTERS + "self_speculative:build_earlyexit", torch_only=True,
+               shares_target_cache=True),
         Method("sparse-kv", "self-speculation with a compressed cache: the target drafts over StreamingLLM's "
                "cache (4 sink entries and the last 512) and verifies over its whole cache; for long inputs",
-               False, _DRAFTERS + "sparse_kv:build_sparse_kv", torch_only=True),
+               False, _DRAFTERS + "sparse_kv:build_sparse_kv", torch_only=True, shares_target_cache=True),
         Method("sparse-kv-pld", "sparse-kv under prompt lookup: copies from the input where lookup finds one, the "
                "compressed-cache self-draft where it does not; for long inputs", False,
-               _DRAFTERS + "sparse_kv:build_sparse_kv_lookup", takes=("reference",), torch_only=True),
+               _DRAFTERS + "sparse_kv:build_sparse_kv_lookup", takes=("reference",), torch_only=True,
+               shares_target_cache=True),
         Method("suffix", "suffix decoding: what followed the context's suffix in this request and in earlier "
                "ones the drafter served (tree: all of it, as a trie)", False, _DRAFTERS + "suffix:build_suffix",
                tree=True, remembers=True),
