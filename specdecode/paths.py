@@ -1,12 +1,22 @@
-"""Where the package writes: its cache folder and the console its progress goes to.
+"""Where the package writes: its cache folder, how a cache file is written and set aside, and the console
+its progress goes to.
 
 At the bottom of the package (it imports nothing of it), so any layer can cache a file or show progress
 without importing model loading.
+
+Every cache file goes through `write_atomically` (a temporary file in the same folder, then `os.replace`), so a
+kill, a full disk or a second process writing the same file leaves the old file or the new one, never half of
+one. A reader that still finds a file it cannot read (edited by hand, a disk error) moves it aside with
+`set_aside` (one warning line) and makes it again: a cache never stops a start.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -18,3 +28,37 @@ def cache_dir() -> Path:
     """Root of everything this package caches: `$SPECDECODE_CACHE`, else `~/.cache/specdecode`."""
     root = os.environ.get("SPECDECODE_CACHE")
     return Path(root).expanduser() if root else Path.home() / ".cache" / "specdecode"
+
+
+log = logging.getLogger("specdecode.cache")
+
+
+def write_atomically(path: Path, content: str | bytes | Callable[[Path], object]) -> Path:
+    """Write `path` whole or not at all: `content` (text as UTF-8, bytes, or a function that writes the file
+    at the path it is given, as safetensors' `save_file` does) goes to a temporary file beside it, which
+    `os.replace` then puts in its place; a failure removes the temporary and leaves `path` as it was."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # named by process and thread: two writers of one file never share a temporary
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    try:
+        if isinstance(content, str):
+            temporary.write_text(content, encoding="utf-8")
+        elif isinstance(content, bytes):
+            temporary.write_bytes(content)
+        else:
+            content(temporary)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return path
+
+
+def set_aside(path: Path, what: str, reason: str, then: str) -> Path:
+    """Move the unreadable cache file `path` out of the way, as `<name>.broken` beside it (kept for a look;
+    an older one is replaced), with a one-line warning naming both, what the file held (`what`), why it is
+    unreadable (`reason`) and what the caller does instead (`then`). Returns where it went."""
+    aside = path.with_name(path.name + ".broken")
+    with contextlib.suppress(FileNotFoundError):  # another process may have moved it already
+        os.replace(path, aside)
+    log.warning("the cached %s %s is unusable (%s): moved to %s; %s", what, path, reason, aside, then)
+    return aside

@@ -34,7 +34,7 @@ from transformers.utils import logging as transformers_logging
 
 from specdecode.errors import UserError
 from specdecode.models.registry import ChunkedGGUF, locate_chunks
-from specdecode.paths import cache_dir, console
+from specdecode.paths import cache_dir, console, write_atomically
 from specdecode.progress import Progress
 
 _COPY_BLOCK = 8 * 1024 * 1024  # bytes read per step while assembling and hashing
@@ -70,7 +70,7 @@ def _is_verified(path: Path, model: ChunkedGGUF) -> bool:
         path.is_file()
         and path.stat().st_size == model.size
         and marker.is_file()
-        and marker.read_text().strip() == model.sha256
+        and marker.read_bytes().strip() == model.sha256.encode()  # (bytes: a damaged marker is only wrong)
     )
 
 
@@ -177,9 +177,7 @@ def assemble_gguf(model: ChunkedGGUF, *, progress: bool = True) -> Path:
         temporary.rename(path)
     finally:
         _remove(temporary)
-    marker_temporary = _temporary(_marker(path))
-    marker_temporary.write_text(model.sha256 + "\n")
-    marker_temporary.rename(_marker(path))
+    write_atomically(_marker(path), model.sha256 + "\n")
     return path
 
 

@@ -8,14 +8,11 @@ backend and machine and cached as JSON under the package cache; tree drafters si
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import itertools
 import json
-import logging
 import math
-import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,13 +21,12 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from specdecode import devices
-from specdecode.paths import cache_dir
+from specdecode.paths import cache_dir, set_aside, write_atomically
 
 if TYPE_CHECKING:
     from specdecode.models.base import CausalLM  # whose cost_curve() imports this module
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-log = logging.getLogger("specdecode.costs")
 FLOOR = 1e-3  # no forward costs less than this (noisy measurements must not make one free)
 
 
@@ -274,12 +270,9 @@ def _path(key: str) -> Path:
 
 def store(key: str, curve: CostCurve) -> None:
     """Cache `curve` as the model's on this machine (atomically: concurrent processes may write too)."""
-    path = _path(key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"key": key, "machine": _machine(), "sizes": curve.sizes, "relative": curve.relative,
-                               "seconds": curve.seconds, "prefill": curve.prefill}))
-    tmp.replace(path)
+    write_atomically(_path(key), json.dumps({"key": key, "machine": _machine(), "sizes": curve.sizes,
+                                             "relative": curve.relative, "seconds": curve.seconds,
+                                             "prefill": curve.prefill}))
 
 
 def _load(path: Path) -> tuple[CostCurve, bool]:
@@ -312,16 +305,16 @@ def cached(model: CausalLM, key: str) -> CostCurve:
 
     `key` names the model and backend (weights, dtype); the machine's CPU, thread count and torch version
     are added to it. A `LiveCurve` built on it stores its corrections back (`store`), so a curve measured
-    in a busy moment does not stay wrong in the cache. A cached file that cannot be read as a curve (cut
-    short by a full disk, edited by hand) is moved aside as `*.json.corrupt`, with a warning naming both,
-    and the curve measured again.
+    in a busy moment does not stay wrong in the cache. A cached file that cannot be read as a curve (edited
+    by hand, a disk error: a write is atomic, `paths.write_atomically`) is moved aside as `*.json.broken`, with a
+    warning naming both (`paths.set_aside`), and the curve measured again.
     """
     path = _path(key)
     if path.exists():
         try:
             curve, has_prefill = _load(path)
         except ValueError as error:
-            _set_aside(path, str(error))
+            set_aside(path, "cost curve", str(error), "measuring the curve again")
         else:
             if has_prefill:
                 return curve
@@ -332,15 +325,6 @@ def cached(model: CausalLM, key: str) -> CostCurve:
     curve = measure(model)
     store(key, curve)
     return curve
-
-
-def _set_aside(path: Path, reason: str) -> None:
-    """Move an unusable cached curve out of the way (kept for a look), saying so."""
-    aside = path.with_name(path.name + ".corrupt")
-    with contextlib.suppress(FileNotFoundError):  # another process may have moved it already
-        path.replace(aside)
-    log.warning("the cached cost curve %s is unusable (%s): moved to %s; measuring the curve again", path, reason,
-                aside)
 
 
 def live(model: CausalLM) -> LiveCurve:

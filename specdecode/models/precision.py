@@ -17,7 +17,8 @@ little, most steps are narrow; judging by the wide ones alone can rank first a p
 is far dearer: docs/backends.md, "`--dtype auto`"), a quantized path (int8, or int4 where its AVX2 kernel
 runs), which is not the float model, only when it is QUANTIZED_MARGIN times cheaper than the best float path
 timed. The whole choice is
-measured once per machine and model and cached beside the cost curves (the quantized paths timed are prepared on
+measured once per machine and model and cached beside the cost curves (written atomically; a file that cannot be
+read is moved aside with a warning and the paths timed again) (the quantized paths timed are prepared on
 disk then, `models.prepared`, so the chosen one loads at once), so a second start reads it.
 """
 
@@ -28,12 +29,14 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Hashable, Mapping
+from pathlib import Path
 from typing import TypeVar
 
 import torch
 
 from specdecode.models import dtype_choice, int4
 from specdecode.models.int8 import InvariantInt8Linear
+from specdecode.paths import set_aside, write_atomically
 
 TOKENS_PER_WIDE_STEP = 3  # what an 8-token verification is taken to yield
 # the quantized paths are not the float model (greedy agreement: docs/results/quality.md): taken only when at least
@@ -153,11 +156,11 @@ def fastest(model_key: str, hidden: int, intermediate: int, load: Callable[[str]
 
     name = hashlib.sha256(f"{model_key}|{hidden}x{intermediate}".encode()).hexdigest()[:16]
     path = costs.cache_root() / f"precision3-{costs.machine_digest()}-{name}.json"  # 3: whole forwards
-    if path.exists():  # measured before: decided again from the timings kept (the rule may have changed)
-        kept = json.loads(path.read_text())
+    kept = _kept(path)
+    if kept is not None:  # measured before: decided again from the timings kept (the rule may have changed)
         choice = decide(kept["forwards"]) if kept.get("forwards") else kept["choice"]
         if choice != kept["choice"]:
-            path.write_text(json.dumps(kept | {"choice": choice}))
+            write_atomically(path, json.dumps(kept | {"choice": choice}))
             dtype_choice.remember(model_key, choice)
         return choice
     products = measure_paths(hidden, intermediate)
@@ -168,7 +171,24 @@ def fastest(model_key: str, hidden: int, intermediate: int, load: Callable[[str]
             whole[candidate] = time_forwards(model)
         del model  # one path's weights in memory at a time
     choice = decide(whole)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"choice": choice, "forwards": whole, "products": products}))
+    write_atomically(path, json.dumps({"choice": choice, "forwards": whole, "products": products}))
     dtype_choice.remember(model_key, choice)
     return choice
+
+
+def _kept(path: Path) -> dict | None:
+    """The choice cached in `path` with its timings, or None: not measured yet, or a file that cannot be read as
+    one, which is moved aside with a warning (`paths.set_aside`) so the paths are timed again."""
+    if not path.exists():
+        return None
+    try:
+        kept = json.loads(path.read_text(encoding="utf-8"))
+        forwards = kept.get("forwards") or {}
+        if not (isinstance(kept.get("choice"), str) and isinstance(forwards, dict) and all(
+                isinstance(times, list) and len(times) == 2 and all(type(t) in (int, float) for t in times)
+                for times in forwards.values())):
+            raise ValueError("not a choice (choice, forwards)")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as error:
+        set_aside(path, "dtype choice", str(error).splitlines()[0][:120], "timing the paths again")
+        return None
+    return kept

@@ -5,7 +5,7 @@ for a model of a billion or more weights that is most of a start. Its result dep
 files, the bits, the quantizer's code, the versions of torch and transformers, and the CPU's vector width
 (reductions round by it). So it is stored once per such *key*:
 
-    <cache>/prepared/<folder name>-int<bits>-<key digest>/
+    <cache>/prepared/<folder name>-int<bits>-<CPU width>-<key digest>/
         weights.safetensors   every tensor of the quantized model: each quantized layer's `state()`
                               and the rest (embeddings, norms, rotary buffers), as they are in memory
         prepared.json         the key in clear and each quantized layer's kind
@@ -15,7 +15,9 @@ gated MLPs as quantization does, rebuilds each linear layer from its tensors (`f
 every other tensor in place: the model quantization would give, bit for bit. An entry is written to a
 temporary folder and renamed when complete, so a crash mid-write leaves nothing that a later run would
 trust; an entry that cannot be read is dropped and prepared again. Writing a new entry drops the older
-ones of the same model folder and bits (made by other code or versions). `specdecode models clean`
+ones of the same model folder, bits and CPU width (made by other code or versions); the entries of another width
+stay, so a machine used at two widths (`ATEN_CPU_CAPABILITY=avx2` on an AVX-512 CPU) does not quantize again at
+every switch. `specdecode models clean`
 empties the cache.
 
 Hub ids are not cached (a hub id names no files until transformers has downloaded them): only local
@@ -74,9 +76,11 @@ def key(folder: Path, bits: int) -> dict:
 
 
 def entry(folder: Path, bits: int) -> Path:
-    """The folder that holds (or will hold) `folder` prepared at `bits`."""
-    digest = hashlib.sha256(json.dumps(key(folder, bits), sort_keys=True).encode()).hexdigest()[:16]
-    return root() / f"{folder.resolve().name}-int{bits}-{digest}"
+    """The folder that holds (or will hold) `folder` prepared at `bits` on this CPU width."""
+    described = key(folder, bits)
+    digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:16]
+    width = "".join(c for c in str(described["cpu"]).lower() if c.isalnum()) or "cpu"
+    return root() / f"{folder.resolve().name}-int{bits}-{width}-{digest}"
 
 
 # --- Store ------------------------------------------------------------------------------------------
@@ -137,15 +141,17 @@ def _flatten(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def _drop_stale(kept: Path, kept_key: dict) -> None:
-    """Remove the other entries of the same folder and bits (their key no longer matches: other code or
-    versions), and the temporaries of writers that died mid-write."""
+    """Remove the other entries of the same folder, bits and CPU width (their key no longer matches: other code
+    or versions; an entry of another width stays, for a machine run at two widths), and the temporaries of
+    writers that died mid-write."""
     stem = glob.escape(kept.name.rsplit("-", 1)[0])
+    same = ("folder", "bits", "cpu")
     for other in root().glob(stem + "-*"):
         try:
             other_key = json.loads((other / RECORD).read_text())["key"]
         except (OSError, ValueError, KeyError):
             continue
-        if other != kept and (other_key.get("folder"), other_key.get("bits")) == (kept_key["folder"], kept_key["bits"]):
+        if other != kept and [other_key.get(field) for field in same] == [kept_key[field] for field in same]:
             _remove(other)
     for temporary in root().glob(f".{stem}-*.tmp-*"):
         pid = temporary.name.rsplit("-", 1)[1]

@@ -254,10 +254,10 @@ def test_an_unusable_cached_curve_is_moved_aside_with_a_warning_and_measured_aga
     costs.store("tiny|bad", MEASURED)
     path = next(tmp_path.glob("*.json"))
     path.write_bytes(content)
-    with caplog.at_level(logging.WARNING, logger="specdecode.costs"):
+    with caplog.at_level(logging.WARNING, logger="specdecode.cache"):
         assert costs.cached(HFCausalLM(tiny_target), "tiny|bad") == MEASURED
     assert len(calls) == 1
-    aside = path.with_name(path.name + ".corrupt")
+    aside = path.with_name(path.name + ".broken")
     assert aside.read_bytes() == content  # kept for a look
     assert json.loads(path.read_text())["relative"] == [1.0, 1.25, 1.75]  # the new measurement, cached
     [record] = caplog.records

@@ -3,6 +3,7 @@ next start as the very model quantization gives, on tiny Qwen2 folders."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -120,6 +121,32 @@ def test_an_unreadable_entry_is_prepared_again(cache, folder, capsys) -> None:
     assert restored == stored and restored.joinpath(prepared.WEIGHTS).stat().st_size > weights.stat().st_size // 2
 
 
+def test_a_cut_short_record_is_prepared_again(cache, folder, capsys) -> None:
+    fresh, _ = load_causal_lm(str(folder), dtype="int8", progress=False)
+    (stored,) = _entries()
+    record = stored / prepared.RECORD
+    record.write_bytes(record.read_bytes()[: record.stat().st_size // 2])
+    again, _ = load_causal_lm(str(folder), dtype="int8", progress=False)
+    assert "cannot be read" in capsys.readouterr().err
+    _same_model(again, fresh)
+    assert _entries() == [stored] and json.loads(record.read_text())["layers"]
+
+
+def test_each_cpu_width_keeps_its_own_entry(cache, folder, monkeypatch) -> None:
+    """A machine used at two widths (ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU) prepares each once: switching
+    back loads the first width's entry instead of quantizing again."""
+    native = torch.backends.cpu.get_cpu_capability()
+    other = "AVX2" if native != "AVX2" else "DEFAULT"
+    load_causal_lm(str(folder), dtype="int8", progress=False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: other)
+    load_causal_lm(str(folder), dtype="int8", progress=False)
+    assert len(_entries()) == 2 and any(other.lower() in entry.name for entry in _entries())
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: native)
+    _no_quantizing(monkeypatch)
+    load_causal_lm(str(folder), dtype="int8", progress=False)
+    assert len(_entries()) == 2
+
+
 def test_a_failed_write_leaves_no_entry_and_the_model_loads(cache, folder, monkeypatch, capsys) -> None:
     def half_then_fail(tensors, path):
         Path(path).write_bytes(b"half a file")
@@ -137,8 +164,9 @@ def test_a_dead_writers_temporary_is_removed_and_a_live_ones_kept(cache, folder)
     import sys
 
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead = prepared.root() / f".model-int8-0123.tmp-{finished.stdout.strip()}"
-    live = prepared.root() / f".model-int8-0123.tmp-{os.getppid()}"  # pytest's parent: running
+    stem = prepared.entry(folder, 8).name.rsplit("-", 1)[0]  # model-int8-<CPU width>
+    dead = prepared.root() / f".{stem}-0123.tmp-{finished.stdout.strip()}"
+    live = prepared.root() / f".{stem}-0123.tmp-{os.getppid()}"  # pytest's parent: running
     for temporary in (dead, live):
         temporary.mkdir(parents=True)
         (temporary / prepared.WEIGHTS).write_bytes(b"cut short")

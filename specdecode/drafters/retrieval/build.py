@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from specdecode.drafters.retrieval.datastore import FORMAT, SEPARATOR, Datastore, DatastoreInfo
+from specdecode.drafters.retrieval.datastore import FORMAT, SEPARATOR, Datastore, DatastoreInfo, open_datastore
 from specdecode.drafters.retrieval.defaults import DEFAULT_MAX_TOKENS, DEFAULT_PATTERN
 from specdecode.errors import UserError
-from specdecode.paths import cache_dir, console
+from specdecode.paths import cache_dir, console, set_aside
 
 BYTES_PER_TOKEN = 16  # memory at the peak of sorting, the tokens included (measured; see suffix_array)
 PIECE_CHARS = 1 << 20  # text tokenized per batch, and the most of one file tokenized in one piece
@@ -159,14 +159,19 @@ def default_datastore_path(tokenizer) -> Path:
 
 
 def default_datastore(tokenizer, *, progress: bool = True) -> Path:
-    """The path of the standard-library datastore for `tokenizer`, built on first use (about a minute)."""
+    """The path of the standard-library datastore for `tokenizer`, built on first use (about a minute), and
+    again when the file kept cannot be read (moved aside with a warning, `paths.set_aside`)."""
     path = default_datastore_path(tokenizer)
-    if not path.is_file():
-        if progress:
-            console.print(f"Building the default retrieval datastore (the standard library, once): {path}")
-        folder = stdlib_folder()
-        datastore = build_datastore(folder, tokenizer, skip=STDLIB_SKIP, progress=progress,
-                                    corpus=f"Python {sys.version.split()[0]} standard library, {folder}, "
-                                           f"without {', '.join(sorted(STDLIB_SKIP))}")
-        datastore.save(path)
-    return path
+    if path.is_file():
+        try:
+            open_datastore(path, len(tokenizer))  # (kept for the process: the drafter's own open reads nothing)
+            return path
+        except UserError as error:  # cut short or damaged: built again
+            set_aside(path, "retrieval datastore", str(error).splitlines()[0][:160], "building it again")
+    if progress:
+        console.print(f"Building the default retrieval datastore (the standard library, once): {path}")
+    folder = stdlib_folder()
+    datastore = build_datastore(folder, tokenizer, skip=STDLIB_SKIP, progress=progress,
+                                corpus=f"Python {sys.version.split()[0]} standard library, {folder}, "
+                                       f"without {', '.join(sorted(STDLIB_SKIP))}")
+    return datastore.save(path)

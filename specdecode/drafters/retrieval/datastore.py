@@ -5,7 +5,7 @@ one .npz file."""
 from __future__ import annotations
 
 import json
-import os
+import zipfile
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from specdecode.errors import UserError
+from specdecode.paths import write_atomically
 
 SEPARATOR = -1  # ends every document in the token array; below every real id, so it sorts first
 FORMAT = 1  # the .npz layout; bump when it changes (the default datastore's cache key includes it)
@@ -208,17 +209,13 @@ class Datastore:
     def save(self, path: str | Path) -> Path:
         """Write tokens, suffix array and info as one uncompressed .npz (loads in a fraction of a second);
         written under a temporary name and renamed, so a reader never sees half a file."""
-        path = Path(path).expanduser()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         info = np.frombuffer(json.dumps(asdict(self.info)).encode(), dtype=np.uint8)
-        try:
+
+        def write(temporary: Path) -> None:
             with temporary.open("wb") as sink:
                 np.savez(sink, tokens=self.tokens, suffixes=self.suffixes, info=info)
-            temporary.replace(path)
-        finally:
-            temporary.unlink(missing_ok=True)
-        return path
+
+        return write_atomically(Path(path).expanduser(), write)
 
     @classmethod
     def load(cls, path: str | Path, vocab_size: int | None = None) -> Datastore:
@@ -230,7 +227,7 @@ class Datastore:
             with np.load(path, allow_pickle=False) as data:
                 info = DatastoreInfo(**json.loads(data["info"].tobytes().decode()))
                 tokens, suffixes = data["tokens"], data["suffixes"]
-        except (OSError, ValueError, KeyError, TypeError) as error:
+        except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as error:  # (a file cut short)
             raise UserError(
                 f"{path} is not a retrieval datastore ({error}); rebuild it with `specdecode datastore build`"
             ) from None

@@ -3,14 +3,14 @@ predicted speedup of `chain_speedup` from the teacher-forced agreement (`Calibra
 For skip sets: a prefix scan over the layers ordered by block influence (ShortGPT's 1 - cos between a
 layer's input and output), then Bayesian optimisation over all 2^L skip sets as in Draft & Verify --
 optuna's TPE sampler, started from the best prefixes -- within a time budget. For early exit: every
-exit layer, deepest first. Results are cached per model under `cache_dir() / "layerskip"`.
+exit layer, deepest first. Results are cached per model under `cache_dir() / "layerskip"` (written
+atomically; a file that cannot be read is moved aside with a warning and the search run again).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -25,7 +25,7 @@ from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import CostCurve
 from specdecode.models.hf import HFCausalLM
-from specdecode.paths import cache_dir
+from specdecode.paths import cache_dir, set_aside, write_atomically
 
 SEARCH_SECONDS = 300.0  # the builders' search budget; the result is cached, so it is paid once per model
 MAX_TRIALS = 400  # skip sets proposed at most per search (each costs one partial forward over the calibration)
@@ -118,10 +118,9 @@ def _search(kind: str, strategy: Strategy, target: CausalLM, prompts: Sequence[S
         raise UserError(f"the search needs a positive budget and trial count, got {budget_seconds} s, {max_trials}")
     curve = curve or target.cost_curve()
     path, identity = cache_path(kind, target, prompts, continuation, max_tokens, folder)
-    if use_cache and path.exists():
-        data = json.loads(path.read_text())
-        best = SkipChoice(**{**data["best"], "skip": tuple(data["best"]["skip"])})
-        return SearchResult(best, data["evaluated"], data["seconds"], from_cache=True)
+    cached = _cached(path) if use_cache else None
+    if cached is not None:
+        return cached
     start = time.perf_counter()
     columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), disable=not progress) as bar:
@@ -141,14 +140,25 @@ def _search(kind: str, strategy: Strategy, target: CausalLM, prompts: Sequence[S
         score(())  # the baseline: the full model as its own draft
         strategy(score, stop, max_trials, seed)
     result = SearchResult(score.best, len(score.scores), time.perf_counter() - start)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     record = {"identity": identity, "best": asdict(result.best), "evaluated": result.evaluated,
               "seconds": result.seconds, "curve": [list(curve.sizes), list(curve.relative)],
               "influence": calibration.influence}
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(path)
+    write_atomically(path, json.dumps(record, indent=1))
     return result
+
+
+def _cached(path: Path) -> SearchResult | None:
+    """The search result cached in `path`, or None: not searched yet, or a file that cannot be read as one,
+    which is moved aside with a warning (`paths.set_aside`) so the search runs again."""
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        best = SkipChoice(**{**data["best"], "skip": tuple(int(layer) for layer in data["best"]["skip"])})
+        return SearchResult(best, int(data["evaluated"]), float(data["seconds"]), from_cache=True)
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+        set_aside(path, "layer search", str(error).splitlines()[0][:120] or type(error).__name__, "searching again")
+        return None
 
 
 def search_skip(target: CausalLM, prompts: Sequence[Sequence[int]], *, budget_seconds: float = SEARCH_SECONDS,
