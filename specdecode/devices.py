@@ -1,15 +1,20 @@
-"""Where the torch backend runs, and the three things that change with it: which device `auto` picks, how a
-clock is read honestly on it, and what counts as a host synchronisation.
+"""Where the torch backend runs, and the three things that change with it: which device `auto` picks, how its
+work is timed honestly, and what counts as a host synchronisation.
 
 - `resolve(spec)`: "auto" (CUDA where torch sees one, else the CPU), "cpu", "cuda", "cuda:N" or "mps" to a
   `torch.device`, with a one-line UserError for one this machine lacks.
-- `synchronize(device)` before a clock read that times device work: on CUDA (and MPS) kernels run
-  asynchronously, so a clock read without waiting times their launches, not their work. `clock(device)` is
-  `time.perf_counter` after such a wait.
+- `stopwatch(device)`: times spans of device work without waiting for the device (`Stopwatch`): on CUDA
+  between two events recorded on the device's stream, the span handed over once the device has passed the
+  second (a step or two later), so that timing adds no host synchronisation to a step.
+- `synchronize(device)`, `clock(device)`: a clock read that waits for the device's queued work first, for
+  callers that want a span at once and can afford the wait (a calibration, a benchmark): on CUDA (and MPS)
+  kernels run asynchronously, so a clock read without waiting times their launches, not their work.
 - `SyncCounter`: counts the calls that make the host wait for a device (`.item()`, `.tolist()`, `.cpu()`,
-  `bool()`/`int()`/`float()` of a tensor, `nonzero`, boolean indexing...) while it is active. On a CPU run
-  they cost nothing, but each one on a GPU stalls the launch queue; counting them on the CPU keeps the
-  budget of each step (one transfer per greedy verification) enforced without a GPU.
+  `bool()`/`int()`/`float()` of a tensor, `nonzero`, boolean indexing..., and the explicit waits:
+  `torch.cuda.synchronize`, a stream's or an event's `synchronize`, `torch.mps.synchronize`,
+  `devices.synchronize`) while it is active. On a CPU run they cost nothing, but each one on a GPU stalls the
+  launch queue; counting them on the CPU keeps the budget of each step (one transfer per greedy
+  verification) enforced without a GPU.
 - `name(device)`: what a cache key says of a device (a GPU's name, capability, torch's and CUDA's
   versions; the CPU's ATen capability).
 - `attention(device)`: the attention kernels a forward may use there (on CUDA, every one but cuDNN's).
@@ -21,9 +26,10 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import sys
 import time
 from collections.abc import Callable
-from typing import Any, TypeGuard
+from typing import Any, Protocol, TypeGuard
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -105,6 +111,78 @@ def clock(device: torch.device | str | None) -> Callable[[], float]:
     return read
 
 
+class Event(Protocol):
+    """A device event as a stopwatch reads it (`torch.cuda.Event`): passed yet? (without waiting); the
+    milliseconds from it to a later one, both passed."""
+
+    def query(self) -> bool: ...
+
+    def elapsed_time(self, end_event: Any) -> float: ...
+
+
+Mark = float | Event  # a point in the work queued so far: a host clock's reading, or a device event
+
+
+class Stopwatch:
+    """Times spans of work: `mark()` where a span starts and where it ends, `measure(start, end, then)` to have
+    `then(seconds)` called with the span between them. This one reads a host clock (`time.perf_counter`, or the
+    clock given: a test's fake one, or `clock(device)`, which waits), so `then` is called at once; on a device
+    that runs ahead of the host, `EventStopwatch`. `now()` reads the host clock alone: what the host spent, the
+    device's work included only where the host waited for it."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.now = clock
+
+    def mark(self) -> Mark:
+        return self.now()
+
+    def measure(self, start: Mark, end: Mark, then: Callable[[float], None]) -> None:
+        then(end - start)  # type: ignore[operator]
+
+    def settle(self) -> None:
+        """Hand over the spans whose work the device has finished (nothing to wait for on the host)."""
+
+
+class EventStopwatch(Stopwatch):
+    """A stopwatch whose marks are events recorded on a device's stream (`record`: a new one, recorded), so
+    that a mark never waits for the device. A span is handed over (`then(seconds)`) once the device has passed
+    its end, as `settle` finds without waiting (`Event.query`), spans in the order measured: a step's time comes
+    a step or two later, when a later step has read the device (it waited for everything queued before)."""
+
+    def __init__(self, record: Callable[[], Event]):
+        super().__init__()
+        self._record = record
+        self._pending: collections.deque[tuple[Event, Event, Callable[[float], None]]] = collections.deque()
+
+    def mark(self) -> Event:
+        return self._record()
+
+    def measure(self, start: Mark, end: Mark, then: Callable[[float], None]) -> None:
+        assert not isinstance(start, float) and not isinstance(end, float), "marks of another stopwatch"
+        self._pending.append((start, end, then))
+        self.settle()
+
+    def settle(self) -> None:
+        while self._pending and self._pending[0][1].query():
+            start, end, then = self._pending.popleft()
+            then(start.elapsed_time(end) / 1000.0)  # (milliseconds; never read before the device passed both)
+
+
+def stopwatch(device: torch.device | str | None, fixed: Callable[[], float] | None = None) -> Stopwatch:
+    """The stopwatch that times work on `device` without waiting for it: on CUDA, events on the device's
+    current stream; on the CPU, `time.perf_counter`; on MPS, `clock(device)`, which waits (its events are not
+    used here). `fixed` (a test's fake clock, or `clock(device)` to wait at every mark): a Stopwatch reading it."""
+    device = None if device is None else torch.device(device)
+    if fixed is None and device is not None and device.type == "cuda":
+        def record() -> Event:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(device))
+            return event
+
+        return EventStopwatch(record)
+    return Stopwatch(fixed or clock(device))
+
+
 def generator(device: torch.device | str, seed: int) -> torch.Generator:
     """A random generator on `device` seeded with `seed`. A seed reproduces a run on the same kind of device:
     CUDA's generator draws other numbers than the CPU's."""
@@ -180,7 +258,9 @@ class SyncCounter(TorchFunctionMode):
     from it, the data that would live on a GPU. `counts` maps each call's name to how many times it ran,
     `total` is their sum. `.to("cpu")` counts as a transfer when its tensor is on a GPU (on the CPU it is
     the model's device too, so host reads there go through `.cpu()`, `.tolist()`...), and indexing with a
-    boolean mask counts (its result's size depends on the values)."""
+    boolean mask counts (its result's size depends on the values). The explicit waits count as "synchronize",
+    whatever the device (`devices.synchronize` of the CPU too: on a GPU the same call would wait); they are
+    counted by replacing those calls while any counter is active, process-wide."""
 
     def __init__(self, device: torch.device | str | None = None):
         super().__init__()
@@ -196,11 +276,15 @@ class SyncCounter(TorchFunctionMode):
         self.counts.clear()
 
     def __enter__(self):
+        if not _counting:
+            _count_waits()
         _counting.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
         _counting.remove(self)
+        if not _counting:
+            _restore_waits()
         return super().__exit__(*exc)
 
     def _watched(self, tensor: object) -> TypeGuard[torch.Tensor]:
@@ -221,6 +305,51 @@ class SyncCounter(TorchFunctionMode):
         elif name == "__getitem__" and self._watched(first) and _boolean_index(args[1] if len(args) > 1 else None):
             self.counts["boolean index"] += 1
         return func(*args, **kwargs)
+
+
+# The calls that block the host until a device's queued work is done, counted as "synchronize" while a counter
+# is active (`SyncCounter`): they take no tensor, so no torch function mode sees them (nor does torch's sync debug
+# mode). An event's or a stream's `wait` makes the device wait, not the host: not counted.
+def _explicit_waits() -> list[tuple[Any, str]]:
+    owners = [torch.cuda, torch.cuda.Stream, torch.cuda.Event, torch.mps, sys.modules[__name__]]
+    return [(owner, "synchronize") for owner in owners + [getattr(torch, "accelerator", None)] if owner is not None]
+
+
+_originals: list[tuple[Any, str, Any]] = []  # (owner, name, the call before counting) while counters are active
+_waiting = 0  # explicit waits under way: one wait calling another (devices.synchronize) counts once
+
+
+def _counted(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def wait(*args, **kwargs):
+        global _waiting
+        if not _waiting:
+            for counter in _counting:
+                if not counter.paused:
+                    counter.counts["synchronize"] += 1
+        _waiting += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _waiting -= 1
+
+    return wait
+
+
+def _count_waits() -> None:
+    """Replace every explicit wait by one that counts itself (process-wide, until `_restore_waits`)."""
+    for owner, attribute in _explicit_waits():
+        _originals.append((owner, attribute, vars(owner).get(attribute)))  # None: inherited, not its own
+        setattr(owner, attribute, _counted(getattr(owner, attribute)))
+
+
+def _restore_waits() -> None:
+    while _originals:
+        owner, attribute, original = _originals.pop()
+        if original is None:
+            delattr(owner, attribute)
+        else:
+            setattr(owner, attribute, original)
 
 
 def _to_cpu(args, kwargs) -> bool:

@@ -124,7 +124,7 @@ def build_auto(target: CausalLM, draft: CausalLM | None, options: DrafterOptions
     # with a head, the one expensive source is the head (no draft model beside it): asked below HEAD_BELOW
     with_head = any(source.drafter.needs.hidden for source in sources)
     drafter = CompositeDrafter(sources, target.cost_curve(), tree=True, final_layer=final_layer,
-                               fallback_below=HEAD_BELOW if with_head else 1.0)
+                               fallback_below=HEAD_BELOW if with_head else 1.0, device=target.device)
     drafter.name = "auto"
     drafter.weighs_itself = True  # no step-aside switch (module docstring)
     return drafter

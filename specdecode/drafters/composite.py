@@ -56,8 +56,10 @@ inputs) get them every step, asked or not: the composite asks the forward for th
 tuple), and each hears its own columns with the accepted path of the draft that was fed (`Outcome.fed_path`),
 so its features follow the context whatever source drafted it, while its verdict judges its own proposal.
 
-What pays. Each source's drafting is timed (`clock`) and weighed against the tokens it adds beyond the
-sources asked before it, per request (`drafters.source_payoff`): one that does not pay is not asked until
+What pays. Each source's drafting is timed and weighed against the tokens it adds beyond the sources asked
+before it, per request (`drafters.source_payoff`). The timing does not wait for the device (`devices.stopwatch`:
+on CUDA between events); its seconds are in by the step's verdict, whose read on the host waited for the drafting
+(a source's seconds not in by then count as nothing). One that does not pay is not asked until
 the text changes character. Where nothing is asked or nothing pays on the cost curve, the draft is empty
 and the step is the target's plain one.
 """
@@ -65,14 +67,15 @@ and the step is the target's plain one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from specdecode import devices
 from specdecode.drafters.base import Drafter, Needs, Outcome, RunningAcceptance
 from specdecode.drafters.options import DrafterOptions, check_budget
 from specdecode.drafters.draft_model import DraftModelDrafter
@@ -232,8 +235,11 @@ class CompositeDrafter(Drafter):
         fallback_below: float = 1.0,
         combine: str = "max",
         final_layer: int | None = None,
-        clock: Callable[[], float] = time.perf_counter,
+        clock: Callable[[], float] | None = None,
+        device: torch.device | str | None = None,
     ):
+        """`device`: where the sources draft (the target's), for timing them; `clock`: a fixed clock instead (a
+        test's)."""
         self.sources = [s if isinstance(s, Source) else Source(s) for s in sources]
         if not self.sources:
             raise UserError("a composite drafter needs at least one source")
@@ -249,7 +255,7 @@ class CompositeDrafter(Drafter):
         self.hidden, self._blocks = hidden_request([s.drafter.needs.hidden for s in self.sources], final_layer)
         self.needs = Needs(logits=any(s.drafter.needs.logits for s in self.sources), hidden=self.hidden)
         self.catches_up = any(s.drafter.catches_up for s in self.sources)
-        self.clock = clock
+        self.stopwatch = devices.stopwatch(device, clock)
         self.payoff = Payoff(len(self.sources))  # per request
         self._costs = [0.0] * len(self.sources)  # this step's drafting, per source, in plain steps
         # What the composite learns describes its sources and the target, not one request: kept across.
@@ -301,9 +307,9 @@ class CompositeDrafter(Drafter):
                     source.cost == "expensive" and self.promised(self._merge(max_tokens)) >= self.fallback_below):
                 self._proposals.append(None)
                 continue
-            start = self.clock()
+            start = self.stopwatch.mark()
             self._proposals.append(source.drafter.propose(context, max_tokens, params, generator))
-            self._costs[i] = (self.clock() - start) / step if step > 0 else 0.0
+            self.stopwatch.measure(start, self.stopwatch.mark(), functools.partial(_cost, self._costs, i, step))
         # 2. Merge into one trie and keep the nodes that pay.
         merged = self._merged = self._merge(max_tokens)
         keep, scores = self._choose(merged)
@@ -364,8 +370,14 @@ class CompositeDrafter(Drafter):
             source.drafter.observe(Outcome(seen, own, own_stats, logits, hidden, outcome.num_pending,
                                            fed_path=verdict.path if hidden is not None else None))
         if self._proposals:  # a step the composite drafted (not one the engine played plain)
+            self.stopwatch.settle()  # the sources' seconds (the verdict's read waited for their drafting)
             self.payoff.record(accepted, self._costs, verdict.num_accepted)
         self._proposals, self._merged, self._submitted = [], None, {}
+
+
+def _cost(costs: list[float], source: int, plain_step: float, seconds: float) -> None:
+    """A source's drafting seconds, in plain steps (`plain_step` seconds; 0: unknown, nothing)."""
+    costs[source] = seconds / plain_step if plain_step > 0 else 0.0
 
 
 def default_sources(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> list[Source]:
@@ -385,4 +397,4 @@ def build_composite(target: CausalLM, draft: CausalLM | None, options: DrafterOp
     """The `composite` method: `default_sources` merged into a tree sized on the target's cost curve
     (options.tree; options.budget fixes its size), or into its best chain."""
     return CompositeDrafter(default_sources(target, draft, options), target.cost_curve(),
-                            tree=options.tree, budget=options.budget)
+                            tree=options.tree, budget=options.budget, device=target.device)

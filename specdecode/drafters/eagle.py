@@ -21,6 +21,7 @@ positions, cache, masks), so it follows the target's attention geometry; its emb
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict, deque
 from collections.abc import Callable
 from pathlib import Path
@@ -306,10 +307,11 @@ class EagleTreeDrafter(DraftModelTreeDrafter):
         self.state = head_state(head, target_model, state)
         self._outputs: dict[int, torch.Tensor] = {}  # node -> the head's prediction after it
         # the head's rounds as timed, by width (latest first): what a round costs on this machine, for
-        # `_round_cost`; `draft_cost` is only the guess before a width has been timed. The clock waits for
-        # the device (`devices.clock`), else it would time a round's kernel launches; the wait costs
-        # nothing more, as each round's children are read on the host right after it (`_add_children`).
-        self.clock = clock or devices.clock(self.state.device)
+        # `_round_cost`; `draft_cost` is only the guess before a width has been timed. Timed without waiting
+        # for the device (`devices.stopwatch`: on CUDA between events): a round's seconds come by the next
+        # round, as its children are read on the host right after it (`_add_children`). `clock`: a fixed
+        # clock instead (a test's).
+        self.stopwatch = devices.stopwatch(self.state.device, clock)
         self._rounds: defaultdict[int, deque[float]] = defaultdict(lambda: deque(maxlen=ROUND_TIMINGS))
 
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
@@ -345,14 +347,17 @@ class EagleTreeDrafter(DraftModelTreeDrafter):
             mask[row, context_pairs + len(fed) + row] = True
         # a node of depth d - 1 is fed with its parent's prediction, at the parent's position length + d - 3
         features = torch.stack([self._outputs[tree.parents[node]] for node in expand])  # [width, d]
-        start = self.clock()
+        start = self.stopwatch.mark()
         out = self.state.run(features, [tree.tokens[node] for node in expand],
                              torch.full((len(expand),), length + depth - 3, device=self.state.device), mask)
         for row, node in enumerate(expand):
             self._outputs[node] = out[row]
         logits = self.state.logits(out)
-        self._rounds[len(expand)].appendleft(self.clock() - start)
+        self.stopwatch.measure(start, self.stopwatch.mark(), functools.partial(self._timed, len(expand)))
         return logits
+
+    def _timed(self, width: int, seconds: float) -> None:
+        self._rounds[width].appendleft(seconds)
 
     def _round_cost(self, width: int) -> float:
         """A round over `width` nodes in one-token target forwards: the lower median of the latest timings

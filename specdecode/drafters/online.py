@@ -58,7 +58,8 @@ class OnlineAdaptation:
         self.replay: deque[tuple[torch.Tensor, torch.Tensor]] = deque()  # (tokens [n], features [n, k d])
         self.updates = 0  # optimiser steps made
         self.losses: list[float] = []  # the mean loss of each `learn`
-        self.seconds = 0.0  # spent learning
+        self._seconds = 0.0  # spent learning, as timed so far
+        self._stopwatch = devices.stopwatch(self.device)  # (on CUDA events: learning's seconds come once done)
         self._rng = random.Random(0)
 
     def memory_bytes(self) -> int:
@@ -78,8 +79,19 @@ class OnlineAdaptation:
         self.head = self._copy(self.trained)
         self.optimiser = self._optimiser()
         self.replay.clear()
-        self.updates, self.losses, self.seconds = 0, [], 0.0
+        self.updates, self.losses, self._seconds = 0, [], 0.0
+        self._stopwatch = devices.stopwatch(self.device)  # (a timing still to come belongs to what was forgotten)
         return changed
+
+    @property
+    def seconds(self) -> float:
+        """Seconds spent learning, timed without waiting for the device: the latest `learn` counts once the
+        device has done it."""
+        self._stopwatch.settle()
+        return self._seconds
+
+    def _learnt(self, seconds: float) -> None:
+        self._seconds += seconds
 
     def learn(self, tokens: list[int], features: torch.Tensor) -> bool:
         """One finished sequence's tokens and the target's features at each ([n, k d]); True if the head
@@ -90,8 +102,7 @@ class OnlineAdaptation:
         self.replay.append((to_device(tokens[:n], self.device), features[:n].float()))
         while sum(len(t) for t, _ in self.replay) > self.replay_tokens and len(self.replay) > 1:
             self.replay.popleft()
-        clock = devices.clock(self.device)  # what learning took, the device's work done
-        start = clock()
+        start = self._stopwatch.mark()
         self.head.train()
         total = 0.0
         newest, earlier = self.replay[-1], list(self.replay)[:-1]
@@ -110,7 +121,7 @@ class OnlineAdaptation:
             total += float(loss.detach())
         self.head.eval()
         self.losses.append(total / max(1, self.steps))
-        self.seconds += clock() - start
+        self._stopwatch.measure(start, self._stopwatch.mark(), self._learnt)
         return True
 
     def _loss(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor | None:

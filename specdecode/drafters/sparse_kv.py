@@ -209,7 +209,7 @@ def under_lookup(target: HFCausalLM, reference_ids=None, curve: CostCurve | None
     curve = curve or target.cost_curve()
     sources = [Source(PromptLookupDrafter(reference_ids=reference_ids), "free"),
                Source(SparseKVDrafter(target, curve=curve, **view_options), "expensive")]
-    return CompositeDrafter(sources, curve, tree=False)
+    return CompositeDrafter(sources, curve, tree=False, device=target.device)
 
 
 def build_sparse_kv_lookup(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> CompositeDrafter:

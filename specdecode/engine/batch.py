@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -83,6 +82,7 @@ class PrefillShare:
         self.chunk_seconds = 0.0  # the last step that carried a chunk
         self.since = 0.0  # the steps after it
         self.per_token = 0.0  # the last chunk's step, seconds a token it fed (0: none yet)
+        self._chunks = 0  # steps that carried a chunk
 
     def turn(self) -> bool:
         """Whether a chunk may go into the next step."""
@@ -94,12 +94,21 @@ class PrefillShare:
             return most
         return max(min(most, MIN_CHUNK), min(most, round(CHUNK_SECONDS / self.per_token)))
 
-    def record(self, seconds: float, chunked: bool, tokens: int) -> None:
-        """A step fed `tokens` in `seconds`; `chunked`: a long prompt's chunk among them."""
+    def took(self, chunked: bool, tokens: int) -> Callable[[float], None]:
+        """A step fed `tokens`; `chunked`: a long prompt's chunk among them. Returns what takes its seconds once
+        known (on a GPU a step or two later, `devices.EventStopwatch`): a chunk restarts the count of the steps
+        since at once, and a step's seconds from before it, coming later, no longer count."""
         if chunked:
-            self.chunk_seconds, self.since, self.per_token = seconds, 0.0, seconds / tokens
-        else:
-            self.since += seconds
+            self.since, self._chunks = 0.0, self._chunks + 1
+        chunks = self._chunks
+
+        def timed(seconds: float) -> None:
+            if chunked:
+                self.chunk_seconds, self.per_token = seconds, seconds / tokens
+            elif chunks == self._chunks:
+                self.since += seconds
+
+        return timed
 
 
 def forward_inputs(members: list[Member], pending: list[list[int]], drafts: list[Draft], stepping: list[bool]):
@@ -142,11 +151,13 @@ class BatchEngine:
                  keep_hidden: bool | tuple[int, ...] = False, clock: Callable[[], float] | None = None):
         """`keep_hidden`: the hidden states (`CausalLM.forward`'s `output_hidden`) of every context token a
         sequence feeds are kept, bfloat16, in `hidden[id]` (one piece a step, in order; the caller pops them).
-        `clock` times whole steps, for the turns of long prompts (`PrefillShare`)."""
+        The target's forwards (for its cost curve) and whole steps (for the turns of long prompts, `PrefillShare`)
+        are timed without waiting for the device, as `SpeculativeEngine` times them (`devices.stopwatch`; `clock`:
+        a fixed clock instead, read at once)."""
         if not target.several_sequences:
             raise UserError(f"{type(target).__name__} holds one sequence at a time; batching needs the torch backend")
         self.target, self.tokenizer, self.gate, self.keep_hidden = target, tokenizer, gate, keep_hidden
-        self.clock = clock or devices.clock(target.device)  # read after the device's queued work is done
+        self.stopwatch = devices.stopwatch(target.device, clock)  # (a test may assign one)
         self.members: dict[int, Member] = {}
         self.hidden: dict[int, list[torch.Tensor]] = {}
         self._ids = itertools.count()
@@ -197,7 +208,8 @@ class BatchEngine:
         only in part (module docstring: *Prompts*), or waits, yields nothing."""
         if not self.members:
             return []
-        began = self.clock()
+        self.stopwatch.settle()  # the timings of earlier steps the device has done with
+        began = self.stopwatch.mark()
         # 0. What the forward carries: every sequence past its prompt, and prompt tokens within one chunk in all.
         plan = self._plan()
         idents = [i for i, m in self.members.items() if i in plan or len(m.slots) >= len(m.progress.prompt_ids)]
@@ -210,14 +222,15 @@ class BatchEngine:
         # 1. Draft, each sequence on its own; then the gate shares the forward out.
         drafts, draft_seconds = [], []
         for m, steps in zip(members, stepping):
-            start = time.perf_counter()
+            start = self.stopwatch.now()
             room = m.progress.room() - 1  # the step adds a token beyond its accepted drafts
             drafts.append(m.progress.propose(m.drafter if steps else None, room))  # (`engine.forced`)
-            draft_seconds.append(time.perf_counter() - start)
+            draft_seconds.append(self.stopwatch.now() - start)
         if self.gate:
             drafts = cut_batch(drafts, self.curve, sum(len(p) for p in pending))
         # 2. One forward over every sequence's pending tokens and draft.
-        start = self.clock()
+        timed = self.gate and not plan  # a prompt's prefill (cold, all attention) is not timed
+        forward_start, host_start = self.stopwatch.mark() if timed else None, self.stopwatch.now()
         cached = self.target.cache_length
         fed, positions, spans, rows = forward_inputs(members, pending, drafts, stepping)
         total = sum(len(f) for f in fed)
@@ -231,9 +244,8 @@ class BatchEngine:
                                      rows=torch.cat(rows) if rows else torch.tensor([total - 1], device="cpu"),
                                      output_hidden=self.keep_hidden)
         logits = output.logits  # [sum(len(draft) + 1), vocab] over the sequences that step
-        forward_seconds = self.clock() - start
-        if self.gate and not plan:  # a prompt's prefill (cold, all attention) is not timed
-            self.curve.observe(total, forward_seconds)
+        if forward_start is not None:  # (its seconds come once the device has done it)
+            self.stopwatch.measure(forward_start, self.stopwatch.mark(), functools.partial(self.curve.observe, total))
         # 3. Verify each sequence on its rows; keep the slots of its context and accepted tokens.
         out: list[tuple[int, StepEvent, GenerationResult | None]] = []
         row = 0
@@ -255,7 +267,9 @@ class BatchEngine:
             else:
                 m.slots += list(range(first, first + len(p))) + [first + len(p) + node for node in verdict.path]
             # 4. The sequence's tokens appended; its drafter learns how its draft fared.
-            event = conclude(m.progress, m.drafter, VerifiedStep(draft, verdict, mine, len(p), spent, forward_seconds))
+            # (the host's seconds since the forward began: its verification read waited for the forward)
+            verified = VerifiedStep(draft, verdict, mine, len(p), spent, self.stopwatch.now() - host_start)
+            event = conclude(m.progress, m.drafter, verified)
             out.append((ident, event, None))
             if m.progress.room() == 0:
                 if (tail := m.progress.tail()) is not None:
@@ -263,7 +277,7 @@ class BatchEngine:
                 out[-1] = (ident, out[-1][1], m.progress.result(m.method))
                 del self.members[ident]
         self._collect()
-        self._share.record(self.clock() - began, chunked, total)
+        self.stopwatch.measure(began, self.stopwatch.mark(), self._share.took(chunked, total))
         return out
 
     def _plan(self) -> dict[int, int]:

@@ -72,9 +72,11 @@ class SpeculativeEngine:
         self.gate = gate  # cut scored chains to the prefix that pays (see step)
         # exact (lossless) verification unless a lossy method brings its own (verify.typical)
         self.verifier = verifier
-        # times the target's forwards, which keep its cost curve honest, and whole steps; by default
-        # `time.perf_counter` read after the target's device has finished its queued work (`devices.clock`)
-        self.clock = clock or devices.clock(target.device)
+        # times the target's forwards, which keep its cost curve honest, and whole steps, for the step-aside
+        # switch, without waiting for the device: on CUDA between events, each span known once the device has
+        # passed it, a step or two later (`devices.stopwatch`). `clock` (a test's fake clock, or
+        # `devices.clock(device)`, which waits at every reading): read at once instead. A test may assign one.
+        self.stopwatch = devices.stopwatch(target.device, clock)
         # step aside (plain steps) while speculation is timed slower than plain decoding (`engine.payoff`);
         # None: wherever the gate follows a measured curve, not a fixed one (tests fix theirs), and the drafter
         # does not weigh its own steps (`Drafter.weighs_itself`)
@@ -116,12 +118,15 @@ class SpeculativeEngine:
         """One speculative step after `context`, drafting at most `room` tokens (none: `speculate=False`):
         the draft, its verdict and the target's rows for it, and the seconds spent drafting and verifying.
         What the step appends to the output, and what the drafter learns of it, follow in `conclude`.
-        `matcher`: the constraint's state after `context`, which cuts the draft and masks every row."""
+        `matcher`: the constraint's state after `context`, which cuts the draft and masks every row.
+        The seconds drafting and verifying are the host's, read without waiting for the device: where drafting
+        only queues device work, its time shows in verification's, which ends with the step's read of the
+        verdict (it waits for everything queued), so their sum stays the step's."""
         # 1. Draft: the drafter proposes up to `room` tokens (none at all for plain decoding). A chain
         #    that comes with acceptance estimates is cut to the prefix that pays on the target's cost
         #    curve: where a wider forward costs nearly as much as the tokens it may save, speculation
         #    switches itself off for the step.
-        start = self.clock()
+        start = self.stopwatch.now()
         pending = context[self.target.cache_length :]
         drafter = self.drafter if room > 0 and speculate else None  # None: a plain step
         # (under a constraint: the grammar's forced run first, and nothing it forbids: `engine.forced`)
@@ -131,7 +136,7 @@ class SpeculativeEngine:
             # now and then one size wider than pays, to time it again (`LiveCurve.probe`)
             probe = self.curve.probe(len(pending) + len(cut)) if len(cut) < len(draft) else None
             draft = cut if probe is None else draft.prefix(max(len(cut), probe - len(pending)))
-        drafted = self.clock()
+        drafted = self.stopwatch.now()
         # 2. Verify: one target forward over the tokens it has not seen yet plus the draft gives the
         #    target's distribution after the context and after every draft token (for a tree, after every
         #    node's path, through the tree attention mask and the nodes' positions). Auxiliary tokens
@@ -148,17 +153,18 @@ class SpeculativeEngine:
         # the curve learns from the timed forward, but for a sequence's first: the prompt's prefill (cold
         # caches, attention over the whole prompt, or its last chunk) prices nothing a draft's verification costs
         timed = self.gate and self.drafter is not None and self.target.cache_length > 0 and len(pending) == 1
-        forward_start = self.clock()
+        forward_start = self.stopwatch.mark() if timed else None
         out = self.target.forward(fed, positions=positions, tree_mask=mask, num_logits=rows, output_hidden=hidden)
-        if timed:
-            self.curve.observe(fed.numel(), self.clock() - forward_start)
+        if forward_start is not None:  # (its seconds come once the device has done it)
+            observe = functools.partial(self.curve.observe, fed.numel())
+            self.stopwatch.measure(forward_start, self.stopwatch.mark(), observe)
         # 3. Accept the longest admissible prefix (or tree path) and add the correction or bonus token.
         verdict = verify_draft(self.verifier, draft, out.logits, params, generator, matcher)
         # 4. Roll back: the cache keeps the context and the accepted drafts (auxiliary tokens, past the
         #    draft, go with the rejected nodes); the last token of the verdict is fed in the next forward.
         self.target.compact(len(context), verdict.path)
-        return VerifiedStep(draft, verdict, out.logits, len(pending), drafted - start, self.clock() - drafted,
-                            out.hidden)
+        return VerifiedStep(draft, verdict, out.logits, len(pending), drafted - start,
+                            self.stopwatch.now() - drafted, out.hidden)
 
     def _events(self, prompt_ids: list[int], config: GenerationConfig
                 ) -> Generator[StepEvent | Prefilled, None, GenerationResult]:
@@ -181,7 +187,9 @@ class SpeculativeEngine:
         if aside is not None:
             aside.begin()
         while (room := state.room()) > 0:
-            start, speculate = self.clock(), aside is None or aside.speculate
+            self.stopwatch.settle()  # the timings of earlier steps the device has done with, before choosing
+            start = self.stopwatch.mark() if aside is not None else None
+            speculate = aside is None or aside.speculate
             # Each step emits at least one token beyond its accepted drafts, hence room - 1.
             step = self.step(state.context, room - 1, config.sampling, state.generator, speculate=speculate,
                              matcher=state.matcher)
@@ -189,8 +197,9 @@ class SpeculativeEngine:
                 step, prefilled = after_prefill(step, prefilled, pieces), 0
             # 5. Append the step's tokens; the drafter learns how its draft fared.
             event = conclude(state, self.drafter, step, stepped_aside=not speculate)
-            if aside is not None:
-                aside.record(self.clock() - start, event.stats.new_tokens, drafted=event.stats.drafted > 0)
+            if aside is not None and start is not None:
+                self.stopwatch.measure(start, self.stopwatch.mark(),
+                                       aside.took(event.stats.new_tokens, drafted=event.stats.drafted > 0))
             yield event
             if state.finish_reason != "length":
                 break

@@ -5,13 +5,14 @@ target's forward only. Drafting, the Python around a step, attention that grows 
 the trees and windows a drafter sends whole all escape it: where width is dear (a CPU without bf16
 units) a method the curve lets through can still be slower than plain decoding.
 
-So the engine also times whole steps, from the draft to the drafter's update, and keeps for each way of
-stepping (speculate, or plain: no draft at all, the drafter not even asked) the seconds per output token
-of its latest steps. It plays the faster one (the other must beat it by MARGIN to take over) and tries the
-other again now and then, at intervals that double while the choice holds (FIRST_PERIOD up to
-LAST_PERIOD steps). A plain trial costs only the speedup it forgoes (TRIAL["plain"] steps); a speculative
-trial where speculation does not pay costs what its few steps lose. Which way a step goes never changes
-what it outputs: the verifier decides that, and a plain step is the target's own.
+So the engine also times whole steps, from the draft to the drafter's update (on a GPU between two events
+on the device's stream, without waiting for it: a step's seconds come a step or two later, `took`), and
+keeps for each way of stepping (speculate, or plain: no draft at all, the drafter not even asked) the
+seconds per output token of its latest steps. It plays the faster one (the other must beat it by MARGIN to
+take over) and tries the other again now and then, at intervals that double while the choice holds
+(FIRST_PERIOD up to LAST_PERIOD steps). A plain trial costs only the speedup it forgoes (TRIAL["plain"]
+steps); a speculative trial where speculation does not pay costs what its few steps lose. Which way a step
+goes never changes what it outputs: the verifier decides that, and a plain step is the target's own.
 
 A new sequence starts with a speculative trial unless speculation leads: acceptance depends on the
 prompt more than on anything learnt from earlier ones. Unless trials are dear: the first speculative step
@@ -29,6 +30,7 @@ A drafter that weighs each step's cost against its gain itself (`Drafter.weighs_
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 SPECULATE, PLAIN = "speculate", "plain"
@@ -86,6 +88,7 @@ class StepAside:
     def begin(self) -> None:
         """A new sequence: its first step (the prompt's prefill) is not timed; a speculative trial first
         unless speculation leads or trials are dear."""
+        self._turn()
         self._previous = None
         if self.leader == PLAIN and not self._dear():
             self.way, self.left, self.trial = SPECULATE, TRIAL[SPECULATE], True
@@ -93,22 +96,42 @@ class StepAside:
     @property
     def speculate(self) -> bool:
         """Whether the next step drafts."""
+        self._turn()
         return self.way == SPECULATE
 
     def record(self, seconds: float, tokens: int, drafted: bool = True) -> None:
         """The step just taken (the way `speculate` said) took `seconds` and output `tokens` tokens;
         `drafted`: whether it verified a draft."""
+        self.took(tokens, drafted)(seconds)
+        self._turn()
+
+    def took(self, tokens: int, drafted: bool = True) -> Callable[[float], None]:
+        """The step just taken (the way `speculate` said) output `tokens` tokens; `drafted`: whether it verified
+        a draft. Returns what takes its seconds once they are known: on a GPU a step or two later
+        (`devices.EventStopwatch`), so the runs are counted now, in the order played, and the rates follow
+        when the timings come (the choice at a run's end misses its latest step or two)."""
+        self._turn()
         # not timed: a sequence's first step (the prompt's prefill, whatever the way) and the first
         # speculative step after plain ones (a drafter with a cache catches up on the skipped tokens then),
         # a speculative step that drafted nothing counting as plain (a draft model waiting for its prefill
         # to pay, `drafters.draft_model.LateStart`, catches up on the whole context when it starts)
         catching_up = self.way == SPECULATE and self._previous == PLAIN
-        if self._previous is not None and not catching_up and tokens > 0:
-            self.rates[self.way].add(seconds, tokens)
-        if catching_up and drafted:
-            self.catch_up = seconds
+        # (the way's rate as it stands now: a timing that comes after `forget` goes to the one forgotten)
+        rate = self.rates[self.way] if self._previous is not None and not catching_up and tokens > 0 else None
+
+        def timed(seconds: float) -> None:
+            if rate is not None:
+                rate.add(seconds, tokens)
+            elif catching_up and drafted:
+                self.catch_up = seconds
+
         self._previous = self.way if drafted else PLAIN
         self.left -= 1
+        return timed
+
+    def _turn(self) -> None:
+        """The run just played over: choose the next (at the next decision, by when a host clock's timings of
+        its steps are in)."""
         if self.left <= 0:
             self._next_run()
 

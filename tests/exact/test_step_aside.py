@@ -4,6 +4,8 @@ unchanged when its steps alternate between drafting and not."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 
 from conftest import LetterTokenizer, greedy_references, oracle_eagle_head, random_prompts
@@ -63,6 +65,22 @@ def test_the_lead_changes_hands_when_the_machine_or_the_text_does():
     assert aside.leader == payoff.PLAIN and sum(late[-100:]) <= 2 * payoff.TRIAL["speculate"]
     again = play(aside, 300, speculative=(0.5, 2))
     assert aside.leader == payoff.SPECULATE and sum(again[-100:]) >= 100 - 2 * payoff.TRIAL["plain"]
+
+
+@pytest.mark.parametrize("speculative, leader", [((1.5, 1), payoff.PLAIN), ((0.5, 2), payoff.SPECULATE)])
+def test_seconds_that_come_two_steps_late_lead_to_the_same_choice(speculative, leader):
+    """On a GPU a step's seconds come a step or two after it (`StepAside.took`, `devices.EventStopwatch`): the
+    runs are counted as they are played, the rates follow, and the faster way still leads."""
+    aside = StepAside()
+    aside.begin()
+    late: collections.deque = collections.deque()
+    for _ in range(300):
+        seconds, tokens = speculative if aside.speculate else (1.0, 1)
+        late.append((aside.took(tokens), seconds))
+        if len(late) > 2:
+            timed, seconds = late.popleft()
+            timed(seconds)
+    assert aside.leader == leader
 
 
 def test_a_new_sequence_tries_speculation_first_and_its_prefill_is_not_timed():
@@ -194,8 +212,9 @@ class Alternating(StepAside):
     def speculate(self) -> bool:
         return self._ways[self._step % len(self._ways)]
 
-    def record(self, seconds: float, tokens: int, drafted: bool = True) -> None:
+    def took(self, tokens: int, drafted: bool = True):
         self._step += 1
+        return lambda seconds: None
 
 
 @pytest.fixture(scope="module")

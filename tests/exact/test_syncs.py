@@ -5,11 +5,17 @@ for the queued kernels. `devices.track` makes a CPU model's outputs stand for de
 `devices.SyncCounter` counts each host read of them or of anything computed from them, so the budget
 holds in CI without a GPU: one transfer per greedy verification, chain or tree; a bounded number per
 sampled chain and one per tree level when sampling; none per drafted token of the draft model.
+
+The explicit waits (`torch.cuda.synchronize`, a stream's or an event's, `devices.synchronize`) count too, as
+"synchronize": a clock that waits for the device at every reading would cost a step several of them, so the
+engines time the device's work with events read late (`devices.EventStopwatch`), driven here by fake events.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -20,11 +26,13 @@ from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
-from specdecode.models.costs import CostCurve
+from specdecode.engine.batch import BatchEngine
+from specdecode.models.costs import CostCurve, LiveCurve
 from specdecode.models.hf import HFCausalLM
 from specdecode.tree import structure
 from specdecode.types import Draft, SamplingParams
 from specdecode.verify.tree import verify
+from test_live_curve import FakeClock, TimedLM
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.cpu_only]  # the CPU's stand-in for a device
 
@@ -39,16 +47,23 @@ def tracked(model) -> HFCausalLM:
     return lm
 
 
-def syncs_per_step(engine: SpeculativeEngine, params: SamplingParams, max_new_tokens: int = 24):
-    """(host reads of device data in each step, the step's events), the drafter's observe included."""
-    counts, events = [], []
+def reads_per_step(engine: SpeculativeEngine, params: SamplingParams, max_new_tokens: int = 24):
+    """(each step's host synchronisations by kind, the step's events), the drafter's observe included."""
+    counts: list[collections.Counter[str]] = []
+    events = []
     config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=params, seed=0)
     with devices.SyncCounter("cpu") as counter:
         for event in engine.stream(PROMPT, config):
-            counts.append(counter.total)
+            counts.append(collections.Counter(counter.counts))
             events.append(event)
             counter.reset()
     return counts, events
+
+
+def syncs_per_step(engine: SpeculativeEngine, params: SamplingParams, max_new_tokens: int = 24):
+    """(host synchronisations in each step, the step's events), the drafter's observe included."""
+    counts, events = reads_per_step(engine, params, max_new_tokens)
+    return [count.total() for count in counts], events
 
 
 def test_the_counter_sees_reads_of_device_data_only():
@@ -175,3 +190,150 @@ def test_every_forward_runs_its_attention_inside_the_devices_choice(tiny_target,
     assert asked == ["cpu", "cpu"]
     run_layers(tiny_target, [0], torch.tensor(PROMPT[:1]), torch.arange(1), None, None)
     assert asked[2:] == ["cpu"]
+
+
+# --- Explicit waits, and timing without them ----------------------------------------------------------------
+
+
+@pytest.fixture
+def no_device_waits(monkeypatch):
+    """The explicit waits as no-ops, patched before any counter wraps them, so they run without a GPU."""
+    for owner in (torch.cuda, torch.cuda.Stream, torch.cuda.Event, torch.mps):
+        monkeypatch.setattr(owner, "synchronize", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda.Event, "wait", lambda *args, **kwargs: None)
+
+
+def test_the_counter_counts_explicit_waits_of_the_host_once_each(no_device_waits):
+    """Each wait counts once (`devices.synchronize` calls torch's), in every counter active; an event's `wait`
+    (the device waits, not the host) does not count; leaving the last counter restores the calls."""
+    patched = torch.cuda.synchronize
+    with devices.SyncCounter("cpu") as outer:
+        with devices.SyncCounter("cpu") as inner:
+            devices.synchronize("cuda")
+            torch.cuda.synchronize()
+            torch.cuda.Stream.synchronize(object())
+            torch.cuda.Event.synchronize(object())
+            torch.mps.synchronize()
+            torch.cuda.Event.wait(object())
+        assert inner.counts == {"synchronize": 5}
+        devices.synchronize("cuda")
+    assert outer.counts == {"synchronize": 6}
+    assert torch.cuda.synchronize is patched and not hasattr(devices.synchronize, "__wrapped__")
+
+
+class FakeQueue:
+    """A pretend device's queue of events, for `devices.EventStopwatch` without CUDA: each event is recorded at
+    the fake clock's time and passed once the device has run past it, which here is at the next forward
+    (`QueuedLM`): by then the step before has read its verdict, which waited for everything queued before."""
+
+    def __init__(self, clock: FakeClock):
+        self.clock, self.recorded, self.passed = clock, 0, 0
+
+    def record(self) -> FakeEvent:
+        self.recorded += 1
+        return FakeEvent(self, self.recorded, self.clock.now)
+
+    def run(self) -> None:
+        self.passed = self.recorded
+
+
+@dataclass
+class FakeEvent:
+    queue: FakeQueue
+    index: int
+    time: float
+
+    def query(self) -> bool:
+        return self.index <= self.queue.passed
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        assert self.query() and end.query(), "an event read before the device passed it"
+        return (end.time - self.time) * 1000.0
+
+
+class QueuedLM(TimedLM):
+    """A tiny model whose forwards take fake time (`TimedLM`) and let the fake device catch up first."""
+
+    def __init__(self, model, slope: float = 0.5):
+        super().__init__(model, FakeClock(), slope)
+        self.queue = FakeQueue(self.clock)
+        self.fed: list[int] = []  # tokens of each forward
+
+    def forward(self, token_ids, **kwargs):
+        self.queue.run()
+        self.fed.append(token_ids.numel())
+        return super().forward(token_ids, **kwargs)
+
+
+class RecordingCurve(LiveCurve):
+    def __init__(self):
+        super().__init__(FIXED_CURVE)
+        self.observed: list[tuple[int, float]] = []
+
+    def observe(self, n: int, seconds: float) -> None:
+        self.observed.append((n, seconds))
+        super().observe(n, seconds)
+
+
+def timed_engine(target, clock=None) -> SpeculativeEngine:
+    engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(), clock=clock)
+    engine.curve, engine.prefill_chunk = RecordingCurve(), 64
+    return engine
+
+
+def test_a_waited_clock_is_counted_at_every_step(tiny_target, no_device_waits):
+    """`devices.clock` waits for the device at every reading: an engine timed with it synchronises each step."""
+    engine = timed_engine(tracked(tiny_target), clock=devices.clock("cuda"))
+    counts, _ = reads_per_step(engine, GREEDY)
+    assert all(count["synchronize"] > 0 for count in counts), counts
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_events_time_a_step_without_a_wait(tiny_target, no_device_waits, params):
+    """Timed by events read late, a chain step reads the device once and waits for it nowhere else."""
+    target = QueuedLM(tiny_target)
+    devices.track(target)
+    engine = timed_engine(target)
+    engine.stopwatch = devices.EventStopwatch(target.queue.record)
+    counts, events = reads_per_step(engine, params)
+    assert any(e.stats.drafted for e in events) and engine.curve.observed
+    assert all(count["synchronize"] == 0 and count.total() == 1 for count in counts), counts
+
+
+def test_every_forward_reaches_the_curve_and_the_switch_a_step_late(tiny_target):
+    """Each forward after the prompt's is timed on the device's clock and delivered once the device has passed
+    it, a step later; the step-aside switch gets the steps' seconds the same way; none is lost."""
+    target = QueuedLM(tiny_target)
+    engine = timed_engine(target)
+    engine.stopwatch = devices.EventStopwatch(target.queue.record)
+    delivered = [len(engine.curve.observed) for _ in engine.stream(PROMPT, GenerationConfig(max_new_tokens=24))]
+    assert delivered == [0] + list(range(len(delivered) - 1)), delivered
+    target.queue.run()
+    engine.stopwatch.settle()
+    expected = [(n, 1.0 + 0.5 * (n - 1)) for n in target.fed[1:]]  # every forward but the prompt's
+    assert engine.curve.observed == [(n, pytest.approx(seconds)) for n, seconds in expected]
+    aside = engine.step_aside
+    assert aside is not None and sum(rate.tokens for rate in aside.rates.values()) > 0
+
+
+def test_the_batch_engine_times_every_forward_a_step_late_without_a_wait(tiny_target, no_device_waits):
+    """The same in the batch: every forward but the prompts' reaches the curve a step late, and a step reads the
+    device once per sequence it verifies (no wait besides)."""
+    target = QueuedLM(tiny_target)
+    devices.track(target)
+    engine = BatchEngine(target)
+    engine.curve, engine.prefill_chunk = RecordingCurve(), 64
+    engine.stopwatch = devices.EventStopwatch(target.queue.record)
+    for prompt in (PROMPT[:20], PROMPT[5:30]):
+        engine.add(prompt, GenerationConfig(max_new_tokens=16), PromptLookupDrafter())
+    delivered, counts = [], []
+    while len(engine):
+        with devices.SyncCounter("cpu") as counter:
+            stepped = {ident for ident, _, _ in engine.step()}
+        delivered.append(len(engine.curve.observed))
+        counts.append((collections.Counter(counter.counts), len(stepped)))
+    assert delivered == [0] + list(range(len(delivered) - 1)), delivered
+    assert all(count["synchronize"] == 0 and count.total() == sequences for count, sequences in counts), counts
+    target.queue.run()
+    engine.stopwatch.settle()
+    assert engine.curve.observed == [(n, pytest.approx(1.0 + 0.5 * (n - 1))) for n in target.fed[1:]]
