@@ -13,11 +13,13 @@ one. A reader that still finds a file it cannot read (edited by hand, a disk err
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 from rich.console import Console
 
@@ -31,6 +33,7 @@ def cache_dir() -> Path:
 
 
 log = logging.getLogger("specdecode.cache")
+T = TypeVar("T")
 
 
 def write_atomically(path: Path, content: str | bytes | Callable[[Path], object]) -> Path:
@@ -62,3 +65,24 @@ def set_aside(path: Path, what: str, reason: str, then: str) -> Path:
         os.replace(path, aside)
     log.warning("the cached %s %s is unusable (%s): moved to %s; %s", what, path, reason, aside, then)
     return aside
+
+
+def read_json_cache(path: Path, what: str, then: str, parse: Callable[[Any], T]) -> T | None:
+    """`parse` of the JSON in the cache file `path`, or None: no such file, or one that cannot be read (not UTF-8
+    JSON, or a shape `parse` refuses by raising ValueError, KeyError or TypeError), which is then set aside
+    (`set_aside`, with `what` and `then`) for the caller to make again."""
+    if not path.is_file():
+        return None
+    try:
+        return parse(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as error:
+        reason = (str(error).splitlines() or [""])[0][:160] or type(error).__name__
+        set_aside(path, what, reason, then)
+        return None
+
+
+def mapping(data: Any) -> dict:
+    """`data` if it is a JSON object (a `read_json_cache` parse), else a TypeError."""
+    if not isinstance(data, dict):
+        raise TypeError(f"a {type(data).__name__}, not an object")
+    return data

@@ -189,12 +189,15 @@ def prepared_weights_in_a_temporary_folder(tmp_path_factory):
     """Test models quantized at int8 or int4 are kept (`models.prepared`) in a temporary folder, not the
     user's cache; the registered models (folders in the user's cache) keep the user's, as a run of theirs
     would, and a test that sets SPECDECODE_CACHE gets its own."""
-    from specdecode.models import prepared
+    from specdecode.models import digests, prepared
     from specdecode.paths import cache_dir
 
     folder = tmp_path_factory.mktemp("prepared")
     entry = prepared.entry
+    store = digests.store
     patch = pytest.MonkeyPatch()
+    # the files' digests likewise (`models.digests`): the session's, or the test's own SPECDECODE_CACHE's
+    patch.setattr(digests, "store", lambda: store() if os.environ.get("SPECDECODE_CACHE") else folder / "digests.json")
 
     def temporary(model_folder, bits):
         own = entry(model_folder, bits)

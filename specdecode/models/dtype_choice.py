@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specdecode.paths import cache_dir, set_aside, write_atomically
+from specdecode.paths import cache_dir, mapping, read_json_cache, write_atomically
 
 LATEST = "dtype-auto.json"  # {model folder name: path}
 
@@ -27,14 +27,4 @@ def cached_choice(name: str) -> str | None:
 
 def _known() -> dict:
     """Every model's latest path; {} when none was chosen yet or the file cannot be read (then moved aside)."""
-    path = cache_dir() / LATEST
-    if not path.is_file():
-        return {}
-    try:
-        known = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(known, dict):
-            raise ValueError("not a mapping of model names to paths")
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        set_aside(path, "record of dtype choices", str(error).splitlines()[0][:120], "taken as none")
-        return {}
-    return known
+    return read_json_cache(cache_dir() / LATEST, "record of dtype choices", "taken as none", mapping) or {}

@@ -41,7 +41,8 @@ from torch import nn
 from specdecode.errors import UserError
 
 BLOCK = 32
-_SOURCE = Path(__file__).parent / "kernels" / "int4.cpp"
+KERNEL_SOURCES = Path(__file__).parent / "kernels"  # the C++ kernels of the quantized paths (this one, attention)
+_SOURCE = KERNEL_SOURCES / "int4.cpp"
 # the kernel's variants, by the op's number for them: the same exact output from different instructions
 # (AVX2: three instructions per 32 products and row; AVX-VNNI: one per 32; AVX-512 VNNI: one per 64)
 KERNELS = ("avx2", "avx-vnni", "avx512-vnni")

@@ -36,7 +36,7 @@ import torch
 
 from specdecode.models import dtype_choice, int4
 from specdecode.models.int8 import InvariantInt8Linear
-from specdecode.paths import set_aside, write_atomically
+from specdecode.paths import mapping, read_json_cache, write_atomically
 
 TOKENS_PER_WIDE_STEP = 3  # what an 8-token verification is taken to yield
 # the quantized paths are not the float model (greedy agreement: docs/results/quality.md): taken only when at least
@@ -178,17 +178,16 @@ def fastest(model_key: str, hidden: int, intermediate: int, load: Callable[[str]
 
 def _kept(path: Path) -> dict | None:
     """The choice cached in `path` with its timings, or None: not measured yet, or a file that cannot be read as
-    one, which is moved aside with a warning (`paths.set_aside`) so the paths are timed again."""
-    if not path.exists():
-        return None
-    try:
-        kept = json.loads(path.read_text(encoding="utf-8"))
-        forwards = kept.get("forwards") or {}
-        if not (isinstance(kept.get("choice"), str) and isinstance(forwards, dict) and all(
-                isinstance(times, list) and len(times) == 2 and all(type(t) in (int, float) for t in times)
-                for times in forwards.values())):
-            raise ValueError("not a choice (choice, forwards)")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as error:
-        set_aside(path, "dtype choice", str(error).splitlines()[0][:120], "timing the paths again")
-        return None
-    return kept
+    one, which is moved aside with a warning (`paths.read_json_cache`) so the paths are timed again."""
+    return read_json_cache(path, "dtype choice", "timing the paths again", _choice)
+
+
+def _choice(data) -> dict:
+    """`data` if it is a cached choice (a path, and each timed path's one- and eight-token seconds), else a
+    ValueError."""
+    forwards = mapping(data).get("forwards") or {}
+    if not (isinstance(data.get("choice"), str) and isinstance(forwards, dict) and all(
+            isinstance(times, list) and len(times) == 2 and all(type(t) in (int, float) for t in times)
+            for times in forwards.values())):
+        raise ValueError("not a choice (choice, forwards)")
+    return data

@@ -2,8 +2,9 @@
 
 Quantizing a model (`int8.quantize_invariant`, int8 or int4) goes through every linear layer in Python, and
 for a model of a billion or more weights that is most of a start. Its result depends only on the model's
-files, the bits, the quantizer's code, the versions of torch and transformers, and the CPU's vector width
-(reductions round by it). So it is stored once per such *key*:
+files (their contents), the bits, the quantizer's code (and the kernels' sources, which read what it writes),
+the versions of torch and transformers, and the CPU's vector width (reductions round by it). So it is stored
+once per such *key*:
 
     <cache>/prepared/<folder name>-int<bits>-<CPU width>-<key digest>/
         weights.safetensors   every tensor of the quantized model: each quantized layer's `state()`
@@ -41,15 +42,13 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from specdecode.errors import UserError
-from specdecode.models import int4, int8
+from specdecode.models import digests, int4, int8
 from specdecode.models.conversion import first_line
 from specdecode.paths import cache_dir, console
 
 FORMAT = 1  # the layout of an entry; a change makes every older entry a stranger
 WEIGHTS, RECORD = "weights.safetensors", "prepared.json"
 _KINDS = {"int8": int8.InvariantInt8Linear, "int4": int4.InvariantInt4Linear}
-# the code whose change changes what quantization gives (or how an entry is read)
-_CODE = [Path(int8.__file__), Path(int4.__file__), Path(__file__)]
 
 
 def root() -> Path:
@@ -58,21 +57,28 @@ def root() -> Path:
 
 
 def key(folder: Path, bits: int) -> dict:
-    """What a prepared `folder` at `bits` depends on: the folder's files (name, size, modification time),
-    the quantizer's code, torch, transformers and the CPU's vector width."""
+    """What a prepared `folder` at `bits` depends on: the contents of the folder's files (a digest read once per
+    version of each file, `models.digests`), the quantizer's code and the kernels' sources, torch, transformers
+    and the CPU's vector width."""
     folder = folder.resolve()
-    code = hashlib.sha256(b"".join(path.read_bytes() for path in _CODE)).hexdigest()
+    code = hashlib.sha256(b"".join(path.read_bytes() for path in _code())).hexdigest()
+    files = [path for path in sorted(folder.iterdir()) if path.is_file()]
     return {
         "format": FORMAT,
         "folder": str(folder),
-        "files": {path.name: [path.stat().st_size, path.stat().st_mtime_ns]
-                  for path in sorted(folder.iterdir()) if path.is_file()},
+        "files": dict(zip([path.name for path in files], digests.digests(files))),
         "bits": bits,
         "code": code,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "cpu": torch.backends.cpu.get_cpu_capability(),
     }
+
+
+def _code() -> list[Path]:
+    """The code whose change changes what quantization gives, how an entry is read, or what the kernels make of
+    it: the quantizers, this module and the kernels' C++ sources."""
+    return [Path(int8.__file__), Path(int4.__file__), Path(__file__), *sorted(int4.KERNEL_SOURCES.glob("*.cpp"))]
 
 
 def entry(folder: Path, bits: int) -> Path:

@@ -13,7 +13,7 @@ import torch
 
 from conftest import TOKENS, run_cli, tiny_chat_qwen2, tiny_tokenizer
 
-from specdecode.models import int4, int8, prepared
+from specdecode.models import digests, int4, int8, prepared
 from specdecode.models.lean import lean_decoder
 from specdecode.models.loading import load_causal_lm
 
@@ -71,6 +71,15 @@ def _same_model(loaded, fresh) -> None:
     assert lean_decoder(fresh) is not None and lean_decoder(loaded) is not None  # decoding takes the lean path
 
 
+def _quantized_from(model, folder: Path) -> None:
+    """`model` gives the logits of `folder`'s weights as they are now, quantized afresh at int8."""
+    from transformers import AutoModelForCausalLM
+
+    reference = int8.quantize_invariant(AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa"))
+    with torch.inference_mode():
+        assert torch.equal(model(IDS).logits, reference(IDS).logits)
+
+
 def test_second_load_is_the_prepared_model_bit_for_bit(cache, folder, bits, monkeypatch) -> None:
     fresh, _ = load_causal_lm(str(folder), dtype=f"int{bits}", progress=False)
     (stored,) = _entries()
@@ -102,11 +111,52 @@ def test_a_changed_folder_is_prepared_again_and_the_old_entry_dropped(cache, fol
     changed, _ = load_causal_lm(str(folder), dtype="int8", progress=False)
     (new,) = _entries()
     assert new != old
-    from transformers import AutoModelForCausalLM
+    _quantized_from(changed, folder)
 
-    reference = int8.quantize_invariant(AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa"))
-    with torch.inference_mode():
-        assert torch.equal(changed(IDS).logits, reference(IDS).logits)
+
+def test_weights_rewritten_with_the_same_size_and_time_are_prepared_again(cache, folder) -> None:
+    """The key holds the files' contents, not their (size, modification time): other weights of the same shapes
+    written over the old ones, their modification time set back, are quantized afresh."""
+    load_causal_lm(str(folder), dtype="int8", progress=False)
+    (old,) = _entries()
+    before = {path: path.stat() for path in folder.iterdir()}
+    tiny_chat_qwen2(vocab_size=len(TOKENS) + 10, seed=7).save_pretrained(folder)  # other weights, same shapes
+    for path, stat in before.items():
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert {path: (path.stat().st_size, path.stat().st_mtime_ns) for path in folder.iterdir()} == {
+        path: (stat.st_size, stat.st_mtime_ns) for path, stat in before.items()}
+    changed, _ = load_causal_lm(str(folder), dtype="int8", progress=False)
+    (new,) = _entries()
+    assert new != old
+    _quantized_from(changed, folder)
+
+
+def test_a_changed_kernel_source_changes_the_key(folder, tmp_path, monkeypatch) -> None:
+    """What the int4 kernel (and the attention kernel) make of the stored tensors is part of the key."""
+    kernels = Path(shutil.copytree(int4.KERNEL_SOURCES, tmp_path / "kernels"))
+    monkeypatch.setattr(int4, "KERNEL_SOURCES", kernels)
+    before = prepared.entry(folder, 4)
+    source = kernels / "int4.cpp"
+    source.write_text(source.read_text() + "\n// another kernel\n")
+    assert prepared.entry(folder, 4) != before
+
+
+def test_a_files_digest_is_read_once_per_version(cache, folder, monkeypatch) -> None:
+    """The digests are kept with each file's identity: a second key reads no file, a rewritten one is read again
+    even with its size and modification time as they were (its status-change time moved)."""
+    read: list[str] = []
+    digest = digests.digest
+    monkeypatch.setattr(digests, "digest", lambda path: read.append(path.name) or digest(path))
+    first = prepared.key(folder, 8)
+    assert sorted(read) == sorted(p.name for p in folder.iterdir() if p.is_file())
+    read.clear()
+    assert prepared.key(folder, 8) == first and read == []
+    config = folder / "config.json"
+    before = config.stat()
+    config.write_bytes(config.read_bytes().replace(b"{", b" ", 1).replace(b"\n", b"{", 1))  # same size
+    os.utime(config, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert config.stat().st_size == before.st_size
+    assert prepared.key(folder, 8) != first and read == ["config.json"]
 
 
 def test_an_unreadable_entry_is_prepared_again(cache, folder, capsys) -> None:

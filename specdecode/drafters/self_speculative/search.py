@@ -25,7 +25,7 @@ from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import CostCurve
 from specdecode.models.hf import HFCausalLM
-from specdecode.paths import cache_dir, set_aside, write_atomically
+from specdecode.paths import cache_dir, read_json_cache, write_atomically
 
 SEARCH_SECONDS = 300.0  # the builders' search budget; the result is cached, so it is paid once per model
 MAX_TRIALS = 400  # skip sets proposed at most per search (each costs one partial forward over the calibration)
@@ -149,16 +149,14 @@ def _search(kind: str, strategy: Strategy, target: CausalLM, prompts: Sequence[S
 
 def _cached(path: Path) -> SearchResult | None:
     """The search result cached in `path`, or None: not searched yet, or a file that cannot be read as one,
-    which is moved aside with a warning (`paths.set_aside`) so the search runs again."""
-    if not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        best = SkipChoice(**{**data["best"], "skip": tuple(int(layer) for layer in data["best"]["skip"])})
-        return SearchResult(best, int(data["evaluated"]), float(data["seconds"]), from_cache=True)
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
-        set_aside(path, "layer search", str(error).splitlines()[0][:120] or type(error).__name__, "searching again")
-        return None
+    which is moved aside with a warning (`paths.read_json_cache`) so the search runs again."""
+    return read_json_cache(path, "layer search", "searching again", _result)
+
+
+def _result(data) -> SearchResult:
+    """The search result a cache file's JSON holds (a KeyError or TypeError where it holds none)."""
+    best = SkipChoice(**{**data["best"], "skip": tuple(int(layer) for layer in data["best"]["skip"])})
+    return SearchResult(best, int(data["evaluated"]), float(data["seconds"]), from_cache=True)
 
 
 def search_skip(target: CausalLM, prompts: Sequence[Sequence[int]], *, budget_seconds: float = SEARCH_SECONDS,
