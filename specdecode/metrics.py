@@ -100,6 +100,15 @@ def predicted_speedup(acceptance: float, draft_length: float, draft_token_second
     return tokens_per_step * plain_token_seconds / step_seconds if step_seconds > 0 else 0.0
 
 
+def stepwise_speedup(tokens: Sequence[int], verify_costs: Sequence[float], draft_costs: Sequence[float]) -> float:
+    """The speedup over plain decoding that a cost curve predicts for a run's steps: step i adds tokens[i]
+    tokens (accepted + 1) and costs verify_costs[i] (its verify forward at its width, relative to a one-token
+    forward: the cost curve) plus draft_costs[i] (its drafting's seconds over a one-token forward's), so the
+    run takes sum(costs) one-token forwards where plain decoding takes sum(tokens)."""
+    cost = sum(verify_costs) + sum(draft_costs)
+    return sum(tokens) / cost if cost > 0 else 0.0
+
+
 def mean_and_std(values: Sequence[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (0 for a single value)."""
     n = len(values)

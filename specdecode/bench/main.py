@@ -14,7 +14,7 @@ from rich.markdown import Markdown
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from specdecode import cluster, devices
-from specdecode.bench import ray_shards, report, terminal
+from specdecode.bench import acceptance, ray_shards, report, terminal
 from specdecode.bench.datasets import TRANSLATION_SOURCE, Task, sample_tasks
 from specdecode.bench.exactness import diagnose_divergences, sampled_fidelity
 from specdecode.bench.harness import BenchOutcome, Record, check_memory, run_benchmark
@@ -102,9 +102,10 @@ class RecordSink:
 
 def run_here(setup: Setup, tasks: list[Task], config: GenerationConfig, repeats: int, levels: list[int],
              engines: list[str], reference: str, sink: RecordSink, console: Console,
-             memory: str = "repeat") -> BenchOutcome:
-    """The benchmark on this machine: our methods and peers, then the engine rows' concurrency levels."""
-    models, runners = setup.load()
+             memory: str = "repeat", recorder: acceptance.Recorder | None = None) -> BenchOutcome:
+    """The benchmark on this machine: our methods and peers, then the engine rows' concurrency levels.
+    `recorder`: our methods' steps recorded as they run (`--record-acceptance`)."""
+    models, runners = setup.load(recorder=recorder)
     probe = models.encode_chat([{"role": "user", "content": "Hello"}])
     engine_rows = build_engines(engines, set(ALL_METHODS) | set(runners), probe)
     runners.update({label: engine.runner() for label, engine in engine_rows.items()})
@@ -121,7 +122,13 @@ def run_here(setup: Setup, tasks: list[Task], config: GenerationConfig, repeats:
                       f"recorded as failures ({', '.join(too_long[:4])}{', ...' if len(too_long) > 4 else ''})")
     lossless = {name: runner.lossless for name, runner in runners.items()}
     sink.expect(repeats * len(tasks) * (len(runners) + len(engine_rows) * sum(level > 1 for level in levels)))
-    records = run_benchmark(models, runners, tasks, config, repeats, sink, on_start=sink.starting, memory=memory)
+
+    def on_record(record: Record) -> None:
+        sink(record)
+        if recorder is not None:
+            recorder.take(record)
+
+    records = run_benchmark(models, runners, tasks, config, repeats, on_record, on_start=sink.starting, memory=memory)
     loaded = run_levels(models, engine_rows, runners, tasks, config, levels, repeats, sink)
     level_runs = [LevelRun(name, 1, repeat, sum(r.seconds for r in mine if r.ok), mine, report.summed_server(mine))
                   for name in engine_rows for repeat in range(repeats)
@@ -159,12 +166,17 @@ def run(
     temperature: float, top_k: int, top_p: float, seed: int, datastore: str | None = None,
     engines: list[str] | None = None, concurrency: list[int] | None = None, reference: str = "ar",
     ray: str | None = None, device: str | None = None, head: str | None = None, memory: str = "repeat",
+    record_acceptance: Path | None = None,
 ) -> Path:
     """The benchmark on this machine, or with `ray` (a Ray cluster's address) on the cluster's nodes, each
-    running every method on its share of the tasks; either way one records file, report and plots."""
+    running every method on its share of the tasks; either way one records file, report and plots.
+    `record_acceptance`: a file for every step's draft shape and acceptance (`bench.acceptance`)."""
     from specdecode.types import SamplingParams
 
     levels = check_options(methods, repeats, concurrency, engines, backend, ray)
+    if record_acceptance is not None and (ray is not None or temperature > 0):
+        raise UserError("--record-acceptance records greedy runs on this machine: drop --ray and --temperature")
+    recorder = acceptance.Recorder() if record_acceptance is not None else None
     if datastore is not None and not Path(datastore).is_file():
         raise UserError(f"no datastore at {datastore} (build one with `specdecode datastore build`)")
     check_head(head, methods)
@@ -183,7 +195,7 @@ def run(
     with RecordSink(records_path, console) as sink:
         if ray is None:
             outcome = run_here(setup, tasks, config, repeats, levels, engines or [], reference, sink, console,
-                               memory)
+                               memory, recorder)
         else:
             outcome = ray_shards.run(ray, setup, tasks, config, repeats, reference, sink, sink.expect, memory)
             if not config.sampling.greedy:
@@ -198,7 +210,8 @@ def run(
                **({"reference": reference} if reference != "ar" else {}),
                **({"memory": memory} if memory != "repeat" else {}),
                **({"concurrency": ",".join(map(str, levels))} if levels != [1] else {}),
-               **({"ray": ray} if ray is not None else {}), "out": out}
+               **({"ray": ray} if ray is not None else {}),
+               **({"record-acceptance": record_acceptance} if record_acceptance is not None else {}), "out": out}
     settings = {
         "command": "specdecode bench " + " ".join(f"--{k} {v}" for k, v in options.items())
                    + "".join(f" --engine '{option}'" for option in engines or []),
@@ -218,6 +231,9 @@ def run(
     }
     if outcome.engines:
         settings["engines"] = outcome.engines
+    if recorder is not None and record_acceptance is not None:
+        acceptance.save(record_acceptance, recorder.runs, settings)
+        console.print(f"wrote {record_acceptance}: {len(recorder.runs)} recorded runs")
     return write_report(out, outcome, settings, reference, console)
 
 

@@ -9,6 +9,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,9 +21,16 @@ from specdecode.errors import UserError
 from specdecode.methods import choose, resolve
 from specdecode.models.hf import torch_target
 
+if TYPE_CHECKING:
+    from specdecode.bench.acceptance import Recorder
 
-def our_runner(models: Models, method: str, datastore: str | None = None, head: str | None = None) -> Runner:
+
+def our_runner(models: Models, method: str, datastore: str | None = None, head: str | None = None,
+               recorder: Recorder | None = None) -> Runner:
+    """One of our methods; `recorder`: each step's draft shape and acceptance recorded (`bench.acceptance`)."""
     engine = models.engine(method, datastore=datastore, head=head)
+    if recorder is not None:
+        recorder.attach(engine)
     return engine_runner(engine, resolve(method)[0].lossless)
 
 
@@ -128,11 +136,11 @@ def runner_names(names: list[str]) -> list[str]:
 
 
 def build_runners(models: Models, names: list[str], datastore: str | None = None,
-                  head: str | None = None) -> dict[str, Runner]:
+                  head: str | None = None, recorder: Recorder | None = None) -> dict[str, Runner]:
     """Runners by name (ours and peers); `ar` always comes first: it is the reference. `datastore` and `head`
-    go to the methods that take them (`api.Models.engine`)."""
+    go to the methods that take them (`api.Models.engine`), `recorder` records our drafting methods' steps."""
     return {name: our_runner(models, name) if name == "ar" else PEERS[name].build(models) if name in PEERS
-            else our_runner(models, name, datastore, head) for name in runner_names(names)}
+            else our_runner(models, name, datastore, head, recorder) for name in runner_names(names)}
 
 
 @dataclass(frozen=True)
@@ -150,10 +158,12 @@ class Setup:
     device: str | None = None  # the torch backend's (`devices.resolve`); None: "auto"
     head: str | None = None  # a trained head's folder for the methods of its kind (the same path on every Ray node)
 
-    def load(self, progress: bool = True) -> tuple[Models, dict[str, Runner]]:
-        """The models (the draft model only when a method needs it) and the runners, on `threads` threads."""
+    def load(self, progress: bool = True, recorder: Recorder | None = None) -> tuple[Models, dict[str, Runner]]:
+        """The models (the draft model only when a method needs it) and the runners, on `threads` threads;
+        `recorder`: our methods' steps recorded (`bench.acceptance`)."""
         torch.set_num_threads(self.threads)
         drafter = self.drafter if needs_draft_model(self.methods, self.target, self.backend, self.head) else None
         models = load_models(self.target, drafter, dtype=self.dtype, draft_dtype=self.draft_dtype,
                              backend=self.backend, progress=progress, device=self.device)
-        return models, build_runners(models, self.methods, datastore=self.datastore, head=self.head)
+        return models, build_runners(models, self.methods, datastore=self.datastore, head=self.head,
+                                     recorder=recorder)

@@ -61,6 +61,10 @@ def bench(
         "Share the prompts out over a Ray cluster's nodes, each running every method on its share (ratios stay "
         "within a node): auto, ray://HOST:PORT, HOST:PORT, or local (a Ray started on this machine). Needs "
         "pip install 'specdecode[ray]'."))] = None,
+    record_acceptance: Annotated[Path | None, typer.Option(help=(
+        "Write each greedy run's steps (the draft's shape as verified, the tokens accepted), prompt and output ids to "
+        "this file (.json.gz: compressed), for scripts/gpu-check to replay on random-weight models of the same "
+        "shapes (docs/benchmarking.md)."))] = None,
 ) -> None:
     """Spec-Bench-style evaluation: every method and peer on every category, interleaved and repeated."""
     from specdecode.bench.datasets import DEFAULT_CATEGORIES
@@ -85,4 +89,5 @@ def bench(
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         datastore=str(datastore) if datastore else None, head=str(head) if head else None,
         engines=engine or [], concurrency=levels, reference=reference, ray=ray, memory=memory,
+        record_acceptance=record_acceptance,
     )
