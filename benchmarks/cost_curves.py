@@ -81,7 +81,8 @@ def main() -> None:
                 loaded[dtype] = load_models(args.target, None, dtype=dtype, progress=False).target
             model = loaded[dtype]
         for context in contexts:
-            with int4.forced_kernel(path.partition(":")[2]) if path.startswith("int4:") else contextlib.nullcontext():
+            forced = path.startswith("int4:")
+            with int4.forced_kernel(model.model, path.partition(":")[2]) if forced else contextlib.nullcontext():
                 curve = costs.measure(model, sizes=SIZES, context=context, repeats=args.repeats)
             label = path if len(contexts) == 1 else f"{path} @{context}"
             label = next(f"{label} #{i}" for i in range(1, len(rows) + 2) if f"{label} #{i}" not in rows) \

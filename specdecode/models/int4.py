@@ -17,7 +17,8 @@ written by hand (`kernels/int4.cpp`, compiled on first use by torch's extension 
   One row takes the channels one at a time; several rows go in tiles of up to 8, each met by a group of
   2 or 4 channels whose products accumulate in registers, so each unpacked block and each loaded row
   serves a whole tile or group;
-- the products run on the best of three variants the CPU has (`KERNELS`, chosen at run time): AVX2's
+- the products run on the best of three variants the CPU has (`KERNELS`, chosen at run time; per model,
+  `use_kernel` runs another, as tests and measurements that compare them do): AVX2's
   u8 x s8 pair products take three instructions per 32 products and row, AVX-VNNI's dot-product
   instruction one, AVX-512 VNNI's one per 64. Exact integer sums make their outputs bitwise the same.
 
@@ -28,6 +29,7 @@ the same way, by `compile_kernel`). Layers whose input size is not a multiple of
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import shutil
@@ -47,7 +49,6 @@ _SOURCE = KERNEL_SOURCES / "int4.cpp"
 # (AVX2: three instructions per 32 products and row; AVX-VNNI: one per 32; AVX-512 VNNI: one per 64)
 KERNELS = ("avx2", "avx-vnni", "avx512-vnni")
 ROW_SLICE_BYTES = 1 << 19  # the quantized rows one kernel call takes at most: about half an L2 cache
-_forced: int = -1  # the variant `forced_kernel` asks for; -1: the best this machine runs (`_best`)
 
 
 def available() -> bool:
@@ -105,26 +106,50 @@ def kernels() -> list[str]:
 
 @functools.cache
 def _best() -> int:
-    """The number of the variant the layers run unless `forced_kernel` says otherwise."""
+    """The number of the variant a layer runs unless its model says otherwise (`use_kernel`)."""
     return KERNELS.index(kernels()[-1])
 
 
-def kernel_name() -> str:
-    """The variant the layers run now."""
-    return KERNELS[_forced] if _forced >= 0 else kernels()[-1]
+@dataclasses.dataclass
+class KernelChoice:
+    """The kernel variant one layer runs (its number in `KERNELS`); None: the best this machine runs. Each layer
+    holds its own, which a stacked layer shares with the first layer it stacks (`InvariantInt4Linear.stacked`),
+    so that a model's setting (`use_kernel`) reaches it; no setting is process-wide."""
+
+    number: int | None = None
+
+
+def _layers(model: nn.Module) -> list[InvariantInt4Linear]:
+    return [module for module in model.modules() if isinstance(module, InvariantInt4Linear)]
+
+
+def use_kernel(model: nn.Module, name: str | None) -> None:
+    """Run the int4 layers of `model` (a layer, or any module holding some) on variant `name`; None: the best this
+    machine runs. Other models keep theirs (tests and measurements compare variants)."""
+    if name is not None and name not in kernels():
+        raise UserError(f"this CPU cannot run the int4 kernel {name!r}; it runs {', '.join(kernels())}")
+    for layer in _layers(model):
+        layer.kernel.number = None if name is None else KERNELS.index(name)
+
+
+def kernel_name(model: nn.Module) -> str:
+    """The variant the int4 layers of `model` run (its first one's; `use_kernel` sets them all)."""
+    layers = _layers(model)
+    number = layers[0].kernel.number if layers else None
+    return kernels()[-1] if number is None else KERNELS[number]
 
 
 @contextlib.contextmanager
-def forced_kernel(name: str):
-    """Run the layers on variant `name` inside the block (tests and measurements compare variants)."""
-    global _forced
-    if name not in kernels():
-        raise UserError(f"this CPU cannot run the int4 kernel {name!r}; it runs {', '.join(kernels())}")
-    previous, _forced = _forced, KERNELS.index(name)
+def forced_kernel(model: nn.Module, name: str):
+    """Run the int4 layers of `model` on variant `name` inside the block, each back to its own after it."""
+    layers = _layers(model)
+    previous = [layer.kernel.number for layer in layers]
+    use_kernel(model, name)
     try:
         yield
     finally:
-        _forced = previous
+        for layer, number in zip(layers, previous):
+            layer.kernel.number = number
 
 
 @torch.no_grad()
@@ -190,6 +215,7 @@ class InvariantInt4Linear(nn.Module):
     scales: torch.Tensor
     weight_sums: torch.Tensor
     bias: torch.Tensor | None
+    kernel: KernelChoice  # the variant it runs (`use_kernel` sets a model's)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -203,6 +229,7 @@ class InvariantInt4Linear(nn.Module):
         integer = (dequantize(nibbles, groups, torch.ones_like(scales))).sum(dim=1)  # sum of the int8 weights
         self.register_buffer("weight_sums", integer, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone(), persistent=False)
+        self.kernel = KernelChoice()
         _ops()
 
     @staticmethod
@@ -227,6 +254,7 @@ class InvariantInt4Linear(nn.Module):
             raise ValueError(f"4-bit weights of {state['nibbles'].shape[1] * 2} inputs for a layer of {in_features}")
         for name in cls._STATE:
             layer.register_buffer(name, state.get(name), persistent=False)
+        layer.kernel = KernelChoice()
         _ops()
         return layer
 
@@ -239,6 +267,7 @@ class InvariantInt4Linear(nn.Module):
         whole = cls.__new__(cls)
         nn.Module.__init__(whole)
         whole.in_features, whole.out_features = layers[0].in_features, sum(layer.out_features for layer in layers)
+        whole.kernel = layers[0].kernel  # (shared: the model's setting reaches the stacked layer too)
         for name in ("nibbles", "groups", "scales", "weight_sums", "bias"):
             parts = [getattr(layer, name) for layer in layers]
             buffer = None if parts[0] is None else torch.cat(parts)
@@ -271,8 +300,9 @@ class InvariantInt4Linear(nn.Module):
         # so slicing changes no bit of it).
         step = max(8, ROW_SLICE_BYTES // self.in_features // 8 * 8)
         if rows.shape[0] <= step:
+            number = self.kernel.number
             return _ops().linear(rows, self.nibbles, self.groups, self.scales, self.weight_sums, self.bias,
-                                   _forced if _forced >= 0 else _best())
+                                   _best() if number is None else number)
         return torch.cat([self.rows(rows[i : i + step]) for i in range(0, rows.shape[0], step)])
 
     def extra_repr(self) -> str:

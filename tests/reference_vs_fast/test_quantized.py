@@ -118,18 +118,63 @@ def test_every_int4_kernel_computes_the_exact_reference(seed, blocks, out_featur
         x[rows // 2] = offset
     expected = int4_reference(layer, x)
     for name in int4.kernels():
-        with int4.forced_kernel(name):
+        with int4.forced_kernel(layer, name):
             assert torch.equal(layer(x), expected), name
 
 
 @needs_int4
 def test_a_kernel_the_cpu_lacks_is_refused():
     missing = [name for name in int4.KERNELS if name not in int4.kernels()]
-    assert int4.kernels()[0] == "avx2" and int4.kernel_name() == int4.kernels()[-1]
+    layer = InvariantInt4Linear.from_linear(torch.nn.Linear(64, 4))
+    assert int4.kernels()[0] == "avx2" and int4.kernel_name(layer) == int4.kernels()[-1]
     for name in [*missing, "avx9"]:
         with pytest.raises(UserError, match="cannot run"):
-            with int4.forced_kernel(name):
+            with int4.forced_kernel(layer, name):
                 pass
+
+
+def test_two_models_hold_their_own_int4_variants_at_once(monkeypatch):
+    """The int4 kernel variant is a setting of a model's layers (`int4.use_kernel`), not of the process: two
+    models run different variants side by side, a stacked layer (the lean decoder's query, key and value product)
+    follows the layers it stacks, and a forced block gives each layer its own back. The kernel is a fake here
+    that records the variant each call asks for, so any machine runs this."""
+    asked: list[int] = []
+
+    class Kernel:
+        @staticmethod
+        def supported(number: int) -> bool:
+            return True
+
+        @staticmethod
+        def linear(rows, nibbles, groups, scales, weight_sums, bias, number):  # rows [m, in] -> [m, out]
+            asked.append(number)
+            return rows.new_zeros(rows.shape[0], nibbles.shape[0])
+
+    monkeypatch.setattr(int4, "_ops", lambda: Kernel)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")  # kernels: avx2, avx-vnni
+    avx2, vnni = int4.KERNELS.index("avx2"), int4.KERNELS.index("avx-vnni")
+    monkeypatch.setattr(int4, "_best", lambda: vnni)  # (the process's own is cached: left as it is)
+    g = torch.Generator().manual_seed(0)
+    first, second = (torch.nn.ModuleList([InvariantInt4Linear(torch.randn(8, 32, generator=g)),
+                                          InvariantInt4Linear(torch.randn(4, 32, generator=g))]) for _ in range(2))
+    stacked = InvariantInt4Linear.stacked(list(first))
+    x = torch.randn(2, 32, generator=g)
+    int4.use_kernel(first, "avx2")
+    int4.use_kernel(second, "avx-vnni")
+    for layer in [*first, stacked, *second]:
+        layer(x)
+    assert asked == [avx2, avx2, avx2, vnni, vnni]
+    assert int4.kernel_name(first) == "avx2" and int4.kernel_name(second) == "avx-vnni"
+    asked.clear()
+    with int4.forced_kernel(second, "avx2"):
+        second[0](x)
+        first[0](x)
+    second[0](x)
+    assert asked == [avx2, avx2, vnni]
+    int4.use_kernel(first, "avx2")
+    int4.use_kernel(first, None)  # the best this machine runs
+    first[0](x)
+    assert asked[-1] == vnni and int4.kernel_name(first) == "avx-vnni" and int4.kernel_name(second) == "avx-vnni"
 
 
 @needs_int4
