@@ -28,13 +28,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
+from specdecode import devices
 from specdecode.devices import to_device
 from specdecode.drafters.base import Drafter, Needs, tensor_bytes
 from specdecode.drafters.eagle import EagleDrafter, EagleTreeDrafter, full_vocabulary
 from specdecode.drafters.eagle3_head import Eagle3Head
 from specdecode.drafters.heads import check_fits, for_drafting, head_folder
 from specdecode.errors import UserError
+from specdecode.models.graphs import make_runner
+from specdecode.models.static import (
+    BUCKETS, DEFAULT_CAPACITY, StaticCausalLM, bucket, fits, full_mask, pack, unpack,
+)
 
 
 class Eagle3State:
@@ -131,15 +137,94 @@ class Eagle3State:
                                self.vocab_size)
 
 
+class StaticEagle3State(Eagle3State):
+    """An EAGLE-3 head's view of one sequence on the static path (`models.static`): its KV cache allocated once
+    and written at explicit slots, each feed padded to a bucket width with its mask built on the device, run by
+    the target's runner ("eager", "compile" or CUDA "graphs"). Wider feeds (the prompt's pairs) and masks that
+    reach past the window run the same step eagerly. Cropping lowers a count; nothing is copied."""
+
+    def __init__(self, head: Eagle3Head, target_model, runner: str = "eager", capacity: int = DEFAULT_CAPACITY,
+                 adaptation=None, backend: str = "inductor"):
+        self.capacity = capacity + BUCKETS[-1]
+        self.runner_name, self.backend = runner, backend
+        super().__init__(head, target_model, adaptation)
+
+    def _drafting_copy(self, head: Eagle3Head) -> None:
+        weight = self.target_model.get_output_embeddings().weight  # [vocab, d]
+        # float32 layers: the quantized kernels are the CPU's dynamic path's, and no graph traces them
+        self.head, self.lm_head = for_drafting(head, weight[head.draft_ids.to(self.device)], quantize=False)
+        attention = self.head.midlayer.self_attn
+        shape = (attention.kv_heads, self.capacity, attention.head_dim)
+        self.key_cache = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self.value_cache = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self.columns = torch.arange(self.capacity, device=self.device)
+        self.runner = make_runner(self.runner_name, self.step, self.device, self.backend)
+
+    def memory_bytes(self) -> int:
+        return super().memory_bytes() + tensor_bytes(self.key_cache, self.value_cache)
+
+    def step(self, packed: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor
+             ) -> torch.Tensor:
+        """One fixed-width feed, every input on the device (`packed`: `models.static.pack`'s, whose positions it
+        leaves unread): the function the runner runs."""
+        slots, _, allowed = unpack(packed, tokens.shape[0], self.columns)
+        return self.feed(hidden, tokens, positions, slots, allowed)
+
+    def feed(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+             allowed: torch.Tensor) -> torch.Tensor:
+        """Pairs (hidden [n, d], tokens [n]) at `positions` [n], their keys and values written at `slots` [n],
+        row i attending where allowed[i] [n, capacity] -> the head's outputs [n, d]."""
+        attention = self.head.midlayer.self_attn
+        q, k, v = attention.project(self.head.inputs(hidden, self.embed(tokens).to(self.dtype)), positions)
+        self.key_cache.index_copy_(1, slots, k)  # [kv_heads, capacity, head_dim]
+        self.value_cache.index_copy_(1, slots, v)
+        return self.head.finish(hidden, attention.attend(q, self.key_cache, self.value_cache, allowed))
+
+    def run(self, hidden, tokens, positions, mask=None):
+        n, start = len(tokens), self.cached
+        if start + n + BUCKETS[-1] > self.capacity:
+            raise UserError(f"the EAGLE-3 head's cache holds {self.capacity - BUCKETS[-1]} positions; this sequence "
+                            "needs more")
+        # the feed's own mask: a host mask [n, cached + n] over the cache (whose context pairs every row sees)
+        local = None if mask is None else to_device(mask, torch.device("cpu"))[:, self.fed :]
+        tokens, positions = to_device(tokens, self.device), to_device(positions, self.device)
+        width = bucket(n)
+        if width is not None and fits(n, local):
+            padding = width - n
+            inputs = (pack(start, n, width, None, local), F.pad(hidden.to(self.dtype), (0, 0, 0, padding)),
+                      F.pad(tokens, (0, padding)), F.pad(positions, (0, padding)))
+            out = self.runner(inputs)[:n]
+        else:  # the prompt's pairs, or a mask past the window: the same arithmetic at its own width
+            slots = torch.arange(start, start + n, device=self.device)
+            allowed = to_device(full_mask(start, n, self.capacity, local), self.device)
+            with devices.attention(self.device):
+                out = self.feed(hidden.to(self.dtype), tokens, positions, slots, allowed)
+        self.cached += n
+        return out
+
+    def crop(self) -> None:
+        self.cached = min(self.cached, self.fed)  # later feeds overwrite what lies past it
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Run every bucket's feed once past what the cache holds (captured or compiled, by the runner), so that
+        drafting does not pay for it."""
+        hidden_size = self.head.midlayer.hidden_norm.weight.shape[0]
+        for width in BUCKETS:
+            tokens, positions = (torch.zeros(width, dtype=torch.long, device=self.device) for _ in range(2))
+            self.runner((pack(self.cached, width, width, None, None),
+                         torch.zeros(width, hidden_size, dtype=self.dtype, device=self.device), tokens, positions))
+
+
 class Eagle3Drafter(EagleDrafter):
     """EAGLE-3 drafting a chain: EAGLE's chain drafter on an EAGLE-3 head."""
 
     name = "eagle3"
 
     def __init__(self, head: Eagle3Head, target_model, max_tokens: int = 8, min_confidence: float = 0.05,
-                 adaptation=None):
+                 adaptation=None, state: Eagle3State | None = None):
         super().__init__(None, target_model, max_tokens, min_confidence,
-                         state=Eagle3State(head, target_model, adaptation))
+                         state=state or Eagle3State(head, target_model, adaptation))
         self.needs = Needs(hidden=tuple(head.config.aux_layers))
         self.name = "eagle3" if adaptation is None else "eagle3-online"
 
@@ -150,9 +235,9 @@ class Eagle3TreeDrafter(EagleTreeDrafter):
     name = "eagle3-tree"
 
     def __init__(self, head: Eagle3Head, target_model, curve, draft_cost: float = 0.05, adaptation=None,
-                 **tree_options):
-        super().__init__(None, target_model, curve, draft_cost, state=Eagle3State(head, target_model, adaptation),
-                         **tree_options)
+                 state: Eagle3State | None = None, **tree_options):
+        super().__init__(None, target_model, curve, draft_cost,
+                         state=state or Eagle3State(head, target_model, adaptation), **tree_options)
         self.needs = Needs(hidden=tuple(head.config.aux_layers))
         self.name = "eagle3-tree" if adaptation is None else "eagle3-online-tree"
 
@@ -168,9 +253,20 @@ def build_eagle3(target, draft, options, adapt=None) -> Drafter:
         raise UserError(f"the eagle3 head in {folder} reads the target's layers {list(head.config.aux_layers)}; "
                         f"this target has {model.config.num_hidden_layers}")
     adaptation = None if adapt is None else adapt(head, model)
+    state = eagle3_state(head, target, adaptation)
     if options.tree:
-        return Eagle3TreeDrafter(head, model, target.cost_curve(), budget=options.budget, adaptation=adaptation)
-    return Eagle3Drafter(head, model, adaptation=adaptation)
+        return Eagle3TreeDrafter(head, model, target.cost_curve(), budget=options.budget, adaptation=adaptation,
+                                 state=state)
+    return Eagle3Drafter(head, model, adaptation=adaptation, state=state)
+
+
+def eagle3_state(head: Eagle3Head, target, adaptation=None) -> Eagle3State:
+    """The head's state for a target (a `CausalLM` on the torch backend): on the static path where the target is
+    on it (`models.static.StaticCausalLM`), with the target's runner and capacity."""
+    if isinstance(target, StaticCausalLM):
+        return StaticEagle3State(head, target.model, target.runner_name, target.decoder.capacity - BUCKETS[-1],
+                                 adaptation)
+    return Eagle3State(head, target.model, adaptation)
 
 
 def load_shipped(target_name: str | None = None) -> tuple[Eagle3Head, dict]:

@@ -100,9 +100,8 @@ class Attention(nn.Module):
         inverse = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim)
         self.register_buffer("inverse_frequencies", inverse, persistent=False)
 
-    def forward(self, x, positions, mask, past):
-        """x [n, 2d] at `positions` [n]; `past`: (keys, values) [kv_heads, m, head_dim] the rows may also see
-        (or None); mask [n, m + n] bool over past and new keys. Returns (out [n, d], (keys, values) of x)."""
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [n, 2d] at `positions` [n] -> (queries [heads, n, hd], keys, values [kv_heads, n, hd]), rotated."""
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.heads, self.head_dim).transpose(0, 1)  # [heads, n, hd]
         k = self.k_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)  # [kv, n, hd]
@@ -110,12 +109,21 @@ class Attention(nn.Module):
         angles = positions.float()[:, None] * self.inverse_frequencies[None]  # [n, hd / 2]
         angles = torch.cat([angles, angles], dim=-1)
         cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Queries [heads, n, hd] over keys and values [kv_heads, m, hd] where mask [n, m] allows -> [n, d]."""
+        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask[None, None],
+                                             enable_gqa=True)[0]  # [heads, n, hd]
+        return self.o_proj(out.transpose(0, 1).reshape(q.shape[1], -1))
+
+    def forward(self, x, positions, mask, past):
+        """x [n, 2d] at `positions` [n]; `past`: (keys, values) [kv_heads, m, head_dim] the rows may also see
+        (or None); mask [n, m + n] bool over past and new keys. Returns (out [n, d], (keys, values) of x)."""
+        q, k, v = self.project(x, positions)
         keys, values = (k, v) if past is None else (torch.cat([past[0], k], 1), torch.cat([past[1], v], 1))
         with devices.attention(x.device):
-            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask[None, None],
-                                                 enable_gqa=True)[0]  # [heads, n, hd]
-        return self.o_proj(out.transpose(0, 1).reshape(n, -1)), (k, v)
+            return self.attend(q, keys, values, mask), (k, v)
 
 
 class MLP(nn.Module):
@@ -175,11 +183,18 @@ class Eagle3Head(nn.Module):
         """hidden [n, d] (fused features or the head's own outputs), embeddings [n, d] of the tokens that
         follow, positions [n]; mask [n, m + n] bool over `past` (m keys) and the new ones. Returns
         (outputs [n, d], (keys, values) of the new rows, [kv_heads, n, head_dim] each)."""
+        attended, new = self.midlayer.self_attn(self.inputs(hidden, embeddings), positions, mask, past)
+        return self.finish(hidden, attended), new
+
+    def inputs(self, hidden: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        """The attention's input [n, 2d]: the embeddings and the features, each normalised, side by side."""
         layer = self.midlayer
-        x = torch.cat([layer.input_layernorm(embeddings), layer.hidden_norm(hidden)], dim=-1)  # [n, 2d]
-        attended, new = layer.self_attn(x, positions, mask, past)
+        return torch.cat([layer.input_layernorm(embeddings), layer.hidden_norm(hidden)], dim=-1)
+
+    def finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The layer's output [n, d] from its residual stream `hidden` and the attention's output."""
         residual = hidden + attended
-        return residual + layer.mlp(layer.post_attention_layernorm(residual)), new
+        return residual + self.midlayer.mlp(self.midlayer.post_attention_layernorm(residual))
 
     def logits(self, outputs: torch.Tensor, lm_head: torch.Tensor | nn.Module) -> torch.Tensor:
         """[..., d] outputs -> [..., V'] draft logits, through the final norm and the target's LM head rows

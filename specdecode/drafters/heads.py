@@ -113,12 +113,13 @@ def head_folder(target, kind: str, head: str | None):
 DRAFT_BITS: int | None = 4
 
 
-def for_drafting(head: H, lm_rows: torch.Tensor) -> tuple[H, nn.Module]:
+def for_drafting(head: H, lm_rows: torch.Tensor, quantize: bool = True) -> tuple[H, nn.Module]:
     """(a float32 copy of a trained head, a layer computing its draft logits from the LM head's rows of its
     vocabulary `lm_rows` [V', d]) as they draft, both on the device of `lm_rows` (the target's): on the CPU
     their linear layers on the quantized kernels (DRAFT_BITS) where this machine has them; elsewhere in
-    float32 (the kernels are the CPU's). Lossless whatever it does to the drafts: drafts are only proposals,
-    and sampled verification uses the distribution the head drafted from."""
+    float32 (the kernels are the CPU's; and with `quantize` False, as the static path wants them). Lossless
+    whatever it does to the drafts: drafts are only proposals, and sampled verification uses the distribution
+    the head drafted from."""
     from specdecode.models import int4
     from specdecode.models.int8 import quantize_linears
 
@@ -127,7 +128,7 @@ def for_drafting(head: H, lm_rows: torch.Tensor) -> tuple[H, nn.Module]:
     linear = nn.Linear(lm_rows.shape[1], lm_rows.shape[0], bias=False, device=device)
     linear.weight.data = lm_rows.detach().float().contiguous()
     logits: nn.Module = linear
-    if DRAFT_BITS is not None and device.type == "cpu" and int4.available():
+    if quantize and DRAFT_BITS is not None and device.type == "cpu" and int4.available():
         quantize_linears(drafting, DRAFT_BITS)
         logits = quantize_linears(nn.Sequential(linear), DRAFT_BITS)[0]
     return drafting, logits.eval()

@@ -100,16 +100,6 @@ class StaticDecoder:
         self.columns = torch.arange(capacity, device=device)  # [capacity]
         self.capacity = capacity
 
-    def mask(self, start: torch.Tensor, seen: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        """[width, capacity] bool: every slot before `seen`, then `local` [width, BACK + width] over the window of
-        slots start - BACK .. start + width - 1 (the cache's last BACK slots, then the new tokens'), nothing
-        after. `start` (the cache's length) and `seen`: [1] int64 on the device."""
-        window = local.shape[1]
-        relative = self.columns - (start + local.shape[0] - window)  # [capacity]: a slot's place in the window
-        inside = (relative >= 0) & (relative < window)
-        in_window = local[:, relative.clamp(0, window - 1)]  # [width, capacity]
-        return (self.columns < seen)[None, :] | (in_window & inside[None, :])
-
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, allowed: torch.Tensor,
             hidden: bool | tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed `tokens` [n] at rotary `positions` [n], their keys and values written at cache `slots` [n],
@@ -150,16 +140,25 @@ class StaticDecoder:
 
     def step(self, packed: torch.Tensor, tokens: torch.Tensor, hidden: bool | tuple[int, ...]
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One fixed-width forward, every input on the device: `tokens` [w]; `packed` (`pack`) [3 + w + w * (BACK +
-        w)] int64 holds the cache's length, the slots every token sees (those before it), a flag (1: consecutive
-        positions after the cache), the positions [w] (read when the flag is 0) and the mask [w, BACK + w] (0 or
-        1) over the window (`mask`). The function each runner runs (module docstring)."""
-        width = tokens.shape[0]
-        start, seen = packed[:1], packed[1:2]
-        slots = start + torch.arange(width, device=packed.device)  # [w]
-        positions = torch.where(packed[2] == 1, slots, packed[3 : 3 + width])
-        local = packed[3 + width :].view(width, BACK + width) != 0
-        return self.run(tokens, positions, slots, self.mask(start, seen, local), hidden)
+        """One fixed-width forward of `tokens` [w], every input on the device (`packed`: `pack`'s). The function
+        each runner runs (module docstring)."""
+        slots, positions, allowed = unpack(packed, tokens.shape[0], self.columns)
+        return self.run(tokens, positions, slots, allowed, hidden)
+
+
+def unpack(packed: torch.Tensor, width: int, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`pack`'s inputs on the device -> (the new tokens' cache slots [w], their positions [w], the mask [w,
+    capacity] bool), for a cache whose slots are `columns` [capacity]: every slot before `seen`, then the mask
+    [w, BACK + w] over the window of slots start - BACK .. start + w - 1 (the cache's last BACK slots, then the
+    new tokens'), nothing after."""
+    start, seen = packed[:1], packed[1:2]  # the cache's length; the slots every token sees
+    slots = start + torch.arange(width, device=packed.device)  # [w]
+    positions = torch.where(packed[2] == 1, slots, packed[3 : 3 + width])
+    local = packed[3 + width :].view(width, BACK + width) != 0
+    relative = columns - (start - BACK)  # [capacity]: a slot's place in the window
+    inside = (relative >= 0) & (relative < BACK + width)
+    in_window = local[:, relative.clamp(0, BACK + width - 1)]  # [w, capacity]
+    return slots, positions, (columns < seen)[None, :] | (in_window & inside[None, :])
 
 
 def fits(n: int, tree_mask: torch.Tensor | None) -> bool:
@@ -169,10 +168,12 @@ def fits(n: int, tree_mask: torch.Tensor | None) -> bool:
 
 def pack(start: int, n: int, width: int, positions: torch.Tensor | None, tree_mask: torch.Tensor | None
          ) -> torch.Tensor:
-    """`StaticDecoder.step`'s `packed` on the host for n new tokens padded to `width` (where they `fits`):
-    `positions` [n] (None: consecutive after the cache); `tree_mask` as `CausalLM.forward` takes it, [n, m] over
-    the last m tokens, cached or new, those before seen by all (None: causal). A pad sees itself only, at
-    position start + its index."""
+    """The step's inputs packed in one int64 tensor on the host, for n new tokens padded to `width` (where they
+    `fits`): [3 + w + w * (BACK + w)], the cache's length, the slots every token sees (those before the last m),
+    a flag (1: consecutive positions after the cache), the positions [w] (read where the flag is 0) and the mask
+    [w, BACK + w] (0 or 1) over the window (`unpack`). `positions` [n] (None: consecutive after the cache);
+    `tree_mask` as `CausalLM.forward` takes it, [n, m] over the last m tokens, cached or new, those before seen
+    by all (None: causal). A pad sees itself only, at position start + its index."""
     m = n if tree_mask is None else tree_mask.shape[1]
     packed = torch.zeros(3 + width + width * (BACK + width), dtype=torch.long, device="cpu")
     packed[0], packed[1], packed[2] = start, start + n - m, positions is None
@@ -184,6 +185,17 @@ def pack(start: int, n: int, width: int, positions: torch.Tensor | None, tree_ma
     pads = torch.arange(n, width, device="cpu")
     local[pads, BACK + pads] = 1
     return packed
+
+
+def full_mask(start: int, n: int, capacity: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
+    """[n, capacity] bool on the host: what n new tokens after `start` cached ones see under `tree_mask`
+    (`CausalLM.forward`'s: [n, m] over the last m tokens, those before seen by all; None: causal)."""
+    local = _causal(n) if tree_mask is None else tree_mask.cpu()
+    m = local.shape[1]
+    allowed = torch.zeros(n, capacity, dtype=torch.bool, device="cpu")
+    allowed[:, : start + n - m] = True
+    allowed[:, start + n - m : start + n] = local
+    return allowed
 
 
 def _padded(token_ids: torch.Tensor, width: int) -> torch.Tensor:
@@ -262,11 +274,7 @@ class StaticCausalLM(HFCausalLM):
         n, start, device = token_ids.numel(), self._length, self.device
         slots = torch.arange(start, start + n, device=device)
         positions = slots if positions is None else to_device(positions, device)
-        allowed = torch.zeros(n, self.decoder.capacity, dtype=torch.bool, device="cpu")
-        local = tree_mask if tree_mask is not None else _causal(n)
-        m = local.shape[1]
-        allowed[:, : start + n - m] = True
-        allowed[:, start + n - m : start + n] = local.cpu()
+        allowed = full_mask(start, n, self.decoder.capacity, tree_mask)
         with devices.attention(device):
             return self.decoder.run(to_device(token_ids, device), positions, slots, to_device(allowed, device),
                                     output_hidden)

@@ -25,6 +25,8 @@ from specdecode.drafters import heads
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.methods import choose, resolve, variant_names
 from specdecode.models import costs
+from specdecode.drafters.eagle3 import StaticEagle3State
+from specdecode.models.static import StaticCausalLM
 from specdecode.types import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,7 +38,7 @@ LOSSLESS = [name for name in variant_names() if resolve(name)[0].lossless]
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def folders(tmp_path_factory) -> list[str]:
     """A tiny chat model three layers deep (EAGLE-3 reads three), and one a layer deep as its draft model
     (cheap enough, on the fixed cost curve, for the draft model's chain to draft at all)."""
     folders = []
@@ -44,7 +46,22 @@ def models(tmp_path_factory):
         folders.append(tmp_path_factory.mktemp(f"tiny-chat-{layers}"))
         tiny_chat_qwen2(vocab_size=len(TOKENS) + 10, layers=layers).save_pretrained(folders[-1])
         tiny_tokenizer().save_pretrained(folders[-1])
-    return load_models(*map(str, folders), dtype="float32", draft_dtype="float32", progress=False, device=DEVICE)
+    return list(map(str, folders))
+
+
+@pytest.fixture(scope="module")
+def models(folders):
+    """The two models on the dynamic path (transformers' forward, a cache that grows)."""
+    return load_models(*folders, dtype="float32", draft_dtype="float32", progress=False, device=DEVICE, static=False)
+
+
+@pytest.fixture(scope="module")
+def static_models(folders):
+    """The same two models on the static path (`models.static`: CUDA graphs on a GPU, the same step run
+    eagerly elsewhere)."""
+    models = load_models(*folders, dtype="float32", draft_dtype="float32", progress=False, device=DEVICE, static=True)
+    assert isinstance(models.target, StaticCausalLM) and isinstance(models.draft, StaticCausalLM)
+    return models
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +91,23 @@ def test_greedy_output_is_plain_decoding(variant, models, plain, random_heads, m
     assert engine.method == variant and (engine.drafter is None) == (variant == "ar")
     prompts, references = plain
     list(greedy_runs(engine, prompts, references, LENGTHS))  # each run is checked as it comes
+
+
+@pytest.mark.parametrize("variant", LOSSLESS)
+def test_the_static_path_outputs_what_the_dynamic_path_does(variant, static_models, plain, random_heads,
+                                                             monkeypatch):
+    """Every method on the static-shape path (the target, the draft model and the EAGLE-3 head on fixed
+    widths; the methods that share the target's cache on its dynamic twin): greedy output is the dynamic
+    path's plain decoding, token for token, in float32."""
+    monkeypatch.setattr(heads, "shipped_head", lambda model, kind: random_heads / kind)
+    reference = None if "-tree" in variant else REFERENCE
+    engine = static_models.engine_for(choose(variant, reference=reference, only_if_taken=True))
+    shares = resolve(variant)[0].shares_target_cache
+    assert isinstance(engine.target, StaticCausalLM) != shares
+    if variant.startswith("eagle3"):
+        assert isinstance(engine.drafter.state, StaticEagle3State)  # type: ignore[union-attr]
+    prompts, references = plain
+    list(greedy_runs(engine, prompts, references, LENGTHS))
 
 
 @pytest.mark.parametrize("variant", variant_names())

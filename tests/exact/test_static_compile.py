@@ -1,0 +1,109 @@
+"""The static path's discipline, proved without a GPU: its step functions trace whole and never recompile.
+
+A CUDA graph replays one fixed sequence of kernels: a step that reads a value on the host, or whose shapes
+depend on values, cannot be captured, and a step with a new shape needs a new capture. `torch.compile` with
+`fullgraph=True, dynamic=False` refuses the first (a graph break is an error) and counts the second (each new
+graph is a compilation): so on the CPU, with dynamo tracing the same step functions the GPU captures (the
+target's and the draft model's `StaticDecoder.step`, the EAGLE-3 head's `StaticEagle3State.step`), a whole
+generation must compile nothing once every bucket has been seen (a first generation warms them up), while its
+acceptance varies from step to step. The backend is "eager": dynamo's tracing and guards are what is tested,
+not inductor's code.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from conftest import greedy_references, noisy_copy, random_prompts, tiny_qwen2
+from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
+from specdecode.drafters.eagle3 import Eagle3TreeDrafter, StaticEagle3State
+from specdecode.drafters.eagle3_head import Eagle3Config, Eagle3Head
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+from specdecode.engine import GenerationConfig, SpeculativeEngine
+from specdecode.models.costs import CostCurve
+from specdecode.models.static import BUCKETS, StaticCausalLM
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.cpu_only]
+
+FREE = CostCurve.linear(0.01)  # width nearly free: the gate keeps wide drafts, so every bucket is met
+# a repeated prompt: prompt lookup and the draft models find copies, and the greedy output loops, so some steps
+# accept their whole draft and others nothing
+PROMPTS = [random_prompts(1, seed=seed, low=10, high=14)[0] * 3 for seed in (3, 4, 5)]
+
+
+def compiled(model, capacity: int = 256) -> StaticCausalLM:
+    return StaticCausalLM(model, runner="compile", backend="eager", capacity=capacity)
+
+
+def drafters(target: StaticCausalLM, draft: StaticCausalLM, head) -> dict:
+    eagle3 = StaticEagle3State(head, target.model, "compile", capacity=256, backend="eager")
+    chain = DraftModelDrafter(draft, adaptive=False, num_tokens=6)
+    chain.confidence_threshold = 0.0  # six tokens every step, whatever the draft model's confidence
+    return {
+        "ar": None,
+        "pld": PromptLookupDrafter(),
+        "draft": chain,
+        "draft-tree": DraftModelTreeDrafter(draft, curve=FREE, draft_cost=0.01, top_k=2, width=4, max_depth=5),
+        "eagle3-tree": Eagle3TreeDrafter(head, target.model, FREE, draft_cost=0.001, top_k=2, width=4, max_depth=5,
+                                         state=eagle3),
+    }
+
+
+def counting(function, calls: dict, name: str):
+    def counted(*args):
+        calls[name] += 1
+        return function(*args)
+    return counted
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_qwen2(0, layers=3)
+    draft = noisy_copy(target, 0.3, seed=1)  # agrees with the target often, not always
+    # a random head drafting among the few tokens the target's answers loop over: right now and then
+    answers = {token for answer in greedy_references(target, PROMPTS, 40) for token in answer}
+    torch.manual_seed(0)
+    config = Eagle3Config.for_target(target.config, 32, len(answers))
+    head = Eagle3Head(config, torch.tensor(sorted(answers))).float().eval()
+    return target, draft, head
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "draft", "draft-tree", "eagle3-tree"])
+def test_a_generation_after_warm_up_compiles_nothing_and_breaks_no_graph(method, models):
+    target_model, draft_model, head = models
+    torch._dynamo.reset()
+    target, draft = compiled(target_model), compiled(draft_model)
+    drafter = drafters(target, draft, head)[method]
+    engine = SpeculativeEngine(target, drafter=drafter, gate=False)
+    engine.curve = FREE
+    config = GenerationConfig(max_new_tokens=40)
+    # the warm-up: every bucket of every step function compiles once
+    target.capture(hidden=(False if drafter is None else drafter.needs.hidden,))
+    draft.capture()
+    if method == "eagle3-tree":
+        drafter.state.capture()
+    calls = {"target": 0, "draft": 0}
+    for name, model in (("target", target), ("draft", draft)):
+        model.runner.compiled = counting(model.runner.compiled, calls, name)
+    counters.clear()
+    results = [engine.generate(prompt, config) for prompt in PROMPTS]
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])  # nothing compiled again
+    assert calls["target"] and (method not in ("draft", "draft-tree") or calls["draft"])  # they did run compiled
+    accepted = {step.accepted for result in results for step in result.steps}
+    if method != "ar":
+        assert len(accepted) > 1, accepted  # acceptance varied
+
+
+def test_every_bucket_compiles_once_without_a_graph_break(models):
+    target_model, _, _ = models
+    torch._dynamo.reset()
+    counters.clear()
+    target = compiled(target_model)
+    target.capture(hidden=(False, True))
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 2 * len(BUCKETS)
