@@ -184,8 +184,8 @@ def load_models(
             check_logits_cover(target_tokenizer, target_model, "target")
             check_logits_cover(draft_tokenizer, draft_model, "drafter")
             other_tokenizer = draft_tokenizer
-        draft = torch_lm(draft_model, static)
-    return Models(torch_lm(target_model, static), target_tokenizer, draft, target_gguf=gguf_of(target),
+        draft = torch_lm(draft_model, static, progress)
+    return Models(torch_lm(target_model, static, progress), target_tokenizer, draft, target_gguf=gguf_of(target),
                   draft_tokenizer=other_tokenizer)
 
 

@@ -39,6 +39,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from transformers import PreTrainedModel
 
 from specdecode import devices
@@ -48,6 +49,8 @@ from specdecode.models.base import ForwardOutput
 from specdecode.models.graphs import make_runner
 from specdecode.models.hf import HFCausalLM
 from specdecode.models.lean import LAYERS, NORMS, _rotate
+from specdecode.paths import console
+from specdecode.progress import Progress
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the widths a verification or draft forward is padded to
 # cache slots before the new tokens that a forward's own mask may reach (a draft tree's nodes fed in earlier
@@ -306,9 +309,11 @@ class StaticCausalLM(HFCausalLM):
         self._length = 0
 
 
-def torch_lm(model: PreTrainedModel, static: bool | None = None) -> HFCausalLM:
+def torch_lm(model: PreTrainedModel, static: bool | None = None, progress: bool = True) -> HFCausalLM:
     """`model` as the torch backend runs it: on the static path with CUDA graphs (`static` True, or None on a
-    CUDA device where the model fits the path: `unsupported`), else on the dynamic path (`HFCausalLM`)."""
+    CUDA device where the model fits the path: `unsupported`), else on the dynamic path (`HFCausalLM`). A graphed
+    model's buckets are captured here, with a progress line (`progress`); a hidden-state request a method makes
+    later is captured on its first use."""
     reason = unsupported(model)
     if static is None:
         static = model.device.type == "cuda" and reason is None
@@ -316,4 +321,10 @@ def torch_lm(model: PreTrainedModel, static: bool | None = None) -> HFCausalLM:
         return HFCausalLM(model)
     if reason is not None:
         raise UserError(f"the static path cannot run this model: {reason}")
-    return StaticCausalLM(model, runner="graphs" if model.device.type == "cuda" else "eager")
+    lm = StaticCausalLM(model, runner="graphs" if model.device.type == "cuda" else "eager")
+    if lm.runner_name == "graphs":
+        with Progress(TextColumn("capturing CUDA graphs"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, disable=not progress) as bar:
+            task = bar.add_task("capture", total=len(BUCKETS))
+            lm.capture(progress=lambda done, total: bar.update(task, completed=done))
+    return lm

@@ -29,6 +29,7 @@ from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.engine.batch import BatchEngine
 from specdecode.models.costs import CostCurve, LiveCurve
 from specdecode.models.hf import HFCausalLM
+from specdecode.models.static import StaticCausalLM
 from specdecode.tree import structure
 from specdecode.types import Draft, SamplingParams
 from specdecode.verify.tree import verify
@@ -41,10 +42,14 @@ GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=1.0)
 FIXED_CURVE = CostCurve.linear(0.05)
 
 
-def tracked(model) -> HFCausalLM:
-    lm = HFCausalLM(model)
+def tracked(model, static: bool = False) -> HFCausalLM:
+    """The model, on the dynamic path or the static one (`models.static`), its outputs standing for a device's."""
+    lm = StaticCausalLM(model) if static else HFCausalLM(model)
     devices.track(lm)
     return lm
+
+
+PATHS = pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 
 
 def reads_per_step(engine: SpeculativeEngine, params: SamplingParams, max_new_tokens: int = 24):
@@ -76,33 +81,36 @@ def test_the_counter_sees_reads_of_device_data_only():
     assert counter.counts == {"tolist": 1, "__int__": 1, "__float__": 1, "nonzero": 1, "boolean index": 1}
 
 
+@PATHS
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_a_chain_step_reads_the_device_once(tiny_target, params):
-    engine = SpeculativeEngine(tracked(tiny_target), drafter=PromptLookupDrafter())
+def test_a_chain_step_reads_the_device_once(tiny_target, params, static):
+    engine = SpeculativeEngine(tracked(tiny_target, static), drafter=PromptLookupDrafter())
     counts, events = syncs_per_step(engine, params)
     assert any(e.stats.drafted for e in events)  # it did speculate
     assert counts and max(counts) == 1, counts
 
 
+@PATHS
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_the_draft_model_drafts_without_reading_each_token(tiny_target, params):
+def test_the_draft_model_drafts_without_reading_each_token(tiny_target, params, static):
     """With its chain drafted whole (as on a GPU), a step reads the device once: at verification."""
-    drafter = DraftModelDrafter(tracked(copy.deepcopy(tiny_target)), adaptive=False, num_tokens=5)
+    drafter = DraftModelDrafter(tracked(copy.deepcopy(tiny_target), static), adaptive=False, num_tokens=5)
     drafter.model.device  # (a CPU model: the test asks for the GPU's policy by hand)
     drafter.confidence_threshold = 0.0
     assert not drafter.stops_early
-    engine = SpeculativeEngine(tracked(tiny_target), drafter=drafter)
+    engine = SpeculativeEngine(tracked(tiny_target, static), drafter=drafter)
     counts, events = syncs_per_step(engine, params)
     assert max(e.stats.drafted for e in events) == 5 and all(e.stats.accepted for e in events[1:4])
     assert max(counts) == 1, counts
 
 
-def test_a_draft_tree_step_reads_the_device_once_per_level(tiny_target):
+@PATHS
+def test_a_draft_tree_step_reads_the_device_once_per_level(tiny_target, static):
     """The draft model grows its tree a level per draft forward and reads each level's top tokens in one
     transfer; the target's verification reads once."""
     shape = ((0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 0, 0))  # a fixed shape: four levels deep
-    drafter = DraftModelTreeDrafter(tracked(copy.deepcopy(tiny_target)), FIXED_CURVE, choices=shape)
-    engine = SpeculativeEngine(tracked(tiny_target), drafter=drafter, gate=False)
+    drafter = DraftModelTreeDrafter(tracked(copy.deepcopy(tiny_target), static), FIXED_CURVE, choices=shape)
+    engine = SpeculativeEngine(tracked(tiny_target, static), drafter=drafter, gate=False)
     counts, events = syncs_per_step(engine, GREEDY)
     depths = [e.stats.draft_depth or 0 for e in events]
     assert max(depths) > 1
