@@ -14,6 +14,7 @@ import llguidance
 import numpy as np
 import torch
 
+from specdecode.devices import to_device
 from specdecode.constraints.grammar import Constraint, engine_tokenizer, one_line, refusals
 from specdecode.errors import UserError
 from specdecode.types import Draft
@@ -35,9 +36,10 @@ class Matcher:
         if self._engine.is_error():
             raise UserError(f"the {constraint.describe()} does not compile: {one_line(self._engine.get_error())}")
         self.eos_ids = frozenset(vocabulary.eos_tokens)  # the target's and the tokenizer's
-        eos = torch.zeros(vocab_size, dtype=torch.bool)
+        # every buffer llguidance writes through a pointer lives on the host, whatever the default device is
+        eos = torch.zeros(vocab_size, dtype=torch.bool, device="cpu")
         eos[list(self.eos_ids)] = True
-        bitmask = torch.empty(1, self.words, dtype=torch.int32)
+        bitmask = torch.empty(1, self.words, dtype=torch.int32, device="cpu")
         self._engine.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * bitmask.element_size())
         something = self._engine.is_accepting() or bool((unpack(bitmask, vocab_size)[0] & ~eos).any())
         if self._engine.is_error() or not something:
@@ -51,13 +53,15 @@ class Matcher:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed-token bits of the current state into `bitmask[row]` ([rows, words] int32, host)."""
+        if bitmask.device.type != "cpu":
+            raise ValueError(f"llguidance writes masks on the host, not on {bitmask.device}")
         target = bitmask[row]
         self._engine.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
         self._raise_on_error()
 
     def allowed(self) -> torch.Tensor:
         """[vocab] bool, on the host: the tokens allowed next."""
-        bitmask = torch.empty(1, self.words, dtype=torch.int32)
+        bitmask = torch.empty(1, self.words, dtype=torch.int32, device="cpu")
         self.fill(bitmask, 0)
         return unpack(bitmask, self.vocab_size)[0]
 
@@ -114,7 +118,7 @@ class Matcher:
         i + 1 those allowed after node i's path (a chain's first i + 1 tokens). A row after a forbidden token
         allows everything: it is never read, as no verifier accepts a token of zero probability."""
         tokens = draft.tokens.tolist()
-        bitmask = torch.full((len(tokens) + 1, self.words), -1, dtype=torch.int32)
+        bitmask = torch.full((len(tokens) + 1, self.words), -1, dtype=torch.int32, device="cpu")
         self.fill(bitmask, 0)
         parents = list(range(-1, len(tokens) - 1)) if draft.parents is None else draft.parents.tolist()
         walked: list[int] = []  # the nodes the matcher stands after, root first
@@ -162,8 +166,9 @@ def select(draft: Draft, nodes: list[int]) -> Draft:
     assert draft.parents is not None
     index = {old: new for new, old in enumerate(nodes)}
     old_parents = draft.parents.tolist()
-    parents = torch.tensor([index[old_parents[n]] if old_parents[n] >= 0 else -1 for n in nodes], dtype=torch.long)
-    picked = torch.tensor(nodes, dtype=torch.long)
+    parents = torch.tensor([index[old_parents[n]] if old_parents[n] >= 0 else -1 for n in nodes], dtype=torch.long,
+                           device="cpu")  # a tree's structure is host data (`tree.structure`)
+    picked = torch.tensor(nodes, dtype=torch.long, device="cpu")
     return Draft(
         tokens=draft.tokens[picked.to(draft.tokens.device)],
         probs=None if draft.probs is None else draft.probs[picked.to(draft.probs.device)],
@@ -184,5 +189,5 @@ def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def masked_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [rows, vocab] with the tokens the bitmask ([rows, words] int32, host) forbids at -inf: unpacked on
     the host, sent to the logits' device (no host read), one elementwise select there."""
-    allowed = unpack(bitmask, logits.shape[-1]).to(logits.device, non_blocking=True)  # [rows, vocab]
+    allowed = to_device(unpack(bitmask, logits.shape[-1]), logits.device)  # [rows, vocab], copied without waiting
     return torch.where(allowed, logits, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))

@@ -14,10 +14,11 @@ import re
 
 import jsonschema
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from test_every_method import LOSSLESS, REFERENCE, models, random_heads  # noqa: F401  (fixtures)
+from test_every_method import LOSSLESS, REFERENCE, folders, models, random_heads  # noqa: F401  (fixtures)
 from specdecode.constraints import Constraint
 from specdecode.drafters import heads
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
@@ -166,3 +167,20 @@ def test_a_lossy_verifier_is_masked_too(models, plain_constrained, random_heads,
     for prompt, constraint, _ in plain_constrained:
         result = constrained(engine, prompt, constraint)  # validated when complete
         assert result.finish_reason == "eos"
+
+
+def test_the_grammars_buffers_stay_on_the_host_whatever_the_default_device(models):  # noqa: F811
+    """llguidance writes masks through a host pointer: every buffer the matcher hands it is made on the CPU even
+    where the default device is another (here `meta`, whose tensors have no storage), and a mask meets the
+    logits on their device."""
+    from specdecode.constraints import Matcher, masked_logits
+    from specdecode.types import Draft
+
+    constraint = Constraint.regex(r"(the|a) (cat|dog)")
+    with torch.device("meta"):
+        matcher = Matcher(constraint, models.tokenizer, models.target.vocab_size, models.target.eos_token_ids)
+        allowed = matcher.allowed()
+        masks = matcher.draft_masks(Draft(tokens=torch.tensor(models.encode("the cat"), device="cpu")))
+    assert allowed.device.type == "cpu" and masks.device.type == "cpu" and bool(allowed.any())
+    logits = torch.zeros(masks.shape[0], models.target.vocab_size)
+    assert masked_logits(logits, masks).device == logits.device
