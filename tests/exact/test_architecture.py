@@ -231,3 +231,16 @@ def test_modules_and_functions_are_short():
         f"{name} ({modules.get(name) or functions.get(name)})" for name in new)
     stale = sorted((KNOWN_LONG_MODULES - long_modules) | (KNOWN_LONG_FUNCTIONS - long_functions))
     assert not stale, f"no longer too long, remove from the KNOWN_LONG_ lists: {stale}"
+
+
+def test_no_test_skips_when_the_package_fails_to_import():
+    """`pytest.importorskip` turns a missing optional dependency into a skip; on the package's own modules it would
+    turn an import regression into one. Its own modules are imported, never skipped on."""
+    tests = ROOT.parent / "tests"
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "importorskip" and node.args
+                    and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).startswith("specdecode")):
+                found.append(f"{path.relative_to(tests)}:{node.lineno}")
+    assert not found, f"importorskip on the package's own modules: {found}"

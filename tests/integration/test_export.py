@@ -17,6 +17,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from conftest import run_cli as run
+from specdecode.drafters import eagle3_head
 from specdecode.training import export
 from specdecode.training.export import export_eagle3
 
@@ -341,7 +342,6 @@ def test_cli_mistakes_give_one_line_and_exit_2(monkeypatch, capsys, tmp_path, ar
 
 
 def test_cli_a_folder_without_a_head_says_so(monkeypatch, capsys, tmp_path):
-    pytest.importorskip("specdecode.drafters.eagle3")  # the other half of this feature
     (tmp_path / "empty").mkdir()
     code, _, err = run(monkeypatch, capsys, "export", "eagle", "--format", "sglang", "--head", str(tmp_path / "empty"),
                        str(tmp_path / "out"))
@@ -361,11 +361,10 @@ def target_folder(tmp_path_factory):
 
 def test_cli_exports_a_trained_head_for_its_target(monkeypatch, capsys, tmp_path, target_folder):
     """End to end on a tiny local target: the head class's own storage, the target's LM head rows."""
-    eagle3 = pytest.importorskip("specdecode.drafters.eagle3_head")
     target = AutoModelForCausalLM.from_pretrained(target_folder)
-    config = eagle3.Eagle3Config.for_target(target.config, intermediate_size=16, draft_vocab_size=8)
+    config = eagle3_head.Eagle3Config.for_target(target.config, intermediate_size=16, draft_vocab_size=8)
     draft_ids = torch.tensor([9, 2, 30, 4, 5, 17, 11, 0])
-    eagle3.Eagle3Head(config, draft_ids).save(tmp_path / "head", {})
+    eagle3_head.Eagle3Head(config, draft_ids).save(tmp_path / "head", {})
     code, out, err = run(monkeypatch, capsys, "export", "eagle", "--format", "vllm", "--head", str(tmp_path / "head"),
                          "--target", str(target_folder), str(tmp_path / "out"))
     assert code == 0, err
@@ -378,10 +377,9 @@ def test_cli_exports_a_trained_head_for_its_target(monkeypatch, capsys, tmp_path
 
 
 def test_cli_refuses_a_head_reading_layers_its_target_lacks(monkeypatch, capsys, tmp_path, target_folder):
-    eagle3 = pytest.importorskip("specdecode.drafters.eagle3_head")
     target = AutoModelForCausalLM.from_pretrained(target_folder)
-    config = eagle3.Eagle3Config.for_target(target.config, intermediate_size=16, draft_vocab_size=8)
-    eagle3.Eagle3Head(replace(config, aux_layers=(1, 2, 9)), torch.arange(8)).save(tmp_path / "head", {})
+    config = eagle3_head.Eagle3Config.for_target(target.config, intermediate_size=16, draft_vocab_size=8)
+    eagle3_head.Eagle3Head(replace(config, aux_layers=(1, 2, 9)), torch.arange(8)).save(tmp_path / "head", {})
     code, _, err = run(monkeypatch, capsys, "export", "eagle", "--format", "sglang", "--head", str(tmp_path / "head"),
                        "--target", str(target_folder), str(tmp_path / "out"))
     assert code == 2 and "has 4" in " ".join(err.split()) and err.count("error:") == 1, err
