@@ -26,6 +26,7 @@ from goodness_of_fit import assert_follows, chi_square, continuations, engine_ou
 from specdecode.api import load_models
 from specdecode.drafters.other_tokenizer import (
     OtherTokenizerDrafter,
+    Retokenizer,
     added_text,
     context_window,
     translate,
@@ -253,6 +254,75 @@ def test_a_draft_that_ends_its_text_proposes_the_target_end():
     drafter = OtherTokenizerDrafter(lm, target, draft, adaptive=False, num_tokens=2, confidence_threshold=0)
     proposal = drafter.propose(target.encode("the cat"), 8, SamplingParams(), None).tokens.tolist()
     assert target.decode(proposal) == " sat"
+
+
+# --- The context retokenized by its end: the same draft ids, a bounded step -------------------------
+
+CODE = "def f(x):\n    return x  +  1\n\n\tprint(f(2))  # done"  # doubled spaces, tabs, new lines
+LONG_TEXT = "\n".join([*PARAGRAPHS, CODE, "crème brûlée, naïve"]) * 2
+
+
+def growing(ids: list[int], seed: int = 0):
+    """The prefixes of `ids` a decoding would see: from three tokens on, one to four more at a time."""
+    g = torch.Generator().manual_seed(seed)
+    n = 3
+    while n < len(ids):
+        yield ids[:n]
+        n += int(torch.randint(1, 5, (), generator=g))
+
+
+@pytest.mark.parametrize("kind", [*DRAFT_TOKENIZERS, "byte-level"])
+def test_the_retokenized_context_is_the_context_encoded_whole(kind):
+    """`Retokenizer`, step by step, gives the ids `draft_ids` gets by decoding and encoding the whole context
+    (spaces doubled, tabs, new lines, characters of two bytes split across target tokens included)."""
+    target = target_tokenizer()
+    draft = DRAFT_TOKENIZERS[kind]() if kind in DRAFT_TOKENIZERS else byte_level_bpe(280)
+    drafter = OtherTokenizerDrafter(FakeLM(Oracle(draft, [])), target, draft)
+    retokenizer = Retokenizer(target, draft)
+    bos = [draft.bos_token_id] if draft.bos_token_id is not None else []
+    steps = 0
+    for context in growing(target.encode(LONG_TEXT)):
+        assert bos + retokenizer(context) == drafter.draft_ids(context), target.decode(context)[-40:]
+        steps += 1
+    assert steps > 100 and retokenizer.anchor > len(LONG_TEXT) // 2  # the anchors moved along the text
+    assert bos + retokenizer(target.encode("another context")) == drafter.draft_ids(target.encode("another context"))
+
+
+class Counting:
+    """A tokenizer that counts the characters it encodes and the tokens it decodes."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.characters, self.tokens = tokenizer, 0, 0
+
+    def encode(self, text: str, **options):
+        self.characters += len(text)
+        return self.tokenizer.encode(text, **options)
+
+    def decode(self, ids, **options):
+        self.tokens += len(ids)
+        return self.tokenizer.decode(ids, **options)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_a_steps_tokenizer_work_does_not_grow_with_the_context():
+    """The drafter decodes and encodes per step what changed and a bounded window around it, not the whole
+    context: linear in the length overall, not quadratic."""
+    target, draft = Counting(target_tokenizer()), Counting(DRAFT_TOKENIZERS["metaspace"]())
+    text = LONG_TEXT * 3
+    drafter = OtherTokenizerDrafter(FakeLM(Oracle(draft.tokenizer, [text]), max_context=4096), target, draft,
+                                    adaptive=False, num_tokens=4, confidence_threshold=0)
+    ids = target.tokenizer.encode(text)
+    drafter.begin(ids[:3])
+    work = []  # per step: (context tokens, target tokens decoded, draft characters encoded)
+    for context in growing(ids):
+        before = target.tokens, draft.characters
+        drafter.propose(context, 8, SamplingParams(), None)
+        work.append((len(context), target.tokens - before[0], draft.characters - before[1]))
+    late = [w for w in work if w[0] > len(ids) // 2]
+    assert len(late) > 50 and late[0][0] > 300
+    assert max(decoded for _, decoded, _ in late) <= 150 and max(encoded for _, _, encoded in late) <= 400
 
 
 # --- Sampling: the output follows the target's distribution -----------------------------------------
