@@ -35,7 +35,9 @@ def generate(
     temperature: Annotated[float, typer.Option(min=0.0, max=100.0, help="0 means greedy decoding.")] = 0.0,
     top_k: Annotated[int, typer.Option(min=0, help="Keep the k likeliest tokens (0: off).")] = 0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")] = 1.0,
-    seed: Annotated[int | None, typer.Option(help="Seed for sampling (a seed reproduces a run).")] = None,
+    seed: Annotated[int | None, typer.Option(help=(
+        "Seed for sampling: reproduces ar's sampled output, and a speculative method's where its drafts do not "
+        "follow timings (docs/verification.md, Randomness); else the same distribution, not the same tokens."))] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
     dtype: DTypeOption = DType("auto"),
     draft_dtype: DraftDTypeOption = DraftDType("auto"),

@@ -43,8 +43,8 @@ DTypeOption = Annotated[DType, typer.Option(help=(
     "GPU lacks it), and int8 and int4, CPU kernels, are refused. Probabilities are always float32."))]
 DeviceOption = Annotated[str, typer.Option(help=(
     "Where the torch backend runs: auto (CUDA where torch sees a GPU, else the CPU), cpu, cuda, cuda:N or mps. "
-    "The draft model and trained heads follow the target; a seed reproduces a sampled run on the same kind of "
-    "device. The llama.cpp backend runs on the CPU."))]
+    "The draft model and trained heads follow the target; a seed's draws differ from one kind of device to "
+    "another. The llama.cpp backend runs on the CPU."))]
 
 
 def backend_device(backend, device: str) -> str | None:

@@ -200,7 +200,11 @@ class SequenceState:
         self.config = config
         self.max_context = target.max_context
         self.eos = frozenset() if config.ignore_eos else target.eos_token_ids
-        # on the target's device, so that sampling draws there; a seed reproduces a run on the same kind of device
+        # on the target's device, so that sampling draws there. A seed reproduces a run on the same kind of device
+        # where the drafts do not follow timings: the gate on a live cost curve, auto's and the composite's
+        # source ledgers and the step-aside switch change how many tokens a step verifies, and with them which
+        # draws decide which token, so there two runs follow the same distribution, not the same tokens
+        # (docs/verification.md, "Randomness")
         seed = config.seed if config.seed is not None else int(torch.randint(2**62, (), device="cpu"))
         self.generator = devices.generator(target.device, seed)
         self.tracker = TextTracker(tokenizer, config.stop)
