@@ -34,6 +34,20 @@ class RunningAcceptance:
         return (self.accepted + self.prior * self.weight) / (self.accepted + self.rejected + self.weight)
 
 
+def own_verdict(verdict: Verdict, prepended: int) -> Verdict:
+    """The verdict on a drafter's own tokens when `prepended` tokens it did not propose led the chain it was
+    judged in (a constraint's forced run, put ahead of a drafter that drafts from the tokens alone:
+    `engine.forced`, `Draft.forced`): their acceptance is not the drafter's, and where the target turned one of
+    them down the drafter's tokens were never judged (nothing drafted, nothing rejected: nothing to learn)."""
+    if not prepended:
+        return verdict
+    if verdict.num_accepted < prepended:
+        return Verdict(num_drafted=0, num_accepted=0, tokens=verdict.tokens[verdict.num_accepted :], bonus=False)
+    return Verdict(num_drafted=verdict.num_drafted - prepended, num_accepted=verdict.num_accepted - prepended,
+                   tokens=verdict.tokens[prepended:], path=tuple(node - prepended for node in verdict.path[prepended:]),
+                   bonus=verdict.bonus, rejected=verdict.rejected)
+
+
 @dataclass(frozen=True)
 class Needs:
     """What a drafter asks to observe of each step's target forward, beyond the verdict and statistics
@@ -50,7 +64,9 @@ class Outcome:
     """How one step went, for the drafter that drafted it: `Drafter.observe`'s one argument."""
 
     # what the target verified (of a chain, the prefix the engine's gate kept); a composite's sources hear
-    # of their own proposals instead (`drafters.composite`)
+    # of their own proposals instead (`drafters.composite`). Under a constraint its first `draft.forced` tokens
+    # are the grammar's forced run: put ahead of the draft of a drafter that drafts from the tokens alone,
+    # which learns from `own_verdict(verdict, draft.forced)`, not from the run
     draft: Draft
     verdict: Verdict  # what verification made of it: the accepted nodes, then the correction or bonus token
     stats: StepStats  # the step's statistics (`new_tokens`: what it appended to the context, after stops)

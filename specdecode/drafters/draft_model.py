@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from specdecode.devices import to_device
-from specdecode.drafters.base import Drafter, Outcome, RunningAcceptance
+from specdecode.drafters.base import Drafter, Outcome, RunningAcceptance, own_verdict
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.models import costs
@@ -51,7 +51,8 @@ class SyncedCache:
         return bool(self.seen) or self.late_start.ready(len(context), room)
 
     def learn(self, verdict: Verdict) -> None:
-        """Put the drafted tokens' values, as verification read them, in place of their UNSEEN marks."""
+        """Put the drafted tokens' values, as verification read them, in place of their UNSEEN marks: `verdict`
+        judges the drafter's own tokens alone (`own_verdict`), which hold those places in turn."""
         drafted = list(verdict.tokens[: verdict.num_accepted]) + list(verdict.rejected)
         start = next((i for i, token in enumerate(self.seen) if token == UNSEEN), None)
         if start is None:
@@ -278,9 +279,11 @@ class DraftModelDrafter(Drafter):
         return tokens, rows
 
     def observe(self, outcome: Outcome) -> None:
-        self._cache.learn(outcome.verdict)
-        if not self.adaptive or outcome.verdict.num_drafted == 0:
+        # it drafts from the tokens alone: a forced run leading the draft was put there ahead of its own
+        verdict = own_verdict(outcome.verdict, outcome.draft.forced)
+        self._cache.learn(verdict)
+        if not self.adaptive or verdict.num_drafted == 0:
             return
-        self._acceptance.record(outcome.verdict)
+        self._acceptance.record(verdict)
         best = best_draft_length(self._acceptance.value, self.draft_cost, self._lengths(), self.curve)
         self.num_tokens = best and max(best, self.min_tokens)

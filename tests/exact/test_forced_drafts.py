@@ -13,10 +13,12 @@ from conftest import TOKENS, tiny_tokenizer
 from fakes import ContextLogits, FakeLM
 from specdecode import metrics
 from specdecode.constraints import Constraint, Matcher
+from specdecode.drafters.base import own_verdict
+from specdecode.drafters.draft_model import UNSEEN, DraftModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.engine.forced import with_forced
-from specdecode.types import Draft
+from specdecode.types import Draft, Verdict
 
 VOCAB = len(TOKENS) + 10
 SCHEMA = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}, "size": {"type": "integer",
@@ -70,3 +72,39 @@ def test_forced_is_the_canonical_run(target):
     assert tokenizer.decode(matcher.forced()) == '{"colour": "'
     matcher.consume(tokenizer.encode('{"colour": "g'))
     assert tokenizer.decode(matcher.forced()) == 'reen", "size": '
+
+
+def test_the_verdict_on_a_drafters_own_tokens_leaves_the_forced_run_out():
+    # forced 3, 4; drafted 7, 8, 9; the target kept 3, 4, 7 and corrected 8 to 5
+    verdict = Verdict(num_drafted=5, num_accepted=3, tokens=(3, 4, 7, 5), rejected=(8, 9))
+    own = own_verdict(verdict, 2)
+    assert (own.num_drafted, own.num_accepted, own.tokens, own.path, own.bonus, own.rejected) == (
+        3, 1, (7, 5), (0,), False, (8, 9))
+    whole = own_verdict(Verdict(num_drafted=4, num_accepted=4, tokens=(3, 4, 7, 8, 6)), 2)
+    assert (whole.num_drafted, whole.num_accepted, whole.tokens, whole.bonus) == (2, 2, (7, 8, 6), True)
+    # the target turned down the run's second token: the drafter's were never judged
+    cut = own_verdict(Verdict(num_drafted=5, num_accepted=1, tokens=(3, 1), rejected=(4, 7, 8, 9)), 2)
+    assert (cut.num_drafted, cut.num_accepted, cut.tokens, cut.rejected) == (0, 0, (1,), ())
+    assert own_verdict(verdict, 0) is verdict
+
+
+def test_a_draft_model_learns_only_from_what_it_drafted(target):
+    """Under a grammar the forced run leads a draft model's draft: the draft model never fed the run's tokens in
+    the places of its drafted ones, so after every step the tokens its cache is taken to hold (`SyncedCache.seen`)
+    are the ones it holds, and its acceptance counts its own tokens alone."""
+    prompt = tiny_tokenizer().encode("the cat")
+    draft_model = FakeLM(ContextLogits(VOCAB, seed=9, scale=3.0))
+    # no confidence threshold: drafted tokens are fed back unread (`UNSEEN`), as on a GPU
+    drafter = DraftModelDrafter(draft_model, num_tokens=3, adaptive=False, confidence_threshold=0.0)
+    observe, forced_steps = drafter.observe, []
+
+    def observe_and_check(outcome) -> None:
+        observe(outcome)
+        held = [entry.token for entry in draft_model.cache]  # what the fake draft model's cache holds
+        taken = drafter._cache.seen
+        assert len(taken) <= len(held) and all(t in (UNSEEN, held[i]) for i, t in enumerate(taken)), (taken, held)
+        forced_steps.append(outcome.draft.forced)
+
+    drafter.observe = observe_and_check  # type: ignore[method-assign]
+    assert run(target, drafter, prompt).token_ids == run(target, None, prompt).token_ids
+    assert sum(1 for forced in forced_steps if forced) >= 3
