@@ -1,16 +1,20 @@
 """Statistical: speculative sampling of a chain reproduces the target distribution, whatever the draft.
 
 Over a small vocabulary the exact distribution of the first emitted tokens is known, so empirical counts
-are compared with it by a chi-square test at 1e-4, with fixed seeds; each test states its power against
-a 5% total-variation error (goodness_of_fit).
+are compared with it by a chi-square test at 1e-4, with fixed seeds. The verifiers are pure functions and
+cheap, so these tests draw enough to catch a total-variation error of 0.02 at least 90% of the time
+(`FINE_TV`; goodness_of_fit states the power), and `test_a_planted_bias_of_two_percent_is_caught` plants
+such an error in the verifier and sees the same test fail. (The end-to-end tests, each generation an engine
+run, carry their power against 0.05: tests/statistical/test_engine_sampling.py.)
 """
 
+import dataclasses
 import itertools
 
 import pytest
 import torch
 
-from goodness_of_fit import assert_follows, processed
+from goodness_of_fit import assert_follows, power, processed, runs_for_power
 from specdecode.sampling import sample
 from specdecode.types import Draft, SamplingParams
 from specdecode.verify.chain import verify_chain, verify_speculative_sampling
@@ -18,10 +22,12 @@ from specdecode.verify.chain import verify_chain, verify_speculative_sampling
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: threads only contend
 
 V = 5
-DRAWS = 4_000  # the first token, 5 cells: power 0.96 (3 cells, after top-k 3: 0.98)
+FINE_TV = 0.02  # the total-variation error these tests catch with power at least 0.9
+DRAWS = runs_for_power(V, tv=FINE_TV)  # the first token, 5 cells
 
 
-def emitted_first_tokens(target_probs, draft_probs, draft_len, generator, deterministic=False):
+def emitted_first_tokens(target_probs, draft_probs, draft_len, generator, deterministic=False,
+                         verify=verify_speculative_sampling):
     """Run verification DRAWS times with fresh drafts; count the first emitted token."""
     counts = torch.zeros(V)
     for _ in range(DRAWS):
@@ -31,26 +37,53 @@ def emitted_first_tokens(target_probs, draft_probs, draft_len, generator, determ
         else:
             draft_tokens = sample(draft_probs[:draft_len], generator)
             probs = draft_probs[:draft_len]
-        verdict = verify_speculative_sampling(target_probs[: draft_len + 1], draft_tokens, probs, generator)
+        verdict = verify(target_probs[: draft_len + 1], draft_tokens, probs, generator)
         counts[verdict.tokens[0]] += 1
     return counts
+
+
+def case(draft_len: int) -> tuple[torch.Generator, torch.Tensor, torch.Tensor]:
+    """(a generator, target probabilities [6, V], draft probabilities [6, V]), seeded by the draft's length."""
+    generator = torch.Generator().manual_seed(1234 + draft_len)
+    target_probs = torch.softmax(torch.randn(6, V, generator=generator) * 1.5, -1)  # [positions, vocab]
+    draft_probs = torch.softmax(torch.randn(6, V, generator=generator) * 1.5, -1)
+    return generator, target_probs, draft_probs
 
 
 @pytest.mark.parametrize("draft_len", [1, 3, 5])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_first_token_follows_target(draft_len, deterministic):
-    generator = torch.Generator().manual_seed(1234 + draft_len)
-    target_probs = torch.softmax(torch.randn(6, V, generator=generator) * 1.5, -1)  # [positions, vocab]
-    draft_probs = torch.softmax(torch.randn(6, V, generator=generator) * 1.5, -1)
+    generator, target_probs, draft_probs = case(draft_len)
     counts = emitted_first_tokens(target_probs, draft_probs, draft_len, generator, deterministic)
-    assert_follows(counts, target_probs[0])
+    assert_follows(counts, target_probs[0], tv=FINE_TV)
+
+
+@pytest.mark.parametrize("draft_len", [1, 3])
+def test_a_planted_bias_of_two_percent_is_caught(draft_len):
+    """A verifier off by a total variation of exactly 0.02 (after a correct verdict, its first token moved from
+    the likeliest to the least likely with probability 0.02 / p(likeliest)): the test above, with the same
+    draws, rejects it (its power against such an error: at least 0.9; with these seeds, every time)."""
+    generator, target_probs, draft_probs = case(draft_len)
+    likeliest, rarest = int(target_probs[0].argmax()), int(target_probs[0].argmin())
+    move = FINE_TV / float(target_probs[0, likeliest])
+
+    def biased(*args):
+        verdict = verify_speculative_sampling(*args)
+        if verdict.tokens[0] == likeliest and float(torch.rand((), generator=generator)) < move:
+            return dataclasses.replace(verdict, tokens=(rarest, *verdict.tokens[1:]))
+        return verdict
+
+    assert power(DRAWS, V, tv=FINE_TV) >= 0.9
+    counts = emitted_first_tokens(target_probs, draft_probs, draft_len, generator, verify=biased)
+    with pytest.raises(AssertionError, match="chi-square p-value"):
+        assert_follows(counts, target_probs[0], tv=FINE_TV)
 
 
 def test_two_token_joint_distribution_with_dependent_positions():
     """A context-dependent target: the second token's distribution depends on the first. Drafts of
     length 2 are sampled from a draft model that is also context-dependent; the joint distribution of
-    the first two emitted tokens must equal the target's joint distribution. 6,000 draws over 25 cells:
-    power 0.94."""
+    the first two emitted tokens must equal the target's joint distribution (25 cells, power 0.9 against a
+    total variation of 0.02)."""
     g = torch.Generator().manual_seed(7)
     target_first = torch.softmax(torch.randn(V, generator=g) * 2, -1)
     target_second = torch.softmax(torch.randn(V, V, generator=g) * 2, -1)  # [first token, vocab]
@@ -58,7 +91,7 @@ def test_two_token_joint_distribution_with_dependent_positions():
     draft_second = torch.softmax(torch.randn(V, V, generator=g) * 2, -1)
     target_third = torch.full((V,), 1.0 / V)
     counts = torch.zeros(V, V)
-    for _ in range(6_000):
+    for _ in range(runs_for_power(V * V, tv=FINE_TV)):
         d0 = int(sample(draft_first, g))
         d1 = int(sample(draft_second[d0], g))
         target_probs = torch.stack([target_first, target_second[d0], target_third])
@@ -70,7 +103,7 @@ def test_two_token_joint_distribution_with_dependent_positions():
         else:  # rejected at position 0: the next token comes from the target given the correction
             second = int(sample(target_second[first], g))
         counts[first, second] += 1
-    assert_follows(counts, target_first[:, None] * target_second)
+    assert_follows(counts, target_first[:, None] * target_second, tv=FINE_TV)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(0.7, top_k=3), SamplingParams(1.3, top_p=0.8)])
@@ -87,7 +120,7 @@ def test_processed_distribution_is_reproduced(params):
         counts[verify_chain(target_logits, draft, params, g).tokens[0]] += 1
     expected = torch.tensor(processed(target_logits[0].tolist(), params))
     assert int((expected > 0).sum()) < V  # the processing cut something
-    assert_follows(counts, expected)  # (asserts that the cut tokens never came)
+    assert_follows(counts, expected, tv=FINE_TV)  # (asserts that the cut tokens never came)
 
 
 def test_deterministic_draft_is_exact_under_repeated_seed():
@@ -111,7 +144,7 @@ def test_sample_draws_each_row_from_its_own_weights_and_never_a_zero():
     for row in range(2):
         counts = torch.bincount(draws[:, row], minlength=6).float()
         assert counts[weights[row] == 0].sum() == 0
-        assert_follows(counts, weights[row] / weights[row].sum(), f"row {row}")
+        assert_follows(counts, weights[row] / weights[row].sum(), f"row {row}", tv=FINE_TV)
     with pytest.MonkeyPatch.context() as patch:  # the largest uniform draw float64 has, and one of 1 (never drawn)
         for top in (1.0 - 2.0**-53, 1.0):
             patch.setattr(torch, "rand", lambda *shape, top=top, **kw: torch.full(shape, top, dtype=torch.float64))
