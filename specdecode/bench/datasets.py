@@ -175,8 +175,8 @@ def _is_sentence(text: str) -> bool:
 # same on every machine: Qwen2.5's pre-tokenizer (its split pattern, run by the `tokenizers` library with
 # no vocabulary) cuts a text into pieces, and a piece is 1.08 tokens on average (measured with Qwen2.5's
 # tokenizer: 1.04-1.13 over standard-library modules, 1.06-1.10 over the passages and articles, where
-# characters per token range over 3.4-5.0). A user turn is within 10% of its nominal length in Qwen2.5
-# tokens (tests/integration/test_long_context.py checks it when the tokenizer is in the cache); another target's
+# characters per token range over 3.4-5.0). How close a user turn comes to its nominal length in Qwen2.5 tokens
+# is checked by tests/integration/test_long_context.py when the tokenizer is in the cache; another target's
 # tokenizer counts otherwise: the records' prompt_ids hold the real lengths.
 
 LONG_CONTEXT = "long-context"
