@@ -27,6 +27,23 @@ DEVICE = torch.device("cpu")  # where the tiny models live: `pytest --device cud
 def pytest_addoption(parser):
     parser.addoption("--device", default="cpu",
                      help="where the tiny models run (cpu, cuda, cuda:N, mps); tests marked cpu_only skip elsewhere")
+    parser.addoption("--no-skips", action="store_true",
+                     help="fail the run if any test skipped (`make test`: what the set-up does not bring is behind a "
+                          "marker that the run deselects, never a skip)")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = len(reporter.stats.get("skipped", [])) if reporter is not None else 0
+    if session.config.getoption("--no-skips") and skipped and exitstatus == 0:
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    skipped = len(terminalreporter.stats.get("skipped", []))
+    if config.getoption("--no-skips") and skipped:
+        terminalreporter.write_line(f"--no-skips: {skipped} test(s) skipped, which fails the run: each must run or "
+                                    "sit behind a marker the run deselects", red=True)
 
 
 def pytest_configure(config):

@@ -153,6 +153,7 @@ def test_chat_template_and_eos(models):
     assert "yes" in result.text.lower()
 
 
+@pytest.mark.gated
 def test_gemma_drafts_for_the_real_target_across_tokenizers():
     """Gemma 3 270M (`specdecode models fetch gemma3-270m`: another tokenizer, 262,144 tokens) drafting for the int4
     target through text: greedy output equals the target's plain decoding token for token, and the target accepts
@@ -165,7 +166,8 @@ def test_gemma_drafts_for_the_real_target_across_tokenizers():
     from specdecode.models.registry import OTHER_TOKENIZER_DRAFTER, get_model
 
     if not converted_dir(get_model(OTHER_TOKENIZER_DRAFTER)).is_dir():
-        pytest.skip(f"{OTHER_TOKENIZER_DRAFTER} is not fetched (`specdecode models fetch {OTHER_TOKENIZER_DRAFTER}`)")
+        pytest.fail(f"{OTHER_TOKENIZER_DRAFTER} is not fetched: `specdecode models fetch {OTHER_TOKENIZER_DRAFTER}` "
+                    "(which accepts its terms), then `make test-gated`")
     pair = load_models(drafter=OTHER_TOKENIZER_DRAFTER, dtype="int4", progress=False)
     assert pair.draft is not None and pair.draft_tokenizer is not None
     drafter = OtherTokenizerDrafter(pair.draft, pair.tokenizer, pair.draft_tokenizer, num_tokens=4, adaptive=False)
