@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from specdecode.api import load_models
-from specdecode.bench.datasets import DEFAULT_CATEGORIES, sample_tasks
+from specdecode.bench.datasets import DEFAULT_CATEGORIES
+from specdecode.bench.samples import sample_tasks
 from specdecode.bench.harness import method_order, run_task
 from specdecode.bench.runners import engine_runner, our_runner
 from specdecode.drafters.auto import HEAD_KINDS, head_drafter
@@ -103,7 +104,8 @@ def main() -> None:
             engine = SpeculativeEngine(models.target, models.tokenizer, drafter, method=name)
             engine.step_aside = StepAside(dear_trials=drafter.catches_up if dear is None else dear)
             runners[name] = engine_runner(engine)
-    tasks = sample_tasks([c.strip() for c in args.categories.split(",") if c.strip()], args.per_category)
+    tasks = sample_tasks([c.strip() for c in args.categories.split(",") if c.strip()], args.per_category,
+                         part="tuning")  # a tuning script: never the prompts the headline reports on
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
     names = list(runners)
     for name in names:  # warm up

@@ -21,7 +21,7 @@ import time
 import torch
 
 from specdecode.api import load_models
-from specdecode.bench.datasets import sample_tasks
+from specdecode.bench.samples import sample_tasks
 from specdecode.bench.harness import method_order
 from specdecode.engine import GenerationConfig
 

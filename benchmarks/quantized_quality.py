@@ -30,7 +30,8 @@ from rich.progress import track
 from rich.table import Table
 
 from specdecode.api import load_models
-from specdecode.bench.datasets import CATEGORIES, DEFAULT_CATEGORIES, sample_tasks
+from specdecode.bench.datasets import CATEGORIES, DEFAULT_CATEGORIES
+from specdecode.bench.samples import sample_tasks
 from specdecode.engine import GenerationConfig
 
 WINDOW = 384  # prompt tokens scored for perplexity (a float model on a CPU prefills slowly)

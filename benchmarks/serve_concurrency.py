@@ -25,7 +25,7 @@ import openai
 import torch
 
 from specdecode.api import load_models
-from specdecode.bench.datasets import sample_tasks
+from specdecode.bench.samples import sample_tasks
 from specdecode.bench.exactness import diagnose
 from specdecode.bench.scripts import save_report
 from specdecode.serve.app import Server, ServerThread, create_app

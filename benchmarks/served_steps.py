@@ -22,7 +22,7 @@ import urllib.request
 import torch
 
 from specdecode.api import load_models
-from specdecode.bench.datasets import sample_tasks
+from specdecode.bench.samples import sample_tasks
 from specdecode.engine import GenerationConfig
 from specdecode.engine import loop
 from specdecode.models.registry import DEFAULT_TARGET

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from specdecode import metrics
-from specdecode.bench.datasets import Task, sample_tasks
+from specdecode.bench.datasets import Task
+from specdecode.bench.samples import sample_tasks
 from specdecode.bench.harness import Record, method_order, run_task
 from specdecode.bench.runners import Setup
 from specdecode.bench.scripts import save_report

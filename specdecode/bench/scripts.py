@@ -7,7 +7,7 @@ from pathlib import Path
 
 from specdecode.api import Models
 from specdecode.bench import report
-from specdecode.bench.datasets import sample_tasks
+from specdecode.bench.samples import sample_tasks
 from specdecode.bench.harness import Record, run_benchmark
 from specdecode.bench.base import Runner
 from specdecode.engine import GenerationConfig

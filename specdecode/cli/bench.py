@@ -33,6 +33,10 @@ def bench(
     top_k: Annotated[int, typer.Option(min=0)] = 0,
     top_p: Annotated[float, typer.Option()] = 1.0,
     seed: Annotated[int, typer.Option(help="Seeds the prompt sample and sampling.")] = 0,
+    part: Annotated[str, typer.Option(help=(
+        "Which part of each category's prompts the sample draws from: held-out (what results report on), tuning "
+        "(what tuning runs draw from; never reported as a result) or all. The split is fixed by the prompts' ids "
+        "(docs/benchmarking.md)."))] = "held-out",
     threads: Annotated[int, typer.Option(min=1, max=256)] = 2,
     out: Annotated[Path | None, typer.Option(help="Output folder (default: results/bench-<time>).")] = None,
     dtype: DTypeOption = DType("auto"),
@@ -54,9 +58,10 @@ def bench(
     reference: Annotated[str, typer.Option(help=(
         "The row speedups and exactness are measured against: ar, or an --engine label."))] = "ar",
     memory: Annotated[str, typer.Option(help=(
-        "What methods that learn across prompts (suffix, auto) keep between prompts: repeat (what the earlier "
-        "prompts of the same repeat taught them; each repeat starts afresh), or prompt (nothing, as the server keeps "
-        "nothing between requests without a memory owner: the setting to compare with served rows)."))] = "repeat",
+        "What methods that learn across prompts (suffix, auto) keep between prompts: prompt (nothing: each prompt is "
+        "a fresh request without a memory owner, as the server serves one; the default, what results report), or "
+        "repeat (what the earlier prompts of the same repeat taught them, each repeat starting afresh: a warmed "
+        "memory, for a labelled comparison)."))] = "prompt",
     ray: Annotated[str | None, typer.Option(help=(
         "Share the prompts out over a Ray cluster's nodes, each running every method on its share (ratios stay "
         "within a node): auto, ray://HOST:PORT, HOST:PORT, or local (a Ray started on this machine). Needs "
@@ -89,5 +94,5 @@ def bench(
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         datastore=str(datastore) if datastore else None, head=str(head) if head else None,
         engines=engine or [], concurrency=levels, reference=reference, ray=ray, memory=memory,
-        record_acceptance=record_acceptance,
+        record_acceptance=record_acceptance, part=part,
     )

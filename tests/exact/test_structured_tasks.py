@@ -10,13 +10,14 @@ import pytest
 
 from specdecode.bench import structured
 from specdecode.bench.base import Output, Runner
-from specdecode.bench.datasets import CATEGORIES, DEFAULT_CATEGORIES, sample_tasks
+from specdecode.bench.datasets import CATEGORIES, DEFAULT_CATEGORIES
+from specdecode.bench.samples import sample_tasks
 from specdecode.bench.harness import run_task
 from specdecode.constraints import Constraint
 
 
 def test_the_category_has_three_kinds_of_four_and_runs_only_when_named():
-    tasks = sample_tasks(["structured"], None)
+    tasks = sample_tasks(["structured"], None, part="all")
     assert len(tasks) == 12 and len({t.task_id for t in tasks}) == 12
     assert {t.task_id.split("/")[0] for t in tasks} == {"extract", "tool", "form"}
     assert all(t.constraint is not None for t in tasks)
@@ -56,7 +57,7 @@ class FakeModels:
 
 
 def test_the_harness_gives_ours_the_constraint_and_refuses_it_to_a_peer():
-    task = sample_tasks(["structured"], None)[0]
+    task = sample_tasks(["structured"], None, part="all")[0]
     seen = []
 
     def run(prompt_ids, config):

@@ -10,7 +10,8 @@ import pytest
 from specdecode import metrics
 from specdecode.api import load_models
 from specdecode.bench import report
-from specdecode.bench.datasets import CATEGORIES, Task, sample_tasks
+from specdecode.bench.datasets import CATEGORIES, Task
+from specdecode.bench.samples import TUNING_SHARE, part_of, sample_tasks
 from specdecode.bench.harness import method_order, run_benchmark
 from specdecode.bench.runners import Output, Runner, build_runners
 from specdecode.engine import GenerationConfig
@@ -67,6 +68,25 @@ def test_sample_is_seeded_and_per_category():
     assert first == sample_tasks(["qa", "math"], 3, seed=1)
     assert first != sample_tasks(["qa", "math"], 3, seed=2)
     assert [t.category for t in first] == ["qa"] * 3 + ["math"] * 3
+
+
+def test_tuning_and_reporting_draw_from_disjoint_parts_of_each_category():
+    """Every category (every length of long-context) is split once, by its tasks' ids, into a tuning part and a
+    held-out part, about one in TUNING_SHARE for tuning; a sample of either part never holds a task of the other,
+    whatever the seed or size; the default sample is held out."""
+    for category in CATEGORIES:
+        everything = sample_tasks([category], None, part="all")
+        tuning = {t.task_id for t in sample_tasks([category], None, part="tuning")}
+        held_out = {t.task_id for t in sample_tasks([category], None, part="held-out")}
+        assert tuning and held_out and not tuning & held_out, category
+        assert tuning | held_out == {t.task_id for t in everything}
+        assert len(tuning) <= -(-len(everything) // TUNING_SHARE) + 3  # (rounded up per long-context length)
+        assert {part_of(t) for t in everything if t.task_id in tuning} == {"tuning"}
+    for seed in range(3):
+        sample = sample_tasks(["qa", "code-edit"], 4, seed=seed)
+        assert sample == sample_tasks(["qa", "code-edit"], 4, seed=seed, part="held-out")
+        assert all(part_of(t) == "held-out" for t in sample)
+        assert all(part_of(t) == "tuning" for t in sample_tasks(["qa", "code-edit"], 4, seed=seed, part="tuning"))
 
 
 @pytest.mark.parametrize("n", range(1, 9))

@@ -156,7 +156,7 @@ def test_the_command_line(tiny_folder, our_server, tmp_path, monkeypatch, capsys
     from specdecode.bench import main as bench_main
     from specdecode.cli import main
 
-    monkeypatch.setattr(bench_main, "sample_tasks", lambda categories, per_category, seed=0: TASKS)
+    monkeypatch.setattr(bench_main, "sample_tasks", lambda categories, per_category, seed=0, part="held-out": TASKS)
 
     def run(*args):
         monkeypatch.setattr(sys, "argv", ["specdecode", "bench", "--target", str(tiny_folder), "--drafter",

@@ -69,7 +69,7 @@ def without_timings(record: dict) -> dict:
 
 
 def bench(monkeypatch, folder, out, ray=None, temperature=0.0):
-    monkeypatch.setattr(bench_main, "sample_tasks", lambda categories, per_category, seed=0: TASKS)
+    monkeypatch.setattr(bench_main, "sample_tasks", lambda categories, per_category, seed=0, part="held-out": TASKS)
     bench_main.run(methods=["pld", "draft", "hf-plain"], categories=["a", "b"], per_category=None, max_new_tokens=8,
                    repeats=2, out=out, target=str(folder), drafter=str(folder), dtype="float32",
                    draft_dtype="float32", threads=1, backend="torch", temperature=temperature, top_k=0, top_p=1.0,

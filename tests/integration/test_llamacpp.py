@@ -200,7 +200,7 @@ def test_cli_bench_on_llamacpp(tiny_pair, tmp_path, monkeypatch, capsys):
     from specdecode.cli import main
 
     _, target_path, draft_path = tiny_pair
-    monkeypatch.setattr(bench_main, "sample_tasks", lambda categories, per_category, seed=0: [
+    monkeypatch.setattr(bench_main, "sample_tasks", lambda categories, per_category, seed=0, part="held-out": [
         Task("qa", "qa/1", ("the the the",)), Task("code", "code/1", ("the cat the",))])
     monkeypatch.setattr(sys, "argv", ["specdecode", "bench", "--backend", "llamacpp", "--target", str(target_path),
                                       "--drafter", str(draft_path), "--methods", "ar,pld,draft", "--repeats", "1",

@@ -15,8 +15,9 @@ from specdecode.api import load_models
 from specdecode.bench import report
 from specdecode.bench.datasets import (
     CATEGORIES, DEFAULT_CATEGORIES, LONG_CONTEXT, LONG_LENGTHS, LONG_TASKS_PER_KIND, Task, estimated_tokens,
-    long_context, sample_tasks,
+    long_context,
 )
+from specdecode.bench.samples import sample_tasks
 from specdecode.bench.harness import run_benchmark
 from specdecode.bench.runners import build_runners
 from specdecode.engine import GenerationConfig
@@ -82,7 +83,7 @@ def test_tasks_are_deterministic_and_sampled_per_length(tasks):
     assert sample == sample_tasks([LONG_CONTEXT], 2, seed=0)
     assert sample != sample_tasks([LONG_CONTEXT], 2, seed=1)
     assert [_length(t) for t in sample] == [length for length in LONG_LENGTHS for _ in range(2)]
-    assert len(sample_tasks([LONG_CONTEXT], None)) == len(tasks)
+    assert len(sample_tasks([LONG_CONTEXT], None, part="all")) == len(tasks)
 
 
 def test_one_length_can_be_named_and_a_wrong_one_is_a_user_error(tasks):
