@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import cast
 
 from specdecode.api import Models
@@ -79,6 +79,25 @@ class Record:
         data["steps"] = None if self.steps is None else [asdict(s) for s in self.steps]
         data["server"] = None if self.server is None else self.server.to_json()
         return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> Record:
+        """A record as `to_json` wrote it (a kept run's records.jsonl: tables are rendered from these)."""
+        known = {f.name for f in fields(cls)}
+        data = {key: value for key, value in data.items() if key in known}
+        steps = data.get("steps")
+        data["steps"] = None if steps is None else [StepStats(**step) for step in steps]
+        server = data.get("server")
+        data["server"] = None if server is None else ServerStats.from_json(server)
+        return cls(**data)
+
+
+def read_records(path) -> list[Record]:
+    """The records of a kept run (its records.jsonl)."""
+    import json
+    from pathlib import Path
+
+    return [Record.from_json(json.loads(line)) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 @dataclass

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from specdecode.bench.openai_engines import LevelRun, build_engines, run_levels
 from specdecode.bench.runners import PEERS, Setup, runner_names
 from specdecode.engine import GenerationConfig
 from specdecode.errors import UserError
-from specdecode.models import loading
+from specdecode.models import costs, loading
 from specdecode.drafters.heads import kind_of
 from specdecode.methods import METHODS, resolve, variant_names
 from specdecode.progress import Progress
@@ -140,7 +139,7 @@ def run_here(setup: Setup, tasks: list[Task], config: GenerationConfig, repeats:
                              f"{', token ids' if engine.spec.api == 'completions' else ', its own template'})"
                              for label, engine in engine_rows.items()) or None
     return BenchOutcome(records, lossless, notes, models.target.precision, torch.get_num_threads(),
-                        [f"{platform.processor() or platform.machine()}, torch {torch.__version__}"
+                        [costs.machine()
                          + ("" if models.target.device.type == "cpu" else f", {devices.name(models.target.device)}")],
                         level_runs if loaded else None, engines_line, references)
 
@@ -247,6 +246,9 @@ def write_report(out: Path, outcome: BenchOutcome, settings: dict[str, str], ref
     summaries = report.summarise(outcome.records, outcome.lossless, reference, outcome.references)
     text = report.markdown(summaries, settings, outcome.notes, reference, outcome.levels)
     (out / "report.md").write_text(text)
+    # what the run was, for the tables rendered from its records (scripts/method-table)
+    (out / "settings.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), **settings}, indent=1, default=str)
+                                       + "\n")
     report.plots(summaries, out)
     screen = Console()  # stdout: the command's output; 80 columns are enough, report.md has it all
     for table in [*terminal.leaderboard(summaries, reference, screen.width), terminal.per_method(summaries, reference)]:

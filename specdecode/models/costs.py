@@ -249,6 +249,11 @@ def _machine() -> str:
     return f"{cpu}|{capability}|{torch.get_num_threads()} threads|torch {torch.__version__}"
 
 
+def machine() -> str:
+    """This machine as a report names it: the CPU's model, the instructions PyTorch runs on it, threads, torch."""
+    return _machine().replace("|", ", ")
+
+
 def cache_root() -> Path:
     return cache_dir() / "costs"
 

@@ -131,6 +131,32 @@ def test_the_method_tables_are_the_registrys():
             assert cells[4] == ("torch" if method.torch_only else "torch, llama.cpp")
 
 
+def test_the_speedups_come_from_the_kept_runs_records(tmp_path, monkeypatch):
+    """The speedup column is computed from the kept run's records: the same records render the same figures, and
+    records in which plain decoding took twice as long render other ones (which the check above would then find
+    stale in the README)."""
+    import json
+
+    module = method_table()
+    kept = REPO / module.RUN
+    figures, settings = module.measured()
+    assert figures and settings["date"] and settings["machine"] and settings["command"]
+    (tmp_path / "settings.json").write_text((kept / "settings.json").read_text())
+    lines = []
+    for line in (kept / "records.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["method"] == "ar":
+            record["seconds"] *= 2
+        lines.append(json.dumps(record))
+    (tmp_path / "records.jsonl").write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(module, "REPO", tmp_path.parent)
+    monkeypatch.setattr(module, "RUN", tmp_path.name)
+    slower, _ = module.measured()
+    assert set(slower) == set(figures)
+    assert all(value > 1.5 * dict(figures[name])[variant] for name in slower if name != "ar"
+               for variant, value in slower[name])
+
+
 def test_table_rows_reads_a_wrong_flag():
     module = method_table()
     text = module.render().replace("| `medusa-typical` | `medusa-typical` | trained head | **no** |",
