@@ -247,8 +247,8 @@ def write_report(out: Path, outcome: BenchOutcome, settings: dict[str, str], ref
     text = report.markdown(summaries, settings, outcome.notes, reference, outcome.levels)
     (out / "report.md").write_text(text)
     # what the run was, for the tables rendered from its records (scripts/method-table)
-    (out / "settings.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), **settings}, indent=1, default=str)
-                                       + "\n")
+    kept = {"date": time.strftime("%Y-%m-%d"), **settings}
+    (out / "settings.json").write_text(json.dumps(kept, indent=1, default=str) + "\n")
     report.plots(summaries, out)
     screen = Console()  # stdout: the command's output; 80 columns are enough, report.md has it all
     for table in [*terminal.leaderboard(summaries, reference, screen.width), terminal.per_method(summaries, reference)]:
