@@ -59,8 +59,19 @@ def legal(draft: Draft, matcher: Matcher | None, params: SamplingParams) -> Draf
 
 def with_forced(draft: Draft, already: int, forced: list[int] | None = None) -> Draft:
     """`forced` (a chain of one-hot tokens) ahead of `draft`, which continues after them; `Draft.forced` says
-    how many leading tokens the grammar forced (`already`: those the draft itself begins with)."""
+    how many leading tokens the grammar forced (`already`: those the draft itself begins with).
+
+    A draft kept because it begins with the forced run (a drafter that reads the target, `propose`) was kept on
+    the condition that its first `already` tokens are the run's: given that, those tokens were fixed in
+    advance, not drawn from the drafter's distribution, so their rows become one-hot as a prepended run's are
+    (speculative sampling with the drafter's own rows there would be biased); the tokens after them were drawn
+    given those, from the rows they keep."""
     if not forced:
+        if already and draft.probs is not None:
+            probs = draft.probs.clone()
+            probs[:already] = 0.0
+            probs[torch.arange(already, device=probs.device), draft.tokens[:already].to(probs.device)] = 1.0
+            draft.probs = probs
         draft.forced = already
         return draft
     head = torch.tensor(forced, dtype=torch.long, device=draft.tokens.device)  # [f]

@@ -34,6 +34,17 @@ def test_a_chain_follows_the_forced_run():
     assert draft.prefix(1).forced == 1  # a cut (the gate) keeps the count within the draft
 
 
+def test_a_kept_draft_that_begins_with_the_run_has_one_hot_rows_there():
+    """A target-reading drafter's draft is kept only where it begins with the forced run: given that, its first
+    tokens were fixed, not drawn, so its rows there are one-hot (its own rows would bias speculative sampling);
+    the rows after keep the drafter's distribution."""
+    probs = torch.softmax(torch.randn(3, 10, generator=torch.Generator().manual_seed(0)), -1)
+    draft = with_forced(Draft(tokens=torch.tensor([3, 4, 7]), probs=probs.clone()), 2)
+    assert draft.forced == 2 and draft.probs is not None
+    assert draft.probs[0, 3] == 1.0 and draft.probs[1, 4] == 1.0 and draft.probs[:2].sum() == 2.0
+    assert torch.equal(draft.probs[2], probs[2])
+
+
 def test_a_tree_hangs_from_the_runs_last_token():
     tree = Draft(tokens=torch.tensor([5, 6, 7]), parents=torch.tensor([-1, -1, 0]))
     draft = with_forced(tree, 0, [1, 2])
