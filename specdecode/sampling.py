@@ -7,8 +7,39 @@ import torch
 from specdecode.types import SamplingParams
 
 
+def penalise(
+    logits: torch.Tensor,  # [rows, vocab]
+    params: SamplingParams,
+    ids: torch.Tensor,  # [cols] int64, the tokens a penalty may touch (repeats allowed)
+    generated: torch.Tensor,  # [rows, cols] float32, how often ids[c] was generated before row r's position
+    seen: torch.Tensor,  # [rows, cols] bool, whether ids[c] is in the prompt or was generated before it
+) -> torch.Tensor:
+    """The logits a sequence samples from before temperature: OpenAI's `logit_bias` added, then vLLM's
+    repetition penalty (a seen token's logit divided by it where positive, multiplied where not), then
+    OpenAI's frequency and presence penalties (minus the penalty times the count, minus the presence penalty
+    once generated), as vLLM applies them. -> [rows, vocab] float32.
+
+    Only the columns of `ids` change (a token of no column was neither seen nor generated); a token in
+    several columns gets the same counts in each, so each writes the same value."""
+    logits = logits.float()
+    rows = logits.shape[0]
+    if params.logit_bias:
+        bias_ids = torch.tensor([token for token, _ in params.logit_bias], device=logits.device)  # [b]
+        bias = torch.tensor([value for _, value in params.logit_bias], device=logits.device)  # [b] float32
+        logits = logits.index_add(-1, bias_ids, bias.expand(rows, -1))
+    if params.counts_tokens and ids.numel():
+        columns = ids.expand(rows, -1)  # [rows, cols]
+        values = logits.gather(-1, columns)  # [rows, cols]
+        penalty = params.repetition_penalty
+        values = torch.where(seen, torch.where(values > 0, values / penalty, values * penalty), values)
+        values = values - params.frequency_penalty * generated - params.presence_penalty * (generated > 0).float()
+        logits = logits.scatter(-1, columns, values)
+    return logits
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Apply temperature, top-k and top-p to logits and normalise.
+    """Apply temperature, top-k, min-p and top-p to logits and normalise (min-p and top-k commute: each keeps
+    the likeliest tokens down to a threshold the other does not move).
 
     logits: [..., vocab] in any dtype. Returns [..., vocab] float32 that sums to 1 over the last axis.
     Under greedy decoding (temperature 0) the result is one-hot at the argmax, so the same verification
@@ -21,6 +52,9 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.min_p > 0.0:
+        probs = logits.softmax(-1)  # [..., vocab]
+        logits = logits.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [..., vocab]
         sorted_probs = sorted_logits.softmax(-1)

@@ -45,6 +45,19 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0  # 0: no top-k filtering
     top_p: float = 1.0  # 1.0: no nucleus filtering
+    # min-p (vLLM's): after temperature, keep the tokens at least min_p times as likely as the likeliest; 0: off
+    min_p: float = 0.0
+    # The penalties and biases change the target's logits before all of the above, and greedy decoding's argmax
+    # too (`sampling.penalise`), at every position from the tokens before it (drafted ones included):
+    # frequency: minus frequency_penalty times the times a token was generated so far (OpenAI's, in [-2, 2]);
+    # presence: minus presence_penalty once it was generated at all (OpenAI's, in [-2, 2]);
+    # repetition (vLLM's, > 0; 1: off): a token of the prompt or the output so far has its logit divided by it
+    # where positive, multiplied where not. They count generated tokens, the prompt only for repetition.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits first; ids distinct
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -55,10 +68,32 @@ class SamplingParams:
             raise UserError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise UserError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise UserError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (math.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 100.0):
+            raise UserError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        ids = [token for token, _ in self.logit_bias]
+        if len(set(ids)) != len(ids) or any(token < 0 for token in ids):
+            raise UserError("logit_bias takes each token id (>= 0) once")
+        if any(not -100.0 <= bias <= 100.0 for _, bias in self.logit_bias):
+            raise UserError("a logit_bias value must be in [-100, 100]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether a position's logits depend on the tokens before it (a penalty is on)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the target's logits are changed before sampling (a penalty or a bias is on)."""
+        return self.counts_tokens or bool(self.logit_bias)
 
 
 @dataclass(frozen=True)
@@ -142,6 +177,17 @@ class Draft:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """An output (or prompt) token's log-probability under the target: the log-softmax of the target's own
+    logits at its position (before any penalty, bias, temperature, truncation or grammar mask), and the
+    likeliest tokens there with theirs, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Verdict:
     """What verification decided for one step."""
 
@@ -157,6 +203,11 @@ class Verdict:
     # A chain's draft tokens after the accepted ones, which the target turned down (for streaming: the
     # verifier has them on the host already, where the draft's own tensor may live on a device); () for trees.
     rejected: tuple[int, ...] = ()
+    # The host values of tensors a caller asked to ride along the verdict's one transfer (greedy verification's
+    # `riders`, in order); () when none were asked for or the verifier takes none.
+    riders: tuple = ()
+    # Each of `tokens`' log-probability under the target (`TokenLogprob`), when the sequence asks for them.
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.path and self.num_accepted:  # a chain's: its first positions

@@ -77,14 +77,35 @@ def assert_follows(counts: torch.Tensor, expected: torch.Tensor, what: str = "",
 # --- The processed distribution, written plainly (independently of specdecode.sampling) ------------------
 
 
+def penalised(logits: list[float], params: SamplingParams, prompt: tuple[int, ...],
+              generated: tuple[int, ...]) -> list[float]:
+    """The logits after the bias and penalties, at a position after `prompt` and the `generated` tokens:
+    each biased token's bias added; then every token of the prompt or generated so far divided by the
+    repetition penalty if its logit is positive, multiplied by it if not; then minus the frequency penalty
+    times the times it was generated, minus the presence penalty if it was at all. Plain Python floats."""
+    out = list(logits)
+    for token, bias in params.logit_bias:
+        out[token] += bias
+    for token, value in enumerate(out):
+        count = generated.count(token)
+        if token in prompt or count:
+            value = value / params.repetition_penalty if value > 0 else value * params.repetition_penalty
+        out[token] = value - params.frequency_penalty * count - (params.presence_penalty if count else 0.0)
+    return out
+
+
 def processed(logits: list[float], params: SamplingParams) -> list[float]:
-    """Temperature, then the top-k tokens (ties at the k-th value kept), then the smallest set of the
-    likeliest tokens whose probability reaches top-p, renormalised. Plain Python floats."""
+    """Temperature, then the top-k tokens (ties at the k-th value kept), then those at least min-p times
+    as likely as the likeliest, then the smallest set of the likeliest tokens whose probability reaches
+    top-p, renormalised. Plain Python floats."""
     scaled = [x / params.temperature for x in logits]
     kept = set(range(len(scaled)))
     if 0 < params.top_k < len(scaled):
         kth = sorted(scaled, reverse=True)[params.top_k - 1]
         kept = {i for i in kept if scaled[i] >= kth}
+    if params.min_p > 0:
+        top = max(scaled[i] for i in kept)
+        kept = {i for i in kept if math.exp(scaled[i] - top) >= params.min_p}
 
     def normalised(tokens: set[int]) -> list[float]:
         weights = [math.exp(scaled[i]) if i in tokens else 0.0 for i in range(len(scaled))]
@@ -108,13 +129,14 @@ def continuations(
 ) -> torch.Tensor:
     """The exact distribution of the first `length` tokens sampled after `prompt` from a model whose
     logits after a sequence are `logits(sequence)`: [vocab] * length, the product of each token's
-    processed probability after the ones before it."""
+    processed probability (`penalised`, then `processed`) after the ones before it."""
     vocab = int(logits(tuple(prompt)).numel())
     table = torch.zeros((vocab,) * length, dtype=torch.float64)
     for tokens in itertools.product(range(vocab), repeat=length):
         probability = 1.0
         for i, token in enumerate(tokens):
-            probability *= processed(logits(tuple(prompt) + tokens[:i]).tolist(), params)[token]
+            raw = penalised(logits(tuple(prompt) + tokens[:i]).tolist(), params, tuple(prompt), tokens[:i])
+            probability *= processed(raw, params)[token]
             if probability == 0.0:
                 break
         table[tokens] = probability

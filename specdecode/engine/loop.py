@@ -16,6 +16,7 @@ from specdecode.engine.sequence import (
     check_prompt, conclude, draft_inputs, prefill, verify_draft,
 )
 from specdecode.engine import forced
+from specdecode.engine.penalties import TokenHistory
 from specdecode.constraints import Matcher
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import MIN_CHUNK, CostCurve, LiveCurve, prefill_chunk
@@ -113,12 +114,14 @@ class SpeculativeEngine:
 
     def step(
         self, context: list[int], room: int, params: SamplingParams, generator, speculate: bool = True,
-        matcher: Matcher | None = None,
+        matcher: Matcher | None = None, history: TokenHistory | None = None, top_logprobs: int | None = None,
     ) -> VerifiedStep:
         """One speculative step after `context`, drafting at most `room` tokens (none: `speculate=False`):
         the draft, its verdict and the target's rows for it, and the seconds spent drafting and verifying.
         What the step appends to the output, and what the drafter learns of it, follow in `conclude`.
-        `matcher`: the constraint's state after `context`, which cuts the draft and masks every row.
+        `matcher`: the constraint's state after `context`, which cuts the draft and masks every row; `history`:
+        what the penalties count after `context` (`engine.penalties`), which penalises every row; `top_logprobs`:
+        the verdict carries its tokens' log-probabilities (`engine.logprobs`).
         The seconds drafting and verifying are the host's, read without waiting for the device: where drafting
         only queues device work, its time shows in verification's, which ends with the step's read of the
         verdict (it waits for everything queued), so their sum stays the step's."""
@@ -159,7 +162,7 @@ class SpeculativeEngine:
             observe = functools.partial(self.curve.observe, fed.numel())
             self.stopwatch.measure(forward_start, self.stopwatch.mark(), observe)
         # 3. Accept the longest admissible prefix (or tree path) and add the correction or bonus token.
-        verdict = verify_draft(self.verifier, draft, out.logits, params, generator, matcher)
+        verdict = verify_draft(self.verifier, draft, out.logits, params, generator, matcher, history, top_logprobs)
         # 4. Roll back: the cache keeps the context and the accepted drafts (auxiliary tokens, past the
         #    draft, go with the rejected nodes); the last token of the verdict is fed in the next forward.
         self.target.compact(len(context), verdict.path)
@@ -181,7 +184,9 @@ class SpeculativeEngine:
         # its chunk needs no cost curve.)
         hidden = self.drafter.needs.hidden if self.drafter is not None else False
         chunk = self.prefill_chunk if len(prompt_ids) > MIN_CHUNK else MIN_CHUNK
-        pieces = yield from prefill(self.target, prompt_ids, chunk, hidden)
+        if config.echo:  # every prompt token but the last fed, each scored
+            state.prompt_logprobs = []
+        pieces = yield from prefill(self.target, prompt_ids, chunk, hidden, state.prompt_logprobs, config.logprobs or 0)
         prefilled = self.target.cache_length
         aside = self.step_aside
         if aside is not None:
@@ -192,7 +197,7 @@ class SpeculativeEngine:
             speculate = aside is None or aside.speculate
             # Each step emits at least one token beyond its accepted drafts, hence room - 1.
             step = self.step(state.context, room - 1, config.sampling, state.generator, speculate=speculate,
-                             matcher=state.matcher)
+                             matcher=state.matcher, history=state.history, top_logprobs=config.logprobs)
             if prefilled:  # the first step: the drafter sees the prompt as if this forward had fed it whole
                 step, prefilled = after_prefill(step, prefilled, pieces), 0
             # 5. Append the step's tokens; the drafter learns how its draft fared.

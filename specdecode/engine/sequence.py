@@ -14,12 +14,13 @@ import torch
 
 from specdecode import devices, metrics
 from specdecode.constraints import Constraint, Matcher, masked_logits
-from specdecode.engine import forced
+from specdecode.engine import forced, logprobs
+from specdecode.engine.penalties import TokenHistory
 from specdecode.drafters.base import Drafter, Outcome
 from specdecode.engine.stopping import TextTracker
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
-from specdecode.types import Draft, SamplingParams, StepStats, TokenOrigin, Verdict
+from specdecode.types import Draft, SamplingParams, StepStats, TokenLogprob, TokenOrigin, Verdict
 from specdecode.tree import structure as tree
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20
@@ -34,10 +35,18 @@ class GenerationConfig:
     ignore_eos: bool = False
     # the language the output must belong to (`specdecode.constraints`); the sequence ends once it is complete
     constraint: Constraint | None = None
+    # each output token's log-probability and this many alternatives' (`engine.logprobs`); None: none
+    logprobs: int | None = None
+    # the prompt's tokens' log-probabilities too (`logprobs` needed), from its prefill; max_new_tokens may then be 0
+    echo: bool = False
 
     def __post_init__(self) -> None:
-        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
+        if not (0 if self.echo else 1) <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
             raise UserError(f"max_new_tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got {self.max_new_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= logprobs.MAX_TOP:
+            raise UserError(f"logprobs lists 0 to {logprobs.MAX_TOP} alternatives, got {self.logprobs}")
+        if self.echo and self.logprobs is None:
+            raise UserError("echo gives the prompt's log-probabilities: it needs logprobs")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
 
@@ -51,6 +60,7 @@ class StepEvent:
     text: str  # the new text (may be empty while a character is incomplete)
     stats: StepStats
     rejected_ids: list[int] = field(default_factory=list)  # a chain draft's tokens the target turned down
+    logprobs: list[TokenLogprob] | None = None  # each token's, when the sequence asks for them
 
 
 @dataclass
@@ -67,6 +77,9 @@ class GenerationResult:
     # Tree nodes verified per step: a fixed number, "auto" (chosen each step from the cost curve),
     # "whole" (a fixed shape verified whole); None for chains.
     tree_budget: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None  # each new token's, when asked for (`GenerationConfig.logprobs`)
+    # each prompt token's but the first (which nothing scores), when asked for (`GenerationConfig.echo`)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -177,15 +190,23 @@ def prefill_spans(prompt_length: int, chunk: int) -> list[tuple[int, int]]:
     return [(start, start + chunk) for start in range(0, prompt_length - chunk, chunk)]
 
 
-def prefill(target: CausalLM, prompt_ids: list[int], chunk: int, hidden: bool | tuple[int, ...] = False
-            ) -> Generator[Prefilled, None, list[torch.Tensor]]:
+def prefill(target: CausalLM, prompt_ids: list[int], chunk: int, hidden: bool | tuple[int, ...] = False,
+            scored: list[TokenLogprob] | None = None, top: int = 0) -> Generator[Prefilled, None, list[torch.Tensor]]:
     """Feed a prompt but its last chunk into the target's empty cache, one chunk a forward (`prefill_spans`),
     yielding after each. Returns the chunks' hidden states [chunk, d] when asked (`CausalLM.forward`'s
-    `output_hidden`), for a drafter that reads them (`after_prefill`)."""
+    `output_hidden`), for a drafter that reads them (`after_prefill`). With `scored` (a list; echo): the prompt
+    is fed but its last token, and each fed token's row scores the token after it, appended to `scored` with
+    `top` alternatives (`engine.logprobs.of_prompt`), so that every prompt token but the first gets its entry."""
     pieces = []
-    for start, end in prefill_spans(len(prompt_ids), chunk):
-        # one row of logits, unused: every backend computes at least one
-        out = target.forward(torch.tensor(prompt_ids[start:end], device="cpu"), num_logits=1, output_hidden=hidden)
+    last = len(prompt_ids) - 1
+    spans = prefill_spans(len(prompt_ids), chunk) if scored is None else [
+        (start, min(start + chunk, last)) for start in range(0, last, chunk)]
+    for start, end in spans:
+        # (without `scored`, one row of logits, unused: every backend computes at least one)
+        out = target.forward(torch.tensor(prompt_ids[start:end], device="cpu"),
+                             num_logits=1 if scored is None else end - start, output_hidden=hidden)
+        if scored is not None:
+            scored.extend(logprobs.of_prompt(out.logits, prompt_ids[start + 1 : end + 1], top))
         if out.hidden is not None:  # asked for
             pieces.append(out.hidden)
         yield Prefilled(end, len(prompt_ids))
@@ -216,6 +237,13 @@ class SequenceState:
         # the grammar state after the context (None: unconstrained)
         self.matcher = None if config.constraint is None else Matcher(
             config.constraint, tokenizer, target.vocab_size, target.eos_token_ids)
+        # what the penalties count (None: no penalty or bias)
+        if any(token >= target.vocab_size for token, _ in config.sampling.logit_bias):
+            raise UserError(f"logit_bias names a token id out of the vocabulary (size {target.vocab_size})")
+        self.history = TokenHistory(prompt_ids, config.sampling, target.vocab_size, target.device) \
+            if config.sampling.penalised else None
+        self.logprobs: list[TokenLogprob] | None = None if config.logprobs is None else []
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # (`echo`: set once the prompt is fed)
         self.start = time.perf_counter()
 
     def room(self) -> int:
@@ -241,6 +269,8 @@ class SequenceState:
                 self.finish_reason = "eos"
         previous = len(self.output)
         self.output.extend(new)
+        if self.history is not None:
+            self.history.add(new)
         self.context.extend(new)
         text, keep = self.tracker.update(self.output, previous)
         if keep is not None:
@@ -260,8 +290,11 @@ class SequenceState:
             forced=min(draft.forced, verdict.num_accepted, kept),
         )
         self.steps.append(stats)
+        scored = None if self.logprobs is None or verdict.logprobs is None else list(verdict.logprobs[:kept])
+        if scored is not None and self.logprobs is not None:
+            self.logprobs.extend(scored)
         return StepEvent(token_ids=new[:kept], origins=origins[:kept], text=text, stats=stats,
-                         rejected_ids=list(verdict.rejected))
+                         rejected_ids=list(verdict.rejected), logprobs=scored)
 
     def propose(self, drafter: Drafter | None, room: int) -> Draft:
         """This sequence's draft of at most `room` tokens (`engine.forced.propose`: the grammar's forced run
@@ -269,8 +302,9 @@ class SequenceState:
         return forced.propose(drafter, self.context, room, self.config.sampling, self.generator, self.matcher)
 
     def verify(self, verifier, draft: Draft, logits: torch.Tensor) -> Verdict:
-        """`verify_draft` with this sequence's sampling, generator and constraint."""
-        return verify_draft(verifier, draft, logits, self.config.sampling, self.generator, self.matcher)
+        """`verify_draft` with this sequence's sampling, generator, constraint and penalties."""
+        return verify_draft(verifier, draft, logits, self.config.sampling, self.generator, self.matcher, self.history,
+                            self.config.logprobs)
 
     def tail(self) -> StepEvent | None:
         """Once done: the text held back so far (an incomplete character), if any."""
@@ -287,6 +321,8 @@ class SequenceState:
             finish_reason=self.finish_reason,
             method=method,
             tree_budget=tree_budget,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -312,15 +348,25 @@ def draft_inputs(draft: Draft, num_pending: int, context_length: int) -> tuple[t
 
 
 def verify_draft(verifier, draft: Draft, logits: torch.Tensor, params: SamplingParams, generator,
-                 matcher: Matcher | None = None) -> Verdict:
+                 matcher: Matcher | None = None, history: TokenHistory | None = None,
+                 top_logprobs: int | None = None) -> Verdict:
     """Accept the longest admissible prefix (or tree path) of a sequence's draft and add the correction or
     bonus token, with the method's verifier. logits: [len(draft) + 1 (+ aux), vocab], the sequence's rows.
     The one place the target's distributions at the drafted positions are formed: under a constraint
-    (`matcher`), each row is masked by the grammar state after its prefix (`Matcher.draft_masks`)."""
-    rows = logits[: len(draft) + 1]  # [draft_len + 1, vocab]
+    (`matcher`), each row is masked by the grammar state after its prefix (`Matcher.draft_masks`); under
+    penalties or a bias (`history`), each is first processed as plain decoding would process it at its
+    position, after the tokens on its path (`TokenHistory.penalise`). `top_logprobs` (not None): the verdict
+    carries each token's log-probability and that many alternatives' (`engine.logprobs`)."""
+    raw = rows = logits[: len(draft) + 1]  # [draft_len + 1, vocab]
+    if history is not None:
+        rows = history.penalise(rows, draft)
     if matcher is not None:
         rows = masked_logits(rows, matcher.draft_masks(draft))
-    return verifier(rows, draft, params, generator)
+    if top_logprobs is None:
+        return verifier(rows, draft, params, generator)
+    verdict = verifier(rows, draft, params, generator,
+                       riders=logprobs.riders(raw, rows, top_logprobs) if params.greedy else ())
+    return replace(verdict, logprobs=logprobs.emitted(raw, verdict, top_logprobs))
 
 
 def after_prefill(step: VerifiedStep, prefilled: int, pieces: list[torch.Tensor]) -> VerifiedStep:

@@ -22,23 +22,25 @@ def accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
     return accept.long().cumprod(0).sum()
 
 
-def _chain_verdict(num_accepted: int, tokens: list[int], drafted: list[int]) -> Verdict:
+def _chain_verdict(num_accepted: int, tokens: list[int], drafted: list[int], riders: tuple = ()) -> Verdict:
     return Verdict(num_drafted=len(drafted), num_accepted=num_accepted, tokens=tuple(tokens),
-                   rejected=tuple(drafted[num_accepted:]))
+                   rejected=tuple(drafted[num_accepted:]), riders=riders)
 
 
-def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> Verdict:
+def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
+                  riders: tuple[torch.Tensor, ...] = ()) -> Verdict:
     """Accept the longest prefix of the draft that matches the target's argmax.
 
     target_logits: [draft_len + 1, vocab], row i scores the token after draft position i - 1.
-    draft_tokens: [draft_len].
+    draft_tokens: [draft_len]. riders: tensors whose values come to the host in the same transfer
+    (`Verdict.riders`).
     """
     target_tokens = target_logits.argmax(-1)  # [draft_len + 1]
     draft_tokens = draft_tokens.to(target_tokens.device)
     k = draft_tokens.numel()
     num_accepted = accepted_prefix(target_tokens[:k] == draft_tokens)  # 0-d
-    n, target_list, drafted = to_host(num_accepted, target_tokens, draft_tokens)
-    return _chain_verdict(n, target_list[: n + 1], drafted)  # the target's tokens equal the draft's up to n
+    n, target_list, drafted, *extra = to_host(num_accepted, target_tokens, draft_tokens, *riders)
+    return _chain_verdict(n, target_list[: n + 1], drafted, tuple(extra))  # the target's equal the draft's up to n
 
 
 def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
@@ -97,9 +99,11 @@ def verify_chain(
     draft: Draft,
     params: SamplingParams,
     generator: torch.Generator | None,
+    riders: tuple[torch.Tensor, ...] = (),
 ) -> Verdict:
-    """Greedy exact match when decoding greedily, speculative sampling otherwise."""
+    """Greedy exact match when decoding greedily (`riders` read with the verdict), speculative sampling
+    otherwise (riders left unread)."""
     if params.greedy:
-        return verify_greedy(target_logits, draft.tokens)
+        return verify_greedy(target_logits, draft.tokens, riders)
     target_probs = logits_to_probs(target_logits, params)
     return verify_speculative_sampling(target_probs, draft.tokens, draft.probs, generator)

@@ -15,15 +15,16 @@ from specdecode.devices import to_host
 from specdecode.verify.chain import residual_distribution, verify_chain
 
 
-def _verdict(tokens: list[int], path: list[int], last: int, leaf: bool) -> Verdict:
+def _verdict(tokens: list[int], path: list[int], last: int, leaf: bool, riders: tuple = ()) -> Verdict:
     return Verdict(num_drafted=len(tokens), num_accepted=len(path), tokens=tuple([tokens[i] for i in path] + [last]),
-                   path=tuple(path), bonus=leaf)
+                   path=tuple(path), bonus=leaf, riders=riders)
 
 
 def verify_tree_greedy(
     target_logits: torch.Tensor,  # [n + 1, vocab]
     draft_tokens: torch.Tensor,  # [n]
     parents: torch.Tensor,  # [n] on the host
+    riders: tuple[torch.Tensor, ...] = (),  # read in the same transfer (`Verdict.riders`)
 ) -> Verdict:
     """Follow the target's argmax down the tree as far as a child matches it: the longest accepted path.
 
@@ -32,7 +33,7 @@ def verify_tree_greedy(
     argmax and the draft's tokens reach the host in one transfer; the walk down the tree is host work.
     """
     target_tokens = target_logits.argmax(-1)  # [n + 1]
-    target_list, tokens = to_host(target_tokens, draft_tokens.to(target_tokens.device))
+    target_list, tokens, *extra = to_host(target_tokens, draft_tokens.to(target_tokens.device), *riders)
     kids = structure.children(parents)
     node = structure.ROOT
     path: list[int] = []  # the accepted nodes, root first
@@ -43,7 +44,7 @@ def verify_tree_greedy(
             break
         path.append(match)
         node = match
-    return _verdict(tokens, path, target_list[node + 1], leaf=not kids[node + 1])
+    return _verdict(tokens, path, target_list[node + 1], leaf=not kids[node + 1], riders=tuple(extra))
 
 
 def verify_tree_sampling(
@@ -99,13 +100,15 @@ def verify(
     draft: Draft,
     params: SamplingParams,
     generator: torch.Generator | None,
+    riders: tuple[torch.Tensor, ...] = (),
 ) -> Verdict:
-    """Any draft, chain or tree: greedy match when decoding greedily, speculative sampling otherwise.
-    Refuses a tree's probs unless its nodes were drawn independently (`Draft.check_probs`)."""
+    """Any draft, chain or tree: greedy match when decoding greedily (`riders` read with the verdict),
+    speculative sampling otherwise. Refuses a tree's probs unless its nodes were drawn independently
+    (`Draft.check_probs`)."""
     draft.check_probs()
     if draft.parents is None:  # a chain
-        return verify_chain(target_logits, draft, params, generator)
+        return verify_chain(target_logits, draft, params, generator, riders)
     if params.greedy:
-        return verify_tree_greedy(target_logits, draft.tokens, draft.parents)
+        return verify_tree_greedy(target_logits, draft.tokens, draft.parents, riders)
     target_probs = logits_to_probs(target_logits, params)
     return verify_tree_sampling(target_probs, draft.tokens, draft.parents, draft.probs, generator)

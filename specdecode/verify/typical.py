@@ -42,12 +42,13 @@ def verify_typical(
     generator: torch.Generator | None,
     epsilon: float = EPSILON,
     delta: float = DELTA,
+    riders: tuple[torch.Tensor, ...] = (),
 ) -> Verdict:
     """Typical acceptance of a chain or tree draft (lossy under sampling; exact greedy matching at
     temperature 0). Two host reads: the nodes' tokens, probabilities and thresholds together, then the
     token sampled after the accepted path."""
     if params.greedy or len(draft) == 0:
-        return verify(target_logits, draft, params, generator)
+        return verify(target_logits, draft, params, generator, riders)
     probs = logits_to_probs(target_logits, params)  # [n + 1, vocab]
     device = probs.device
     parents = draft.parents if draft.parents is not None else structure.chain(len(draft))  # [n] on the host

@@ -52,11 +52,12 @@ def tracked(model, static: bool = False) -> HFCausalLM:
 PATHS = pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 
 
-def reads_per_step(engine: SpeculativeEngine, params: SamplingParams, max_new_tokens: int = 24):
+def reads_per_step(engine: SpeculativeEngine, params: SamplingParams, max_new_tokens: int = 24,
+                   logprobs: int | None = None):
     """(each step's host synchronisations by kind, the step's events), the drafter's observe included."""
     counts: list[collections.Counter[str]] = []
     events = []
-    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=params, seed=0)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=params, seed=0, logprobs=logprobs)
     with devices.SyncCounter("cpu") as counter:
         for event in engine.stream(PROMPT, config):
             counts.append(collections.Counter(counter.counts))
@@ -65,9 +66,10 @@ def reads_per_step(engine: SpeculativeEngine, params: SamplingParams, max_new_to
     return counts, events
 
 
-def syncs_per_step(engine: SpeculativeEngine, params: SamplingParams, max_new_tokens: int = 24):
+def syncs_per_step(engine: SpeculativeEngine, params: SamplingParams, max_new_tokens: int = 24,
+                   logprobs: int | None = None):
     """(host synchronisations in each step, the step's events), the drafter's observe included."""
-    counts, events = reads_per_step(engine, params, max_new_tokens)
+    counts, events = reads_per_step(engine, params, max_new_tokens, logprobs)
     return [count.total() for count in counts], events
 
 

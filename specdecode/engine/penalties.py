@@ -1,0 +1,64 @@
+"""What a sequence's penalties count (`TokenHistory`), and the target's logits at every drafted position processed
+as plain decoding would process them there (`TokenHistory.penalise`).
+
+Plain decoding penalises the logits of a position by the tokens before it. A speculative step scores several
+positions in one forward, each after the context and the draft tokens on its path (a chain's earlier tokens, a
+tree node's ancestors), so each row is penalised by the context's counts plus its path's: verifying a draft
+then meets exactly the distributions plain decoding would have sampled from, which keeps speculation lossless
+under penalties, greedy or sampled.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.sampling import penalise
+from specdecode.tree import structure
+from specdecode.types import Draft, SamplingParams
+
+
+class TokenHistory:
+    """A sequence's prompt and the tokens generated so far, as its penalties count them: how often each token was
+    generated and whether it was seen (prompt or output), [vocab] tensors on the target's device updated by each
+    step's tokens, and the distinct tokens seen, on the host (the only columns a penalty can touch)."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, vocab_size: int, device: torch.device | str):
+        self.params = params
+        self.device = device
+        self.tokens = list(dict.fromkeys(prompt_ids))  # every distinct token seen, in order of first sight
+        self._known = set(self.tokens)
+        self.generated = torch.zeros(vocab_size, device=device)  # [vocab] float32
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [vocab]
+        if self.tokens:
+            self.seen[torch.tensor(self.tokens, device=device)] = True
+
+    def add(self, tokens: list[int]) -> None:
+        """Count a step's generated tokens."""
+        if not tokens:
+            return
+        ids = torch.tensor(tokens, device=self.device)  # [k]
+        self.generated.index_add_(0, ids, torch.ones(len(tokens), device=self.device))
+        self.seen[ids] = True
+        for token in tokens:
+            if token not in self._known:
+                self._known.add(token)
+                self.tokens.append(token)
+
+    def penalise(self, rows: torch.Tensor, draft: Draft) -> torch.Tensor:
+        """rows: [len(draft) + 1, vocab], the target's logits after the context (row 0) and after each draft
+        node's path; each row penalised by the tokens before its position. -> [len(draft) + 1, vocab] float32."""
+        n, device = len(draft), rows.device
+        if not self.params.counts_tokens:  # a bias alone
+            nothing = torch.zeros(n + 1, 0, device=device)
+            return penalise(rows, self.params, torch.zeros(0, dtype=torch.long, device=device), nothing, nothing > 0)
+        drafted = draft.tokens[:n].to(device)  # [n]
+        ids = torch.cat([torch.tensor(self.tokens, dtype=torch.long, device=device), drafted])  # [cols]
+        # above[r, j]: draft node j lies on the path before row r's position (row 0: none; row i + 1: node i's
+        # path, node i included)
+        within = structure.ancestor_mask(draft.parents) if draft.parents is not None else torch.ones(
+            n, n, dtype=torch.bool, device="cpu").tril()  # [n, n]
+        above = torch.cat([torch.zeros(1, n, dtype=torch.bool, device="cpu"), within]).float().to(device)  # [n + 1, n]
+        on_path = above @ (drafted[:, None] == ids[None, :]).float()  # [n + 1, cols]
+        generated = self.generated[ids] + on_path  # [n + 1, cols]
+        seen = self.seen[ids] | (on_path > 0)  # [n + 1, cols]
+        return penalise(rows, self.params, ids, generated, seen)
