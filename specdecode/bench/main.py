@@ -166,11 +166,12 @@ def run(
     temperature: float, top_k: int, top_p: float, seed: int, datastore: str | None = None,
     engines: list[str] | None = None, concurrency: list[int] | None = None, reference: str = "ar",
     ray: str | None = None, device: str | None = None, head: str | None = None, memory: str = "prompt",
-    record_acceptance: Path | None = None, part: str = "held-out",
+    record_acceptance: Path | None = None, part: str = "held-out", step_aside: bool | None = None,
 ) -> Path:
     """The benchmark on this machine, or with `ray` (a Ray cluster's address) on the cluster's nodes, each
     running every method on its share of the tasks; either way one records file, report and plots.
-    `record_acceptance`: a file for every step's draft shape and acceptance (`bench.acceptance`)."""
+    `record_acceptance`: a file for every step's draft shape and acceptance (`bench.acceptance`); `step_aside=False`:
+    our methods speculate at every step (no step-aside switch)."""
     from specdecode.types import SamplingParams
 
     levels = check_options(methods, repeats, concurrency, engines, backend, ray)
@@ -187,7 +188,7 @@ def run(
     config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p),
                               seed=seed)
     tasks = sample_tasks(categories, per_category, seed=seed, part=part)
-    setup = Setup(methods, target, drafter, dtype, draft_dtype, backend, threads, datastore, device, head)
+    setup = Setup(methods, target, drafter, dtype, draft_dtype, backend, threads, datastore, device, head, step_aside)
     console = Console(stderr=True)
     out.mkdir(parents=True, exist_ok=True)
     records_path = out / "records.jsonl"
@@ -212,7 +213,8 @@ def run(
                **({"memory": memory} if memory != "prompt" else {}),
                **({"concurrency": ",".join(map(str, levels))} if levels != [1] else {}),
                **({"ray": ray} if ray is not None else {}),
-               **({"record-acceptance": record_acceptance} if record_acceptance is not None else {}), "out": out}
+               **({"record-acceptance": record_acceptance} if record_acceptance is not None else {}),
+               **({"step-aside": "off"} if step_aside is False else {}), "out": out}
     settings = {
         "command": "specdecode bench " + " ".join(f"--{k} {v}" for k, v in options.items())
                    + "".join(f" --engine '{option}'" for option in engines or []),

@@ -55,20 +55,23 @@ class Replayer(Wrapped):
     """Wraps the real drafter of a replayed run (module docstring). `continuation`: the target's greedy output
     after the prompt; `clock`: read before and after each real proposal (`devices.clock(device)` waits for the
     device at every reading, so the seconds are the drafting's whole cost). Per step it keeps the real
-    proposal's size (`proposed`), its seconds (`draft_seconds`) and the replayed verdict's accepted count."""
+    proposal's size (`proposed`), its seconds (`draft_seconds`), the replayed verdict's accepted count
+    (`accepted`) and the count the replayed draft was made for (`expected`: the recorded one, less what a draft
+    cut to the room left could not hold, as when the recorded run ended at an EOS within a step)."""
 
     def __init__(self, inner: Drafter, steps: list[RecordedStep], continuation: list[int], vocab: int,
                  clock: Callable[[], float] = time.perf_counter):
         super().__init__(inner)
         self.steps, self.continuation, self.vocab, self.clock = steps, continuation, vocab, clock
-        self._prompt = self._index = 0
+        self._prompt = self._index = self._expected = 0
         self.proposed: list[int] = []
         self.draft_seconds: list[float] = []
         self.accepted: list[int] = []
+        self.expected: list[int] = []
 
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
-        self._prompt, self._index = len(prompt_ids), 0
-        self.proposed, self.draft_seconds, self.accepted = [], [], []
+        self._prompt, self._index, self._expected = len(prompt_ids), 0, 0
+        self.proposed, self.draft_seconds, self.accepted, self.expected = [], [], [], []
         super().begin(prompt_ids, forget)
 
     def propose(self, context: list[int], max_tokens: int, params: SamplingParams,
@@ -85,10 +88,14 @@ class Replayer(Wrapped):
         self.proposed.append(len(real))
         if step.drafted == 0:
             return Draft.empty()
-        return replayed_draft(step, self.continuation[len(context) - self._prompt:], self.vocab, max_tokens)
+        ahead = self.continuation[len(context) - self._prompt:]
+        self._expected = min(step.accepted, max_tokens, len(ahead))  # the path's nodes the cut draft keeps
+        return replayed_draft(step, ahead, self.vocab, max_tokens)
 
     def observe(self, outcome: Outcome) -> None:
         self.accepted.append(outcome.verdict.num_accepted)
+        self.expected.append(self._expected)
+        self._expected = 0
         super().observe(outcome)
 
 
@@ -132,10 +139,11 @@ def agreement(run: RecordedRun, replayer: Replayer) -> dict:
     recorded = [s.accepted for s in run.steps]
     steps = max(len(replayer.accepted), 1)
     return {"steps_recorded": len(recorded), "steps_replayed": len(replayer.accepted),
-            "steps_equal": sum(a == b for a, b in zip(recorded, replayer.accepted)),
-            "exact": recorded == replayer.accepted,
+            "steps_equal": sum(a == b for a, b in zip(replayer.expected, replayer.accepted)),
+            # every step accepted what its replayed draft was made for, and the recording's steps were all replayed
+            "exact": replayer.expected == replayer.accepted and len(recorded) == len(replayer.accepted),
             "recorded_tokens_per_step": run.tokens_per_step,
-            "replayed_tokens_per_step": (sum(replayer.accepted) + len(replayer.accepted)) / steps,
+            "replayed_tokens_per_step": len(run.output_ids) / steps,  # the replay makes as many tokens
             "recorded_drafted_per_step": sum(s.drafted for s in run.steps) / max(len(run.steps), 1),
             "proposed_per_step": sum(replayer.proposed) / steps}
 

@@ -26,9 +26,13 @@ if TYPE_CHECKING:
 
 
 def our_runner(models: Models, method: str, datastore: str | None = None, head: str | None = None,
-               recorder: Recorder | None = None) -> Runner:
-    """One of our methods; `recorder`: each step's draft shape and acceptance recorded (`bench.acceptance`)."""
+               recorder: Recorder | None = None, step_aside: bool | None = None) -> Runner:
+    """One of our methods; `recorder`: each step's draft shape and acceptance recorded (`bench.acceptance`);
+    `step_aside=False`: every step speculates (no step-aside switch: `engine.payoff`), None: the method's way."""
     engine = models.engine(method, datastore=datastore, head=head)
+    if step_aside is not None:  # the same engine, the switch set
+        engine = SpeculativeEngine(engine.target, engine.tokenizer, engine.drafter, method=engine.method,
+                                   tree_budget=engine.tree_budget, verifier=engine.verifier, step_aside=step_aside)
     if recorder is not None:
         recorder.attach(engine)
     return engine_runner(engine, resolve(method)[0].lossless)
@@ -136,11 +140,13 @@ def runner_names(names: list[str]) -> list[str]:
 
 
 def build_runners(models: Models, names: list[str], datastore: str | None = None,
-                  head: str | None = None, recorder: Recorder | None = None) -> dict[str, Runner]:
+                  head: str | None = None, recorder: Recorder | None = None,
+                  step_aside: bool | None = None) -> dict[str, Runner]:
     """Runners by name (ours and peers); `ar` always comes first: it is the reference. `datastore` and `head`
-    go to the methods that take them (`api.Models.engine`), `recorder` records our drafting methods' steps."""
+    go to the methods that take them (`api.Models.engine`), `recorder` records our drafting methods' steps,
+    `step_aside` sets their step-aside switch (`our_runner`)."""
     return {name: our_runner(models, name) if name == "ar" else PEERS[name].build(models) if name in PEERS
-            else our_runner(models, name, datastore, head, recorder) for name in runner_names(names)}
+            else our_runner(models, name, datastore, head, recorder, step_aside) for name in runner_names(names)}
 
 
 @dataclass(frozen=True)
@@ -157,6 +163,7 @@ class Setup:
     datastore: str | None = None
     device: str | None = None  # the torch backend's (`devices.resolve`); None: "auto"
     head: str | None = None  # a trained head's folder for the methods of its kind (the same path on every Ray node)
+    step_aside: bool | None = None  # False: our methods speculate at every step (`our_runner`)
 
     def load(self, progress: bool = True, recorder: Recorder | None = None) -> tuple[Models, dict[str, Runner]]:
         """The models (the draft model only when a method needs it) and the runners, on `threads` threads;
@@ -166,4 +173,4 @@ class Setup:
         models = load_models(self.target, drafter, dtype=self.dtype, draft_dtype=self.draft_dtype,
                              backend=self.backend, progress=progress, device=self.device)
         return models, build_runners(models, self.methods, datastore=self.datastore, head=self.head,
-                                     recorder=recorder)
+                                     recorder=recorder, step_aside=self.step_aside)

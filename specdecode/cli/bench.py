@@ -14,6 +14,15 @@ from specdecode.cli.options import (
 from specdecode.errors import UserError
 from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
 
+# --record-acceptance and --step-aside (bench.acceptance: recordings of the steps, for scripts/gpu-check to replay)
+RecordAcceptanceOption = Annotated[Path | None, typer.Option(help=(
+    "Write each greedy run's steps (the draft's shape as verified, the tokens accepted), prompt and output ids to "
+    "this file (.json.gz: compressed), for scripts/gpu-check to replay on random-weight models of the same shapes "
+    "(docs/benchmarking.md)."))]
+StepAsideOption = Annotated[str, typer.Option(help=(
+    "auto: each method's step-aside switch (plain steps while speculation is timed slower here); off: every step "
+    "speculates, so that a recording keeps what the drafters draft rather than this machine's timing."))]
+
 
 def bench(
     methods: Annotated[str, typer.Option(
@@ -66,10 +75,8 @@ def bench(
         "Share the prompts out over a Ray cluster's nodes, each running every method on its share (ratios stay "
         "within a node): auto, ray://HOST:PORT, HOST:PORT, or local (a Ray started on this machine). Needs "
         "pip install 'specdecode[ray]'."))] = None,
-    record_acceptance: Annotated[Path | None, typer.Option(help=(
-        "Write each greedy run's steps (the draft's shape as verified, the tokens accepted), prompt and output ids to "
-        "this file (.json.gz: compressed), for scripts/gpu-check to replay on random-weight models of the same "
-        "shapes (docs/benchmarking.md)."))] = None,
+    record_acceptance: RecordAcceptanceOption = None,
+    step_aside: StepAsideOption = "auto",
 ) -> None:
     """Spec-Bench-style evaluation: every method and peer on every category, interleaved and repeated."""
     from specdecode.bench.datasets import DEFAULT_CATEGORIES
@@ -94,5 +101,12 @@ def bench(
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         datastore=str(datastore) if datastore else None, head=str(head) if head else None,
         engines=engine or [], concurrency=levels, reference=reference, ray=ray, memory=memory,
-        record_acceptance=record_acceptance, part=part,
+        record_acceptance=record_acceptance, part=part, step_aside=step_aside_option(step_aside),
     )
+
+
+def step_aside_option(value: str) -> bool | None:
+    """--step-aside: auto (None: each method's own switch) or off (False)."""
+    if value not in ("auto", "off"):
+        raise UserError(f"--step-aside is auto or off, not {value!r}")
+    return None if value == "auto" else False

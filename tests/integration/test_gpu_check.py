@@ -9,9 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
-PARTS = ["versions", "exactness", "syncs", "pytest", "cost", "overhead", "jitter", "throughput"]
+PARTS = ["versions", "exactness", "syncs", "pytest", "decode", "cost", "drafting", "replay", "overhead", "jitter",
+         "throughput"]
 METHODS = ["ar", "pld", "draft", "eagle3"]
+SYNC_METHODS = [*METHODS, "draft-tree", "eagle3-tree"]
 
 
 def test_gpu_check_runs_on_the_cpu(tmp_path):
@@ -35,13 +39,16 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     assert any(r["accepted"] > 0 for r in rows)
 
     syncs = parts["syncs"]["result"]["rows"]
-    assert [r["method"] for r in syncs] == METHODS
-    assert all(r["steps"] > 0 and r["per_step"] == r["counted"] / r["steps"] for r in syncs)
+    assert [(r["path"], r["method"]) for r in syncs] == [(p, m) for p in ("dynamic", "static") for m in SYNC_METHODS]
+    assert all(r["steps"] > 0 and r["per_step"] == r["counted"] / r["steps"] for r in syncs), syncs
 
     plan = report["plan"]
     cost = parts["cost"]["result"]["rows"]
-    assert len(cost) == len(plan["targets"]) * len(plan["contexts"]) * len(plan["widths"])
+    assert len(cost) == 2 * len(plan["targets"]) * len(plan["contexts"]) * len(plan["widths"])
+    assert {r["path"] for r in cost} == {"dynamic", "static"}
     assert all(r["relative"] == 1.0 for r in cost if r["n"] == 1) and all(r["seconds"] > 0 for r in cost)
+
+    check_static_parts(parts, plan)
 
     overhead = parts["overhead"]["result"]["rows"]
     assert [(r["k"], r["outcome"]) for r in overhead] == [
@@ -62,6 +69,31 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     summary = done.stdout.strip().splitlines()
     assert summary[0].endswith("PASSED") and summary[-1].startswith("report: ")
     assert "\n".join(summary[:-1]) in (out / "gpu-check.md").read_text()  # the Markdown's summary, printed last
+
+
+def check_static_parts(parts: dict, plan: dict) -> None:
+    """Issue 52's parts: plain decoding by the three paths, drafting's cost, the replayed acceptance."""
+    decode = parts["decode"]["result"]["rows"]
+    assert [(r["shape"], r["path"]) for r in decode] == [(s, p) for s in plan["targets"]
+                                                         for p in ("eager", "graphed", "hf-static")]
+    assert all(r["ms_per_token"] > 0 and r["tokens"] == plan["new_tokens"] - 1 for r in decode)
+    assert all(r["capture_seconds"] > 0 for r in decode if r["path"] == "graphed")
+    assert all(r["compiled"] is False for r in decode if r["path"] == "hf-static")  # transformers compiles on CUDA
+
+    drafting = parts["drafting"]["result"]
+    assert [r["drafter"].split(",")[0] for r in drafting["rows"]] == [
+        "draft model", "eagle3", "eagle3-tree", "medusa", "medusa-tree"]
+    assert all("error" not in r for r in drafting["rows"]), drafting["rows"]
+    assert all(r["of_a_forward"] > 0 for r in drafting["rows"] if not r["drafter"].startswith("medusa-tree"))
+    assert drafting["draft_forward_relative"] > 0
+
+    replay = parts["replay"]["result"]
+    assert replay["label"] == "replayed acceptance" and replay["failed"] == []
+    assert {r["method"] for r in replay["rows"]} >= {"draft-tree", "eagle3-tree"}
+    for row in replay["rows"]:  # the replay accepts what was recorded; every figure is there
+        assert row["runs_exact"] == row["runs"] == 1, row
+        assert row["replayed_tokens_per_step"] == pytest.approx(row["recorded_tokens_per_step"], rel=0.05), row
+        assert row["tokens_per_s"] > 0 and row["speedup"] > 0 and row["predicted_speedup"] > 0
 
 
 def test_gpu_check_runs_the_parts_asked_for_and_names_an_unknown_one(tmp_path):
