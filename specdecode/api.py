@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -113,11 +113,12 @@ class Models:
             return self.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation in the chat template, ready for the assistant's next turn."""
+    def encode_chat(self, messages: list[dict], tools: list[Any] | None = None) -> list[int]:
+        """Token ids of a conversation in the chat template, ready for the assistant's next turn; `tools`: OpenAI's
+        function definitions, which the template renders its own way."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise UserError("this tokenizer has no chat template; drop --chat")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, Mapping):  # a BatchEncoding (newer transformers)
             ids = ids["input_ids"]
         return list(cast("list[int]", ids))  # one conversation, tokenized: its ids

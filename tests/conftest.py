@@ -334,6 +334,21 @@ def write_tiny_gguf(model: Qwen2ForCausalLM, path) -> None:
     writer.close()
 
 
+QWEN25_TEMPLATE = Path(__file__).parent / "fixtures" / "qwen2.5-chat-template.jinja"  # renders tools, <tool_call>
+
+
+@pytest.fixture(scope="session")
+def tiny_tool_folder(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny chat model whose tokenizer has Qwen2.5's own chat template (tools rendered in the system message,
+    calls written as `<tool_call>` JSON), with a context long enough for a few tools' definitions."""
+    folder = tmp_path_factory.mktemp("tiny-tools")
+    tiny_chat_qwen2(vocab_size=len(TOKENS) + 10, max_positions=4096).save_pretrained(folder)
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = QWEN25_TEMPLATE.read_text()
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory: pytest.TempPathFactory):
     """A local model folder: tiny random Qwen2 with more logits rows than tokens, like Qwen2.5."""

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 from specdecode.engine import GenerationConfig
 from specdecode.errors import UserError
-from specdecode.serve.protocol import APIError, ChatRequest, SamplingRequest
+from specdecode.constraints import Constraint
+from specdecode.serve.chat import ChatRequest
+from specdecode.serve.protocol import APIError, SamplingRequest
 from specdecode.serve.worker import DEFAULT_MAX_QUEUE
 from specdecode.types import SamplingParams
 
@@ -60,8 +62,9 @@ class Limits:
         return limit
 
     def config(self, body: SamplingRequest, prompt_ids: list[int], limit: int | None, context: int,
-               param: str) -> GenerationConfig:
-        """The generation a tokenized request asks for, once it fits in the context."""
+               param: str, tool_constraint: Constraint | None = None) -> GenerationConfig:
+        """The generation a tokenized request asks for, once it fits in the context; `tool_constraint`: the calls
+        its tools require (`serve.tools`), which no other constraint may join."""
         room = context - len(prompt_ids)
         if room <= 0 or (limit is not None and limit > room):
             asked = f" + {limit} to generate" if limit is not None else ""
@@ -71,12 +74,21 @@ class Limits:
         temperature = 1.0 if body.temperature is None else body.temperature
         if temperature < GREEDY_BELOW:  # as vLLM: below it, logits / temperature leave float32's range
             temperature = 0.0
-        sampling = SamplingParams(temperature=temperature, top_k=body.top_k or 0,
-                                  top_p=1.0 if body.top_p is None else body.top_p)
+        top = body.top_logprobs_asked()
+        # a completion's echo: the prompt's scores with logprobs, and the engine's echo for max_tokens 0 (the prompt
+        # fed alone)
+        echo = bool(getattr(body, "echo", False)) and (top is not None or limit == 0)
+        constraint = body.constraint()
+        if tool_constraint is not None and constraint is not None:
+            raise APIError(400, "Give `tool_choice` required (or a function) or a response format, not both.",
+                           param="tool_choice")
         try:
-            return GenerationConfig(max_new_tokens=limit or min(self.default_max_tokens, room),
+            sampling = SamplingParams(temperature=temperature, top_k=body.top_k or 0,
+                                      top_p=1.0 if body.top_p is None else body.top_p, **body.penalties())
+            return GenerationConfig(max_new_tokens=limit if limit is not None else min(self.default_max_tokens, room),
                                     sampling=sampling, stop=tuple(body.stop or ()), seed=body.seed,
-                                    constraint=body.constraint())
+                                    constraint=tool_constraint or constraint, echo=echo,
+                                    logprobs=top if top is not None else 0 if echo else None)
         except UserError as error:
             raise APIError(400, str(error)) from None
 

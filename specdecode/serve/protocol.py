@@ -3,9 +3,10 @@
 Strict, as a production client expects of a server: a field of the wrong JSON type is a 400 (no string
 is read as a number or a boolean, no number as a boolean), a field the server does not know is a 400
 naming it (OpenAI's own answer: "Unrecognized request argument supplied"), and an OpenAI field the server
-does not implement (`logprobs`, `echo`, `best_of`, the penalties, tools...) is taken only at its neutral
-value, the one that asks for nothing; any other value is a 400 saying that it is not supported. Every
-error a client can cause is an `APIError` with OpenAI's body, never a stack trace or an exception's text.
+does not implement (`best_of`, `suffix`, audio...) is taken only at its neutral value, the one that asks for
+nothing; any other value is a 400 saying that it is not supported. Every error a client can cause is an
+`APIError` with OpenAI's body, never a stack trace or an exception's text. The chat endpoint's own body is
+`serve.chat`'s.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from specdecode.engine import GenerationResult
 from specdecode.errors import UserError
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_BIASES = 1024  # logit_bias entries
 COMPLETION_MAX_TOKENS = 16  # what /v1/completions generates at most when max_tokens is left out or null (OpenAI's)
 MAX_NAME = 256  # characters of a model, method or user name (errors quote them back)
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: [low, high)
@@ -103,14 +105,41 @@ class SamplingRequest(BaseModel):
     method: str | None = Field(None, max_length=MAX_NAME)  # ours: the speculative method (default: the server's)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # as vLLM's: a regular expression or a Lark grammar
+    # the penalties and biases (`SamplingParams`): OpenAI's, then vLLM's two
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> bias in [-100, 100]
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
 
     # OpenAI fields this server does not implement, with the values that ask for nothing (taken, then
     # dropped); any other value is a 400
-    NEUTRAL: ClassVar[dict[str, tuple]] = {
-        "frequency_penalty": (None, 0, 0.0),
-        "presence_penalty": (None, 0, 0.0),
-        "logit_bias": (None, {}),
-    }
+    NEUTRAL: ClassVar[dict[str, tuple]] = {}
+
+    @field_validator("logit_bias", mode="after")
+    @classmethod
+    def _biases(cls, biases: dict[str, float] | None) -> dict[str, float] | None:
+        if biases is None:
+            return None
+        if len(biases) > MAX_BIASES:
+            raise ValueError(f"at most {MAX_BIASES} entries")
+        for key, value in biases.items():
+            if not key.isascii() or not key.isdigit() or len(key) > 9:
+                raise ValueError(f"keys are token ids, got {quoted(key)!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"a bias lies in [-100, 100], got {value}")
+        return biases
+
+    def penalties(self) -> dict[str, Any]:
+        """The penalties, bias and min-p as `SamplingParams` fields (neutral where left out)."""
+        biases = tuple(sorted((int(key), float(value)) for key, value in (self.logit_bias or {}).items()))
+        return {"frequency_penalty": self.frequency_penalty or 0.0, "presence_penalty": self.presence_penalty or 0.0,
+                "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                "min_p": self.min_p or 0.0, "logit_bias": biases}
+
+    def top_logprobs_asked(self) -> int | None:
+        """The alternatives each output token's entry lists (None: no log-probabilities)."""
+        return None
 
     @field_validator("stop", mode="plain")
     @classmethod
@@ -164,16 +193,22 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int]
-    max_tokens: int = Field(COMPLETION_MAX_TOKENS, ge=1)  # left out or null: OpenAI's default for completions
+    prompt: str | list[str] | list[int] | list[list[int]]
+    # left out or null: OpenAI's default for completions; 0 only with echo (the prompt's log-probabilities alone)
+    max_tokens: int = Field(COMPLETION_MAX_TOKENS, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=20)  # each token's log-probability and this many alternatives'
+    echo: bool | None = None  # the prompt before the answer, in the text and (with logprobs) the log-probabilities
 
     NEUTRAL: ClassVar[dict[str, tuple]] = {
         **SamplingRequest.NEUTRAL,
         "best_of": (None, 1),
-        "echo": (None, False),
-        "logprobs": (None,),
         "suffix": (None, ""),
     }
+
+    def top_logprobs_asked(self) -> int | None:
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens is at least 1, or 0 with echo.", param="max_tokens")
+        return self.logprobs
 
     @field_validator("max_tokens", mode="before")
     @classmethod
@@ -186,89 +221,21 @@ class CompletionRequest(SamplingRequest):
     def _one_prompt(cls, prompt: Any) -> str | list[int]:
         if isinstance(prompt, list) and not prompt:
             raise ValueError("the prompt is empty")
-        if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
             if len(prompt) != 1:
                 raise ValueError("one prompt per request (batch prompts are not supported; send several requests)")
             prompt = prompt[0]
+        if not prompt:
+            raise ValueError("the prompt is empty")
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
             return prompt
         if isinstance(prompt, list) and all(type(p) is int for p in prompt):
             return prompt
-        raise ValueError("the prompt must be a string, a list of one string, or a list of token ids")
+        raise ValueError("the prompt must be a string or a list of token ids (or a list of one of those)")
 
     def one_prompt(self) -> str | list[int]:
         """The prompt as `_one_prompt` validated it: a text, or token ids (the schema keeps the forms sent)."""
         return cast("str | list[int]", self.prompt)
-
-
-class TextPart(BaseModel):
-    """A content part of a chat message; only text ones (this server reads no images or audio)."""
-
-    model_config = STRICT
-
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = STRICT
-
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None  # validated to the message's text (None: none)
-
-    @field_validator("content", mode="plain")
-    @classmethod
-    def _text(cls, content: Any) -> str | None:
-        if content is None or isinstance(content, str):
-            return content
-        if not isinstance(content, list):
-            raise ValueError("content must be a string or a list of text parts")
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise ValueError('content parts must be text parts, {"type": "text", "text": ...}: this server '
-                                 "reads text only")
-            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
-                raise ValueError('a text part is {"type": "text", "text": "..."} with a string text')
-            texts.append(part["text"])
-        return "".join(texts)
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else ""  # validated to a string or None
-
-
-class ChatRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
-
-    NEUTRAL: ClassVar[dict[str, tuple]] = {
-        **SamplingRequest.NEUTRAL,
-        "logprobs": (None, False),
-        "top_logprobs": (None, 0),
-        "tools": (None, []),
-        "tool_choice": (None, "none"),
-        "parallel_tool_calls": (None, True, False),  # about tools, which there are none of
-        "functions": (None, []),
-        "function_call": (None, "none"),
-        "modalities": (None, ["text"]),
-        "audio": (None,),
-        "prediction": (None,),
-        "store": (None, False),
-        "metadata": (None, {}),
-        "service_tier": (None, "auto", "default"),
-        "reasoning_effort": (None,),
-        "web_search_options": (None,),
-    }
-
-    def answer_limit(self) -> int | None:
-        """max_completion_tokens or max_tokens (OpenAI takes either); a 400 when both differ. None when both
-        are left out or null: the server's default (`Limits.default_max_tokens`), where OpenAI's is the rest
-        of the context, since one request must not hold the model that long unasked."""
-        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
-            raise APIError(400, "Give max_tokens or max_completion_tokens, not both.", param="max_completion_tokens")
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 def _neutral(value: Any, neutral: tuple) -> bool:

@@ -1,76 +1,162 @@
 """What a request gets back: the body of a finished generation, the server-sent events of a streamed one
-(OpenAI's chunks, each with our `specdecode.tokens`: every new token's id, text and origin), and what a
-failure becomes for the client (`api_error`)."""
+(OpenAI's chunks, each with our `specdecode.tokens`: every new token's id, text and origin), tool calls read out
+of the answer and log-probabilities in both (`Answer`), and what a failure becomes for the client (`api_error`)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
 from specdecode.engine import GenerationResult
 from specdecode.errors import UserError
-from specdecode.serve import protocol
+from specdecode.serve import logprobs, protocol
+from specdecode.serve.logprobs import TokenTexts
 from specdecode.serve.metrics import ServerMetrics
 from specdecode.serve.protocol import APIError, SamplingRequest
+from specdecode.serve.tools import CallReader, ToolUse
 from specdecode.serve.worker import Busy, Job, Step
+from specdecode.types import TokenLogprob
 
 NOT_READY_RETRY_SECONDS = 10
 
 
-def response(result: GenerationResult, chat: bool, model_name: str) -> dict:
-    """The body of a finished generation."""
-    choice = {"index": 0, "finish_reason": protocol.finish_reason(result), "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": result.text}
+@dataclass
+class Answer:
+    """How a request's answer is written beyond its text: the endpoint and model name, the tools whose calls are
+    read out of the text (`serve.tools`), the log-probabilities asked for (`texts`: each token's text) and a
+    completion's echoed prompt."""
+
+    chat: bool
+    model_name: str
+    texts: TokenTexts | None = None  # None: no log-probabilities asked for
+    tools: ToolUse | None = None
+    echo: str | None = None  # the prompt's text before the answer (a completion's `echo`)
+    prompt_ids: list[int] = field(default_factory=list)
+
+    def finish_reason(self, result: GenerationResult, called: bool) -> str:
+        return "tool_calls" if called else protocol.finish_reason(result)
+
+    def completion_logprobs(self, result: GenerationResult, entries: list[TokenLogprob], offset: int) -> dict | None:
+        if self.texts is None:
+            return None
+        prompt: list[TokenLogprob | None] = []
+        if self.echo is not None and result.prompt_logprobs is not None:
+            prompt = [None, *result.prompt_logprobs]
+        tokens = self.prompt_ids[: len(prompt)] + result.token_ids[: len(entries)]
+        return logprobs.completion_entries([*prompt, *entries], tokens, self.texts, offset)
+
+
+def response(result: GenerationResult, answer: Answer, entries: list[TokenLogprob]) -> dict:
+    """The body of a finished generation; `entries`: its tokens' log-probabilities, when asked for."""
+    calls: list[dict] = []
+    choice: dict = {"index": 0}
+    if answer.chat:
+        content: str | None = result.text
+        if answer.tools is not None:
+            content, calls = CallReader(answer.tools).read(result.text)
+        choice["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+        choice["logprobs"] = None if answer.texts is None else logprobs.chat_entries(entries, answer.texts)
     else:
-        choice["text"] = result.text
+        choice["text"] = (answer.echo or "") + result.text
+        choice["logprobs"] = answer.completion_logprobs(result, entries, 0)
+    choice["finish_reason"] = answer.finish_reason(result, bool(calls))
     return {
-        "id": protocol.new_id("chatcmpl" if chat else "cmpl"),
-        "object": "chat.completion" if chat else "text_completion",
+        "id": protocol.new_id("chatcmpl" if answer.chat else "cmpl"),
+        "object": "chat.completion" if answer.chat else "text_completion",
         "created": protocol.now(),
-        "model": model_name,
+        "model": answer.model_name,
         "choices": [choice],
         "usage": protocol.usage(result),
         "speculative": protocol.speculative(result),
     }
 
 
-async def chunks(job: Job, first, body: SamplingRequest, chat: bool, model_name: str,
-                 metrics: ServerMetrics) -> AsyncIterator[str]:
+class Chunks:
+    """The choices of a streamed answer's chunks: text (content, or a completion's text), tool calls read out of it
+    as they close (`serve.tools.CallReader`), each step's log-probabilities."""
+
+    def __init__(self, answer: Answer):
+        self.answer = answer
+        self.reader = CallReader(answer.tools) if answer.tools is not None else None
+        self.offset = len(answer.echo or "")  # a completion's text so far (its log-probabilities' offsets)
+
+    def first(self) -> list[list[dict]]:
+        if self.answer.chat:
+            return [self._choice({"role": "assistant", "content": ""})]
+        return [self._choice({}, text=self.answer.echo)] if self.answer.echo else []
+
+    def step(self, step: Step) -> list[list[dict]]:
+        event, answer = step.event, self.answer
+        scores = event.logprobs or []
+        if not answer.chat:
+            entries = None if answer.texts is None else logprobs.completion_entries(
+                scores, event.token_ids, answer.texts, self.offset)
+            self.offset += len(event.text)
+            return [self._choice({}, text=event.text, scores=entries)]
+        entries = None if answer.texts is None else logprobs.chat_entries(scores, answer.texts)
+        if self.reader is None:
+            return [self._choice({"content": event.text}, scores=entries)]
+        content, calls = self.reader.feed(event.text)
+        return [self._choice({"content": content} if content else {}, scores=entries), *self._calls(calls)]
+
+    def last(self, result: GenerationResult) -> list[list[dict]]:
+        out = []
+        if self.reader is not None:
+            content, calls = self.reader.finish()
+            out = ([self._choice({"content": content})] if content else []) + self._calls(calls)
+        called = self.reader is not None and bool(self.reader.calls)
+        return out + [self._choice({}, finish=self.answer.finish_reason(result, called))]
+
+    def _calls(self, calls: list[dict]) -> list[list[dict]]:
+        assert self.reader is not None
+        first = len(self.reader.calls) - len(calls)
+        return [self._choice({"tool_calls": [{"index": first + i, **call}]}) for i, call in enumerate(calls)]
+
+    def _choice(self, delta: dict, text: str | None = None, scores: dict | None = None,
+                finish: str | None = None) -> list[dict]:
+        if not self.answer.chat:
+            return [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": scores}]
+        return [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": scores}]
+
+
+async def chunks(job: Job, first, body: SamplingRequest, answer: Answer, metrics: ServerMetrics
+                 ) -> AsyncIterator[str]:
     """A streamed generation's events from its first item on, then `[DONE]`; a client that leaves
     mid-stream cancels the job."""
-    ident, created = protocol.new_id("chatcmpl" if chat else "cmpl"), protocol.now()
+    ident, created = protocol.new_id("chatcmpl" if answer.chat else "cmpl"), protocol.now()
+    writer = Chunks(answer)
 
     def chunk(choices: list[dict], **extra) -> str:
-        body_ = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion",
-                 "created": created, "model": model_name, "choices": choices, **extra}
+        body_ = {"id": ident, "object": "chat.completion.chunk" if answer.chat else "text_completion",
+                 "created": created, "model": answer.model_name, "choices": choices, **extra}
         return f"data: {json.dumps(body_)}\n\n"
-
-    def choice(text: str | None, finish: str | None = None, role: bool = False) -> list[dict]:
-        if not chat:
-            return [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]
-        delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
-        return [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
 
     finished = False
     metrics.running.inc()
     try:
-        if chat:
-            yield chunk(choice(None, role=True))
+        for choices in writer.first():
+            yield chunk(choices)
         item = first
         while True:
             if isinstance(item, BaseException):
                 yield f"data: {json.dumps(api_error(item).body())}\n\n"
                 break
             if isinstance(item, GenerationResult):
-                yield chunk(choice(None, protocol.finish_reason(item)), speculative=protocol.speculative(item))
+                *before, final = writer.last(item)
+                for choices in before:
+                    yield chunk(choices)
+                yield chunk(final, speculative=protocol.speculative(item))
                 if body.include_usage():
                     yield chunk([], usage=protocol.usage(item))
                 break
-            yield chunk(choice(item.event.text), specdecode=step_payload(item))
+            main, *calls = writer.step(item)
+            yield chunk(main, specdecode=step_payload(item))
+            for choices in calls:
+                yield chunk(choices)
             item = await job.events.get()
         finished = True
         yield "data: [DONE]\n\n"

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import math
 import os
@@ -43,13 +44,15 @@ from specdecode.constraints import grammar
 from specdecode.engine import GenerationResult, SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.methods import MethodChoice
-from specdecode.serve import protocol, replies
+from specdecode.serve import protocol, replies, tools
+from specdecode.serve.chat import ChatRequest
 from specdecode.serve.engines import Engines, Owner
 from specdecode.serve.guard import ClientGone
 from specdecode.serve.limits import Limits, check_prompt_bytes, prompt_byte_limit
 from specdecode.serve.metrics import ServerMetrics
 from specdecode.serve.offer import Offer, Preparation
-from specdecode.serve.protocol import APIError, ChatRequest, CompletionRequest, SamplingRequest
+from specdecode.serve.logprobs import TokenTexts
+from specdecode.serve.protocol import APIError, CompletionRequest, SamplingRequest
 from specdecode.serve.replies import NOT_READY_RETRY_SECONDS, api_error
 from specdecode.serve.worker import DEFAULT_MAX_BATCH, Job, Worker
 
@@ -88,6 +91,7 @@ class Server:
         self.models, self.model_name, self.default_method = models, model_name, self.offer.default.name
         self.limits, self.memory_scope = limits, memory_scope
         self.metrics = ServerMetrics()
+        self.token_texts = TokenTexts(models.tokenizer)  # each token's own text, for log-probabilities
         self._recent_seconds = 1.0  # a moving average of request latency, for Retry-After
         self.prompt_tokens = limits.prompt_tokens(models.target.max_context)
         self.prompt_bytes = prompt_byte_limit(models.tokenizer, self.prompt_tokens)
@@ -193,11 +197,11 @@ class Server:
             raise APIError(400, f"Token ids must lie in [0, {vocab}).", param="prompt")
         return prompt
 
-    def _encode_chat(self, messages: list[dict]) -> list[int]:  # on the tokenizing pool
+    def _encode_chat(self, messages: list[dict], offered: list[dict] | None) -> list[int]:  # on the tokenizing pool
         from jinja2 import TemplateError
 
         try:
-            return self.models.encode_chat(messages)
+            return self.models.encode_chat(messages, offered)
         except UserError as error:
             raise APIError(400, str(error), param="messages") from None
         except TemplateError as error:  # the template refuses the conversation (e.g. roles out of order)
@@ -213,6 +217,29 @@ class Server:
         except UserError as error:
             raise APIError(400, str(error), param="response_format") from None
 
+    def _prepare(self, body: SamplingRequest) -> tuple[functools.partial, replies.Answer]:
+        """How a request's prompt is encoded (on the tokenizing pool) and how its answer is written: a chat's
+        messages and tools through the template, a completion's text or ids (echoed if asked)."""
+        texts = self.token_texts if body.top_logprobs_asked() is not None else None
+        if isinstance(body, ChatRequest):
+            use = tools.tool_use(body, getattr(self.models.tokenizer, "chat_template", None))
+            messages = body.template_messages()
+            offered = list(use.tools) if use is not None else None
+            self._check_bytes([m["content"] for m in messages] + [json.dumps(offered or "")], "messages")
+            return (functools.partial(self._encode_chat, messages, offered),
+                    replies.Answer(True, self.model_name, texts, tools=use))
+        assert isinstance(body, CompletionRequest)
+        prompt = body.one_prompt()
+        if isinstance(prompt, str):
+            self._check_bytes([prompt], "prompt")
+        echo = None
+        if body.echo:
+            echo = prompt if isinstance(prompt, str) else str(self.models.tokenizer.decode(prompt))
+            if body.stream and body.logprobs is not None:
+                raise APIError(400, "echo with logprobs is not streamed; leave `stream` out.", param="echo")
+        return functools.partial(self._encode_completion, prompt), replies.Answer(False, self.model_name, texts,
+                                                                                  echo=echo)
+
     async def complete(self, request: Request, chat: bool) -> Response:
         """One request to /v1/completions or /v1/chat/completions, from its body to its response."""
         arrival = time.perf_counter()
@@ -221,15 +248,7 @@ class Server:
         choice = await self._method(body)
         limit = self._answer_limit(body)
         param = "messages" if chat else "prompt"
-        if isinstance(body, ChatRequest):
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            self._check_bytes([m["content"] for m in messages], param)
-            encode = functools.partial(self._encode_chat, messages)
-        else:
-            prompt = body.one_prompt()
-            if isinstance(prompt, str):
-                self._check_bytes([prompt], param)
-            encode = functools.partial(self._encode_completion, prompt)
+        encode, answer = self._prepare(body)
         if not self.worker.enter():
             retry = max(1, min(60, math.ceil(self._recent_seconds)))
             raise APIError(429, f"The server is busy: {self.limits.max_queue} requests are waiting; retry in "
@@ -239,12 +258,14 @@ class Server:
         memory = self.memory_owner(request.state.tenant, body.user)
         try:
             prompt_ids = await loop.run_in_executor(self._tokenizing, encode)
+            answer.prompt_ids = prompt_ids
             self.limits.check_prompt(prompt_ids, self.models.target.max_context, param)
-            config = self.limits.config(body, prompt_ids, limit, self.models.target.max_context, param)
+            called = answer.tools.constraint(self.models.tokenizer) if answer.tools is not None else None
+            config = self.limits.config(body, prompt_ids, limit, self.models.target.max_context, param, called)
             if config.constraint is not None:
                 await loop.run_in_executor(self._tokenizing, self._grammar_vocabulary)
             engine = None
-            if self.worker.runs_alone(choice):
+            if self.worker.runs_alone(choice, config):
                 engine = await self._engine(choice, memory, request)
         except BaseException:
             self.worker.leave()
@@ -263,19 +284,21 @@ class Server:
             if body.stream:
                 watcher.cancel()  # the streaming response watches the connection from here
                 finished = True
-                return StreamingResponse(replies.chunks(job, first, body, chat, self.model_name, self.metrics),
+                return StreamingResponse(replies.chunks(job, first, body, answer, self.metrics),
                                          media_type="text/event-stream")
             self.metrics.running.inc()
+            entries: list = []  # the tokens' log-probabilities, step by step (an expired job's result has none)
             try:
                 item = first
                 while not isinstance(item, GenerationResult):
                     if isinstance(item, BaseException):
                         raise api_error(item)
+                    entries += item.event.logprobs or []
                     item = await self._next(job, watcher)
             finally:
                 self.metrics.running.dec()
             finished = True
-            return JSONResponse(replies.response(item, chat, self.model_name))
+            return JSONResponse(replies.response(item, answer, entries))
         finally:
             watcher.cancel()
             if not finished:  # the client left, or the request failed: stop the generation

@@ -183,9 +183,10 @@ class Worker:
             raise RuntimeError("this worker has no batch engine: its jobs run alone")
         return self.batch
 
-    def runs_alone(self, choice: MethodChoice) -> bool:
-        """Whether a job of this method has the target to itself (its engine: `Job.engine`), or joins the batch."""
-        return self.batch is None or not choice.method.batchable
+    def runs_alone(self, choice: MethodChoice, config: GenerationConfig | None = None) -> bool:
+        """Whether a job of this method has the target to itself (its engine: `Job.engine`), or joins the batch
+        (not one that asks for its prompt's log-probabilities, `config.echo`: the batch does not score prompts)."""
+        return self.batch is None or not choice.method.batchable or (config is not None and config.echo)
 
     def submit(self, job: Job) -> None:
         """Queue a job that holds a place (`enter`); the worker gives the place back as it takes the job."""
@@ -265,7 +266,7 @@ class Worker:
                 self._fail(job, Busy(f"the server is busy: the request waited {waited:.0f} s for the model"))
                 continue
             try:
-                if self.runs_alone(job.choice):
+                if self.runs_alone(job.choice, job.config):
                     if self._active:
                         return  # wait for the batch to drain
                     self._dequeue()

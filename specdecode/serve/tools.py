@@ -1,0 +1,205 @@
+"""Tool calling: the format a model's chat template writes tool calls in (`ToolFormat`, one per template family), what
+a request asks of the tools (`ToolUse`: which may be called, must one be), the grammar that makes `required` and
+named calls valid (`ToolUse.constraint`: each call's arguments validate against its function's parameters schema),
+and the calls read back from the answer, whole or as OpenAI's streamed deltas (`CallReader`).
+
+Families: Qwen2.5's (Hermes' format: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, calls one per
+line), found by its template. A template that renders no tools in a known format gets a 400 when a request
+sends tools: the server cannot read calls it does not know the shape of.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from specdecode.constraints import Constraint
+from specdecode.constraints.grammar import JSON_OPTIONS
+from specdecode.errors import UserError
+from specdecode.serve.chat import ChatRequest, NamedToolChoice
+from specdecode.serve.protocol import APIError, quoted
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How a template family writes one tool call (`prefix`, the call as JSON, `suffix`) and several (`separator`
+    between them)."""
+
+    family: str
+    prefix: str
+    suffix: str
+    separator: str
+
+    @property
+    def open(self) -> str:
+        return self.prefix.strip()
+
+    @property
+    def close(self) -> str:
+        return self.suffix.strip()
+
+
+QWEN25 = ToolFormat("Qwen2.5", "<tool_call>\n", "\n</tool_call>", "\n")
+FORMATS = (QWEN25,)
+
+
+def tool_format(template: str | None) -> ToolFormat | None:
+    """The format a chat template writes tool calls in (None: none this server reads)."""
+    if not template or "tools" not in template:
+        return None
+    return next((form for form in FORMATS if form.open in template and form.close in template), None)
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """The tools a chat request offers and what it asks of them: `choice` is "auto" (the model decides),
+    "required" (at least one call) or the one function's name that must be called; `parallel`: several calls
+    allowed in one answer."""
+
+    tools: tuple[dict, ...]  # OpenAI's definitions, as chat templates take them
+    choice: str
+    parallel: bool
+    format: ToolFormat
+
+    @property
+    def names(self) -> list[str]:
+        return [tool["function"]["name"] for tool in self.tools]
+
+    def constraint(self, tokenizer) -> Constraint | None:
+        """For `required` or a named function: the answer is one call (or several, when parallel) of the allowed
+        functions, each call's arguments valid against its parameters schema; None for `auto`. A tag that is one
+        token of `tokenizer`'s (Qwen2.5's `<tool_call>`) is that token in the grammar, as the model writes it."""
+        if self.choice == "auto":
+            return None
+        functions = [tool["function"] for tool in self.tools if self.choice in ("required", tool["function"]["name"])]
+        bodies = [f"body_{i}: %json {json.dumps(call_schema(function))}" for i, function in enumerate(functions)]
+        calls = " | ".join(f"body_{i}" for i in range(len(functions)))
+        start = "start: call (SEP call)*" if self.parallel else "start: call"
+        form, added = self.format, set(getattr(tokenizer, "get_added_vocab", dict)())
+
+        def tag(text: str) -> str:  # the special token itself, or the text
+            return text if text in added else json.dumps(text)
+
+        before, after = form.prefix[len(form.open):], form.suffix[: -len(form.close)]
+        call = f"call: {tag(form.open)} {json.dumps(before)} body {json.dumps(after)} {tag(form.close)}"
+        lark = "\n".join([start, call, f"body: {calls}", *bodies, f"SEP: {json.dumps(form.separator)}"])
+        try:
+            return Constraint.grammar(lark)
+        except UserError as error:
+            raise APIError(400, f"The tools' parameters cannot be enforced: {error}", param="tools") from None
+
+
+def call_schema(function: dict) -> dict:
+    """The JSON schema of one call of `function` as the template family writes it: its name, then its arguments."""
+    parameters = function.get("parameters") or {"type": "object"}
+    options = dict(JSON_OPTIONS, lenient=not function.get("strict"))
+    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+            "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": options}
+
+
+def tool_use(body: ChatRequest, template: str | None) -> ToolUse | None:
+    """What a request asks of tools (None: no tools, or `tool_choice: none`); a 400 for a choice without tools, a
+    function it does not offer, or a model whose template writes no tool calls this server can read."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise APIError(400, "`tool_choice` needs `tools`.", param="tool_choice")
+        return None
+    if choice == "none":
+        return None
+    form = tool_format(template)
+    if form is None:
+        families = ", ".join(f.family for f in FORMATS)
+        raise APIError(400, f"This model's chat template writes no tool calls this server can read (it reads "
+                            f"{families}'s); leave `tools` out.", param="tools", code="tools_unsupported")
+    tools = tuple(tool.model_dump(exclude_none=True) for tool in body.tools)
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    if named is not None and named not in [tool["function"]["name"] for tool in tools]:
+        raise APIError(400, f"`tool_choice` names `{quoted(named)}`, which is not among `tools`.", param="tool_choice")
+    asked = named if named is not None else choice if isinstance(choice, str) else "auto"
+    return ToolUse(tools, asked, body.parallel_tool_calls is not False, form)
+
+
+def new_call(name: str, arguments: Any) -> dict:
+    """An OpenAI tool call (arguments as JSON text)."""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def parse_call(text: str) -> dict | None:
+    """One call's JSON (`{"name": ..., "arguments": {...}}`) as an OpenAI tool call; None if it is not one."""
+    try:
+        call = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("arguments", call.get("parameters", {}))
+    return new_call(call["name"], arguments) if isinstance(arguments, dict) else None
+
+
+class CallReader:
+    """Reads an answer's text as it comes (`feed`, then `finish`) into the text meant for the user and tool calls.
+    Text before, between and after calls is content (blank text between calls is dropped); a call that does not
+    parse stays content. The same reader serves whole answers (`read`) and streamed ones, so both agree."""
+
+    def __init__(self, use: ToolUse):
+        self.use = use
+        self.buffer = ""
+        self.inside = False  # within a call's opening and closing tags
+        self.calls: list[dict] = []
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        """(content, new calls) that this piece of text completes."""
+        self.buffer += text
+        content, calls = "", list[dict]()
+        form = self.use.format
+        while True:
+            if not self.inside:
+                at = self.buffer.find(form.open)
+                if at < 0:  # keep what may still become the opening tag
+                    keep = next((n for n in range(min(len(form.open) - 1, len(self.buffer)), 0, -1)
+                                 if form.open.startswith(self.buffer[-n:])), 0)
+                    content += self._outside(self.buffer[: len(self.buffer) - keep])
+                    self.buffer = self.buffer[len(self.buffer) - keep :]
+                    return content, calls
+                content += self._outside(self.buffer[:at])
+                self.buffer, self.inside = self.buffer[at + len(form.open) :], True
+            else:
+                end = self.buffer.find(form.close)
+                if end < 0:
+                    return content, calls
+                body, self.buffer, self.inside = self.buffer[:end], self.buffer[end + len(form.close) :], False
+                text_, new = self._call(body)
+                content, calls = content + text_, calls + new
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """(content, calls) left at the end: an unclosed call that parses is a call (an answer cut short)."""
+        rest, self.buffer = self.buffer, ""
+        if self.inside:
+            self.inside = False
+            return self._call(rest, closed=False)
+        return self._outside(rest), []
+
+    def read(self, text: str) -> tuple[str | None, list[dict]]:
+        """A whole answer: (content, or None when it is blank beside calls; the calls)."""
+        content, calls = self.feed(text)
+        more, last = self.finish()
+        content += more
+        calls += last
+        return (None if calls and not content.strip() else content), calls
+
+    def _outside(self, text: str) -> str:
+        return "" if self.calls and not text.strip() else text
+
+    def _call(self, body: str, closed: bool = True) -> tuple[str, list[dict]]:
+        call = parse_call(body.strip())
+        form = self.use.format
+        if call is None:
+            return form.open + body + (form.close if closed else ""), []
+        if self.calls and not self.use.parallel:
+            return "", []  # one call only: the rest are dropped
+        self.calls.append(call)
+        return "", [call]

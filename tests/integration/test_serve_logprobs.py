@@ -1,0 +1,102 @@
+"""Log-probabilities and penalties on `specdecode serve` (tiny model pair, the official `openai` client): each answer's
+figures are the engine's (`engine.logprobs`: the target's raw log-softmax), the same whichever method speculates,
+streamed or whole; completions' echo with max_tokens 0 scores the prompt (lm-eval's log-likelihood requests, a
+batch of one token list included); the penalties and bias reach the engine and greedy output under them is the
+engine's plain decoding under them."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+
+from specdecode.api import load_models
+from specdecode.engine import GenerationConfig, SpeculativeEngine
+from specdecode.serve.app import Server, ServerThread, create_app
+from specdecode.types import SamplingParams
+
+MODEL = "tiny"
+METHODS = ["ar", "pld", "draft-tree-fixed", "suffix"]
+PROMPT = "the cat sat on the mat and the cat sat on"
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def models(tiny_folder):
+    return load_models(str(tiny_folder), str(tiny_folder), dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def client(models):
+    running = ServerThread(create_app(Server(models, MODEL, default_method="ar", methods=METHODS)))
+    yield openai.OpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0)
+    running.stop()
+
+
+def engine_result(models, prompt_ids: list[int], max_tokens: int, params: SamplingParams = SamplingParams(),
+                  logprobs: int | None = None):
+    config = GenerationConfig(max_new_tokens=max_tokens, sampling=params, logprobs=logprobs)
+    return SpeculativeEngine(models.target, models.tokenizer).generate(prompt_ids, config)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_completion_logprobs_are_plain_decodings(client, models, method):
+    ids = models.tokenizer(PROMPT)["input_ids"]
+    want = engine_result(models, ids, 16, logprobs=3)
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=3,
+                                         extra_body={"method": method})
+    logprobs = response.choices[0].logprobs
+    assert logprobs.token_logprobs == pytest.approx([e.logprob for e in want.logprobs], abs=TOLERANCE)
+    assert logprobs.tokens == [models.tokenizer.decode([t]) for t in want.token_ids]
+    # greedy: its own is the top (keys are token texts: several byte tokens read "\ufffd")
+    assert all(max(top.values()) == pytest.approx(lp, abs=TOLERANCE)
+               for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs))
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
+
+
+@pytest.mark.parametrize("method", ["ar", "pld"])
+def test_chat_logprobs_streamed_and_whole(client, models, method):
+    messages = [{"role": "user", "content": PROMPT}]
+    want = engine_result(models, models.encode_chat(messages), 12, logprobs=2)
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                           logprobs=True, top_logprobs=2, extra_body={"method": method})
+    entries = whole.choices[0].logprobs.content
+    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in want.logprobs], abs=TOLERANCE)
+    assert all(len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode()) for e in entries)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                                 logprobs=True, top_logprobs=2, stream=True,
+                                                 extra_body={"method": method}))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in entries]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_echo_scores_the_prompt_as_lm_eval_asks(client, models):
+    ids = models.tokenizer(PROMPT)["input_ids"]
+    with torch.no_grad():
+        logits = models.target.model(torch.tensor([ids])).logits[0].float()
+    want = logits.log_softmax(-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+    for prompt, max_tokens in ((PROMPT, 0), ([ids], 1), (ids, 0)):
+        response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                             logprobs=1, echo=True, extra_body={"method": "pld"})
+        logprobs = response.choices[0].logprobs
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        assert logprobs.token_logprobs[1 : len(ids)] == pytest.approx(want, abs=TOLERANCE)
+        assert len(logprobs.tokens) == len(ids) + max_tokens
+        assert response.choices[0].text.startswith(PROMPT)
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(PROMPT) and plain.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "suffix"])
+def test_penalties_reach_the_engine(client, models, method):
+    ids = models.tokenizer(PROMPT)["input_ids"]
+    params = SamplingParams(frequency_penalty=1.2, presence_penalty=0.5, repetition_penalty=1.3,
+                            logit_bias=((ids[-1], 5.0),))
+    want = engine_result(models, ids, 20, params)
+    assert want.token_ids != engine_result(models, ids, 20).token_ids
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0,
+                                         frequency_penalty=1.2, presence_penalty=0.5, logit_bias={str(ids[-1]): 5},
+                                         extra_body={"method": method, "repetition_penalty": 1.3, "min_p": 0.05})
+    assert response.choices[0].text == want.text
