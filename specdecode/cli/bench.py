@@ -24,6 +24,12 @@ StepAsideOption = Annotated[str, typer.Option(help=(
     "speculates, so that a recording keeps what the drafters draft rather than this machine's timing."))]
 
 
+PartOption = Annotated[str, typer.Option(help=(
+    "Which part of each category's prompts the sample draws from: held-out (what results report on), tuning (what "
+    "tuning runs draw from; never reported as a result) or all. The split is fixed by the prompts' ids "
+    "(docs/benchmarking.md)."))]
+
+
 def bench(
     methods: Annotated[str, typer.Option(
         help="Comma-separated methods (tree forms as NAME-tree) and peers (default: all).")] = "",
@@ -42,10 +48,7 @@ def bench(
     top_k: Annotated[int, typer.Option(min=0)] = 0,
     top_p: Annotated[float, typer.Option()] = 1.0,
     seed: Annotated[int, typer.Option(help="Seeds the prompt sample and sampling.")] = 0,
-    part: Annotated[str, typer.Option(help=(
-        "Which part of each category's prompts the sample draws from: held-out (what results report on), tuning "
-        "(what tuning runs draw from; never reported as a result) or all. The split is fixed by the prompts' ids "
-        "(docs/benchmarking.md)."))] = "held-out",
+    part: PartOption = "held-out",
     threads: Annotated[int, typer.Option(min=1, max=256)] = 2,
     out: Annotated[Path | None, typer.Option(help="Output folder (default: results/bench-<time>).")] = None,
     dtype: DTypeOption = DType("auto"),

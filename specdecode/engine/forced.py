@@ -68,10 +68,10 @@ def with_forced(draft: Draft, already: int, forced: list[int] | None = None) -> 
     given those, from the rows they keep."""
     if not forced:
         if already and draft.probs is not None:
-            probs = draft.probs.clone()
-            probs[:already] = 0.0
-            probs[torch.arange(already, device=probs.device), draft.tokens[:already].to(probs.device)] = 1.0
-            draft.probs = probs
+            fixed = draft.probs.clone()
+            fixed[:already] = 0.0
+            fixed[torch.arange(already, device=fixed.device), draft.tokens[:already].to(fixed.device)] = 1.0
+            draft.probs = fixed
         draft.forced = already
         return draft
     head = torch.tensor(forced, dtype=torch.long, device=draft.tokens.device)  # [f]
