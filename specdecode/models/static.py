@@ -230,6 +230,11 @@ class StaticCausalLM(HFCausalLM):
         self.runner_name = runner
         self.runner = make_runner(runner, self.decoder.step, self.device, backend)
 
+    @property
+    def cost_key(self) -> str:
+        """The dynamic path's key and the runner's: a captured forward costs otherwise than transformers' forward."""
+        return f"{super().cost_key}|static-{self.runner_name}"
+
     @functools.cached_property
     def twin(self) -> HFCausalLM:
         """The same weights on the dynamic path (transformers' forward, a cache that grows): for the methods
