@@ -107,7 +107,9 @@ class Graphs(Runner):
                 self.fn(*buffers, *options)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with devices.attention(self.device), torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: another thread's CUDA work meanwhile (the server's builders) neither breaks the capture nor
+        # is captured
+        with devices.attention(self.device), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             outputs = self.fn(*buffers, *options)
         self.pool = graph.pool()
         captured = self.captured[key] = Captured(graph, buffers, outputs)
