@@ -1,0 +1,203 @@
+"""The clients agents and evaluation harnesses run, against `specdecode serve`: the OpenAI Agents SDK running an agent
+with two function tools to its final answer, LangChain's `ChatOpenAI(...).bind_tools`, instructor extracting a pydantic
+model, and lm-evaluation-harness's `local-completions` on a log-likelihood task and a generation task read from local
+files (no hub: HF_HUB_OFFLINE, a local tokenizer). Each runs under plain decoding (`ar`) and under `auto`, greedily, and
+gets the same answer, calls and scores from both.
+
+On a tiny random model (`conftest.tiny_tool_folder`: Qwen2.5's chat template) nothing calls a tool of its own accord,
+so the calls are forced (`tool_choice` required or a named function, which the grammar engine enforces) and the tools'
+arguments bounded (a random model would write an unbounded integer until max_tokens); the loop still runs end to end.
+The `slow` cases do the same on the real pair."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Annotated, Literal
+
+import pytest
+from pydantic import BaseModel, Field
+
+from specdecode.api import load_models
+from specdecode.serve.app import Server, ServerThread, create_app
+
+MODEL = "tiny-tools"
+METHODS = ["ar", "auto"]
+SMALL = Annotated[int, Field(ge=0, le=99)]
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_tool_folder):
+    return tiny_tool_folder
+
+
+@pytest.fixture(scope="module")
+def models(folder):
+    return load_models(str(folder), str(folder), dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def servers(models):
+    """One server per method, each its default (lm-eval names no method): {method: base URL ending in /v1}."""
+    running = {m: ServerThread(create_app(Server(models, MODEL, default_method=m, methods=[m]))) for m in METHODS}
+    yield {m: r.url + "/v1" for m, r in running.items()}
+    for r in running.values():
+        r.stop()
+
+
+def run_agent(url: str, model: str, turns: int = 4, max_tokens: int = 120) -> tuple[str, list[tuple]]:
+    """The Agents SDK's loop with two function tools: the model must call at least one (`required`), the tool runs,
+    its result goes back, and the next turn (the SDK resets the choice to auto) answers in text."""
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    called: list[tuple] = []
+
+    @function_tool
+    def add(a: SMALL, b: SMALL) -> int:
+        """Add two numbers."""
+        called.append(("add", a, b))
+        return a + b
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Oslo", "Rome"]) -> str:
+        """The weather in a city."""
+        called.append(("get_weather", city))
+        return f"sunny in {city}"
+
+    client = AsyncOpenAI(base_url=url, api_key="none", max_retries=0)
+    agent = Agent(name="helper", instructions="Answer with the tools.", tools=[add, get_weather],
+                  model=OpenAIChatCompletionsModel(model=model, openai_client=client),
+                  model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=max_tokens))
+    result = Runner.run_sync(agent, "What is 2 + 3, and what is the weather in Paris?", max_turns=turns)
+    return result.final_output, called
+
+
+def test_an_agent_runs_to_its_final_answer_the_same_under_auto(servers):
+    answers = {method: run_agent(url, MODEL) for method, url in servers.items()}
+    final, called = answers["ar"]
+    assert called and all(name in ("add", "get_weather") for name, *_ in called)
+    assert isinstance(final, str) and final
+    assert answers["auto"] == answers["ar"]
+
+
+def langchain_call(url: str, model: str) -> list[dict]:
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def multiply(a: SMALL, b: SMALL) -> int:
+        """Multiply two numbers."""
+        return a * b
+
+    llm = ChatOpenAI(base_url=url, api_key="none", model=model, temperature=0, max_tokens=120, max_retries=0)
+    message = llm.bind_tools([multiply], tool_choice="multiply").invoke("What is 3 times 4?")
+    return [{"name": call["name"], "args": call["args"]} for call in message.tool_calls]
+
+
+def test_langchain_bind_tools(servers):
+    calls = {method: langchain_call(url, MODEL) for method, url in servers.items()}
+    assert calls["ar"] and calls["ar"][0]["name"] == "multiply"
+    args = calls["ar"][0]["args"]  # (LangChain's schema allows other keys: a random model may write one)
+    assert 0 <= args["a"] <= 99 and 0 <= args["b"] <= 99
+    assert calls["auto"] == calls["ar"]
+
+
+class City(BaseModel):
+    name: Literal["Paris", "Oslo", "Rome"]
+    country: Literal["France", "Norway", "Italy"]
+    millions: SMALL
+
+
+def instructor_extract(url: str, model: str) -> City:
+    import instructor
+    from openai import OpenAI
+
+    client = instructor.from_openai(OpenAI(base_url=url, api_key="none", max_retries=0), mode=instructor.Mode.TOOLS)
+    return client.chat.completions.create(model=model, response_model=City, max_retries=0, temperature=0,
+                                          max_tokens=120, messages=[{"role": "user", "content": "Paris, 2 million."}])
+
+
+def test_instructor_extracts_a_pydantic_model(servers):
+    cities = {method: instructor_extract(url, MODEL) for method, url in servers.items()}
+    assert isinstance(cities["ar"], City)
+    assert cities["auto"].model_dump() == cities["ar"].model_dump()  # (each keeps its own raw response)
+
+
+CHOICES = [  # a small multiple-choice task, scored by log-likelihood
+    {"question": "The cat sat on the", "choices": [" mat", " dog", " moon"], "answer": 0},
+    {"question": "One, two,", "choices": [" three", " blue", " cat"], "answer": 0},
+    {"question": "The sky is", "choices": [" green", " blue"], "answer": 1},
+]
+QUESTIONS = [{"question": "Q: 2 + 2 =", "answer": "4"}, {"question": "Q: the capital of France is", "answer": "Paris"}]
+
+
+def write_tasks(folder) -> None:
+    """Two lm-eval tasks read from local JSON lines files (`dataset_path: json`)."""
+    for name, rows in (("choice", CHOICES), ("questions", QUESTIONS)):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    common = f"dataset_path: json\ntest_split: test\ndoc_to_text: '{{{{question}}}}'\n"
+    (folder / "tiny_choice.yaml").write_text(
+        f"task: tiny_choice\n{common}dataset_kwargs:\n  data_files:\n    test: {folder / 'choice.jsonl'}\n"
+        "output_type: multiple_choice\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n"
+        "metric_list:\n  - metric: acc\n")
+    (folder / "tiny_questions.yaml").write_text(
+        f"task: tiny_questions\n{common}dataset_kwargs:\n  data_files:\n    test: {folder / 'questions.jsonl'}\n"
+        "output_type: generate_until\ndoc_to_target: '{{answer}}'\n"
+        "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 8\n  do_sample: false\n  temperature: 0\n"
+        "metric_list:\n  - metric: exact_match\n")
+
+
+def lm_eval_scores(url: str, model: str, tokenizer: str, tasks_folder) -> tuple[dict, dict]:
+    """(each task's metrics, each request's raw answers: log-likelihoods and generations) from `local-completions`."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={"base_url": f"{url}/completions", "model": model, "tokenizer": tokenizer,
+                    "tokenizer_backend": "huggingface", "tokenized_requests": True, "num_concurrent": 1,
+                    "max_retries": 1},
+        tasks=["tiny_choice", "tiny_questions"], task_manager=TaskManager(include_path=str(tasks_folder)),
+        log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+    assert results is not None
+    metrics = {task: {k: v for k, v in values.items() if k != "alias"} for task, values in results["results"].items()}
+    raw = {task: [sample["resps"] for sample in samples] for task, samples in results["samples"].items()}
+    return metrics, raw
+
+
+def test_lm_eval_scores_equal_under_ar_and_auto(servers, folder, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    write_tasks(tmp_path)
+    scores = {method: lm_eval_scores(url, MODEL, str(folder), tmp_path) for method, url in servers.items()}
+    metrics, raw = scores["ar"]
+    assert set(metrics) == {"tiny_choice", "tiny_questions"} and "acc,none" in metrics["tiny_choice"]
+    assert len(raw["tiny_choice"]) == len(CHOICES) and len(raw["tiny_questions"]) == len(QUESTIONS)
+    assert scores["auto"][0] == metrics
+    for ours, theirs in zip(raw["tiny_choice"], scores["auto"][1]["tiny_choice"]):  # each choice's log-likelihood
+        assert [float(x[0][0]) for x in ours] == pytest.approx([float(x[0][0]) for x in theirs], abs=1e-4)
+    assert scores["auto"][1]["tiny_questions"] == raw["tiny_questions"]
+
+
+@pytest.mark.slow
+def test_the_real_pair_agent_and_lm_eval_agree_under_auto(tmp_path, monkeypatch):
+    """The real default pair on the int8 path (batch-invariant: greedy speculation is plain decoding token for token,
+    where bfloat16 would leave near-ties to chance): the agent's loop and lm-eval's scores are the same under `auto`
+    as under `ar`."""
+    pair = load_models(dtype="int8", progress=False)
+    pair.tokenizer.save_pretrained(tmp_path / "tokenizer")  # lm-eval's, from a local folder
+    running = {m: ServerThread(create_app(Server(pair, "real", default_method=m, methods=[m]))) for m in METHODS}
+    try:
+        urls = {m: r.url + "/v1" for m, r in running.items()}
+        answers = {m: run_agent(url, "real", max_tokens=96) for m, url in urls.items()}
+        assert answers["ar"][1] and answers["auto"] == answers["ar"]
+        write_tasks(tmp_path)
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        scores = {m: lm_eval_scores(url, "real", str(tmp_path / "tokenizer"), tmp_path)[0] for m, url in urls.items()}
+        assert scores["auto"] == scores["ar"]
+    finally:
+        for r in running.values():
+            r.stop()
