@@ -137,7 +137,7 @@ def write_tasks(folder) -> None:
     """Two lm-eval tasks read from local JSON lines files (`dataset_path: json`)."""
     for name, rows in (("choice", CHOICES), ("questions", QUESTIONS)):
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    common = f"dataset_path: json\ntest_split: test\ndoc_to_text: '{{{{question}}}}'\n"
+    common = "dataset_path: json\ntest_split: test\ndoc_to_text: '{{question}}'\n"
     (folder / "tiny_choice.yaml").write_text(
         f"task: tiny_choice\n{common}dataset_kwargs:\n  data_files:\n    test: {folder / 'choice.jsonl'}\n"
         "output_type: multiple_choice\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n"

@@ -33,9 +33,9 @@ def client(models):
     running.stop()
 
 
-def engine_result(models, prompt_ids: list[int], max_tokens: int, params: SamplingParams = SamplingParams(),
+def engine_result(models, prompt_ids: list[int], max_tokens: int, params: SamplingParams | None = None,
                   logprobs: int | None = None):
-    config = GenerationConfig(max_new_tokens=max_tokens, sampling=params, logprobs=logprobs)
+    config = GenerationConfig(max_new_tokens=max_tokens, sampling=params or SamplingParams(), logprobs=logprobs)
     return SpeculativeEngine(models.target, models.tokenizer).generate(prompt_ids, config)
 
 
