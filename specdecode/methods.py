@@ -46,8 +46,10 @@ class Method:
     tree: bool = False  # offers a token-tree form
     choices: bool = False  # its tree can take a fixed shape
     takes: tuple[str, ...] = ()  # the outside sources it drafts from: "datastore", "reference", "head"
-    # drafts without running a model, so the server decodes its requests in a batch (`engine.batch`;
-    # its drafters say so too: `Drafter.batchable`)
+    # drafts without running a model of its own or the target (a trained head that reads the target's features
+    # runs for a batch's sequences in one call), so the server decodes its requests in a batch (`engine.batch`;
+    # its drafters say so too: `Drafter.batchable`). In the batch `auto` drafts without its draft-model fallback
+    # and without a head of EAGLE's kind (a KV cache of its own)
     batchable: bool = False
     # the kind of head trained for the target it drafts with ("eagle", "eagle3", "medusa": `specdecode train
     # KIND`, a folder given as `head`); the repository ships one of each for the default target only
@@ -107,7 +109,7 @@ METHODS: dict[str, Method] = {
                "only while it pays on the request: prompt lookup, the suffix cache, one trained head of the "
                "target (the one given, else Medusa; torch), the draft model as the fallback where one is "
                "loaded; merged into one tree sized on the cost curve", False, _DRAFTERS + "auto:build_auto",
-               takes=("datastore", "reference", "head"), remembers=True, uses_draft_model=True),
+               takes=("datastore", "reference", "head"), remembers=True, uses_draft_model=True, batchable=True),
         Method("ar", "plain autoregressive decoding (the baseline)", False, None, batchable=True),
         Method("draft", "an independent draft model drafts a chain (adaptive length) or an EAGLE-2-style tree; "
                "the chain also from a model with another tokenizer, translated through text",
@@ -118,7 +120,8 @@ METHODS: dict[str, Method] = {
                "a corpus datastore, by default the Python standard library (tree: all of them, as a trie)",
                False, _DRAFTERS + "retrieval:build_retrieval", tree=True, takes=("datastore",), batchable=True),
         Method("jacobi", "Jacobi decoding: the target's own predictions from its last forward are the next "
-               "guesses, iterated to a fixed point by verification", False, _DRAFTERS + "jacobi:build_jacobi"),
+               "guesses, iterated to a fixed point by verification", False, _DRAFTERS + "jacobi:build_jacobi",
+               batchable=True),
         Method("lookahead", "lookahead decoding: a Jacobi window rides in every forward and harvests n-grams; "
                "pool n-grams starting with the last token are verified as a tree", False,
                _DRAFTERS + "lookahead:build_lookahead"),
@@ -137,7 +140,7 @@ METHODS: dict[str, Method] = {
                shares_target_cache=True),
         Method("suffix", "suffix decoding: what followed the context's suffix in this request and in earlier "
                "ones the drafter served (tree: all of it, as a trie)", False, _DRAFTERS + "suffix:build_suffix",
-               tree=True, remembers=True),
+               tree=True, remembers=True, batchable=True),
         Method("eagle", "EAGLE: a trained one-layer head on the target's own features drafts a chain scored by "
                "its confidence (tree: EAGLE-2's dynamic tree; the default target's head ships with the package, "
                "`specdecode train eagle` trains one)", False, _DRAFTERS + "eagle:build_eagle", tree=True, head="eagle",
@@ -155,11 +158,12 @@ METHODS: dict[str, Method] = {
         Method("medusa", "Medusa: trained heads on the target's last hidden state guess the next tokens at once; "
                "a chain of their top tokens (tree: the best paths through their top-k; the default target's "
                "heads ship with the package, `specdecode train medusa` trains them)", False,
-               _DRAFTERS + "medusa:build_medusa", tree=True, head="medusa", takes=("head",), torch_only=True),
+               _DRAFTERS + "medusa:build_medusa", tree=True, head="medusa", takes=("head",), torch_only=True,
+               batchable=True),
         Method("medusa-typical", "Medusa's tree under typical acceptance: LOSSY, a drafted token the target "
                "finds plausible enough is kept (exact under greedy decoding)", False,
                _DRAFTERS + "medusa:build_medusa_tree", lossless=False, head="medusa", takes=("head",), torch_only=True,
-               verified_by="specdecode.verify.typical:verify_typical"),
+               verified_by="specdecode.verify.typical:verify_typical", batchable=True),
         Method("composite", "prompt lookup and retrieval, plus the draft model only where they promise less "
                "than one accepted token, merged into one tree (a chain unless --tree)",
                True, _DRAFTERS + "composite:build_composite", tree=True, takes=("datastore", "reference")),

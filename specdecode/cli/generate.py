@@ -162,7 +162,9 @@ def auto_here(target: str = DEFAULT_TARGET, drafter: str | None = DEFAULT_DRAFTE
     path = cached_choice(get_model(target).name)
     where = (f"; the target's path here: {path} (--dtype auto's choice)" if path else
              "; the target's path: --dtype auto times the candidates at the first load")
-    return f"prompt lookup, the suffix cache{trees}{fallback}{heads}{where}"
+    batch = ("; served, several requests in one batch" + (", without the draft model" if drafter else "")
+             + (f" ({kinds[0]} drafting for all of them in one call)" if kinds else ""))
+    return f"prompt lookup, the suffix cache{trees}{fallback}{heads}{batch}{where}"
 
 
 def methods_table() -> Table:
@@ -172,14 +174,17 @@ def methods_table() -> Table:
                  "translated through text; if loaded: uses one where it is loaded)",
         "tree": "has a token-tree form (--tree, or NAME-tree)",
         "lossless": "the output follows the target's distribution exactly (NO: lossy)",
+        "batch": "served, decoded in one batch with other requests (auto without its draft-model fallback); no: "
+                 "runs alone, by turns with the batch",
         "--json": "every field of the registry",
     }, leading=1)
     table.add_column("method", no_wrap=True)
-    for flag in ("draft", "tree", "lossless"):
+    for flag in ("draft", "tree", "lossless", "batch"):
         table.add_column(flag, no_wrap=True)
     table.add_column("description", ratio=1)
     for m in METHODS.values():
         draft = ("any" if m.other_tokenizer else "same") if m.needs_draft_model else (
             "if loaded" if m.uses_draft_model else "no")
-        table.add_row(m.name, draft, "yes" if m.tree else "no", "yes" if m.lossless else "NO", m.summary)
+        table.add_row(m.name, draft, "yes" if m.tree else "no", "yes" if m.lossless else "NO",
+                      "yes" if m.batchable else "no", m.summary)
     return table

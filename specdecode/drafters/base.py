@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import abc
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -104,8 +106,9 @@ class Drafter(abc.ABC):
     logits or hidden states says so in `needs`."""
 
     name: str = "drafter"
-    # True: drafts without running a model (neither its own nor the target), so one instance per sequence
-    # can serve a batch (`engine.batch`)
+    # True: drafts without running a model of its own or the target (a trained head that reads the target's
+    # features counts: its sequences' rows go through it in one call a step), so that one instance per sequence
+    # (`for_sequence`) can serve a batch (`engine.batch`)
     batchable: bool = False
     # True: its first draft after plain steps (the engine's step-aside switch, `engine.payoff`) does extra work
     # for the tokens it did not draft (a draft model's cache catching up). False where nothing is owed: a slow
@@ -139,6 +142,39 @@ class Drafter(abc.ABC):
         """What this drafter holds apart from the models, in bytes, where that is large enough to count: a
         server keeps one drafter per owner for the methods that learn (`serve.engines`) and caps their sum."""
         return 0
+
+    def for_sequence(self, memory: Memory | None = None) -> Drafter:
+        """A new drafter like this one for one sequence of a batch (`batchable` drafters): it shares what no
+        sequence changes (a head's weights and its batched call, a datastore) and starts afresh in the rest.
+        `memory`: its owner's, which a drafter that remembers earlier requests reads, and adds this sequence to
+        at its `end` (None: a memory of its own, forgotten after)."""
+        raise NotImplementedError(f"the {self.name} drafter cannot join a batch")
+
+    def end(self) -> None:
+        """The sequence is over (ended, or dropped): a batched sequence's drafter leaves what its owner's later
+        sequences may read in its `memory`, and is not used again."""
+
+
+Part = TypeVar("Part")
+
+
+class Memory:
+    """What one owner's sequences leave for its later ones: a server keeps one per owner and method while the
+    owner's batched sequences come and go (`serve.engines`); each drafter that remembers keeps its part under a
+    name of its own (`part`), reads it while a sequence runs and adds the sequence to it at the end
+    (`Drafter.end`). Nothing in it reaches another owner."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, Any] = {}
+
+    def part(self, name: str, make: Callable[[], Part]) -> Part:
+        """The part kept under `name`, made on first use."""
+        if name not in self._parts:
+            self._parts[name] = make()
+        return self._parts[name]
+
+    def memory_bytes(self) -> int:
+        return sum(part.memory_bytes() for part in self._parts.values() if hasattr(part, "memory_bytes"))
 
 
 def tensor_bytes(*things) -> int:

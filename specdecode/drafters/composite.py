@@ -70,15 +70,17 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from specdecode import devices
-from specdecode.drafters.base import Drafter, Needs, Outcome, RunningAcceptance
+from specdecode.drafters.base import Drafter, Memory, Needs, Outcome, RunningAcceptance
 from specdecode.drafters.options import DrafterOptions, check_budget
 from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.merging import (  # (re-exported: the composite's pure part)
+    COMBINE, DROPPED, Merged, default_scores, merge, parents_of, select, surviving, translate,
+)
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.drafters.retrieval import build_retrieval
 from specdecode.drafters.source_payoff import Payoff
@@ -86,137 +88,13 @@ from specdecode.drafters.sources import Source, columns, hidden_request
 from specdecode.errors import UserError
 from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
-from specdecode.tree.budget import best_budget, prune
-from specdecode.tree.trie import best_path
 from specdecode.types import Draft, SamplingParams, Verdict
 
 if TYPE_CHECKING:
     from specdecode.models.base import CausalLM
 
-DROPPED = -2  # a sub-draft node the merge left out (deeper than allowed, or under such a node)
-
-COMBINE: dict[str, Callable[[float, float], float]] = {
-    "max": max,
-    "noisy-or": lambda a, b: 1.0 - (1.0 - a) * (1.0 - b),
-}
-
-
-# --- Pure functions: scores, merging, selection, translation ------------------------------------
-
-
-def parents_of(draft: Draft) -> torch.Tensor:
-    """A draft's parents, a chain's included. -> [n]"""
-    return draft.parents if draft.parents is not None else structure.chain(len(draft))
-
-
-def default_scores(draft: Draft, rate: float) -> torch.Tensor:
-    """Scores for a draft that came without any: each token right with chance `rate` given its path,
-    siblings sharing their parent's chance evenly. -> [n] float32 (a chain: rate, rate^2, ...)"""
-    parents = parents_of(draft).tolist()
-    siblings = [0] * (len(parents) + 1)  # [node + 1]: how many children node has; [0]: the context's
-    for parent in parents:
-        siblings[parent + 1] += 1
-    scores: list[float] = []
-    for parent in parents:
-        above = 1.0 if parent == structure.ROOT else scores[parent]
-        scores.append(above * rate / siblings[parent + 1])
-    return torch.tensor(scores, dtype=torch.float32, device="cpu")
-
-
-@dataclass
-class Merged:
-    """Drafts merged into one trie. Parallel lists, one entry per node, parents before children."""
-
-    tokens: list[int]
-    parents: list[int]
-    scores: list[float]
-    mappings: list[list[int]]  # per draft: its node i -> the merged node (DROPPED: left out)
-
-
-def merge(
-    drafts: Sequence[Draft],
-    scores: Sequence[torch.Tensor],  # [len(draft)] each, the chance each node's path is accepted
-    combine: str = "max",
-    max_depth: int | None = None,
-) -> Merged:
-    """Merge chains and trees into one trie by shared prefixes.
-
-    A node proposed by several drafts combines their scores with `combine` (within one draft, where a
-    sampled tree may repeat a sibling, always by max: it is one proposal). Nodes deeper than `max_depth`
-    are left out. Finally each node's score is capped by its parent's: a path is accepted no more often
-    than its prefix.
-    """
-    join = COMBINE[combine]
-    merged = Merged([], [], [], [])
-    depths: list[int] = []
-    index: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
-    for draft, draft_scores in zip(drafts, scores):
-        mapping: list[int] = []
-        best: dict[int, float] = {}  # merged node -> this draft's score for it
-        for token, parent, score in zip(draft.tokens.tolist(), parents_of(draft).tolist(), draft_scores.tolist()):
-            above = structure.ROOT if parent == structure.ROOT else mapping[parent]
-            depth = 1 if above == structure.ROOT else depths[above] + 1 if above != DROPPED else None
-            if depth is None or (max_depth is not None and depth > max_depth):
-                mapping.append(DROPPED)
-                continue
-            node = index.get((above, token))
-            if node is None:
-                node = index[(above, token)] = len(merged.tokens)
-                merged.tokens.append(token)
-                merged.parents.append(above)
-                merged.scores.append(0.0)
-                depths.append(depth)
-            best[node] = max(best.get(node, 0.0), min(max(float(score), 0.0), 1.0))
-            mapping.append(node)
-        for node, score in best.items():
-            merged.scores[node] = join(merged.scores[node], score)  # join(0, s) == s for both rules
-        merged.mappings.append(mapping)
-    for node, parent in enumerate(merged.parents):  # parents come first
-        if parent != structure.ROOT:
-            merged.scores[node] = min(merged.scores[node], merged.scores[parent])
-    return merged
-
-
-def select(
-    parents: torch.Tensor,  # [n]
-    scores: torch.Tensor,  # [n] acceptance estimates, never growing from a parent to its child
-    curve: CostCurve,
-    budget: int | None = None,
-    tree: bool = True,
-) -> torch.Tensor:
-    """The nodes to submit, ascending and closed under ancestors. A tree: the `budget` best, or as many
-    as pay on the cost curve (at most MAX_BUDGET). A chain: the best path, cut to the prefix that pays.
-    -> [kept]"""
-    if not parents.numel():
-        return torch.empty(0, dtype=torch.long, device="cpu")
-    if tree:
-        return prune(parents, scores, curve, budget)
-    path = best_path(parents, scores)
-    return path[: best_budget(scores[path].tolist(), curve, 0.0)]
-
-
-def translate(draft: Draft, output: Sequence[int]) -> Verdict:
-    """The verdict `draft` would have had, verified alone, in a step whose output (accepted tokens, then
-    the correction or bonus token) was `output` (see the module docstring)."""
-    tokens = draft.tokens.tolist()
-    kids = structure.children(parents_of(draft))
-    node, path = structure.ROOT, []
-    for token in output:
-        child = next((c for c in kids[node + 1] if tokens[c] == token), None)
-        if child is None:
-            break
-        path.append(child)
-        node = child
-    if output and len(path) == len(output):  # it foresaw even the last token: nothing rejected, the rest unknown
-        path.pop()
-        bonus = True
-    else:
-        bonus = not kids[node + 1]
-    return Verdict(num_drafted=len(tokens), num_accepted=len(path), tokens=tuple(output[: len(path) + 1]),
-                   path=tuple(path), bonus=bonus)
-
-
-# --- The drafter ---------------------------------------------------------------------------------
+__all__ = ["COMBINE", "DROPPED", "CompositeDrafter", "Merged", "Source", "build_composite", "default_scores",
+           "default_sources", "merge", "parents_of", "select", "translate"]
 
 
 class CompositeDrafter(Drafter):
@@ -252,17 +130,22 @@ class CompositeDrafter(Drafter):
             raise UserError(f"fallback_below must be >= 0 expected tokens, got {fallback_below}")
         self.curve, self.tree, self.budget = curve, tree, budget
         self.fallback_below, self.combine = fallback_below, combine
+        self.final_layer, self.device, self.clock = final_layer, device, clock
         self.hidden, self._blocks = hidden_request([s.drafter.needs.hidden for s in self.sources], final_layer)
         self.needs = Needs(logits=any(s.drafter.needs.logits for s in self.sources), hidden=self.hidden)
         self.catches_up = any(s.drafter.catches_up for s in self.sources)
+        # in a batch only the sources that can join it draft (`for_sequence`)
+        self.batchable = all(s.drafter.batchable for s in self.sources)
         self.stopwatch = devices.stopwatch(device, clock)
         self.payoff = Payoff(len(self.sources))  # per request
         self._costs = [0.0] * len(self.sources)  # this step's drafting, per source, in plain steps
-        # What the composite learns describes its sources and the target, not one request: kept across.
+        # What the composite learns describes its sources and the target, not one request: kept across requests
+        # (one owner's: a `forget` drops it, as a server's engine for requests without an owner does before each)
         self._acceptance = [RunningAcceptance() for _ in self.sources]  # per source
         self._proposals: list[Draft | None] = []  # this step's, per source (None: not asked)
         self._merged: Merged | None = None
-        self._submitted: dict[int, int] = {}  # merged node -> its index in the submitted draft
+        self._draft: Draft | None = None  # this step's, as submitted
+        self._submitted: dict[int, int] = {}  # merged node -> its index in the draft verified
 
     def memory_bytes(self) -> int:
         """What its sources hold (a server keeps one composite per owner where a source remembers)."""
@@ -275,8 +158,23 @@ class CompositeDrafter(Drafter):
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         for source in self.sources:
             source.drafter.begin(list(prompt_ids), forget)
+        if forget:
+            self._acceptance = [RunningAcceptance() for _ in self.sources]
         self.payoff.begin()
-        self._proposals, self._merged, self._submitted = [], None, {}
+        self._proposals, self._merged, self._draft, self._submitted = [], None, None, {}
+
+    def for_sequence(self, memory: Memory | None = None) -> CompositeDrafter:
+        """A composite of its sources' own drafters for one sequence of a batch (`Drafter.for_sequence`), of
+        those that can join it: not a draft model, nor a head with a cache of its own (EAGLE's)."""
+        sources = [Source(s.drafter.for_sequence(memory), s.cost) for s in self.sources if s.drafter.batchable]
+        twin = CompositeDrafter(sources, self.curve, self.tree, self.budget, self.fallback_below, self.combine,
+                                self.final_layer, self.clock, self.device)
+        twin.name, twin.weighs_itself = self.name, self.weighs_itself
+        return twin
+
+    def end(self) -> None:
+        for source in self.sources:
+            source.drafter.end()
 
     def _merge(self, depth: int) -> Merged:
         asked = [(i, d) for i, d in enumerate(self._proposals) if d is not None]
@@ -295,7 +193,7 @@ class CompositeDrafter(Drafter):
         return float(self._choose(merged)[1].sum())
 
     def propose(self, context, max_tokens, params: SamplingParams, generator) -> Draft:
-        self._proposals, self._merged, self._submitted = [], None, {}
+        self._proposals, self._merged, self._draft, self._submitted = [], None, None, {}
         if max_tokens <= 0:
             return Draft.empty()
         # 1. Ask the sources in order, but those that have not paid on this request; an expensive one only
@@ -319,7 +217,8 @@ class CompositeDrafter(Drafter):
         # 3. Deterministic nodes, no probs: lossless under sampling (see the module docstring).
         all_parents = torch.tensor(merged.parents, dtype=torch.long, device="cpu")
         parents = structure.select(all_parents, keep) if self.tree else None
-        return Draft(tokens=tokens, parents=parents, scores=scores, auxiliary=auxiliary)
+        self._draft = Draft(tokens=tokens, parents=parents, scores=scores, auxiliary=auxiliary)
+        return self._draft
 
     def _verified_part(self, source: int, draft: Draft) -> tuple[Draft, list[int]]:
         """The nodes of a source's draft that were verified, as a draft, and their submitted indices."""
@@ -345,9 +244,17 @@ class CompositeDrafter(Drafter):
         """Each source hears how its own proposal would have fared verified alone (see the module
         docstring), with its rows of the logits if it needs them."""
         draft, verdict, stats = outcome.draft, outcome.verdict, outcome.stats
-        # the engine's gate may have cut a chain: only the nodes it kept were verified
-        self._submitted = {node: i for node, i in self._submitted.items() if i < len(draft)}
-        accepted: list[int | None] = []  # per source, what its proposal alone would have had accepted
+        # the engine's gate may have cut a chain, or a batch's gate a tree: only the nodes it kept were verified
+        cut = draft.is_tree and not draft.forced and self._draft is not None and len(draft) < len(self._draft)
+        if cut:
+            assert self._draft is not None
+            where = surviving(self._draft, draft)
+            self._submitted = {node: where[i] for node, i in self._submitted.items() if i in where}
+        else:
+            self._submitted = {node: i for node, i in self._submitted.items() if i < len(draft)}
+        # per source, what its proposal alone would have had accepted (of a cut tree, of its verified nodes: a
+        # source is worth its drafting for what the forward could take of it)
+        accepted: list[int | None] = []
         for i, source in enumerate(self.sources):
             proposal = self._proposals[i] if i < len(self._proposals) else None
             depth = None  # the longest path of its tree, if it drafted one
@@ -358,7 +265,10 @@ class CompositeDrafter(Drafter):
                 self._acceptance[i].record(own)
                 if own.num_drafted and proposal.parents is not None:
                     depth = int(structure.depths(proposal.parents).max())
-            accepted.append(None if proposal is None else own.num_accepted)
+            if proposal is not None and cut and len(proposal):
+                accepted.append(translate(self._verified_part(i, proposal)[0], verdict.tokens).num_accepted)
+            else:
+                accepted.append(None if proposal is None else own.num_accepted)
             own_stats = dataclasses.replace(stats, drafted=own.num_drafted, accepted=own.num_accepted,
                                             draft_depth=depth)
             seen, logits = proposal if proposal is not None else Draft.empty(), None
@@ -372,7 +282,7 @@ class CompositeDrafter(Drafter):
         if self._proposals:  # a step the composite drafted (not one the engine played plain)
             self.stopwatch.settle()  # the sources' seconds (the verdict's read waited for their drafting)
             self.payoff.record(accepted, self._costs, verdict.num_accepted)
-        self._proposals, self._merged, self._submitted = [], None, {}
+        self._proposals, self._merged, self._draft, self._submitted = [], None, None, {}
 
 
 def _cost(costs: list[float], source: int, plain_step: float, seconds: float) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdecode.drafters.base import Drafter, Needs, Outcome
+from specdecode.drafters.base import Drafter, Memory, Needs, Outcome
 from specdecode.drafters.prompt_lookup import find_continuation
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
@@ -104,6 +104,7 @@ class JacobiDrafter(Drafter):
 
     name = "jacobi"
     needs = Needs(logits=True)
+    batchable = True  # it reads its sequence's rows of the target's logits and runs no model (`for_sequence`)
 
     def __init__(self, block_size: int = DEFAULT_BLOCK):
         if block_size < 1:
@@ -118,6 +119,9 @@ class JacobiDrafter(Drafter):
         # guesses before it), for the scores the engine's gate cuts the block by
         self._tried = np.zeros(self.block_size)
         self._held = np.zeros(self.block_size)
+
+    def for_sequence(self, memory: Memory | None = None) -> JacobiDrafter:
+        return JacobiDrafter(self.block_size)
 
     def _scores(self, n: int) -> torch.Tensor:
         """The chance that guesses 1..k are all accepted, for k = 1..n: the running rates, 1 in 4 before

@@ -20,12 +20,18 @@ lossless under exact verification, greedy or sampled. Typical acceptance (`verif
 The LM head the heads share can be the target's whole vocabulary or only the most frequent tokens of
 the training data (the head's `vocab_ids`), a tenth of the cost on a CPU; a token outside it is never
 drafted.
+
+In a batch each sequence has a drafter of its own (`for_sequence`), and their heads run in one call a step
+(`BatchedHeads`): the heads read all their weights for a few rows as for one, so a batch of sequences drafts
+for about what one does.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import heapq
+import weakref
 from pathlib import Path
 
 import torch
@@ -33,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode import devices
-from specdecode.drafters.base import Drafter, Needs, Outcome
+from specdecode.drafters.base import Drafter, Memory, Needs, Outcome
 from specdecode.drafters.heads import check_fits, for_drafting, head_folder, load_head, save_head
 from specdecode.errors import UserError
 from specdecode.tree.budget import MAX_BUDGET, Calibration, best_budget
@@ -114,6 +120,30 @@ def best_first(probs: torch.Tensor, top_k: int, max_nodes: int) -> tuple[list[in
     return ids, parents, scores
 
 
+class BatchedHeads:
+    """The heads drafting for the sequences of a batch (each its own `MedusaDrafter`, `for_sequence`) in one call:
+    the first sequence asked after a step computes the distributions of every sequence whose feature is new and
+    that was asked at its last step too (the heads of a composite that benched them, or whose copies run long,
+    cost nothing), stacked [sequences, d]; the others find theirs ready."""
+
+    def __init__(self) -> None:
+        self.members: weakref.WeakSet[MedusaDrafter] = weakref.WeakSet()
+
+    def distributions(self, asking: MedusaDrafter, depth: int) -> torch.Tensor:
+        """[depth, V'] the asking sequence's first `depth` heads' distributions over the draft vocabulary."""
+        if asking._probs is None or len(asking._probs) < depth:
+            due = [asking] + [m for m in self.members if m is not asking and m._probs is None and m.wanted]
+            if len(due) == 1:  # as the drafter computes them alone, row for row
+                asking._probs = asking.distributions(asking.feature, depth)
+            else:
+                features = torch.stack([m.feature for m in due])  # [sequences, d]
+                probs = asking.distributions(features, asking.heads.num_heads)  # [sequences, heads, V']
+                for member, rows in zip(due, probs):
+                    member._probs = rows
+        assert asking._probs is not None
+        return asking._probs[:depth]
+
+
 class MedusaDrafter(Drafter):
     """Drafts with Medusa heads: a chain of each head's top token, or (tree=True) the best-first tree of
     their top-k choices. Scores (path probabilities times the running ratio of accepted tokens to
@@ -123,6 +153,7 @@ class MedusaDrafter(Drafter):
     name = "medusa"
     needs = Needs(hidden=True)
     catches_up = False  # it reads the last token's state, which every forward returns
+    batchable = True  # its heads run for a batch's sequences in one call (`BatchedHeads`)
 
     def __init__(self, heads: MedusaHeads, target_model, curve=None, tree: bool = False, top_k: int = 8,
                  max_nodes: int = 64, budget: int | None = None, full_vocabulary: bool = False,
@@ -142,6 +173,7 @@ class MedusaDrafter(Drafter):
         self.curve, self.tree, self.top_k, self.max_nodes, self.budget = curve, tree, top_k, max_nodes, budget
         self.draft_cost = draft_cost
         self._calibration = Calibration()
+        self._batched: BatchedHeads | None = None  # the heads' call shared by a batch's sequences (`for_sequence`)
         self.begin([])
 
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
@@ -150,6 +182,26 @@ class MedusaDrafter(Drafter):
         self._length = len(prompt_ids)  # the context's length, followed from the verdicts
         self._scores = torch.empty(0, device="cpu")
         self._calibration.reset()
+        self._probs: torch.Tensor | None = None  # [heads, V'] from the feature, once computed (`BatchedHeads`)
+        self._asked = self.wanted = False  # asked at this step; at the last one
+
+    def for_sequence(self, memory: Memory | None = None) -> MedusaDrafter:
+        if self._batched is None:
+            self._batched = BatchedHeads()
+        twin = copy.copy(self)  # the heads, the LM head's rows and their batched call shared
+        twin._calibration = Calibration()
+        twin.begin([])
+        self._batched.members.add(twin)
+        return twin
+
+    def end(self) -> None:
+        if self._batched is not None:
+            self._batched.members.discard(self)
+
+    @property
+    def feature(self) -> torch.Tensor:
+        assert self._feature is not None, "no feature before the first verification"
+        return self._feature
 
     def observe(self, outcome: Outcome) -> None:
         # the row whose logits gave the verdict's last token: the deepest accepted node, else the last
@@ -157,20 +209,26 @@ class MedusaDrafter(Drafter):
         path, pending = outcome.accepted_path, outcome.num_pending
         row = pending + path[-1] if path else pending - 1
         self._feature = outcome.require_hidden()[row].to(self.dtype)  # [d]
+        self._probs, self.wanted, self._asked = None, self._asked, False
         self._length += len(path) + 1
         self._valid_for = self._length
         self._calibration.record_verdict(self._scores, outcome.verdict)
 
     @torch.inference_mode()
     def distributions(self, feature: torch.Tensor, depth: int) -> torch.Tensor:
-        """[depth, V'] the first `depth` heads' distributions over the draft vocabulary."""
-        states = self.heads(feature)[:depth]  # [depth, d]
+        """[..., depth, V'] the first `depth` heads' distributions over the draft vocabulary, from features [..., d]."""
+        states = self.heads(feature)[..., :depth, :]  # [..., depth, d]
         return torch.softmax(self.lm_head(states).float(), dim=-1)
 
     def propose(self, context: list[int], max_tokens: int, params: SamplingParams, generator) -> Draft:
         if self._feature is None or self._valid_for != len(context) or max_tokens <= 0:
             return Draft.empty()
-        probs = self.distributions(self._feature, min(self.heads.num_heads, max_tokens))
+        depth = min(self.heads.num_heads, max_tokens)
+        self._asked = True
+        if self._batched is not None and self in self._batched.members:
+            probs = self._batched.distributions(self, depth)
+        else:
+            probs = self.distributions(self._feature, depth)
         factor = self._calibration.factor
         if not self.tree:
             p, index = probs.max(dim=-1)  # [depth] each

@@ -6,10 +6,12 @@ given text) whole spans are accepted at once; when nothing matches, the step is 
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 
-from specdecode.drafters.base import Drafter, Outcome, RunningAcceptance
+from specdecode.drafters.base import Drafter, Memory, Outcome, RunningAcceptance
 from specdecode.drafters.options import DrafterOptions, check_budget
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
@@ -173,6 +175,11 @@ class PromptLookupDrafter(Drafter):
     def observe(self, outcome: Outcome) -> None:
         self._longest = max(self._longest, outcome.verdict.num_accepted)
 
+    def for_sequence(self, memory: Memory | None = None) -> PromptLookupDrafter:
+        twin = copy.copy(self)  # the reference document shared; `begin` makes the rest anew
+        twin.begin([])
+        return twin
+
     def _judge(self, ids: np.ndarray) -> None:
         """Compare the open proposals with what the output turned out to be."""
         still_open = []
@@ -261,6 +268,11 @@ class PromptLookupTreeDrafter(Drafter):
 
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         self._acceptance.reset()
+
+    def for_sequence(self, memory: Memory | None = None) -> PromptLookupTreeDrafter:
+        twin = copy.copy(self)
+        twin._acceptance = RunningAcceptance()
+        return twin
 
     @property
     def acceptance(self) -> float:

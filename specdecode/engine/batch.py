@@ -26,8 +26,12 @@ other sequences (`PrefillShare`): a sequence that comes in while a long prompt i
 chunk under way, not for the prompt. Several long prompts take turns too, the one that has fed the fewest
 chunks first.
 
-Drafters here must not run a model of their own or the target (prompt lookup, retrieval, plain
-decoding: `Drafter.batchable`); each sequence gets its own drafter.
+Drafters here must not run a model of their own or the target (`Drafter.batchable`: the copies, retrieval,
+Jacobi's guesses from the target's logits, a head that reads the target's features, a composite of those); each
+sequence gets its own drafter (`Drafter.for_sequence`), told how its draft fared with its rows of the forward's
+logits and hidden states (the forward asks for what any of them reads, `HiddenRequest`), and ended as the sequence
+leaves (`Drafter.end`: what it remembers goes to its owner's memory). A head's sequences draft in one call
+(`drafters.medusa.BatchedHeads`).
 """
 
 from __future__ import annotations
@@ -35,14 +39,16 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specdecode import devices
 from specdecode.drafters.base import Drafter
+from specdecode.drafters.sources import columns, hidden_request
 from specdecode.engine.sequence import (
-    GenerationConfig, GenerationResult, SequenceState, StepEvent, VerifiedStep, check_prompt, conclude, draft_inputs,
+    GenerationConfig, GenerationResult, SequenceState, StepEvent, VerifiedStep, after_prefill, check_prompt, conclude,
+    draft_inputs,
 )
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
@@ -64,6 +70,29 @@ class Member:
     verifier: Callable  # the method's (exact verification unless the method is lossy)
     slots: list[int]  # the cache slots of context[:len(slots)], in order
     chunks: int = 0  # chunks of its prompt fed before its first step
+    # those chunks' hidden states [chunk, d], where its drafter reads them (`after_prefill`)
+    pieces: list[torch.Tensor] = field(default_factory=list)
+
+
+class HiddenRequest:
+    """The hidden states a batch's forward asks for (`CausalLM.forward`'s `output_hidden`): what the engine keeps
+    for its caller (`keep_hidden`) and what each sequence's drafter reads (`Needs.hidden`), as one request
+    (`drafters.sources.hidden_request`); `columns` gives each of them its own."""
+
+    def __init__(self, keep: bool | tuple[int, ...], needs: list[bool | tuple[int, ...]], last: int | None):
+        self.request, self._blocks = hidden_request([keep, *needs], last)
+        self._count = 1 if self.request is True else len(self.request or ())
+
+    def columns(self, hidden: torch.Tensor, who: int) -> torch.Tensor | None:
+        """[n, d * asked] -> who's columns (0: the caller's, i + 1: the i-th sequence's drafter's; None: none)."""
+        blocks = self._blocks[who]
+        return None if blocks is None else columns(hidden, blocks, self._count)
+
+
+def final_layer(target: CausalLM) -> int | None:
+    """The index of the target's final-norm state among its layers' (`drafters.sources.hidden_request`), if known."""
+    config = getattr(getattr(target, "model", None), "config", None)
+    return getattr(config, "num_hidden_layers", None)
 
 
 class PrefillShare:
@@ -198,7 +227,7 @@ class BatchEngine:
 
     def remove(self, ident: int) -> None:
         """Drop a sequence (its client went away); its slots become garbage."""
-        self.members.pop(ident, None)
+        self._end(ident)
         if not self.members:
             self.target.reset()
 
@@ -219,7 +248,9 @@ class BatchEngine:
         # a sequence steps (drafts, verifies, appends) once the forward feeds all of its context
         stepping = [len(m.slots) + len(p) == len(m.progress.context) for m, p in zip(members, pending)]
         chunked = any(i in plan and not steps for i, steps in zip(idents, stepping))  # a long prompt's chunk
-        # 1. Draft, each sequence on its own; then the gate shares the forward out.
+        # 1. Draft, each sequence on its own (a head's sequences in one call: `drafters.medusa.BatchedHeads`);
+        #    then the gate shares the forward out: trees too where it carries several sequences (a sequence alone
+        #    steps as the single-sequence engine does, its tree sized on the curve by its drafter).
         drafts, draft_seconds = [], []
         for m, steps in zip(members, stepping):
             start = self.stopwatch.now()
@@ -227,7 +258,7 @@ class BatchEngine:
             drafts.append(m.progress.propose(m.drafter if steps else None, room))  # (`engine.forced`)
             draft_seconds.append(self.stopwatch.now() - start)
         if self.gate:
-            drafts = cut_batch(drafts, self.curve, sum(len(p) for p in pending))
+            drafts = cut_batch(drafts, self.curve, sum(len(p) for p in pending), trees=len(members) > 1)
         # 2. One forward over every sequence's pending tokens and draft.
         timed = self.gate and not plan  # a prompt's prefill (cold, all attention) is not timed
         forward_start, host_start = self.stopwatch.mark() if timed else None, self.stopwatch.now()
@@ -239,46 +270,69 @@ class BatchEngine:
         # attention; its rejected drafts are cropped away rather than left as garbage.
         alone = len(members) == 1 and len(members[0].slots) == cached
         tree_mask, where = attention_inputs(members, spans, positions, drafts, cached, alone)
+        asked = HiddenRequest(self.keep_hidden, [m.drafter.needs.hidden if m.drafter else False for m in members],
+                              final_layer(self.target))
         # (a forward of chunks alone asks one row of logits, unused: every backend computes at least one)
         output = self.target.forward(torch.cat(fed), positions=where, tree_mask=tree_mask,
                                      rows=torch.cat(rows) if rows else torch.tensor([total - 1], device="cpu"),
-                                     output_hidden=self.keep_hidden)
-        logits = output.logits  # [sum(len(draft) + 1), vocab] over the sequences that step
+                                     output_hidden=asked.request)
         if forward_start is not None:  # (its seconds come once the device has done it)
             self.stopwatch.measure(forward_start, self.stopwatch.mark(), functools.partial(self.curve.observe, total))
         # 3. Verify each sequence on its rows; keep the slots of its context and accepted tokens.
         out: list[tuple[int, StepEvent, GenerationResult | None]] = []
         row = 0
-        for ident, m, p, draft, (offset, _, _), spent, steps in zip(idents, members, pending, drafts, spans,
-                                                                    draft_seconds, stepping):
+        for k, (ident, m, p, draft, (offset, n, _), spent, steps) in enumerate(
+                zip(idents, members, pending, drafts, spans, draft_seconds, stepping)):
             first = cached + offset
             if self.keep_hidden and output.hidden is not None:  # the context tokens' rows (not a draft's)
-                self.hidden.setdefault(ident, []).append(output.hidden[offset : offset + len(p)].to(torch.bfloat16))
+                kept = asked.columns(output.hidden[offset : offset + len(p)], 0)
+                assert kept is not None  # (asked for)
+                self.hidden.setdefault(ident, []).append(kept.to(torch.bfloat16))
+            hidden = None if output.hidden is None else asked.columns(output.hidden[offset : offset + n], k + 1)
             if not steps:  # a chunk of its prompt
                 m.slots += list(range(first, first + len(p)))
                 m.chunks += 1
+                if hidden is not None:  # for its drafter's first step (`after_prefill`)
+                    m.pieces.append(hidden)
                 continue
-            mine = logits[row : row + len(draft) + 1]  # [len(draft) + 1, vocab]
+            logits = output.logits[row : row + len(draft) + 1]  # [len(draft) + 1, vocab]
             row += len(draft) + 1
-            verdict = m.progress.verify(m.verifier, draft, mine)  # masked by its constraint, if any
-            if alone:  # the cache keeps its context and accepted drafts, as `SpeculativeEngine.step` keeps them
-                self.target.compact(first + len(p), verdict.path)
-                m.slots = list(range(self.target.cache_length))
-            else:
-                m.slots += list(range(first, first + len(p))) + [first + len(p) + node for node in verdict.path]
-            # 4. The sequence's tokens appended; its drafter learns how its draft fared.
             # (the host's seconds since the forward began: its verification read waited for the forward)
-            verified = VerifiedStep(draft, verdict, mine, len(p), spent, self.stopwatch.now() - host_start)
-            event = conclude(m.progress, m.drafter, verified)
-            out.append((ident, event, None))
-            if m.progress.room() == 0:
-                if (tail := m.progress.tail()) is not None:
-                    out.append((ident, tail, None))
-                out[-1] = (ident, out[-1][1], m.progress.result(m.method))
-                del self.members[ident]
+            verified = VerifiedStep(draft, m.progress.verify(m.verifier, draft, logits), logits, len(p), spent,
+                                    self.stopwatch.now() - host_start, hidden)
+            out += self._conclude(ident, m, verified, first, alone)
         self._collect()
         self.stopwatch.measure(began, self.stopwatch.mark(), self._share.took(chunked, total))
         return out
+
+    def _conclude(self, ident: int, m: Member, step: VerifiedStep, first: int, alone: bool
+                  ) -> list[tuple[int, StepEvent, GenerationResult | None]]:
+        """A sequence's verified step (its forward's rows from cache slot `first` on): the slots of its context and
+        accepted tokens kept, its tokens appended, its drafter told how its draft fared; and its end, if it ends."""
+        fed, path = step.num_pending, step.verdict.path
+        if alone:  # the cache keeps its context and accepted drafts, as `SpeculativeEngine.step` keeps them
+            self.target.compact(first + fed, path)
+            m.slots = list(range(self.target.cache_length))
+        else:
+            m.slots += list(range(first, first + fed)) + [first + fed + node for node in path]
+        if m.chunks and len(m.progress.steps) == 0:  # its first step, after its prompt's chunks
+            step = after_prefill(step, len(m.slots) - fed - len(path), m.pieces)
+            m.pieces = []
+        # 4. The sequence's tokens appended; its drafter learns how its draft fared.
+        out: list[tuple[int, StepEvent, GenerationResult | None]] = [(ident, conclude(m.progress, m.drafter, step),
+                                                                      None)]
+        if m.progress.room() == 0:
+            if (tail := m.progress.tail()) is not None:
+                out.append((ident, tail, None))
+            out[-1] = (ident, out[-1][1], m.progress.result(m.method))
+            self._end(ident)
+        return out
+
+    def _end(self, ident: int) -> None:
+        """A sequence leaves: its drafter ends (leaving its owner's memory what it remembers)."""
+        m = self.members.pop(ident, None)
+        if m is not None and m.drafter is not None:
+            m.drafter.end()
 
     def _plan(self) -> dict[int, int]:
         """The prompt tokens each sequence still feeding its prompt feeds in this step (module docstring,

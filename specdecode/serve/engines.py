@@ -10,7 +10,11 @@ it was resolved once (`methods.MethodChoice`), and the engines it keeps:
   only push out its own owners; the jobs with no owner share one engine, which forgets everything before
   each of them (`SpeculativeEngine.forget`, called by the worker: `worker.Job.forgets`), so that such a job
   neither reads another's text nor pays for building the method's drafters (loading its heads) again;
-- one sequence of a batch: a new drafter of its own, which remembers nothing after.
+- one sequence of a batch: a new drafter of its own (`Drafter.for_sequence`), made from the method's *prototype*
+  (built once, at its preparation or its first job: a head loaded, a datastore read, shared by every sequence's
+  drafter); for a method that remembers, reading its owner's `Memory` (kept per owner as an engine would be, within
+  the same limits) and adding the sequence to it as it ends, or one of its own, forgotten after, where the request
+  has no owner. So one owner's sequences run side by side in the batch, and none reads another owner's.
 
 A job that runs alone gets its engine before it is submitted (`building`): built beside the worker, on a
 thread of its own at the lowest priority, where it must be built (a new owner's: loading and preparing a
@@ -30,9 +34,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from specdecode.api import Models
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, Memory
 from specdecode.engine import SpeculativeEngine
 from specdecode.methods import MethodChoice
+
+Kept = SpeculativeEngine | Memory  # what is kept per owner: an engine (a job that runs alone) or a batch's memory
 
 
 @dataclass(frozen=True)
@@ -54,19 +60,25 @@ class Engines:
         self.memory_budget = default_memory_budget() if memory_budget is None else memory_budget
         self.shared: dict[str, SpeculativeEngine] = {}  # methods that remember nothing: one each, by name
         self.forgetful: dict[str, SpeculativeEngine] = {}  # methods that remember: the ownerless jobs' one each
-        # tenant -> (method, owner) -> engine, least recent first
-        self.owned: dict[str | None, OrderedDict[tuple[str, Hashable], SpeculativeEngine]] = {}
+        # batched methods: the drafter each sequence's is made from (`Drafter.for_sequence`), by name (None: ar)
+        self.prototypes: dict[str, Drafter | None] = {}
+        # tenant -> (method, owner) -> engine or memory, least recent first
+        self.owned: dict[str | None, OrderedDict[tuple[str, Hashable], Kept]] = {}
         self._lock = threading.Lock()  # the worker, the builders and the server's event loop share the above
         self._building: dict[str | None, tuple[tuple[str, Hashable | None], Future]] = {}  # tenant -> its build
 
-    def prepare(self, choice: MethodChoice, keep: bool = True) -> None:
-        """Build a method's engine now, paying what it costs once (a layer search, a datastore, a head...);
-        kept for its jobs when `keep` (not for a method whose jobs are batched): a method that remembers keeps it
-        as the one its ownerless jobs share. Raises what building it raises."""
-        engine = self.models.engine_for(choice)
-        if keep:
+    def prepare(self, choice: MethodChoice, batched: bool = False) -> None:
+        """Build a method's engine now, paying what it costs once (a layer search, a datastore, a head...), kept
+        for its jobs (a method that remembers keeps it as the one its ownerless jobs share); for a method whose
+        jobs are `batched`, its prototype drafter. Raises what building it raises."""
+        if batched:
+            prototype = self.models.drafter_for(choice)
             with self._lock:
-                self._keep(choice, None, engine)
+                self.prototypes.setdefault(choice.name, prototype)
+            return
+        engine = self.models.engine_for(choice)
+        with self._lock:
+            self._keep(choice, None, engine)
 
     def engine(self, choice: MethodChoice, memory: Hashable | None) -> SpeculativeEngine:
         """The engine a job runs alone with, built here if need be (on the worker thread, for a job
@@ -124,6 +136,11 @@ class Engines:
             return self.shared.get(choice.name)
         if memory is None:
             return self.forgetful.get(choice.name)
+        kept = self._owned(choice, memory)
+        return kept if isinstance(kept, SpeculativeEngine) else None
+
+    def _owned(self, choice: MethodChoice, memory: Hashable) -> Kept | None:
+        """What is kept for an owner's jobs of a method, now the most recent of its tenant's. Under the lock."""
         owners = self.owned.get(_tenant(memory))
         key = (choice.name, memory)
         if owners is None or key not in owners:
@@ -131,15 +148,13 @@ class Engines:
         owners.move_to_end(key)
         return owners[key]
 
-    def _keep(self, choice: MethodChoice, memory: Hashable | None, engine: SpeculativeEngine) -> None:
+    def _keep(self, choice: MethodChoice, memory: Hashable | None, engine: Kept) -> None:
         """Keep a new engine for later jobs: a method's, or an owner's as its tenant's most recent, dropping
         the tenant's least recently used owners beyond its limits (the newest is kept, whatever it holds: its
         job needs it). Under the lock."""
-        if not choice.method.remembers:
-            self.shared.setdefault(choice.name, engine)
-            return
-        if memory is None:
-            self.forgetful.setdefault(choice.name, engine)
+        if memory is None or not choice.method.remembers:
+            assert isinstance(engine, SpeculativeEngine)
+            (self.forgetful if choice.method.remembers else self.shared).setdefault(choice.name, engine)
             return
         owners = self.owned.setdefault(_tenant(memory), OrderedDict())
         owners[(choice.name, memory)] = engine
@@ -153,9 +168,31 @@ class Engines:
         with self._lock:
             return sum(_held(engine) for engine in self.owned.get(tenant, {}).values())
 
-    def drafter(self, choice: MethodChoice) -> Drafter | None:
-        """A new drafter for one batched sequence (None: plain decoding)."""
-        return self.models.drafter_for(choice)
+    def drafter(self, choice: MethodChoice, memory: Hashable | None) -> Drafter | None:
+        """A new drafter for one batched sequence (None: plain decoding), made from the method's prototype (built
+        here on the worker if its preparation did not); for a method that remembers, with `memory`'s owner's
+        `Memory` (None: one of its own)."""
+        with self._lock:
+            known, prototype = choice.name in self.prototypes, self.prototypes.get(choice.name)
+        if not known:
+            prototype = self.models.drafter_for(choice)
+            with self._lock:
+                prototype = self.prototypes.setdefault(choice.name, prototype)
+        if prototype is None:
+            return None
+        return prototype.for_sequence(self.memory(choice, memory) if choice.method.remembers else None)
+
+    def memory(self, choice: MethodChoice, owner: Hashable | None) -> Memory:
+        """An owner's memory of a method's batched sequences, kept as its tenant's most recent (a new one where
+        `owner` is None: forgotten after)."""
+        if owner is None:
+            return Memory()
+        with self._lock:
+            kept = self._owned(choice, owner)
+            if not isinstance(kept, Memory):
+                kept = Memory()
+                self._keep(choice, owner, kept)
+            return kept
 
 
 def default_memory_budget() -> int:
@@ -176,5 +213,7 @@ def _tenant(memory: Hashable | None) -> str | None:
     return memory.tenant if isinstance(memory, Owner) else None
 
 
-def _held(engine: SpeculativeEngine) -> int:
-    return engine.drafter.memory_bytes() if engine.drafter is not None else 0
+def _held(kept: Kept) -> int:
+    if isinstance(kept, Memory):
+        return kept.memory_bytes()
+    return kept.drafter.memory_bytes() if kept.drafter is not None else 0

@@ -78,10 +78,10 @@ class Preparation:
         return "preparing" if name in self._preparing else "cold"
 
     def prepare(self, choice: MethodChoice) -> None:
-        """Pay what a method costs once (a layer search, a datastore...): build its engine. Methods that
-        batch or remember get a drafter per sequence or owner later; building one now fills the caches."""
+        """Pay what a method costs once (a layer search, a datastore, a head...): build its engine, or for a
+        method whose jobs are batched the prototype each sequence's drafter is made from (`serve.engines`)."""
         try:
-            self.engines.prepare(choice, keep=not (choice.method.batchable and self.batching))
+            self.engines.prepare(choice, batched=choice.method.batchable and self.batching)
         except UserError as error:
             self.unavailable[choice.name] = str(error)
             return

@@ -1,18 +1,20 @@
 """The thread that owns the models: requests wait in a bounded queue and are decoded step by step, together.
 
-Requests whose method drafts without a model (plain decoding, prompt lookup, retrieval) are decoded as
-one batch (`engine.batch.BatchEngine`): one target forward per step for all of them, newcomers joining
-at the next step, up to `max_batch` at once. A request whose drafter runs a model (the draft model, layer
-skipping, lookahead's window...) has the target to itself: it waits for the batch to drain, runs alone,
-and no new request joins the batch while it waits (so it is not starved). On a backend whose cache holds
-one sequence (llama.cpp) every request runs alone, in arrival order.
+Requests whose method can join a batch (`Method.batchable`: plain decoding, the copies, retrieval, the suffix
+cache, Jacobi's guesses, Medusa's heads, `auto`) are decoded as one batch (`engine.batch.BatchEngine`): one
+target forward per step for all of them, newcomers joining at the next step, up to `max_batch` at once. The
+batch runs on the target's weights over a KV cache of its own (`own_cache`). A request whose drafter runs a
+model (the draft model, EAGLE's heads with their caches, layer skipping, lookahead's window...) runs alone, on
+the target's own cache, one such request at a time, taking turns with the batch by time: a step of it (or a
+chunk of its prompt), then the batch's steps until they have had as long (`Turns`), so that neither holds the
+other up for a whole answer. On a backend whose cache holds one sequence (llama.cpp) every request runs alone,
+in arrival order, each to its end.
 
 A long prompt is fed in chunks, each a step of its job (`costs.prefill_chunk`): in the batch it takes turns
 with the other sequences' steps (`engine.batch.PrefillShare`), so a request that comes in while another's
 long prompt is being fed waits for the chunk under way, not for the prompt; a job that runs alone feeds
-its chunks one after another (`Stream.items`), holding the target as for its steps. A job that runs alone
-gets its engine before it is submitted (`Job.engine`), built beside the worker where it must be built (a
-new memory owner's: `serve.engines`).
+its chunks one a turn (`Stream.items`). A job that runs alone gets its engine before it is submitted
+(`Job.engine`), built beside the worker where it must be built (a new memory owner's: `serve.engines`).
 
 Each step's event goes to the request's asyncio queue. Between two steps, and between two chunks of a
 prompt, the worker looks at every job:
@@ -37,16 +39,18 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from specdecode.drafters.base import Drafter
-from specdecode.engine import GenerationConfig, GenerationResult, SpeculativeEngine, StepEvent
+from specdecode.engine import GenerationConfig, GenerationResult, SpeculativeEngine, StepEvent, Stream
 from specdecode.engine.batch import BatchEngine
+from specdecode.engine.sequence import Prefilled
 from specdecode.errors import UserError
 from specdecode.methods import MethodChoice
 from specdecode.models.base import CausalLM
+from specdecode.models.hf import HFCausalLM
 from specdecode.types import StepStats
 
 DEFAULT_MAX_BATCH = 8
@@ -91,8 +95,9 @@ class Factory(Protocol):
     def engine(self, choice: MethodChoice, memory: Hashable | None) -> SpeculativeEngine:
         """The engine a job runs alone with; `memory`: whose cross-request memory it may read (None: its own)."""
 
-    def drafter(self, choice: MethodChoice) -> Drafter | None:
-        """A new drafter for one sequence of a batch (None: plain decoding)."""
+    def drafter(self, choice: MethodChoice, memory: Hashable | None) -> Drafter | None:
+        """A new drafter for one sequence of a batch (None: plain decoding); `memory`: whose cross-request memory
+        it may read and add to (None: its own, forgotten after)."""
 
 
 @dataclass
@@ -130,10 +135,48 @@ class Job:
                                 finish_reason="length", method=self.choice.name)
 
 
+def own_cache(target: CausalLM) -> CausalLM | None:
+    """The target's weights over a KV cache of their own, sharing its cost curve: what the batch runs on, so that a
+    job that runs alone, on the target's cache, takes turns with it. None where the backend holds one sequence."""
+    if not isinstance(target, HFCausalLM):
+        return None
+    view = HFCausalLM(target.model, target.eos_token_ids)  # (a static target's: on the dynamic path)
+    view._live_curve = target.cost_curve()  # one curve per model, corrected by both (`CausalLM.cost_curve`)
+    return view
+
+
+class Turns:
+    """The batch and the job that runs alone beside it take turns by time: whichever has had less since both were
+    there goes next, a step (or a chunk of a prompt) at a time."""
+
+    def __init__(self) -> None:
+        self.seconds = {True: 0.0, False: 0.0}  # alone -> seconds since both were there
+
+    def alone_next(self) -> bool:
+        return self.seconds[True] <= self.seconds[False]
+
+    def took(self, alone: bool, seconds: float) -> None:
+        self.seconds[alone] += seconds
+
+    def reset(self) -> None:
+        self.seconds = {True: 0.0, False: 0.0}
+
+
+@dataclass
+class Alone:
+    """The job that runs alone, under way: its engine and the items of its stream (`Stream.items`)."""
+
+    job: Job
+    engine: SpeculativeEngine
+    stream: Stream
+    items: Iterator[StepEvent | Prefilled]
+
+
 class Worker:
     """Runs jobs on a daemon thread. `factory` builds the engine of a job that runs alone (for its method
     and memory) and a new drafter for one sequence of a batch, asked only for methods whose
-    `Method.batchable`; `on_finish(job, result)` sees every result."""
+    `Method.batchable`; `on_finish(job, result)` sees every result. `batch_target`: what the batch runs on
+    (default: `own_cache(target)`; None there: no batch, every job runs alone)."""
 
     def __init__(
         self,
@@ -144,15 +187,19 @@ class Worker:
         max_batch: int = DEFAULT_MAX_BATCH,
         on_batch_step: Callable[[int, int], None] = lambda size, drafted: None,
         max_queue: int = DEFAULT_MAX_QUEUE,
+        batch_target: CausalLM | None = None,
     ):
         self.tokenizer = tokenizer
         self.factory, self._on_finish = factory, on_finish
         self._on_batch_step = on_batch_step  # (sequences, draft tokens verified) after every batched forward
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.batch = BatchEngine(target, tokenizer) if target.several_sequences and max_batch > 1 else None
+        batch_target = batch_target or (own_cache(target) if target.several_sequences and max_batch > 1 else None)
+        self.batch = BatchEngine(batch_target, tokenizer) if batch_target is not None else None
         self._incoming: queue.Queue[Job | None] = queue.Queue()
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: dict[int, Job] = {}  # batch member id -> job
+        self._alone: Alone | None = None  # the job that runs alone, under way
+        self._turns = Turns()
         self._queued = 0  # places taken in the queue (`enter`)
         self._lock = threading.Lock()
         self._stopping = False
@@ -236,7 +283,7 @@ class Worker:
 
     def _run(self) -> None:
         while not self._stopping:
-            self._take_incoming(block=not self._active and not self._waiting)
+            self._take_incoming(block=not self._active and not self._waiting and self._alone is None)
             self._admit()
             for ident, job in list(self._active.items()):
                 if job.cancelled.is_set() or job.past_deadline():
@@ -244,45 +291,49 @@ class Worker:
                     del self._active[ident]
                     if not job.cancelled.is_set():
                         self._expire(job)
-            if self._active:
-                self._step_batch()
+            if self._alone is None or not self._active:
+                self._turns.reset()  # one of them alone: nothing owed
+            if self._alone is not None and (not self._active or self._turns.alone_next()):
+                self._timed(True, self._step_alone)
+            elif self._active:
+                self._timed(False, self._step_batch)
 
-    def _dequeue(self) -> Job:
-        job = self._waiting.popleft()
-        self.leave()
-        return job
+    def _timed(self, alone: bool, step: Callable[[], None]) -> None:
+        start = time.perf_counter()
+        step()
+        self._turns.took(alone, time.perf_counter() - start)
 
     def _admit(self) -> None:
-        """Move waiting jobs into the batch in arrival order; run a job that must run alone once the
-        batch is empty (nothing joins the batch while such a job waits)."""
-        while self._waiting:
-            job = self._waiting[0]
+        """Start waiting jobs in arrival order: into the batch while it has room; a job that runs alone once the
+        one under way (if any) has ended. A job waits only for its own kind."""
+        for job in list(self._waiting):
             if job.cancelled.is_set():
-                self._dequeue()
+                self._dequeue(job)
                 continue
             if job.past_deadline():
-                self._dequeue()
+                self._dequeue(job)
                 waited = time.perf_counter() - job.submitted
                 self._fail(job, Busy(f"the server is busy: the request waited {waited:.0f} s for the model"))
                 continue
+            alone = self.runs_alone(job.choice, job.config)
+            taken = self._alone is not None if alone else len(self._active) >= self.max_batch
+            if taken:
+                continue  # waits for its kind
+            self._dequeue(job)
+            job.started = time.perf_counter()
             try:
-                if self.runs_alone(job.choice, job.config):
-                    if self._active:
-                        return  # wait for the batch to drain
-                    self._dequeue()
-                    job.started = time.perf_counter()
-                    self._run_alone(job)
+                if alone:
+                    self._start_alone(job)
                     continue
-                if len(self._active) >= self.max_batch:
-                    return
-                job.started = time.perf_counter()
-                drafter = self.factory.drafter(job.choice)
+                drafter = self.factory.drafter(job.choice, job.memory)
                 self._active[self._batched().add(job.prompt_ids, job.config, drafter, job.choice.name,
-                                            verifier=job.choice.method.verifier)] = job
-                self._dequeue()
+                                                 verifier=job.choice.method.verifier)] = job
             except Exception as error:  # reaches the request as its error (UserError: 400, others: 500)
-                self._dequeue()
                 self._fail(job, error)
+
+    def _dequeue(self, job: Job) -> None:
+        self._waiting.remove(job)
+        self.leave()
 
     def _step_batch(self) -> None:
         try:
@@ -304,29 +355,40 @@ class Worker:
                 del self._active[ident]
                 self._finish(job, result)
 
-    def _run_alone(self, job: Job) -> None:
-        engine = None
+    def _start_alone(self, job: Job) -> None:
+        engine = job.engine or self.factory.engine(job.choice, job.memory)
+        if job.forgets:
+            engine.forget()
+        stream = engine.stream(job.prompt_ids, job.config)
+        self._alone = Alone(job, engine, stream, stream.items())
+
+    def _step_alone(self) -> None:
+        """The next item of the job that runs alone (a step's event, or a chunk of its prompt fed); its end."""
+        alone = self._alone
+        assert alone is not None
+        job = alone.job
         try:
-            engine = job.engine or self.factory.engine(job.choice, job.memory)
-            if job.forgets:
-                engine.forget()
-            stream = engine.stream(job.prompt_ids, job.config)
-            for item in stream.items():  # a step's event, or a chunk of the prompt fed
-                if job.cancelled.is_set():
-                    stream.close()
-                    engine.target.reset()  # frees the cancelled sequence's cache
-                    return
-                if isinstance(item, StepEvent):
-                    self._emit(job, item)
-                if job.past_deadline():
-                    stream.close()
-                    engine.target.reset()
-                    self._expire(job)
-                    return
+            if job.cancelled.is_set():
+                self._stop_alone()
+                return
+            item = next(alone.items, None)
+            if item is None:  # its stream ended
+                self._alone = None
+                assert alone.stream.result is not None
+                self._finish(job, alone.stream.result)
+                return
+            if isinstance(item, StepEvent):
+                self._emit(job, item)
+            if job.past_deadline():
+                self._stop_alone()
+                self._expire(job)
         except Exception as error:
+            self._stop_alone()
             self._fail(job, error)
-            if engine is not None:
-                engine.target.reset()
-            return
-        assert stream.result is not None
-        self._finish(job, stream.result)
+
+    def _stop_alone(self) -> None:
+        """End the job that runs alone where it is, freeing the target's cache."""
+        alone, self._alone = self._alone, None
+        if alone is not None:
+            alone.stream.close()
+            alone.engine.target.reset()

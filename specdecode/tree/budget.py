@@ -70,26 +70,50 @@ def cut_chain(draft: Draft, curve: Curve, pending: int = 1) -> Draft:
     return cut_batch([draft], curve, pending)[0]
 
 
-def cut_batch(drafts: list[Draft], curve: Curve, pending: int) -> list[Draft]:
-    """The drafts of several sequences that share one target forward, their scored chains cut together:
-    every scored token competes for the forward, the best-scored first (each chain's scores fall along
-    it, so each keeps a prefix), as many as maximise expected tokens (one per sequence plus the scores)
-    per cost of the whole forward. So the larger the batch, the less each sequence drafts, down to
-    nothing where the curve says a wider forward no longer pays. `pending`: the context tokens of all
-    sequences the forward carries. Trees and unscored drafts go as they are, their tokens counted."""
-    scored = {i: d.scores.tolist() for i, d in enumerate(drafts)  # the scored chains' scores, by draft
-              if d.scores is not None and not d.is_tree and len(d)}
+def cut_batch(drafts: list[Draft], curve: Curve, pending: int, trees: bool = True) -> list[Draft]:
+    """The drafts of several sequences that share one target forward, cut together: every scored token of
+    every scored chain, and with `trees` of every scored tree (sent without distributions), competes for the
+    forward, the best-scored first (a node's score capped by its parent's, ties to the shallower, so each keeps
+    a prefix, or a subtree closed under ancestors), as many as maximise expected tokens (one per sequence plus
+    the scores) per cost of the whole forward. So the larger the batch, the less each sequence drafts, down to
+    nothing where the curve says a wider forward no longer pays. `pending`: the context tokens of all sequences
+    the forward carries. Other drafts go as they are, their tokens counted."""
+    scored = {i: d for i, d in enumerate(drafts)  # the drafts cut, by index
+              if d.scores is not None and len(d) and (not d.is_tree or (trees and d.probs is None))}
     fixed = pending + sum(len(d) for i, d in enumerate(drafts) if i not in scored)
-    ranked = sorted(((float(s), j, i) for i, scores in scored.items() for j, s in enumerate(scores)),
-                    key=lambda c: (-c[0], c[1]))
+    ranked = sorted(((score, depth, i, node) for i, d in scored.items() for node, (score, depth)
+                     in enumerate(_capped(d))), key=lambda c: (-c[0], c[1]))
     # no wider than the largest measured forward: beyond it the curve is a guess (on llama.cpp a 65-token
     # forward costs far more than the line through 48 and 64 says: docs/results/code-choices.md)
     cap = max(curve.sizes[-1] - fixed, 0)
     count = best_budget([c[0] for c in ranked], curve, 0.0, pending=fixed, cap=cap, base=float(len(drafts)))
-    keep = {i: 0 for i in scored}
-    for _, _, i in ranked[:count]:
-        keep[i] += 1
-    return [d.prefix(keep[i]) if i in keep else d for i, d in enumerate(drafts)]
+    keep: dict[int, list[int]] = {i: [] for i in scored}
+    for _, _, i, node in ranked[:count]:
+        keep[i].append(node)
+    return [d if i not in keep else _subtree(d, keep[i]) if d.is_tree else d.prefix(len(keep[i]))
+            for i, d in enumerate(drafts)]
+
+
+def _capped(draft: Draft) -> list[tuple[float, int]]:
+    """(score, depth) of each node: a chain's as they are, a tree's capped by its parent's."""
+    scores = draft.scores.tolist() if draft.scores is not None else []
+    if draft.parents is None:
+        return [(float(s), j + 1) for j, s in enumerate(scores)]
+    out: list[tuple[float, int]] = []
+    for score, parent in zip(scores, draft.parents.tolist()):
+        above = (1.0, 0) if parent == structure.ROOT else out[parent]
+        out.append((min(float(score), above[0]), above[1] + 1))
+    return out
+
+
+def _subtree(draft: Draft, keep: list[int]) -> Draft:
+    """A tree draft's nodes `keep` (closed under ancestors), in their order."""
+    if len(keep) == len(draft):
+        return draft
+    assert draft.parents is not None and draft.scores is not None
+    index = torch.tensor(sorted(keep), dtype=torch.long, device="cpu")
+    return Draft(tokens=draft.tokens[index], parents=structure.select(draft.parents, index),
+                 scores=draft.scores[index], auxiliary=draft.auxiliary, forced=min(draft.forced, len(keep)))
 
 
 class Calibration:

@@ -45,7 +45,7 @@ def _check(lines: list[str], headers: list[str], names: list[str]) -> None:
 
 def test_methods_fit_80_columns_and_wrap_only_the_description():
     lines = _render(methods_table())
-    _check(lines, ["method", "draft", "tree", "lossless", "description"], list(METHODS))
+    _check(lines, ["method", "draft", "tree", "lossless", "batch", "description"], list(METHODS))
     legend_start = next(i for i, line in enumerate(lines) if line.startswith("draft: needs"))
     description = lines[0].index("description")
     for line in lines[2:legend_start]:  # a row's first line, or its description going on alone
@@ -53,7 +53,7 @@ def test_methods_fit_80_columns_and_wrap_only_the_description():
             assert line.split()[0] in METHODS, line
         else:
             assert not line[:description].strip(), line
-    assert all(f"{name}:" in _words(lines[legend_start:]) for name in ("draft", "tree", "lossless"))
+    assert all(f"{name}:" in _words(lines[legend_start:]) for name in ("draft", "tree", "lossless", "batch"))
 
 
 def test_methods_json_has_every_field():

@@ -11,10 +11,12 @@ others served meanwhile, a second new owner of the same key told to retry), the 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -22,8 +24,11 @@ import pytest
 from conftest import LetterTokenizer
 from fakes import TARGET, VOCAB, FakeLM
 from specdecode.api import Models, load_models
+from specdecode.drafters.composite import CompositeDrafter
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.engine import GenerationConfig, GenerationResult, SpeculativeEngine
-from specdecode.methods import choose
+from specdecode.methods import METHODS, MethodChoice, choose
 from specdecode.serve.app import Limits, Server, ServerThread, create_app
 from specdecode.serve.guard import Guard, key_identity
 from specdecode.serve.limits import prompt_byte_limit
@@ -32,6 +37,7 @@ from test_serve import openai_error, post
 
 CHUNK = 4
 BATCHED, ALONE = choose("ar"), choose("draft")  # plain decoding joins the batch; the draft model's runs alone
+AUTO = choose("auto")  # the default method joins the batch too
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,11 +49,13 @@ class HeldLM(FakeLM):
         super().__init__(TARGET, max_context=1024)
         self.fed: list[int] = []  # the tokens of each forward, begun
         self.begun, self.gate = threading.Semaphore(0), threading.Semaphore(0)
+        self.pause = [0.0]  # seconds each forward takes once let go (the worker's turns are by time)
 
     def forward(self, token_ids, **options):
         self.fed.append(token_ids.numel())
         self.begun.release()
         assert self.gate.acquire(timeout=60), "the test never let the forward go on"
+        time.sleep(self.pause[0])
         return super().forward(token_ids, **options)
 
     def next_forward(self) -> int:
@@ -67,20 +75,34 @@ class Direct:
 
 
 class Factory:
+    """Plain decoding for every method, but `auto`: its copies (prompt lookup, the suffix cache) as the batch runs
+    them on a target without a head."""
+
     def engine(self, choice, memory):
         engine = SpeculativeEngine(self.target, LetterTokenizer())
         engine.prefill_chunk = CHUNK
         return engine
 
-    def drafter(self, choice):
-        return None
+    def drafter(self, choice, memory):
+        if choice.name != "auto":
+            return None
+        curve = self.target.cost_curve()
+        return CompositeDrafter([PromptLookupDrafter(), SuffixDrafter(curve, tree=True)], curve).for_sequence()
+
+
+def own_cache(target: HeldLM) -> HeldLM:
+    """The held model over a cache of its own (what the batch runs on), its forwards held and counted with the
+    target's."""
+    sibling = copy.copy(target)
+    sibling.cache = []
+    return sibling
 
 
 @contextlib.contextmanager
 def worker():
     target, factory = HeldLM(), Factory()
     factory.target = target
-    running = Worker(target, LetterTokenizer(), factory)
+    running = Worker(target, LetterTokenizer(), factory, batch_target=own_cache(target))
     running.batch.prefill_chunk = CHUNK
     try:
         yield running, target
@@ -135,6 +157,58 @@ def test_a_request_is_served_between_the_chunks_of_another_prompt():
         assert max(target.fed) <= CHUNK + 1
 
 
+def under_way(running: Worker, target: HeldLM, choice) -> Job:
+    """A 60-token answer to a 5-token prompt, its fifth forward under way (held)."""
+    long = submit(running, choice, 5, 60, seed=1)
+    for _ in range(4):
+        target.next_forward()
+        target.go()
+    target.next_forward()
+    return long
+
+
+def forwards_until_answered(target: HeldLM, job: Job) -> int:
+    """Let the forwards go on one at a time until the job has its answer; how many went."""
+    forwards = 0
+    while job.events.empty() or not isinstance(job.events.queue[-1], GenerationResult):
+        target.go()
+        target.next_forward()
+        forwards += 1
+    return forwards
+
+
+@pytest.mark.parametrize("choice", [BATCHED, AUTO], ids=["ar", "auto"])
+def test_a_short_request_is_served_while_another_streams_a_long_answer(choice):
+    """A 2-token request that comes in while another of the same method streams a 60-token answer joins the
+    batch at the next step: answered within a few forwards, each the step of both, not after the other's answer."""
+    with worker() as (running, target):
+        long = under_way(running, target, choice)
+        short = submit(running, choice, 3, 2, seed=2)
+        # the step under way, then its prompt's with the other's, then its second token's
+        assert forwards_until_answered(target, short) <= 3
+        assert result(short).token_ids == served_alone(3, 2, seed=2)
+        target.go(10_000)
+        assert result(long).token_ids == served_alone(5, 60, seed=1)
+
+
+@pytest.mark.parametrize("first, second", [(ALONE, BATCHED), (BATCHED, ALONE), (ALONE, AUTO)],
+                         ids=["batched-beside-alone", "alone-beside-batched", "auto-beside-alone"])
+def test_a_job_that_runs_alone_takes_turns_with_the_batch(first, second):
+    """A request whose method cannot join the batch and a batched one, either first: the later one is served
+    within a few forwards of its arrival, by turns with the other's steps (each on a cache of its own), not
+    after the other's 60-token answer; both answers are plain decoding's."""
+    with worker() as (running, target):
+        target.pause[0] = 0.02  # a forward takes longer than drafting (the turns are by time, as on a real model)
+        long = under_way(running, target, first)
+        short = submit(running, second, 3, 2, seed=2)
+        # the step under way, then its two steps by turns with the other's (about one each)
+        assert forwards_until_answered(target, short) <= 8
+        assert long.events.qsize() < 60  # the long answer is still under way
+        assert result(short).token_ids == served_alone(3, 2, seed=2)
+        target.go(10_000)
+        assert result(long).token_ids == served_alone(5, 60, seed=1)
+
+
 @pytest.mark.parametrize("choice", [BATCHED, ALONE], ids=["batched", "alone"])
 @pytest.mark.parametrize("ending", ["cancelled", "expired"])
 def test_a_client_leaving_or_a_deadline_stops_a_prompt_between_two_chunks(choice, ending):
@@ -174,8 +248,8 @@ def models(tiny_folder):
 
 @contextlib.contextmanager
 def serving(models: Models, limits: Limits = Limits(), **options):
-    state = Server(models, MODEL, default_method="pld", methods=["pld", "ar", "draft", "suffix"], limits=limits,
-                   **options)
+    options.setdefault("methods", ["pld", "ar", "draft", "suffix", "auto"])
+    state = Server(models, MODEL, default_method="pld", limits=limits, **options)
     running = ServerThread(create_app(state, Guard(api_keys=(KEY_A, KEY_B))))
     try:
         yield running, state
@@ -234,8 +308,11 @@ def held_builds(models: Models) -> tuple[Models, threading.Event, threading.Even
 
 
 def test_a_new_owners_engine_is_built_beside_the_worker(models):
+    """A method that remembers and runs alone (as eagle3-online, whose head each owner trains, always does; here
+    suffix decoding taken out of the batch) gets an engine per owner, built beside the worker."""
     slow, begun, release = held_builds(models)
-    with serving(slow) as (running, _), ThreadPoolExecutor(1) as pool:
+    alone_suffix = MethodChoice(dataclasses.replace(METHODS["suffix"], batchable=False))
+    with serving(slow, methods=["pld", "ar", "draft", alone_suffix]) as (running, _), ThreadPoolExecutor(1) as pool:
         try:
             first = pool.submit(ask, running.url, KEY_A, "the cat sat", "suffix", "new-owner")
             assert begun.wait(60)

@@ -1,16 +1,19 @@
-"""Cross-request memory on a server with several users: suffix decoding drafts from its owner's earlier
-requests only. A second client's streamed drafts, rejected text and token origins are exactly what they
-are on a server that never saw the first client; the same test on a server that shares its memory
-("server" scope) shows the leak it guards against."""
+"""Cross-request memory on a server with several users: suffix decoding, and `auto` (prompt lookup, the suffix
+cache and a Medusa head, decoded in the batch), draft from their owner's earlier requests only. A second client's
+streamed drafts, rejected text and token origins are exactly what they are on a server that never saw the first
+client; the same test on a server that shares its memory ("server" scope) shows the leak it guards against."""
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
+from conftest import random_medusa_heads
 from specdecode.api import load_models
+from specdecode.drafters.base import Memory
 from specdecode.drafters.suffix import SuffixIndex
 from specdecode.serve.app import Server, ServerThread, create_app
 from specdecode.serve.guard import Guard
@@ -29,14 +32,24 @@ def models(tiny_folder):
     return load_models(str(tiny_folder), None, dtype="float32", progress=False)
 
 
-def serve(models, memory_scope: str, keys: tuple[str, ...] = ()) -> tuple[ServerThread, Server]:
-    state = Server(models, MODEL, default_method="suffix", methods=["suffix", "ar"], memory_scope=memory_scope)
+@pytest.fixture(scope="module")
+def head(models, tiny_folder, tmp_path_factory) -> str:
+    """Random Medusa heads for the tiny model, as `specdecode train medusa --out DIR` saves them: `auto`'s head."""
+    folder = tmp_path_factory.mktemp("medusa") / "medusa"
+    random_medusa_heads(models.target.model, scale=0.5).save(folder, {"target": str(tiny_folder)})
+    return str(folder)
+
+
+def serve(models, memory_scope: str, keys: tuple[str, ...] = (), head: str | None = None,
+          method: str = "suffix") -> tuple[ServerThread, Server]:
+    state = Server(models, MODEL, default_method=method, methods=[method, "ar"], memory_scope=memory_scope,
+                   head=head)
     return ServerThread(create_app(state, Guard(api_keys=keys))), state
 
 
 def stream(url: str, prompt: str, key: str | None = None, user: str | None = None) -> list[dict]:
     """Every step's `specdecode` payload (tokens with origins, rejected text, drafted, accepted) of a
-    greedy streamed completion."""
+    greedy streamed completion (the server's default method)."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True}
     if user is not None:
         body["user"] = user
@@ -48,9 +61,9 @@ def stream(url: str, prompt: str, key: str | None = None, user: str | None = Non
 
 
 def traffic(models, memory_scope: str, requests: list[tuple[str, str | None, str | None]],
-            keys: tuple[str, ...] = ()) -> list[list[dict]]:
+            keys: tuple[str, ...] = (), **options) -> list[list[dict]]:
     """On a new server: each (prompt, key, user) in turn; every answer's step payloads."""
-    running, _ = serve(models, memory_scope, keys)
+    running, _ = serve(models, memory_scope, keys, **options)
     try:
         return [stream(running.url, prompt, key, user) for prompt, key, user in requests]
     finally:
@@ -169,27 +182,57 @@ def test_a_growing_index_finds_what_a_plain_search_finds():
         assert len(found) == len(expected)
 
 
-def test_requests_without_an_owner_share_one_engine_built_once(models):
-    """A remembering method's engine for requests with no owner is built once, at the start-up preparation (a
-    head's loading is not paid again per request), and shared; what keeps them apart is the worker's `forget`
-    before each (`test_a_second_client_sees_nothing_of_the_first` fails without it)."""
+def test_batched_requests_draft_from_one_prototype_built_once(models, head):
+    """A batched method's drafters are made from one prototype, built at the start-up preparation (auto's head is
+    loaded once, not per request); a request with no owner gets a memory of its own, an owner keeps hers."""
     from specdecode.methods import choose
+    from specdecode.serve.engines import Owner
     from specdecode.serve.worker import Job
 
-    running, state = serve(models, "tenant")
+    running, state = serve(models, "tenant", head=head, method="auto")
     state.wait_until_prepared(timeout=120)
-    prepared = state.engines.forgetful["suffix"]
+    prototype = state.engines.prototypes["auto"]
     built = []
-    engine_for = state.engines.models.engine_for
-    state.engines.models.engine_for = lambda choice: built.append(choice.name) or engine_for(choice)
+    drafter_for = state.engines.models.drafter_for
+    state.engines.models.drafter_for = lambda choice: built.append(choice.name) or drafter_for(choice)
     try:
-        for _ in range(3):
+        for _ in range(2):
             stream(running.url, PROBE_PROMPT)
         stream(running.url, PROBE_PROMPT, user="carol")
     finally:
         running.stop()
-        state.engines.models.engine_for = engine_for
-    assert built == ["suffix"]  # carol's; the ownerless requests ran on the prepared engine
-    assert state.engines.forgetful["suffix"] is prepared
+        state.engines.models.drafter_for = drafter_for
+    assert built == [] and state.engines.prototypes["auto"] is prototype
+    assert isinstance(state.engines.owned[None][("auto", Owner(None, "carol"))], Memory)
+    assert list(state.engines.owned[None]) == [("auto", Owner(None, "carol"))]  # the ownerless kept nothing
     suffix = choose("suffix")
     assert Job(suffix, [], None, None, None).forgets and not Job(suffix, [], None, None, None, memory="x").forgets
+
+
+@pytest.mark.parametrize("memory_scope, leaks", [("tenant", False), ("server", True)])
+def test_batched_auto_keeps_owners_apart(models, head, memory_scope, leaks):
+    """`auto` in the batch (its tree's rejected nodes are not shown, so what it drafted shows in each step's drafted
+    count): after alice's requests, bob's probe drafts exactly what it drafts on a server that never saw alice,
+    while alice's drafts from her memory (one memory for all, the control, leaks to bob); and while alice's probe
+    and bob's run side by side in one batch, each reads and fills only its own owner's memory."""
+    options = {"head": head, "method": "auto"}
+    [bob_alone] = traffic(models, memory_scope, [(PROBE_PROMPT, None, "bob")], **options)
+    *_, alice, bob = traffic(models, memory_scope, [(OWNER_PROMPT, None, "alice")] * 3 + [
+        (PROBE_PROMPT, None, "alice"), (PROBE_PROMPT, None, "bob")], **options)
+    assert alice != bob_alone  # her memory drafted
+    assert (bob != bob_alone) == leaks
+    running, state = serve(models, memory_scope, **options)
+    try:
+        for _ in range(3):
+            stream(running.url, OWNER_PROMPT, user="alice")
+        with ThreadPoolExecutor(2) as pool:
+            together = [pool.submit(stream, running.url, PROBE_PROMPT, None, user) for user in ("alice", "bob")]
+            [f.result(timeout=120) for f in together]
+    finally:
+        running.stop()
+    memories = {owner.name: memory for (_, owner), memory in state.engines.owned[None].items()}
+    held = {name: memory.part("suffix", lambda: None).index.sequences() for name, memory in memories.items()}
+    if leaks:
+        assert {name: sorted(ids) for name, ids in held.items()} == {"server": list(range(5))}
+    else:  # alice's three requests and her probe; bob's probe alone
+        assert len(held["alice"]) == 4 and len(held["bob"]) == 1

@@ -3,10 +3,12 @@ as its heaviest path (`rest`) or as its best nodes (`rest-tree`); and the method
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 
-from specdecode.drafters.base import Drafter, Outcome
+from specdecode.drafters.base import Drafter, Memory, Outcome
 from specdecode.drafters.options import check_budget
 from specdecode.drafters.retrieval.build import default_datastore
 from specdecode.drafters.retrieval.datastore import (
@@ -69,6 +71,12 @@ class _RetrievalDrafter(Drafter):
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         self._calibration.reset()
         self._shares = np.empty(0)
+
+    def for_sequence(self, memory: Memory | None = None) -> Drafter:
+        twin = copy.copy(self)  # the datastore shared
+        twin._calibration = Calibration()
+        twin.begin([])
+        return twin
 
     def _continuations(self, context: list[int], depth: int) -> np.ndarray | None:
         """[occurrences, depth] what followed the longest matching suffix of the context, or None."""

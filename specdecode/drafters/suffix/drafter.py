@@ -3,16 +3,16 @@ drafted as a chain or a tree; judged against the output to rank and evict the in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from specdecode.drafters.base import Drafter, Outcome
+from specdecode.drafters.base import Drafter, Memory, Outcome
 from specdecode.drafters.options import DrafterOptions, check_budget
 from specdecode.drafters.prompt_lookup import JUDGED, CopyAcceptance
-from specdecode.drafters.suffix.index import SuffixIndex
+from specdecode.drafters.suffix.index import Match, SuffixIndex
 from specdecode.errors import UserError
 from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
@@ -32,7 +32,19 @@ class _Judgment:
     bucket: int  # CopyAcceptance's kind of match
     tokens: list[int]  # [<= JUDGED] its continuation
     at: int  # the context length it was proposed after
-    sequence: int
+    sequence: int  # in the index of the earlier requests, for a shared match
+
+
+@dataclass
+class SuffixMemory:
+    """What one owner's earlier requests leave to a batched sequence's suffix drafter (`SuffixDrafter.for_sequence`):
+    their text, indexed (closed sequences only), and how matches into it have fared."""
+
+    index: SuffixIndex
+    rates: CopyAcceptance = field(default_factory=CopyAcceptance)
+
+    def memory_bytes(self) -> int:
+        return self.index.nbytes
 
 
 class SuffixDrafter(Drafter):
@@ -67,9 +79,15 @@ class SuffixDrafter(Drafter):
 
     `tree=False` proposes the trie's best path as a scored chain (the engine's gate cuts it on the cost
     curve); `tree=True` the trie's best nodes: `budget` of them, or as many as pay on `curve`.
+
+    In a batch (`for_sequence`), sequences of one owner run side by side: each indexes its own request in an
+    index of its own and reads the earlier requests from the owner's `SuffixMemory`, to which it adds its
+    request when it ends (`end`); what is found in both is ranked as one index ranks it (longest match, then
+    the current request's).
     """
 
     name = "suffix"
+    batchable = True  # no model: one per sequence of a batch, its owner's memory shared (`for_sequence`)
     catches_up = False  # its index hears every step's tokens (`observe`), drafted or not
 
     def __init__(
@@ -84,6 +102,7 @@ class SuffixDrafter(Drafter):
         max_candidates: int = 16,
         include_prompts: bool = False,
         own_weight: float = 2.0,
+        memory: SuffixMemory | None = None,  # the owner's earlier requests (a batched sequence's); None: in `index`
     ):
         check_budget(budget)
         if tree and curve is None and budget is None:
@@ -101,7 +120,10 @@ class SuffixDrafter(Drafter):
         self.num_tokens, self.max_candidates = num_tokens, max_candidates
         self.min_match, self.min_shared_match = min_match, min_shared_match
         self.include_prompts, self.own_weight = include_prompts, own_weight
-        self._shared = CopyAcceptance()  # matches into earlier requests: learnt over the drafter's lifetime
+        self.memory = memory
+        self._earlier = memory.index if memory is not None else self.index  # where earlier requests are found
+        # matches into earlier requests: learnt over the drafter's lifetime (a batched sequence's: its owner's)
+        self._shared = memory.rates if memory is not None else CopyAcceptance()
         self._own = CopyAcceptance()  # matches into this request: learnt per request
         self._judgments: list[_Judgment] = []
         self._prompt_length = 0
@@ -113,16 +135,45 @@ class SuffixDrafter(Drafter):
         e.g. between a benchmark's repeats, so that a prompt is not drafted from its own earlier run."""
         if forget:
             self.index.clear()
+            self._earlier.clear()
             self._shared = CopyAcceptance()
-        elif self.index.open_id is not None:
-            keep = self.include_prompts
-            self.index.close(drop_first=0 if keep else max(self._prompt_length - self.index.max_match, 0))
+            if self.memory is not None:
+                self.memory.rates = self._shared
+        else:
+            self.end()
         self.index.open()
         self.index.extend(prompt_ids)
         self._prompt_length = len(prompt_ids)
         self._seen = list(prompt_ids)
         self._own = CopyAcceptance()
         self._judgments = []
+
+    def end(self) -> None:
+        """Close the request's sequence, keeping its output and, unless `include_prompts`, only the last
+        `max_match` tokens of its prompt; a batched sequence's goes into its owner's memory."""
+        if self.index.open_id is None:
+            return
+        drop = 0 if self.include_prompts else max(self._prompt_length - self.index.max_match, 0)
+        if self.memory is None:
+            self.index.close(drop_first=drop)
+            return
+        kept = self.index.tokens_of(self.index.open_id)[drop:]
+        self.index.clear()
+        if kept.size:
+            self._earlier.open()
+            self._earlier.extend(kept)
+            self._earlier.close()
+
+    def for_sequence(self, memory: Memory | None = None) -> SuffixDrafter:
+        index = self.index
+
+        def like() -> SuffixIndex:  # an index of this drafter's settings
+            return SuffixIndex(index.capacity, index.keys, index.max_match, index.max_walk)
+
+        part = (memory or Memory()).part("suffix", lambda: SuffixMemory(like()))
+        return SuffixDrafter(self.curve, self.tree, self.budget, like(), self.num_tokens, self.min_match,
+                             self.min_shared_match, self.max_candidates, self.include_prompts, self.own_weight,
+                             memory=part)
 
     def _sync(self, context: list[int]) -> None:
         """Take in the context's new tokens; a context that does not extend the request begun is
@@ -154,10 +205,20 @@ class SuffixDrafter(Drafter):
             if right < judged or judged == len(judgment.tokens):
                 (self._own if judgment.own else self._shared).record(judgment.bucket, right, judged)
                 if right and not judgment.own:
-                    self.index.touch(judgment.sequence)
+                    self._earlier.touch(judgment.sequence)
             else:
                 waiting.append(judgment)
         self._judgments = waiting
+
+    def _lookup(self, ids: np.ndarray, limit: int) -> tuple[list[Match], list[bool]]:
+        """The matches of the context's suffix long enough to draft from, and whether each is in this request."""
+        shortest, own_sequence = min(self.min_match, self.min_shared_match), self.index.open_id
+        found = [(m, m.sequence == own_sequence) for m in self.index.lookup(ids, shortest, self.max_candidates, limit)]
+        if self._earlier is not self.index:  # a batched sequence: the earlier requests in its owner's memory
+            found += [(m, False) for m in self._earlier.lookup(ids, shortest, self.max_candidates, limit)]
+            found = sorted(found, key=lambda pair: -pair[0].matched)[: self.max_candidates]  # own first at ties
+        kept = [(m, o) for m, o in found if m.matched >= (self.min_match if o else self.min_shared_match)]
+        return [m for m, _ in kept], [o for _, o in kept]
 
     def propose(self, context, max_tokens, params: SamplingParams, generator) -> Draft:
         self._sync(list(context))
@@ -165,14 +226,10 @@ class SuffixDrafter(Drafter):
         limit = min(self.num_tokens, max_tokens)
         if limit <= 0 or not ids.size:
             return Draft.empty()
-        own_sequence = self.index.open_id
-        found = self.index.lookup(ids, min(self.min_match, self.min_shared_match), self.max_candidates, limit)
-        matches = [m for m in found
-                   if m.matched >= (self.min_match if m.sequence == own_sequence else self.min_shared_match)]
+        matches, own = self._lookup(ids, limit)
         if not matches:
             return Draft.empty()
         # 1. Each match's chance of being the right source, and of its continuation's tokens being right.
-        own = [m.sequence == own_sequence for m in matches]
         weights = np.array([(self.own_weight if o else 1.0) * 2.0 ** m.matched for m, o in zip(matches, own)])
         weights /= weights.sum()
         chances = []

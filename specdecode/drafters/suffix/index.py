@@ -196,6 +196,12 @@ class SuffixIndex:
         return self._tokens[start : start + length].astype(np.int64)
 
     @property
+    def nbytes(self) -> int:
+        """What its arrays hold, in bytes."""
+        arrays = [self._tokens, *self._prev.values(), *self._head.values()]
+        return sum(int(array.nbytes) for array in arrays)
+
+    @property
     def log_slots(self) -> int:
         """The log's allocated length: at most twice the capacity."""
         return int(self._tokens.shape[0])
