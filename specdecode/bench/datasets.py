@@ -37,6 +37,9 @@ class Task:
     task_id: str
     turns: tuple[str, ...]  # user messages; a later turn is asked after the model's own answer to the earlier
     constraint: Constraint | None = None  # what the answers must be (the structured category's)
+    # messages after the first turn's, before the model answers (the agentic category's earlier calls and results)
+    history: tuple[dict, ...] = ()
+    tools: tuple[dict, ...] = ()  # OpenAI function definitions the chat template renders (the agentic category's)
 
 
 def _package_file(distribution: str, path: str):
@@ -331,6 +334,13 @@ def structured() -> list[Task]:
     return [Task(shaped.CATEGORY, ident, (prompt,), constraint) for ident, prompt, constraint in shaped.tasks()]
 
 
+def agentic() -> list[Task]:
+    from specdecode.bench import agentic as agents
+
+    return [Task(agents.CATEGORY, ident, (request,), history=history, tools=tools)
+            for ident, request, history, tools in agents.tasks()]
+
+
 CATEGORIES = {
     "multi-turn": mt_bench,
     "code": code,
@@ -342,10 +352,12 @@ CATEGORIES = {
     "translation": translation,
     LONG_CONTEXT: long_context,
     "structured": structured,
+    "agentic": agentic,
 }
 # what `specdecode bench` runs unless told: long-context's prefills of up to 16k tokens would make it far
-# slower, and structured answers are constrained (`bench.structured`), so those run only when named
-DEFAULT_CATEGORIES = [c for c in CATEGORIES if c not in (LONG_CONTEXT, "structured")]
+# slower, structured answers are constrained (`bench.structured`), and agentic tasks carry tools that peers' chat
+# endpoints may not take, so those run only when named
+DEFAULT_CATEGORIES = [c for c in CATEGORIES if c not in (LONG_CONTEXT, "structured", "agentic")]
 
 
 def install_data_packages() -> None:

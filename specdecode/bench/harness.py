@@ -135,9 +135,11 @@ def run_task(models: Models, runner: Runner, task: Task, config: GenerationConfi
     try:
         if task.constraint is not None and runner.peer:
             raise UserError(f"{runner.name} takes no constraint (a structured task)")
-        for turn in task.turns:
+        for index, turn in enumerate(task.turns):
             messages.append({"role": "user", "content": turn})
-            prompt_ids = models.encode_chat(messages)
+            if index == 0:  # the agent's earlier calls and the tools' answers, after its request
+                messages += [dict(message) for message in task.history]
+            prompt_ids = models.encode_chat(messages, list(task.tools)) if task.tools else models.encode_chat(messages)
             check_context(runner, prompt_ids, config, models.target.max_context)
             output = runner.chat(messages, config) if runner.chat else runner.run(prompt_ids, config)
             record.prompt_ids.append(prompt_ids)
