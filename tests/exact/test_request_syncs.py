@@ -1,5 +1,6 @@
 """The host-read budget of `test_syncs.py` under what a request may add: penalties and a logit bias cost no
-read of their own (the counts live on the device beside the logits; the host keeps the distinct tokens seen)."""
+read of their own (the counts live on the device beside the logits; the host keeps the distinct tokens seen);
+greedy log-probabilities ride along the verdict's one read (`Verdict.riders`), sampled ones cost one more."""
 
 from __future__ import annotations
 
