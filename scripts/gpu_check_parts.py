@@ -264,7 +264,7 @@ def decode(check) -> dict:
                          "run_seconds": whole,
                          "capture_seconds": check.captured.get(shape) if path == "graphed" else None,
                          # the first call's seconds beyond a later call's: the compile (transformers) or first use
-                         "compile_seconds": first[path]["whole"] - whole if path == "hf-static" else None,
+                         "compile_seconds": first[path]["whole"] - whole if path == "hf-static" and compiles else None,
                          "compiled": compiles if path == "hf-static" else None,
                          "same_as_eager": _first_difference(reference, values[0]["ids"])})
         eager_ms = next(r["ms_per_token"] for r in rows if r["shape"] == shape and r["path"] == "eager")
