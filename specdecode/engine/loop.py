@@ -136,8 +136,10 @@ class SpeculativeEngine:
         draft = forced.propose(drafter, context, room, params, generator, matcher)
         if self.gate and draft.scores is not None:
             cut = cut_chain(draft, self.curve, pending=len(pending))
-            # now and then one size wider than pays, to time it again (`LiveCurve.probe`)
-            probe = self.curve.probe(len(pending) + len(cut)) if len(cut) < len(draft) else None
+            # now and then one size wider than pays, to time it again (`LiveCurve.probe`); a chain only: a tree cut
+            # to a subtree has no wider prefix of its own (the next chain probes for it)
+            probe = (self.curve.probe(len(pending) + len(cut)) if len(cut) < len(draft) and not draft.is_tree
+                     else None)
             draft = cut if probe is None else draft.prefix(max(len(cut), probe - len(pending)))
         drafted = self.stopwatch.now()
         # 2. Verify: one target forward over the tokens it has not seen yet plus the draft gives the

@@ -152,3 +152,26 @@ def test_the_engine_times_only_the_forward(tiny_target):
     engine.curve = LiveCurve(CostCurve.linear(0.5, sizes=(1, 2, 3, 4, 5, 6)))
     engine.generate(PROMPT, GenerationConfig(max_new_tokens=30, ignore_eos=True))
     torch.testing.assert_close(torch.tensor(engine.curve.relative), torch.tensor(CostCurve.linear(0.5, sizes=(1, 2, 3, 4, 5, 6)).relative))
+
+
+def test_a_probe_never_widens_a_tree_cut_to_a_subtree(tiny_target):
+    """The gate cuts a scored tree to the subtree that pays; a probe due that step asks for one size wider, which a
+    chain gets as a longer prefix and a tree does not have: the tree goes as cut (it once raised "a tree draft has
+    no prefix")."""
+    from specdecode.drafters.base import Drafter
+    from specdecode.types import Draft
+
+    class ScoredTree(Drafter):
+        name = "scored-tree"
+
+        def propose(self, context, max_tokens, params, generator):
+            n = min(6, max_tokens)
+            return Draft(tokens=torch.tensor(context[-n:][::-1], device="cpu"),
+                         parents=torch.tensor([-1] + [i - 1 for i in range(1, n)], device="cpu"),
+                         scores=torch.tensor([0.5 ** (i + 1) for i in range(n)], device="cpu"))
+
+    engine = SpeculativeEngine(HFCausalLM(tiny_target), drafter=ScoredTree())
+    engine.curve = LiveCurve(CostCurve.linear(0.1, sizes=(1, 2, 4, 8)))  # two of the six nodes pay
+    engine.curve.probe = lambda widest: widest + 2  # a probe due at every step
+    result = engine.generate(PROMPT, GenerationConfig(max_new_tokens=12))
+    assert result.new_tokens == 12 and any(0 < s.drafted < 6 for s in result.steps)  # cut, and not widened
