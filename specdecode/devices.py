@@ -17,7 +17,8 @@ work is timed honestly, and what counts as a host synchronisation.
   verification) enforced without a GPU.
 - `name(device)`: what a cache key says of a device (a GPU's name, capability, torch's and CUDA's
   versions; the CPU's ATen capability).
-- `attention(device)`: the attention kernels a forward may use there (on CUDA, every one but cuDNN's).
+- `settle_attention(device)`: the attention kernels forwards may use there, fixed once at load (on CUDA, every
+  one but cuDNN's).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeGuard
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from specdecode.errors import UserError
@@ -69,16 +69,13 @@ def resolve(spec: str | torch.device | None = "auto") -> torch.device:
 # meets a new key length at every step (one token more in the cache): each token paid one build per layer,
 # more than the forward itself (docs/results/gpu.md, "cuDNN attention"). Flash and memory-efficient
 # attention take any length as it comes; the math kernel is the last resort (float32 on some cards).
-_ATTENTION_ON_CUDA = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
-
-
-def attention(device: torch.device | str | None) -> contextlib.AbstractContextManager:
-    """The context a forward runs in so that its attention (torch's scaled_dot_product_attention, as
-    transformers' "sdpa" and our heads call it) never picks cuDNN's kernel on CUDA; elsewhere nothing
-    changes. The choice is process-wide while inside, as torch keeps it."""
-    if device is None or torch.device(device).type != "cuda":
-        return contextlib.nullcontext()
-    return sdpa_kernel(list(_ATTENTION_ON_CUDA))
+def settle_attention(device: torch.device | str | None) -> None:
+    """Fix the attention kernels torch's scaled_dot_product_attention (transformers' "sdpa", our heads' and the
+    static path's attention) may use on `device`, once, when a model is loaded there: on CUDA every one but
+    cuDNN's; elsewhere nothing changes. torch keeps the choice for the whole process, so it is set and never
+    toggled: no forward switches it around itself, whatever thread it runs on."""
+    if device is not None and torch.device(device).type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def refuse_off_cpu(device: torch.device, what: str, alternative: str) -> None:

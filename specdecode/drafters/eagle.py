@@ -83,9 +83,8 @@ class EagleHead(nn.Module):
         cache: DynamicCache | None = None,
     ) -> torch.Tensor:
         x = self.fc(torch.cat([features, embeddings], dim=-1))
-        with devices.attention(x.device):
-            out = self.layer(inputs_embeds=x, position_ids=position_ids, attention_mask=attention_mask,
-                             **{cache_keyword(self.layer): cache}, use_cache=cache is not None)
+        out = self.layer(inputs_embeds=x, position_ids=position_ids, attention_mask=attention_mask,
+                         **{cache_keyword(self.layer): cache}, use_cache=cache is not None)
         return out.last_hidden_state  # [b, n, d]
 
     # -- storage ---------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdecode import devices
 from specdecode.devices import to_device
 from specdecode.drafters.base import Drafter, Needs, tensor_bytes
 from specdecode.drafters.eagle import EagleDrafter, EagleTreeDrafter, full_vocabulary
@@ -197,8 +196,7 @@ class StaticEagle3State(Eagle3State):
         else:  # the prompt's pairs, or a mask past the window: the same arithmetic at its own width
             slots = torch.arange(start, start + n, device=self.device)
             allowed = to_device(full_mask(start, n, self.capacity, local), self.device)
-            with devices.attention(self.device):
-                out = self.feed(hidden.to(self.dtype), tokens, positions, slots, allowed)
+            out = self.feed(hidden.to(self.dtype), tokens, positions, slots, allowed)
         self.cached += n
         return out
 

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode import devices
 from specdecode.errors import UserError
 
 CONFIG = "eagle3.json"
@@ -122,8 +121,7 @@ class Attention(nn.Module):
         (or None); mask [n, m + n] bool over past and new keys. Returns (out [n, d], (keys, values) of x)."""
         q, k, v = self.project(x, positions)
         keys, values = (k, v) if past is None else (torch.cat([past[0], k], 1), torch.cat([past[1], v], 1))
-        with devices.attention(x.device):
-            return self.attend(q, keys, values, mask), (k, v)
+        return self.attend(q, keys, values, mask), (k, v)
 
 
 class MLP(nn.Module):

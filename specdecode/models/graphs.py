@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from specdecode import devices
 from specdecode.devices import to_device
 
 RUNNERS = ("eager", "compile", "graphs")
@@ -36,8 +35,7 @@ class Runner:
         self.fn, self.device = fn, device
 
     def __call__(self, inputs: Sequence[torch.Tensor], options: tuple = ()) -> Any:
-        with devices.attention(self.device):
-            return self.fn(*[to_device(x, self.device, x.dtype) for x in inputs], *options)
+        return self.fn(*[to_device(x, self.device, x.dtype) for x in inputs], *options)
 
     def reset(self) -> None:
         """What the function reads was reallocated: forget anything bound to the old storage."""
@@ -59,8 +57,7 @@ class Compiled(Runner):
         self.compiled = torch.compile(self.fn, fullgraph=True, dynamic=False, backend=self.backend)
 
     def __call__(self, inputs, options=()):
-        with devices.attention(self.device):
-            return self.compiled(*[to_device(x, self.device, x.dtype) for x in inputs], *options)
+        return self.compiled(*[to_device(x, self.device, x.dtype) for x in inputs], *options)
 
 
 @dataclass
@@ -102,14 +99,14 @@ class Graphs(Runner):
         buffers = [to_device(x, self.device, x.dtype).clone() for x in inputs]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with devices.attention(self.device), torch.cuda.stream(side):  # lazy initialisations, before capture
+        with torch.cuda.stream(side):  # lazy initialisations, before capture
             for _ in range(2):
                 self.fn(*buffers, *options)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA work meanwhile (the server's builders) neither breaks the capture nor
         # is captured
-        with devices.attention(self.device), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             outputs = self.fn(*buffers, *options)
         self.pool = graph.pool()
         captured = self.captured[key] = Captured(graph, buffers, outputs)

@@ -50,6 +50,7 @@ class HFCausalLM(CausalLM):
         self._cache = growing_cache(model.config)
         self._length = 0
         self._lean = lean_decoder(model)
+        devices.settle_attention(model.device)  # the kernels its attention may use there, fixed once
 
     @property
     def dtype(self) -> torch.dtype:
@@ -128,8 +129,7 @@ class HFCausalLM(CausalLM):
         rows = torch.arange(n - num_logits, n, device=device) if rows is None else to_device(rows, device)
         if self._lean is not None:
             return self._lean_forward(self._lean, token_ids, positions, tree_mask, rows, output_hidden)
-        with devices.attention(device):
-            out = self._model_forward(token_ids, positions, tree_mask, rows, output_hidden)
+        out = self._model_forward(token_ids, positions, tree_mask, rows, output_hidden)
         self._length += n
         hidden = None  # every fed token's: the final-norm state, or the named layers' inputs side by side
         if output_hidden is True:

@@ -283,9 +283,8 @@ class StaticCausalLM(HFCausalLM):
         slots = torch.arange(start, start + n, device=device)
         positions = slots if positions is None else to_device(positions, device)
         allowed = full_mask(start, n, self.decoder.capacity, tree_mask)
-        with devices.attention(device):
-            return self.decoder.run(to_device(token_ids, device), positions, slots, to_device(allowed, device),
-                                    output_hidden)
+        return self.decoder.run(to_device(token_ids, device), positions, slots, to_device(allowed, device),
+                                output_hidden)
 
     def _ensure(self, needed: int) -> None:
         """Room for `needed` positions: the cache doubles (what it holds kept), the runner starts afresh."""

@@ -163,43 +163,54 @@ def test_a_constrained_step_reads_the_device_no_more(params):
     assert counts and max(counts) == 1, counts
 
 
-def test_attention_on_cuda_leaves_out_cudnn_and_elsewhere_changes_nothing():
-    before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
-              torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
-    with devices.attention(torch.device("cuda")):
-        assert not torch.backends.cuda.cudnn_sdp_enabled()
-        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
-        assert torch.backends.cuda.math_sdp_enabled()
-    with devices.attention(torch.device("cpu")), devices.attention(None):
-        assert torch.backends.cuda.cudnn_sdp_enabled() == before[0]
-    assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
-            torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()) == before
+def test_attention_on_cuda_is_fixed_once_without_cudnn_and_elsewhere_nothing_changes(monkeypatch):
+    """`devices.settle_attention` turns cuDNN's attention off for a CUDA device, once (a second model changes
+    nothing more), and leaves the flags alone for the CPU."""
+    calls: list[bool] = []
+    state = {"cudnn": True}
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: state["cudnn"])
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp",
+                        lambda enabled: (calls.append(enabled), state.update(cudnn=enabled)))
+    devices.settle_attention(torch.device("cpu"))
+    devices.settle_attention(None)
+    assert calls == []
+    devices.settle_attention(torch.device("cuda"))
+    devices.settle_attention("cuda:0")
+    assert calls == [False] and not state["cudnn"]
 
 
-def test_every_forward_runs_its_attention_inside_the_devices_choice(tiny_target, monkeypatch):
-    """The target's forward, an EAGLE-3 head's and the self-speculative layers' all ask `devices.attention`
-    for their device: a new path that forgot would decode on CUDA with cuDNN's per-length graph builds."""
+def test_the_kernel_choice_is_made_in_one_place_and_never_toggled():
+    """The package switches torch's attention kernels in one place, `devices.settle_attention` (at load), and
+    never with `sdpa_kernel` (a context that switches the process-wide flags around a forward and back)."""
+    from pathlib import Path
+
+    root = Path(devices.__file__).parent
+    found = [f"{path.relative_to(root)}:{number}" for path in sorted(root.rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if "sdpa_kernel" in line or ("_sdp(" in line and path.name != "devices.py")]
+    assert not found, f"attention kernels switched outside devices.settle_attention: {found}"
+
+
+def test_no_forward_toggles_the_attention_kernels(tiny_target, monkeypatch):
+    """The choice is made at load, never around a forward: torch keeps it for the whole process, so a forward that
+    switched it (and switched it back) would switch it under forwards of other threads too (the server's builders).
+    The target's forward on both paths, an EAGLE-3 head's and the self-speculative layers' change nothing."""
+    import torch.nn.attention as attention_module
+
     from conftest import random_eagle3_head
-    from specdecode.drafters.self_speculative.layers import run_layers
 
-    asked: list[str] = []
-    real = devices.attention
-
-    def recording(device):
-        asked.append(torch.device(device).type)
-        return real(device)
-
-    monkeypatch.setattr(devices, "attention", recording)
-    lm = HFCausalLM(tiny_target)
-    lm.forward(torch.tensor(PROMPT[:5]))
-    assert asked == ["cpu"]
+    toggles: list[str] = []
+    for name in ("enable_cudnn_sdp", "enable_flash_sdp", "enable_mem_efficient_sdp", "enable_math_sdp"):
+        monkeypatch.setattr(torch.backends.cuda, name, lambda *args, name=name: toggles.append(name))
+    monkeypatch.setattr(attention_module, "sdpa_kernel", lambda *args, **kwargs: toggles.append("sdpa_kernel"))
+    for lm in (HFCausalLM(tiny_target), StaticCausalLM(tiny_target)):
+        lm.forward(torch.tensor(PROMPT[:5]))
+        lm.forward(torch.tensor(PROMPT[5:7]))
     head = random_eagle3_head(tiny_target)
     attention = head.midlayer.self_attn
     d = attention.q_proj.in_features  # the head's attention reads [n, 2 hidden]
     attention(torch.randn(3, d), torch.arange(3), torch.ones(3, 3, dtype=torch.bool).tril(), None)
-    assert asked == ["cpu", "cpu"]
-    run_layers(tiny_target, [0], torch.tensor(PROMPT[:1]), torch.arange(1), None, None)
-    assert asked[2:] == ["cpu"]
+    assert toggles == []
 
 
 # --- Explicit waits, and timing without them ----------------------------------------------------------------

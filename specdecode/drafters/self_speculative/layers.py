@@ -31,7 +31,6 @@ from collections.abc import Iterable
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specdecode import devices
 from specdecode.devices import to_device
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM, ForwardOutput
@@ -93,15 +92,14 @@ def run_layers(
         if trace is not None:
             trace.append(hidden[0])
         layer = decoder.layers[index]
-        with devices.attention(hidden.device):
-            hidden = layer(
-                hidden,
-                attention_mask=mask,
-                position_ids=position_ids,
-                **{cache_keyword(layer): cache},
-                use_cache=cache is not None,
-                position_embeddings=rotary,
-            )  # [1, n, hidden]
+        hidden = layer(
+            hidden,
+            attention_mask=mask,
+            position_ids=position_ids,
+            **{cache_keyword(layer): cache},
+            use_cache=cache is not None,
+            position_embeddings=rotary,
+        )  # [1, n, hidden]
     if trace is not None:
         trace.append(hidden[0])
     return decoder.norm(hidden)[0]  # [n, hidden]
