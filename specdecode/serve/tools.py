@@ -150,6 +150,7 @@ class CallReader:
         self.buffer = ""
         self.inside = False  # within a call's opening and closing tags
         self.calls: list[dict] = []
+        self.blank = ""  # blank text after a call, held until text that is not blank follows (else dropped)
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         """(content, new calls) that this piece of text completes."""
@@ -177,7 +178,7 @@ class CallReader:
 
     def finish(self) -> tuple[str, list[dict]]:
         """(content, calls) left at the end: an unclosed call that parses is a call (an answer cut short)."""
-        rest, self.buffer = self.buffer, ""
+        rest, self.buffer = self.buffer, ""  # (blank text held after a call is dropped)
         if self.inside:
             self.inside = False
             return self._call(rest, closed=False)
@@ -192,7 +193,11 @@ class CallReader:
         return (None if calls and not content.strip() else content), calls
 
     def _outside(self, text: str) -> str:
-        return "" if self.calls and not text.strip() else text
+        if self.calls and not text.strip():
+            self.blank += text
+            return ""
+        text, self.blank = self.blank + text, ""
+        return text
 
     def _call(self, body: str, closed: bool = True) -> tuple[str, list[dict]]:
         call = parse_call(body.strip())
