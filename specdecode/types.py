@@ -143,6 +143,10 @@ class Draft:
     # How many leading tokens (a chain's first nodes) a constraint's grammar forced (`engine.forced`): drafted
     # from the grammar alone, not by the drafter.
     forced: int = 0
+    # How many of those the engine put ahead of the drafter's own draft (which then continues after them); the
+    # rest of `forced` the drafter's draft began with itself. The drafter hears of its own part only
+    # (`engine.forced.own_part`).
+    prepended: int = 0
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
@@ -157,6 +161,7 @@ class Draft:
             scores=None if self.scores is None else self.scores[:n],
             auxiliary=self.auxiliary,
             forced=min(self.forced, n),
+            prepended=min(self.prepended, n),
         )
 
     @property

@@ -65,10 +65,10 @@ class Needs:
 class Outcome:
     """How one step went, for the drafter that drafted it: `Drafter.observe`'s one argument."""
 
-    # what the target verified (of a chain, the prefix the engine's gate kept); a composite's sources hear
-    # of their own proposals instead (`drafters.composite`). Under a constraint its first `draft.forced` tokens
-    # are the grammar's forced run: put ahead of the draft of a drafter that drafts from the tokens alone,
-    # which learns from `own_verdict(verdict, draft.forced)`, not from the run
+    # what the target verified of the drafter's own proposal (of a chain, the prefix the engine's gate kept); a
+    # composite's sources hear of their own proposals instead (`drafters.composite`). Under a constraint a forced
+    # run the engine put ahead of the drafter's draft is left out, draft and verdict (`engine.forced.own_part`);
+    # `draft.forced` then counts the forced tokens the drafter's own draft began with
     draft: Draft
     verdict: Verdict  # what verification made of it: the accepted nodes, then the correction or bonus token
     stats: StepStats  # the step's statistics (`new_tokens`: what it appended to the context, after stops)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from specdecode.devices import to_device
-from specdecode.drafters.base import Drafter, Outcome, RunningAcceptance, own_verdict
+from specdecode.drafters.base import Drafter, Outcome, RunningAcceptance
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.models import costs
@@ -52,7 +52,7 @@ class SyncedCache:
 
     def learn(self, verdict: Verdict) -> None:
         """Put the drafted tokens' values, as verification read them, in place of their UNSEEN marks: `verdict`
-        judges the drafter's own tokens alone (`own_verdict`), which hold those places in turn."""
+        judges the drafter's own tokens alone (`engine.forced.own_part`), which hold those places in turn."""
         drafted = list(verdict.tokens[: verdict.num_accepted]) + list(verdict.rejected)
         start = next((i for i, token in enumerate(self.seen) if token == UNSEEN), None)
         if start is None:
@@ -279,8 +279,7 @@ class DraftModelDrafter(Drafter):
         return tokens, rows
 
     def observe(self, outcome: Outcome) -> None:
-        # it drafts from the tokens alone: a forced run leading the draft was put there ahead of its own
-        verdict = own_verdict(outcome.verdict, outcome.draft.forced)
+        verdict = outcome.verdict  # of its own draft: the engine leaves a forced run put ahead of it out
         self._cache.learn(verdict)
         if not self.adaptive or verdict.num_drafted == 0:
             return

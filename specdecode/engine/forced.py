@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from specdecode.constraints import Matcher
-from specdecode.drafters.base import Drafter
-from specdecode.types import Draft, SamplingParams
+from specdecode.drafters.base import Drafter, own_verdict
+from specdecode.types import Draft, SamplingParams, Verdict
 
 
 def propose(drafter: Drafter | None, context: list[int], room: int, params: SamplingParams, generator,
@@ -91,4 +91,21 @@ def with_forced(draft: Draft, already: int, forced: list[int] | None = None) -> 
         scores = torch.cat([torch.ones(f, dtype=draft.scores.dtype, device=draft.scores.device), draft.scores])
     return Draft(tokens=tokens, probs=probs, parents=parents, scores=scores,
                  auxiliary=draft.auxiliary if len(draft) else None,
-                 drawn_independently=draft.drawn_independently, forced=f)
+                 drawn_independently=draft.drawn_independently, forced=f, prepended=f)
+
+
+def own_part(draft: Draft, verdict: Verdict) -> tuple[Draft, Verdict]:
+    """The draft and its verdict as the drafter should learn them: without a forced run the engine put ahead of
+    its draft (`Draft.prepended`), the run's acceptance not counted as the drafter's (`drafters.base.own_verdict`),
+    a tree's nodes under the run's last token hanging from the context again."""
+    p = draft.prepended
+    if not p:
+        return draft, verdict
+    parents = None
+    if draft.parents is not None:  # the run is a chain 0 .. p - 1; the drafter's nodes follow it
+        inner = draft.parents[p:].cpu()
+        parents = torch.where(inner >= p, inner - p, torch.full_like(inner, -1))
+    own = Draft(tokens=draft.tokens[p:], probs=None if draft.probs is None else draft.probs[p:], parents=parents,
+                scores=None if draft.scores is None else draft.scores[p:], auxiliary=draft.auxiliary,
+                drawn_independently=draft.drawn_independently)
+    return own, own_verdict(verdict, p)

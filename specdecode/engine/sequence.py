@@ -383,7 +383,8 @@ def conclude(state: SequenceState, drafter: Drafter | None, step: VerifiedStep,
     drafter how its draft fared (`Drafter.observe`, with what it `needs` of the forward)."""
     event = state.advance(step.draft, step.verdict, step.draft_seconds, step.verify_seconds, step.num_pending,
                           stepped_aside=stepped_aside)
-    if drafter is not None:
+    if drafter is not None:  # of its own part: a forced run put ahead of its draft is not the drafter's
         logits = step.logits if drafter.needs.logits else None
-        drafter.observe(Outcome(step.draft, step.verdict, event.stats, logits, step.hidden, step.num_pending))
+        draft, verdict = forced.own_part(step.draft, step.verdict)
+        drafter.observe(Outcome(draft, verdict, event.stats, logits, step.hidden, step.num_pending))
     return event

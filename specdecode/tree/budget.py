@@ -113,7 +113,8 @@ def _subtree(draft: Draft, keep: list[int]) -> Draft:
     assert draft.parents is not None and draft.scores is not None
     index = torch.tensor(sorted(keep), dtype=torch.long, device="cpu")
     return Draft(tokens=draft.tokens[index], parents=structure.select(draft.parents, index),
-                 scores=draft.scores[index], auxiliary=draft.auxiliary, forced=min(draft.forced, len(keep)))
+                 scores=draft.scores[index], auxiliary=draft.auxiliary, forced=min(draft.forced, len(keep)),
+                 prepended=min(draft.prepended, len(keep)))
 
 
 class Calibration:

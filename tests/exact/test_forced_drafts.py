@@ -15,9 +15,10 @@ from specdecode import metrics
 from specdecode.constraints import Constraint, Matcher
 from specdecode.drafters.base import own_verdict
 from specdecode.drafters.draft_model import UNSEEN, DraftModelDrafter
-from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.engine.forced import with_forced
+from specdecode.models.costs import CostCurve
 from specdecode.types import Draft, Verdict
 
 VOCAB = len(TOKENS) + 10
@@ -117,5 +118,41 @@ def test_a_draft_model_learns_only_from_what_it_drafted(target):
         forced_steps.append(outcome.draft.forced)
 
     drafter.observe = observe_and_check  # type: ignore[method-assign]
-    assert run(target, drafter, prompt).token_ids == run(target, None, prompt).token_ids
-    assert sum(1 for forced in forced_steps if forced) >= 3
+    result = run(target, drafter, prompt)
+    assert result.token_ids == run(target, None, prompt).token_ids
+    assert sum(1 for step in result.steps if step.forced) >= 3  # forced runs led its drafts...
+    assert not any(forced_steps)  # ...and it heard of its own part of each draft only (`engine.forced.own_part`)
+
+
+def test_every_drafter_hears_of_what_it_proposed_and_nothing_else(target):
+    """Under a grammar the engine puts the forced run ahead of a token-only drafter's draft; `observe` then gets
+    the drafter's own draft (what it proposed, as the gate kept it) and the verdict on it, never the run: what a
+    composite scores its sources by and what prompt lookup's acceptance counts. Trees too."""
+    from specdecode.engine.forced import own_part
+
+    prompt = tiny_tokenizer().encode('{"colour": "red", "size": 3} {"colour": "red"')
+    for tree in (False, True):
+        drafter = PromptLookupTreeDrafter(CostCurve.linear(0.01)) if tree else PromptLookupDrafter()
+        proposed, heard = [], []
+        propose, observe = drafter.propose, drafter.observe
+
+        def recording_propose(*args, propose=propose, proposed=proposed):
+            draft = propose(*args)
+            proposed.append(draft.tokens.tolist())
+            return draft
+
+        def recording_observe(outcome, observe=observe, heard=heard):
+            heard.append((outcome.draft.tokens.tolist(), outcome.draft.forced, outcome.verdict.num_drafted))
+            observe(outcome)
+
+        drafter.propose, drafter.observe = recording_propose, recording_observe  # type: ignore[method-assign]
+        result = run(target, drafter, prompt)
+        assert any(step.forced for step in result.steps)
+        for (tokens, forced, drafted), mine in zip(heard, proposed):
+            assert forced == 0 and drafted == len(tokens)
+            assert tokens == mine[: len(tokens)] or tree  # a chain: what it proposed, as the gate kept it
+    # a tree hung under a run of two: its nodes hang from the context again, the verdict's path shifted
+    hung = with_forced(Draft(tokens=torch.tensor([5, 6, 7]), parents=torch.tensor([-1, -1, 0])), 0, [1, 2])
+    own, verdict = own_part(hung, Verdict(num_drafted=5, num_accepted=3, tokens=(1, 2, 5, 9), path=(0, 1, 2)))
+    assert own.tokens.tolist() == [5, 6, 7] and own.parents is not None and own.parents.tolist() == [-1, -1, 0]
+    assert (verdict.num_drafted, verdict.num_accepted, verdict.tokens, verdict.path) == (3, 1, (5, 9), (0,))
