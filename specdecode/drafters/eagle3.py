@@ -38,7 +38,7 @@ from specdecode.drafters.heads import check_fits, for_drafting, head_folder
 from specdecode.errors import UserError
 from specdecode.models.graphs import make_runner
 from specdecode.models.static import (
-    BUCKETS, DEFAULT_CAPACITY, StaticCausalLM, bucket, fits, full_mask, pack, unpack,
+    BUCKETS, DEFAULT_CAPACITY, StaticCausalLM, bucket, fits, full_mask, grouped_attention, pack, unpack,
 )
 
 
@@ -177,7 +177,8 @@ class StaticEagle3State(Eagle3State):
         q, k, v = attention.project(self.head.inputs(hidden, self.embed(tokens).to(self.dtype)), positions)
         self.key_cache.index_copy_(1, slots, k)  # [kv_heads, capacity, head_dim]
         self.value_cache.index_copy_(1, slots, v)
-        return self.head.finish(hidden, attention.attend(q, self.key_cache, self.value_cache, allowed))
+        attended = grouped_attention(q, self.key_cache, self.value_cache, allowed, attention.head_dim ** -0.5)
+        return self.head.finish(hidden, attention.o_proj(attended.transpose(0, 1).reshape(q.shape[1], -1)))
 
     def run(self, hidden, tokens, positions, mask=None):
         n, start = len(tokens), self.cached

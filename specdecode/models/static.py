@@ -113,7 +113,6 @@ class StaticDecoder:
         states = decoder.embed_tokens(tokens)  # [n, d]
         cos, sin = decoder.rotary_emb(states, positions.view(1, n))  # each [1, n, head_dim]
         cos, sin = cos[0, :, None], sin[0, :, None]  # [n, 1, head_dim]
-        mask = allowed[None, None]  # [1, 1, n, capacity]
         trace = []
         for index, layer in enumerate(decoder.layers):
             trace.append(states)
@@ -127,10 +126,9 @@ class StaticDecoder:
             query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
             self.kv[0, index].index_copy_(1, slots, key.transpose(0, 1))  # [kv_heads, capacity, head_dim]
             self.kv[1, index].index_copy_(1, slots, value.transpose(0, 1))
-            out = F.scaled_dot_product_attention(
-                query.transpose(0, 1)[None], self.kv[0, index][None], self.kv[1, index][None], attn_mask=mask,
-                scale=attention.scaling, enable_gqa=True)  # [1, heads, n, head_dim]
-            states = states + attention.o_proj(out[0].transpose(0, 1).reshape(n, -1))
+            out = grouped_attention(query.transpose(0, 1), self.kv[0, index], self.kv[1, index], allowed,
+                                    attention.scaling)  # [heads, n, head_dim]
+            states = states + attention.o_proj(out.transpose(0, 1).reshape(n, -1))
             states = states + layer.mlp(layer.post_attention_layernorm(states))
         final = decoder.norm(states)
         trace.append(final)
@@ -147,6 +145,21 @@ class StaticDecoder:
         each runner runs (module docstring)."""
         slots, positions, allowed = unpack(packed, tokens.shape[0], self.columns)
         return self.run(tokens, positions, slots, allowed, hidden)
+
+
+def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Attention of queries [heads, n, d] over keys and values [kv_heads, capacity, d] where allowed [n, capacity]
+    is True -> [heads, n, d]. Each group of heads that shares a key head is one matrix product over that head's keys,
+    read once: torch's fused kernels take a mask with grouped heads only by copying every key head for each query
+    head, the whole capacity at every step (its math fallback). Scores and softmax in float32."""
+    heads, n, d = query.shape
+    kv = keys.shape[0]
+    group = heads // kv  # head h reads key head h // group, as transformers' repeat_kv lays them out
+    scores = torch.matmul(query.reshape(kv, group * n, d), keys.transpose(1, 2)).float() * scale  # [kv, g n, cap]
+    scores = scores.masked_fill(~allowed.repeat(group, 1)[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).view(heads, n, d)
 
 
 def unpack(packed: torch.Tensor, width: int, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
