@@ -67,7 +67,7 @@ def prune(
 def cut_chain(draft: Draft, curve: Curve, pending: int = 1) -> Draft:
     """A scored chain cut to the prefix that pays on the cost curve (maybe none of it); other drafts as
     they are. `pending`: context tokens the same target forward carries."""
-    return cut_batch([draft], curve, pending)[0]
+    return cut_batch([draft], curve, pending, trees=False)[0]  # a lone tree is sized by its drafter's own budget
 
 
 def cut_batch(drafts: list[Draft], curve: Curve, pending: int, trees: bool = True) -> list[Draft]:

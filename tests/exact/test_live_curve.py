@@ -154,12 +154,16 @@ def test_the_engine_times_only_the_forward(tiny_target):
     torch.testing.assert_close(torch.tensor(engine.curve.relative), torch.tensor(CostCurve.linear(0.5, sizes=(1, 2, 3, 4, 5, 6)).relative))
 
 
-def test_a_probe_never_widens_a_tree_cut_to_a_subtree(tiny_target):
-    """The gate cuts a scored tree to the subtree that pays; a probe due that step asks for one size wider, which a
-    chain gets as a longer prefix and a tree does not have: the tree goes as cut (it once raised "a tree draft has
-    no prefix")."""
+def test_a_probe_never_widens_a_tree_cut_to_a_subtree(tiny_target, monkeypatch):
+    """Where a gate cuts a scored tree to the subtree that pays (the batch engine's, with several sequences; here
+    the single engine's made to), a probe due that step asks for one size wider, which a chain gets as a longer
+    prefix and a tree does not have: the tree goes as cut (it once raised "a tree draft has no prefix")."""
     from specdecode.drafters.base import Drafter
+    from specdecode.engine import loop
+    from specdecode.tree.budget import cut_batch
     from specdecode.types import Draft
+
+    monkeypatch.setattr(loop, "cut_chain", lambda draft, curve, pending=1: cut_batch([draft], curve, pending)[0])
 
     class ScoredTree(Drafter):
         name = "scored-tree"
