@@ -258,7 +258,7 @@ class BatchEngine:
             drafts.append(m.progress.propose(m.drafter if steps else None, room))  # (`engine.forced`)
             draft_seconds.append(self.stopwatch.now() - start)
         if self.gate:
-            drafts = cut_batch(drafts, self.curve, sum(len(p) for p in pending), trees=len(members) > 1)
+            drafts = cut_batch(drafts, self.curve, sum(len(p) for p in pending), shared=len(members) > 1)
         # 2. One forward over every sequence's pending tokens and draft.
         timed = self.gate and not plan  # a prompt's prefill (cold, all attention) is not timed
         forward_start, host_start = self.stopwatch.mark() if timed else None, self.stopwatch.now()

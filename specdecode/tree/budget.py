@@ -67,26 +67,47 @@ def prune(
 def cut_chain(draft: Draft, curve: Curve, pending: int = 1) -> Draft:
     """A scored chain cut to the prefix that pays on the cost curve (maybe none of it); other drafts as
     they are. `pending`: context tokens the same target forward carries."""
-    return cut_batch([draft], curve, pending, trees=False)[0]  # a lone tree is sized by its drafter's own budget
+    return cut_batch([draft], curve, pending, shared=False)[0]  # a lone tree is sized by its drafter's own budget
 
 
-def cut_batch(drafts: list[Draft], curve: Curve, pending: int, trees: bool = True) -> list[Draft]:
-    """The drafts of several sequences that share one target forward, cut together: every scored token of
-    every scored chain, and with `trees` of every scored tree (sent without distributions), competes for the
-    forward, the best-scored first (a node's score capped by its parent's, ties to the shallower, so each keeps
-    a prefix, or a subtree closed under ancestors), as many as maximise expected tokens (one per sequence plus
-    the scores) per cost of the whole forward. So the larger the batch, the less each sequence drafts, down to
-    nothing where the curve says a wider forward no longer pays. `pending`: the context tokens of all sequences
-    the forward carries. Other drafts go as they are, their tokens counted."""
+class Interpolated:
+    """A cost curve read between its measured sizes on the line through the two around (beyond the last, as the
+    curve says): what a torch forward costs, about linear in its tokens once it is wide, where a step up to the
+    next measured size (`CostCurve.__call__`, for llama.cpp's kernels) would make the last few nodes that fill a
+    batch's forward up to that size look free."""
+
+    def __init__(self, curve: Curve):
+        self.curve, self.sizes = curve, curve.sizes
+
+    def __call__(self, n: int) -> float:
+        sizes = self.sizes
+        above = next((i for i, size in enumerate(sizes) if size >= n), None)
+        if above is None or above == 0 or sizes[above] == n:
+            return self.curve(n)
+        low, high = sizes[above - 1], sizes[above]
+        start, end = self.curve(low), self.curve(high)
+        return start + (end - start) * (n - low) / (high - low)
+
+
+def cut_batch(drafts: list[Draft], curve: Curve, pending: int, shared: bool = True) -> list[Draft]:
+    """The drafts of sequences that share one target forward, cut together: every scored token of every scored
+    chain, and where the forward is `shared` by several sequences (the batch engine's) of every scored tree
+    (sent without distributions), competes for the forward, the best-scored first (a node's score capped by its
+    parent's, ties to the shallower, so each keeps a prefix, or a subtree closed under ancestors), as many as
+    maximise expected tokens (one per sequence plus the scores) per cost of the whole forward (of a `shared` one
+    read `Interpolated`: the batch engine runs on torch). So the larger the batch, the less each sequence drafts,
+    down to nothing where the curve says a wider forward no longer pays. `pending`: the context tokens of all
+    sequences the forward carries. Other drafts go as they are, their tokens counted."""
     scored = {i: d for i, d in enumerate(drafts)  # the drafts cut, by index
-              if d.scores is not None and len(d) and (not d.is_tree or (trees and d.probs is None))}
+              if d.scores is not None and len(d) and (not d.is_tree or (shared and d.probs is None))}
     fixed = pending + sum(len(d) for i, d in enumerate(drafts) if i not in scored)
     ranked = sorted(((score, depth, i, node) for i, d in scored.items() for node, (score, depth)
                      in enumerate(_capped(d))), key=lambda c: (-c[0], c[1]))
     # no wider than the largest measured forward: beyond it the curve is a guess (on llama.cpp a 65-token
     # forward costs far more than the line through 48 and 64 says: docs/results/code-choices.md)
     cap = max(curve.sizes[-1] - fixed, 0)
-    count = best_budget([c[0] for c in ranked], curve, 0.0, pending=fixed, cap=cap, base=float(len(drafts)))
+    count = best_budget([c[0] for c in ranked], Interpolated(curve) if shared else curve, 0.0, pending=fixed, cap=cap,
+                        base=float(len(drafts)))
     keep: dict[int, list[int]] = {i: [] for i in scored}
     for _, _, i, node in ranked[:count]:
         keep[i].append(node)

@@ -23,7 +23,7 @@ from specdecode.engine.batch import BatchEngine
 from specdecode.errors import UserError
 from specdecode.models.costs import CostCurve
 from specdecode.models.hf import HFCausalLM
-from specdecode.tree.budget import cut_batch
+from specdecode.tree.budget import Interpolated, cut_batch
 from specdecode.types import Draft, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -226,6 +226,17 @@ def test_the_batch_gate_shares_the_forward():
     assert cut_batch([tree, scored(4, 0.9)], FLAT, pending=2)[0] is tree
 
 
+def test_a_shared_forward_is_priced_between_measured_sizes():
+    """In the batch the curve is read on the line between measured sizes: one node more than a measured size
+    costs a little more, not the next measured size's price, which made the weak nodes that fill a forward up to
+    that size look free once a good one had crossed it."""
+    coarse = CostCurve((1, 8, 16), (1.0, 1.5, 1.6))
+    assert Interpolated(coarse)(8) == 1.5 and Interpolated(coarse)(16) == 1.6 and Interpolated(coarse)(12) == 1.55
+    drafts = [scored(1, 0.9)] + [scored(1, 0.05)] * 7  # eight sequences, 8 pending tokens: one good node
+    assert [len(d) for d in cut_batch(drafts, coarse, pending=8, shared=False)] == [1] * 8
+    assert [len(d) for d in cut_batch(drafts, coarse, pending=8)] == [1] + [0] * 7
+
+
 def scored_tree() -> Draft:
     """Two branches under the context, the second's scores higher below than its root's (capped by it)."""
     return Draft(tokens=torch.arange(6), parents=torch.tensor([-1, 0, 1, -1, 3, 3]),
@@ -234,8 +245,8 @@ def scored_tree() -> Draft:
 
 def test_the_batch_gate_cuts_scored_trees_to_subtrees():
     steep = CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.3, 2.0, 3.5, 7.0, 14.0, 28.0))
-    # alone (trees=False): a tree goes as its drafter sized it
-    assert cut_batch([scored_tree()], steep, pending=1, trees=False)[0].tokens.tolist() == list(range(6))
+    # alone (shared=False): a tree goes as its drafter sized it
+    assert cut_batch([scored_tree()], steep, pending=1, shared=False)[0].tokens.tolist() == list(range(6))
     # among several sequences its nodes compete: a subtree closed under ancestors, best first; none at eight
     two = cut_batch([scored_tree(), scored(4, 0.5)], steep, pending=2)
     kept = two[0]
