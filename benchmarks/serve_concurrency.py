@@ -1,128 +1,291 @@
-"""Throughput and latency of `specdecode serve` at 1, 2, 4, 8 concurrent clients, with and without
-speculation, on the default models (bf16, 2 threads), through the official `openai` client on loopback.
+"""Served concurrency: `specdecode serve` at 1, 2, 4 and 8 concurrent clients, the methods interleaved.
 
-    python benchmarks/serve_concurrency.py [--clients 1,2,4,8,16] [--methods ar,pld] [--prompts 16]
+    python benchmarks/serve_concurrency.py [--clients 1,2,4,8] [--methods auto,ar,pld] [--per-category 2]
+                                           [--max-tokens 64] [--repeats 1] [--dtype auto] [--out DIR]
+    python benchmarks/serve_concurrency.py --render DIR   # the report again, from DIR's kept records
 
-Every level sends the same prompts (a seeded sample of the benchmark's categories, interleaved,
-chat-templated, greedy) from `clients` threads, each taking the next prompt when its answer is in; every
-method runs in turn. Per method and level: output tokens per second over the wall clock, mean and
-90th-percentile request latency, mean accepted tokens per target forward, draft tokens verified per
-batched forward (the batch gate's choice), and how many answers equal plain decoding's with one client
-(no batching); where one differs, the target's top-1/top-2 margin at the first differing token (bf16
-results depend on the batch's shape, so near-ties may flip). Writes a markdown table to --out.
+Starts `specdecode serve --methods M1,M2,... --max-batch N` as a child process on a free loopback port. At every
+level each method is sent the same prompts (a seeded sample of the held-out part of each category, chat-templated
+token ids over /v1/completions, greedy, streamed): `clients` threads, each taking the next prompt when its answer
+is in. Levels and repeats follow one another; within each, the methods run in the rows of a balanced Latin square
+(`bench.harness.method_order`), so neither a drifting machine nor what one method leaves behind favours another.
+
+Per method and level: the total output tokens per second over the run's wall clock; each request's tokens per
+second (from sending it to its last token); time to first token; time between tokens (a streamed chunk's gap
+spread evenly over its tokens: a step that brings three tokens after 90 ms counts 30 ms three times), median and
+95th percentile; and how many answers are token for token what greedy decoding of the same prompt ids gives
+in-process (`SpeculativeEngine`, plain decoding, before the server starts). Writes to --out (default
+benchmarks/reports/serve-concurrency-<date>): records.jsonl (one line per request, with every chunk's time and
+token count, and one per run), settings.json (command, machine, date), report.md (the table, the ratios the issue
+asks for, the answers that differ) and throughput.png (tokens per second against clients).
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
+import json
+import os
+import shlex
 import statistics
+import subprocess
+import sys
+import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import openai
-import torch
-
-from specdecode.api import load_models
-from specdecode.bench.samples import sample_tasks
-from specdecode.bench.exactness import diagnose
-from specdecode.bench.scripts import save_report
-from specdecode.serve.app import Server, ServerThread, create_app
-
-CATEGORIES = ["code", "code-edit", "summarisation", "qa", "math", "rag"]
+SPECDECODE = [sys.executable, "-m", "specdecode"]
+CATEGORIES = "code,code-edit,summarisation,qa,math,rag,translation,multi-turn"
 
 
-def metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics") as response:
-        text = response.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
-
-
-def main() -> None:
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--clients", default="1,2,4,8,16")
-    parser.add_argument("--methods", default="ar,pld")
-    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--clients", default="1,2,4,8")
+    parser.add_argument("--methods", default="auto,ar,pld", help="the first is the server's default")
+    parser.add_argument("--categories", default=CATEGORIES)
+    parser.add_argument("--per-category", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=Path("results/serve_concurrency.md"))
-    args = parser.parse_args()
-    torch.set_num_threads(2)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--dtype", default="auto", help="the target's path, in-process and served")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads, in-process and served")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--render", type=Path, default=None, help="only write DIR's report from its records")
+    args = parser.parse_args(argv)
+    args.out = args.out or Path("benchmarks/reports") / time.strftime("serve-concurrency-%Y-%m-%d-%H%M")
+    return args
+
+
+# --- A streamed request, timed -----------------------------------------------------------------------------
+
+
+def stream(url: str, prompt_ids: list[int], method: str, max_tokens: int) -> dict:
+    """One greedy streamed completion: when it was sent, each chunk's arrival and token ids, and when it ended."""
+    host = url.removeprefix("http://")
+    body = {"model": "default", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "method": method}
+    connection = http.client.HTTPConnection(host, timeout=3600)
+    sent = time.perf_counter()
+    connection.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
+    response = connection.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"{method}: {response.status} {response.read()[:300]!r}")
+    chunks: list[tuple[float, list[int]]] = []
+    for line in response:
+        if not line.startswith(b"data: {"):
+            continue
+        payload = json.loads(line[len(b"data: "):])
+        ids = [t["id"] for t in payload.get("specdecode", {}).get("tokens", [])]
+        if ids:
+            chunks.append((time.perf_counter() - sent, ids))
+    ended = time.perf_counter() - sent
+    connection.close()
+    return {"sent": sent, "chunks": [[t, ids] for t, ids in chunks], "seconds": ended,
+            "token_ids": [i for _, ids in chunks for i in ids]}
+
+
+def run_level(url: str, prompts: list[list[int]], method: str, clients: int, max_tokens: int) -> tuple[float, list]:
+    """Every prompt once, from `clients` threads each taking the next when its answer is in: (wall seconds,
+    per request (prompt index, client, its timings))."""
+    queue = list(range(len(prompts)))
+    lock = threading.Lock()
+
+    def client(number: int) -> list:
+        done = []
+        while True:
+            with lock:
+                if not queue:
+                    return done
+                index = queue.pop(0)
+            done.append((index, number, stream(url, prompts[index], method, max_tokens)))
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        answers = [a for part in pool.map(client, range(clients)) for a in part]
+    return time.perf_counter() - start, answers
+
+
+# --- Figures from the records ------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))] if ordered else float("nan")
+
+
+def gaps(request: dict) -> list[float]:
+    """Each token's time between tokens, after the first chunk: its chunk's gap over its tokens."""
+    out, previous = [], None
+    for at, ids in request["chunks"]:
+        if previous is not None:
+            out += [(at - previous) / len(ids)] * len(ids)
+        previous = at
+    return out
+
+
+def figures(requests: list[dict], runs: list[dict]) -> dict:
+    """A (level, method)'s figures over its runs and requests."""
+    tokens = sum(len(r["token_ids"]) for r in requests)
+    wall = sum(run["wall"] for run in runs)
+    between = [g for r in requests for g in gaps(r)]
+    first = [r["chunks"][0][0] for r in requests if r["chunks"]]
+    rates = [len(r["token_ids"]) / r["seconds"] for r in requests if r["seconds"] > 0]
+    return {"throughput": tokens / wall, "client": statistics.median(rates), "ttft": statistics.median(first),
+            "ttft95": percentile(first, 0.95), "tbt": statistics.median(between) if between else float("nan"),
+            "tbt95": percentile(between, 0.95), "identical": sum(r["identical"] for r in requests),
+            "requests": len(requests)}
+
+
+def prompt_ratio(records: list[dict], method: str, prompt: int, levels: list[int]) -> float:
+    """A prompt's median time between tokens at the most clients over at the fewest, under `method`."""
+    def median(level: int) -> float:
+        found = [g for r in records if r["kind"] == "request" and r["method"] == method and r["prompt"] == prompt
+                 and r["clients"] == level for g in gaps(r)]
+        return statistics.median(found) if found else float("nan")
+
+    return median(levels[-1]) / median(levels[0])
+
+
+def render(out: Path) -> str:
+    """report.md and throughput.png from `out`'s records and settings."""
+    settings = json.loads((out / "settings.json").read_text())
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    levels, methods = settings["clients"], settings["methods"]
+    table = {(level, method): figures([r for r in records if r["kind"] == "request" and r["clients"] == level
+                                       and r["method"] == method],
+                                      [r for r in records if r["kind"] == "run" and r["clients"] == level
+                                       and r["method"] == method])
+             for level in levels for method in methods}
+    lines = [f"# specdecode serve at {', '.join(map(str, levels))} concurrent clients", "",
+             f"- {settings['date']}, {settings['machine']}, commit {settings.get('commit', 'not recorded')}",
+             f"- `{settings['command']}`",
+             f"- {settings['prompts']} prompts ({settings['categories']}), {settings['max_tokens']} tokens at most, "
+             f"greedy, streamed; {settings['repeats']} interleaved round(s); while it ran: {settings['beside']}", "",
+             "| clients | method | tokens/s | over `ar` | a client's tokens/s | TTFT median / p95 (s) | "
+             "TBT median / p95 (ms) | = in-process greedy |", "|---|---|---|---|---|---|---|---|"]
+    for (level, method), row in table.items():
+        ar = table.get((level, "ar"))
+        over = f"{row['throughput'] / ar['throughput']:.2f}x" if ar else "-"
+        lines.append(f"| {level} | `{method}` | {row['throughput']:.1f} | {over} | {row['client']:.1f} | "
+                     f"{row['ttft']:.2f} / {row['ttft95']:.2f} | {row['tbt'] * 1000:.0f} / {row['tbt95'] * 1000:.0f} | "
+                     f"{row['identical']}/{row['requests']} |")
+    lines += ["", f"Time between tokens at {levels[-1]} clients over at {levels[0]} (median; and per prompt, its "
+                  "median's ratio over `ar`'s for the same prompt, the largest):", ""]
+    for method in methods:
+        low, high = table[(levels[0], method)]["tbt"], table[(levels[-1], method)]["tbt"]
+        worst = max(prompt_ratio(records, method, p, levels) / prompt_ratio(records, "ar", p, levels)
+                    for p in range(settings["prompts"])) if "ar" in methods else float("nan")
+        lines.append(f"- `{method}`: {high / low:.2f}x; per prompt, beyond `ar`'s: at most {worst:.2f}x")
+    differing = [r for r in records if r["kind"] == "request" and not r["identical"]]
+    lines += ["", "Answers that differ from in-process greedy decoding:", ""] + [
+        f"- {r['clients']} clients, `{r['method']}`, prompt {r['prompt']}: first differs at token "
+        f"{r['first_difference']}" for r in differing] + ([] if differing else ["- none"])
+    plot(table, levels, methods, out / "throughput.png", settings)
+    text = "\n".join(lines) + "\n"
+    (out / "report.md").write_text(text)
+    return text
+
+
+def plot(table: dict, levels: list[int], methods: list[str], path: Path, settings: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for method in methods:
+        axes.plot(levels, [table[(level, method)]["throughput"] for level in levels], marker="o", label=method)
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(levels, [str(level) for level in levels])
+    axes.set_xlabel("concurrent clients")
+    axes.set_ylabel("output tokens per second, all clients")
+    axes.set_title(f"specdecode serve, {settings['date']}: {settings['prompts']} prompts, "
+                   f"{settings['max_tokens']} tokens at most", fontsize=10)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+# --- The run -----------------------------------------------------------------------------------------------
+
+
+def prompts_and_references(args: argparse.Namespace) -> tuple[list[list[int]], list[str], list[list[int]]]:
+    """The prompts' token ids (chat-templated), their categories, and greedy decoding's answers in-process."""
+    import torch
+
+    from specdecode.api import load_models
+    from specdecode.bench.samples import sample_tasks
+    from specdecode.engine import GenerationConfig, SpeculativeEngine
+
+    torch.set_num_threads(args.threads)
+    models = load_models(dtype=args.dtype, progress=False)
+    tasks = sample_tasks(args.categories.split(","), args.per_category)
+    prompts = [models.encode(task.turns[0], chat=True) for task in tasks]
+    plain = SpeculativeEngine(models.target, models.tokenizer)
+    config = GenerationConfig(max_new_tokens=args.max_tokens)
+    references = [plain.generate(p, config).token_ids for p in prompts]
+    return prompts, [task.category for task in tasks], references
+
+
+def first_difference(ours: list[int], theirs: list[int]) -> int | None:
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                None if len(ours) == len(theirs) else min(len(ours), len(theirs)))
+
+
+def run(args: argparse.Namespace) -> None:
+    from specdecode.bench.harness import method_order
+    from specdecode.bench.server_process import ServerProcess, free_port
+    from specdecode.models.costs import machine
+
     levels = [int(c) for c in args.clients.split(",")]
-    methods = args.methods.split(",")
+    methods = [m for m in args.methods.split(",") if m]
+    prompts, categories, references = prompts_and_references(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    serve = [*SPECDECODE, "serve", "--methods", ",".join(methods), "--method", methods[0], "--dtype", args.dtype,
+             "--port", str(port), "--max-batch", str(max(levels)), "--model-name", "default"]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
+    settings = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "command": shlex.join(sys.argv),
+                "commit": commit.stdout.strip() or "unknown",
+                "serve": shlex.join(serve), "clients": levels, "methods": methods, "prompts": len(prompts),
+                "categories": args.categories, "max_tokens": args.max_tokens, "repeats": args.repeats,
+                "beside": os.environ.get("BESIDE", "not recorded (set BESIDE to say)")}
+    (args.out / "settings.json").write_text(json.dumps(settings, indent=1))
+    records = (args.out / "records.jsonl").open("w")
+    with ServerProcess("specdecode serve", serve, port) as server:
+        print(f"starting {shlex.join(serve)}", flush=True)
+        server.wait_until_up(timeout=1800)
+        for method in methods:  # warm-up: first forwards, the batch's path at the widest level
+            run_level(server.url, prompts[: max(levels)], method, max(levels), 8)
+        index = 0
+        for repeat in range(args.repeats):
+            for level in levels:
+                for method in method_order(methods, index):
+                    wall, answers = run_level(server.url, prompts, method, level, args.max_tokens)
+                    index += 1
+                    records.write(json.dumps({"kind": "run", "repeat": repeat, "clients": level, "method": method,
+                                              "wall": wall}) + "\n")
+                    for prompt, client, request in answers:
+                        difference = first_difference(request["token_ids"], references[prompt])
+                        records.write(json.dumps({"kind": "request", "repeat": repeat, "clients": level,
+                                                  "method": method, "prompt": prompt, "category": categories[prompt],
+                                                  "client": client, "identical": difference is None,
+                                                  "first_difference": difference, **request}) + "\n")
+                    records.flush()
+                    tokens = sum(len(a[2]["token_ids"]) for a in answers)
+                    print(f"{level} clients, {method}: {tokens / wall:.1f} tokens/s", flush=True)
+    records.close()
+    print(render(args.out))
 
-    models = load_models(dtype="bfloat16", progress=False)
-    server = Server(models, "default", default_method=methods[0], max_batch=max(levels), methods=methods)
-    running = ServerThread(create_app(server))
-    client = openai.OpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0, timeout=3600)
-    needed = args.prompts
-    by_category = [sample_tasks([c], -(-needed // len(CATEGORIES)), seed=0) for c in CATEGORIES]
-    prompts = [t.turns[0] for group in zip(*by_category) for t in group][:needed]  # categories interleaved
 
-    def ask(method: str, prompt: str) -> tuple[float, str, dict]:
-        start = time.perf_counter()
-        response = client.chat.completions.create(
-            model="default", messages=[{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
-            temperature=0, extra_body={"method": method})
-        return time.perf_counter() - start, response.choices[0].message.content, response.model_extra["speculative"]
-
-    for method in methods:  # warm-up: cost curve, datastore, first forwards
-        ask(method, prompts[0])
-    rows, reference, differing = [], {}, []
-    for clients in levels:
-        batch = prompts
-        for method in methods:
-            batched = -metric(running.url, "specdecode_batch_forwards_total")
-            drafted = -metric(running.url, "specdecode_batch_drafted_tokens_total")
-            start = time.perf_counter()
-            with ThreadPoolExecutor(clients) as pool:
-                answers = list(pool.map(lambda p: ask(method, p), batch))
-            wall = time.perf_counter() - start
-            batched += metric(running.url, "specdecode_batch_forwards_total")
-            drafted += metric(running.url, "specdecode_batch_drafted_tokens_total")
-            tokens = sum(len(models.tokenizer.encode(text, add_special_tokens=False)) for _, text, _ in answers)
-            latencies = sorted(seconds for seconds, _, _ in answers)
-            forwards = sum(s["target_forwards"] for _, _, s in answers)
-            generated = sum(s["target_forwards"] * s["mean_accepted_tokens"] for _, _, s in answers)
-            for prompt, (_, text, _) in zip(batch, answers):
-                reference.setdefault(prompt, text)
-            same = sum(reference[p] == text for p, (_, text, _) in zip(batch, answers))
-            differing += [(clients, method, p, text) for p, (_, text, _) in zip(batch, answers) if reference[p] != text]
-            rows.append({
-                "clients": clients, "method": method, "requests": len(batch), "tokens": tokens,
-                "throughput": tokens / wall, "latency": statistics.mean(latencies),
-                "p90": latencies[min(len(latencies) - 1, int(0.9 * len(latencies)))],
-                "accepted": generated / forwards if forwards else float("nan"),
-                "drafted_per_forward": drafted / batched if batched else None,
-                "identical": f"{same}/{len(batch)}",
-            })
-            row = rows[-1]
-            print(f"{clients} clients {method}: {row['throughput']:.2f} tok/s, latency {row['latency']:.1f}s "
-                  f"(p90 {row['p90']:.1f}s), {row['accepted']:.2f} tokens/forward, identical {row['identical']}",
-                  flush=True)
-    running.stop()
-    notes = []
-    for clients, method, prompt, text in differing:  # the server is down: the target is ours again
-        ids = models.encode(prompt, chat=True)
-        ours, theirs = (models.tokenizer.encode(t, add_special_tokens=False) for t in (reference[prompt], text))
-        divergence = diagnose(models.target, ids, ours, theirs)
-        notes.append(f"- {clients} clients, {method}, prompt {prompt[:40]!r}: "
-                     + (divergence.describe() if divergence else "same tokens, different text"))
-
-    lines = ["# specdecode serve: throughput and latency by concurrency", "",
-             f"- default models, bf16, {torch.get_num_threads()} threads, greedy, {args.max_tokens} tokens per "
-             f"answer, the same {len(prompts)} chat prompts at every level (from {', '.join(CATEGORIES)})",
-             "- speedup: throughput over `ar`'s at the same concurrency", "",
-             "| clients | method | tokens/s | speedup | mean latency (s) | p90 latency (s) | tokens per forward | "
-             "draft tokens per batched forward | identical to plain, 1 client |", "|---" * 9 + "|"]
-    for row in rows:
-        base = next(r for r in rows if r["clients"] == row["clients"] and r["method"] == methods[0])
-        drafted = "-" if row["drafted_per_forward"] is None else f"{row['drafted_per_forward']:.1f}"
-        lines.append(f"| {row['clients']} | {row['method']} | {row['throughput']:.2f} | "
-                     f"{row['throughput'] / base['throughput']:.2f}x | {row['latency']:.1f} | {row['p90']:.1f} | "
-                     f"{row['accepted']:.2f} | {drafted} | {row['identical']} |")
-    lines += ["", "Answers that differ from plain decoding with one client:", ""] + (notes or ["- none"])
-    save_report("\n".join(lines) + "\n", args.out)
+def main(argv: list[str] | None = None) -> None:
+    args = arguments(argv)
+    if args.render is not None:
+        print(render(args.render))
+        return
+    run(args)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """Whether one tenant's long prompt, or its new memory owner, holds up another tenant's short request.
 
     python benchmarks/serve_fairness.py [--url URL --key-a KEY --key-b KEY] [--repeats 3] [--lengths 3000,12000]
+                                        [--methods pld,auto]
 
 Without --url it serves the default models itself (dtype auto) with two API keys, on loopback. Cases, each
-against key B's short request (a 2-token greedy completion, `pld`) measured alone first (median of --repeats):
+against key B's short request (a 2-token greedy completion, in each of --methods: `pld`, and `auto`, the server's
+default) measured alone first (median of --repeats):
 
 1. key A sends a prompt of each --lengths token ids (max_tokens 16) and disconnects after --leave-after
    seconds; B's request is sent --offset seconds after A's, while A's prompt is being fed. Reported: B's
@@ -14,6 +16,10 @@ against key B's short request (a 2-token greedy completion, `pld`) measured alon
 3. key A sends a request with `user` set to a new name and method `eagle3-online` (a new memory owner: its
    learning head is built for it), B's request --owner-offset seconds later. Reported: A's seconds, B's
    latency, and B's alone just before.
+4. key A streams a long answer (--long-tokens, the same method as B's) and B's request is sent --offset seconds
+   later, while A's answer is under way: B joins the batch at the next step. Reported: B's latency against its
+   latency alone, in seconds and in plain steps (a plain-decoding step of B's, measured), and how much of A's
+   answer was still to come when B's was in.
 
 Also reported: a step of B's alone (its 10-token form less its 2-token form, over 8 tokens), the chunk a
 prefill forward feeds at a prompt's start (own server: `costs.prefill_chunk` of the target's curve) and the
@@ -65,10 +71,24 @@ def post(target: Target, key: str, body: dict, timeout: float = 600) -> tuple[fl
     return seconds, answer
 
 
-def short(target: Target, max_tokens: int = 2) -> float:
+def short(target: Target, max_tokens: int = 2, method: str = "pld") -> float:
     """Seconds of key B's short request."""
-    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": max_tokens, "temperature": 0, "method": "pld"}
+    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": max_tokens, "temperature": 0, "method": method}
     return post(target, target.key_b, body)[0]
+
+
+def beside_a_stream(target: Target, method: str, tokens: int, offset: float) -> tuple[float, float, float]:
+    """Key B's short request `offset` seconds into key A's streamed answer of `tokens` tokens (greedy, `method`):
+    (B's seconds, A's seconds, seconds of A's answer after B's was in)."""
+    body = {"model": MODEL, "prompt": "def quicksort(items):", "max_tokens": tokens, "temperature": 0, "method": method}
+    with ThreadPoolExecutor(1) as pool:
+        a = pool.submit(post, target, target.key_a, body)
+        time.sleep(offset)
+        b = short(target, 2, method)
+        b_done = time.perf_counter()
+        a_seconds = a.result()[0]
+        a_done = time.perf_counter()
+    return b, a_seconds, a_done - b_done
 
 
 def leaving(target: Target, key: str, body: dict, after: float) -> threading.Thread:
@@ -99,6 +119,8 @@ def main() -> None:
     parser.add_argument("--leave-after", type=float, default=3.0)
     parser.add_argument("--timeout", type=float, default=6.0)
     parser.add_argument("--timeout-length", type=int, default=6000)
+    parser.add_argument("--methods", default="pld,auto", help="B's short request's methods (and A's long answer's)")
+    parser.add_argument("--long-tokens", type=int, default=256, help="the tokens of A's long answer (case 4)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -112,7 +134,7 @@ def main() -> None:
 
         keys = (f"probe-a-{secrets.token_hex(12)}", f"probe-b-{secrets.token_hex(12)}")
         models = load_models(progress=False)
-        state = Server(models, MODEL, default_method="pld", methods=["pld", "eagle3-online"])
+        state = Server(models, MODEL, default_method="auto", methods=["pld", "auto", "ar", "eagle3-online"])
         running = ServerThread(create_app(state, Guard(api_keys=keys)))
         target = Target(running.url, *keys)
     rows: list[tuple[str, str]] = []
@@ -132,12 +154,25 @@ def main() -> None:
         chunk = prefill_chunk(curve)
         note("prefill chunk", f"{chunk} tokens (curve's prefill {curve.prefill * 1000:.1f} ms a token at 256)")
 
-    for _ in range(2):  # warm-up
-        short(target)
-    alone = statistics.median(short(target) for _ in range(args.repeats))
-    note("B alone", f"{alone:.2f} s")
-    step = (statistics.median(short(target, 10) for _ in range(args.repeats)) - alone) / 8
-    note("a step of B's (its 10-token form's time less the 2-token's, over 8)", f"{step:.2f} s")
+    methods = args.methods.split(",")
+    alone_by = {}
+    for method in [*methods, "ar"]:
+        for _ in range(2):  # warm-up
+            short(target, 2, method)
+        alone_by[method] = statistics.median(short(target, 2, method) for _ in range(args.repeats))
+        note(f"B alone ({method})", f"{alone_by[method]:.2f} s")
+    step = (statistics.median(short(target, 10, "ar") for _ in range(args.repeats)) - alone_by["ar"]) / 8
+    note("a step (B's 10-token form's time less the 2-token's, over 8, plain decoding)", f"{step:.2f} s")
+    for method in methods:  # case 4: B beside A's long answer, in the batch
+        tries = [beside_a_stream(target, method, args.long_tokens, args.offset) for _ in range(args.repeats)]
+        for number, (b, a, after) in enumerate(tries, 1):
+            note(f"B while A streams {args.long_tokens} tokens ({method}, try {number})",
+                 f"{b:.2f} s (alone {alone_by[method]:.2f} s); A's {a:.1f} s, {after:.1f} s of it after B's was in")
+        median = statistics.median(b for b, _, _ in tries)
+        over = median - alone_by[method]
+        note(f"B while A streams, median ({method})",
+             f"{median:.2f} s: {over:.2f} s over alone, {over / step:.1f} steps")
+    alone = alone_by["pld"] if "pld" in methods else alone_by[methods[0]]
 
     for n in (int(x) for x in args.lengths.split(",")):
         with_long = []
