@@ -188,6 +188,11 @@ class HFCausalLM(CausalLM):
         self._cache = growing_cache(self.model.config)
         self._length = 0
 
+    def sibling(self) -> HFCausalLM:
+        """The same weights on the same path over a KV cache of their own (what the server's batch runs on beside
+        a job that holds this one's cache)."""
+        return HFCausalLM(self.model, self.eos_token_ids)
+
 
 def torch_target(target: CausalLM, what: str) -> HFCausalLM:
     """`target` itself, when it runs on the torch backend: `what` (a method, training, an export) runs the

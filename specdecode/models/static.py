@@ -240,13 +240,18 @@ class StaticCausalLM(HFCausalLM):
         self._lean = None
         capacity = capacity or min(self.max_context, DEFAULT_CAPACITY)
         self.decoder = StaticDecoder(model, capacity + BUCKETS[-1])  # room for the widest bucket's pads
-        self.runner_name = runner
+        self.runner_name, self.backend = runner, backend
         self.runner = make_runner(runner, self.decoder.step, self.device, backend)
 
     @property
     def cost_key(self) -> str:
         """The dynamic path's key and the runner's: a captured forward costs otherwise than transformers' forward."""
         return f"{super().cost_key}|static-{self.runner_name}"
+
+    def sibling(self) -> StaticCausalLM:
+        """The same weights on the static path over a cache and captured forwards of their own."""
+        return StaticCausalLM(self.model, self.eos_token_ids, runner=self.runner_name,
+                              capacity=self.decoder.capacity - BUCKETS[-1], backend=self.backend)
 
     @functools.cached_property
     def twin(self) -> HFCausalLM:

@@ -140,7 +140,7 @@ def own_cache(target: CausalLM) -> CausalLM | None:
     job that runs alone, on the target's cache, takes turns with it. None where the backend holds one sequence."""
     if not isinstance(target, HFCausalLM):
         return None
-    view = HFCausalLM(target.model, target.eos_token_ids)  # (a static target's: on the dynamic path)
+    view = target.sibling()  # on the target's own path (a static target's: static too)
     view._live_curve = target.cost_curve()  # one curve per model, corrected by both (`CausalLM.cost_curve`)
     return view
 

@@ -23,6 +23,7 @@ from specdecode.engine.batch import BatchEngine
 from specdecode.errors import UserError
 from specdecode.models.costs import CostCurve
 from specdecode.models.hf import HFCausalLM
+from specdecode.models.static import StaticCausalLM
 from specdecode.tree.budget import Interpolated, cut_batch
 from specdecode.types import Draft, SamplingParams
 
@@ -67,12 +68,16 @@ def run_all(engine: BatchEngine, jobs: list[tuple[int, list[int], GenerationConf
     return results
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("garbage_share", [0.0, 0.25, 10.0])  # compact every step, by default, never
-def test_greedy_batch_equals_plain_decoding(tiny_target, monkeypatch, garbage_share):
+def test_greedy_batch_equals_plain_decoding(tiny_target, monkeypatch, garbage_share, static):
+    """Several sequences, joining at different steps, chains and trees, the cache compacted at every step, by
+    default or never; on the dynamic path and on the static one (a GPU's: masks over other sequences' slots run
+    its step at their own width, a lone sequence its buckets)."""
     monkeypatch.setattr(batch_module, "GARBAGE_SHARE", garbage_share)
     prompts = repetitive_prompts(6)
     references = greedy_references(tiny_target, prompts, 30)
-    target = HFCausalLM(tiny_target)
+    target = StaticCausalLM(tiny_target, capacity=256) if static else HFCausalLM(tiny_target)
     engine = BatchEngine(target, LetterTokenizer())
     engine.curve = FLAT  # speculation pays: the gate lets drafts through
     kinds = ["pld", "ar", "pld-tree", "pld", "pld", "ar"]
@@ -430,3 +435,16 @@ def test_sampled_batch_of_auto_follows_target_distribution():
                 outcomes.add(result.token_ids[:2], steps)
     assert deep > runs // 4  # drafts were accepted
     assert_follows(outcomes.counts, continuations(model_logits(model), prompt, 2, params), "batched auto", tv=0.1)
+
+
+def test_the_servers_batch_runs_on_the_targets_own_path(tiny_target):
+    """The server's batch runs on a view of the target with a cache of its own (`serve.worker.own_cache`): on the
+    target's own path, so a static (GPU) target's batch is static too, its cache and captured forwards apart."""
+    from specdecode.serve.worker import own_cache
+
+    static = StaticCausalLM(tiny_target, capacity=256)
+    view = own_cache(static)
+    assert isinstance(view, StaticCausalLM) and view.model is static.model
+    assert view.decoder.kv.data_ptr() != static.decoder.kv.data_ptr()
+    dynamic = own_cache(HFCausalLM(tiny_target))
+    assert type(dynamic) is HFCausalLM
