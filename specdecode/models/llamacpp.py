@@ -126,12 +126,15 @@ class LlamaCppLM(CausalLM):
         lib = getattr(self, "_lib", None)
         if lib is None:
             return
-        if getattr(self, "_batch", None) is not None:
-            lib.llama_batch_free(self._batch)
-        if getattr(self, "_ctx", None):
-            lib.llama_free(self._ctx)
-        if getattr(self, "_model", None):
-            lib.llama_model_free(self._model)
+        try:
+            if getattr(self, "_batch", None) is not None:
+                lib.llama_batch_free(self._batch)
+            if getattr(self, "_ctx", None):
+                lib.llama_free(self._ctx)
+            if getattr(self, "_model", None):
+                lib.llama_model_free(self._model)
+        except TypeError:  # at interpreter exit the library's functions may already be gone: the process frees all
+            pass
 
     @property
     def cache_length(self) -> int:
