@@ -6,7 +6,7 @@ fixed shapes), and prompt lookup; each a factory given the target and the unrela
 
 from __future__ import annotations
 
-from conftest import noisy_copy, random_prompts
+from conftest import DRAFT_PRICES, noisy_copy, random_prompts
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
 from specdecode.drafters.options import DEFAULT_CHOICES
@@ -23,23 +23,26 @@ KINDS = ["self", "noisy", "noisy-fixed", "unrelated", "pld", "pld-unigram", "tre
 
 def drafters(target_model, other_model):
     return {
-        "self": lambda: DraftModelDrafter(HFCausalLM(target_model), num_tokens=3, confidence_threshold=0),
-        "noisy": lambda: DraftModelDrafter(HFCausalLM(noisy_copy(target_model, 0.3, 1)), num_tokens=4),
+        "self": lambda: DraftModelDrafter(HFCausalLM(target_model), num_tokens=3, confidence_threshold=0,
+                                            **DRAFT_PRICES),
+        "noisy": lambda: DraftModelDrafter(HFCausalLM(noisy_copy(target_model, 0.3, 1)), num_tokens=4,
+                                             **DRAFT_PRICES),
         "noisy-fixed": lambda: DraftModelDrafter(
             HFCausalLM(noisy_copy(target_model, 0.3, 2)), num_tokens=5, adaptive=False, confidence_threshold=0
         ),
-        "unrelated": lambda: DraftModelDrafter(HFCausalLM(other_model), num_tokens=2),
+        "unrelated": lambda: DraftModelDrafter(HFCausalLM(other_model), num_tokens=2, **DRAFT_PRICES),
         "pld": lambda: PromptLookupDrafter(max_ngram=3, num_tokens=6),
         "pld-unigram": lambda: PromptLookupDrafter(max_ngram=1, num_tokens=3),
         # token trees
         "tree-self": lambda: DraftModelTreeDrafter(  # a fixed shape: always 4 deep
             HFCausalLM(target_model), CURVE, choices=[(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 0, 0)]
         ),
-        "tree-noisy": lambda: DraftModelTreeDrafter(HFCausalLM(noisy_copy(target_model, 0.3, 1)), CURVE),
+        "tree-noisy": lambda: DraftModelTreeDrafter(HFCausalLM(noisy_copy(target_model, 0.3, 1)), CURVE,
+                                                     draft_cost=0.4),
         "tree-noisy-budget": lambda: DraftModelTreeDrafter(
-            HFCausalLM(noisy_copy(target_model, 0.5, 4)), CURVE, top_k=3, width=2, max_depth=5, budget=7
+            HFCausalLM(noisy_copy(target_model, 0.5, 4)), CURVE, draft_cost=0.4, top_k=3, width=2, max_depth=5, budget=7
         ),
-        "tree-unrelated": lambda: DraftModelTreeDrafter(HFCausalLM(other_model), CURVE, budget=10),
+        "tree-unrelated": lambda: DraftModelTreeDrafter(HFCausalLM(other_model), CURVE, draft_cost=0.4, budget=10),
         "tree-fixed": lambda: DraftModelTreeDrafter(HFCausalLM(noisy_copy(target_model, 0.3, 2)), CURVE,
                                                     choices=DEFAULT_CHOICES),
         "pld-tree": lambda: PromptLookupTreeDrafter(CURVE, max_ngram=2, num_tokens=6),

@@ -17,7 +17,13 @@ from specdecode.drafters.eagle import EagleHead, head_config
 from specdecode.drafters.eagle3_head import Eagle3Config, Eagle3Head
 from specdecode.drafters.medusa import MedusaHeads
 from specdecode.models import costs
+from specdecode.models.costs import CostCurve
 from specdecode.models.hf import HFCausalLM
+
+# A draft model's prices the tests choose (they time nothing): a draft forward at 0.4 of a target forward,
+# verification width nearly free. Adaptive drafting weighs a draft by them; the methods measure them
+# (`DraftModelDrafter.for_models`).
+DRAFT_PRICES = {"draft_cost": 0.4, "curve": CostCurve.linear(0.03)}
 
 VOCAB = 97
 REAL_MEASURE = costs.measure  # before the session's fixture fixes every curve (`fixed_measure`)

@@ -103,12 +103,15 @@ class LateStart:
         return context_length - self.prompt_length >= tokens and room >= tokens
 
 
-def late_start(draft_cost: float, draft_curve: CostCurve | None, curve: CostCurve, lengths: range) -> LateStart:
+def late_start(draft_cost: float | None, draft_curve: CostCurve | None, curve: CostCurve | None,
+               lengths: range) -> LateStart:
     """A draft model's LateStart from its forward's cost (in target forwards), its own cost curve and the
     target's: the prefill of n tokens costs n times the draft curve's measured prefill seconds per token,
-    over the target's one-token forward, both read now, so the rule is fixed for the drafter's life (either
-    not measured, a fixed curve in a test: start at once); the best gain is a chain's at BEST_ACCEPTANCE."""
-    if draft_curve is None or not (draft_curve.prefill > 0 and curve.seconds > 0):
+    over the target's one-token forward, both read now, so the rule is fixed for the drafter's life (any of
+    them not given or not measured, a fixed curve in a test: start at once); the best gain is a chain's at
+    BEST_ACCEPTANCE."""
+    if (draft_cost is None or curve is None or draft_curve is None
+            or not (draft_curve.prefill > 0 and curve.seconds > 0)):
         return LateStart()
     per_token = draft_curve.prefill / curve.seconds  # target forwards per token of the draft model's prefill
     k = best_draft_length(BEST_ACCEPTANCE, draft_cost, lengths, curve)
@@ -163,16 +166,20 @@ class DraftModelDrafter(Drafter):
         min_tokens: int = 1,
         max_tokens: int = 16,
         confidence_threshold: float = 0.4,
-        draft_cost: float = 0.4,
-        curve: CostCurve | None = None,  # the target's; None: verification width nearly free
+        draft_cost: float | None = None,  # a draft forward in one-token target forwards (`for_models` measures it)
+        curve: CostCurve | None = None,  # the target's (`for_models`: measured)
         draft_curve: CostCurve | None = None,  # the draft model's own (its prefill's cost); None: start at once
     ):
         if not 1 <= min_tokens <= num_tokens <= max_tokens:
             raise UserError(
                 f"draft length needs 1 <= min ({min_tokens}) <= initial ({num_tokens}) <= max ({max_tokens})"
             )
-        if not draft_cost > 0:
+        if draft_cost is not None and not draft_cost > 0:
             raise UserError(f"draft cost must be positive, got {draft_cost}")
+        if adaptive and (draft_cost is None or curve is None):
+            raise UserError("an adaptive draft length weighs a draft's cost against verification's: "
+                            f"{type(self).__name__}.for_models(draft, target) measures both on this machine; "
+                            "else pass draft_cost and curve (the target's cost curve), or adaptive=False")
         if not 0.0 <= confidence_threshold < 1.0:
             raise UserError(f"confidence threshold must be in [0, 1), got {confidence_threshold}")
         self.model = model
@@ -181,10 +188,10 @@ class DraftModelDrafter(Drafter):
         self.confidence_threshold = confidence_threshold
         self.num_tokens = num_tokens
         self.draft_cost = draft_cost
-        self.curve = curve or CostCurve.linear(0.03)
+        self.curve = curve
         self._idle = 0  # steps since the last draft while drafting is off
         self._acceptance = RunningAcceptance()
-        self._cache = SyncedCache(model, late_start(draft_cost, draft_curve, self.curve, self._lengths()))
+        self._cache = SyncedCache(model, late_start(draft_cost, draft_curve, curve, self._lengths()))
 
     @classmethod
     def for_models(cls, draft: CausalLM, target: CausalLM, **options) -> DraftModelDrafter:
@@ -196,8 +203,7 @@ class DraftModelDrafter(Drafter):
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         # where even a near-perfect draft could not pay, do not draft at all (not even the draft
         # model's prefill of the prompt)
-        hopeless = self.adaptive and not best_draft_length(BEST_ACCEPTANCE, self.draft_cost, self._lengths(),
-                                                           self.curve)
+        hopeless = self.adaptive and not self._best_length(BEST_ACCEPTANCE)
         self.num_tokens = 0 if hopeless else self.initial_tokens
         self._idle = 0
         self._acceptance.reset()
@@ -207,11 +213,15 @@ class DraftModelDrafter(Drafter):
         if self.num_tokens > 0:
             return self.num_tokens
         self._idle += 1
-        best_case = best_draft_length(BEST_ACCEPTANCE, self.draft_cost, self._lengths(), self.curve)
+        best_case = self._best_length(BEST_ACCEPTANCE)
         return self.min_tokens if best_case and self._idle % PROBE_EVERY == 0 else 0
 
     def _lengths(self) -> range:
         return range(0, self.max_tokens + 1)
+
+    def _best_length(self, acceptance: float) -> int:
+        assert self.draft_cost is not None and self.curve is not None, "priced: adaptive drafters are (__init__)"
+        return best_draft_length(acceptance, self.draft_cost, self._lengths(), self.curve)
 
     @property
     def stops_early(self) -> bool:
@@ -284,5 +294,5 @@ class DraftModelDrafter(Drafter):
         if not self.adaptive or verdict.num_drafted == 0:
             return
         self._acceptance.record(verdict)
-        best = best_draft_length(self._acceptance.value, self.draft_cost, self._lengths(), self.curve)
+        best = self._best_length(self._acceptance.value)
         self.num_tokens = best and max(best, self.min_tokens)

@@ -77,7 +77,7 @@ class DraftModelTreeDrafter(Drafter):
         self,
         model: CausalLM,
         curve: CostCurve,
-        draft_cost: float = 0.4,
+        draft_cost: float | None = None,  # a draft forward in one-token target forwards (`for_models` measures it)
         top_k: int = 3,
         width: int = 3,
         max_depth: int = 20,
@@ -88,8 +88,13 @@ class DraftModelTreeDrafter(Drafter):
         if not (top_k >= 1 and width >= 1 and max_depth >= 1):
             raise UserError(f"a draft tree needs top_k, width and max_depth >= 1, got {top_k}, {width}, {max_depth}")
         check_budget(budget)
-        if not draft_cost > 0:
+        if draft_cost is not None and not draft_cost > 0:
             raise UserError(f"draft cost must be positive, got {draft_cost}")
+        if draft_cost is None and choices is None and model is not None:
+            raise UserError("a draft tree grows while another round pays for its cost: "
+                            f"{type(self).__name__}.for_models(draft, target) measures it on this machine; else "
+                            "pass draft_cost (a draft forward in one-token target forwards), or a fixed shape "
+                            "(choices)")
         self.model, self.curve, self.draft_cost = model, curve, draft_cost
         self.draft_curve = draft_curve or curve  # the draft model's own width costs, else the target's shape
         self.top_k, self.width, self.max_depth, self.budget = top_k, width, max_depth, budget
@@ -158,8 +163,9 @@ class DraftModelTreeDrafter(Drafter):
         return best if gain > rate * self._round_cost(len(best)) else []
 
     def _round_cost(self, width: int) -> float:
-        """What a growing round over `width` nodes costs, in one-token target forwards."""
-        return self.draft_cost * self.draft_curve(width)
+        """What a growing round over `width` nodes costs, in one-token target forwards (no `draft_cost`: a
+        head's tree before its rounds are timed, free)."""
+        return (self.draft_cost or 0.0) * self.draft_curve(width)
 
     # -- the draft model's part of a step (an EAGLE head has its own: `drafters.eagle`) --------------
 

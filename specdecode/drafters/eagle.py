@@ -299,14 +299,15 @@ class EagleTreeDrafter(DraftModelTreeDrafter):
     name = "eagle-tree"
     needs = Needs(hidden=True)
 
-    def __init__(self, head: EagleHead | None, target_model, curve, draft_cost: float = 0.05,
+    def __init__(self, head: EagleHead | None, target_model, curve, draft_cost: float | None = None,
                  state: State | None = None, clock: Callable[[], float] | None = None, **tree_options):
         # no draft model: the head drafts (`_start` and `_feed` are this class's own)
         super().__init__(model=None, curve=curve, draft_cost=draft_cost, **tree_options)  # type: ignore[arg-type]
         self.state = head_state(head, target_model, state)
         self._outputs: dict[int, torch.Tensor] = {}  # node -> the head's prediction after it
         # the head's rounds as timed, by width (latest first): what a round costs on this machine, for
-        # `_round_cost`; `draft_cost` is only the guess before a width has been timed. Timed without waiting
+        # `_round_cost`; `draft_cost` is only the guess before a width has been timed (None: free, so the
+        # drafter's first tree grows as deep as its scores allow and is timed on the way). Timed without waiting
         # for the device (`devices.stopwatch`: on CUDA between events): a round's seconds come by the next
         # round, as its children are read on the host right after it (`_add_children`). `clock`: a fixed
         # clock instead (a test's).

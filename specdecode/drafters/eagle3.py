@@ -233,7 +233,7 @@ class Eagle3TreeDrafter(EagleTreeDrafter):
 
     name = "eagle3-tree"
 
-    def __init__(self, head: Eagle3Head, target_model, curve, draft_cost: float = 0.05, adaptation=None,
+    def __init__(self, head: Eagle3Head, target_model, curve, draft_cost: float | None = None, adaptation=None,
                  state: Eagle3State | None = None, **tree_options):
         super().__init__(None, target_model, curve, draft_cost,
                          state=state or Eagle3State(head, target_model, adaptation), **tree_options)

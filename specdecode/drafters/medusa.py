@@ -32,6 +32,8 @@ import copy
 import dataclasses
 import heapq
 import weakref
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,6 +48,7 @@ from specdecode.tree.budget import MAX_BUDGET, Calibration, best_budget
 from specdecode.types import Draft, SamplingParams
 
 WEIGHTS, CONFIG = "medusa.safetensors", "medusa.json"
+TIMINGS = 5  # latest timings of the heads' call whose lower median prices a draft
 
 
 class MedusaHeads(nn.Module):
@@ -133,6 +136,7 @@ class BatchedHeads:
         """[depth, V'] the asking sequence's first `depth` heads' distributions over the draft vocabulary."""
         if asking._probs is None or len(asking._probs) < depth:
             due = [asking] + [m for m in self.members if m is not asking and m._probs is None and m.wanted]
+            start = asking.stopwatch.mark()
             if len(due) == 1:  # as the drafter computes them alone, row for row
                 asking._probs = asking.distributions(asking.feature, depth)
             else:
@@ -140,6 +144,9 @@ class BatchedHeads:
                 probs = asking.distributions(features, asking.heads.num_heads)  # [sequences, heads, V']
                 for member, rows in zip(due, probs):
                     member._probs = rows
+            # each sequence's share of the call prices its tree (the twins share their timings)
+            asking.stopwatch.measure(start, asking.stopwatch.mark(),
+                                     lambda seconds: asking._timings.appendleft(seconds / len(due)))
         assert asking._probs is not None
         return asking._probs[:depth]
 
@@ -157,7 +164,7 @@ class MedusaDrafter(Drafter):
 
     def __init__(self, heads: MedusaHeads, target_model, curve=None, tree: bool = False, top_k: int = 8,
                  max_nodes: int = 64, budget: int | None = None, full_vocabulary: bool = False,
-                 draft_cost: float = 0.03):
+                 draft_cost: float | None = None, clock: Callable[[], float] | None = None):
         if tree and curve is None and budget is None:
             raise ValueError("a Medusa tree needs the target's cost curve or a fixed budget")
         if top_k < 1 or max_nodes < 1:
@@ -171,7 +178,15 @@ class MedusaDrafter(Drafter):
         self.heads, self.lm_head = for_drafting(heads, weight if full_vocabulary else weight[self.vocab_ids])
         self.dtype = torch.float32
         self.curve, self.tree, self.top_k, self.max_nodes, self.budget = curve, tree, top_k, max_nodes, budget
+        if draft_cost is not None and not draft_cost >= 0:
+            raise UserError(f"draft cost must be at least 0, got {draft_cost}")
+        # What the heads' call costs, for a tree's budget: the lower median of its latest timings over the
+        # target's one-token time, where the curve has that time (a measured one); before the first timing,
+        # or on a curve without it, `draft_cost` (None: free). Timed without waiting for the device
+        # (`devices.stopwatch`); `clock`: a fixed clock instead (a test's).
         self.draft_cost = draft_cost
+        self.stopwatch = devices.stopwatch(weight.device, clock)
+        self._timings: deque[float] = deque(maxlen=TIMINGS)  # shared with the batch's twins (`for_sequence`)
         self._calibration = Calibration()
         self._batched: BatchedHeads | None = None  # the heads' call shared by a batch's sequences (`for_sequence`)
         self.begin([])
@@ -214,6 +229,14 @@ class MedusaDrafter(Drafter):
         self._valid_for = self._length
         self._calibration.record_verdict(self._scores, outcome.verdict)
 
+    def price(self) -> float:
+        """A draft's price in one-token target forwards (see `__init__`)."""
+        target = getattr(self.curve, "seconds", 0.0)
+        if not self._timings or not target > 0:
+            return self.draft_cost or 0.0
+        timings = sorted(self._timings)
+        return timings[(len(timings) - 1) // 2] / target
+
     @torch.inference_mode()
     def distributions(self, feature: torch.Tensor, depth: int) -> torch.Tensor:
         """[..., depth, V'] the first `depth` heads' distributions over the draft vocabulary, from features [..., d]."""
@@ -227,6 +250,10 @@ class MedusaDrafter(Drafter):
         self._asked = True
         if self._batched is not None and self in self._batched.members:
             probs = self._batched.distributions(self, depth)
+        elif self.tree and self.budget is None:
+            start = self.stopwatch.mark()
+            probs = self.distributions(self._feature, depth)
+            self.stopwatch.measure(start, self.stopwatch.mark(), self._timings.appendleft)
         else:
             probs = self.distributions(self._feature, depth)
         factor = self._calibration.factor
@@ -238,7 +265,7 @@ class MedusaDrafter(Drafter):
             return Draft(tokens=self.vocab_ids[index], scores=self._scores)
         ids, parents, raw = best_first(probs, self.top_k, self.max_nodes)
         node_scores = [min(s * factor, 1.0) for s in raw]  # best first, so already descending
-        n = self.budget or best_budget(node_scores, self.curve, self.draft_cost, cap=MAX_BUDGET)
+        n = self.budget or best_budget(node_scores, self.curve, self.price(), cap=MAX_BUDGET)
         n = min(n, len(ids))
         if n == 0:
             return Draft.empty()

@@ -193,7 +193,7 @@ class OtherTokenizerDrafter(DraftModelDrafter):
         num_tokens: int = 5,
         min_tokens: int = 2,
         max_tokens: int = 16,
-        draft_cost: float = 0.4,
+        draft_cost: float | None = None,
         curve: CostCurve | None = None,
         **options,
     ):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import VOCAB, LetterTokenizer, greedy_references, random_medusa_heads, tiny_qwen2, wrong_device_trap
+from conftest import DRAFT_PRICES, VOCAB, LetterTokenizer, greedy_references, random_medusa_heads, tiny_qwen2, wrong_device_trap
 from fakes import DRAFT, PROMPT, TARGET, FakeLM, IndependentTreeDrafter
 from goodness_of_fit import Outcomes, assert_follows, continuations, model_logits
 from specdecode.drafters.auto import HEAD_BELOW
@@ -207,7 +207,7 @@ def test_bad_input(tiny_target):
     with pytest.raises(UserError, match="empty"):
         engine.add([], GenerationConfig())
     with pytest.raises(UserError, match="cannot join a batch"):
-        engine.add([1, 2], GenerationConfig(), DraftModelDrafter(HFCausalLM(tiny_qwen2(1))))
+        engine.add([1, 2], GenerationConfig(), DraftModelDrafter(HFCausalLM(tiny_qwen2(1)), **DRAFT_PRICES))
     assert engine.step() == []
 
 
@@ -277,7 +277,8 @@ def auto_prototype(model, draft_model=None) -> CompositeDrafter:
                Source(MedusaDrafter(random_medusa_heads(model, scale=0.5), model, FLAT, tree=True, top_k=2,
                                     max_nodes=8), "expensive")]
     if draft_model is not None:
-        sources.append(Source(DraftModelDrafter(HFCausalLM(draft_model), num_tokens=3), "expensive"))
+        sources.append(Source(DraftModelDrafter(HFCausalLM(draft_model), num_tokens=3, **DRAFT_PRICES),
+                                     "expensive"))
     composite = CompositeDrafter(sources, FLAT, tree=True, final_layer=model.config.num_hidden_layers,
                                  fallback_below=HEAD_BELOW)
     composite.name, composite.weighs_itself = "auto", True

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from configurations import KINDS, LENGTHS, PROMPTS, drafters
-from conftest import greedy_references, greedy_runs, noisy_copy
+from conftest import DRAFT_PRICES, greedy_references, greedy_runs, noisy_copy
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.models.hf import HFCausalLM
@@ -58,7 +58,8 @@ def test_engine_reused_across_prompts_and_methods_share_target(tiny_target, tiny
 def test_bfloat16_models_run_and_mostly_agree(tiny_target):
     """bf16 is the CPU default: the loop runs there too (exactness is only asserted in float32)."""
     model = copy.deepcopy(tiny_target).to(torch.bfloat16)
-    drafter = DraftModelDrafter(HFCausalLM(noisy_copy(model.float(), 0.1, 3).to(torch.bfloat16)))
+    drafter = DraftModelDrafter(HFCausalLM(noisy_copy(model.float(), 0.1, 3).to(torch.bfloat16)),
+                                **DRAFT_PRICES)
     plain = SpeculativeEngine(HFCausalLM(model)).generate(PROMPTS[1], GenerationConfig(max_new_tokens=30))
     spec = SpeculativeEngine(HFCausalLM(model), drafter=drafter).generate(PROMPTS[1], GenerationConfig(max_new_tokens=30))
     assert len(spec.token_ids) == 30

@@ -277,7 +277,7 @@ def test_the_retokenized_context_is_the_context_encoded_whole(kind):
     (spaces doubled, tabs, new lines, characters of two bytes split across target tokens included)."""
     target = target_tokenizer()
     draft = DRAFT_TOKENIZERS[kind]() if kind in DRAFT_TOKENIZERS else byte_level_bpe(280)
-    drafter = OtherTokenizerDrafter(FakeLM(Oracle(draft, [])), target, draft)
+    drafter = OtherTokenizerDrafter(FakeLM(Oracle(draft, [])), target, draft, adaptive=False)
     retokenizer = Retokenizer(target, draft)
     bos = [draft.bos_token_id] if draft.bos_token_id is not None else []
     steps = 0

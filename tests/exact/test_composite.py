@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import greedy_runs, noisy_copy, random_prompts
+from conftest import DRAFT_PRICES, greedy_runs, noisy_copy, random_prompts
 from fakes import DRAFT, PROMPT, FakeLM
 from specdecode.drafters.base import Drafter, Needs, Outcome
 from specdecode.drafters.composite import (
@@ -261,15 +261,16 @@ def kinds(target_model, other_model):
     noisy = lambda seed: HFCausalLM(noisy_copy(target_model, 0.3, seed))  # noqa: E731
     return {
         "tree": lambda: CompositeDrafter(
-            [PromptLookupDrafter(), Source(DraftModelDrafter(noisy(1), num_tokens=4), "expensive")], CURVE),
+            [PromptLookupDrafter(), Source(DraftModelDrafter(noisy(1), num_tokens=4, **DRAFT_PRICES), "expensive")], CURVE),
         "chain": lambda: CompositeDrafter(
-            [PromptLookupDrafter(), Source(DraftModelDrafter(noisy(2), num_tokens=4), "expensive")], CURVE, tree=False),
+            [PromptLookupDrafter(), Source(DraftModelDrafter(noisy(2), num_tokens=4, **DRAFT_PRICES), "expensive")], CURVE,
+            tree=False),
         "budget-noisy-or": lambda: CompositeDrafter(
             [PromptLookupTreeDrafter(CURVE, max_ngram=2, num_tokens=5), SuffixDrafter(),
-             Source(DraftModelTreeDrafter(noisy(3), CURVE, max_depth=4), "expensive")],
+             Source(DraftModelTreeDrafter(noisy(3), CURVE, draft_cost=0.4, max_depth=4), "expensive")],
             CURVE, budget=6, combine="noisy-or"),
         "always-unrelated": lambda: CompositeDrafter(
-            [SuffixDrafter(), Source(DraftModelDrafter(HFCausalLM(other_model), num_tokens=3), "expensive")],
+            [SuffixDrafter(), Source(DraftModelDrafter(HFCausalLM(other_model), num_tokens=3, **DRAFT_PRICES), "expensive")],
             CURVE, fallback_below=float("inf")),
     }
 

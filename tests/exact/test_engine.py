@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from conftest import VOCAB, LetterTokenizer, random_prompts
+from conftest import DRAFT_PRICES, VOCAB, LetterTokenizer, random_prompts
 import fakes
 from fakes import FakeLM
 from specdecode.drafters.draft_model import DraftModelDrafter
@@ -23,7 +23,8 @@ PROMPT = random_prompts(1, seed=11)[0]
 
 @pytest.fixture
 def spec_engine(tiny_target):
-    drafter = DraftModelDrafter(HFCausalLM(copy.deepcopy(tiny_target)), confidence_threshold=0)
+    drafter = DraftModelDrafter(HFCausalLM(copy.deepcopy(tiny_target)), confidence_threshold=0,
+                                **DRAFT_PRICES)
     return SpeculativeEngine(HFCausalLM(tiny_target), LetterTokenizer(), drafter=drafter)
 
 

@@ -14,6 +14,12 @@ package and fails with file:line for each that carries a measurement:
 - a pointer to the README, whose measured tables moved to docs/results/.
 
 Help strings of the command line are neither comments nor docstrings and are not read here.
+
+A second check reads the code for prices carried as constants: a number other than 0 as the default of a
+parameter or field named for a cost (`draft_cost: float = 0.4`), or a cost curve built from a number
+(`CostCurve.linear(0.03)`) in the package. What a forward costs depends on the machine, so the package
+measures it (`models.costs`), times it live (a head's rounds), or takes it from the caller; 0 ("not
+measured", "free") is no measurement. Budgets and limits in seconds are settings, not prices, and pass.
 """
 
 from __future__ import annotations
@@ -73,6 +79,52 @@ def measurements(source: str) -> list[tuple[int, str, str]]:
             for match in pattern.finditer(text):
                 found.add((lines[min(match.start(), len(lines) - 1)], kind, match.group(0)))
     return sorted(found)
+
+
+def priced_constants(source: str) -> list[tuple[int, str]]:
+    """(line, the code) of each price carried as a constant in a module (see the module docstring)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        pairs = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            arguments = node.args
+            positional = arguments.posonlyargs + arguments.args
+            pairs += zip(positional[len(positional) - len(arguments.defaults):], arguments.defaults)
+            pairs += [(a, d) for a, d in zip(arguments.kwonlyargs, arguments.kw_defaults) if d is not None]
+            pairs = [(a.arg, d) for a, d in pairs]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+            pairs = [(node.target.id, node.value)]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "linear"
+              and node.args):
+            pairs = [("cost curve", node.args[0])]
+        for name, value in pairs:
+            if ("cost" in name.lower() and isinstance(value, ast.Constant) and type(value.value) in (int, float)
+                    and value.value != 0):
+                found.append((value.lineno, ast.get_source_segment(source, node).splitlines()[0]
+                              if isinstance(node, ast.Call) else f"{name}={value.value!r}"))
+    return sorted(found)
+
+
+def test_the_price_check_finds_prices_and_passes_settings():
+    flagged = """def f(draft_cost: float = 0.4, *, round_cost=2): ...
+class C:
+    step_cost: float = 0.05
+curve = CostCurve.linear(0.03)
+"""
+    assert [line for line, _ in priced_constants(flagged)] == [1, 1, 3, 4]
+    clean = """def f(draft_cost: float | None = None, seconds=3600, cost=0.0, budget=8): ...
+class C:
+    seconds: float = 0.0
+curve = CostCurve.linear(slope)
+"""
+    assert priced_constants(clean) == []
+
+
+def test_no_prices_carried_as_constants():
+    found = [f"specdecode/{path.relative_to(ROOT)}:{line}: {text}"
+             for path in sorted(ROOT.rglob("*.py")) for line, text in priced_constants(path.read_text())]
+    assert not found, ("prices carried as constants (measure them, time them live or take them from the caller):\n"
+                       + "\n".join(found))
 
 
 def test_the_check_finds_measurements_and_passes_reasons():

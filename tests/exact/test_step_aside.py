@@ -8,7 +8,7 @@ import collections
 
 import pytest
 
-from conftest import LetterTokenizer, greedy_references, oracle_eagle_head, random_prompts
+from conftest import DRAFT_PRICES, LetterTokenizer, greedy_references, oracle_eagle_head, random_prompts
 from specdecode.api import load_models
 from specdecode.drafters import heads
 from specdecode.drafters.composite import CompositeDrafter
@@ -152,11 +152,11 @@ def test_a_drafter_that_owes_nothing_after_plain_steps_never_makes_trials_dear(t
     assert not aside._dear() and all(ways[1] for ways in runs[1:])
     curve = CostCurve((1, 2), (1.0, 1.0))
     draft = HFCausalLM(tiny_drafter)
-    copies = CompositeDrafter([PromptLookupDrafter(), Source(DraftModelDrafter(draft), "expensive")], curve)
+    copies = CompositeDrafter([PromptLookupDrafter(), Source(DraftModelDrafter(draft, **DRAFT_PRICES), "expensive")], curve)
     assert copies.catches_up  # a draft model among its sources
     copies = CompositeDrafter([PromptLookupDrafter()], curve)
     assert not copies.catches_up
-    for drafter, dear in ((copies, False), (DraftModelDrafter(draft), True)):
+    for drafter, dear in ((copies, False), (DraftModelDrafter(draft, **DRAFT_PRICES), True)):
         engine = SpeculativeEngine(HFCausalLM(tiny_target), None, drafter, step_aside=True)
         assert engine.step_aside is not None and engine.step_aside.dear_trials is dear
 

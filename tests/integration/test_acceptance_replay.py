@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
-    TOKENS, random_eagle3_head, random_medusa_heads, random_prompts, tiny_chat_qwen2, tiny_qwen2, tiny_tokenizer,
+    DRAFT_PRICES, TOKENS, random_eagle3_head, random_medusa_heads, random_prompts, tiny_chat_qwen2, tiny_qwen2, tiny_tokenizer,
 )
 
 from specdecode import metrics
@@ -111,8 +111,8 @@ def synthetic_run(prompt: list[int], new_tokens: int, seed: int) -> RecordedRun:
 def real_drafters(target, draft, curve) -> dict:
     target_lm, draft_lm = HFCausalLM(target), HFCausalLM(draft)
     return {
-        "draft": lambda: DraftModelDrafter(draft_lm, num_tokens=4),
-        "draft-tree": lambda: DraftModelTreeDrafter(draft_lm, curve),
+        "draft": lambda: DraftModelDrafter(draft_lm, num_tokens=4, **DRAFT_PRICES),
+        "draft-tree": lambda: DraftModelTreeDrafter(draft_lm, curve, draft_cost=0.4),
         "eagle3-tree": lambda: Eagle3TreeDrafter(random_eagle3_head(target), target, curve),
         "medusa-tree": lambda: MedusaDrafter(random_medusa_heads(target), target, curve, tree=True),
         "pld": lambda: PromptLookupDrafter(),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -74,7 +75,8 @@ def test_adaptive_length_follows_acceptance(tiny_target):
     from specdecode.drafters.base import Outcome
     from specdecode.types import Draft, StepStats, Verdict
 
-    drafter = DraftModelDrafter(HFCausalLM(tiny_target), num_tokens=4, draft_cost=0.2)
+    drafter = DraftModelDrafter(HFCausalLM(tiny_target), num_tokens=4, draft_cost=0.2,
+                                curve=CostCurve.linear(0.03))
     stats = StepStats(0, 0, 0, 0.0, 0.0, 0)
     for _ in range(10):
         drafter.observe(Outcome(Draft.empty(), Verdict(num_drafted=4, num_accepted=4, tokens=(1,) * 5), stats))
@@ -192,3 +194,28 @@ def test_draft_tree_size_does_not_grow_with_the_draft_models_catch_up():
     warm = drafter.propose(context, 16, SamplingParams(), None)  # feeds the last one only
     assert len(cold) > 0
     assert cold.tokens.tolist() == warm.tokens.tolist() and cold.parents.tolist() == warm.parents.tolist()
+
+
+def test_a_draft_model_is_priced_by_measurement_or_by_the_caller(tiny_target):
+    """An adaptive chain and a growing tree weigh a draft forward's cost against verification's: without
+    prices given (nor measured, `for_models`) they refuse to start, saying so; a fixed length or shape needs
+    none. `for_models` prices from the two models' measured curves."""
+    from specdecode.drafters.draft_model import DraftModelDrafter
+    from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
+    from specdecode.errors import UserError
+    from specdecode.models import costs
+    from specdecode.models.costs import CostCurve
+    from specdecode.models.hf import HFCausalLM
+
+    draft = HFCausalLM(tiny_target)
+    with pytest.raises(UserError, match="for_models"):
+        DraftModelDrafter(draft)
+    with pytest.raises(UserError, match="for_models"):
+        DraftModelDrafter(draft, draft_cost=0.3)  # no curve to weigh it against
+    with pytest.raises(UserError, match="for_models"):
+        DraftModelTreeDrafter(draft, CostCurve.linear(0.1))
+    assert DraftModelDrafter(draft, adaptive=False).draft_cost is None
+    assert DraftModelTreeDrafter(draft, CostCurve.linear(0.1), choices=[(0,), (0, 0)]).draft_cost is None
+    target = HFCausalLM(tiny_target)
+    chain = DraftModelDrafter.for_models(draft, target)
+    assert chain.draft_cost == pytest.approx(costs.draft_cost(draft, target)) and chain.curve == target.cost_curve()
