@@ -173,7 +173,8 @@ class SparseKVDrafter(DraftModelDrafter):
             raise UserError("sparse-kv drafting runs the target's layers itself: it needs the torch backend")
         view = CompressedView(target, sinks, window)
         super().__init__(view, num_tokens=num_tokens, adaptive=adaptive, max_tokens=max_tokens,
-                         confidence_threshold=confidence_threshold, draft_cost=1.0, curve=curve)
+                         confidence_threshold=confidence_threshold, draft_cost=1.0,  # priced in begin
+                         curve=target.cost_curve() if curve is None else curve)  # None: the target's measured one
         self.target, self.view = target, view
 
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:

@@ -45,7 +45,7 @@ class LayerSkipDrafter(DraftModelDrafter):
         max_tokens: int = 16,
         confidence_threshold: float = 0.4,
         draft_cost: float | None = None,  # None: the kept share of the weights (`SkippedLayers.relative_cost`)
-        curve: CostCurve | None = None,  # the target's; None: verification width nearly free
+        curve: CostCurve | None = None,  # the target's; None: its measured one (`CausalLM.cost_curve`)
         prefill_limit: int = 16,
     ):
         if not isinstance(target, HFCausalLM):
@@ -56,7 +56,8 @@ class LayerSkipDrafter(DraftModelDrafter):
         super().__init__(
             view, num_tokens=num_tokens, adaptive=adaptive, min_tokens=min_tokens, max_tokens=max_tokens,
             confidence_threshold=confidence_threshold,
-            draft_cost=view.relative_cost if draft_cost is None else draft_cost, curve=curve,
+            draft_cost=view.relative_cost if draft_cost is None else draft_cost,
+            curve=target.cost_curve() if curve is None else curve,
         )
         self.target, self.view, self.prefill_limit = target, view, prefill_limit
 
