@@ -40,7 +40,8 @@ def drafters(target_model, other_model):
         "tree-noisy": lambda: DraftModelTreeDrafter(HFCausalLM(noisy_copy(target_model, 0.3, 1)), CURVE,
                                                      draft_cost=0.4),
         "tree-noisy-budget": lambda: DraftModelTreeDrafter(
-            HFCausalLM(noisy_copy(target_model, 0.5, 4)), CURVE, draft_cost=0.4, top_k=3, width=2, max_depth=5, budget=7
+            HFCausalLM(noisy_copy(target_model, 0.5, 4)), CURVE, draft_cost=0.4, top_k=3, width=2, max_depth=5,
+            budget=7
         ),
         "tree-unrelated": lambda: DraftModelTreeDrafter(HFCausalLM(other_model), CURVE, draft_cost=0.4, budget=10),
         "tree-fixed": lambda: DraftModelTreeDrafter(HFCausalLM(noisy_copy(target_model, 0.3, 2)), CURVE,

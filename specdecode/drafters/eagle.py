@@ -37,6 +37,7 @@ from specdecode.drafters.base import Drafter, Needs, Outcome, tensor_bytes
 from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
 from specdecode.drafters.heads import check_fits, for_drafting, head_folder, load_head, save_head
 from specdecode.models.cache import cache_keyword
+from specdecode.models.costs import lower_median
 from specdecode.tree import structure
 from specdecode.errors import UserError
 from specdecode.tree.budget import Calibration
@@ -367,8 +368,7 @@ class EagleTreeDrafter(DraftModelTreeDrafter):
         target = getattr(self.curve, "seconds", 0.0)
         if not self._rounds or not target > 0:
             return super()._round_cost(width)
-        timings = sorted(self._rounds[min(self._rounds, key=lambda timed: (abs(timed - width), -timed))])
-        return timings[(len(timings) - 1) // 2] / target
+        return lower_median(self._rounds[min(self._rounds, key=lambda timed: (abs(timed - width), -timed))]) / target
 
     def _end(self, length: int) -> None:
         self.state.crop()

@@ -44,6 +44,7 @@ from specdecode import devices
 from specdecode.drafters.base import Drafter, Memory, Needs, Outcome
 from specdecode.drafters.heads import check_fits, for_drafting, head_folder, load_head, save_head
 from specdecode.errors import UserError
+from specdecode.models.costs import lower_median
 from specdecode.tree.budget import MAX_BUDGET, Calibration, best_budget
 from specdecode.types import Draft, SamplingParams
 
@@ -234,8 +235,7 @@ class MedusaDrafter(Drafter):
         target = getattr(self.curve, "seconds", 0.0)
         if not self._timings or not target > 0:
             return self.draft_cost or 0.0
-        timings = sorted(self._timings)
-        return timings[(len(timings) - 1) // 2] / target
+        return lower_median(self._timings) / target
 
     @torch.inference_mode()
     def distributions(self, feature: torch.Tensor, depth: int) -> torch.Tensor:
@@ -250,12 +250,10 @@ class MedusaDrafter(Drafter):
         self._asked = True
         if self._batched is not None and self in self._batched.members:
             probs = self._batched.distributions(self, depth)
-        elif self.tree and self.budget is None:
+        else:
             start = self.stopwatch.mark()
             probs = self.distributions(self._feature, depth)
             self.stopwatch.measure(start, self.stopwatch.mark(), self._timings.appendleft)
-        else:
-            probs = self.distributions(self._feature, depth)
         factor = self._calibration.factor
         if not self.tree:
             p, index = probs.max(dim=-1)  # [depth] each

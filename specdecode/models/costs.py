@@ -135,7 +135,7 @@ class LiveCurve:
         if self._snapshot is None:
             # never less than a narrower forward: a wide size timed in a quiet moment (or the prior's figure)
             # must not make every narrower forward look cheap once the narrow ones are timed busy
-            estimates = list(itertools.accumulate((_median(times) for times in self._times), max))
+            estimates = list(itertools.accumulate((lower_median(times) for times in self._times), max))
             self._snapshot = CostCurve(self.sizes, tuple(e / estimates[0] for e in estimates), estimates[0],
                                        self._prefill)
         return self._snapshot
@@ -165,7 +165,7 @@ class LiveCurve:
         return self._prefill
 
 
-def _median(values: list[float]) -> float:
+def lower_median(values) -> float:
     """The lower median (of two values, the smaller)."""
     return sorted(values)[(len(values) - 1) // 2]
 
@@ -192,7 +192,7 @@ def measure(model: CausalLM, sizes: tuple[int, ...] = SIZES, context: int = 256,
                 times[n].append(clock() - start)
             model.crop(context)
     model.reset()
-    seconds = [_median(times[n]) for n in sizes]
+    seconds = [lower_median(times[n]) for n in sizes]
     return CostCurve(tuple(sizes), tuple(s / seconds[0] for s in seconds), seconds[0], prefill)
 
 

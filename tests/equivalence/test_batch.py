@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DRAFT_PRICES, VOCAB, LetterTokenizer, greedy_references, random_medusa_heads, tiny_qwen2, wrong_device_trap
+from conftest import (
+    DRAFT_PRICES, VOCAB, LetterTokenizer, greedy_references, random_medusa_heads, tiny_qwen2, wrong_device_trap,
+)
 from fakes import DRAFT, PROMPT, TARGET, FakeLM, IndependentTreeDrafter
 from goodness_of_fit import Outcomes, assert_follows, continuations, model_logits
 from specdecode.drafters.auto import HEAD_BELOW
@@ -277,8 +279,7 @@ def auto_prototype(model, draft_model=None) -> CompositeDrafter:
                Source(MedusaDrafter(random_medusa_heads(model, scale=0.5), model, FLAT, tree=True, top_k=2,
                                     max_nodes=8), "expensive")]
     if draft_model is not None:
-        sources.append(Source(DraftModelDrafter(HFCausalLM(draft_model), num_tokens=3, **DRAFT_PRICES),
-                                     "expensive"))
+        sources.append(Source(DraftModelDrafter(HFCausalLM(draft_model), num_tokens=3, **DRAFT_PRICES), "expensive"))
     composite = CompositeDrafter(sources, FLAT, tree=True, final_layer=model.config.num_hidden_layers,
                                  fallback_below=HEAD_BELOW)
     composite.name, composite.weighs_itself = "auto", True

@@ -261,16 +261,18 @@ def kinds(target_model, other_model):
     noisy = lambda seed: HFCausalLM(noisy_copy(target_model, 0.3, seed))  # noqa: E731
     return {
         "tree": lambda: CompositeDrafter(
-            [PromptLookupDrafter(), Source(DraftModelDrafter(noisy(1), num_tokens=4, **DRAFT_PRICES), "expensive")], CURVE),
+            [PromptLookupDrafter(), Source(DraftModelDrafter(noisy(1), num_tokens=4, **DRAFT_PRICES), "expensive")],
+            CURVE),
         "chain": lambda: CompositeDrafter(
-            [PromptLookupDrafter(), Source(DraftModelDrafter(noisy(2), num_tokens=4, **DRAFT_PRICES), "expensive")], CURVE,
-            tree=False),
+            [PromptLookupDrafter(), Source(DraftModelDrafter(noisy(2), num_tokens=4, **DRAFT_PRICES), "expensive")],
+            CURVE, tree=False),
         "budget-noisy-or": lambda: CompositeDrafter(
             [PromptLookupTreeDrafter(CURVE, max_ngram=2, num_tokens=5), SuffixDrafter(),
              Source(DraftModelTreeDrafter(noisy(3), CURVE, draft_cost=0.4, max_depth=4), "expensive")],
             CURVE, budget=6, combine="noisy-or"),
         "always-unrelated": lambda: CompositeDrafter(
-            [SuffixDrafter(), Source(DraftModelDrafter(HFCausalLM(other_model), num_tokens=3, **DRAFT_PRICES), "expensive")],
+            [SuffixDrafter(),
+             Source(DraftModelDrafter(HFCausalLM(other_model), num_tokens=3, **DRAFT_PRICES), "expensive")],
             CURVE, fallback_below=float("inf")),
     }
 

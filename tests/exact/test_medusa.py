@@ -126,7 +126,6 @@ def test_a_tree_follows_the_budget_and_the_curve(tiny_target):
     assert len(fixed.propose(list(range(6)), 10, SamplingParams(), None)) == 0  # a stale feature drafts nothing
 
 
-
 def test_a_tree_prices_the_heads_as_timed(tiny_target):
     """The heads' call is timed (a fake clock) and priced over the target's one-token time (free before the
     first timing): the call is spent whatever the tree, so the dearer it was, the more nodes a verification
@@ -143,13 +142,15 @@ def test_a_tree_prices_the_heads_as_timed(tiny_target):
         assert drafter.price() == 0.0  # not timed yet
         for _ in range(2):
             drafter._feature, drafter._valid_for = feature.to(tiny_target.device), 7
-            sizes.setdefault(call_seconds, []).append(len(drafter.propose(list(range(7)), 10, SamplingParams(), None)))
+            draft = drafter.propose(list(range(7)), 10, SamplingParams(), None)
+            sizes.setdefault(call_seconds, []).append(len(draft))
             assert drafter.price() == pytest.approx(call_seconds / 0.1)
     cheap, dear = sizes[1e-4], sizes[0.5]  # each step's call timed before its tree is sized
     assert cheap[0] == cheap[1] > 0 and dear[0] == dear[1], sizes
     assert dear[0] > cheap[0], sizes  # five target forwards spent: more nodes pay
     with pytest.raises(UserError, match="at least 0"):
         MedusaDrafter(heads, tiny_target, FLAT, tree=True, draft_cost=-1.0)
+
 
 def test_typical_thresholds_follow_the_entropy():
     certain = torch.tensor([[0.97, 0.01, 0.01, 0.01]])

@@ -152,7 +152,8 @@ def test_a_drafter_that_owes_nothing_after_plain_steps_never_makes_trials_dear(t
     assert not aside._dear() and all(ways[1] for ways in runs[1:])
     curve = CostCurve((1, 2), (1.0, 1.0))
     draft = HFCausalLM(tiny_drafter)
-    copies = CompositeDrafter([PromptLookupDrafter(), Source(DraftModelDrafter(draft, **DRAFT_PRICES), "expensive")], curve)
+    copies = CompositeDrafter([PromptLookupDrafter(), Source(DraftModelDrafter(draft, **DRAFT_PRICES), "expensive")],
+                              curve)
     assert copies.catches_up  # a draft model among its sources
     copies = CompositeDrafter([PromptLookupDrafter()], curve)
     assert not copies.catches_up

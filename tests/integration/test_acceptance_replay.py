@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
-    DRAFT_PRICES, TOKENS, random_eagle3_head, random_medusa_heads, random_prompts, tiny_chat_qwen2, tiny_qwen2, tiny_tokenizer,
+    DRAFT_PRICES, TOKENS, random_eagle3_head, random_medusa_heads, random_prompts, tiny_chat_qwen2, tiny_qwen2,
+    tiny_tokenizer,
 )
 
 from specdecode import metrics

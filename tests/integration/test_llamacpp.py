@@ -94,7 +94,8 @@ def test_greedy_speculative_equals_plain(tiny_pair, kind):
     drafter = {
         "pld": lambda: PromptLookupDrafter(max_ngram=2, num_tokens=5),
         "pld-tree": lambda: PromptLookupTreeDrafter(CURVE, max_ngram=2, num_tokens=5),
-        "draft": lambda: DraftModelDrafter(LlamaCppLM(draft_path, n_ctx=128), num_tokens=4, draft_cost=0.4, curve=CURVE),
+        "draft": lambda: DraftModelDrafter(LlamaCppLM(draft_path, n_ctx=128), num_tokens=4, draft_cost=0.4,
+                                           curve=CURVE),
         "draft-fixed-length": lambda: DraftModelDrafter(
             LlamaCppLM(draft_path, n_ctx=128), num_tokens=5, adaptive=False, confidence_threshold=0
         ),
