@@ -17,6 +17,11 @@ at the next proposal, after dropping the previous proposal's speculative entries
 The head is a transformers `Qwen2Model` of one layer fed `inputs_embeds` (stock modeling code: rotary
 positions, cache, masks), so it follows the target's attention geometry; its embedding table is unused
 (one row) and the token embeddings and LM head are the target's, frozen, never stored with the head.
+
+On a static target (`models.static`) the head drafts on the static path too (`StaticHeadState`, chosen by
+`eagle_state`): the same arithmetic written out over the head's own modules, over a KV cache allocated once,
+each feed padded to a bucket width and run by the target's runner (captured as CUDA graphs on a GPU). What
+that path does for any head, EAGLE-3's as well, is `StaticFeeds`.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, Qwen2Config, Qwen2Model
 
@@ -38,6 +44,10 @@ from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
 from specdecode.drafters.heads import check_fits, for_drafting, head_folder, load_head, save_head
 from specdecode.models.cache import cache_keyword
 from specdecode.models.costs import lower_median
+from specdecode.models.graphs import make_runner
+from specdecode.models.static import (
+    BUCKETS, DEFAULT_CAPACITY, StaticCausalLM, bucket, decode_layers, empty_cache, fits, full_mask, pack, unpack,
+)
 from specdecode.tree import structure
 from specdecode.errors import UserError
 from specdecode.tree.budget import Calibration
@@ -126,12 +136,13 @@ class HeadState:
     forwards), the head's KV cache over the context's pairs, and the speculative entries after them. All of
     it lives on the target's device, where the head drafts."""
 
+    quantize = True  # the head's layers on the quantized kernels where the device is a CPU that has them
+
     def __init__(self, head: EagleHead, target_model):
         weight = target_model.get_output_embeddings().weight  # [vocab, d] the target's LM head
         self.device = weight.device
-        # the head as it drafts: float32 on the target's device, its layers on the quantized kernels where
-        # that is a CPU that has them
-        self.head, self.lm_head = for_drafting(head, weight[head.vocab_ids.to(self.device)])
+        # the head as it drafts: float32 on the target's device (`heads.for_drafting`)
+        self.head, self.lm_head = for_drafting(head, weight[head.vocab_ids.to(self.device)], self.quantize)
         self.dtype = torch.float32
         self.embed = target_model.get_input_embeddings()
         self.vocab_ids = head.vocab_ids.to(self.device)  # draft index -> token id
@@ -195,6 +206,116 @@ class HeadState:
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """[n, vocab] full-vocabulary logits: the head's over its vocabulary, -inf elsewhere."""
         return full_vocabulary(features, self.lm_head(features).float(), self.vocab_ids, self.vocab_size)
+
+
+class StaticFeeds:
+    """A head's state on the static path (`models.static`), whichever the head (`StaticHeadState` here,
+    `eagle3.StaticEagle3State`): its KV cache allocated once and written at explicit slots, each feed padded to a
+    bucket width with its mask built on the device, run by the target's runner ("eager", "compile" or CUDA
+    "graphs"). Wider feeds (the prompt's pairs) and masks that reach past the window run the same arithmetic
+    eagerly. Cropping lowers a count; nothing is copied. The head's state writes its arithmetic out (`feed`) over
+    the cache it allocates (`_allocate`), its layers in float32: the quantized kernels are the CPU's dynamic path's,
+    and no graph traces them."""
+
+    quantize = False
+    kind = "the head"  # in messages
+    # the state's own, set by the class this is mixed into (`HeadState`, `eagle3.Eagle3State`)
+    device: torch.device
+    dtype: torch.dtype
+    fed: int
+    cached: int
+    # set by the static state before it allocates
+    runner_name: str
+    backend: str
+
+    def _allocate(self, kv: torch.Tensor, features: int) -> None:
+        """Draft on the cache `kv` (zeros, its slots on its second last dimension, the widest bucket's pads
+        included) from features `features` wide, through a runner over `step`."""
+        self.kv, self.features_width = kv, features
+        self.capacity = kv.shape[-2]
+        self.columns = torch.arange(self.capacity, device=self.device)
+        self.runner = make_runner(self.runner_name, self.step, self.device, self.backend)
+
+    def feed(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+             allowed: torch.Tensor) -> torch.Tensor:
+        """Pairs (hidden [n, d], tokens [n]) at `positions` [n], their keys and values written at `slots` [n],
+        row i attending where allowed[i] [n, capacity] -> the head's outputs [n, d]."""
+        raise NotImplementedError
+
+    def step(self, packed: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor
+             ) -> torch.Tensor:
+        """One fixed-width feed, every input on the device (`packed`: `models.static.pack`'s, whose positions it
+        leaves unread): the function the runner runs."""
+        slots, _, allowed = unpack(packed, tokens.shape[0], self.columns)
+        return self.feed(hidden, tokens, positions, slots, allowed)
+
+    def run(self, hidden: torch.Tensor, tokens: list[int] | torch.Tensor, positions: torch.Tensor,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+        n, start = len(tokens), self.cached
+        if start + n + BUCKETS[-1] > self.capacity:
+            raise UserError(f"{self.kind}'s cache holds {self.capacity - BUCKETS[-1]} positions; this sequence "
+                            "needs more")
+        # the feed's own mask: a host mask [n, cached + n] over the cache (whose context pairs every row sees)
+        local = None if mask is None else to_device(mask, torch.device("cpu"))[:, self.fed :]
+        hidden = hidden.to(self.dtype)
+        tokens, positions = to_device(tokens, self.device), to_device(positions, self.device)
+        width = bucket(n)
+        if width is not None and fits(n, local):
+            padding = width - n
+            inputs = (pack(start, n, width, None, local), F.pad(hidden, (0, 0, 0, padding)),
+                      F.pad(tokens, (0, padding)), F.pad(positions, (0, padding)))
+            out = self.runner(inputs)[:n]
+        else:  # the prompt's pairs, or a mask past the window: the same arithmetic at its own width
+            slots = torch.arange(start, start + n, device=self.device)
+            allowed = to_device(full_mask(start, n, self.capacity, local), self.device)
+            out = self.feed(hidden, tokens, positions, slots, allowed)
+        self.cached += n
+        return out
+
+    def crop(self) -> None:
+        self.cached = min(self.cached, self.fed)  # later feeds overwrite what lies past it
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Run every bucket's feed once past what the cache holds (captured or compiled, by the runner), so that
+        drafting does not pay for it."""
+        for width in BUCKETS:
+            tokens, positions = (torch.zeros(width, dtype=torch.long, device=self.device) for _ in range(2))
+            self.runner((pack(self.cached, width, width, None, None),
+                         torch.zeros(width, self.features_width, dtype=self.dtype, device=self.device), tokens,
+                         positions))
+
+
+class StaticHeadState(StaticFeeds, HeadState):
+    """An EAGLE head's view of one sequence on the static path (`StaticFeeds`): `EagleHead.forward`'s arithmetic
+    written out over the head's own modules (its Qwen2 layer as `models.static` writes the target's), over a
+    cache of `capacity` positions."""
+
+    kind = "the EAGLE head"
+
+    def __init__(self, head: EagleHead, target_model, runner: str = "eager", capacity: int = DEFAULT_CAPACITY,
+                 backend: str = "inductor"):
+        self.runner_name, self.backend = runner, backend
+        super().__init__(head, target_model)
+        self._allocate(empty_cache(self.head.layer, capacity + BUCKETS[-1], self.dtype, self.device),
+                       self.head.config.hidden_size)
+
+    def memory_bytes(self) -> int:
+        return super().memory_bytes() + tensor_bytes(self.kv)
+
+    def feed(self, hidden, tokens, positions, slots, allowed):
+        embeddings = self.embed(tokens).to(self.dtype)  # [n, d]
+        return decode_layers(self.head.layer, self.head.fc(torch.cat([hidden, embeddings], dim=-1)), positions,
+                             slots, allowed, self.kv)
+
+
+def eagle_state(head: EagleHead, target) -> HeadState:
+    """The head's state for a target (a `CausalLM` on the torch backend): on the static path where the target is
+    on it (`models.static.StaticCausalLM`), with the target's runner and capacity."""
+    if isinstance(target, StaticCausalLM):
+        return StaticHeadState(head, target.model, target.runner_name, target.decoder.capacity - BUCKETS[-1],
+                               target.backend)
+    return HeadState(head, target.model)
 
 
 def full_vocabulary(features: torch.Tensor, draft_logits: torch.Tensor, vocab_ids: torch.Tensor,
@@ -380,6 +501,7 @@ def build_eagle(target, draft, options) -> Drafter:
     model, folder = head_folder(target, "eagle", options.head)
     head, record = EagleHead.load(folder, dtype=model.dtype, device=model.device)
     check_fits(folder, "eagle", record, head.config.hidden_size, int(head.vocab_ids.max()) + 1, model.config)
+    state = eagle_state(head, target)
     if options.tree:
-        return EagleTreeDrafter(head, model, target.cost_curve(), budget=options.budget)
-    return EagleDrafter(head, model)
+        return EagleTreeDrafter(head, model, target.cost_curve(), budget=options.budget, state=state)
+    return EagleDrafter(head, model, state=state)

@@ -28,24 +28,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from specdecode.devices import to_device
 from specdecode.drafters.base import Drafter, Needs, tensor_bytes
-from specdecode.drafters.eagle import EagleDrafter, EagleTreeDrafter, full_vocabulary
+from specdecode.drafters.eagle import EagleDrafter, EagleTreeDrafter, StaticFeeds, full_vocabulary
 from specdecode.drafters.eagle3_head import Eagle3Head
 from specdecode.drafters.heads import check_fits, for_drafting, head_folder
 from specdecode.errors import UserError
-from specdecode.models.graphs import make_runner
-from specdecode.models.static import (
-    BUCKETS, DEFAULT_CAPACITY, StaticCausalLM, bucket, fits, full_mask, grouped_attention, pack, unpack,
-)
+from specdecode.models.static import BUCKETS, DEFAULT_CAPACITY, StaticCausalLM, grouped_attention
 
 
 class Eagle3State:
     """An EAGLE-3 head's view of one sequence (the interface of `eagle.HeadState`, so the EAGLE chain and
     tree drafters run it): the fused features of the context, the head's KV cache over the context's
     pairs, and the speculative entries after them, all on the target's device."""
+
+    quantize = True  # the head's layers on the quantized kernels where the device is a CPU that has them
 
     def __init__(self, head: Eagle3Head, target_model, adaptation=None):
         self.trained, self.target_model = head, target_model
@@ -62,10 +60,9 @@ class Eagle3State:
         self.reset()
 
     def _drafting_copy(self, head: Eagle3Head) -> None:
-        """The head as it drafts: float32 on the target's device, its layers on the quantized kernels where
-        that is a CPU that has them."""
+        """The head as it drafts: float32 on the target's device (`heads.for_drafting`)."""
         weight = self.target_model.get_output_embeddings().weight  # [vocab, d]
-        self.head, self.lm_head = for_drafting(head, weight[head.draft_ids.to(self.device)])
+        self.head, self.lm_head = for_drafting(head, weight[head.draft_ids.to(self.device)], self.quantize)
 
     def reset(self, forget: bool = False) -> None:
         """Ready for a new sequence. With an adaptation, the head first learns from the one that ended;
@@ -136,11 +133,11 @@ class Eagle3State:
                                self.vocab_size)
 
 
-class StaticEagle3State(Eagle3State):
-    """An EAGLE-3 head's view of one sequence on the static path (`models.static`): its KV cache allocated once
-    and written at explicit slots, each feed padded to a bucket width with its mask built on the device, run by
-    the target's runner ("eager", "compile" or CUDA "graphs"). Wider feeds (the prompt's pairs) and masks that
-    reach past the window run the same step eagerly. Cropping lowers a count; nothing is copied."""
+class StaticEagle3State(StaticFeeds, Eagle3State):
+    """An EAGLE-3 head's view of one sequence on the static path (`eagle.StaticFeeds`), over a cache of `capacity`
+    positions."""
+
+    kind = "the EAGLE-3 head"
 
     def __init__(self, head: Eagle3Head, target_model, runner: str = "eager", capacity: int = DEFAULT_CAPACITY,
                  adaptation=None, backend: str = "inductor"):
@@ -149,70 +146,21 @@ class StaticEagle3State(Eagle3State):
         super().__init__(head, target_model, adaptation)
 
     def _drafting_copy(self, head: Eagle3Head) -> None:
-        weight = self.target_model.get_output_embeddings().weight  # [vocab, d]
-        # float32 layers: the quantized kernels are the CPU's dynamic path's, and no graph traces them
-        self.head, self.lm_head = for_drafting(head, weight[head.draft_ids.to(self.device)], quantize=False)
+        super()._drafting_copy(head)
         attention = self.head.midlayer.self_attn
-        shape = (attention.kv_heads, self.capacity, attention.head_dim)
-        self.key_cache = torch.zeros(shape, dtype=torch.float32, device=self.device)
-        self.value_cache = torch.zeros(shape, dtype=torch.float32, device=self.device)
-        self.columns = torch.arange(self.capacity, device=self.device)
-        self.runner = make_runner(self.runner_name, self.step, self.device, self.backend)
+        self._allocate(torch.zeros(2, attention.kv_heads, self.capacity, attention.head_dim, dtype=torch.float32,
+                                   device=self.device), self.head.config.hidden_size)
 
     def memory_bytes(self) -> int:
-        return super().memory_bytes() + tensor_bytes(self.key_cache, self.value_cache)
+        return super().memory_bytes() + tensor_bytes(self.kv)
 
-    def step(self, packed: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor
-             ) -> torch.Tensor:
-        """One fixed-width feed, every input on the device (`packed`: `models.static.pack`'s, whose positions it
-        leaves unread): the function the runner runs."""
-        slots, _, allowed = unpack(packed, tokens.shape[0], self.columns)
-        return self.feed(hidden, tokens, positions, slots, allowed)
-
-    def feed(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-             allowed: torch.Tensor) -> torch.Tensor:
-        """Pairs (hidden [n, d], tokens [n]) at `positions` [n], their keys and values written at `slots` [n],
-        row i attending where allowed[i] [n, capacity] -> the head's outputs [n, d]."""
+    def feed(self, hidden, tokens, positions, slots, allowed):
         attention = self.head.midlayer.self_attn
         q, k, v = attention.project(self.head.inputs(hidden, self.embed(tokens).to(self.dtype)), positions)
-        self.key_cache.index_copy_(1, slots, k)  # [kv_heads, capacity, head_dim]
-        self.value_cache.index_copy_(1, slots, v)
-        attended = grouped_attention(q, self.key_cache, self.value_cache, allowed, attention.head_dim ** -0.5)
+        self.kv[0].index_copy_(1, slots, k)  # [kv_heads, capacity, head_dim]
+        self.kv[1].index_copy_(1, slots, v)
+        attended = grouped_attention(q, self.kv[0], self.kv[1], allowed, attention.head_dim ** -0.5)
         return self.head.finish(hidden, attention.o_proj(attended.transpose(0, 1).reshape(q.shape[1], -1)))
-
-    def run(self, hidden, tokens, positions, mask=None):
-        n, start = len(tokens), self.cached
-        if start + n + BUCKETS[-1] > self.capacity:
-            raise UserError(f"the EAGLE-3 head's cache holds {self.capacity - BUCKETS[-1]} positions; this sequence "
-                            "needs more")
-        # the feed's own mask: a host mask [n, cached + n] over the cache (whose context pairs every row sees)
-        local = None if mask is None else to_device(mask, torch.device("cpu"))[:, self.fed :]
-        tokens, positions = to_device(tokens, self.device), to_device(positions, self.device)
-        width = bucket(n)
-        if width is not None and fits(n, local):
-            padding = width - n
-            inputs = (pack(start, n, width, None, local), F.pad(hidden.to(self.dtype), (0, 0, 0, padding)),
-                      F.pad(tokens, (0, padding)), F.pad(positions, (0, padding)))
-            out = self.runner(inputs)[:n]
-        else:  # the prompt's pairs, or a mask past the window: the same arithmetic at its own width
-            slots = torch.arange(start, start + n, device=self.device)
-            allowed = to_device(full_mask(start, n, self.capacity, local), self.device)
-            out = self.feed(hidden.to(self.dtype), tokens, positions, slots, allowed)
-        self.cached += n
-        return out
-
-    def crop(self) -> None:
-        self.cached = min(self.cached, self.fed)  # later feeds overwrite what lies past it
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Run every bucket's feed once past what the cache holds (captured or compiled, by the runner), so that
-        drafting does not pay for it."""
-        hidden_size = self.head.midlayer.hidden_norm.weight.shape[0]
-        for width in BUCKETS:
-            tokens, positions = (torch.zeros(width, dtype=torch.long, device=self.device) for _ in range(2))
-            self.runner((pack(self.cached, width, width, None, None),
-                         torch.zeros(width, hidden_size, dtype=self.dtype, device=self.device), tokens, positions))
 
 
 class Eagle3Drafter(EagleDrafter):
@@ -264,7 +212,7 @@ def eagle3_state(head: Eagle3Head, target, adaptation=None) -> Eagle3State:
     on it (`models.static.StaticCausalLM`), with the target's runner and capacity."""
     if isinstance(target, StaticCausalLM):
         return StaticEagle3State(head, target.model, target.runner_name, target.decoder.capacity - BUCKETS[-1],
-                                 adaptation)
+                                 adaptation, target.backend)
     return Eagle3State(head, target.model, adaptation)
 
 

@@ -24,6 +24,10 @@ drafted.
 In a batch each sequence has a drafter of its own (`for_sequence`), and their heads run in one call a step
 (`BatchedHeads`): the heads read all their weights for a few rows as for one, so a batch of sequences drafts
 for about what one does.
+
+On a static target (`models.static`) the heads' call on one feature runs through the target's runner
+(`models.graphs`: captured as a CUDA graph for each depth on a GPU); a batch's call, whose row count varies, runs
+as written.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ from specdecode.drafters.base import Drafter, Memory, Needs, Outcome
 from specdecode.drafters.heads import check_fits, for_drafting, head_folder, load_head, save_head
 from specdecode.errors import UserError
 from specdecode.models.costs import lower_median
+from specdecode.models.graphs import Runner, make_runner
+from specdecode.models.static import StaticCausalLM
 from specdecode.tree.budget import MAX_BUDGET, Calibration, best_budget
 from specdecode.types import Draft, SamplingParams
 
@@ -128,7 +134,9 @@ class BatchedHeads:
     """The heads drafting for the sequences of a batch (each its own `MedusaDrafter`, `for_sequence`) in one call:
     the first sequence asked after a step computes the distributions of every sequence whose feature is new and
     that was asked at its last step too (the heads of a composite that benched them, or whose copies run long,
-    cost nothing), stacked [sequences, d]; the others find theirs ready."""
+    cost nothing), stacked [sequences, d]; the others find theirs ready. That call runs eagerly, even for a static
+    target: its row count varies from step to step, a shape no graph replays (a lone sequence's call goes through
+    the runner, `MedusaDrafter.distributions`)."""
 
     def __init__(self) -> None:
         self.members: weakref.WeakSet[MedusaDrafter] = weakref.WeakSet()
@@ -165,7 +173,8 @@ class MedusaDrafter(Drafter):
 
     def __init__(self, heads: MedusaHeads, target_model, curve=None, tree: bool = False, top_k: int = 8,
                  max_nodes: int = 64, budget: int | None = None, full_vocabulary: bool = False,
-                 draft_cost: float | None = None, clock: Callable[[], float] | None = None):
+                 draft_cost: float | None = None, clock: Callable[[], float] | None = None, runner: str | None = None,
+                 backend: str = "inductor"):
         if tree and curve is None and budget is None:
             raise ValueError("a Medusa tree needs the target's cost curve or a fixed budget")
         if top_k < 1 or max_nodes < 1:
@@ -175,8 +184,14 @@ class MedusaDrafter(Drafter):
         # draft index -> token id: on the device for chains (drafted there), on the host for trees (built there)
         self.vocab_ids, self.host_vocab_ids = vocab_ids.to(weight.device), vocab_ids
         # the heads as they draft: float32 on the target's device, on the quantized kernels where that is a
-        # CPU that has them
-        self.heads, self.lm_head = for_drafting(heads, weight if full_vocabulary else weight[self.vocab_ids])
+        # CPU that has them; float layers where their call runs through a static target's runner (the quantized
+        # kernels are the CPU's dynamic path's, and no graph traces them)
+        self.heads, self.lm_head = for_drafting(heads, weight if full_vocabulary else weight[self.vocab_ids],
+                                                quantize=runner is None)
+        # `runner`: a static target's (`build_medusa`; "eager", "compile" or CUDA "graphs", `models.graphs`), which
+        # runs the heads' call on one feature, a shape fixed for each depth; None: the call as written
+        self.runner: Runner | None = None if runner is None else make_runner(runner, self._distributions,
+                                                                              weight.device, backend)
         self.dtype = torch.float32
         self.curve, self.tree, self.top_k, self.max_nodes, self.budget = curve, tree, top_k, max_nodes, budget
         if draft_cost is not None and not draft_cost >= 0:
@@ -239,9 +254,23 @@ class MedusaDrafter(Drafter):
 
     @torch.inference_mode()
     def distributions(self, feature: torch.Tensor, depth: int) -> torch.Tensor:
-        """[..., depth, V'] the first `depth` heads' distributions over the draft vocabulary, from features [..., d]."""
+        """[..., depth, V'] the first `depth` heads' distributions over the draft vocabulary, from features [..., d]:
+        one feature [d] through the runner where there is one (`__init__`), several (a batch's) as written."""
+        if self.runner is not None and feature.dim() == 1:
+            return self.runner((feature,), (depth,))
+        return self._distributions(feature, depth)
+
+    def _distributions(self, feature: torch.Tensor, depth: int) -> torch.Tensor:
         states = self.heads(feature)[..., :depth, :]  # [..., depth, d]
         return torch.softmax(self.lm_head(states).float(), dim=-1)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Run the heads' call on one feature once for each depth (captured or compiled, by the runner), so that
+        drafting does not pay for it."""
+        feature = torch.zeros(self.heads.hidden_size, dtype=self.dtype, device=self.vocab_ids.device)
+        for depth in range(1, self.heads.num_heads + 1):
+            self.distributions(feature, depth)
 
     def propose(self, context: list[int], max_tokens: int, params: SamplingParams, generator) -> Draft:
         if self._feature is None or self._valid_for != len(context) or max_tokens <= 0:
@@ -279,9 +308,13 @@ def build_medusa(target, draft, options) -> Drafter:
     heads, record = MedusaHeads.load(folder, dtype=model.dtype, device=model.device)
     vocab_ids: torch.Tensor = heads.vocab_ids
     check_fits(folder, "medusa", record, heads.hidden_size, int(vocab_ids.max()) + 1, model.config)
+    # on a static target (`models.static`) the heads' call runs through its runner, as its forwards do
+    static = isinstance(target, StaticCausalLM)
+    runner, backend = (target.runner_name, target.backend) if static else (None, "inductor")
     if options.tree:
-        return MedusaDrafter(heads, model, target.cost_curve(), tree=True, budget=options.budget)
-    return MedusaDrafter(heads, model)
+        return MedusaDrafter(heads, model, target.cost_curve(), tree=True, budget=options.budget, runner=runner,
+                             backend=backend)
+    return MedusaDrafter(heads, model, runner=runner, backend=backend)
 
 
 def build_medusa_tree(target, draft, options) -> Drafter:

@@ -25,11 +25,11 @@ is warm), "graphs" as one CUDA graph per width and hidden-state request captured
 A prompt's prefill (wider than the last bucket) and a mask over other sequences' slots (the batch engine) run
 the same arithmetic eagerly at their own width.
 
-The arithmetic is transformers' for the Llama family (Llama, Mistral, Qwen2, Qwen3 whose every layer attends
-to the whole context, float weights), written out over the model's own modules as `models.lean` writes the
-quantized paths'. It attends over the whole capacity under the mask, so its sums run over another number of
-(masked) terms than transformers' forward: greedy output is the dynamic path's token for token, not bit for
-bit (tests/equivalence/test_static.py).
+The arithmetic is transformers' for the Llama family (Llama, Mistral, Qwen2, Qwen3 whose every layer attends to the
+whole context, float weights), written out over the model's own modules as `models.lean` writes the quantized paths'
+(`decode_layers`, which the EAGLE head's one Qwen2 layer runs too: `drafters.eagle`). It attends over the whole
+capacity under the mask, so its sums run over another number of (masked) terms than transformers' forward: greedy
+output is the dynamic path's token for token, not bit for bit (tests/equivalence/test_every_method.py).
 """
 
 from __future__ import annotations
@@ -90,17 +90,12 @@ class StaticDecoder:
     def __init__(self, model: PreTrainedModel, capacity: int):
         self.model = model
         self.decoder = model.model
-        first = self.decoder.layers[0].self_attn
-        self.num_layers = len(self.decoder.layers)
-        self.kv_heads = first.k_proj.out_features // first.head_dim
-        self.head_dim = first.head_dim
         self.allocate(capacity)
 
     def allocate(self, capacity: int) -> None:
-        """A cache of `capacity` positions (zeros: a pad's or a masked slot's garbage is always finite)."""
-        device, dtype = self.model.device, self.model.dtype
-        self.kv = torch.zeros(2, self.num_layers, self.kv_heads, capacity, self.head_dim, dtype=dtype, device=device)
-        self.columns = torch.arange(capacity, device=device)  # [capacity]
+        """A cache of `capacity` positions."""
+        self.kv = empty_cache(self.decoder, capacity, self.model.dtype, self.model.device)
+        self.columns = torch.arange(capacity, device=self.model.device)  # [capacity]
         self.capacity = capacity
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, allowed: torch.Tensor,
@@ -108,29 +103,9 @@ class StaticDecoder:
         """Feed `tokens` [n] at rotary `positions` [n], their keys and values written at cache `slots` [n],
         token i attending to the slots where allowed[i] [n, capacity] is True. Returns (float32 logits [n, vocab],
         the hidden states asked: final-norm [n, d] for True, the named layers' inputs side by side for a tuple)."""
-        n = tokens.shape[0]
-        decoder = self.decoder
-        states = decoder.embed_tokens(tokens)  # [n, d]
-        cos, sin = decoder.rotary_emb(states, positions.view(1, n))  # each [1, n, head_dim]
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [n, 1, head_dim]
-        trace = []
-        for index, layer in enumerate(decoder.layers):
-            trace.append(states)
-            attention = layer.self_attn
-            normed = layer.input_layernorm(states)
-            query = attention.q_proj(normed).view(n, -1, self.head_dim)  # [n, heads, head_dim]
-            key = attention.k_proj(normed).view(n, -1, self.head_dim)  # [n, kv_heads, head_dim]
-            value = attention.v_proj(normed).view(n, -1, self.head_dim)
-            if hasattr(attention, "q_norm"):  # Qwen3: each head's query and key normalised
-                query, key = attention.q_norm(query), attention.k_norm(key)
-            query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
-            self.kv[0, index].index_copy_(1, slots, key.transpose(0, 1))  # [kv_heads, capacity, head_dim]
-            self.kv[1, index].index_copy_(1, slots, value.transpose(0, 1))
-            out = grouped_attention(query.transpose(0, 1), self.kv[0, index], self.kv[1, index], allowed,
-                                    attention.scaling)  # [heads, n, head_dim]
-            states = states + attention.o_proj(out.transpose(0, 1).reshape(n, -1))
-            states = states + layer.mlp(layer.post_attention_layernorm(states))
-        final = decoder.norm(states)
+        trace: list[torch.Tensor] = []
+        states = self.decoder.embed_tokens(tokens)  # [n, d]
+        final = decode_layers(self.decoder, states, positions, slots, allowed, self.kv, trace)
         trace.append(final)
         logits = self.model.get_output_embeddings()(final).float()  # [n, vocab]
         if hidden is True:
@@ -145,6 +120,43 @@ class StaticDecoder:
         each runner runs (module docstring)."""
         slots, positions, allowed = unpack(packed, tokens.shape[0], self.columns)
         return self.run(tokens, positions, slots, allowed, hidden)
+
+
+def empty_cache(decoder, capacity: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The keys and values of a Llama-family decoder's layers (`decode_layers`' `kv`) over `capacity` slots:
+    zeros [2, layers, kv_heads, capacity, head_dim], so that a pad's or a masked slot's garbage is always finite."""
+    attention = decoder.layers[0].self_attn
+    kv_heads = attention.k_proj.out_features // attention.head_dim
+    return torch.zeros(2, len(decoder.layers), kv_heads, capacity, attention.head_dim, dtype=dtype, device=device)
+
+
+def decode_layers(decoder, states: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                  allowed: torch.Tensor, kv: torch.Tensor, trace: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """transformers' forward of a Llama-family decoder (`decoder`: its `*Model`, a causal LM's `model` or the EAGLE
+    head's one-layer Qwen2Model) from its input states [n, d] at rotary `positions` [n] through its layers and
+    final norm -> [n, d]: each layer's keys and values written at cache `slots` [n] of kv[:, layer] (`empty_cache`),
+    token i attending to the slots where allowed[i] [n, capacity] is True. `trace` gets each layer's input."""
+    n = states.shape[0]
+    cos, sin = decoder.rotary_emb(states, positions.view(1, n))  # each [1, n, head_dim]
+    cos, sin = cos[0, :, None], sin[0, :, None]  # [n, 1, head_dim]
+    for index, layer in enumerate(decoder.layers):
+        if trace is not None:
+            trace.append(states)
+        attention = layer.self_attn
+        normed = layer.input_layernorm(states)
+        query = attention.q_proj(normed).view(n, -1, attention.head_dim)  # [n, heads, head_dim]
+        key = attention.k_proj(normed).view(n, -1, attention.head_dim)  # [n, kv_heads, head_dim]
+        value = attention.v_proj(normed).view(n, -1, attention.head_dim)
+        if hasattr(attention, "q_norm"):  # Qwen3: each head's query and key normalised
+            query, key = attention.q_norm(query), attention.k_norm(key)
+        query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
+        kv[0, index].index_copy_(1, slots, key.transpose(0, 1))  # [kv_heads, capacity, head_dim]
+        kv[1, index].index_copy_(1, slots, value.transpose(0, 1))
+        out = grouped_attention(query.transpose(0, 1), kv[0, index], kv[1, index], allowed,
+                                attention.scaling)  # [heads, n, head_dim]
+        states = states + attention.o_proj(out.transpose(0, 1).reshape(n, -1))
+        states = states + layer.mlp(layer.post_attention_layernorm(states))
+    return decoder.norm(states)
 
 
 def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,

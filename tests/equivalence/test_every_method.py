@@ -25,7 +25,9 @@ from specdecode.drafters import heads
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.methods import choose, resolve, variant_names
 from specdecode.models import costs
+from specdecode.drafters.eagle import StaticHeadState
 from specdecode.drafters.eagle3 import StaticEagle3State
+from specdecode.drafters.medusa import MedusaDrafter
 from specdecode.models.static import StaticCausalLM
 from specdecode.types import SamplingParams
 
@@ -96,16 +98,19 @@ def test_greedy_output_is_plain_decoding(variant, models, plain, random_heads, m
 @pytest.mark.parametrize("variant", LOSSLESS)
 def test_the_static_path_outputs_what_the_dynamic_path_does(variant, static_models, plain, random_heads,
                                                              monkeypatch):
-    """Every method on the static-shape path (the target, the draft model and the EAGLE-3 head on fixed
-    widths; the methods that share the target's cache on its dynamic twin): greedy output is the dynamic
-    path's plain decoding, token for token, in float32."""
+    """Every method on the static-shape path (the target, the draft model and the EAGLE heads on fixed widths,
+    Medusa's heads through the target's runner; the methods that share the target's cache on its dynamic twin):
+    greedy output is the dynamic path's plain decoding, token for token, in float32."""
     monkeypatch.setattr(heads, "shipped_head", lambda model, kind: random_heads / kind)
     reference = None if "-tree" in variant else REFERENCE
     engine = static_models.engine_for(choose(variant, reference=reference, only_if_taken=True))
     shares = resolve(variant)[0].shares_target_cache
     assert isinstance(engine.target, StaticCausalLM) != shares
-    if variant.startswith("eagle3"):
-        assert isinstance(engine.drafter.state, StaticEagle3State)  # type: ignore[union-attr]
+    if variant.startswith("eagle"):
+        static_state = StaticEagle3State if variant.startswith("eagle3") else StaticHeadState
+        assert isinstance(engine.drafter.state, static_state)  # type: ignore[union-attr]
+    if variant.startswith("medusa"):
+        assert isinstance(engine.drafter, MedusaDrafter) and engine.drafter.runner is not None
     prompts, references = plain
     list(greedy_runs(engine, prompts, references, LENGTHS))
 

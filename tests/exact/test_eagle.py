@@ -7,11 +7,12 @@ import torch
 
 from conftest import LetterTokenizer, greedy_references, greedy_runs, oracle_eagle_head, random_prompts
 from conftest import random_eagle_head as random_head
-from specdecode.drafters.eagle import EagleDrafter, EagleHead, EagleTreeDrafter
+from specdecode.drafters.eagle import EagleDrafter, EagleHead, EagleTreeDrafter, HeadState, StaticHeadState
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.models.costs import CostCurve
 from specdecode.models.hf import HFCausalLM
+from specdecode.models.static import BACK, BUCKETS
 from specdecode.types import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -144,3 +145,46 @@ def test_a_head_tree_prices_its_rounds_as_timed(tiny_target, round_seconds, deep
     depths = [s.draft_depth for s in result.steps if s.drafted]
     grown = sum(depth > 1 for depth in depths)  # expensive: only until the first round has been timed
     assert (grown >= len(depths) // 2 if deeper else grown <= 1), depths
+
+
+def test_the_static_state_runs_the_head_as_the_dynamic_one(tiny_target, monkeypatch):
+    """`StaticHeadState.run` (the head's layer written out over a cache of fixed capacity, feeds padded to a bucket
+    and masked on the device) gives `HeadState.run`'s outputs, float32 both (the dynamic state's layers unquantized
+    here, as the static one's always are): a prompt's pairs wider than every bucket (run eagerly), a few more
+    (a bucket), a tree's rounds under their masks (the last one's reaching past the window: eagerly again), then
+    the speculative entries cropped and the context's next pairs fed over them."""
+    monkeypatch.setattr(HeadState, "quantize", False)
+    head = random_head(tiny_target, seed=5)
+    states = (HeadState(head, tiny_target), StaticHeadState(head, tiny_target, capacity=256))
+    assert states[1].kv.dtype == torch.float32
+    d, device, vocab = tiny_target.config.hidden_size, tiny_target.device, tiny_target.config.vocab_size
+    generator = torch.Generator(device="cpu").manual_seed(0)
+
+    def feed(n: int, positions: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        features = torch.randn(n, d, generator=generator).to(device)
+        tokens = torch.randint(0, vocab, (n,), generator=generator)
+        dynamic, static = (state.run(features, tokens, positions.to(device), mask) for state in states)
+        assert static.shape == (n, d) and torch.allclose(static, dynamic, atol=1e-5), (static - dynamic).abs().max()
+        assert states[0].cached == states[1].cached
+
+    def tree_round(n: int, depth: int) -> None:
+        """n nodes at one depth, each seeing the context's pairs, every other earlier node and itself."""
+        fed, cached = states[0].fed, states[0].cached
+        mask = torch.zeros(n, cached + n, dtype=torch.bool)
+        mask[:, :fed] = True
+        mask[:, fed:cached:2] = True
+        mask[:, cached:] = torch.eye(n, dtype=torch.bool)
+        feed(n, torch.full((n,), fed + depth), mask)
+
+    with torch.inference_mode():
+        prompt = BUCKETS[-1] + 6
+        feed(prompt, torch.arange(prompt))
+        feed(3, torch.arange(prompt, prompt + 3))
+        for state in states:
+            state.fed = prompt + 3  # the context's pairs (`sync`)
+        for depth, width in enumerate([3, 2, BACK, 1]):
+            tree_round(width, depth)
+        for state in states:
+            state.crop()
+        assert states[1].cached == prompt + 3
+        feed(4, torch.arange(prompt + 3, prompt + 7))

@@ -1,13 +1,13 @@
 """The static path's discipline, proved without a GPU: its step functions trace whole and never recompile.
 
-A CUDA graph replays one fixed sequence of kernels: a step that reads a value on the host, or whose shapes
-depend on values, cannot be captured, and a step with a new shape needs a new capture. `torch.compile` with
-`fullgraph=True, dynamic=False` refuses the first (a graph break is an error) and counts the second (each new
-graph is a compilation): so on the CPU, with dynamo tracing the same step functions the GPU captures (the
-target's and the draft model's `StaticDecoder.step`, the EAGLE-3 head's `StaticEagle3State.step`), a whole
-generation must compile nothing once every bucket has been seen (a first generation warms them up), while its
-acceptance varies from step to step. The backend is "eager": dynamo's tracing and guards are what is tested,
-not inductor's code.
+A CUDA graph replays one fixed sequence of kernels: a step that reads a value on the host, or whose shapes depend on
+values, cannot be captured, and a step with a new shape needs a new capture. `torch.compile` with `fullgraph=True,
+dynamic=False` refuses the first (a graph break is an error) and counts the second (each new graph is a
+compilation): so on the CPU, with dynamo tracing the same step functions the GPU captures (the target's and the
+draft model's `StaticDecoder.step`, the EAGLE heads' `StaticHeadState.step` and `StaticEagle3State.step`, Medusa's
+heads' call), a whole generation must compile nothing once every bucket has been seen (a first generation warms them
+up), while its acceptance varies from step to step. The backend is "eager": dynamo's tracing and guards are what is
+tested, not inductor's code.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from torch._dynamo.utils import counters
 from conftest import greedy_references, noisy_copy, random_prompts, tiny_qwen2
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
+from specdecode.drafters.eagle import EagleHead, EagleTreeDrafter, StaticHeadState, head_config
 from specdecode.drafters.eagle3 import Eagle3TreeDrafter, StaticEagle3State
 from specdecode.drafters.eagle3_head import Eagle3Config, Eagle3Head
+from specdecode.drafters.medusa import MedusaDrafter, MedusaHeads
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.models.costs import CostCurve
@@ -39,17 +41,21 @@ def compiled(model, capacity: int = 256) -> StaticCausalLM:
     return StaticCausalLM(model, runner="compile", backend="eager", capacity=capacity)
 
 
-def drafters(target: StaticCausalLM, draft: StaticCausalLM, head) -> dict:
-    eagle3 = StaticEagle3State(head, target.model, "compile", capacity=256, backend="eager")
+def drafters(target: StaticCausalLM, draft: StaticCausalLM, heads: dict) -> dict:
+    eagle = StaticHeadState(heads["eagle"], target.model, "compile", capacity=256, backend="eager")
+    eagle3 = StaticEagle3State(heads["eagle3"], target.model, "compile", capacity=256, backend="eager")
     chain = DraftModelDrafter(draft, adaptive=False, num_tokens=6)
     chain.confidence_threshold = 0.0  # six tokens every step, whatever the draft model's confidence
+    tree = {"draft_cost": 0.001, "top_k": 2, "width": 4, "max_depth": 5}
     return {
         "ar": None,
         "pld": PromptLookupDrafter(),
         "draft": chain,
         "draft-tree": DraftModelTreeDrafter(draft, curve=FREE, draft_cost=0.01, top_k=2, width=4, max_depth=5),
-        "eagle3-tree": Eagle3TreeDrafter(head, target.model, FREE, draft_cost=0.001, top_k=2, width=4, max_depth=5,
-                                         state=eagle3),
+        "eagle-tree": EagleTreeDrafter(heads["eagle"], target.model, FREE, state=eagle, **tree),
+        "eagle3-tree": Eagle3TreeDrafter(heads["eagle3"], target.model, FREE, state=eagle3, **tree),
+        "medusa-tree": MedusaDrafter(heads["medusa"], target.model, FREE, tree=True, top_k=2, max_nodes=16,
+                                     draft_cost=0.001, runner="compile", backend="eager"),
     }
 
 
@@ -64,36 +70,46 @@ def counting(function, calls: dict, name: str):
 def models():
     target = tiny_qwen2(0, layers=3)
     draft = noisy_copy(target, 0.3, seed=1)  # agrees with the target often, not always
-    # a random head drafting among the few tokens the target's answers loop over: right now and then
-    answers = {token for answer in greedy_references(target, PROMPTS, 40) for token in answer}
+    # random heads drafting among the few tokens the target's answers loop over: right now and then
+    answers = torch.tensor(sorted({token for answer in greedy_references(target, PROMPTS, 40) for token in answer}))
     torch.manual_seed(0)
-    config = Eagle3Config.for_target(target.config, 32, len(answers))
-    head = Eagle3Head(config, torch.tensor(sorted(answers))).float().eval()
-    return target, draft, head
+    medusa = MedusaHeads(target.config.hidden_size, 3, answers)
+    for block in medusa.blocks:  # near the identity: each head guesses about the target's next token
+        torch.nn.init.normal_(block.weight, std=0.05)
+    heads = {
+        "eagle": EagleHead(head_config(target.config, 32), answers),
+        "eagle3": Eagle3Head(Eagle3Config.for_target(target.config, 32, len(answers)), answers),
+        "medusa": medusa,
+    }
+    return target, draft, {kind: head.float().eval() for kind, head in heads.items()}
 
 
-@pytest.mark.parametrize("method", ["ar", "pld", "draft", "draft-tree", "eagle3-tree"])
+@pytest.mark.parametrize("method", ["ar", "pld", "draft", "draft-tree", "eagle-tree", "eagle3-tree", "medusa-tree"])
 def test_a_generation_after_warm_up_compiles_nothing_and_breaks_no_graph(method, models):
-    target_model, draft_model, head = models
+    target_model, draft_model, heads = models
     torch._dynamo.reset()
     target, draft = compiled(target_model), compiled(draft_model)
-    drafter = drafters(target, draft, head)[method]
+    drafter = drafters(target, draft, heads)[method]
     engine = SpeculativeEngine(target, drafter=drafter, gate=False)
     engine.curve = FREE
     config = GenerationConfig(max_new_tokens=40)
     # the warm-up: every bucket of every step function compiles once
     target.capture(hidden=(False if drafter is None else drafter.needs.hidden,))
     draft.capture()
-    if method == "eagle3-tree":
-        drafter.state.capture()
-    calls = {"target": 0, "draft": 0}
-    for name, model in (("target", target), ("draft", draft)):
-        model.runner.compiled = counting(model.runner.compiled, calls, name)
+    runners = {"target": target.runner, "draft": draft.runner}
+    if method in ("eagle-tree", "eagle3-tree", "medusa-tree"):  # the head's runner: its state's, or Medusa's own
+        head = getattr(drafter, "state", drafter)
+        head.capture()
+        runners["head"] = head.runner
+    calls = dict.fromkeys(runners, 0)
+    for name, runner in runners.items():
+        runner.compiled = counting(runner.compiled, calls, name)
     counters.clear()
     results = [engine.generate(prompt, config) for prompt in PROMPTS]
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])  # nothing compiled again
-    assert calls["target"] and (method not in ("draft", "draft-tree") or calls["draft"])  # they did run compiled
+    # they did run compiled
+    assert calls["target"] and (method not in ("draft", "draft-tree") or calls["draft"]) and calls.get("head", 1)
     accepted = {step.accepted for result in results for step in result.steps}
     if method != "ar":
         assert len(accepted) > 1, accepted  # acceptance varied
