@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.api import load_models
-from specdecode.drafters.eagle import EagleHead
+from specdecode.drafters.eagle_head import EagleHead
 from specdecode.drafters.eagle3_head import Eagle3Head
 from specdecode.training import eagle as eagle_training
 from specdecode.training import features

@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from specdecode.drafters.eagle import EagleHead, head_config
+from specdecode.drafters.eagle_head import EagleHead, head_config
 from specdecode.drafters.eagle3_head import Eagle3Config, Eagle3Head
 from specdecode.drafters.medusa import MedusaHeads
 from specdecode.models import costs

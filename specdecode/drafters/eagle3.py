@@ -31,7 +31,9 @@ import torch
 
 from specdecode.devices import to_device
 from specdecode.drafters.base import Drafter, Needs, tensor_bytes
-from specdecode.drafters.eagle import EagleDrafter, EagleTreeDrafter, StaticFeeds, full_vocabulary
+from specdecode.drafters.eagle import EagleDrafter, EagleTreeDrafter
+from specdecode.drafters.eagle_head import full_vocabulary
+from specdecode.drafters.static_heads import StaticFeeds
 from specdecode.drafters.eagle3_head import Eagle3Head
 from specdecode.drafters.heads import check_fits, for_drafting, head_folder
 from specdecode.errors import UserError
@@ -39,7 +41,7 @@ from specdecode.models.static import BUCKETS, DEFAULT_CAPACITY, StaticCausalLM, 
 
 
 class Eagle3State:
-    """An EAGLE-3 head's view of one sequence (the interface of `eagle.HeadState`, so the EAGLE chain and
+    """An EAGLE-3 head's view of one sequence (the interface of `eagle_head.HeadState`, so the EAGLE chain and
     tree drafters run it): the fused features of the context, the head's KV cache over the context's
     pairs, and the speculative entries after them, all on the target's device."""
 
@@ -134,8 +136,8 @@ class Eagle3State:
 
 
 class StaticEagle3State(StaticFeeds, Eagle3State):
-    """An EAGLE-3 head's view of one sequence on the static path (`eagle.StaticFeeds`), over a cache of `capacity`
-    positions."""
+    """An EAGLE-3 head's view of one sequence on the static path (`static_heads.StaticFeeds`), over a cache of
+    `capacity` positions."""
 
     kind = "the EAGLE-3 head"
 

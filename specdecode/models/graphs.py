@@ -1,6 +1,6 @@
-"""How a static-shape step function runs (`static.StaticDecoder.step`, the EAGLE heads' `eagle.StaticFeeds.step`,
-Medusa's heads' call `medusa.MedusaDrafter._distributions`): eagerly, through `torch.compile`, or as CUDA graphs
-captured by hand.
+"""How a static-shape step function runs (`static.StaticDecoder.step`, the EAGLE heads'
+`static_heads.StaticFeeds.step`, Medusa's heads' call `medusa.MedusaDrafter._distributions`): eagerly, through
+`torch.compile`, or as CUDA graphs captured by hand.
 
 A runner is called with the step's tensor inputs (host or device; each of a shape fixed for the key) and its
 options (hashable values the function takes after the tensors, such as which hidden states to return); it

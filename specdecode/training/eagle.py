@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdecode.drafters.eagle import EagleHead, head_config
+from specdecode.drafters.eagle_head import EagleHead, head_config
 from specdecode.training.features import Shard
 from specdecode.training.loop import (
     Schedule, TrainingRecord, autocast, frequent_tokens, on_device, optimise, split, windows,

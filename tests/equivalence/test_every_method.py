@@ -25,7 +25,7 @@ from specdecode.drafters import heads
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.methods import choose, resolve, variant_names
 from specdecode.models import costs
-from specdecode.drafters.eagle import StaticHeadState
+from specdecode.drafters.static_heads import StaticHeadState
 from specdecode.drafters.eagle3 import StaticEagle3State
 from specdecode.drafters.medusa import MedusaDrafter
 from specdecode.models.static import StaticCausalLM

@@ -7,7 +7,9 @@ import torch
 
 from conftest import LetterTokenizer, greedy_references, greedy_runs, oracle_eagle_head, random_prompts
 from conftest import random_eagle_head as random_head
-from specdecode.drafters.eagle import EagleDrafter, EagleHead, EagleTreeDrafter, HeadState, StaticHeadState
+from specdecode.drafters.eagle import EagleDrafter, EagleTreeDrafter
+from specdecode.drafters.eagle_head import EagleHead, HeadState
+from specdecode.drafters.static_heads import StaticHeadState
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.models.costs import CostCurve

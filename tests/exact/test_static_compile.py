@@ -20,7 +20,9 @@ from torch._dynamo.utils import counters
 from conftest import greedy_references, noisy_copy, random_prompts, tiny_qwen2
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
-from specdecode.drafters.eagle import EagleHead, EagleTreeDrafter, StaticHeadState, head_config
+from specdecode.drafters.eagle import EagleTreeDrafter
+from specdecode.drafters.eagle_head import EagleHead, head_config
+from specdecode.drafters.static_heads import StaticHeadState
 from specdecode.drafters.eagle3 import Eagle3TreeDrafter, StaticEagle3State
 from specdecode.drafters.eagle3_head import Eagle3Config, Eagle3Head
 from specdecode.drafters.medusa import MedusaDrafter, MedusaHeads

@@ -16,7 +16,8 @@ from goodness_of_fit import (
 from specdecode.drafters.composite import CompositeDrafter, Source
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
-from specdecode.drafters.eagle import EagleHead, EagleTreeDrafter, head_config
+from specdecode.drafters.eagle import EagleTreeDrafter
+from specdecode.drafters.eagle_head import EagleHead, head_config
 from specdecode.drafters.eagle3 import Eagle3TreeDrafter
 from specdecode.drafters.medusa import MedusaDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter

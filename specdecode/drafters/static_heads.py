@@ -1,0 +1,131 @@
+"""The trained heads' own caches on the static-shape path (`models.static`): what an EAGLE or EAGLE-3 head keeps of a
+sequence, allocated once and fed at fixed widths, so that a GPU replays each feed as a CUDA graph.
+
+`StaticFeeds` is what both heads' static states share (buckets, padding, the mask built on the device, the runner, the
+eager fallback); `StaticHeadState` is EAGLE's (its one Qwen2 layer through `models.static.decode_layers`, the
+arithmetic the target's static decoder runs), `drafters.eagle3.StaticEagle3State` EAGLE-3's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specdecode.devices import to_device
+from specdecode.drafters.base import tensor_bytes
+from specdecode.drafters.eagle_head import EagleHead, HeadState
+from specdecode.errors import UserError
+from specdecode.models.graphs import make_runner
+from specdecode.models.static import (
+    BUCKETS, DEFAULT_CAPACITY, StaticCausalLM, bucket, decode_layers, empty_cache, fits, full_mask, pack, unpack,
+)
+
+
+class StaticFeeds:
+    """A head's state on the static path (`models.static`), whichever the head (`StaticHeadState` here,
+    `eagle3.StaticEagle3State`): its KV cache allocated once and written at explicit slots, each feed padded to a
+    bucket width with its mask built on the device, run by the target's runner ("eager", "compile" or CUDA
+    "graphs"). Wider feeds (the prompt's pairs) and masks that reach past the window run the same arithmetic
+    eagerly. Cropping lowers a count; nothing is copied. The head's state writes its arithmetic out (`feed`) over
+    the cache it allocates (`_allocate`), its layers in float32: the quantized kernels are the CPU's dynamic path's,
+    and no graph traces them."""
+
+    quantize = False
+    kind = "the head"  # in messages
+    # the state's own, set by the class this is mixed into (`HeadState`, `eagle3.Eagle3State`)
+    device: torch.device
+    dtype: torch.dtype
+    fed: int
+    cached: int
+    # set by the static state before it allocates
+    runner_name: str
+    backend: str
+
+    def _allocate(self, kv: torch.Tensor, features: int) -> None:
+        """Draft on the cache `kv` (zeros, its slots on its second last dimension, the widest bucket's pads
+        included) from features `features` wide, through a runner over `step`."""
+        self.kv, self.features_width = kv, features
+        self.capacity = kv.shape[-2]
+        self.columns = torch.arange(self.capacity, device=self.device)
+        self.runner = make_runner(self.runner_name, self.step, self.device, self.backend)
+
+    def feed(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+             allowed: torch.Tensor) -> torch.Tensor:
+        """Pairs (hidden [n, d], tokens [n]) at `positions` [n], their keys and values written at `slots` [n],
+        row i attending where allowed[i] [n, capacity] -> the head's outputs [n, d]."""
+        raise NotImplementedError
+
+    def step(self, packed: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor
+             ) -> torch.Tensor:
+        """One fixed-width feed, every input on the device (`packed`: `models.static.pack`'s, whose positions it
+        leaves unread): the function the runner runs."""
+        slots, _, allowed = unpack(packed, tokens.shape[0], self.columns)
+        return self.feed(hidden, tokens, positions, slots, allowed)
+
+    def run(self, hidden: torch.Tensor, tokens: list[int] | torch.Tensor, positions: torch.Tensor,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+        n, start = len(tokens), self.cached
+        if start + n + BUCKETS[-1] > self.capacity:
+            raise UserError(f"{self.kind}'s cache holds {self.capacity - BUCKETS[-1]} positions; this sequence "
+                            "needs more")
+        # the feed's own mask: a host mask [n, cached + n] over the cache (whose context pairs every row sees)
+        local = None if mask is None else to_device(mask, torch.device("cpu"))[:, self.fed :]
+        hidden = hidden.to(self.dtype)
+        tokens, positions = to_device(tokens, self.device), to_device(positions, self.device)
+        width = bucket(n)
+        if width is not None and fits(n, local):
+            padding = width - n
+            inputs = (pack(start, n, width, None, local), F.pad(hidden, (0, 0, 0, padding)),
+                      F.pad(tokens, (0, padding)), F.pad(positions, (0, padding)))
+            out = self.runner(inputs)[:n]
+        else:  # the prompt's pairs, or a mask past the window: the same arithmetic at its own width
+            slots = torch.arange(start, start + n, device=self.device)
+            allowed = to_device(full_mask(start, n, self.capacity, local), self.device)
+            out = self.feed(hidden, tokens, positions, slots, allowed)
+        self.cached += n
+        return out
+
+    def crop(self) -> None:
+        self.cached = min(self.cached, self.fed)  # later feeds overwrite what lies past it
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Run every bucket's feed once past what the cache holds (captured or compiled, by the runner), so that
+        drafting does not pay for it."""
+        for width in BUCKETS:
+            tokens, positions = (torch.zeros(width, dtype=torch.long, device=self.device) for _ in range(2))
+            self.runner((pack(self.cached, width, width, None, None),
+                         torch.zeros(width, self.features_width, dtype=self.dtype, device=self.device), tokens,
+                         positions))
+
+
+class StaticHeadState(StaticFeeds, HeadState):
+    """An EAGLE head's view of one sequence on the static path (`StaticFeeds`): `EagleHead.forward`'s arithmetic
+    written out over the head's own modules (its Qwen2 layer as `models.static` writes the target's), over a
+    cache of `capacity` positions."""
+
+    kind = "the EAGLE head"
+
+    def __init__(self, head: EagleHead, target_model, runner: str = "eager", capacity: int = DEFAULT_CAPACITY,
+                 backend: str = "inductor"):
+        self.runner_name, self.backend = runner, backend
+        super().__init__(head, target_model)
+        self._allocate(empty_cache(self.head.layer, capacity + BUCKETS[-1], self.dtype, self.device),
+                       self.head.config.hidden_size)
+
+    def memory_bytes(self) -> int:
+        return super().memory_bytes() + tensor_bytes(self.kv)
+
+    def feed(self, hidden, tokens, positions, slots, allowed):
+        embeddings = self.embed(tokens).to(self.dtype)  # [n, d]
+        return decode_layers(self.head.layer, self.head.fc(torch.cat([hidden, embeddings], dim=-1)), positions,
+                             slots, allowed, self.kv)
+
+
+def eagle_state(head: EagleHead, target) -> HeadState:
+    """The head's state for a target (a `CausalLM` on the torch backend): on the static path where the target is
+    on it (`models.static.StaticCausalLM`), with the target's runner and capacity."""
+    if isinstance(target, StaticCausalLM):
+        return StaticHeadState(head, target.model, target.runner_name, target.decoder.capacity - BUCKETS[-1],
+                               target.backend)
+    return HeadState(head, target.model)
