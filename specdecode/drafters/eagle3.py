@@ -49,22 +49,27 @@ class Eagle3State:
 
     def __init__(self, head: Eagle3Head, target_model, adaptation=None):
         self.trained, self.target_model = head, target_model
-        self.device = target_model.get_output_embeddings().weight.device
-        self.adaptation = adaptation  # a head that learns while it drafts (`drafters.online`), or None
-        self._drafting_copy(head)
-        self.dtype = torch.float32
         self.embed = target_model.get_input_embeddings()
+        self.device = self.embed.weight.device
+        self.adaptation = adaptation  # a head that learns while it drafts (`drafters.online`), or None
+        # the target's LM head's rows of the draft vocabulary [V', d]: read once (an int8 target unpacks its whole
+        # head to give them), kept where an adaptation makes drafting copies again
+        lm_head = target_model.get_output_embeddings()
+        rows = lm_head.weight[head.draft_ids.to(self.device)]
+        self._rows = rows if adaptation is not None else None
+        self._drafting_copy(head, rows)
+        self.dtype = torch.float32
         self.vocab_ids = head.draft_ids.to(self.device)
-        self.vocab_size = target_model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = lm_head.out_features
         self.features: list[torch.Tensor] = []  # [layers * d] the target's layer inputs at each context position
         self.keys: torch.Tensor | None = None  # [kv_heads, cached, head_dim]
         self.values: torch.Tensor | None = None
         self.reset()
 
-    def _drafting_copy(self, head: Eagle3Head) -> None:
-        """The head as it drafts: float32 on the target's device (`heads.for_drafting`)."""
-        weight = self.target_model.get_output_embeddings().weight  # [vocab, d]
-        self.head, self.lm_head = for_drafting(head, weight[head.draft_ids.to(self.device)], self.quantize)
+    def _drafting_copy(self, head: Eagle3Head, rows: torch.Tensor | None = None) -> None:
+        """The head as it drafts: float32 on the target's device (`heads.for_drafting`), over the LM head's `rows`
+        (else the kept ones)."""
+        self.head, self.lm_head = for_drafting(head, self._rows if rows is None else rows, self.quantize)
 
     def reset(self, forget: bool = False) -> None:
         """Ready for a new sequence. With an adaptation, the head first learns from the one that ended;
@@ -82,8 +87,8 @@ class Eagle3State:
         self.last: torch.Tensor | None = None  # the head's output after its last real pair
 
     def memory_bytes(self) -> int:  # the head as loaded and as it drafts, its cache and features, the adaptation's
-        return tensor_bytes(self.trained, self.head, self.lm_head, self.features, self.keys, self.values) + (
-            self.adaptation.memory_bytes() if self.adaptation is not None else 0)
+        return tensor_bytes(self.trained, self.head, self.lm_head, self.features, self.keys, self.values, self._rows
+                            ) + (self.adaptation.memory_bytes() if self.adaptation is not None else 0)
 
     def observe(self, hidden: torch.Tensor, num_pending: int, path: tuple[int, ...]) -> None:
         rows = list(range(num_pending)) + [num_pending + node for node in path]
@@ -147,8 +152,8 @@ class StaticEagle3State(StaticFeeds, Eagle3State):
         self.runner_name, self.backend = runner, backend
         super().__init__(head, target_model, adaptation)
 
-    def _drafting_copy(self, head: Eagle3Head) -> None:
-        super()._drafting_copy(head)
+    def _drafting_copy(self, head: Eagle3Head, rows: torch.Tensor | None = None) -> None:
+        super()._drafting_copy(head, rows)
         attention = self.head.midlayer.self_attn
         self._allocate(torch.zeros(2, attention.kv_heads, self.capacity, attention.head_dim, dtype=torch.float32,
                                    device=self.device), self.head.config.hidden_size)
