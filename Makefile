@@ -42,8 +42,12 @@ demo: models
 # The whole suite, real-model tests included (what CI runs), and no test may skip (--no-skips): what set-up
 # does not bring is behind a marker with its own target (llama-server as a peer: test-peers; a model whose
 # terms a person accepts by fetching it: test-gated).
+# Two workers (pytest-xdist), a file each at a time (module fixtures such as a loaded model stay with their file),
+# each torch on one thread (tests/conftest.py): most tests keep one core busy, so a 2-core machine runs the suite in
+# little more than half the time. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: models chromium
-	$(PY) -m pytest -m "not peers and not gated" --no-skips $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not peers and not gated" --no-skips -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # llama.cpp's own server as the benchmark's peer: builds it (about 7 minutes, once) and runs the tests
 # that need it. Slow and optional, so apart from `test`; CI runs it after `test` when time allows.

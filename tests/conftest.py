@@ -57,12 +57,20 @@ def pytest_configure(config):
     from specdecode import devices
 
     DEVICE = devices.resolve(config.getoption("--device"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs a worker a core: two threads each would contend
+        torch.set_num_threads(1)
+    # the console folds what it prints at 80 columns where stderr is no terminal, a long path mid-word; tests
+    # match messages holding temporary paths, whose length differs from run to run (a worker's are longer)
+    os.environ["COLUMNS"] = "250"
     if DEVICE.type == "cuda":  # float32 means float32: exactness is checked without TF32's rounding
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
 
 
 def pytest_collection_modifyitems(config, items):
+    # the real-model files first: with a worker a core (`make test`) the longest files start at once, and none
+    # starts last to run on alone
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if DEVICE.type == "cpu":
         return
     skip = pytest.mark.skip(reason=f"CPU only (int8/int4 kernels, llama.cpp, real models); running on {DEVICE}")

@@ -69,7 +69,9 @@ class Eagle3State:
     def _drafting_copy(self, head: Eagle3Head, rows: torch.Tensor | None = None) -> None:
         """The head as it drafts: float32 on the target's device (`heads.for_drafting`), over the LM head's `rows`
         (else the kept ones)."""
-        self.head, self.lm_head = for_drafting(head, self._rows if rows is None else rows, self.quantize)
+        rows = self._rows if rows is None else rows
+        assert rows is not None, "an adapting state keeps its rows; others copy the head once, given them"
+        self.head, self.lm_head = for_drafting(head, rows, self.quantize)
 
     def reset(self, forget: bool = False) -> None:
         """Ready for a new sequence. With an adaptation, the head first learns from the one that ended;

@@ -323,20 +323,26 @@ def quantized_target(request, tiny_target):
     return quantize_invariant(copy.deepcopy(tiny_target), bits=request.param)
 
 
-@pytest.mark.parametrize("kind", [*EQUIVALENCE_KINDS, "jacobi", "lookahead"])
+@pytest.mark.parametrize("kind", [*EQUIVALENCE_KINDS, "jacobi", "lookahead", "layerskip", "earlyexit"])
 def test_every_drafter_on_a_quantized_target_equals_its_plain_decoding(kind, quantized_target, tiny_drafter):
-    """The equivalence suite's drafters (chains, trees, draft models that agree, half agree or not at all)
-    and Jacobi and lookahead decoding (a window of auxiliary tokens in every forward) on the int8 and int4
-    targets: token for token their own plain greedy decoding, at every length."""
+    """The equivalence suite's drafters (chains, trees, draft models that agree, half agree or not at all),
+    Jacobi and lookahead decoding (a window of auxiliary tokens in every forward) and self-speculation (the
+    target's own layers, some skipped, over its own cache) on the int8 and int4 targets: token for token their
+    own plain greedy decoding, at every length. (On the real pair a short layer search finds no layer worth
+    skipping, so only these tests see self-speculation draft on the quantized paths.)"""
     from specdecode.drafters.jacobi import JacobiDrafter
     from specdecode.drafters.lookahead import LookaheadDrafter
+    from specdecode.drafters.self_speculative import EarlyExitDrafter, LayerSkipDrafter
 
+    target = HFCausalLM(quantized_target)
+    fixed = {"adaptive": False, "confidence_threshold": 0}
     makers = {**equivalence_drafters(quantized_target, tiny_drafter), "jacobi": JacobiDrafter,
-              "lookahead": LookaheadDrafter}
+              "lookahead": LookaheadDrafter, "layerskip": lambda: LayerSkipDrafter(target, [1], num_tokens=4, **fixed),
+              "earlyexit": lambda: EarlyExitDrafter(target, 2, num_tokens=3, **fixed)}
     prompts = PROMPTS[:6]  # half the float32 suite's: each row's attention is its own call here
     plain = SpeculativeEngine(HFCausalLM(quantized_target))
     references = [plain.generate(p, GenerationConfig(max_new_tokens=max(LENGTHS))).token_ids for p in prompts]
-    engine = SpeculativeEngine(HFCausalLM(quantized_target), drafter=makers[kind]())
+    engine = SpeculativeEngine(target, drafter=makers[kind]())
     drafted = sum(s.drafted for _, _, result in greedy_runs(engine, prompts, references, LENGTHS) for s in result.steps)
     assert drafted > 0
 
