@@ -51,7 +51,8 @@ def main() -> None:
     try:
         app()
     except UserError as error:
-        console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)  # as written: "[ray]" too
+        # as written ("[ray]" too), and on one line whatever the width: a path in it stays whole to copy or grep
+        console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

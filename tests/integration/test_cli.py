@@ -104,6 +104,16 @@ def test_bad_input_gives_one_line_error_and_exit_2(monkeypatch, capsys, tiny_fol
     assert "Traceback" not in err and err.strip(), err
 
 
+def test_an_error_is_printed_whole_on_a_narrow_terminal(monkeypatch, capsys, tmp_path):
+    """The message of a user's mistake goes out as one line, whatever the width, so that a path in it can be
+    copied whole (the terminal wraps it; a log keeps it intact)."""
+    missing = tmp_path / ("a-folder-with-a-name-longer-than-the-terminal-is-wide-" * 2)
+    monkeypatch.setenv("COLUMNS", "40")
+    code, _, err = run(monkeypatch, capsys, "generate", "x", "--target", str(missing))
+    assert code == 2 and str(missing) in err, err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [err.strip().splitlines()[-1]], err
+
+
 def test_methods_lists_every_method(monkeypatch, capsys):
     code, out, _ = run(monkeypatch, capsys, "methods")
     assert code == 0 and all(name in out for name in METHODS)
