@@ -122,7 +122,8 @@ def main() -> None:
             row.append(predicted_speedup(runs, plain[category]))
             all_runs += runs
             all_plain += plain[category]
-        print("  " + name.ljust(26) + "".join(f"{x:12.2f}x" for x in row) + f"{predicted_speedup(all_runs, all_plain):9.2f}x")
+        print("  " + name.ljust(26) + "".join(f"{x:12.2f}x" for x in row)
+              + f"{predicted_speedup(all_runs, all_plain):9.2f}x")
 
 
 if __name__ == "__main__":

@@ -49,7 +49,8 @@ def main() -> None:
     tasks = [Task("code", p["task_id"], (humaneval_instruction(p),)) for p in humaneval_prompts(args.prompts)]
     runners = build_runners(models, [m for m in args.methods.split(",") if m] or METHODS)
     with console.status(f"{len(runners)} methods x {len(tasks)} prompts x {args.repeats} repeats"):
-        records = run_benchmark(models, runners, tasks, GenerationConfig(max_new_tokens=args.max_new_tokens), args.repeats)
+        records = run_benchmark(models, runners, tasks, GenerationConfig(max_new_tokens=args.max_new_tokens),
+                                args.repeats)
     lossless = {name: runner.lossless for name, runner in runners.items()}
     summaries = report.summarise(records, lossless)
     divergences = diagnose_divergences(models, records, lossless)

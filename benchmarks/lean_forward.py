@@ -19,7 +19,8 @@ from specdecode.models.hf import HFCausalLM
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default=None, help="registered name, hub id, folder or .gguf (default: the default target)")
+    parser.add_argument("--target", default=None,
+                        help="registered name, hub id, folder or .gguf (default: the default target)")
     parser.add_argument("--dtype", default="int4", choices=["int4", "int8"])
     parser.add_argument("--context", type=int, default=600)
     parser.add_argument("--widths", default="1,8")

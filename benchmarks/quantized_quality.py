@@ -121,7 +121,8 @@ def main() -> None:
     Console().print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"summary": summary, "runs": [
-        {k: v for k, v in r.items() if k not in ("prompt", "answer")} | {"answer_text": reference_tokenizer.decode(r["answer"])}
+        {k: v for k, v in r.items() if k not in ("prompt", "answer")}
+        | {"answer_text": reference_tokenizer.decode(r["answer"])}
         for r in runs]}, indent=1))
 
 

@@ -70,7 +70,8 @@ def summarise(records: Path, methods: list[str]) -> list[str]:
         if not mine or not served:
             lines.append(f"| {method} | (no records) | | | |")
             continue
-        pace = [statistics.mean(paces[m]) * 1000 if paces.get(m) else float("nan") for m in (method, f"served-{method}")]
+        pace = [statistics.mean(paces[m]) * 1000 if paces.get(m) else float("nan")
+                for m in (method, f"served-{method}")]
         lines.append(f"| {method} | {statistics.mean(mine):.2f} | {statistics.mean(served):.2f} | "
                      f"{statistics.mean(served) / statistics.mean(mine):.2f} | {pace[0]:.0f} / {pace[1]:.0f} |")
     return lines

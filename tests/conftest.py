@@ -414,7 +414,8 @@ def greedy_runs(engine, prompts: list[list[int]], references: list[list[int]], l
             yield i, n, result
 
 
-def random_medusa_heads(target, num_heads: int = 3, vocab: int | None = None, seed: int = 0, scale: float = 1.0) -> MedusaHeads:
+def random_medusa_heads(target, num_heads: int = 3, vocab: int | None = None, seed: int = 0,
+                        scale: float = 1.0) -> MedusaHeads:
     """Medusa heads with random blocks (`scale` sets how far each head strays from the identity)."""
     torch.manual_seed(seed)
     d = target.config.hidden_size

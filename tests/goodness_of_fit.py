@@ -32,7 +32,7 @@ MIN_EXPECTED = 5.0  # cells expected fewer times are pooled into one (the chi-sq
 def power(runs: int, cells: int, alpha: float = ALPHA, tv: float = ERROR_TV) -> float:
     """The chance that a chi-square test over `cells` cells at level `alpha` rejects a distribution at
     total variation `tv` from the expected one after `runs` draws (the worst case over such errors)."""
-    from scipy.stats import chi2, ncx2  # noqa: PLC0415
+    from scipy.stats import chi2, ncx2
 
     df = cells - 1
     return float(ncx2.sf(chi2.isf(alpha, df), df, 4 * runs * tv**2))
@@ -49,7 +49,7 @@ def runs_for_power(cells: int, alpha: float = ALPHA, tv: float = ERROR_TV, targe
 def chi_square(counts: torch.Tensor, expected: torch.Tensor) -> tuple[float, int]:
     """(p-value, cells compared) of counts [k] against probabilities [k]. Cells of probability 0 must be
     empty (asserted); cells expected fewer than MIN_EXPECTED times are pooled into one."""
-    from scipy.stats import chisquare  # noqa: PLC0415
+    from scipy.stats import chisquare
 
     counts, expected = counts.flatten().double(), expected.flatten().double()
     impossible = expected <= 0
@@ -191,7 +191,7 @@ def engine_outcomes(engine, prompt: list[int], length: int, params: SamplingPara
                     max_new_tokens: int | None = None, constraint=None) -> Outcomes:
     """The first `length` tokens of `runs` generations of `max_new_tokens` (default: `length`) tokens
     with a SpeculativeEngine, seeded 0, 1, ... (under `constraint`, a `specdecode.constraints.Constraint`)"""
-    from specdecode.engine import GenerationConfig  # noqa: PLC0415
+    from specdecode.engine import GenerationConfig
 
     outcomes = Outcomes(engine.target.vocab_size, length)
     for seed in range(runs):
@@ -205,7 +205,7 @@ def engine_outcomes(engine, prompt: list[int], length: int, params: SamplingPara
 def model_logits(model) -> Callable[[tuple[int, ...]], torch.Tensor]:
     """A transformers model's logits [vocab] after a sequence, by a plain forward without a cache."""
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def logits(sequence: tuple[int, ...]) -> torch.Tensor:
         with torch.no_grad():
             return model(torch.tensor([sequence])).logits[0, -1].float()
@@ -218,8 +218,8 @@ def assert_engine_follows_target(drafter, params: SamplingParams, runs: int, wha
     with `drafter`, seeded 0, 1, ...; deep drafts, bonus tokens after two accepted ones and corrections
     must all occur (`Outcomes.assert_exercised`), and the first `length` tokens follow the target's exact
     distribution (`assert_follows`)."""
-    from fakes import PROMPT, TARGET, FakeLM  # noqa: PLC0415
-    from specdecode.engine import SpeculativeEngine  # noqa: PLC0415
+    from fakes import PROMPT, TARGET, FakeLM
+    from specdecode.engine import SpeculativeEngine
 
     outcomes = engine_outcomes(SpeculativeEngine(FakeLM(TARGET), drafter=drafter), PROMPT, length, params, runs)
     outcomes.assert_exercised()

@@ -333,7 +333,7 @@ def test_greedy_batch_of_every_batched_method_equals_plain_decoding(tiny_target,
                 assert drafter.batchable and not any(isinstance(s.drafter, DraftModelDrafter)
                                                      for s in getattr(drafter, "sources", []))
                 ids[engine.add(prompts[index], GenerationConfig(max_new_tokens=24), drafter, kinds[index])] = index
-        for ident, event, result in engine.step():
+        for ident, _event, result in engine.step():
             if result is not None:
                 outputs[ids[ident]] = result.token_ids
                 assert result.method == kinds[ids[ident]]

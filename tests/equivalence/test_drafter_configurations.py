@@ -61,6 +61,7 @@ def test_bfloat16_models_run_and_mostly_agree(tiny_target):
     drafter = DraftModelDrafter(HFCausalLM(noisy_copy(model.float(), 0.1, 3).to(torch.bfloat16)),
                                 **DRAFT_PRICES)
     plain = SpeculativeEngine(HFCausalLM(model)).generate(PROMPTS[1], GenerationConfig(max_new_tokens=30))
-    spec = SpeculativeEngine(HFCausalLM(model), drafter=drafter).generate(PROMPTS[1], GenerationConfig(max_new_tokens=30))
+    spec = SpeculativeEngine(HFCausalLM(model), drafter=drafter).generate(PROMPTS[1],
+                                                                          GenerationConfig(max_new_tokens=30))
     assert len(spec.token_ids) == 30
     assert spec.token_ids[:5] == plain.token_ids[:5]

@@ -42,11 +42,11 @@ def assert_close(got: list[TokenLogprob], want: list[TokenLogprob], what: str = 
 PLAIN: dict = {}
 
 
-def plain(models, prompt: tuple[int, ...], params: SamplingParams) -> list[TokenLogprob]:
+def plain(loaded, prompt: tuple[int, ...], params: SamplingParams) -> list[TokenLogprob]:
     """Plain greedy decoding's entries (made once per prompt and parameters)."""
     if (prompt, params) in PLAIN:
         return PLAIN[prompt, params]
-    engine = SpeculativeEngine(models.target, models.tokenizer)
+    engine = SpeculativeEngine(loaded.target, loaded.tokenizer)
     result = engine.generate(list(prompt), GenerationConfig(max_new_tokens=20, sampling=params, logprobs=TOP))
     assert result.logprobs is not None
     PLAIN[prompt, params] = result.logprobs
@@ -57,7 +57,8 @@ GREEDY = [SamplingParams(), SamplingParams(repetition_penalty=1.5, logit_bias=((
 
 
 @pytest.mark.parametrize("variant", LOSSLESS)
-def test_greedy_logprobs_are_plain_decodings(variant, models, random_heads, monkeypatch):
+def test_greedy_logprobs_are_plain_decodings(variant, models, random_heads,  # noqa: F811  (imported fixtures)
+                                              monkeypatch):
     monkeypatch.setattr(heads, "shipped_head", lambda model, kind: random_heads / kind)
     reference = None if "-tree" in variant else REFERENCE
     engine = models.engine_for(choose(variant, reference=reference, only_if_taken=True))
@@ -70,7 +71,7 @@ def test_greedy_logprobs_are_plain_decodings(variant, models, random_heads, monk
 
 
 @pytest.mark.parametrize("variant", ["ar", "pld", "pld-tree", "draft", "draft-tree", "suffix-tree"])
-def test_sampled_logprobs_are_the_targets_raw_ones(variant, models):
+def test_sampled_logprobs_are_the_targets_raw_ones(variant, models):  # noqa: F811  (imported fixture)
     """Whatever was sampled, with or without penalties, each token's entry is the raw log-softmax at its
     position (read after the verdict, as sampling needs)."""
     reference = None if "-tree" in variant else REFERENCE
@@ -85,7 +86,7 @@ def test_sampled_logprobs_are_the_targets_raw_ones(variant, models):
 
 
 @pytest.mark.parametrize("chunk", [None, 3])
-def test_echo_scores_every_prompt_token_but_the_first(models, chunk):
+def test_echo_scores_every_prompt_token_but_the_first(models, chunk):  # noqa: F811  (imported fixture)
     """Fed whole, or three tokens a forward: each prompt token's entry is a plain forward's; the generated
     tokens follow as without echo; max_new_tokens 0 generates nothing (lm-eval's log-likelihood requests)."""
     engine = SpeculativeEngine(models.target, models.tokenizer, models.engine_for(choose("pld-tree")).drafter)
@@ -101,7 +102,7 @@ def test_echo_scores_every_prompt_token_but_the_first(models, chunk):
         assert_close(result.logprobs, plain(models, tuple(prompt), SamplingParams())[:new], f"generated {new}")
 
 
-def test_no_logprobs_unless_asked(models):
+def test_no_logprobs_unless_asked(models):  # noqa: F811  (imported fixture)
     result = SpeculativeEngine(models.target, models.tokenizer).generate(models.encode(PROMPTS[0]),
                                                                          GenerationConfig(max_new_tokens=4))
     assert result.logprobs is None and result.prompt_logprobs is None

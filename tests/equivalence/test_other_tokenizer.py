@@ -97,7 +97,8 @@ def text_prompts(count: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     prompts = []
     for _ in range(count):
-        start, length = int(torch.randint(0, len(WORDS) - 12, (), generator=g)), int(torch.randint(2, 13, (), generator=g))
+        start, length = (int(torch.randint(0, len(WORDS) - 12, (), generator=g)),
+                         int(torch.randint(2, 13, (), generator=g)))
         prompts.append(target_tokenizer().encode(" ".join(WORDS[start : start + length])))
     return prompts
 
@@ -124,7 +125,8 @@ class Oracle:
     @functools.lru_cache(maxsize=1 << 16)  # noqa: B019  (instances live as long as the tests)
     def __call__(self, sequence: tuple[int, ...]) -> torch.Tensor:
         key = stable_hash(sequence, self.seed)
-        following = [r[len(sequence)] for r in self.references if len(r) > len(sequence) and r[: len(sequence)] == sequence]
+        following = [r[len(sequence)] for r in self.references
+                     if len(r) > len(sequence) and r[: len(sequence)] == sequence]
         token = following[0] if following else key % self.vocab
         if following and key % self.wrong_every == 0:
             token = (token + 1 + key // self.wrong_every % (self.vocab - 1)) % self.vocab

@@ -32,20 +32,20 @@ PENALTIES = {  # name: the greedy sampling parameters
 }
 
 
-def plain_outputs(models, params: SamplingParams, prompts: list[list[int]]) -> list[list[int]]:
-    engine = SpeculativeEngine(models.target, models.tokenizer)
+def plain_outputs(loaded, params: SamplingParams, prompts: list[list[int]]) -> list[list[int]]:
+    engine = SpeculativeEngine(loaded.target, loaded.tokenizer)
     return [engine.generate(p, GenerationConfig(max_new_tokens=max(LENGTHS), sampling=params)).token_ids
             for p in prompts]
 
 
 @pytest.fixture(scope="module")
-def references(models):
+def references(models):  # noqa: F811  (imported fixture)
     """(prompts, {penalty: plain greedy continuations under it})."""
     prompts = [models.encode(text) for text in PROMPTS]
     return prompts, {name: plain_outputs(models, params, prompts) for name, params in PENALTIES.items()}
 
 
-def test_the_penalties_change_plain_decoding(models, references):
+def test_the_penalties_change_plain_decoding(models, references):  # noqa: F811  (imported fixture)
     """Else the cases below would test nothing."""
     prompts, outputs = references
     free = plain_outputs(models, SamplingParams(), prompts)
@@ -54,7 +54,8 @@ def test_the_penalties_change_plain_decoding(models, references):
 
 
 @pytest.mark.parametrize("variant", LOSSLESS)
-def test_greedy_output_under_penalties_is_plain_decoding(variant, models, references, random_heads, monkeypatch):
+def test_greedy_output_under_penalties_is_plain_decoding(variant, models, references,  # noqa: F811  (imported
+                                                         random_heads, monkeypatch):  # noqa: F811  fixtures)
     monkeypatch.setattr(heads, "shipped_head", lambda model, kind: random_heads / kind)
     reference = None if "-tree" in variant else REFERENCE
     engine = models.engine_for(choose(variant, reference=reference, only_if_taken=True))
@@ -66,7 +67,7 @@ def test_greedy_output_under_penalties_is_plain_decoding(variant, models, refere
                 assert result.token_ids == outputs[name][i][:n], (name, i, n)
 
 
-def test_drafts_do_get_turned_down_by_a_penalty(models, references):
+def test_drafts_do_get_turned_down_by_a_penalty(models, references):  # noqa: F811  (imported fixture)
     """Prompt lookup copies what came before, exactly what a repetition penalty forbids: its drafts are
     rejected where plain decoding would not have taken them, and the output is still plain decoding's."""
     prompts, outputs = references
@@ -84,7 +85,7 @@ def greedy_runs_under(engine, prompts, references, params):
         yield result
 
 
-def test_the_batch_engine_under_penalties(models, references):
+def test_the_batch_engine_under_penalties(models, references):  # noqa: F811  (imported fixture)
     """Several sequences of different penalties in one batch, drafting by prompt lookup (chain and tree):
     each one's output is its plain decoding's."""
     prompts, outputs = references
@@ -104,7 +105,7 @@ def test_the_batch_engine_under_penalties(models, references):
         assert finished == idents, variant
 
 
-def test_plain_greedy_runs_agree_without_penalties(models):
+def test_plain_greedy_runs_agree_without_penalties(models):  # noqa: F811  (imported fixture)
     """The neutral values change nothing: the default parameters' output."""
     prompts = [models.encode(text) for text in PROMPTS]
     neutral = SamplingParams(repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, min_p=0.0)

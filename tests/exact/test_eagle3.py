@@ -55,7 +55,8 @@ def test_save_and_load_round_trip_in_shards(tiny_target, tmp_path, monkeypatch):
     loaded, record = Eagle3Head.load(tmp_path, device=tiny_target.device)
     assert record["note"] == "test" and loaded.config == head.config
     for name, tensor in head.state_dict().items():
-        assert torch.equal(loaded.state_dict()[name], tensor.to(torch.bfloat16).float() if tensor.is_floating_point() else tensor)
+        assert torch.equal(loaded.state_dict()[name],
+                           tensor.to(torch.bfloat16).float() if tensor.is_floating_point() else tensor)
     with pytest.raises(UserError, match="no EAGLE-3 head"):
         Eagle3Head.load(tmp_path / "missing")
 
@@ -85,7 +86,8 @@ def test_greedy_eagle3_equals_plain_decoding(tiny_target, vocab, kind):
     drafter = (Eagle3Drafter(head, tiny_target, max_tokens=5, min_confidence=0.0) if kind == "chain" else
                Eagle3TreeDrafter(head, tiny_target, FLAT, draft_cost=0.001, top_k=2, width=2, max_depth=4))
     engine = SpeculativeEngine(HFCausalLM(tiny_target), LetterTokenizer(), drafter, gate=False)
-    drafted = sum(sum(s.drafted for s in result.steps) for *_, result in greedy_runs(engine, prompts, references, [1, 9, 24]))
+    drafted = sum(sum(s.drafted for s in result.steps)
+                  for *_, result in greedy_runs(engine, prompts, references, [1, 9, 24]))
     assert drafted > 0
 
 
@@ -98,7 +100,8 @@ def test_a_head_drafts_from_a_quantized_copy_close_to_it(tiny_target, monkeypatc
     monkeypatch.setattr(heads, "DRAFT_BITS", bits)
     head = random_head(tiny_target, vocab=60, intermediate=64)
     state = eagle3_drafters.Eagle3State(head, tiny_target)
-    assert all(type(m) is not torch.nn.Linear for m in state.head.modules()) and type(state.lm_head) is not torch.nn.Linear
+    assert (all(type(m) is not torch.nn.Linear for m in state.head.modules())
+            and type(state.lm_head) is not torch.nn.Linear)
     assert type(head.fc) is torch.nn.Linear  # the head itself is untouched
     rows = tiny_target.get_output_embeddings().weight.detach()[head.draft_ids]
     x = torch.randn(32, head.config.hidden_size, generator=torch.Generator().manual_seed(1))

@@ -13,7 +13,8 @@ from specdecode.models import cache, int4
 from specdecode.models.hf import HFCausalLM
 from specdecode.models.int8 import quantize_invariant
 
-PATHS = ["float32", "int8", pytest.param("int4", marks=pytest.mark.skipif(not int4.available(), reason="no int4 kernel"))]
+PATHS = ["float32", "int8",
+         pytest.param("int4", marks=pytest.mark.skipif(not int4.available(), reason="no int4 kernel"))]
 
 
 def _model(path: str):

@@ -51,7 +51,8 @@ def _session(lm: HFCausalLM) -> list[torch.Tensor]:
         step = lm.forward(tokens(1), output_hidden=True)
         out += [step.logits, step.hidden]
     # a tree of 5 over the last 5 positions: two branches from the root, explicit positions
-    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], dtype=torch.bool)
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                        dtype=torch.bool)
     start = lm.cache_length
     verified = lm.forward(tokens(5), positions=torch.tensor([0, 1, 1, 2, 2]) + start, tree_mask=tree,
                           rows=torch.tensor([0, 3, 4]), output_hidden=(0, 2, -1))
@@ -87,7 +88,8 @@ def test_a_layer_subset_runs_as_transformers_layers_run(bits, monkeypatch):
         trace: list[torch.Tensor] = []
         with torch.inference_mode():
             hidden = skipping.run_layers(lm.model, [0, 2], new, torch.arange(12, 15), allowed, lm._cache, trace)
-        results.append([hidden, *trace, *(t for i in (0, 2) for t in (lm._cache.layers[i].keys, lm._cache.layers[i].values))])
+        results.append([hidden, *trace,
+                        *(t for i in (0, 2) for t in (lm._cache.layers[i].keys, lm._cache.layers[i].values))])
     for ours, theirs in zip(*results, strict=True):
         assert torch.equal(ours, theirs)
 
@@ -109,7 +111,8 @@ def test_int4_query_key_value_run_as_one_product_on_shared_buffers():
     model = quantize_invariant(_model("qwen2"), bits=4)
     attention = model.model.layers[1].self_attn
     states = torch.randn(5, SIZES["hidden_size"], generator=torch.Generator().manual_seed(3))
-    separate = torch.cat([attention.q_proj.rows(states), attention.k_proj.rows(states), attention.v_proj.rows(states)], 1)
+    separate = torch.cat([attention.q_proj.rows(states), attention.k_proj.rows(states),
+                          attention.v_proj.rows(states)], 1)
     decoder = lean_decoder(model)
     fused = decoder.qkv[1]
     assert torch.equal(fused.rows(states), separate)

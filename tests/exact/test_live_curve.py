@@ -151,7 +151,8 @@ def test_the_engine_times_only_the_forward(tiny_target):
     engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(num_tokens=4), clock=clock)
     engine.curve = LiveCurve(CostCurve.linear(0.5, sizes=(1, 2, 3, 4, 5, 6)))
     engine.generate(PROMPT, GenerationConfig(max_new_tokens=30, ignore_eos=True))
-    torch.testing.assert_close(torch.tensor(engine.curve.relative), torch.tensor(CostCurve.linear(0.5, sizes=(1, 2, 3, 4, 5, 6)).relative))
+    torch.testing.assert_close(torch.tensor(engine.curve.relative),
+                               torch.tensor(CostCurve.linear(0.5, sizes=(1, 2, 3, 4, 5, 6)).relative))
 
 
 def test_a_probe_never_widens_a_tree_cut_to_a_subtree(tiny_target, monkeypatch):

@@ -137,8 +137,9 @@ def test_a_tree_prices_the_heads_as_timed(tiny_target):
     sizes = {}
     for call_seconds in (1e-4, 0.5):
         ticks = iter(range(10**6))
+        # (the clock is called only within this iteration: its `ticks` and `call_seconds` are this one's)
         drafter = MedusaDrafter(heads, tiny_target, replace(FLAT, seconds=0.1), tree=True, max_nodes=64,
-                                clock=lambda: next(ticks) * call_seconds)
+                                clock=lambda: next(ticks) * call_seconds)  # noqa: B023
         assert drafter.price() == 0.0  # not timed yet
         for _ in range(2):
             drafter._feature, drafter._valid_for = feature.to(tiny_target.device), 7

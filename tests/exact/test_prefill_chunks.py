@@ -108,7 +108,8 @@ def test_a_drafter_that_reads_hidden_states_gets_the_whole_prompts(tiny_target, 
 
     def run(chunk: int):
         if kind == "eagle":
-            drafter = EagleDrafter(random_eagle_head(tiny_target, seed=1), tiny_target, max_tokens=3, min_confidence=0.0)
+            drafter = EagleDrafter(random_eagle_head(tiny_target, seed=1), tiny_target, max_tokens=3,
+                                   min_confidence=0.0)
         else:
             drafter = Eagle3Drafter(random_eagle3_head(tiny_target, seed=1), tiny_target, max_tokens=3,
                                     min_confidence=0.0)
@@ -152,7 +153,8 @@ def batch(chunk: int, token_seconds=lambda cached: 1.0) -> tuple[BatchEngine, Co
 
 
 def alone(ids: list[int], n: int) -> list[int]:
-    return SpeculativeEngine(FakeLM(TARGET, max_context=2048)).generate(ids, GenerationConfig(max_new_tokens=n)).token_ids
+    engine = SpeculativeEngine(FakeLM(TARGET, max_context=2048))
+    return engine.generate(ids, GenerationConfig(max_new_tokens=n)).token_ids
 
 
 def test_a_long_prompt_takes_turns_with_a_sequence_decoding():

@@ -110,7 +110,8 @@ def test_a_draft_models_catch_up_after_draftless_steps_is_not_timed():
     assert aside.rates[payoff.SPECULATE].per_token == before
 
 
-def play_sequences(aside: StepAside, sequences: int, steps: int, speculative: float, catch_up: float) -> list[list[bool]]:
+def play_sequences(aside: StepAside, sequences: int, steps: int, speculative: float,
+                   catch_up: float) -> list[list[bool]]:
     """`sequences` sequences of `steps` one-token steps (plain: 1 s; speculative: `speculative` s; the first
     speculative step after plain ones, a draft model catching up: `catch_up` s). Returns the ways taken."""
     runs = []

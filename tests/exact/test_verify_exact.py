@@ -65,7 +65,8 @@ def test_one_hot_draft_is_accepted_with_target_probability():
     # deterministic draft (no probs): accept token x with probability target(x)
     target_probs = torch.tensor([[0.25, 0.75, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1.0]])
     accepted = sum(
-        verify_speculative_sampling(target_probs, torch.tensor([1]), None, torch.Generator().manual_seed(s)).num_accepted
+        verify_speculative_sampling(target_probs, torch.tensor([1]), None,
+                                    torch.Generator().manual_seed(s)).num_accepted
         for s in range(4000)
     )
     assert abs(accepted / 4000 - 0.75) < 0.03
@@ -95,7 +96,8 @@ def test_verify_chain_dispatches_on_temperature():
     assert sampled.tokens == (1, 2)
 
 
-@pytest.mark.parametrize("kwargs", [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2}, {"temperature": 1e9}])
+@pytest.mark.parametrize("kwargs", [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2},
+                                    {"temperature": 1e9}])
 def test_bad_sampling_params_are_user_errors(kwargs):
     from specdecode.errors import UserError
 

@@ -59,7 +59,8 @@ def test_loaders_read_the_shipped_data():
     assert all(len(t.turns) == 2 and all(t.turns) for t in mt)
     for name, load in CATEGORIES.items():
         tasks = load()
-        assert all(t.category.partition("/")[0] == name and t.turns and all(isinstance(x, str) and x for x in t.turns) for t in tasks)
+        assert all(t.category.partition("/")[0] == name and t.turns and all(isinstance(x, str) and x for x in t.turns)
+                   for t in tasks)
         assert len({t.task_id for t in tasks}) == len(tasks), name
 
 
@@ -170,7 +171,8 @@ def test_harness_records_failures_and_keeps_them_out(tiny_folder, tmp_path):
     assert len(records) == 2 * 3 * 6
     summaries = {s.method: s for s in report.summarise(records, {n: r.lossless for n, r in runners.items()})}
 
-    for name in ["draft", "pld", "hf-plain", "peer-with-steps"]:  # lossless, float32: identical to ar, both turns included
+    # lossless, float32: identical to ar, both turns included
+    for name in ["draft", "pld", "hf-plain", "peer-with-steps"]:
         assert summaries[name].exact == (6, 6)
         assert summaries[name].cells[report.OVERALL].failures == 0
     two_turns = [r for r in records if r.task_id == "a/2" and r.method == "ar"]

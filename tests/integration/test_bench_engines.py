@@ -41,9 +41,11 @@ def test_engine_option_syntax():
                                                                            "x", "chat", "llama")
     assert spec.extra_body == {"n_probs": 0, "a": "b;c"} and spec.root == "http://127.0.0.1:8081"
     assert parse_engine("ours=openai:http://h:1/v1").model is None
-    for bad, says in [("openai:http://h/v1", "expected"), ("x=http://h/v1", "expected"), ("x y=openai:http://h", "label"),
+    for bad, says in [("openai:http://h/v1", "expected"), ("x=http://h/v1", "expected"),
+                      ("x y=openai:http://h", "label"),
                       ("x=openai:h:8080", "URL"), ("x=openai:http://h/v1;modle=m", "unknown field 'modle'"),
-                      ("x=openai:http://h/v1;extra_body={bad", "JSON"), ("x=openai:http://h/v1;extra_body=[1]", "object"),
+                      ("x=openai:http://h/v1;extra_body={bad", "JSON"),
+                      ("x=openai:http://h/v1;extra_body=[1]", "object"),
                       ("x=openai:http://h/v1;api=grpc", "api"), ("x=openai:http://h/v1;stats=x", "stats")]:
         with pytest.raises(UserError, match=says):
             parse_engine(bad)

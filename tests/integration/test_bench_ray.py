@@ -104,7 +104,8 @@ def test_sampled_bench_on_two_nodes(ray_cluster, tiny_folder, tmp_path, monkeypa
     assert "pld: target log-probabilities of its" in text
 
 
-def test_train_data_on_two_nodes_writes_the_single_machine_answers(ray_cluster, tiny_folder, sources, tmp_path):
+def test_train_data_on_two_nodes_writes_the_single_machine_answers(ray_cluster, tiny_folder,
+                                                                   sources, tmp_path):  # noqa: F811  (imported fixture)
     """The same answers and counts as one machine's run; resumed as one machine resumes: a folder begun
     here (stopped by its token budget) finished on the cluster, no prompt answered twice."""
     from specdecode.api import load_models

@@ -127,7 +127,8 @@ def test_long_context_is_opt_in(monkeypatch):
     from specdecode.cli import main
 
     assert LONG_CONTEXT not in DEFAULT_CATEGORIES
-    assert DEFAULT_CATEGORIES == ["multi-turn", "code", "code-edit", "math", "qa", "rag", "summarisation", "translation"]
+    assert DEFAULT_CATEGORIES == ["multi-turn", "code", "code-edit", "math", "qa", "rag", "summarisation",
+                                  "translation"]
     asked = []
     monkeypatch.setattr(bench_main, "run", lambda **kwargs: asked.append(kwargs["categories"]))
     for extra in ([], ["--categories", LONG_CONTEXT]):

@@ -98,7 +98,8 @@ def test_a_head_trained_for_another_target_is_refused_in_one_line(monkeypatch, c
 
 
 def test_generate_drafts_with_the_head_given(monkeypatch, capsys, target_folder, own_heads):
-    args = ["generate", PROMPT, "--target", str(target_folder), "--dtype", "float32", "--json", "--max-new-tokens", "10"]
+    args = ["generate", PROMPT, "--target", str(target_folder), "--dtype", "float32", "--json",
+            "--max-new-tokens", "10"]
     code, out, _ = run(monkeypatch, capsys, *args, "--method", "ar")
     assert code == 0
     plain = json.loads(out)

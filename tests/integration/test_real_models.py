@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
-    "Rename the variable x to count in this code and return the code:\n\nx = 0\nfor item in items:\n    x += 1\nprint(x)",
+    "Rename the variable x to count in this code and return the code:\n\n"
+    "x = 0\nfor item in items:\n    x += 1\nprint(x)",
     "What does the `yield` keyword do in Python? Answer in two sentences.",
 ]
 
@@ -66,7 +67,8 @@ def test_greedy_speculative_equals_plain_on_real_pair(models, plain):
             if name == "ar" or name in SEARCHED + SAME_AS_RUN or (number and name not in ON_EVERY_PROMPT):
                 continue
             result = models.engine(name).generate(ids, CONFIG)
-            assert result.token_ids == reference, f"{name} on {prompt[:30]!r}: {diagnose(models.target, ids, reference, result.token_ids)}"
+            assert result.token_ids == reference, (
+                f"{name} on {prompt[:30]!r}: {diagnose(models.target, ids, reference, result.token_ids)}")
             if name.startswith("draft"):  # the 0.5B agrees with the 1.5B often; a broken one would not
                 # (seen: 2.6-3.0 tokens per step and 70-80% acceptance with the fixed curve)
                 assert result.mean_accepted_tokens > 1.5, name

@@ -83,7 +83,8 @@ def test_streamed_completion_equals_the_plain_one(client, models):
     assert {t["origin"] for t in tokens} <= {"accepted", "corrected", "bonus", "target"}
     assert any(t["origin"] == "accepted" for t in tokens)
     # the page's coloured tokens spell the text (a step without tokens: a held-back partial character)
-    spelt = "".join("".join(t["text"] for t in c.model_extra["specdecode"]["tokens"]) or c.choices[0].text for c in steps)
+    spelt = "".join("".join(t["text"] for t in c.model_extra["specdecode"]["tokens"]) or c.choices[0].text
+                    for c in steps)
     assert spelt == text
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
     assert chunks[-1].model_extra["speculative"]["target_forwards"] >= 1
@@ -363,5 +364,6 @@ def test_load_200_requests_from_8_clients(server, client, models):
     assert answers == [want[i % 4] for i in range(200)]  # every method, streamed or not, gives greedy's answer
     assert after - before < 50 * 2**20, f"resident memory grew by {(after - before) / 2**20:.0f} MiB"
     assert metric(running.url, "specdecode_running_requests") == 0
-    assert metric(running.url, 'specdecode_batch_size_bucket{le="1.0"}') < metric(running.url, "specdecode_batch_size_count")
+    assert (metric(running.url, 'specdecode_batch_size_bucket{le="1.0"}')
+            < metric(running.url, "specdecode_batch_size_count"))
     assert metric(running.url, "specdecode_waiting_requests") == 0

@@ -151,7 +151,8 @@ def test_a_client_that_leaves_stops_its_generation_within_one_step(models, metho
 @pytest.mark.parametrize("method", ["pld", "draft"], ids=["batched", "alone"])
 def test_a_request_past_its_deadline_ends_where_it_is(models, method):
     drafter = GatedDrafter(batchable=method == "pld")
-    with serving(models, drafter, limits=Limits(request_seconds=1.0)) as (running, state), ThreadPoolExecutor(1) as pool:
+    with (serving(models, drafter, limits=Limits(request_seconds=1.0)) as (running, state),
+          ThreadPoolExecutor(1) as pool):
         answer = pool.submit(post, running.url, "/v1/completions", completion(method, 50))
         drafter.wait_for_step()  # it began before its deadline
         time.sleep(1.2)  # the step is held past the deadline
@@ -294,7 +295,8 @@ def test_methods_can_be_restricted(models):
 def read_response(connection: socket.socket) -> tuple[int, bytes]:
     data = read_until(connection, b"\r\n\r\n")
     head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
     while len(body) < length:
         body += connection.recv(65536)
     return int(head.split()[1]), body

@@ -36,7 +36,8 @@ def sources(tmp_path_factory):
     stdlib = folder / "lib"
     (stdlib / "pkg").mkdir(parents=True)
     for i in range(3):  # 50 lines: one slice to continue, one to explain (too long for the tiny model: cut)
-        (stdlib / "pkg" / f"mod{i}.py").write_text("".join(f"def f{i}_{k}(x):\n    return x + {k}\n" for k in range(25)))
+        (stdlib / "pkg" / f"mod{i}.py").write_text("".join(f"def f{i}_{k}(x):\n    return x + {k}\n"
+                                                            for k in range(25)))
     chats = [{"conversations": [{"from": "human", "value": f"the cat {i} sat"},
                                 {"from": "gpt", "value": f"the answer is {i}"}]} for i in range(30)]
     chats.append(chats[3])  # a repeated question: asked once
@@ -275,11 +276,13 @@ def test_no_extract_learns_from_the_kept_features_alone(three_layers, sources, t
 def test_a_head_carried_on_records_its_lineage(three_layers, sources, tmp_path, monkeypatch, capsys):
     models = load_models(str(three_layers), None, dtype="int8", progress=False)
     run_answers(models, sources, tmp_path / "answers", tokens=120, keep_features=True)
-    common = ["train", "eagle3", "--target", str(three_layers), "--dtype", "int8", "--answers", str(tmp_path / "answers"),
+    common = ["train", "eagle3", "--target", str(three_layers), "--dtype", "int8",
+              "--answers", str(tmp_path / "answers"),
               "--no-extract", "--tokens", "0", "--epochs", "1", "--intermediate-size", "16", "--vocab-size", "16"]
     code, _, err = run_cli(monkeypatch, capsys, *common, "--out", str(tmp_path / "first"))
     assert code == 0, err
-    code, _, err = run_cli(monkeypatch, capsys, *common, "--out", str(tmp_path / "second"), "--init", str(tmp_path / "first"))
+    code, _, err = run_cli(monkeypatch, capsys, *common, "--out", str(tmp_path / "second"),
+                           "--init", str(tmp_path / "first"))
     assert code == 0, err
     first = json.loads((tmp_path / "first" / "eagle3.json").read_text())
     second = json.loads((tmp_path / "second" / "eagle3.json").read_text())

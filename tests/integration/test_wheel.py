@@ -29,8 +29,9 @@ def _source_files() -> list[str]:
     """What a build from a checkout of this working tree sees: the package, pyproject.toml and the README
     (the files git tracks or would, not those it ignores; without git, the package as it lies, caches left
     out)."""
-    tracked = subprocess.run(["git", "-C", str(REPOSITORY), "ls-files", "-z", "--cached", "--others", "--exclude-standard",
-                              "specdecode", "pyproject.toml", "README.md"], capture_output=True, text=True)
+    tracked = subprocess.run(["git", "-C", str(REPOSITORY), "ls-files", "-z", "--cached", "--others",
+                              "--exclude-standard", "specdecode", "pyproject.toml", "README.md"],
+                             capture_output=True, text=True)
     if tracked.returncode == 0 and tracked.stdout:
         return [name for name in tracked.stdout.split("\0") if name and (REPOSITORY / name).is_file()]
     package = [path.relative_to(REPOSITORY).as_posix() for path in (REPOSITORY / "specdecode").rglob("*")
@@ -53,7 +54,8 @@ def _dependencies_without_specdecode(folder: Path) -> Path:
 
 def _run(command: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
     result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+    assert result.returncode == 0, (
+        f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return result
 
 

@@ -202,9 +202,9 @@ def test_window_rows_are_the_chains_they_stand_for(tiny_target):
     lm.forward(torch.tensor(context[:-1]))
     fed, positions, mask = with_auxiliary(torch.tensor(context[-1:]), *chain_inputs(1, 1, len(context)), window, 1)
     rows = lm.forward(fed, positions=positions, tree_mask=mask).logits[1:]  # [m, vocab]
-    cells = [(l, c) for l in range(3) for c in range(4) if (l, c) != (0, 0)]
-    for row, (l, c) in zip(rows, cells):
-        chain = levels[0][1 : c + 1] + [levels[k][c] for k in range(1, l + 1)]
+    cells = [(depth, c) for depth in range(3) for c in range(4) if (depth, c) != (0, 0)]
+    for row, (depth, c) in zip(rows, cells):
+        chain = levels[0][1 : c + 1] + [levels[k][c] for k in range(1, depth + 1)]
         with torch.no_grad():
             expected = tiny_target(torch.tensor([context + chain])).logits[0, -1].float()
         torch.testing.assert_close(row, expected, atol=1e-4, rtol=1e-4)

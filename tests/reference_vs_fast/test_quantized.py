@@ -222,7 +222,8 @@ def test_constant_rows_and_leading_dimensions(bits):
     with torch.no_grad():
         torch.testing.assert_close(layer(x), x @ layer.weight.t() + linear.bias, atol=0.02, rtol=0.02)
     assert layer(torch.zeros(1, width)).isfinite().all()
-    mixed = torch.cat([torch.randn(3, width), torch.full((1, width), -2.0), torch.randn(2, width)])  # a constant row among others
+    # a constant row among others
+    mixed = torch.cat([torch.randn(3, width), torch.full((1, width), -2.0), torch.randn(2, width)])
     together = layer(mixed)
     for i in range(len(mixed)):
         assert torch.equal(layer(mixed[i : i + 1]), together[i : i + 1])
@@ -486,5 +487,6 @@ def test_the_attention_kernel_is_grouped_query_attention(tree, length, heads, kv
         else:
             allowed[i, seen] = True
     out = _kernel().attention(query, key, value, d ** -0.5, *_csr(rows))  # [heads, n, d]
-    expected = F.scaled_dot_product_attention(query[None], key[None], value[None], attn_mask=allowed, enable_gqa=True)[0]
+    expected = F.scaled_dot_product_attention(query[None], key[None], value[None], attn_mask=allowed,
+                                              enable_gqa=True)[0]
     assert torch.allclose(out, expected, atol=1e-5)
