@@ -20,9 +20,16 @@ imported inside the functions, as in gpu-check (its --install-wheels runs first)
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import select
 import statistics
+import subprocess
+import sys
 import time
+import traceback
+import types
 import zlib
 from pathlib import Path
 
@@ -45,6 +52,28 @@ def timed(device, function) -> tuple[float, object]:
     value = function()
     devices.synchronize(device)
     return time.perf_counter() - start, value
+
+
+def random_qwen2(shape, device, dtype=None, seed: int = 0):
+    """A Qwen2 of `shape` (gpu-check's `Shape`, or anything with its fields) with transformers' random
+    initialisation (normal, std 0.02), built on `device` in `dtype` (default bfloat16): seconds even for 7B on
+    a GPU, and nothing read from disk. No EOS, so every
+    run generates the tokens it asks for. The LM head is never the input embedding (Qwen2.5-1.5B's is):
+    small random layers leave each position's state close to its token's embedding, so a tied head would
+    predict the input token again and greedy decoding would repeat one token. A forward costs the same."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=shape.max_positions, tie_word_embeddings=False, eos_token_id=None,
+        bos_token_id=None, pad_token_id=None, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen2ForCausalLM._from_config(config, dtype=dtype or torch.bfloat16).eval()
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    return model
 
 
 def random_ids(n: int, vocab: int, device, generator):
@@ -219,8 +248,72 @@ def hf_static(model, device, prompt: list[int], new_tokens: int) -> tuple[float,
     return end - (streamer.at or began), end - began, new_tokens - 1, out[0, len(prompt):].tolist()
 
 
+class HFWorker:
+    """transformers' static-cache generate() (`hf_static`) in a process of its own, run on request so that its
+    runs interleave with the check's own. Apart because its compiled CUDA graphs are not ours: on the first
+    H200 run the compiled generate() ended in an illegal memory access, which leaves a process's CUDA context
+    unusable, and took the decode part's own paths down with it. Here such a failure is a note and the worker's
+    log (hf-worker.log in the report's folder) says what happened."""
+
+    def __init__(self, shape, seed: int, device, prompt: list[int], new_tokens: int, log: Path):
+        spec = {"shape": dataclasses.asdict(shape), "seed": seed, "device": str(device), "prompt": prompt,
+                "new_tokens": new_tokens}
+        self.log = log
+        with open(log, "ab") as stderr:
+            self.process = subprocess.Popen([sys.executable, __file__, "--hf-worker"], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=REPO)
+        self.process.stdin.write(json.dumps(spec) + "\n")
+        self.process.stdin.flush()
+
+    def __call__(self, timeout: float) -> dict:
+        """One generate(), as `_hf_run` returns it; raises when the worker fails, ends or outlasts `timeout`."""
+        self.process.stdin.write("run\n")
+        self.process.stdin.flush()
+        if not select.select([self.process.stdout], [], [], max(1.0, timeout))[0]:
+            self.close()
+            raise TimeoutError(f"no answer in {timeout:.0f} s")
+        line = self.process.stdout.readline()
+        if not line:
+            tail = self.log.read_text(errors="replace").strip().splitlines()[-3:]
+            raise RuntimeError(f"the worker ended: {' / '.join(tail)}")
+        answer = json.loads(line)
+        if "error" in answer:
+            self.close()
+            raise RuntimeError(answer["error"])
+        return answer
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def hf_worker() -> None:
+    """The worker's side (`python3 scripts/gpu_check_parts.py --hf-worker`): a spec line on stdin, then one
+    answer line per request line, the answers on a copy of stdout (anything else printed goes to stderr)."""
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.path.insert(0, str(REPO))
+    spec = json.loads(sys.stdin.readline())
+    import torch
+
+    device = torch.device(spec["device"])
+    model = random_qwen2(types.SimpleNamespace(**spec["shape"]), device, seed=spec["seed"])
+    for _ in sys.stdin:
+        try:
+            answer = _hf_run(model, device, spec["prompt"], spec["new_tokens"])
+        except Exception as error:
+            traceback.print_exc()
+            answer = {"error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
+        if "error" in answer:
+            return
+
+
 def decode(check) -> dict:
-    """Plain decoding of each target shape by the three paths in interleaved rounds (module docstring)."""
+    """Plain decoding of each target shape by the three paths in interleaved rounds (module docstring);
+    transformers' in its own process (`HFWorker`)."""
     from specdecode.engine import GenerationConfig, SpeculativeEngine
 
     plan, rows, notes, cut = check.plan, [], [], None
@@ -237,25 +330,40 @@ def decode(check) -> dict:
             engine = SpeculativeEngine(lm, None, None, gate=False, step_aside=False)
             runs[path] = lambda engine=engine, prompt=prompt: _ours(check.device, engine, prompt, config)
         first = {path: run() for path, run in runs.items()}  # warm-up (first uses)
+        worker = None
         if not compiles or check.left() > (240 if not rows else 200):  # a compile takes minutes
-            runs["hf-static"] = lambda model=eager.model, prompt=prompt: _hf_run(model, check.device, prompt,
-                                                                                 plan.new_tokens)
+            worker = HFWorker(check.shapes[shape], zlib.crc32(shape.encode()), check.device, prompt,
+                              plan.new_tokens, check.args.out / "hf-worker.log")
+            runs["hf-static"] = lambda worker=worker: worker(timeout=min(90.0, check.left()))
             try:
-                first["hf-static"] = runs["hf-static"]()  # transformers compiles here
+                first["hf-static"] = worker(timeout=check.left() - 30)  # transformers compiles here
             except Exception as error:  # its failure is a note; our paths' rows stand
                 notes.append(f"{shape}: transformers' static cache failed: {type(error).__name__}: {error}")
                 del runs["hf-static"]
         else:
             notes.append(f"{shape}: transformers' compiled static cache skipped for time ({check.left():.0f} s left)")
         samples: dict[str, list[dict]] = {path: [] for path in runs}
-        for round_ in range(plan.rounds):
-            if round_ and check.left() < 20:
-                cut = f"budget: {shape} stopped after {round_} round(s)"
-                break
-            for path, run in runs.items():
-                samples[path].append(run())
+        try:
+            for round_ in range(plan.rounds):
+                if round_ and check.left() < 20:
+                    cut = f"budget: {shape} stopped after {round_} round(s)"
+                    break
+                for path, run in list(runs.items()):
+                    try:
+                        samples[path].append(run())
+                    except Exception as error:
+                        if path != "hf-static":
+                            raise
+                        notes.append(f"{shape}: transformers' static cache failed in round {round_ + 1}: "
+                                     f"{type(error).__name__}: {error}")
+                        del runs[path]
+        finally:
+            if worker is not None:
+                worker.close()
         reference = samples["eager"][0]["ids"]
         for path, values in samples.items():
+            if not values:
+                continue
             per_token = [v["seconds"] / v["tokens"] * 1e3 for v in values]
             whole = statistics.median(v["whole"] for v in values)
             rows.append({"shape": shape, "path": path, "ms_per_token": statistics.median(per_token),
@@ -437,3 +545,7 @@ def drafting_markdown(result: dict, table) -> list[str]:
                            None if "seconds_per_step" not in r else r["seconds_per_step"] * 1e3,
                            None if r.get("seconds_per_drafted_token") is None else r["seconds_per_drafted_token"] * 1e3,
                            r.get("of_a_forward"), r.get("error")] for r in result["rows"]])
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--hf-worker"]:
+    hf_worker()
