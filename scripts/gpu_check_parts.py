@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 RECORDINGS = REPO / "benchmarks" / "acceptance"
 SHIPPED_HEADS = REPO / "specdecode" / "heads" / "qwen2.5-coder-1.5b-instruct"
 LABEL = "replayed acceptance"
+NEAR_TIE = 2e-2  # a first difference at a top-1/top-2 logit gap below this, relative to top-1: a few bf16 ulps
 TREE = 16  # the drafting part's trees: nodes verified per step at most (random heads' own choice would be few)
 
 
@@ -74,6 +75,30 @@ def random_qwen2(shape, device, dtype=None, seed: int = 0):
         model = Qwen2ForCausalLM._from_config(config, dtype=dtype or torch.bfloat16).eval()
     model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
     return model
+
+
+def first_difference_margin(target, ids: list[int]) -> dict:
+    """The target's two best logits after `ids` (a fresh forward), their gap and the gap relative to the best."""
+    import torch
+
+    with torch.inference_mode():
+        logits = target(input_ids=torch.tensor([ids], device=next(target.parameters()).device)).logits[0, -1]
+    best, second = torch.topk(logits.float(), 2).values.tolist()
+    gap = best - second
+    return {"top1": best, "top2": second, "margin": gap, "relative": gap / max(abs(best), 1e-6)}
+
+
+def difference(target, prompt: list[int], reference: list[int], output: list[int]) -> dict | None:
+    """Where `output` first parts from `reference` (None: nowhere), and the target's logit gap there."""
+    from specdecode.bench.exactness import first_difference
+
+    position = first_difference(reference, output)
+    if position is None:
+        return None
+    margin = first_difference_margin(target, prompt + reference[:position])
+    return {"position": position, "plain": reference[position] if position < len(reference) else None,
+            "speculative": output[position] if position < len(output) else None,
+            **margin, "near_tie": margin["relative"] < NEAR_TIE}
 
 
 def random_ids(n: int, vocab: int, device, generator):
@@ -331,7 +356,7 @@ def decode(check) -> dict:
             runs[path] = lambda engine=engine, prompt=prompt: _ours(check.device, engine, prompt, config)
         first = {path: run() for path, run in runs.items()}  # warm-up (first uses)
         worker = None
-        if not compiles or check.left() > (240 if not rows else 200):  # a compile takes minutes
+        if not compiles or check.left() > (150 if not rows else 120):  # its compile took 30-35 s a shape on an H200
             worker = HFWorker(check.shapes[shape], zlib.crc32(shape.encode()), check.device, prompt,
                               plan.new_tokens, check.args.out / "hf-worker.log")
             runs["hf-static"] = lambda worker=worker: worker(timeout=min(90.0, check.left()))
@@ -374,7 +399,7 @@ def decode(check) -> dict:
                          # the first call's seconds beyond a later call's: the compile (transformers) or first use
                          "compile_seconds": first[path]["whole"] - whole if path == "hf-static" and compiles else None,
                          "compiled": compiles if path == "hf-static" else None,
-                         "same_as_eager": _first_difference(reference, values[0]["ids"])})
+                         "same_as_eager": _first_difference(eager.model, prompt, reference, values[0]["ids"])})
         eager_ms = next(r["ms_per_token"] for r in rows if r["shape"] == shape and r["path"] == "eager")
         for row in rows:
             if row["shape"] == shape:
@@ -394,10 +419,14 @@ def _hf_run(model, device, prompt, new_tokens) -> dict:
     return {"seconds": seconds, "tokens": tokens, "ids": ids, "whole": whole}
 
 
-def _first_difference(reference: list[int], output: list[int]) -> str:
-    """'yes', or where an output first parts from the eager path's (bfloat16 rounds otherwise at near-ties)."""
-    position = next((i for i, (a, b) in enumerate(zip(reference, output)) if a != b), None)
-    return "yes" if position is None else f"from token {position}"
+def _first_difference(model, prompt: list[int], reference: list[int], output: list[int]) -> str:
+    """'yes', or where an output first parts from the eager path's and whether the eager model's two best logits
+    there are a near-tie (bfloat16 rounds otherwise there)."""
+    parted = difference(model, prompt, reference, output)
+    if parted is None:
+        return "yes"
+    return (f"from token {parted['position']} (top-1/top-2 gap {parted['relative']:.1e} of top-1: "
+            f"{'a near-tie' if parted['near_tie'] else 'NOT A TIE'})")
 
 
 # --- Part: what drafting costs per drafted token ------------------------------------------------------------

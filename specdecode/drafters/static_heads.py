@@ -17,7 +17,8 @@ from specdecode.drafters.eagle_head import EagleHead, HeadState
 from specdecode.errors import UserError
 from specdecode.models.graphs import make_runner
 from specdecode.models.static import (
-    BUCKETS, DEFAULT_CAPACITY, StaticCausalLM, bucket, decode_layers, empty_cache, fits, full_mask, pack, unpack,
+    BUCKETS, DEFAULT_CAPACITY, StaticCausalLM, bucket, decode_layers, empty_cache, fits, full_mask, fuse_projections,
+    pack, unpack,
 )
 
 
@@ -110,6 +111,7 @@ class StaticHeadState(StaticFeeds, HeadState):
                  backend: str = "inductor"):
         self.runner_name, self.backend = runner, backend
         super().__init__(head, target_model)
+        fuse_projections(self.head.layer)
         self._allocate(empty_cache(self.head.layer, capacity + BUCKETS[-1], self.dtype, self.device),
                        self.head.config.hidden_size)
 
