@@ -135,6 +135,30 @@ def tiny_qwen2(
     return model
 
 
+SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def tiny_architecture(kind: str):
+    """A tiny random float32 model, on the CPU, of a Llama-family architecture the lean and static paths write out:
+    "qwen2" (`tiny_qwen2`), "llama" (biased attention), "llama-mlp-bias" (unbiased attention, biased MLP), "mistral"
+    or "qwen3" (per-head query and key norms)."""
+    from transformers import (
+        LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+    )
+
+    torch.manual_seed(7)
+    if kind == "qwen2":
+        return tiny_qwen2(seed=7, layers=3).cpu()
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**SIZES, attention_bias=True)).eval()
+    if kind == "llama-mlp-bias":
+        return LlamaForCausalLM(LlamaConfig(**SIZES, mlp_bias=True)).eval()
+    if kind == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(**SIZES, head_dim=16)).eval()
+    return MistralForCausalLM(MistralConfig(**SIZES, sliding_window=None)).eval()
+
+
 def noisy_copy(model, scale: float, seed: int):
     """A copy of `model` with seeded Gaussian noise (scale x each tensor's std) on every weight: a drafter
     that agrees with the model often but not always."""

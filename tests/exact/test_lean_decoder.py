@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (
-    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import Phi3Config, Phi3ForCausalLM
 
-from conftest import VOCAB, tiny_qwen2
+from conftest import SIZES, VOCAB, tiny_architecture, tiny_qwen2
 from specdecode.drafters.self_speculative import layers as skipping
 from specdecode.models import int4
 from specdecode.models.hf import HFCausalLM
@@ -19,24 +16,9 @@ from specdecode.models.int8 import quantize_invariant
 from specdecode.models.lean import LeanDecoder, lean_decoder
 
 BITS = [8, pytest.param(4, marks=pytest.mark.skipif(not int4.available(), reason="no int4 kernel"))]
-SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
-
-
-def _model(kind: str):
-    torch.manual_seed(7)
-    if kind == "qwen2":
-        return tiny_qwen2(seed=7, layers=3)
-    if kind == "llama":
-        return LlamaForCausalLM(LlamaConfig(**SIZES, attention_bias=True)).eval()
-    if kind == "qwen3":
-        return Qwen3ForCausalLM(Qwen3Config(**SIZES, head_dim=16)).eval()
-    return MistralForCausalLM(MistralConfig(**SIZES, sliding_window=None)).eval()
-
-
 def _pair(kind: str, bits: int) -> tuple[HFCausalLM, HFCausalLM]:
     """The same quantized model twice: through the lean loop, and through transformers' forward."""
-    model = quantize_invariant(_model(kind), bits=bits)
+    model = quantize_invariant(tiny_architecture(kind), bits=bits)
     lean, reference = HFCausalLM(model), HFCausalLM(model)
     assert isinstance(lean._lean, LeanDecoder)
     reference._lean = None
@@ -108,7 +90,7 @@ def test_int4_query_key_value_run_as_one_product_on_shared_buffers():
     """On the int4 path each attention's three input products are one (`_fuse_projections`): its output is the
     three products side by side, bit for bit, and the three layers keep working on views of its buffers (no
     weights held twice)."""
-    model = quantize_invariant(_model("qwen2"), bits=4)
+    model = quantize_invariant(tiny_architecture("qwen2"), bits=4)
     attention = model.model.layers[1].self_attn
     states = torch.randn(5, SIZES["hidden_size"], generator=torch.Generator().manual_seed(3))
     separate = torch.cat([attention.q_proj.rows(states), attention.k_proj.rows(states),
@@ -119,4 +101,5 @@ def test_int4_query_key_value_run_as_one_product_on_shared_buffers():
     assert torch.equal(torch.cat([p.rows(states) for p in (attention.q_proj, attention.k_proj, attention.v_proj)], 1),
                        separate)  # the views compute what the layers computed
     assert attention.k_proj.nibbles.untyped_storage().data_ptr() == fused.nibbles.untyped_storage().data_ptr()
-    assert lean_decoder(quantize_invariant(_model("qwen2"), bits=8)).qkv == [None] * 3  # int8: three products
+    model = quantize_invariant(tiny_architecture("qwen2"), bits=8)
+    assert lean_decoder(model).qkv == [None] * 3  # int8: three products

@@ -11,7 +11,8 @@ import torch.utils._python_dispatch
 import pytest
 import torch
 
-from conftest import tiny_qwen2
+from conftest import VOCAB, tiny_architecture, tiny_qwen2
+from specdecode.models.hf import HFCausalLM
 from specdecode.models.static import StaticCausalLM, decode_layers, empty_cache, fuse_projections
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -114,7 +115,38 @@ def test_a_static_forward_runs_few_operations_a_layer(width):
         lm = StaticCausalLM(tiny_qwen2(seed=4, layers=layers), capacity=128)
         lm.forward(torch.tensor([1, 2, 3, 4, 5]))
         with torch.inference_mode(), Dispatched() as dispatched:
-            lm.decoder.step(pack(lm.cache_length, width, width, None, None), torch.zeros(width, dtype=torch.long), False)
+            packed = pack(lm.cache_length, width, width, None, None)
+            lm.decoder.step(packed, torch.zeros(width, dtype=torch.long), False)
         counts[layers] = dispatched.count
     per_layer = (counts[4] - counts[2]) / 2
     assert 10 <= per_layer <= 22, counts
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "llama-mlp-bias", "mistral", "qwen3"])
+def test_the_static_path_computes_transformers_forward_on_each_architecture_it_claims(kind):
+    """Logits of the static path (stacked projections where the biases allow, query and key rotated together, Qwen3's
+    per-head norms) against transformers' forward of the same model, through a prefill, decoding steps, a tree with
+    explicit positions, a move of its accepted path and a crop: equal to float32 rounding, and the same greedy token."""
+    model = tiny_architecture(kind)
+    static, dynamic = StaticCausalLM(model, capacity=128), HFCausalLM(model)
+    generator = torch.Generator().manual_seed(5)
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                        dtype=torch.bool)
+    prompt = torch.randint(0, VOCAB, (40,), generator=generator)
+    steps = [torch.randint(0, VOCAB, (n,), generator=generator) for n in (1, 1, 3, 5, 2)]
+    outputs = []
+    for lm in (static, dynamic):
+        out = [lm.forward(prompt, num_logits=3).logits]
+        for tokens in steps[:3]:
+            out.append(lm.forward(tokens).logits)
+        start = lm.cache_length
+        out.append(lm.forward(steps[3], positions=torch.tensor([0, 1, 1, 2, 2]) + start, tree_mask=tree).logits)
+        lm._move(start, [0, 2, 4])
+        lm.crop(start + 3)
+        out.append(lm.forward(steps[4]).logits)
+        outputs.append(out)
+    assert hasattr(model.model.layers[0].self_attn, "qkv_weight")
+    assert hasattr(model.model.layers[0].mlp, "gate_up_bias") == (kind == "llama-mlp-bias")
+    for ours, theirs in zip(*outputs, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+        assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
