@@ -37,7 +37,7 @@ from specdecode import devices
 from specdecode.drafters.base import Drafter, Needs, Outcome
 from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
 from specdecode.drafters.eagle_head import EagleHead, HeadState, State
-from specdecode.drafters.static_heads import eagle_state
+from specdecode.drafters.static_heads import StaticFeeds, eagle_state
 from specdecode.drafters.heads import check_fits, head_folder
 from specdecode.models.costs import lower_median
 from specdecode.tree import structure
@@ -105,6 +105,9 @@ class EagleDrafter(Drafter):
         probs, tokens = [], []  # [1] each, on the device: the head's top token at each depth and its probability
         read = []  # each depth's probability, on the host once read
         confidence = 1.0
+        if isinstance(self.state, StaticFeeds) and not self.stops_early:  # the whole chain in one step function
+            chain, chain_probs = self.state.chain(feature, limit, end)
+            tokens, probs, limit = [chain], [chain_probs], 0
         for depth in range(limit):
             p, index = self.state.probs(feature).max(dim=-1, keepdim=True)  # [1] each
             probs.append(p)

@@ -37,7 +37,8 @@ from specdecode.drafters.static_heads import StaticFeeds
 from specdecode.drafters.eagle3_head import Eagle3Head
 from specdecode.drafters.heads import check_fits, for_drafting, head_folder
 from specdecode.errors import UserError
-from specdecode.models.static import BUCKETS, DEFAULT_CAPACITY, StaticCausalLM, grouped_attention
+from specdecode.models.static import BUCKETS, DEFAULT_CAPACITY, StaticCausalLM
+from specdecode.models.static_layers import grouped_attention
 
 
 class Eagle3State:

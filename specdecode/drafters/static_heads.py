@@ -2,11 +2,13 @@
 sequence, allocated once and fed at fixed widths, so that a GPU replays each feed as a CUDA graph.
 
 `StaticFeeds` is what both heads' static states share (buckets, padding, the mask built on the device, the runner, the
-eager fallback); `StaticHeadState` is EAGLE's (its one Qwen2 layer through `models.static.decode_layers`, the
+eager fallback); `StaticHeadState` is EAGLE's (its one Qwen2 layer through `models.static_layers.decode_layers`, the
 arithmetic the target's static decoder runs), `drafters.eagle3.StaticEagle3State` EAGLE-3's.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -16,10 +18,8 @@ from specdecode.drafters.base import tensor_bytes
 from specdecode.drafters.eagle_head import EagleHead, HeadState
 from specdecode.errors import UserError
 from specdecode.models.graphs import make_runner
-from specdecode.models.static import (
-    BUCKETS, DEFAULT_CAPACITY, StaticCausalLM, bucket, decode_layers, empty_cache, fits, full_mask, fuse_projections,
-    pack, unpack,
-)
+from specdecode.models.static import BUCKETS, DEFAULT_CAPACITY, StaticCausalLM, bucket, fits, full_mask, pack, unpack
+from specdecode.models.static_layers import decode_layers, empty_cache, fuse_projections
 
 
 class StaticFeeds:
@@ -38,6 +38,8 @@ class StaticFeeds:
     dtype: torch.dtype
     fed: int
     cached: int
+    vocab_ids: torch.Tensor  # draft index -> token id
+    probs: Callable[[torch.Tensor], torch.Tensor]  # the head's distribution over its draft vocabulary
     # set by the static state before it allocates
     runner_name: str
     backend: str
@@ -49,6 +51,7 @@ class StaticFeeds:
         self.capacity = kv.shape[-2]
         self.columns = torch.arange(self.capacity, device=self.device)
         self.runner = make_runner(self.runner_name, self.step, self.device, self.backend)
+        self.chain_runner = make_runner(self.runner_name, self.chain_step, self.device, self.backend)
 
     def feed(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
              allowed: torch.Tensor) -> torch.Tensor:
@@ -85,6 +88,34 @@ class StaticFeeds:
             out = self.feed(hidden, tokens, positions, slots, allowed)
         self.cached += n
         return out
+
+    def chain(self, feature: torch.Tensor, k: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chain of k tokens drafted greedily from `feature` [d] (the head's output after the context, whose
+        next position is `end`), each fed back to the head: (the tokens [k], the probability the head gave each
+        [k]), on the device. What `EagleDrafter`'s loop of k - 1 feeds computes, as one step function the runner
+        runs (one CUDA graph per k), so that a chain costs one launch rather than a few dozen a token."""
+        if self.cached + k + BUCKETS[-1] > self.capacity:
+            raise UserError(f"{self.kind}'s cache holds {self.capacity - BUCKETS[-1]} positions; this sequence "
+                            "needs more")
+        packed = torch.tensor([self.cached, end], dtype=torch.long, device="cpu")
+        tokens, probs = self.chain_runner((packed, feature.to(self.dtype)), (k,))
+        self.cached += k - 1
+        return tokens, probs
+
+    def chain_step(self, packed: torch.Tensor, feature: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`chain`'s step function: `packed` [2] the cache's length and the chain's first position, on the device.
+        Depth i's pair sits at slot start + i and position end + i, and sees every slot up to its own, as a causal
+        feed of one token does (`models.static.pack`)."""
+        start, end = packed[:1], packed[1:2]
+        tokens, probs = [], []
+        for depth in range(k):
+            p, index = self.probs(feature).max(dim=-1, keepdim=True)  # [1] each
+            tokens.append(self.vocab_ids[index])
+            probs.append(p)
+            if depth + 1 < k:
+                slots = start + depth
+                feature = self.feed(feature[None], tokens[-1], end + depth, slots, (self.columns <= slots)[None])[-1]
+        return torch.cat(tokens), torch.cat(probs)
 
     def crop(self) -> None:
         self.cached = min(self.cached, self.fed)  # later feeds overwrite what lies past it

@@ -190,3 +190,47 @@ def test_the_static_state_runs_the_head_as_the_dynamic_one(tiny_target, monkeypa
             state.crop()
         assert states[1].cached == prompt + 3
         feed(4, torch.arange(prompt + 3, prompt + 7))
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_static_chain_drafts_as_the_loop_of_feeds_does(tiny_target, kind):
+    """`StaticFeeds.chain` (a whole chain in one step function: one CUDA graph per length on a GPU) against the
+    per-token loop it replaces in `EagleDrafter.propose` (the head's top token, fed back one feed at a time), over
+    two states of the same head: the same tokens, the same probabilities, the same cache entries after it, for chains
+    of several lengths with the context synced between them."""
+    from conftest import random_eagle3_head
+    from specdecode.drafters.eagle3 import StaticEagle3State
+
+    if kind == "eagle":
+        head = random_head(tiny_target, seed=6)
+        states = [StaticHeadState(head, tiny_target, capacity=256) for _ in range(2)]
+    else:
+        head = random_eagle3_head(tiny_target, seed=6)
+        states = [StaticEagle3State(head, tiny_target, capacity=256) for _ in range(2)]
+    layers = len(head.config.aux_layers) if kind == "eagle3" else 1
+    width = tiny_target.config.hidden_size * layers
+    generator = torch.Generator().manual_seed(1)
+    context = torch.randint(0, tiny_target.config.vocab_size, (40,), generator=generator).tolist()
+    features = list(torch.randn(len(context), width, generator=generator))
+
+    def loop(state, feature, k, end):
+        tokens, probs = [], []
+        for depth in range(k):
+            p, index = state.probs(feature).max(dim=-1, keepdim=True)
+            tokens.append(state.vocab_ids[index])
+            probs.append(p)
+            if depth + 1 < k:
+                feature = state.run(feature[None], tokens[-1], torch.full((1,), end + depth))[-1]
+        return torch.cat(tokens), torch.cat(probs)
+
+    with torch.inference_mode():
+        for length, k in ((20, 4), (23, 1), (30, 6), (31, 2)):
+            outs = []
+            for state, draft in zip(states, (lambda *a: a[0].chain(*a[1:]), loop)):
+                state.features = features[: length - 1]
+                feature = state.sync(context[:length])
+                outs.append(draft(state, feature, k, length - 1))
+            assert states[0].cached == states[1].cached == length - 1 + k - 1
+            assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+            assert outs[0][0].shape == (k,)
+            assert torch.equal(states[0].kv, states[1].kv)

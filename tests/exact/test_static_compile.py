@@ -4,10 +4,10 @@ A CUDA graph replays one fixed sequence of kernels: a step that reads a value on
 values, cannot be captured, and a step with a new shape needs a new capture. `torch.compile` with `fullgraph=True,
 dynamic=False` refuses the first (a graph break is an error) and counts the second (each new graph is a
 compilation): so on the CPU, with dynamo tracing the same step functions the GPU captures (the target's and the
-draft model's `StaticDecoder.step`, the EAGLE heads' `StaticHeadState.step` and `StaticEagle3State.step`, Medusa's
-heads' call), a whole generation must compile nothing once every bucket has been seen (a first generation warms them
-up), while its acceptance varies from step to step. The backend is "eager": dynamo's tracing and guards are what is
-tested, not inductor's code.
+draft model's `StaticDecoder.step`, the EAGLE heads' `StaticHeadState.step` and `StaticEagle3State.step` and their
+chains' `chain_step`, Medusa's heads' call), a whole generation must compile nothing once every bucket has been seen
+(a first generation warms them up), while its acceptance varies from step to step. The backend is "eager":
+dynamo's tracing and guards are what is tested, not inductor's code.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
 from specdecode.drafters.eagle import EagleTreeDrafter
 from specdecode.drafters.eagle_head import EagleHead, head_config
 from specdecode.drafters.static_heads import StaticHeadState
-from specdecode.drafters.eagle3 import Eagle3TreeDrafter, StaticEagle3State
+from specdecode.drafters.eagle3 import Eagle3Drafter, Eagle3TreeDrafter, StaticEagle3State
 from specdecode.drafters.eagle3_head import Eagle3Config, Eagle3Head
 from specdecode.drafters.medusa import MedusaDrafter, MedusaHeads
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
@@ -56,6 +56,10 @@ def drafters(target: StaticCausalLM, draft: StaticCausalLM, heads: dict) -> dict
         "draft-tree": DraftModelTreeDrafter(draft, curve=FREE, draft_cost=0.01, top_k=2, width=4, max_depth=5),
         "eagle-tree": EagleTreeDrafter(heads["eagle"], target.model, FREE, state=eagle, **tree),
         "eagle3-tree": Eagle3TreeDrafter(heads["eagle3"], target.model, FREE, state=eagle3, **tree),
+        # a chain of six every step, whatever the head's confidence: one chain step function per length
+        "eagle3": Eagle3Drafter(heads["eagle3"], target.model, max_tokens=6, min_confidence=0.0,
+                                state=StaticEagle3State(heads["eagle3"], target.model, "compile", capacity=256,
+                                                        backend="eager")),
         "medusa-tree": MedusaDrafter(heads["medusa"], target.model, FREE, tree=True, top_k=2, max_nodes=16,
                                      draft_cost=0.001, runner="compile", backend="eager"),
     }
@@ -86,7 +90,8 @@ def models():
     return target, draft, {kind: head.float().eval() for kind, head in heads.items()}
 
 
-@pytest.mark.parametrize("method", ["ar", "pld", "draft", "draft-tree", "eagle-tree", "eagle3-tree", "medusa-tree"])
+@pytest.mark.parametrize("method", ["ar", "pld", "draft", "draft-tree", "eagle-tree", "eagle3", "eagle3-tree",
+                                    "medusa-tree"])
 def test_a_generation_after_warm_up_compiles_nothing_and_breaks_no_graph(method, models):
     target_model, draft_model, heads = models
     torch._dynamo.reset()
@@ -103,6 +108,10 @@ def test_a_generation_after_warm_up_compiles_nothing_and_breaks_no_graph(method,
         head = getattr(drafter, "state", drafter)
         head.capture()
         runners["head"] = head.runner
+    if method == "eagle3":  # its chains, one step function per length met: a first generation warms them up
+        for prompt in PROMPTS:
+            engine.generate(prompt, config)
+        runners["head"] = drafter.state.chain_runner
     calls = dict.fromkeys(runners, 0)
     for name, runner in runners.items():
         runner.compiled = counting(runner.compiled, calls, name)

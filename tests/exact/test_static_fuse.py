@@ -1,4 +1,4 @@
-"""The static path's stacked projections (`models.static.fuse_projections`): one product for a layer's query, key
+"""The static path's stacked projections (`models.static_layers.fuse_projections`): one product for a layer's query, key
 and value projections and one for its MLP's gate and up, over the same memory as the model's own weights, and the
 same function as transformers' forward."""
 
@@ -13,7 +13,8 @@ import torch
 
 from conftest import VOCAB, tiny_architecture, tiny_qwen2
 from specdecode.models.hf import HFCausalLM
-from specdecode.models.static import StaticCausalLM, decode_layers, empty_cache, fuse_projections
+from specdecode.models.static import StaticCausalLM
+from specdecode.models.static_layers import decode_layers, empty_cache, fuse_projections
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

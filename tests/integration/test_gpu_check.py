@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PARTS = ["versions", "exactness", "syncs", "pytest", "decode", "cost", "drafting", "replay", "overhead", "jitter",
+PARTS = ["versions", "exactness", "syncs", "pytest", "cost", "drafting", "replay", "decode", "overhead", "jitter",
          "throughput"]
 METHODS = ["ar", "pld", "draft", "eagle3"]
 SYNC_METHODS = [*METHODS, "draft-tree", "eagle3-tree"]
