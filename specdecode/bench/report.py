@@ -322,7 +322,8 @@ def plots(summaries: list[MethodSummary], out: Path) -> list[Path]:
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance (given the position was drafted)")
     ax.set_ylim(0, 1.05)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:  # no method drafted (plain decoding alone): nothing to name
+        ax.legend()
     ax.set_title("Acceptance by draft position")
     fig.tight_layout()
     acceptance_path = out / "acceptance_by_position.png"

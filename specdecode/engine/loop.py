@@ -147,7 +147,7 @@ class SpeculativeEngine:
         #    node's path, through the tree attention mask and the nodes' positions). Auxiliary tokens
         #    (lookahead decoding's window) ride after the draft, unseen by it; their rows are the drafter's.
         device = self.target.device
-        fed = torch.cat([to_device(pending, device), draft.tokens.to(device)])  # [p + n], on the target's device
+        fed = torch.cat([to_device(pending, device), to_device(draft.tokens, device)])  # [p + n], on the device
         positions = mask = None  # a chain alone: consecutive positions after the cache, causal
         if draft.is_tree or draft.auxiliary is not None:
             positions, mask = draft_inputs(draft, len(pending), len(context))
