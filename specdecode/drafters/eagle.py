@@ -102,12 +102,30 @@ class EagleDrafter(Drafter):
         if feature is None:
             return Draft.empty()
         limit, end = min(max_tokens, self.max_tokens), len(context) - 1
-        probs, tokens = [], []  # [1] each, on the device: the head's top token at each depth and its probability
-        read = []  # each depth's probability, on the host once read
-        confidence = 1.0
         if isinstance(self.state, StaticFeeds) and not self.stops_early:  # the whole chain in one step function
-            chain, chain_probs = self.state.chain(feature, limit, end)
-            tokens, probs, limit = [chain], [chain_probs], 0
+            tokens, probs = self.state.chain(feature, limit, end)
+            read = devices.to_host(probs)[0]  # the whole chain's probabilities in one read
+        else:
+            tokens, read = self._chain(feature, limit, end)
+        # keep the tokens while the path's confidence stays at or above min_confidence
+        scores, confidence = [], 1.0
+        for p in read:
+            confidence *= p
+            if confidence < self.min_confidence:
+                break
+            scores.append(confidence)
+        if not scores:
+            return Draft.empty()
+        self._scores = (torch.tensor(scores, device="cpu") * self._calibration.factor).clamp(max=1.0)
+        return Draft(tokens=tokens[: len(scores)], scores=self._scores)  # tokens on the device
+
+    def _chain(self, feature: torch.Tensor, limit: int, end: int) -> tuple[torch.Tensor, list[float]]:
+        """Up to `limit` tokens drafted from `feature` a head step at a time (the tokens [<= limit] on the device,
+        their probabilities read on the host): each probability read as it comes where the drafter stops early,
+        else the whole chain's in one read."""
+        probs, tokens = [], []  # [1] each, on the device: the head's top token at each depth and its probability
+        read: list[float] = []  # each depth's probability, on the host once read
+        confidence = 1.0
         for depth in range(limit):
             p, index = self.state.probs(feature).max(dim=-1, keepdim=True)  # [1] each
             probs.append(p)
@@ -120,19 +138,9 @@ class EagleDrafter(Drafter):
             if depth + 1 < limit:
                 position = torch.full((1,), end + depth, device=self.state.device)
                 feature = self.state.run(feature[None], tokens[-1], position)[-1]
-        if not self.stops_early:  # the whole chain's probabilities in one read
+        if not self.stops_early:
             read = devices.to_host(torch.cat(probs))[0]
-        # keep the tokens while the path's confidence stays at or above min_confidence
-        scores, confidence = [], 1.0
-        for p in read:
-            confidence *= p
-            if confidence < self.min_confidence:
-                break
-            scores.append(confidence)
-        if not scores:
-            return Draft.empty()
-        self._scores = (torch.tensor(scores, device="cpu") * self._calibration.factor).clamp(max=1.0)
-        return Draft(tokens=torch.cat(tokens)[: len(scores)], scores=self._scores)  # tokens on the device
+        return torch.cat(tokens), read
 
 
 class EagleTreeDrafter(DraftModelTreeDrafter):

@@ -69,9 +69,7 @@ class StaticFeeds:
     def run(self, hidden: torch.Tensor, tokens: list[int] | torch.Tensor, positions: torch.Tensor,
             mask: torch.Tensor | None = None) -> torch.Tensor:
         n, start = len(tokens), self.cached
-        if start + n + BUCKETS[-1] > self.capacity:
-            raise UserError(f"{self.kind}'s cache holds {self.capacity - BUCKETS[-1]} positions; this sequence "
-                            "needs more")
+        self._room(start + n)
         # the feed's own mask: a host mask [n, cached + n] over the cache (whose context pairs every row sees)
         local = None if mask is None else to_device(mask, torch.device("cpu"))[:, self.fed :]
         hidden = hidden.to(self.dtype)
@@ -89,14 +87,18 @@ class StaticFeeds:
         self.cached += n
         return out
 
+    def _room(self, needed: int) -> None:
+        """A user error where the cache cannot hold `needed` entries and the widest bucket's pads after them."""
+        if needed + BUCKETS[-1] > self.capacity:
+            raise UserError(f"{self.kind}'s cache holds {self.capacity - BUCKETS[-1]} positions; this sequence "
+                            "needs more")
+
     def chain(self, feature: torch.Tensor, k: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A chain of k tokens drafted greedily from `feature` [d] (the head's output after the context, whose
         next position is `end`), each fed back to the head: (the tokens [k], the probability the head gave each
         [k]), on the device. What `EagleDrafter`'s loop of k - 1 feeds computes, as one step function the runner
         runs (one CUDA graph per k), so that a chain costs one launch rather than a few dozen a token."""
-        if self.cached + k + BUCKETS[-1] > self.capacity:
-            raise UserError(f"{self.kind}'s cache holds {self.capacity - BUCKETS[-1]} positions; this sequence "
-                            "needs more")
+        self._room(self.cached + k)
         packed = torch.tensor([self.cached, end], dtype=torch.long, device="cpu")
         tokens, probs = self.chain_runner((packed, feature.to(self.dtype)), (k,))
         self.cached += k - 1
