@@ -14,6 +14,12 @@ sequence's first step, the skipped tokens after plain steps), so after a long ca
 cheap beside it, and trees far wider than paid were verified at those steps for a token or two
 (docs/results/int4-target.md).
 
+Where the tree grows: on the host where the draft runs on the CPU (each round's top tokens read there, and the
+decision whether another round pays made on this step's scores: reading costs nothing on a CPU), else on the
+device (`tree.growth`): every round queued without a read, the whole tree read once, and the number of rounds
+chosen before it starts, from the tree before: as many as the same rule says paid there, one more where all
+did. So a step on a GPU waits for the device twice (the tree, the verdict), however deep the tree.
+
 Fixed shape: the same rounds, but the nodes to expand and the ranks of their children come from a
 Medusa/EAGLE "choices" list, for comparison with the dynamic tree.
 
@@ -40,7 +46,10 @@ from specdecode.models.costs import CostCurve
 from specdecode.sampling import logits_to_probs
 from specdecode.tree import structure
 from specdecode.tree.budget import MAX_BUDGET, Calibration, best_budget, prune
+from specdecode.tree.growth import DeviceTree, read_tree
 from specdecode.types import Draft, SamplingParams
+
+FIRST_ROUNDS = 5  # growing rounds of a sequence's first tree grown on the device, before a tree says what pays
 
 
 class _Growing:
@@ -104,6 +113,9 @@ class DraftModelTreeDrafter(Drafter):
             self.shape_children = structure.children(self.shape_parents)
             self.max_depth = int(structure.depths(self.shape_parents).max())
         self._cache = SyncedCache(model, late_start(draft_cost, draft_curve, curve, range(0, max_depth + 1)))
+        # on the host or on the device (module docstring); a head's drafter says where its head runs
+        self.grows_on_host = model is None or model.device.type == "cpu"
+        self.rounds = FIRST_ROUNDS  # growing rounds of the next tree grown on the device
         self._calibration = Calibration()
         self._predicted = 0.0  # the accepted tokens the last tree's scores predicted
         self.last_scores = torch.empty(0, device="cpu")
@@ -118,6 +130,7 @@ class DraftModelTreeDrafter(Drafter):
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         self._cache.reset(len(prompt_ids))
         self._calibration.reset()
+        self.rounds = FIRST_ROUNDS
 
     def _distributions(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """[rows, vocab] logits -> the draft's distributions the scores come from."""
@@ -150,16 +163,21 @@ class DraftModelTreeDrafter(Drafter):
         """Which nodes of the newest layer the next round feeds ([] to stop growing)."""
         if self.shape_parents is not None:
             return [node for node in frontier if self.shape_children[tree.shape[node] + 1]]
-        best = sorted(frontier, key=lambda node: -tree.scores[node])[: self.width]
+        return self._paying(tree.scores, frontier, coverage)
+
+    def _paying(self, scores: list[float], frontier: Sequence[int], coverage: float) -> list[int]:
+        """The `width` best of `frontier` (nodes of a tree whose nodes so far score `scores`) where another round
+        over them pays, else []. `coverage`: how much of its parents' score the newest layer carries."""
+        best = sorted(frontier, key=lambda node: -scores[node])[: self.width]
         if not best:
             return best
         # Another round pays if what it may add, per what it costs, beats the tokens per cost that verifying
         # the tree as it stands would give (the drafting spent so far left out: it is paid either way).
         factor = self._calibration.factor
-        scores = sorted((factor * s for s in tree.scores), reverse=True)
-        n = self.budget or best_budget(scores, self.curve, 0.0, cap=MAX_BUDGET)
-        rate = (1 + sum(scores[:n])) / self.curve(1 + n)
-        gain = factor * coverage * sum(tree.scores[node] for node in best)
+        ranked = sorted((factor * s for s in scores), reverse=True)
+        n = self.budget or best_budget(ranked, self.curve, 0.0, cap=MAX_BUDGET)
+        rate = (1 + sum(ranked[:n])) / self.curve(1 + n)
+        gain = factor * coverage * sum(scores[node] for node in best)
         return best if gain > rate * self._round_cost(len(best)) else []
 
     def _round_cost(self, width: int) -> float:
@@ -191,6 +209,20 @@ class DraftModelTreeDrafter(Drafter):
             tree_mask=mask,
         ).logits  # [width, vocab]
 
+    def _grow_round(self, tokens: torch.Tensor, parent_rows: torch.Tensor | None, mask: torch.Tensor, length: int,
+                    depth: int, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """One round of a tree grown on the device (`tree.growth`): the draft forward over the nodes `tokens` [w]
+        (of depth - 1) under `mask` [w, fed + w] (the draft's cache holds the nodes fed before, in order), and
+        their children: (probabilities, tokens) [w, k], on the device. `parent_rows`: a head's (`drafters.eagle`)."""
+        logits = self.model.forward(tokens, positions=torch.full((tokens.numel(),), length + depth - 2, device="cpu"),
+                                    tree_mask=mask).logits  # [w, vocab]
+        return self._top(self._distributions(logits, params))
+
+    def _top(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[rows, vocab] distributions -> each row's top_k (probabilities, indices) [rows, k]."""
+        top = torch.topk(probs, min(self.top_k, probs.shape[-1]), dim=-1)
+        return top.values, top.indices
+
     def _end(self, length: int) -> None:
         self.model.crop(length)  # the draft cache keeps the context only
 
@@ -203,20 +235,10 @@ class DraftModelTreeDrafter(Drafter):
         if logits is None:
             return Draft.empty()
         tree = _Growing()
-        frontier = self._add_children(tree, [structure.ROOT], self._distributions(logits, params))
-        coverage = sum(tree.scores)  # how much of its parents' score a round of children carries
-        fed: list[int] = []  # the nodes in the draft cache after the context, in order
-        for depth in range(2, depth_limit + 1):  # the depth of the children this round adds
-            expand = self._to_expand(tree, frontier, coverage)
-            if not expand:
-                break
-            # 1. One draft forward over the chosen nodes, each attending to the context and its ancestors.
-            logits = self._feed(tree, expand, fed, length, depth)
-            fed.extend(expand)
-            # 2. Their children form the next layer.
-            frontier = self._add_children(tree, expand, self._distributions(logits, params))
-            parents_score = sum(tree.scores[node] for node in expand)
-            coverage = sum(tree.scores[node] for node in frontier) / parents_score if parents_score else 0.0
+        if self.grows_on_host or self.shape_parents is not None:
+            self._grow_on_host(tree, logits, params, length, depth_limit)
+        else:
+            self._grow_on_device(tree, logits, params, length, depth_limit)
         self._end(length)
         if not tree.tokens:
             return Draft.empty()
@@ -235,6 +257,66 @@ class DraftModelTreeDrafter(Drafter):
         estimates = (self.last_scores * self._calibration.factor).clamp(max=1.0)
         return Draft(tokens=torch.tensor(tree.tokens, device="cpu")[keep], parents=structure.select(parents, keep),
                      scores=estimates)
+
+    def _grow_on_host(self, tree: _Growing, logits: torch.Tensor, params: SamplingParams, length: int,
+                      depth_limit: int) -> None:
+        """Grow `tree` from the logits after the context, each round's top tokens read on the host."""
+        frontier = self._add_children(tree, [structure.ROOT], self._distributions(logits, params))
+        coverage = sum(tree.scores)  # how much of its parents' score a round of children carries
+        fed: list[int] = []  # the nodes in the draft cache after the context, in order
+        for depth in range(2, depth_limit + 1):  # the depth of the children this round adds
+            expand = self._to_expand(tree, frontier, coverage)
+            if not expand:
+                break
+            # 1. One draft forward over the chosen nodes, each attending to the context and its ancestors.
+            logits = self._feed(tree, expand, fed, length, depth)
+            fed.extend(expand)
+            # 2. Their children form the next layer.
+            frontier = self._add_children(tree, expand, self._distributions(logits, params))
+            parents_score = sum(tree.scores[node] for node in expand)
+            coverage = sum(tree.scores[node] for node in frontier) / parents_score if parents_score else 0.0
+
+    def _grow_on_device(self, tree: _Growing, logits: torch.Tensor, params: SamplingParams, length: int,
+                        depth_limit: int) -> None:
+        """Grow `tree` from the logits after the context on the device (`tree.growth`), `self.rounds` rounds, and
+        read it once; then choose the next tree's rounds from this one."""
+        rounds = max(min(self.rounds, depth_limit - 1), 0)
+        grown, sizes = self._device_tree(logits, params, length, rounds)
+        tree.tokens, tree.parents, tree.scores, starts = read_tree(*grown, sizes)
+        tree.shape = [-1] * len(tree.tokens)
+        # the next tree's rounds: as many as paid in this one, else one more than grew (a deeper tree may pay; a tree
+        # the room cut short says nothing against the rounds it did not grow), at most max_depth - 1
+        paid = self._rounds_paying(tree.scores, starts, rounds)
+        self.rounds = min(max(rounds + 1, self.rounds), self.max_depth - 1) if paid is None else paid
+
+    def _device_tree(self, logits: torch.Tensor, params: SamplingParams, length: int, rounds: int
+                     ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], list[int]]:
+        """The tree's (tokens, parents, scores) [nodes] on the device after `rounds` rounds from the logits after the
+        context [1, vocab], and its layers' sizes."""
+        values, tokens = self._top(self._distributions(logits, params))  # [1, k] each
+        grown = DeviceTree(values[0], tokens[0], self.width, rounds)
+        sizes = [values.shape[1]]
+        for depth in range(2, rounds + 2):  # the depth of the children this round adds
+            node_tokens, parent_rows, mask = grown.expand()
+            children = self._grow_round(node_tokens, parent_rows, mask, length, depth, params)
+            grown.add(*children)
+            sizes.append(children[0].numel())
+        return grown.nodes(), sizes
+
+    def _rounds_paying(self, scores: list[float], starts: list[int], grown: int) -> int | None:
+        """How many of a tree's rounds paid by the host growth's rule (`_paying`), from its `scores` (its layers
+        begin at `starts`; `grown` rounds grew it), asking of each layer whether a round over it pays, the newest
+        too; None where every one did."""
+        bounds = [*starts, len(scores)]
+        coverage = sum(scores[bounds[0] : bounds[1]])
+        for done in range(grown + 1):
+            best = self._paying(scores[: bounds[done + 1]], range(bounds[done], bounds[done + 1]), coverage)
+            if not best:
+                return done
+            if done < grown:
+                parents_score = sum(scores[node] for node in best)
+                coverage = sum(scores[bounds[done + 1] : bounds[done + 2]]) / parents_score if parents_score else 0.0
+        return None
 
     def observe(self, outcome: Outcome) -> None:
         if outcome.verdict.num_drafted:

@@ -41,6 +41,7 @@ from specdecode.drafters.static_heads import StaticFeeds, eagle_state
 from specdecode.drafters.heads import check_fits, head_folder
 from specdecode.models.costs import lower_median
 from specdecode.tree import structure
+from specdecode.tree.growth import layer_sizes
 from specdecode.errors import UserError
 from specdecode.tree.budget import Calibration
 from specdecode.types import Draft, SamplingParams
@@ -157,7 +158,9 @@ class EagleTreeDrafter(DraftModelTreeDrafter):
         # no draft model: the head drafts (`_start` and `_feed` are this class's own)
         super().__init__(model=None, curve=curve, draft_cost=draft_cost, **tree_options)  # type: ignore[arg-type]
         self.state = head_state(head, target_model, state)
-        self._outputs: dict[int, torch.Tensor] = {}  # node -> the head's prediction after it
+        self.grows_on_host = self.state.device.type == "cpu"  # else on the device (`draft_model_tree`)
+        self._outputs: dict[int, torch.Tensor] = {}  # node -> the head's prediction after it (on the host path)
+        self._round = torch.empty(0)  # the head's outputs after the nodes the last round fed (on the device path)
         # the head's rounds as timed, by width (latest first): what a round costs on this machine, for
         # `_round_cost`; `draft_cost` is only the guess before a width has been timed (None: free, so the
         # drafter's first tree grows as deep as its scores allow and is timed on the way). Timed without waiting
@@ -208,6 +211,41 @@ class EagleTreeDrafter(DraftModelTreeDrafter):
         logits = self.state.logits(out)
         self.stopwatch.measure(start, self.stopwatch.mark(), functools.partial(self._timed, len(expand)))
         return logits
+
+    @torch.inference_mode()
+    def _grow_round(self, tokens, parent_rows, mask, length, depth, params):
+        """A round of the tree grown on the device: the nodes `tokens` [w] fed as the pairs (their parents'
+        predictions, their tokens), attending to the context's pairs and under `mask` [w, fed + w] to the nodes
+        fed before; their children [w, k] taken from the head's own vocabulary under greedy decoding (the
+        whole vocabulary's logits, -inf outside it, only where sampling processes them)."""
+        width = tokens.numel()
+        features = (self._outputs[structure.ROOT][None].expand(width, -1) if parent_rows is None
+                    else self._round[parent_rows])  # [w, d]
+        context = torch.ones(width, self.state.fed, dtype=torch.bool, device=mask.device)
+        start = self.stopwatch.mark()
+        self._round = self.state.run(features, tokens,
+                                     torch.full((width,), length + depth - 3, device=self.state.device),
+                                     torch.cat([context, mask], dim=1))
+        if params.greedy:
+            values, index = self._top(self.state.probs(self._round))
+            children = values, self.state.vocab_ids[index]
+        else:
+            children = self._top(self._distributions(self.state.logits(self._round), params))
+        self.stopwatch.measure(start, self.stopwatch.mark(), functools.partial(self._timed, width))
+        return children
+
+    @torch.inference_mode()
+    def _device_tree(self, logits, params, length, rounds):
+        """On the static path and under greedy decoding, the whole tree as one step function (`StaticFeeds.tree`),
+        its rounds timed together; else a round at a time (`_grow_round`)."""
+        if not (params.greedy and isinstance(self.state, StaticFeeds) and rounds):
+            return super()._device_tree(logits, params, length, rounds)
+        start = self.stopwatch.mark()
+        grown = self.state.tree(self._outputs[structure.ROOT], self.top_k, self.width, rounds, length - 1)
+        self.stopwatch.measure(start, self.stopwatch.mark(),
+                               lambda seconds: self._timed(self.width, seconds / rounds))
+        top_k = min(self.top_k, self.state.vocab_ids.numel())
+        return grown, layer_sizes(top_k, top_k, self.width, rounds)
 
     def _timed(self, width: int, seconds: float) -> None:
         self._rounds[width].appendleft(seconds)

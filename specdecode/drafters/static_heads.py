@@ -3,7 +3,9 @@ sequence, allocated once and fed at fixed widths, so that a GPU replays each fee
 
 `StaticFeeds` is what both heads' static states share (buckets, padding, the mask built on the device, the runner, the
 eager fallback); `StaticHeadState` is EAGLE's (its one Qwen2 layer through `models.static_layers.decode_layers`, the
-arithmetic the target's static decoder runs), `drafters.eagle3.StaticEagle3State` EAGLE-3's.
+arithmetic the target's static decoder runs), `drafters.eagle3.StaticEagle3State` EAGLE-3's. Besides single feeds,
+a greedy chain (`chain`) and a greedy EAGLE-2 tree (`tree`, grown as `tree.growth` grows it) each run as one step
+function.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ from specdecode.drafters.base import tensor_bytes
 from specdecode.drafters.eagle_head import EagleHead, HeadState
 from specdecode.errors import UserError
 from specdecode.models.graphs import make_runner
-from specdecode.models.static import BUCKETS, DEFAULT_CAPACITY, StaticCausalLM, bucket, fits, full_mask, pack, unpack
+from specdecode.models.static import (
+    BUCKETS, DEFAULT_CAPACITY, StaticCausalLM, bucket, fits, full_mask, pack, pack_on, unpack,
+)
 from specdecode.models.static_layers import decode_layers, empty_cache, fuse_projections
+from specdecode.tree.growth import DeviceTree, layer_sizes
 
 
 class StaticFeeds:
@@ -52,6 +57,7 @@ class StaticFeeds:
         self.columns = torch.arange(self.capacity, device=self.device)
         self.runner = make_runner(self.runner_name, self.step, self.device, self.backend)
         self.chain_runner = make_runner(self.runner_name, self.chain_step, self.device, self.backend)
+        self.tree_runner = make_runner(self.runner_name, self.tree_step, self.device, self.backend)
 
     def feed(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
              allowed: torch.Tensor) -> torch.Tensor:
@@ -70,14 +76,15 @@ class StaticFeeds:
             mask: torch.Tensor | None = None) -> torch.Tensor:
         n, start = len(tokens), self.cached
         self._room(start + n)
-        # the feed's own mask: a host mask [n, cached + n] over the cache (whose context pairs every row sees)
-        local = None if mask is None else to_device(mask, torch.device("cpu"))[:, self.fed :]
+        # the feed's own mask, [n, cached + n] over the cache (whose context pairs every row sees), from the host or
+        # the device (a tree grown there: `pack_on`)
+        local = None if mask is None else mask[:, self.fed :]
         hidden = hidden.to(self.dtype)
         tokens, positions = to_device(tokens, self.device), to_device(positions, self.device)
         width = bucket(n)
         if width is not None and fits(n, local):
             padding = width - n
-            inputs = (pack(start, n, width, None, local), F.pad(hidden, (0, 0, 0, padding)),
+            inputs = (pack_on(self.device, start, n, width, None, local), F.pad(hidden, (0, 0, 0, padding)),
                       F.pad(tokens, (0, padding)), F.pad(positions, (0, padding)))
             out = self.runner(inputs)[:n]
         else:  # the prompt's pairs, or a mask past the window: the same arithmetic at its own width
@@ -118,6 +125,42 @@ class StaticFeeds:
                 slots = start + depth
                 feature = self.feed(feature[None], tokens[-1], end + depth, slots, (self.columns <= slots)[None])[-1]
         return torch.cat(tokens), torch.cat(probs)
+
+    def tree(self, feature: torch.Tensor, top_k: int, width: int, rounds: int, end: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """EAGLE-2's tree grown greedily from `feature` [d] (the head's output after the context, whose next position
+        is `end`) in `rounds` rounds (`tree.growth.DeviceTree`: the `width` best nodes of the newest layer fed each
+        round, their `top_k` children added): (tokens, parents, scores) [nodes], on the device. What
+        `EagleTreeDrafter`'s rounds compute one feed at a time, as one step function the runner runs (one CUDA graph
+        per shape of tree), so that a tree costs one launch."""
+        top_k = min(top_k, self.vocab_ids.numel())
+        fed = sum(min(width, size) for size in layer_sizes(top_k, top_k, width, rounds)[:rounds])
+        self._room(self.cached + fed)
+        packed = torch.tensor([self.cached, end], dtype=torch.long, device="cpu")
+        grown = self.tree_runner((packed, feature.to(self.dtype)), (top_k, width, rounds))
+        self.cached += fed
+        return grown
+
+    def tree_step(self, packed: torch.Tensor, feature: torch.Tensor, top_k: int, width: int, rounds: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`tree`'s step function: `packed` [2] the cache's length and the first round's position, on the device.
+        Round r's nodes sit at position end + r and at the slots after the nodes fed before them, and see every
+        slot of the context and, among the tree's, their ancestors' and their own."""
+        start, end = packed[:1], packed[1:2]
+        values, index = torch.topk(self.probs(feature[None]), top_k)  # [1, k]
+        grown = DeviceTree(values[0], self.vocab_ids[index[0]], width, rounds)
+        outputs, relative = feature[None], self.columns - start  # relative: a slot's place after the context
+        for depth in range(rounds):
+            tokens, parent_rows, mask = grown.expand()  # mask [w, tree slots so far]
+            n, seen = tokens.shape[0], mask.shape[1]
+            slots = start + (seen - n) + torch.arange(n, device=self.device)
+            inside = (relative >= 0) & (relative < seen)
+            allowed = (relative < 0)[None] | (mask[:, relative.clamp(0, seen - 1)] & inside[None])  # [w, capacity]
+            hidden = outputs.expand(n, -1) if parent_rows is None else outputs[parent_rows]
+            outputs = self.feed(hidden, tokens, (end + depth).expand(n), slots, allowed)
+            values, index = torch.topk(self.probs(outputs), top_k)  # [w, k]
+            grown.add(values, self.vocab_ids[index])
+        return grown.nodes()
 
     def crop(self) -> None:
         self.cached = min(self.cached, self.fed)  # later feeds overwrite what lies past it

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from specdecode.devices import to_device
 from specdecode.sampling import penalise
 from specdecode.tree import structure
 from specdecode.types import Draft, SamplingParams
@@ -51,13 +52,15 @@ class TokenHistory:
         if not self.params.counts_tokens:  # a bias alone
             nothing = torch.zeros(n + 1, 0, device=device)
             return penalise(rows, self.params, torch.zeros(0, dtype=torch.long, device=device), nothing, nothing > 0)
-        drafted = draft.tokens[:n].to(device)  # [n]
-        ids = torch.cat([torch.tensor(self.tokens, dtype=torch.long, device=device), drafted])  # [cols]
+        # (host data through pinned memory: a pageable copy to a GPU would wait for the kernels queued)
+        drafted = to_device(draft.tokens[:n], device)  # [n]
+        ids = torch.cat([to_device(self.tokens, device), drafted])  # [cols]
         # above[r, j]: draft node j lies on the path before row r's position (row 0: none; row i + 1: node i's
         # path, node i included)
         within = structure.ancestor_mask(draft.parents) if draft.parents is not None else torch.ones(
             n, n, dtype=torch.bool, device="cpu").tril()  # [n, n]
-        above = torch.cat([torch.zeros(1, n, dtype=torch.bool, device="cpu"), within]).float().to(device)  # [n + 1, n]
+        above = torch.cat([torch.zeros(1, n, dtype=torch.bool, device="cpu"), within]).float()  # [n + 1, n]
+        above = to_device(above, device)
         on_path = above @ (drafted[:, None] == ids[None, :]).float()  # [n + 1, cols]
         generated = self.generated[ids] + on_path  # [n + 1, cols]
         seen = self.seen[ids] | (on_path > 0)  # [n + 1, cols]

@@ -166,6 +166,25 @@ def pack(start: int, n: int, width: int, positions: torch.Tensor | None, tree_ma
     return packed
 
 
+def pack_on(device: torch.device, start: int, n: int, width: int, positions: torch.Tensor | None,
+            tree_mask: torch.Tensor | None) -> torch.Tensor:
+    """`pack`'s inputs for a forward on `device`, where `tree_mask` may live on the device already (a tree grown
+    there: `tree.growth`): then the rest is packed on the host and the mask written in on the device
+    (`place_mask`), so that nothing is read back. A host mask: `pack` as it is."""
+    if tree_mask is None or tree_mask.device.type == "cpu":
+        return pack(start, n, width, positions, tree_mask)
+    blank = torch.zeros(tree_mask.shape, dtype=torch.bool, device="cpu")
+    return place_mask(to_device(pack(start, n, width, positions, blank), device), n, width, tree_mask)
+
+
+def place_mask(packed: torch.Tensor, n: int, width: int, tree_mask: torch.Tensor) -> torch.Tensor:
+    """Packed inputs (`pack`'s, made with a blank mask of `tree_mask`'s shape) with `tree_mask` [n, m] written
+    into their window, where the packed inputs are (no read of either)."""
+    m = tree_mask.shape[1]
+    packed[3 + width :].view(width, BACK + width)[:n, BACK + n - m : BACK + n] = tree_mask.to(packed.dtype)
+    return packed
+
+
 def full_mask(start: int, n: int, capacity: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
     """[n, capacity] bool on the host: what n new tokens after `start` cached ones see under `tree_mask`
     (`CausalLM.forward`'s: [n, m] over the last m tokens, those before seen by all; None: causal)."""
@@ -246,8 +265,7 @@ class StaticCausalLM(HFCausalLM):
         self._ensure(start + n + BUCKETS[-1])
         if fits(n, tree_mask):
             width = bucket(n) or n
-            packed = pack(start, n, width, None if positions is None else positions.cpu(),
-                          None if tree_mask is None else tree_mask.cpu())
+            packed = pack_on(self.device, start, n, width, None if positions is None else positions.cpu(), tree_mask)
             logits, hidden = self.runner((packed, _padded(token_ids, width)), (output_hidden,))  # [width, vocab]
         else:  # a prefill chunk, or a mask over the cache: the same arithmetic at its own width
             logits, hidden = self._eager(token_ids, positions, tree_mask, output_hidden)

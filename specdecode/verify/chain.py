@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.devices import to_host
+from specdecode.devices import to_device, to_host
 from specdecode.sampling import logits_to_probs, sample
 from specdecode.types import Draft, SamplingParams, Verdict
 
@@ -72,7 +72,7 @@ def verify_speculative_sampling(
     """
     device = target_probs.device
     k = draft_tokens.numel()
-    draft_tokens = draft_tokens.to(device)
+    draft_tokens = to_device(draft_tokens, device)  # a host-made draft's through pinned memory
     uniforms = torch.rand(k, generator=generator, device=device)  # [draft_len]
     rows = torch.arange(k, device=device)
     p_target = target_probs[rows, draft_tokens]  # [draft_len]

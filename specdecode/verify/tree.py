@@ -11,7 +11,7 @@ import torch
 from specdecode.sampling import logits_to_probs, sample
 from specdecode.tree import structure
 from specdecode.types import Draft, SamplingParams, Verdict
-from specdecode.devices import to_host
+from specdecode.devices import to_device, to_host
 from specdecode.verify.chain import residual_distribution, verify_chain
 
 
@@ -33,7 +33,8 @@ def verify_tree_greedy(
     argmax and the draft's tokens reach the host in one transfer; the walk down the tree is host work.
     """
     target_tokens = target_logits.argmax(-1)  # [n + 1]
-    target_list, tokens, *extra = to_host(target_tokens, draft_tokens.to(target_tokens.device), *riders)
+    # (a host-made draft's tokens go to the device through pinned memory: a pageable copy would wait there)
+    target_list, tokens, *extra = to_host(target_tokens, to_device(draft_tokens, target_tokens.device), *riders)
     kids = structure.children(parents)
     node = structure.ROOT
     path: list[int] = []  # the accepted nodes, root first
@@ -70,7 +71,7 @@ def verify_tree_sampling(
     the host learns which child won (or the correction) in one transfer per level.
     """
     device = target_probs.device
-    draft_tokens = draft_tokens.to(device)
+    draft_tokens = to_device(draft_tokens, device)
     kids = structure.children(parents)
     uniforms = torch.rand(draft_tokens.numel(), generator=generator, device=device)  # [n] one per node, up front
     node = structure.ROOT

@@ -4,10 +4,10 @@ A CUDA graph replays one fixed sequence of kernels: a step that reads a value on
 values, cannot be captured, and a step with a new shape needs a new capture. `torch.compile` with `fullgraph=True,
 dynamic=False` refuses the first (a graph break is an error) and counts the second (each new graph is a
 compilation): so on the CPU, with dynamo tracing the same step functions the GPU captures (the target's and the
-draft model's `StaticDecoder.step`, the EAGLE heads' `StaticHeadState.step` and `StaticEagle3State.step` and their
-chains' `chain_step`, Medusa's heads' call), a whole generation must compile nothing once every bucket has been seen
-(a first generation warms them up), while its acceptance varies from step to step. The backend is "eager":
-dynamo's tracing and guards are what is tested, not inductor's code.
+draft model's `StaticDecoder.step`, the EAGLE heads' `StaticHeadState.step` and `StaticEagle3State.step`, their
+chains' `chain_step` and trees' `tree_step`, Medusa's heads' call), a whole generation must compile nothing once
+every bucket has been seen (a first generation warms them up), while its acceptance varies from step to step. The
+backend is "eager": dynamo's tracing and guards are what is tested, not inductor's code.
 """
 
 from __future__ import annotations
@@ -62,7 +62,19 @@ def drafters(target: StaticCausalLM, draft: StaticCausalLM, heads: dict) -> dict
                                                         backend="eager")),
         "medusa-tree": MedusaDrafter(heads["medusa"], target.model, FREE, tree=True, top_k=2, max_nodes=16,
                                      draft_cost=0.001, runner="compile", backend="eager"),
+        # trees grown on the device, as off the CPU (`tree.growth`): the draft model's a round at a time, its masks
+        # made on the device; EAGLE-3's whole tree as one step function per number of rounds
+        "draft-tree-device": on_device(DraftModelTreeDrafter(draft, curve=FREE, draft_cost=0.01, top_k=2, width=4,
+                                                             max_depth=5)),
+        "eagle3-tree-device": on_device(Eagle3TreeDrafter(
+            heads["eagle3"], target.model, FREE, **tree,
+            state=StaticEagle3State(heads["eagle3"], target.model, "compile", capacity=256, backend="eager"))),
     }
+
+
+def on_device(drafter):
+    drafter.grows_on_host = False
+    return drafter
 
 
 def counting(function, calls: dict, name: str):
@@ -91,7 +103,7 @@ def models():
 
 
 @pytest.mark.parametrize("method", ["ar", "pld", "draft", "draft-tree", "eagle-tree", "eagle3", "eagle3-tree",
-                                    "medusa-tree"])
+                                    "medusa-tree", "draft-tree-device", "eagle3-tree-device"])
 def test_a_generation_after_warm_up_compiles_nothing_and_breaks_no_graph(method, models):
     target_model, draft_model, heads = models
     torch._dynamo.reset()
@@ -108,10 +120,10 @@ def test_a_generation_after_warm_up_compiles_nothing_and_breaks_no_graph(method,
         head = getattr(drafter, "state", drafter)
         head.capture()
         runners["head"] = head.runner
-    if method == "eagle3":  # its chains, one step function per length met: a first generation warms them up
-        for prompt in PROMPTS:
+    if method in ("eagle3", "eagle3-tree-device"):  # its chains or trees, one step function per length or number
+        for prompt in PROMPTS:                          # of rounds met: a first generation warms them up
             engine.generate(prompt, config)
-        runners["head"] = drafter.state.chain_runner
+        runners["head"] = drafter.state.chain_runner if method == "eagle3" else drafter.state.tree_runner
     calls = dict.fromkeys(runners, 0)
     for name, runner in runners.items():
         runner.compiled = counting(runner.compiled, calls, name)
@@ -120,7 +132,7 @@ def test_a_generation_after_warm_up_compiles_nothing_and_breaks_no_graph(method,
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])  # nothing compiled again
     # they did run compiled
-    assert calls["target"] and (method not in ("draft", "draft-tree") or calls["draft"]) and calls.get("head", 1)
+    assert calls["target"] and (not method.startswith("draft") or calls["draft"]) and calls.get("head", 1)
     accepted = {step.accepted for result in results for step in result.steps}
     if method != "ar":
         assert len(accepted) > 1, accepted  # acceptance varied

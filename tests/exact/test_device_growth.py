@@ -1,0 +1,163 @@
+"""Dynamic trees grown on the device (`tree.growth`, the policy off the CPU), checked on the CPU.
+
+The same drafter grows the same tree either way when both grow the same number of rounds: the draft model's
+tree and the EAGLE and EAGLE-3 heads' (the latter over a draft vocabulary of half the target's), on the dynamic
+and the static path, greedy and sampled. Grown on the device, a tree reaches the host in one read, so a greedy
+step reads twice however deep the tree (`test_syncs`' counting); greedy output is plain decoding's; and the
+number of rounds follows what the trees before paid.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import VOCAB, random_eagle3_head, random_eagle_head, random_prompts
+from specdecode import devices
+from specdecode.drafters.draft_model_tree import FIRST_ROUNDS, DraftModelTreeDrafter
+from specdecode.drafters.eagle import EagleTreeDrafter
+from specdecode.drafters.eagle3 import Eagle3TreeDrafter, eagle3_state
+from specdecode.drafters.static_heads import eagle_state
+from specdecode.engine import GenerationConfig, SpeculativeEngine
+from specdecode.models.hf import HFCausalLM
+from specdecode.models.static import StaticCausalLM, pack, place_mask
+from specdecode.tree.growth import DeviceTree, layer_sizes, read_tree
+from test_head_syncs import FLAT
+from test_syncs import GREEDY, PROMPT, SAMPLED, syncs_per_step, tracked
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.cpu_only]  # the CPU plays the device
+
+KINDS = ("draft", "eagle", "eagle3")
+DEPTH = 5  # the trees' depth: four growing rounds after the root's children
+PARAMS = pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+PATHS = pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+
+
+def lm(model, static: bool) -> HFCausalLM:
+    return StaticCausalLM(model) if static else HFCausalLM(model)
+
+
+def drafter(kind: str, target_lm: HFCausalLM, on_host: bool, static: bool, draft_cost: float = 1e-9, **options):
+    """A dynamic tree drafter of `kind` whose rounds always pay (a draft forward nearly free, a head's rounds
+    timed by a clock that stands still), growing on the host or on the device."""
+    options = dict(top_k=3, width=3, max_depth=DEPTH, budget=12) | options
+    model = target_lm.model
+    if kind == "draft":
+        made = DraftModelTreeDrafter(lm(copy.deepcopy(model), static), FLAT, draft_cost=draft_cost, **options)
+    elif kind == "eagle":
+        head = random_eagle_head(model)
+        made = EagleTreeDrafter(head, model, FLAT, draft_cost=draft_cost, state=eagle_state(head, target_lm),
+                                clock=lambda: 0.0, **options)
+    else:
+        head = random_eagle3_head(model, vocab=VOCAB // 2)
+        made = Eagle3TreeDrafter(head, model, FLAT, draft_cost=draft_cost, state=eagle3_state(head, target_lm),
+                                 clock=lambda: 0.0, **options)
+    made.grows_on_host = on_host
+    return made
+
+
+def recorded_drafts(engine: SpeculativeEngine, prompt: list[int], params, max_new_tokens: int = 24):
+    """(the output, each step's draft as (tokens, parents, scores))."""
+    drafts, propose = [], engine.drafter.propose
+
+    def recording(*args):
+        draft = propose(*args)
+        drafts.append(draft)
+        return draft
+
+    engine.drafter.propose = recording
+    result = engine.generate(prompt, GenerationConfig(max_new_tokens=max_new_tokens, sampling=params, seed=0))
+    return result.token_ids, [(d.tokens.tolist(), None if d.parents is None else d.parents.tolist(),
+                               [] if d.scores is None else d.scores.tolist()) for d in drafts]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@PATHS
+@PARAMS
+def test_a_tree_grown_on_the_device_is_the_one_grown_on_the_host(tiny_target, kind, static, params):
+    """Growing the same number of rounds (every round pays here, up to the depth), the device's tree has the
+    host's nodes, in the host's order, with the host's scores, at every step of a whole generation."""
+    runs = []
+    for on_host in (True, False):
+        target_lm = lm(tiny_target, static)
+        tree = drafter(kind, target_lm, on_host, static)
+        tree.rounds = DEPTH - 1
+        runs.append(recorded_drafts(SpeculativeEngine(target_lm, drafter=tree, gate=False), PROMPT, params))
+    (host_output, host), (device_output, device) = runs
+    assert host_output == device_output and len(host) == len(device)
+    assert max(len(parents or []) for _, parents, _ in host) == 12  # full trees: the budget's nodes
+    for (tokens, parents, scores), (d_tokens, d_parents, d_scores) in zip(host, device):
+        assert (tokens, parents) == (d_tokens, d_parents)
+        assert scores == pytest.approx(d_scores, rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@PATHS
+def test_a_step_reads_the_device_twice_however_deep_the_tree(tiny_target, kind, static):
+    """Grown on the device, the tree is read once and the verdict once: two reads a greedy step, where the host
+    growth reads once per level (`test_head_syncs`)."""
+    target_lm = tracked(tiny_target, static)
+    tree = drafter(kind, target_lm, on_host=False, static=static)
+    if kind == "draft":
+        devices.track(tree.model)
+    engine = SpeculativeEngine(target_lm, drafter=tree, gate=False)
+    counts, events = syncs_per_step(engine, GREEDY)
+    depths = [e.stats.draft_depth or 0 for e in events]
+    assert max(depths) >= 3, depths  # deep trees
+    assert max(counts) == 2, counts
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_output_is_plain_decoding(tiny_target, kind):
+    prompts = random_prompts(3, seed=11, low=6, high=20)
+    plain = SpeculativeEngine(HFCausalLM(tiny_target))
+    engine = SpeculativeEngine(target_lm := HFCausalLM(tiny_target),
+                               drafter=drafter(kind, target_lm, on_host=False, static=False, budget=None))
+    for prompt in prompts:
+        config = GenerationConfig(max_new_tokens=30)
+        result = engine.generate(prompt, config)
+        assert result.token_ids == plain.generate(prompt, config).token_ids
+        assert any(step.drafted for step in result.steps)
+
+
+def test_the_rounds_follow_what_the_trees_before_paid(tiny_target):
+    """A sequence's first tree grows FIRST_ROUNDS rounds. A round that costs nothing always pays: the rounds then
+    grow by one a step up to max_depth - 1. A round that costs ten target forwards never does: the next tree is
+    the root's children alone."""
+    target_lm = HFCausalLM(tiny_target)
+    cheap = drafter("draft", target_lm, on_host=False, static=False, budget=None, max_depth=FIRST_ROUNDS + 3)
+    engine = SpeculativeEngine(target_lm, drafter=cheap, gate=False)
+    seen = []
+    propose = cheap.propose
+    cheap.propose = lambda *args: (seen.append(cheap.rounds), propose(*args))[1]
+    engine.generate(PROMPT, GenerationConfig(max_new_tokens=20))
+    most = FIRST_ROUNDS + 2
+    assert seen[:3] == [FIRST_ROUNDS, FIRST_ROUNDS + 1, most] and set(seen[3:]) == {most}
+    dear = drafter("draft", target_lm, on_host=False, static=False, budget=None, draft_cost=10.0)
+    engine = SpeculativeEngine(target_lm, drafter=dear, gate=False)
+    result = engine.generate(PROMPT, GenerationConfig(max_new_tokens=8))
+    assert dear.rounds == 0 and max(step.draft_depth or 0 for step in result.steps[1:]) <= 1
+
+
+def test_the_mask_written_on_the_device_is_the_packed_one():
+    """`place_mask` writes a mask into inputs packed without it as `pack` packs it on the host."""
+    generator = torch.Generator().manual_seed(0)
+    for n, m, width in [(3, 3, 4), (3, 9, 4), (5, 20, 8), (1, 1, 1)]:
+        mask = torch.rand(n, m, generator=generator) > 0.5
+        blank = pack(40, n, width, torch.arange(n) + 50, torch.zeros(n, m, dtype=torch.bool))
+        assert torch.equal(place_mask(blank, n, width, mask), pack(40, n, width, torch.arange(n) + 50, mask))
+
+
+def test_a_device_tree_drops_what_the_distribution_excluded():
+    """Nodes scoring 0 (a token the processed distribution excludes) and their children are dropped on reading;
+    the rest keep their order, with parents renumbered."""
+    tree = DeviceTree(torch.tensor([0.6, 0.4, 0.0]), torch.tensor([5, 6, 7]), width=2, rounds=1)
+    tokens, parents, mask = tree.expand()
+    assert tokens.tolist() == [5, 6] and parents is None and mask.tolist() == [[True, False], [False, True]]
+    tree.add(torch.tensor([[0.5, 0.0], [1.0, 0.0]]), torch.tensor([[8, 9], [10, 11]]))
+    sizes = layer_sizes(3, 2, 2, 1)
+    assert sizes == [3, 4]
+    assert read_tree(*tree.nodes(), sizes) == ([5, 6, 8, 10], [-1, -1, 0, 1], pytest.approx([0.6, 0.4, 0.3, 0.4]),
+                                               [0, 2])
