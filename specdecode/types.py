@@ -113,6 +113,19 @@ class AuxiliaryTokens:
 
 
 @dataclass
+class DeviceLayout:
+    """A tree draft whose structure lives on the device (grown and selected there: `tree.growth`), so that the
+    step's one read is its verdict's: what verification needs of the structure, on the device, and what the
+    drafter wants read in the same transfer."""
+
+    ancestors: torch.Tensor  # [n, n] bool: node i sees node j (itself and its ancestors)
+    depths: torch.Tensor  # [n] int64, 1 for the children of the context
+    riders: tuple[torch.Tensor, ...] = ()  # the drafter's tensors to read with the verdict
+    # their host values once read (`verify.tree.verify_tree_on_device`); None before
+    values: list | None = None
+
+
+@dataclass
 class Draft:
     """Proposed tokens (a chain, or a token tree when `parents` is given) and, when the drafter sampled
     them, the distributions they came from."""
@@ -147,6 +160,10 @@ class Draft:
     # rest of `forced` the drafter's draft began with itself. The drafter hears of its own part only
     # (`engine.forced.own_part`).
     prepended: int = 0
+    # A tree whose `parents` (and tokens and scores) live on the device, with what verifying it there needs; its
+    # greedy verification reads the structure with the verdict and sets `parents` to the host's copy. Every other
+    # use of `parents` reads it as any device data (correct, at a wait). None: a host-made structure.
+    layout: DeviceLayout | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.numel())

@@ -96,6 +96,8 @@ def head_drafter(target: CausalLM, kind: str, folder: Path | None, options: Draf
     drafter = build(target, None, dataclasses.replace(options, tree=True, budget=None,
                                                       head=None if folder is None else str(folder)))
     assert drafter is not None
+    if hasattr(drafter, "kept_on_device"):  # its trees are merged with the others' on the host: read them there
+        drafter.kept_on_device = False
     return drafter
 
 

@@ -16,9 +16,12 @@ cheap beside it, and trees far wider than paid were verified at those steps for 
 
 Where the tree grows: on the host where the draft runs on the CPU (each round's top tokens read there, and the
 decision whether another round pays made on this step's scores: reading costs nothing on a CPU), else on the
-device (`tree.growth`): every round queued without a read, the whole tree read once, and the number of rounds
-chosen before it starts, from the tree before: as many as the same rule says paid there, one more where all
-did. So a step on a GPU waits for the device twice (the tree, the verdict), however deep the tree.
+device (`tree.growth`): every round queued without a read, and the number of rounds chosen before it starts,
+from the tree before: as many as the same rule says paid there, one more where all did. A sequence's first such
+tree is read whole and pruned on the host as above; under greedy decoding every later one is also pruned on the
+device, to as many nodes as paid in the tree before, and goes to the engine with its structure there
+(`Draft.layout`), verified there and read with its verdict, which brings this drafter the scores it learns from
+too. So a greedy step on a GPU waits for the device once, however deep the tree.
 
 Fixed shape: the same rounds, but the nodes to expand and the ranks of their children come from a
 Medusa/EAGLE "choices" list, for comparison with the dynamic tree.
@@ -46,8 +49,9 @@ from specdecode.models.costs import CostCurve
 from specdecode.sampling import logits_to_probs
 from specdecode.tree import structure
 from specdecode.tree.budget import MAX_BUDGET, Calibration, best_budget, prune
-from specdecode.tree.growth import DeviceTree, read_tree
-from specdecode.types import Draft, SamplingParams
+from specdecode.tree import growth
+from specdecode.tree.growth import DeviceTree, host_tree, read_tree
+from specdecode.types import DeviceLayout, Draft, SamplingParams
 
 FIRST_ROUNDS = 5  # growing rounds of a sequence's first tree grown on the device, before a tree says what pays
 
@@ -116,6 +120,11 @@ class DraftModelTreeDrafter(Drafter):
         # on the host or on the device (module docstring); a head's drafter says where its head runs
         self.grows_on_host = model is None or model.device.type == "cpu"
         self.rounds = FIRST_ROUNDS  # growing rounds of the next tree grown on the device
+        # whether a greedy tree grown on the device is also pruned there, to be read with its verdict (a composite
+        # that merges trees on the host turns it off), and to how many nodes (None: read this one and choose)
+        self.kept_on_device = True
+        self.late_budget: int | None = None
+        self._late: tuple[DeviceLayout, list[int], int] | None = None  # (layout, layer sizes, rounds) unread
         self._calibration = Calibration()
         self._predicted = 0.0  # the accepted tokens the last tree's scores predicted
         self.last_scores = torch.empty(0, device="cpu")
@@ -130,7 +139,7 @@ class DraftModelTreeDrafter(Drafter):
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         self._cache.reset(len(prompt_ids))
         self._calibration.reset()
-        self.rounds = FIRST_ROUNDS
+        self.rounds, self.late_budget, self._late = FIRST_ROUNDS, None, None
 
     def _distributions(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """[rows, vocab] logits -> the draft's distributions the scores come from."""
@@ -234,8 +243,13 @@ class DraftModelTreeDrafter(Drafter):
         logits = self._start(context)
         if logits is None:
             return Draft.empty()
+        on_device = not self.grows_on_host and self.shape_parents is None
+        if on_device and params.greedy and self.kept_on_device and self.late_budget is not None:
+            draft = self._late_draft(logits, params, length, depth_limit, self.late_budget)
+            self._end(length)
+            return draft
         tree = _Growing()
-        if self.grows_on_host or self.shape_parents is not None:
+        if not on_device:
             self._grow_on_host(tree, logits, params, length, depth_limit)
         else:
             self._grow_on_device(tree, logits, params, length, depth_limit)
@@ -284,10 +298,34 @@ class DraftModelTreeDrafter(Drafter):
         grown, sizes = self._device_tree(logits, params, length, rounds)
         tree.tokens, tree.parents, tree.scores, starts = read_tree(*grown, sizes)
         tree.shape = [-1] * len(tree.tokens)
-        # the next tree's rounds: as many as paid in this one, else one more than grew (a deeper tree may pay; a tree
-        # the room cut short says nothing against the rounds it did not grow), at most max_depth - 1
-        paid = self._rounds_paying(tree.scores, starts, rounds)
+        self._learn(tree.scores, starts, rounds)
+
+    def _late_draft(self, logits: torch.Tensor, params: SamplingParams, length: int, depth_limit: int,
+                    budget: int) -> Draft:
+        """A tree grown on the device and its `budget` best nodes kept there (`tree.growth.select`), as a draft whose
+        structure the engine verifies on the device (`Draft.layout`): the tree is read with the verdict. The scores
+        that choose the next tree's rounds and budget reach the host then (`observe`)."""
+        rounds = max(min(self.rounds, depth_limit - 1), 0)
+        (tokens, parents, scores), sizes = self._device_tree(logits, params, length, rounds)
+        kept_tokens, kept_parents, kept_scores, above, depths = growth.select(tokens, parents, scores, budget,
+                                                                             rounds + 1)
+        layout = DeviceLayout(above, depths, riders=(tokens, parents, scores, kept_scores))
+        self._late = (layout, sizes, rounds)
+        estimates = (kept_scores * self._calibration.factor).clamp(max=1.0)
+        return Draft(tokens=kept_tokens, parents=kept_parents, scores=estimates, layout=layout)
+
+    def _learn(self, scores: list[float], starts: list[int], rounds: int) -> None:
+        """From a tree grown on the device in `rounds` rounds (its nodes' `scores`, its layers beginning at `starts`),
+        the next one's rounds: as many as paid in this one, else one more than grew (a deeper tree may pay; a tree
+        the room cut short says nothing against the rounds it did not grow), at most max_depth - 1; and its budget
+        where it is kept without a read: the nodes that would pay of this one."""
+        paid = self._rounds_paying(scores, starts, rounds)
         self.rounds = min(max(rounds + 1, self.rounds), self.max_depth - 1) if paid is None else paid
+        budget = self.budget
+        if budget is None:
+            ranked = sorted((self._calibration.factor * s for s in scores), reverse=True)
+            budget = best_budget(ranked, self.curve, 0.0, cap=MAX_BUDGET - 1)  # with a pending token: one bucket
+        self.late_budget = max(budget, 1)
 
     def _device_tree(self, logits: torch.Tensor, params: SamplingParams, length: int, rounds: int
                      ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], list[int]]:
@@ -319,6 +357,15 @@ class DraftModelTreeDrafter(Drafter):
         return None
 
     def observe(self, outcome: Outcome) -> None:
+        if self._late is not None:  # the tree kept on the device: its values came with the verdict (else read now)
+            layout, sizes, rounds = self._late
+            self._late = None
+            tokens, parents, scores, kept = layout.values if layout.values is not None else devices.to_host(
+                *layout.riders)
+            self.last_scores = torch.tensor(kept, device="cpu")
+            self._predicted = float(sum(kept))
+            _, _, grown, starts = host_tree(tokens, parents, scores, sizes)
+            self._learn(grown, starts, rounds)
         if outcome.verdict.num_drafted:
             self._calibration.record(self._predicted, outcome.verdict.num_accepted)
 

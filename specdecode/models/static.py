@@ -168,20 +168,28 @@ def pack(start: int, n: int, width: int, positions: torch.Tensor | None, tree_ma
 
 def pack_on(device: torch.device, start: int, n: int, width: int, positions: torch.Tensor | None,
             tree_mask: torch.Tensor | None) -> torch.Tensor:
-    """`pack`'s inputs for a forward on `device`, where `tree_mask` may live on the device already (a tree grown
-    there: `tree.growth`): then the rest is packed on the host and the mask written in on the device
-    (`place_mask`), so that nothing is read back. A host mask: `pack` as it is."""
-    if tree_mask is None or tree_mask.device.type == "cpu":
+    """`pack`'s inputs for a forward on `device`, where `positions` and `tree_mask` may live on the device already (a
+    tree grown there: `tree.growth`): then the rest is packed on the host and they are written in on the device
+    (`place`), so that nothing is read back. Host ones: `pack` as it is."""
+    on_device = [x is not None and x.device.type != "cpu" for x in (positions, tree_mask)]
+    if not any(on_device):
         return pack(start, n, width, positions, tree_mask)
-    blank = torch.zeros(tree_mask.shape, dtype=torch.bool, device="cpu")
-    return place_mask(to_device(pack(start, n, width, positions, blank), device), n, width, tree_mask)
+    blank_positions = torch.zeros(n, dtype=torch.long, device="cpu") if on_device[0] else positions
+    blank_mask = tree_mask if tree_mask is None or not on_device[1] else torch.zeros(tree_mask.shape, dtype=torch.bool,
+                                                                                      device="cpu")
+    packed = to_device(pack(start, n, width, blank_positions, blank_mask), device)
+    return place(packed, n, width, positions if on_device[0] else None, tree_mask if on_device[1] else None)
 
 
-def place_mask(packed: torch.Tensor, n: int, width: int, tree_mask: torch.Tensor) -> torch.Tensor:
-    """Packed inputs (`pack`'s, made with a blank mask of `tree_mask`'s shape) with `tree_mask` [n, m] written
-    into their window, where the packed inputs are (no read of either)."""
-    m = tree_mask.shape[1]
-    packed[3 + width :].view(width, BACK + width)[:n, BACK + n - m : BACK + n] = tree_mask.to(packed.dtype)
+def place(packed: torch.Tensor, n: int, width: int, positions: torch.Tensor | None, tree_mask: torch.Tensor | None
+          ) -> torch.Tensor:
+    """Packed inputs (`pack`'s, made with blank positions and a blank mask of their shapes) with `positions` [n] and
+    `tree_mask` [n, m] (each where given) written in, where the packed inputs are (no read of either)."""
+    if positions is not None:
+        packed[3 : 3 + n] = positions
+    if tree_mask is not None:
+        m = tree_mask.shape[1]
+        packed[3 + width :].view(width, BACK + width)[:n, BACK + n - m : BACK + n] = tree_mask.to(packed.dtype)
     return packed
 
 
@@ -265,7 +273,7 @@ class StaticCausalLM(HFCausalLM):
         self._ensure(start + n + BUCKETS[-1])
         if fits(n, tree_mask):
             width = bucket(n) or n
-            packed = pack_on(self.device, start, n, width, None if positions is None else positions.cpu(), tree_mask)
+            packed = pack_on(self.device, start, n, width, positions, tree_mask)
             logits, hidden = self.runner((packed, _padded(token_ids, width)), (output_hidden,))  # [width, vocab]
         else:  # a prefill chunk, or a mask over the cache: the same arithmetic at its own width
             logits, hidden = self._eager(token_ids, positions, tree_mask, output_hidden)

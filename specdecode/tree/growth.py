@@ -11,6 +11,10 @@ so no shape depends on a value read from the device.
 
 Node numbering is the host growth's: the root's children first, then each round's children in the order of
 the nodes expanded (by score, best first) and of their ranks; parents always come before their children.
+
+The tree can be pruned on the device too (`select`: its best nodes, their ancestor mask and depths), and then
+verified there (`verify.tree.verify_tree_on_device`, through `verification_inputs`), so that the step's one read
+is its verdict's.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from specdecode import devices
+from specdecode.types import DeviceLayout
 
 
 class DeviceTree:
@@ -74,6 +79,34 @@ class DeviceTree:
         return torch.cat(self.tokens), torch.cat(self.parents), torch.cat(self.scores)
 
 
+def ancestors(parents: torch.Tensor, depth: int) -> torch.Tensor:
+    """Which node sees which, [n, n] bool (itself and its ancestors), of a tree at most `depth` deep, on the device of
+    its `parents` [n]: `structure.ancestor_mask` without a read."""
+    n = parents.numel()
+    nodes = torch.arange(n, device=parents.device)
+    above = nodes[:, None] == nodes[None, :]
+    hop = parents
+    for _ in range(depth - 1):  # each step adds every node's ancestor one level higher
+        above = above | ((hop[:, None] == nodes[None, :]) & (hop >= 0)[:, None])
+        hop = torch.where(hop >= 0, parents[hop.clamp(min=0)], hop)
+    return above
+
+
+def select(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, budget: int, depth: int
+           ) -> tuple[torch.Tensor, ...]:
+    """The `budget` best nodes by score of a tree at most `depth` deep, on the device, in their order (closed under
+    ancestors: a score never grows from a parent to its child, and a tie goes to the earlier node, the parent):
+    (tokens, parents renumbered among them, scores, which sees which [b, b] bool, depths [b]),
+    b = min(budget, nodes)."""
+    b = min(budget, tokens.numel())
+    kept = torch.sort(scores, descending=True, stable=True).indices[:b].sort().values  # [b]
+    renumbered = torch.full((tokens.numel() + 1,), -1, dtype=torch.long, device=tokens.device)
+    renumbered[kept + 1] = torch.arange(b, device=tokens.device)  # slot 0: the context
+    kept_parents = renumbered[parents[kept] + 1]
+    above = ancestors(kept_parents, depth)
+    return tokens[kept], kept_parents, scores[kept], above, above.sum(1)
+
+
 def layer_sizes(first: int, top_k: int, width: int, rounds: int) -> list[int]:
     """The number of nodes in each layer of a tree `DeviceTree` grows: `first` children of the root, then each
     round's top_k children of the (at most) `width` nodes it expands."""
@@ -85,15 +118,37 @@ def layer_sizes(first: int, top_k: int, width: int, rounds: int) -> list[int]:
 
 def read_tree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, sizes: list[int]
               ) -> tuple[list[int], list[int], list[float], list[int]]:
-    """A tree grown on the device ([nodes] each, its layers `sizes` long) on the host in one transfer: (tokens,
-    parents, scores, the first node of each layer), without the nodes the processed distribution excluded (score
-    0: never accepted), whose children score 0 too."""
+    """A tree grown on the device ([nodes] each, its layers `sizes` long) read on the host in one transfer, as
+    `host_tree` gives it."""
     tokens_, parents_, scores_ = devices.to_host(tokens, parents, scores)
-    kept = [node for node, score in enumerate(scores_) if score > 0]  # closed under ancestors (scores shrink)
+    return host_tree(tokens_, parents_, scores_, sizes)
+
+
+def host_tree(tokens: list[int], parents: list[int], scores: list[float], sizes: list[int]
+              ) -> tuple[list[int], list[int], list[float], list[int]]:
+    """A tree grown on the device, as read (its layers `sizes` long) -> (tokens, parents, scores, the first node of
+    each layer), without the nodes the processed distribution excluded (score 0: never accepted), whose children
+    score 0 too."""
+    kept = [node for node, score in enumerate(scores) if score > 0]  # closed under ancestors (scores shrink)
     index = {node: i for i, node in enumerate(kept)}
     starts, first = [], 0
     for size in sizes:
         starts.append(sum(1 for node in kept if node < first))
         first += size
-    return ([tokens_[node] for node in kept], [index.get(parents_[node], -1) for node in kept],
-            [scores_[node] for node in kept], starts)
+    return ([tokens[node] for node in kept], [index.get(parents[node], -1) for node in kept],
+            [scores[node] for node in kept], starts)
+
+
+def verification_inputs(layout: DeviceLayout, num_pending: int, context_length: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`structure.verification_inputs` of a tree whose structure is on the device (`DeviceLayout`), made there:
+    (positions [p + n], mask [p + n, p + n] bool), nothing read."""
+    above, p = layout.ancestors, num_pending
+    n, device = above.shape[0], above.device
+    positions = torch.cat([torch.arange(context_length - p, context_length, device=device),
+                           context_length - 1 + layout.depths])  # [p + n]
+    mask = torch.zeros(p + n, p + n, dtype=torch.bool, device=device)
+    mask[:p, :p] = torch.ones(p, p, dtype=torch.bool, device=device).tril()
+    mask[p:, :p] = True
+    mask[p:, p:] = above
+    return positions, mask

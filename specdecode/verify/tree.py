@@ -48,6 +48,35 @@ def verify_tree_greedy(
     return _verdict(tokens, path, target_list[node + 1], leaf=not kids[node + 1], riders=tuple(extra))
 
 
+def verify_tree_on_device(
+    target_logits: torch.Tensor,  # [n + 1, vocab]
+    draft: Draft,  # a tree whose tokens, parents and `layout` are on the device
+    riders: tuple[torch.Tensor, ...] = (),
+) -> Verdict:
+    """`verify_tree_greedy` of a tree whose structure is on the device (`Draft.layout`), decided there: a node is
+    accepted where it and each of its ancestors carry the target's argmax after their parent's path, and the path
+    is the deepest such node's. One transfer brings the path, the last token, the tree's tokens and parents, the
+    drafter's riders (`DeviceLayout.riders`, whose values it keeps) and the caller's; the draft's `parents` become
+    the host's copy."""
+    layout = draft.layout
+    assert layout is not None and draft.parents is not None
+    target_tokens = target_logits.argmax(-1)  # [n + 1]
+    matches = draft.tokens == target_tokens[draft.parents + 1]  # [n] each node against its parent's row
+    accepted = ~(layout.ancestors & ~matches[None, :]).any(dim=1)  # [n] it and all its ancestors match
+    depths = torch.where(accepted, layout.depths, 0)
+    deepest = depths.argmax()  # (node 0 where none is accepted: its depth 0 tells)
+    on_path = layout.ancestors[deepest] & (depths[deepest] > 0)  # [n]
+    last = target_tokens[torch.where(depths[deepest] > 0, deepest + 1, 0)]
+    path_mask, last_token, tokens, parents, *rest = to_host(on_path, last, draft.tokens, draft.parents,
+                                                              *layout.riders, *riders)
+    layout.values = rest[: len(layout.riders)]
+    draft.parents = torch.tensor(parents, dtype=torch.long, device="cpu")
+    path = [node for node, on in enumerate(path_mask) if on]  # parents come first: root to deepest
+    node = path[-1] if path else structure.ROOT
+    leaf = node not in parents  # no child after the deepest accepted node (or the context)
+    return _verdict(tokens, path, last_token, leaf=leaf, riders=tuple(rest[len(layout.riders) :]))
+
+
 def verify_tree_sampling(
     target_probs: torch.Tensor,  # [n + 1, vocab] float32
     draft_tokens: torch.Tensor,  # [n]
@@ -109,6 +138,8 @@ def verify(
     draft.check_probs()
     if draft.parents is None:  # a chain
         return verify_chain(target_logits, draft, params, generator, riders)
+    if params.greedy and draft.layout is not None:
+        return verify_tree_on_device(target_logits, draft, riders)
     if params.greedy:
         return verify_tree_greedy(target_logits, draft.tokens, draft.parents, riders)
     target_probs = logits_to_probs(target_logits, params)

@@ -2,9 +2,10 @@
 
 The same drafter grows the same tree either way when both grow the same number of rounds: the draft model's
 tree and the EAGLE and EAGLE-3 heads' (the latter over a draft vocabulary of half the target's), on the dynamic
-and the static path, greedy and sampled. Grown on the device, a tree reaches the host in one read, so a greedy
-step reads twice however deep the tree (`test_syncs`' counting); greedy output is plain decoding's; and the
-number of rounds follows what the trees before paid.
+and the static path, greedy and sampled. A greedy tree after a sequence's first is also pruned on the device
+and verified there (`Draft.layout`), read with its verdict: one read a greedy step, however deep the tree
+(`test_syncs`' counting); its verification decides as the host's does; greedy output is plain decoding's, with
+penalties, log-probabilities and a grammar too; and the number of rounds follows what the trees before paid.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ from specdecode.drafters.eagle3 import Eagle3TreeDrafter, eagle3_state
 from specdecode.drafters.static_heads import eagle_state
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.models.hf import HFCausalLM
-from specdecode.models.static import StaticCausalLM, pack, place_mask
-from specdecode.tree.growth import DeviceTree, layer_sizes, read_tree
+from specdecode.models.static import StaticCausalLM, pack, place
+from specdecode.tree import structure
+from specdecode.tree.growth import DeviceTree, layer_sizes, read_tree, select
+from specdecode.types import DeviceLayout, Draft, SamplingParams
+from specdecode.verify.tree import verify_tree_greedy, verify_tree_on_device
 from test_head_syncs import FLAT
 from test_syncs import GREEDY, PROMPT, SAMPLED, syncs_per_step, tracked
 
@@ -95,9 +99,10 @@ def test_a_tree_grown_on_the_device_is_the_one_grown_on_the_host(tiny_target, ki
 
 @pytest.mark.parametrize("kind", KINDS)
 @PATHS
-def test_a_step_reads_the_device_twice_however_deep_the_tree(tiny_target, kind, static):
-    """Grown on the device, the tree is read once and the verdict once: two reads a greedy step, where the host
-    growth reads once per level (`test_head_syncs`)."""
+def test_a_step_reads_the_device_once_however_deep_the_tree(tiny_target, kind, static):
+    """A sequence's first tree grown on the device is read to choose how many nodes to keep (two reads with the
+    verdict); every later one is pruned on the device and read with its verdict: one read a greedy step, where
+    the host's growth reads once per level (`test_head_syncs`)."""
     target_lm = tracked(tiny_target, static)
     tree = drafter(kind, target_lm, on_host=False, static=static)
     if kind == "draft":
@@ -106,7 +111,8 @@ def test_a_step_reads_the_device_twice_however_deep_the_tree(tiny_target, kind, 
     counts, events = syncs_per_step(engine, GREEDY)
     depths = [e.stats.draft_depth or 0 for e in events]
     assert max(depths) >= 3, depths  # deep trees
-    assert max(counts) == 2, counts
+    first = next(i for i, e in enumerate(events) if e.stats.drafted)
+    assert counts[first] == 2 and set(counts[first + 1 :]) == {1}, counts
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -120,6 +126,76 @@ def test_greedy_output_is_plain_decoding(tiny_target, kind):
         result = engine.generate(prompt, config)
         assert result.token_ids == plain.generate(prompt, config).token_ids
         assert any(step.drafted for step in result.steps)
+
+
+@pytest.mark.parametrize("kind", ["draft", "eagle3"])
+def test_penalties_log_probabilities_and_a_grammar_see_the_tree_as_plain_decoding_does(kind):
+    """What reads a tree's structure on the host (penalties, a constraint's masks and cuts) reads the device's as
+    any device data; log-probabilities ride with the verdict. Each output, and its log-probabilities, is plain
+    decoding's under the same settings."""
+    from conftest import TOKENS, tiny_chat_qwen2, tiny_tokenizer
+    from specdecode.constraints import Constraint
+
+    tokenizer = tiny_tokenizer()
+    target = tiny_chat_qwen2(len(TOKENS) + 10, layers=3)
+    prompt = tokenizer.encode("the cat sat on the mat. the cat sat on the cat. a dog sat on the mat.")
+    penalties = SamplingParams(frequency_penalty=0.5, repetition_penalty=1.2)
+    grammar = Constraint.regex("(the cat|a dog)( sat on the (mat|cat))+")
+    configs = [GenerationConfig(max_new_tokens=20, sampling=penalties), GenerationConfig(max_new_tokens=20, logprobs=2),
+               GenerationConfig(max_new_tokens=20, constraint=grammar)]
+    plain = SpeculativeEngine(HFCausalLM(target), tokenizer)
+    engine = SpeculativeEngine(target_lm := HFCausalLM(target), tokenizer,
+                               drafter=drafter(kind, target_lm, on_host=False, static=False, budget=None))
+    for config in configs:
+        engine.generate(prompt, config)  # a first tree, read: the later ones are kept on the device
+        expected, result = plain.generate(prompt, config), engine.generate(prompt, config)
+        assert result.token_ids == expected.token_ids
+        if config.logprobs:  # (float32 over a wider forward: equal to its last digits)
+            assert [(e.token, [t for t, _ in e.top]) for e in result.logprobs] == [
+                (e.token, [t for t, _ in e.top]) for e in expected.logprobs]
+            assert [e.logprob for e in result.logprobs] == pytest.approx([e.logprob for e in expected.logprobs],
+                                                                         abs=1e-4)
+        assert any(step.drafted for step in result.steps)
+
+
+def test_the_device_verdict_is_the_hosts():
+    """`verify_tree_on_device` accepts the path `verify_tree_greedy` accepts, with the same last token, bonus and
+    riders, on random trees (siblings distinct, as top-k children are) whose target takes one of a node's children
+    most of the time; and the tree's selection and ancestors made on the device are the host's
+    (`structure.top_nodes`, `select`, `ancestor_mask`)."""
+    generator = torch.Generator().manual_seed(0)
+    vocab, accepted = 64, []
+
+    def draw(high: int) -> int:
+        return int(torch.randint(high, (1,), generator=generator))
+
+    for _ in range(200):
+        n = draw(29) + 1
+        parents = torch.tensor([draw(i + 1) - 1 for i in range(n)])
+        scores = torch.rand(n, generator=generator)
+        for node in range(n):  # a score never grows from a parent to its child; a tie now and then
+            if parents[node] >= 0:
+                scores[node] = scores[parents[node]] * (1.0 if node % 7 == 0 else scores[node])
+        tokens = torch.randperm(vocab, generator=generator)[:n]  # distinct
+        budget = draw(n) + 1
+        kept_tokens, kept_parents, kept_scores, above, depths = select(tokens, parents, scores, budget,
+                                                                       int(structure.depths(parents).max()))
+        keep = structure.top_nodes(parents, scores, budget)
+        assert torch.equal(kept_parents, structure.select(parents, keep)) and torch.equal(kept_tokens, tokens[keep])
+        assert torch.equal(above, structure.ancestor_mask(kept_parents))
+        assert torch.equal(depths, structure.depths(kept_parents)) and torch.equal(kept_scores, scores[keep])
+        logits = torch.randn(len(keep) + 1, vocab, generator=generator)
+        children = structure.children(kept_parents)
+        for row, kids in enumerate(children):  # row 0: the context's; row i + 1: node i's
+            if kids and draw(10) < 7:
+                logits[row, kept_tokens[kids[draw(len(kids))]]] += 10.0
+        rider = torch.arange(3.0)
+        host = verify_tree_greedy(logits, kept_tokens, kept_parents, (rider,))
+        draft = Draft(tokens=kept_tokens, parents=kept_parents, layout=DeviceLayout(above, depths, (rider * 2,)))
+        device = verify_tree_on_device(logits, draft, (rider,))
+        assert device == host and draft.layout.values == [[0.0, 2.0, 4.0]]
+        accepted.append(host.num_accepted)
+    assert max(accepted) >= 3 and min(accepted) == 0
 
 
 def test_the_rounds_follow_what_the_trees_before_paid(tiny_target):
@@ -141,13 +217,15 @@ def test_the_rounds_follow_what_the_trees_before_paid(tiny_target):
     assert dear.rounds == 0 and max(step.draft_depth or 0 for step in result.steps[1:]) <= 1
 
 
-def test_the_mask_written_on_the_device_is_the_packed_one():
-    """`place_mask` writes a mask into inputs packed without it as `pack` packs it on the host."""
+def test_what_is_written_on_the_device_is_what_is_packed_on_the_host():
+    """`place` writes positions and a mask into inputs packed without them as `pack` packs them on the host."""
     generator = torch.Generator().manual_seed(0)
     for n, m, width in [(3, 3, 4), (3, 9, 4), (5, 20, 8), (1, 1, 1)]:
-        mask = torch.rand(n, m, generator=generator) > 0.5
-        blank = pack(40, n, width, torch.arange(n) + 50, torch.zeros(n, m, dtype=torch.bool))
-        assert torch.equal(place_mask(blank, n, width, mask), pack(40, n, width, torch.arange(n) + 50, mask))
+        mask, positions = torch.rand(n, m, generator=generator) > 0.5, torch.randperm(n, generator=generator) + 50
+        blank = pack(40, n, width, torch.zeros(n, dtype=torch.long), torch.zeros(n, m, dtype=torch.bool))
+        assert torch.equal(place(blank.clone(), n, width, positions, mask), pack(40, n, width, positions, mask))
+        assert torch.equal(place(pack(40, n, width, positions, torch.zeros(n, m, dtype=torch.bool)), n, width, None,
+                                 mask), pack(40, n, width, positions, mask))
 
 
 def test_a_device_tree_drops_what_the_distribution_excluded():
