@@ -115,14 +115,10 @@ class AuxiliaryTokens:
 @dataclass
 class DeviceLayout:
     """A tree draft whose structure lives on the device (grown and selected there: `tree.growth`), so that the
-    step's one read is its verdict's: what verification needs of the structure, on the device, and what the
-    drafter wants read in the same transfer."""
+    step's one read is its verdict's: what verification needs of the structure, on the device."""
 
     ancestors: torch.Tensor  # [n, n] bool: node i sees node j (itself and its ancestors)
     depths: torch.Tensor  # [n] int64, 1 for the children of the context
-    riders: tuple[torch.Tensor, ...] = ()  # the drafter's tensors to read with the verdict
-    # their host values once read (`verify.tree.verify_tree_on_device`); None before
-    values: list | None = None
 
 
 @dataclass
@@ -164,6 +160,10 @@ class Draft:
     # greedy verification reads the structure with the verdict and sets `parents` to the host's copy. Every other
     # use of `parents` reads it as any device data (correct, at a wait). None: a host-made structure.
     layout: DeviceLayout | None = None
+    # Device tensors the drafter wants on the host with the verdict, read in its transfer by greedy verification
+    # (`verify.tree.verify`), which puts their values in `read` (else None: the drafter reads them itself).
+    riders: tuple[torch.Tensor, ...] = ()
+    read: list | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.numel())

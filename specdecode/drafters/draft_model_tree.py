@@ -124,7 +124,7 @@ class DraftModelTreeDrafter(Drafter):
         # that merges trees on the host turns it off), and to how many nodes (None: read this one and choose)
         self.kept_on_device = True
         self.late_budget: int | None = None
-        self._late: tuple[DeviceLayout, list[int], int] | None = None  # (layout, layer sizes, rounds) unread
+        self._late: tuple[Draft, list[int], int] | None = None  # (a draft kept on the device, layer sizes, rounds)
         self._calibration = Calibration()
         self._predicted = 0.0  # the accepted tokens the last tree's scores predicted
         self.last_scores = torch.empty(0, device="cpu")
@@ -309,10 +309,11 @@ class DraftModelTreeDrafter(Drafter):
         (tokens, parents, scores), sizes = self._device_tree(logits, params, length, rounds)
         kept_tokens, kept_parents, kept_scores, above, depths = growth.select(tokens, parents, scores, budget,
                                                                              rounds + 1)
-        layout = DeviceLayout(above, depths, riders=(tokens, parents, scores, kept_scores))
-        self._late = (layout, sizes, rounds)
         estimates = (kept_scores * self._calibration.factor).clamp(max=1.0)
-        return Draft(tokens=kept_tokens, parents=kept_parents, scores=estimates, layout=layout)
+        draft = Draft(tokens=kept_tokens, parents=kept_parents, scores=estimates, layout=DeviceLayout(above, depths),
+                      riders=(tokens, parents, scores, kept_scores))
+        self._late = (draft, sizes, rounds)
+        return draft
 
     def _learn(self, scores: list[float], starts: list[int], rounds: int) -> None:
         """From a tree grown on the device in `rounds` rounds (its nodes' `scores`, its layers beginning at `starts`),
@@ -358,10 +359,9 @@ class DraftModelTreeDrafter(Drafter):
 
     def observe(self, outcome: Outcome) -> None:
         if self._late is not None:  # the tree kept on the device: its values came with the verdict (else read now)
-            layout, sizes, rounds = self._late
+            draft, sizes, rounds = self._late
             self._late = None
-            tokens, parents, scores, kept = layout.values if layout.values is not None else devices.to_host(
-                *layout.riders)
+            tokens, parents, scores, kept = draft.read if draft.read is not None else devices.to_host(*draft.riders)
             self.last_scores = torch.tensor(kept, device="cpu")
             self._predicted = float(sum(kept))
             _, _, grown, starts = host_tree(tokens, parents, scores, sizes)

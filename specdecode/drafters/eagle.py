@@ -69,7 +69,10 @@ class EagleDrafter(Drafter):
     Where the confidence is read (`stops_early`): on a CPU after each token, which costs nothing there and
     spares the head's forwards past the stop; elsewhere the whole chain is drafted on the device and read
     in one transfer, then cut where the confidence fell under `min_confidence` (a product of probabilities
-    never grows, so the cut chain is the one that stopping early drafts)."""
+    never grows, so the cut chain is the one that stopping early drafts). Off the CPU and under greedy decoding
+    (`reads_late`), after a sequence's first chain, not even that: each chain is drafted as long as the one before
+    stayed confident (one token more where all of it did) and verified whole, its probabilities read with its
+    verdict (`Draft.riders`), so that a step waits for the device once."""
 
     name = "eagle"
     needs = Needs(hidden=True)
@@ -83,18 +86,27 @@ class EagleDrafter(Drafter):
         self.max_tokens, self.min_confidence = max_tokens, min_confidence
         # read each token's probability as it is drafted, to stop at once (see the class docstring)
         self.stops_early = min_confidence > 0 and self.state.device.type == "cpu"
+        self.reads_late = self.state.device.type != "cpu"  # a greedy chain's probabilities read with its verdict
         self._calibration = Calibration()
         self._scores = torch.empty(0, device="cpu")  # the last draft's scores
+        self.late_length: int | None = None  # tokens of the next chain read late (None: read this one first)
+        self._late: Draft | None = None  # the chain drafted that way, before its observe
 
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         self.state.reset(forget)
         self._calibration.reset()
+        self.late_length, self._late = None, None
 
     def memory_bytes(self) -> int:
         return self.state.memory_bytes()
 
     def observe(self, outcome: Outcome) -> None:
         self.state.observe(outcome.require_hidden(), outcome.num_pending, outcome.accepted_path)
+        if self._late is not None:  # its probabilities came with the verdict (else they are read now)
+            draft, self._late = self._late, None
+            read = draft.read[0] if draft.read is not None else devices.to_host(*draft.riders)[0]
+            self._scores = (torch.tensor(read, device="cpu").cumprod(0) * self._calibration.factor).clamp(max=1.0)
+            self._learn(read)
         self._calibration.record_verdict(self._scores, outcome.verdict)
 
     @torch.inference_mode()
@@ -103,44 +115,78 @@ class EagleDrafter(Drafter):
         if feature is None:
             return Draft.empty()
         limit, end = min(max_tokens, self.max_tokens), len(context) - 1
-        if isinstance(self.state, StaticFeeds) and not self.stops_early:  # the whole chain in one step function
-            tokens, probs = self.state.chain(feature, limit, end)
-            read = devices.to_host(probs)[0]  # the whole chain's probabilities in one read
-        else:
+        if self.reads_late and params.greedy and self.late_length is not None:  # verified whole, read late
+            tokens, probs = self._device_chain(feature, min(limit, self.late_length), end)
+            self._late = Draft(tokens=tokens, riders=(probs,))
+            return self._late
+        if self.stops_early:
             tokens, read = self._chain(feature, limit, end)
+        else:  # the whole chain on the device, read once
+            tokens, probs = self._device_chain(feature, limit, end)
+            read = devices.to_host(probs)[0]
+            if self.reads_late:
+                self._learn(read)
         # keep the tokens while the path's confidence stays at or above min_confidence
+        scores = self._confident(read)
+        if not scores:
+            return Draft.empty()
+        self._scores = (torch.tensor(scores, device="cpu") * self._calibration.factor).clamp(max=1.0)
+        return Draft(tokens=tokens[: len(scores)], scores=self._scores)  # tokens on the device
+
+    def _confident(self, read: list[float]) -> list[float]:
+        """The path's confidence at each token of a chain whose probabilities are `read`, while it stays at or
+        above min_confidence."""
         scores, confidence = [], 1.0
         for p in read:
             confidence *= p
             if confidence < self.min_confidence:
                 break
             scores.append(confidence)
-        if not scores:
-            return Draft.empty()
-        self._scores = (torch.tensor(scores, device="cpu") * self._calibration.factor).clamp(max=1.0)
-        return Draft(tokens=tokens[: len(scores)], scores=self._scores)  # tokens on the device
+        return scores
 
-    def _chain(self, feature: torch.Tensor, limit: int, end: int) -> tuple[torch.Tensor, list[float]]:
-        """Up to `limit` tokens drafted from `feature` a head step at a time (the tokens [<= limit] on the device,
-        their probabilities read on the host): each probability read as it comes where the drafter stops early,
-        else the whole chain's in one read."""
+    def _learn(self, read: list[float]) -> None:
+        """The length of the next chain read late, from one whose probabilities are `read`: as many tokens as stayed
+        confident, at least one; one more than it had where all did (a chain the room cut short says nothing against
+        the tokens it did not draft), at most max_tokens."""
+        confident = len(self._confident(read))
+        if confident < len(read):
+            self.late_length = max(confident, 1)
+        else:
+            self.late_length = min(max(len(read) + 1, self.late_length or 0), self.max_tokens)
+
+    def _device_chain(self, feature: torch.Tensor, limit: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`limit` tokens drafted greedily from `feature`, nothing read: (the tokens, the head's probability of each)
+        [limit] on the device. On the static path one step function (`StaticFeeds.chain`), else a head step at
+        a time."""
+        if isinstance(self.state, StaticFeeds):
+            return self.state.chain(feature, limit, end)
         probs, tokens = [], []  # [1] each, on the device: the head's top token at each depth and its probability
-        read: list[float] = []  # each depth's probability, on the host once read
-        confidence = 1.0
         for depth in range(limit):
             p, index = self.state.probs(feature).max(dim=-1, keepdim=True)  # [1] each
             probs.append(p)
             tokens.append(self.state.vocab_ids[index])
-            if self.stops_early:  # one read per token: the stop is decided before the head runs again
-                read += devices.to_host(p)[0]
-                confidence *= read[-1]
-                if confidence < self.min_confidence:
-                    break
             if depth + 1 < limit:
                 position = torch.full((1,), end + depth, device=self.state.device)
                 feature = self.state.run(feature[None], tokens[-1], position)[-1]
-        if not self.stops_early:
-            read = devices.to_host(torch.cat(probs))[0]
+        return torch.cat(tokens), torch.cat(probs)
+
+    def _chain(self, feature: torch.Tensor, limit: int, end: int) -> tuple[torch.Tensor, list[float]]:
+        """Up to `limit` tokens drafted from `feature` a head step at a time, each probability read as it comes and
+        the chain stopped once the path's confidence falls under min_confidence (the CPU's way): (the tokens on
+        the device, their probabilities on the host)."""
+        tokens: list[torch.Tensor] = []  # [1] each, on the device: the head's top token at each depth
+        read: list[float] = []  # each depth's probability, read at once
+        confidence = 1.0
+        for depth in range(limit):
+            p, index = self.state.probs(feature).max(dim=-1, keepdim=True)  # [1] each
+            tokens.append(self.state.vocab_ids[index])
+            read += devices.to_host(p)[0]  # one read per token: the stop is decided before the head runs again
+            confidence *= read[-1]
+            if confidence < self.min_confidence:
+                break
+            if depth + 1 < limit:
+                position = torch.full((1,), end + depth, device=self.state.device)
+                feature = self.state.run(feature[None], tokens[-1], position)[-1]
         return torch.cat(tokens), read
 
 

@@ -36,7 +36,7 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     (`Verdict.riders`).
     """
     target_tokens = target_logits.argmax(-1)  # [draft_len + 1]
-    draft_tokens = draft_tokens.to(target_tokens.device)
+    draft_tokens = to_device(draft_tokens, target_tokens.device)  # a host-made draft's through pinned memory
     k = draft_tokens.numel()
     num_accepted = accepted_prefix(target_tokens[:k] == draft_tokens)  # 0-d
     n, target_list, drafted, *extra = to_host(num_accepted, target_tokens, draft_tokens, *riders)

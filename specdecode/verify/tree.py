@@ -6,6 +6,8 @@ of the token after the context) and one per node (row i + 1: the distribution af
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from specdecode.sampling import logits_to_probs, sample
@@ -55,9 +57,8 @@ def verify_tree_on_device(
 ) -> Verdict:
     """`verify_tree_greedy` of a tree whose structure is on the device (`Draft.layout`), decided there: a node is
     accepted where it and each of its ancestors carry the target's argmax after their parent's path, and the path
-    is the deepest such node's. One transfer brings the path, the last token, the tree's tokens and parents, the
-    drafter's riders (`DeviceLayout.riders`, whose values it keeps) and the caller's; the draft's `parents` become
-    the host's copy."""
+    is the deepest such node's. One transfer brings the path, the last token, the tree's tokens and parents and the
+    riders; the draft's `parents` become the host's copy."""
     layout = draft.layout
     assert layout is not None and draft.parents is not None
     target_tokens = target_logits.argmax(-1)  # [n + 1]
@@ -67,14 +68,12 @@ def verify_tree_on_device(
     deepest = depths.argmax()  # (node 0 where none is accepted: its depth 0 tells)
     on_path = layout.ancestors[deepest] & (depths[deepest] > 0)  # [n]
     last = target_tokens[torch.where(depths[deepest] > 0, deepest + 1, 0)]
-    path_mask, last_token, tokens, parents, *rest = to_host(on_path, last, draft.tokens, draft.parents,
-                                                              *layout.riders, *riders)
-    layout.values = rest[: len(layout.riders)]
+    path_mask, last_token, tokens, parents, *extra = to_host(on_path, last, draft.tokens, draft.parents, *riders)
     draft.parents = torch.tensor(parents, dtype=torch.long, device="cpu")
     path = [node for node, on in enumerate(path_mask) if on]  # parents come first: root to deepest
     node = path[-1] if path else structure.ROOT
     leaf = node not in parents  # no child after the deepest accepted node (or the context)
-    return _verdict(tokens, path, last_token, leaf=leaf, riders=tuple(rest[len(layout.riders) :]))
+    return _verdict(tokens, path, last_token, leaf=leaf, riders=tuple(extra))
 
 
 def verify_tree_sampling(
@@ -132,15 +131,23 @@ def verify(
     generator: torch.Generator | None,
     riders: tuple[torch.Tensor, ...] = (),
 ) -> Verdict:
-    """Any draft, chain or tree: greedy match when decoding greedily (`riders` read with the verdict),
-    speculative sampling otherwise. Refuses a tree's probs unless its nodes were drawn independently
-    (`Draft.check_probs`)."""
+    """Any draft, chain or tree: greedy match when decoding greedily (the draft's riders, `Draft.riders`, and
+    `riders` read with the verdict), speculative sampling otherwise. Refuses a tree's probs unless its nodes were
+    drawn independently (`Draft.check_probs`)."""
     draft.check_probs()
+    if not params.greedy:
+        if draft.parents is None:
+            return verify_chain(target_logits, draft, params, generator)
+        target_probs = logits_to_probs(target_logits, params)
+        return verify_tree_sampling(target_probs, draft.tokens, draft.parents, draft.probs, generator)
+    both = (*draft.riders, *riders)  # the drafter's riders first (`Draft.riders`), then the caller's
     if draft.parents is None:  # a chain
-        return verify_chain(target_logits, draft, params, generator, riders)
-    if params.greedy and draft.layout is not None:
-        return verify_tree_on_device(target_logits, draft, riders)
-    if params.greedy:
-        return verify_tree_greedy(target_logits, draft.tokens, draft.parents, riders)
-    target_probs = logits_to_probs(target_logits, params)
-    return verify_tree_sampling(target_probs, draft.tokens, draft.parents, draft.probs, generator)
+        verdict = verify_chain(target_logits, draft, params, generator, both)
+    elif draft.layout is not None:
+        verdict = verify_tree_on_device(target_logits, draft, both)
+    else:
+        verdict = verify_tree_greedy(target_logits, draft.tokens, draft.parents, both)
+    if not draft.riders:
+        return verdict
+    draft.read = list(verdict.riders[: len(draft.riders)])
+    return replace(verdict, riders=verdict.riders[len(draft.riders) :])

@@ -27,7 +27,7 @@ from specdecode.models.static import StaticCausalLM, pack, place
 from specdecode.tree import structure
 from specdecode.tree.growth import DeviceTree, layer_sizes, read_tree, select
 from specdecode.types import DeviceLayout, Draft, SamplingParams
-from specdecode.verify.tree import verify_tree_greedy, verify_tree_on_device
+from specdecode.verify.tree import verify, verify_tree_greedy
 from test_head_syncs import FLAT
 from test_syncs import GREEDY, PROMPT, SAMPLED, syncs_per_step, tracked
 
@@ -191,9 +191,10 @@ def test_the_device_verdict_is_the_hosts():
                 logits[row, kept_tokens[kids[draw(len(kids))]]] += 10.0
         rider = torch.arange(3.0)
         host = verify_tree_greedy(logits, kept_tokens, kept_parents, (rider,))
-        draft = Draft(tokens=kept_tokens, parents=kept_parents, layout=DeviceLayout(above, depths, (rider * 2,)))
-        device = verify_tree_on_device(logits, draft, (rider,))
-        assert device == host and draft.layout.values == [[0.0, 2.0, 4.0]]
+        draft = Draft(tokens=kept_tokens, parents=kept_parents, layout=DeviceLayout(above, depths),
+                      riders=(rider * 2,))
+        device = verify(logits, draft, SamplingParams(), None, (rider,))
+        assert device == host and draft.read == [[0.0, 2.0, 4.0]]
         accepted.append(host.num_accepted)
     assert max(accepted) >= 3 and min(accepted) == 0
 

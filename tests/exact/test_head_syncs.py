@@ -65,6 +65,34 @@ def test_a_head_chain_drafted_on_the_device_is_read_once(tiny_target, kind, para
 
 
 @pytest.mark.parametrize("kind", CHAINS)
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_a_greedy_head_chain_read_with_its_verdict_reads_once(tiny_target, kind, static):
+    """Off the CPU a greedy chain after a sequence's first is drafted without a read, as long as the one before
+    stayed confident, and verified whole: its probabilities come with the verdict, one read a step; the output is
+    plain decoding's."""
+    from specdecode.drafters.eagle3 import eagle3_state
+    from specdecode.drafters.static_heads import eagle_state
+    from specdecode.models.hf import HFCausalLM
+    from specdecode.models.static import StaticCausalLM
+
+    target_lm = tracked(tiny_target, static)
+    drafter_class, random_head = CHAINS[kind]
+    head = random_head(tiny_target)
+    state = (eagle_state if kind == "eagle" else eagle3_state)(head, target_lm)
+    drafter = drafter_class(head, tiny_target, max_tokens=6, min_confidence=0.001, state=state)
+    drafter.stops_early, drafter.reads_late = False, True  # a GPU's policy
+    drafts, counts = drafts_and_syncs(SpeculativeEngine(target_lm, drafter=drafter, gate=False), GREEDY)
+    first = next(i for i, (tokens, _) in enumerate(drafts) if tokens)
+    assert counts[first] == 2 and set(counts[first + 1 :]) == {1}, counts
+    assert all(scores == [] for _, scores in drafts[first + 1 :])  # verified whole: no scores for the gate
+    assert len({len(tokens) for tokens, _ in drafts[first + 1 :]}) > 1  # lengths follow the confidence
+    plain = (StaticCausalLM if static else HFCausalLM)(tiny_target)
+    config = GenerationConfig(max_new_tokens=24)
+    assert (SpeculativeEngine(target_lm, drafter=drafter).generate(PROMPT, config).token_ids
+            == SpeculativeEngine(plain).generate(PROMPT, config).token_ids)
+
+
+@pytest.mark.parametrize("kind", CHAINS)
 def test_stopping_early_drafts_the_chain_the_device_cuts(tiny_target, kind):
     """Read token by token (the CPU's way) or whole and cut afterwards (a GPU's way), a head drafts the same
     chains with the same scores; token by token, a step reads the probability of each token it drafts and
