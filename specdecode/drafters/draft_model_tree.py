@@ -145,6 +145,10 @@ class DraftModelTreeDrafter(Drafter):
         """[rows, vocab] logits -> the draft's distributions the scores come from."""
         return logits.float().softmax(-1) if params.greedy else logits_to_probs(logits, params)
 
+    def _root(self, start: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """`_start`'s output -> the draft's distribution after the context [1, vocab]."""
+        return self._distributions(start, params)
+
     def _add_children(self, tree: _Growing, parents: list[int], probs: torch.Tensor) -> list[int]:
         """Add each parent's children (top-k, or the shape's ranks) given its distribution row (probs:
         [len(parents), vocab]); the top tokens of every row reach the host in one transfer."""
@@ -197,7 +201,8 @@ class DraftModelTreeDrafter(Drafter):
     # -- the draft model's part of a step (an EAGLE head has its own: `drafters.eagle`) --------------
 
     def _start(self, context: list[int]) -> torch.Tensor | None:
-        """Bring the draft's cache up to the context; the logits after it [1, vocab] (None: no draft)."""
+        """Bring the draft's cache up to the context; what gives the distribution after it (`_root`): here the logits
+        [1, vocab] (None: no draft)."""
         pending = self._cache.sync(context)
         logits = self.model.forward(torch.tensor(pending, device="cpu"), num_logits=1).logits  # [1, vocab]
         self._cache.seen.extend(pending)
@@ -275,7 +280,7 @@ class DraftModelTreeDrafter(Drafter):
     def _grow_on_host(self, tree: _Growing, logits: torch.Tensor, params: SamplingParams, length: int,
                       depth_limit: int) -> None:
         """Grow `tree` from the logits after the context, each round's top tokens read on the host."""
-        frontier = self._add_children(tree, [structure.ROOT], self._distributions(logits, params))
+        frontier = self._add_children(tree, [structure.ROOT], self._root(logits, params))
         coverage = sum(tree.scores)  # how much of its parents' score a round of children carries
         fed: list[int] = []  # the nodes in the draft cache after the context, in order
         for depth in range(2, depth_limit + 1):  # the depth of the children this round adds
@@ -332,7 +337,7 @@ class DraftModelTreeDrafter(Drafter):
                      ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], list[int]]:
         """The tree's (tokens, parents, scores) [nodes] on the device after `rounds` rounds from the logits after the
         context [1, vocab], and its layers' sizes."""
-        values, tokens = self._top(self._distributions(logits, params))  # [1, k] each
+        values, tokens = self._top(self._root(logits, params))  # [1, k] each
         grown = DeviceTree(values[0], tokens[0], self.width, rounds)
         sizes = [values.shape[1]]
         for depth in range(2, rounds + 2):  # the depth of the children this round adds

@@ -234,7 +234,11 @@ class EagleTreeDrafter(DraftModelTreeDrafter):
             self._outputs = {}
             return None
         self._outputs = {structure.ROOT: root}
-        return self.state.logits(root[None])
+        return root[None]  # the head's prediction after the context: its distribution is made where needed (`_root`)
+
+    @torch.inference_mode()
+    def _root(self, start: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        return self._distributions(self.state.logits(start), params)
 
     @torch.inference_mode()
     def _feed(self, tree, expand: list[int], fed: list[int], length: int, depth: int) -> torch.Tensor:
