@@ -240,3 +240,29 @@ def test_a_device_tree_drops_what_the_distribution_excluded():
     assert sizes == [3, 4]
     assert read_tree(*tree.nodes(), sizes) == ([5, 6, 8, 10], [-1, -1, 0, 1], pytest.approx([0.6, 0.4, 0.3, 0.4]),
                                                [0, 2])
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "eagle-chain"])
+@PATHS
+def test_no_tensor_of_the_devices_policy_lands_on_the_wrong_device(tiny_target, kind, static):
+    """Every tensor the trees grown on the device (and the chains read with their verdicts) make without naming a
+    device goes to `meta` (`conftest.wrong_device_trap`): one made on the host where the model's device was meant
+    fails here on the CPU as it would on a GPU. Greedy output is still plain decoding's, sampled runs through."""
+    from conftest import wrong_device_trap
+    from specdecode.drafters.eagle import EagleDrafter
+
+    target_lm = lm(tiny_target, static)
+    if kind == "eagle-chain":
+        head = random_eagle_head(tiny_target)
+        made = EagleDrafter(head, tiny_target, max_tokens=5, min_confidence=0.001, state=eagle_state(head, target_lm))
+        made.stops_early, made.reads_late = False, True
+    else:
+        made = drafter(kind, target_lm, on_host=False, static=static, budget=None)
+    engine = SpeculativeEngine(target_lm, drafter=made, gate=False)
+    plain = SpeculativeEngine(lm(tiny_target, static))
+    config = GenerationConfig(max_new_tokens=16)
+    expected = plain.generate(PROMPT, config).token_ids
+    with wrong_device_trap():
+        greedy = engine.generate(PROMPT, config)
+        engine.generate(PROMPT, GenerationConfig(max_new_tokens=8, sampling=SAMPLED, seed=1))
+    assert greedy.token_ids == expected and sum(step.drafted for step in greedy.steps) > 0
