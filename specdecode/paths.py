@@ -23,7 +23,9 @@ from typing import Any, TypeVar
 
 from rich.console import Console
 
-console = Console(stderr=True)  # progress goes to stderr, so stdout stays clean for the command line
+# progress goes to stderr, so stdout stays clean for the command line; a message is never folded at the width (a
+# log that is no terminal has 80 columns), so a path it names stays whole, to copy
+console = Console(stderr=True, soft_wrap=True)
 
 
 def cache_dir() -> Path:

@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 
+from specdecode import paths
 from specdecode.errors import UserError
 from specdecode.methods import METHODS, takers
 
-console = Console(stderr=True)
+console = paths.console  # the package's one stderr console (`paths`): messages never folded
 
 if TYPE_CHECKING:  # members computed from the registry are beyond a type checker: to it, a str enum
     class MethodName(StrEnum):
