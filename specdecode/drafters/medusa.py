@@ -25,6 +25,11 @@ In a batch each sequence has a drafter of its own (`for_sequence`), and their he
 (`BatchedHeads`): the heads read all their weights for a few rows as for one, so a batch of sequences drafts
 for about what one does.
 
+Off the CPU, under greedy decoding and outside a batch, a draft is read with its verdict rather than before it
+(`reads_late`): the chain verified whole, the tree made on the device (`tree.growth.top_paths`: the same best
+nodes as `best_first`) and pruned there to as many nodes as paid in the tree before, so a step waits for the device
+once.
+
 On a static target (`models.static`) the heads' call on one feature runs through the target's runner
 (`models.graphs`: captured as a CUDA graph for each depth on a GPU); a batch's call, whose row count varies, runs
 as written.
@@ -52,7 +57,8 @@ from specdecode.models.costs import lower_median
 from specdecode.models.graphs import Runner, make_runner
 from specdecode.models.static import StaticCausalLM
 from specdecode.tree.budget import MAX_BUDGET, Calibration, best_budget
-from specdecode.types import Draft, SamplingParams
+from specdecode.tree import growth
+from specdecode.types import DeviceLayout, Draft, SamplingParams
 
 WEIGHTS, CONFIG = "medusa.safetensors", "medusa.json"
 TIMINGS = 5  # latest timings of the heads' call whose lower median prices a draft
@@ -205,6 +211,10 @@ class MedusaDrafter(Drafter):
         self._timings: deque[float] = deque(maxlen=TIMINGS)  # shared with the batch's twins (`for_sequence`)
         self._calibration = Calibration()
         self._batched: BatchedHeads | None = None  # the heads' call shared by a batch's sequences (`for_sequence`)
+        # Off the CPU, under greedy decoding and outside a batch, a draft after a sequence's first is read with its
+        # verdict (`Draft.riders`): a chain verified whole, a tree made and pruned on the device (`tree.growth`) to
+        # as many nodes as paid in the one before; `kept_on_device` off: a composite merges the trees on the host
+        self.reads_late, self.kept_on_device = weight.device.type != "cpu", True
         self.begin([])
 
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
@@ -215,6 +225,8 @@ class MedusaDrafter(Drafter):
         self._calibration.reset()
         self._probs: torch.Tensor | None = None  # [heads, V'] from the feature, once computed (`BatchedHeads`)
         self._asked = self.wanted = False  # asked at this step; at the last one
+        self.late_budget: int | None = None  # nodes of the next tree read late (None: read this one first)
+        self._late: Draft | None = None  # the draft read late, before its observe
 
     def for_sequence(self, memory: Memory | None = None) -> MedusaDrafter:
         if self._batched is None:
@@ -243,6 +255,15 @@ class MedusaDrafter(Drafter):
         self._probs, self.wanted, self._asked = None, self._asked, False
         self._length += len(path) + 1
         self._valid_for = self._length
+        if self._late is not None:  # its scores came with the verdict (else they are read now)
+            draft, self._late = self._late, None
+            read = draft.read if draft.read is not None else devices.to_host(*draft.riders)
+            factor = self._calibration.factor
+            self._scores = torch.tensor([min(s * factor, 1.0) for s in read[0]], device="cpu")
+            if self.tree:  # the next tree's size: what would have paid of this one's best nodes
+                ranked = [min(s * factor, 1.0) for s in read[1]]
+                self.late_budget = max(self.budget or best_budget(ranked, self.curve, self.price(),
+                                                                  cap=MAX_BUDGET - 1), 1)
         self._calibration.record_verdict(self._scores, outcome.verdict)
 
     def price(self) -> float:
@@ -284,6 +305,9 @@ class MedusaDrafter(Drafter):
             probs = self.distributions(self._feature, depth)
             self.stopwatch.measure(start, self.stopwatch.mark(), self._timings.appendleft)
         factor = self._calibration.factor
+        late = self.reads_late and params.greedy and self._batched is None and self.kept_on_device
+        if late and (not self.tree or self.late_budget is not None):
+            return self._read_late(probs, depth)
         if not self.tree:
             p, index = probs.max(dim=-1)  # [depth] each
             # the scores reach the host in one transfer (the engine cuts the chain by them); the tokens stay
@@ -294,12 +318,33 @@ class MedusaDrafter(Drafter):
         node_scores = [min(s * factor, 1.0) for s in raw]  # best first, so already descending
         n = self.budget or best_budget(node_scores, self.curve, self.price(), cap=MAX_BUDGET)
         n = min(n, len(ids))
+        if late:
+            self.late_budget = max(min(n, MAX_BUDGET - 1), 1)
         if n == 0:
             return Draft.empty()
         self._scores = torch.tensor(node_scores[:n], device="cpu")
         return Draft(tokens=self.host_vocab_ids[torch.tensor(ids[:n], device="cpu")],
                      parents=torch.tensor(parents[:n], device="cpu"), scores=self._scores)
 
+
+    def _read_late(self, probs: torch.Tensor, depth: int) -> Draft:
+        """The draft made on the device and read with its verdict (`__init__`): a chain of each head's top token,
+        verified whole; or the heads' tree (`tree.growth.top_paths`), its `late_budget` best nodes kept there and
+        verified there (`Draft.layout`). Its scores come back with the verdict (`observe`)."""
+        if not self.tree:
+            p, index = probs.max(dim=-1)  # [depth] each
+            self._late = Draft(tokens=self.vocab_ids[index], riders=(torch.cumprod(p, 0),))
+            return self._late
+        assert self.late_budget is not None
+        top = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)  # [depth, k]
+        ids, parents, scores = growth.top_paths(top.values, top.indices, self.max_nodes)
+        kept_ids, kept_parents, kept_scores, above, depths = growth.select(ids, parents, scores, self.late_budget,
+                                                                          depth)
+        best = torch.topk(scores, min(self.max_nodes, scores.numel())).values  # the tree's best, best first
+        self._late = Draft(tokens=self.vocab_ids[kept_ids], parents=kept_parents,
+                           scores=(kept_scores * self._calibration.factor).clamp(max=1.0),
+                           layout=DeviceLayout(above, depths), riders=(kept_scores, best))
+        return self._late
 
 def build_medusa(target, draft, options) -> Drafter:
     """The `medusa` method: the heads trained for the target (`specdecode train medusa`): `options.head`, else

@@ -79,6 +79,29 @@ class DeviceTree:
         return torch.cat(self.tokens), torch.cat(self.parents), torch.cat(self.scores)
 
 
+def top_paths(values: torch.Tensor, indices: torch.Tensor, max_nodes: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Medusa's tree on the device: the paths through each depth's top-k choices (values and indices [depth, k],
+    the heads' probabilities and draft indices), a node's score the product of its path's probabilities, each
+    depth kept to its `max_nodes` best before the next is grown (a node among the tree's best keeps its ancestors
+    among them: scores never grow down a path). (draft indices, parents, scores) [nodes], a depth after another,
+    parents first; `drafters.medusa.best_first` finds the same best nodes on the host."""
+    device, k = values.device, values.shape[1]
+    above_scores = torch.ones(1, device=device)  # the previous depth's kept nodes (first: the context)
+    above_nodes = torch.full((1,), -1, dtype=torch.long, device=device)
+    tokens, parents, scores, count = [], [], [], 0
+    for depth in range(values.shape[0]):
+        candidates = (above_scores[:, None] * values[depth][None, :]).reshape(-1)  # [above * k]
+        m = min(max_nodes, candidates.numel())
+        kept = torch.topk(candidates, m).indices.sort().values  # [m], in the candidates' order
+        tokens.append(indices[depth].repeat(above_scores.numel())[kept])
+        parents.append(above_nodes.repeat_interleave(k)[kept])
+        scores.append(candidates[kept])
+        above_scores, above_nodes = scores[-1], count + torch.arange(m, device=device)
+        count += m
+    return torch.cat(tokens), torch.cat(parents), torch.cat(scores)
+
+
 def ancestors(parents: torch.Tensor, depth: int) -> torch.Tensor:
     """Which node sees which, [n, n] bool (itself and its ancestors), of a tree at most `depth` deep, on the device of
     its `parents` [n]: `structure.ancestor_mask` without a read."""

@@ -242,17 +242,23 @@ def test_a_device_tree_drops_what_the_distribution_excluded():
                                                [0, 2])
 
 
-@pytest.mark.parametrize("kind", [*KINDS, "eagle-chain"])
+@pytest.mark.parametrize("kind", [*KINDS, "eagle-chain", "medusa-chain", "medusa-tree"])
 @PATHS
 def test_no_tensor_of_the_devices_policy_lands_on_the_wrong_device(tiny_target, kind, static):
-    """Every tensor the trees grown on the device (and the chains read with their verdicts) make without naming a
-    device goes to `meta` (`conftest.wrong_device_trap`): one made on the host where the model's device was meant
-    fails here on the CPU as it would on a GPU. Greedy output is still plain decoding's, sampled runs through."""
-    from conftest import wrong_device_trap
+    """Every tensor the trees grown on the device (and the chains and Medusa's drafts read with their verdicts) make
+    without naming a device goes to `meta` (`conftest.wrong_device_trap`): one made on the host where the model's
+    device was meant fails here on the CPU as it would on a GPU. Greedy output is still plain decoding's, sampled
+    runs through."""
+    from conftest import random_medusa_heads, wrong_device_trap
     from specdecode.drafters.eagle import EagleDrafter
+    from specdecode.drafters.medusa import MedusaDrafter
 
     target_lm = lm(tiny_target, static)
-    if kind == "eagle-chain":
+    if kind.startswith("medusa"):
+        made = MedusaDrafter(random_medusa_heads(tiny_target), tiny_target, FLAT, tree=kind == "medusa-tree",
+                             runner="eager" if static else None)
+        made.reads_late = True
+    elif kind == "eagle-chain":
         head = random_eagle_head(tiny_target)
         made = EagleDrafter(head, tiny_target, max_tokens=5, min_confidence=0.001, state=eagle_state(head, target_lm))
         made.stops_early, made.reads_late = False, True

@@ -153,6 +153,56 @@ def test_medusa_reads_its_heads_guesses_once(tiny_target, tree, params):
         assert max(counts) <= 1 + max(len(tokens) for tokens, _ in drafts) + 1, counts
 
 
+def token_paths(draft) -> set[tuple[int, ...]]:
+    """A tree draft's nodes as the token paths that lead to them (none: an empty draft)."""
+    if draft.parents is None:
+        return set()
+    tokens, parents = draft.tokens.tolist(), draft.parents.tolist()
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(tokens, parents):
+        paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+    return set(paths)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+@pytest.mark.parametrize("runner", [None, "eager"], ids=["dynamic", "static"])
+def test_medusa_read_with_its_verdict_reads_once(tiny_target, tree, runner):
+    """Off the CPU and greedy, Medusa's chain is verified whole and its tree made, pruned and verified on the
+    device (after a sequence's first tree, read to size it), their scores read with the verdict: one read a step.
+    The tree has the host's best-first nodes (a fixed budget), and the output is plain decoding's."""
+    from specdecode.models.hf import HFCausalLM
+
+    heads = random_medusa_heads(tiny_target)
+    drafters = []
+    for reads_late in (False, True):
+        drafter = MedusaDrafter(heads, tiny_target, FLAT, tree=tree, budget=12 if tree else None, runner=runner)
+        drafter.reads_late = reads_late
+        drafters.append(drafter)
+    (host, _), (late, counts) = (drafts_and_syncs_of(SpeculativeEngine(tracked(tiny_target), drafter=d))
+                                 for d in drafters)
+    first = next(i for i, draft in enumerate(late) if len(draft))
+    assert counts[first] == (2 if tree else 1) and set(counts[first + 1 :]) == {1}, counts
+    if tree:
+        assert all(d.layout is not None for d in late[first + 1 :])
+        assert [token_paths(d) for d in host] == [token_paths(d) for d in late]
+    config = GenerationConfig(max_new_tokens=24)
+    assert (SpeculativeEngine(tracked(tiny_target), drafter=drafters[1]).generate(PROMPT, config).token_ids
+            == SpeculativeEngine(HFCausalLM(tiny_target)).generate(PROMPT, config).token_ids)
+
+
+def drafts_and_syncs_of(engine: SpeculativeEngine, params=GREEDY):
+    """(each step's draft, each step's host reads)."""
+    drafts, propose = [], engine.drafter.propose
+
+    def recorded(*args):
+        drafts.append(propose(*args))
+        return drafts[-1]
+
+    engine.drafter.propose = recorded
+    counts, _ = syncs_per_step(engine, params)
+    return drafts, counts
+
+
 def test_typical_acceptance_reads_twice(tiny_target):
     """Typical acceptance reads the nodes' tokens, probabilities and thresholds together, then the token it
     samples after the accepted path; with Medusa's tree read once, a step reads three times."""
