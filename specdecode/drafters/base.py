@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from specdecode import devices
 from specdecode.types import Draft, SamplingParams, StepStats, Verdict
 
 
@@ -196,3 +197,9 @@ def tensor_bytes(*things) -> int:
         elif isinstance(thing, (list, tuple, deque)):
             stack += list(thing)
     return sum(seen.values())
+
+
+def late_values(draft: Draft) -> list:
+    """The host values of a draft's riders (`Draft.riders`): those its verdict brought (`Draft.read`), else read
+    now (a draft that was replaced, or verified otherwise)."""
+    return draft.read if draft.read is not None else devices.to_host(*draft.riders)

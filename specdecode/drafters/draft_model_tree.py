@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import torch
 
 from specdecode import devices
-from specdecode.drafters.base import Drafter, Outcome
+from specdecode.drafters.base import Drafter, Outcome, late_values
 from specdecode.drafters.draft_model import DraftModelDrafter, SyncedCache, late_start
 from specdecode.drafters.options import DrafterOptions, check_budget
 from specdecode.drafters.other_tokenizer import OtherTokenizerDrafter
@@ -50,7 +50,7 @@ from specdecode.sampling import logits_to_probs
 from specdecode.tree import structure
 from specdecode.tree.budget import MAX_BUDGET, Calibration, best_budget, prune
 from specdecode.tree import growth
-from specdecode.tree.growth import DeviceTree, host_tree, read_tree
+from specdecode.tree.growth import DeviceTree, positive, read_tree
 from specdecode.types import DeviceLayout, Draft, SamplingParams
 
 FIRST_ROUNDS = 5  # growing rounds of a sequence's first tree grown on the device, before a tree says what pays
@@ -249,15 +249,16 @@ class DraftModelTreeDrafter(Drafter):
         if logits is None:
             return Draft.empty()
         on_device = not self.grows_on_host and self.shape_parents is None
+        rounds = max(min(self.rounds, depth_limit - 1), 0)  # a tree grown on the device
         if on_device and params.greedy and self.kept_on_device and self.late_budget is not None:
-            draft = self._late_draft(logits, params, length, depth_limit, self.late_budget)
+            draft = self._late_draft(logits, params, length, rounds, self.late_budget)
             self._end(length)
             return draft
         tree = _Growing()
         if not on_device:
             self._grow_on_host(tree, logits, params, length, depth_limit)
         else:
-            self._grow_on_device(tree, logits, params, length, depth_limit)
+            self._grow_on_device(tree, logits, params, length, rounds)
         self._end(length)
         if not tree.tokens:
             return Draft.empty()
@@ -296,27 +297,25 @@ class DraftModelTreeDrafter(Drafter):
             coverage = sum(tree.scores[node] for node in frontier) / parents_score if parents_score else 0.0
 
     def _grow_on_device(self, tree: _Growing, logits: torch.Tensor, params: SamplingParams, length: int,
-                        depth_limit: int) -> None:
-        """Grow `tree` from the logits after the context on the device (`tree.growth`), `self.rounds` rounds, and
-        read it once; then choose the next tree's rounds from this one."""
-        rounds = max(min(self.rounds, depth_limit - 1), 0)
+                        rounds: int) -> None:
+        """Grow `tree` from the logits after the context on the device (`tree.growth`) in `rounds` rounds, and read
+        it once; then choose the next tree's rounds from this one."""
         grown, sizes = self._device_tree(logits, params, length, rounds)
         tree.tokens, tree.parents, tree.scores, starts = read_tree(*grown, sizes)
         tree.shape = [-1] * len(tree.tokens)
         self._learn(tree.scores, starts, rounds)
 
-    def _late_draft(self, logits: torch.Tensor, params: SamplingParams, length: int, depth_limit: int,
+    def _late_draft(self, logits: torch.Tensor, params: SamplingParams, length: int, rounds: int,
                     budget: int) -> Draft:
         """A tree grown on the device and its `budget` best nodes kept there (`tree.growth.select`), as a draft whose
         structure the engine verifies on the device (`Draft.layout`): the tree is read with the verdict. The scores
         that choose the next tree's rounds and budget reach the host then (`observe`)."""
-        rounds = max(min(self.rounds, depth_limit - 1), 0)
         (tokens, parents, scores), sizes = self._device_tree(logits, params, length, rounds)
         kept_tokens, kept_parents, kept_scores, above, depths = growth.select(tokens, parents, scores, budget,
                                                                              rounds + 1)
         estimates = (kept_scores * self._calibration.factor).clamp(max=1.0)
         draft = Draft(tokens=kept_tokens, parents=kept_parents, scores=estimates, layout=DeviceLayout(above, depths),
-                      riders=(tokens, parents, scores, kept_scores))
+                      riders=(scores, kept_scores))
         self._late = (draft, sizes, rounds)
         return draft
 
@@ -366,11 +365,10 @@ class DraftModelTreeDrafter(Drafter):
         if self._late is not None:  # the tree kept on the device: its values came with the verdict (else read now)
             draft, sizes, rounds = self._late
             self._late = None
-            tokens, parents, scores, kept = draft.read if draft.read is not None else devices.to_host(*draft.riders)
+            scores, kept = late_values(draft)
             self.last_scores = torch.tensor(kept, device="cpu")
             self._predicted = float(sum(kept))
-            _, _, grown, starts = host_tree(tokens, parents, scores, sizes)
-            self._learn(grown, starts, rounds)
+            self._learn(*positive(scores, sizes), rounds)
         if outcome.verdict.num_drafted:
             self._calibration.record(self._predicted, outcome.verdict.num_accepted)
 

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 
 from specdecode import devices
-from specdecode.drafters.base import Drafter, Needs, Outcome
+from specdecode.drafters.base import Drafter, Needs, Outcome, late_values
 from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
 from specdecode.drafters.eagle_head import EagleHead, HeadState, State
 from specdecode.drafters.static_heads import StaticFeeds, eagle_state
@@ -104,7 +104,7 @@ class EagleDrafter(Drafter):
         self.state.observe(outcome.require_hidden(), outcome.num_pending, outcome.accepted_path)
         if self._late is not None:  # its probabilities came with the verdict (else they are read now)
             draft, self._late = self._late, None
-            read = draft.read[0] if draft.read is not None else devices.to_host(*draft.riders)[0]
+            read = late_values(draft)[0]
             self._scores = (torch.tensor(read, device="cpu").cumprod(0) * self._calibration.factor).clamp(max=1.0)
             self._learn(read)
         self._calibration.record_verdict(self._scores, outcome.verdict)

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode import devices
-from specdecode.drafters.base import Drafter, Memory, Needs, Outcome
+from specdecode.drafters.base import Drafter, Memory, Needs, Outcome, late_values
 from specdecode.drafters.heads import check_fits, for_drafting, head_folder, load_head, save_head
 from specdecode.errors import UserError
 from specdecode.models.costs import lower_median
@@ -257,7 +257,7 @@ class MedusaDrafter(Drafter):
         self._valid_for = self._length
         if self._late is not None:  # its scores came with the verdict (else they are read now)
             draft, self._late = self._late, None
-            read = draft.read if draft.read is not None else devices.to_host(*draft.riders)
+            read = late_values(draft)
             factor = self._calibration.factor
             self._scores = torch.tensor([min(s * factor, 1.0) for s in read[0]], device="cpu")
             if self.tree:  # the next tree's size: what would have paid of this one's best nodes

@@ -21,7 +21,6 @@ from specdecode.engine.stopping import TextTracker
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.types import Draft, SamplingParams, StepStats, TokenLogprob, TokenOrigin, Verdict
-from specdecode.tree import growth
 from specdecode.tree import structure as tree
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20
@@ -344,7 +343,7 @@ def draft_inputs(draft: Draft, num_pending: int, context_length: int) -> tuple[t
     """Position ids [p + n] and attention mask [p + n, p + n] bool of a forward over a sequence's p pending
     context tokens and its draft of n nodes: a tree's through its ancestor mask, a chain's causal."""
     if draft.layout is not None:  # a tree whose structure is on the device
-        return growth.verification_inputs(draft.layout, num_pending, context_length)
+        return tree.inputs_of(draft.layout.ancestors, draft.layout.depths, num_pending, context_length)
     if draft.parents is not None:  # a tree
         return tree.verification_inputs(draft.parents, num_pending, context_length)
     return tree.chain_inputs(num_pending + len(draft), num_pending, context_length)

@@ -13,8 +13,8 @@ Node numbering is the host growth's: the root's children first, then each round'
 the nodes expanded (by score, best first) and of their ranks; parents always come before their children.
 
 The tree can be pruned on the device too (`select`: its best nodes, their ancestor mask and depths), and then
-verified there (`verify.tree.verify_tree_on_device`, through `verification_inputs`), so that the step's one read
-is its verdict's.
+verified there (`verify.tree.verify_tree_on_device`, its forward's inputs from `structure.inputs_of`), so that the
+step's one read is its verdict's.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 
 from specdecode import devices
-from specdecode.types import DeviceLayout
 
 
 class DeviceTree:
@@ -141,37 +140,26 @@ def layer_sizes(first: int, top_k: int, width: int, rounds: int) -> list[int]:
 
 def read_tree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, sizes: list[int]
               ) -> tuple[list[int], list[int], list[float], list[int]]:
-    """A tree grown on the device ([nodes] each, its layers `sizes` long) read on the host in one transfer, as
-    `host_tree` gives it."""
+    """A tree grown on the device ([nodes] each, its layers `sizes` long) read on the host in one transfer: (tokens,
+    parents, scores, the first node of each layer), without the nodes the processed distribution excluded (score 0:
+    never accepted), whose children score 0 too."""
     tokens_, parents_, scores_ = devices.to_host(tokens, parents, scores)
-    return host_tree(tokens_, parents_, scores_, sizes)
-
-
-def host_tree(tokens: list[int], parents: list[int], scores: list[float], sizes: list[int]
-              ) -> tuple[list[int], list[int], list[float], list[int]]:
-    """A tree grown on the device, as read (its layers `sizes` long) -> (tokens, parents, scores, the first node of
-    each layer), without the nodes the processed distribution excluded (score 0: never accepted), whose children
-    score 0 too."""
-    kept = [node for node, score in enumerate(scores) if score > 0]  # closed under ancestors (scores shrink)
+    kept = [node for node, score in enumerate(scores_) if score > 0]  # closed under ancestors (scores shrink)
     index = {node: i for i, node in enumerate(kept)}
+    return ([tokens_[node] for node in kept], [index.get(parents_[node], -1) for node in kept],
+            [scores_[node] for node in kept], _starts(kept, sizes))
+
+
+def positive(scores: list[float], sizes: list[int]) -> tuple[list[float], list[int]]:
+    """`read_tree`'s scores and layer starts from the scores alone, as read."""
+    kept = [node for node, score in enumerate(scores) if score > 0]
+    return [scores[node] for node in kept], _starts(kept, sizes)
+
+
+def _starts(kept: list[int], sizes: list[int]) -> list[int]:
+    """Where each layer (`sizes` long) begins among the `kept` nodes (ascending)."""
     starts, first = [], 0
     for size in sizes:
         starts.append(sum(1 for node in kept if node < first))
         first += size
-    return ([tokens[node] for node in kept], [index.get(parents[node], -1) for node in kept],
-            [scores[node] for node in kept], starts)
-
-
-def verification_inputs(layout: DeviceLayout, num_pending: int, context_length: int
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`structure.verification_inputs` of a tree whose structure is on the device (`DeviceLayout`), made there:
-    (positions [p + n], mask [p + n, p + n] bool), nothing read."""
-    above, p = layout.ancestors, num_pending
-    n, device = above.shape[0], above.device
-    positions = torch.cat([torch.arange(context_length - p, context_length, device=device),
-                           context_length - 1 + layout.depths])  # [p + n]
-    mask = torch.zeros(p + n, p + n, dtype=torch.bool, device=device)
-    mask[:p, :p] = torch.ones(p, p, dtype=torch.bool, device=device).tril()
-    mask[p:, :p] = True
-    mask[p:, p:] = above
-    return positions, mask
+    return starts

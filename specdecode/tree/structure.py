@@ -148,15 +148,22 @@ def verification_inputs(
     and every node attends to all of them and to its own ancestors. Node i sits at position
     context_length - 1 + depth(i). Returns (positions [p + n], mask [p + n, p + n] bool).
     """
-    n, p = parents.numel(), num_pending
+    return inputs_of(ancestor_mask(parents), depths(parents), num_pending, context_length)
+
+
+def inputs_of(above: torch.Tensor, depth: torch.Tensor, num_pending: int, context_length: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verification_inputs` from the tree's ancestor mask [n, n] and depths [n], made where they are (a tree grown
+    on the device: `tree.growth`)."""
+    n, p, device = depth.numel(), num_pending, depth.device
     positions = torch.cat([
-        torch.arange(context_length - p, context_length, device="cpu"),
-        context_length - 1 + depths(parents),
+        torch.arange(context_length - p, context_length, device=device),
+        context_length - 1 + depth,
     ])  # [p + n]
-    mask = torch.zeros(p + n, p + n, dtype=torch.bool, device="cpu")
-    mask[:p, :p] = torch.ones(p, p, dtype=torch.bool, device="cpu").tril()
+    mask = torch.zeros(p + n, p + n, dtype=torch.bool, device=device)
+    mask[:p, :p] = torch.ones(p, p, dtype=torch.bool, device=device).tril()
     mask[p:, :p] = True
-    mask[p:, p:] = ancestor_mask(parents)
+    mask[p:, p:] = above
     return positions, mask
 
 

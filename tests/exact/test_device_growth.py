@@ -28,7 +28,7 @@ from specdecode.tree import structure
 from specdecode.tree.growth import DeviceTree, layer_sizes, read_tree, select
 from specdecode.types import DeviceLayout, Draft, SamplingParams
 from specdecode.verify.tree import verify, verify_tree_greedy
-from test_head_syncs import FLAT
+from test_head_syncs import FLAT, recording
 from test_syncs import GREEDY, PROMPT, SAMPLED, syncs_per_step, tracked
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.cpu_only]  # the CPU plays the device
@@ -64,14 +64,7 @@ def drafter(kind: str, target_lm: HFCausalLM, on_host: bool, static: bool, draft
 
 def recorded_drafts(engine: SpeculativeEngine, prompt: list[int], params, max_new_tokens: int = 24):
     """(the output, each step's draft as (tokens, parents, scores))."""
-    drafts, propose = [], engine.drafter.propose
-
-    def recording(*args):
-        draft = propose(*args)
-        drafts.append(draft)
-        return draft
-
-    engine.drafter.propose = recording
+    drafts = recording(engine.drafter)
     result = engine.generate(prompt, GenerationConfig(max_new_tokens=max_new_tokens, sampling=params, seed=0))
     return result.token_ids, [(d.tokens.tolist(), None if d.parents is None else d.parents.tolist(),
                                [] if d.scores is None else d.scores.tolist()) for d in drafts]

@@ -38,18 +38,29 @@ def head_chain(kind: str, target, stops_early: bool) -> EagleDrafter:
     return drafter
 
 
+def recording(drafter) -> list:
+    """The list each of the drafter's proposals is appended to from now on."""
+    drafts, propose = [], drafter.propose
+
+    def recorded(*args):
+        drafts.append(propose(*args))
+        return drafts[-1]
+
+    drafter.propose = recorded
+    return drafts
+
+
+def drafts_and_syncs_of(engine: SpeculativeEngine, params=GREEDY, max_new_tokens: int = 24):
+    """(each step's draft, each step's host reads)."""
+    drafts = recording(engine.drafter)
+    counts, _ = syncs_per_step(engine, params, max_new_tokens)
+    return drafts, counts
+
+
 def drafts_and_syncs(engine: SpeculativeEngine, params, max_new_tokens: int = 24):
     """(each step's draft as (tokens, scores) lists, each step's host reads), the drafts read on the host
     only after the count."""
-    drafts, propose = [], engine.drafter.propose
-
-    def recorded(*args):
-        draft = propose(*args)
-        drafts.append(draft)
-        return draft
-
-    engine.drafter.propose = recorded
-    counts, _ = syncs_per_step(engine, params, max_new_tokens)
+    drafts, counts = drafts_and_syncs_of(engine, params, max_new_tokens)
     return [(d.tokens.tolist(), [] if d.scores is None else d.scores.tolist()) for d in drafts], counts
 
 
@@ -188,19 +199,6 @@ def test_medusa_read_with_its_verdict_reads_once(tiny_target, tree, runner):
     config = GenerationConfig(max_new_tokens=24)
     assert (SpeculativeEngine(tracked(tiny_target), drafter=drafters[1]).generate(PROMPT, config).token_ids
             == SpeculativeEngine(HFCausalLM(tiny_target)).generate(PROMPT, config).token_ids)
-
-
-def drafts_and_syncs_of(engine: SpeculativeEngine, params=GREEDY):
-    """(each step's draft, each step's host reads)."""
-    drafts, propose = [], engine.drafter.propose
-
-    def recorded(*args):
-        drafts.append(propose(*args))
-        return drafts[-1]
-
-    engine.drafter.propose = recorded
-    counts, _ = syncs_per_step(engine, params)
-    return drafts, counts
 
 
 def test_typical_acceptance_reads_twice(tiny_target):
