@@ -180,12 +180,6 @@ def stopwatch(device: torch.device | str | None, fixed: Callable[[], float] | No
     return Stopwatch(fixed or clock(device))
 
 
-def generator(device: torch.device | str, seed: int) -> torch.Generator:
-    """A random generator on `device` seeded with `seed`. A seed reproduces a run on the same kind of device:
-    CUDA's generator draws other numbers than the CPU's."""
-    return torch.Generator(device=device).manual_seed(seed)
-
-
 @functools.cache
 def name(device: torch.device | str) -> str:
     """Names a device for a cache key: a GPU's model, compute capability and the torch and CUDA versions

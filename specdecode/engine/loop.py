@@ -164,7 +164,8 @@ class SpeculativeEngine:
             observe = functools.partial(self.curve.observe, fed.numel())
             self.stopwatch.measure(forward_start, self.stopwatch.mark(), observe)
         # 3. Accept the longest admissible prefix (or tree path) and add the correction or bonus token.
-        verdict = verify_draft(self.verifier, draft, out.logits, params, generator, matcher, history, top_logprobs)
+        verdict = verify_draft(self.verifier, draft, out.logits, params, generator, matcher, history, top_logprobs,
+                               position=len(context))
         # 4. Roll back: the cache keeps the context and the accepted drafts (auxiliary tokens, past the
         #    draft, go with the rejected nodes); the last token of the verdict is fed in the next forward.
         self.target.compact(len(context), verdict.path)

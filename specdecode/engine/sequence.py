@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from specdecode import devices, metrics
+from specdecode import metrics, sampling
 from specdecode.constraints import Constraint, Matcher, masked_logits
 from specdecode.engine import forced, logprobs
 from specdecode.engine.penalties import TokenHistory
@@ -221,13 +221,11 @@ class SequenceState:
         self.config = config
         self.max_context = target.max_context
         self.eos = frozenset() if config.ignore_eos else target.eos_token_ids
-        # on the target's device, so that sampling draws there. A seed reproduces a run on the same kind of device
-        # where the drafts do not follow timings: the gate on a live cost curve, auto's and the composite's
-        # source ledgers and the step-aside switch change how many tokens a step verifies, and with them which
-        # draws decide which token, so there two runs follow the same distribution, not the same tokens
-        # (docs/verification.md, "Randomness")
+        # on the target's device, so that sampling draws there; its positions' uniforms make a draft without
+        # distributions give plain decoding's sampled tokens under the seed, whatever the gate or timings chose
+        # (`sampling`; docs/verification.md, "Randomness")
         seed = config.seed if config.seed is not None else int(torch.randint(2**62, (), device="cpu"))
-        self.generator = devices.generator(target.device, seed)
+        self.generator = sampling.seeded(target.device, seed)
         self.tracker = TextTracker(tokenizer, config.stop)
         self.prompt_ids = list(prompt_ids)
         self.context = list(prompt_ids)
@@ -304,7 +302,7 @@ class SequenceState:
     def verify(self, verifier, draft: Draft, logits: torch.Tensor) -> Verdict:
         """`verify_draft` with this sequence's sampling, generator, constraint and penalties."""
         return verify_draft(verifier, draft, logits, self.config.sampling, self.generator, self.matcher, self.history,
-                            self.config.logprobs)
+                            self.config.logprobs, position=len(self.context))
 
     def tail(self) -> StepEvent | None:
         """Once done: the text held back so far (an incomplete character), if any."""
@@ -351,14 +349,18 @@ def draft_inputs(draft: Draft, num_pending: int, context_length: int) -> tuple[t
 
 def verify_draft(verifier, draft: Draft, logits: torch.Tensor, params: SamplingParams, generator,
                  matcher: Matcher | None = None, history: TokenHistory | None = None,
-                 top_logprobs: int | None = None) -> Verdict:
+                 top_logprobs: int | None = None, position: int | None = None) -> Verdict:
     """Accept the longest admissible prefix (or tree path) of a sequence's draft and add the correction or
     bonus token, with the method's verifier. logits: [len(draft) + 1 (+ aux), vocab], the sequence's rows.
     The one place the target's distributions at the drafted positions are formed: under a constraint
     (`matcher`), each row is masked by the grammar state after its prefix (`Matcher.draft_masks`); under
     penalties or a bias (`history`), each is first processed as plain decoding would process it at its
     position, after the tokens on its path (`TokenHistory.penalise`). `top_logprobs` (not None): the verdict
-    carries each token's log-probability and that many alternatives' (`engine.logprobs`)."""
+    carries each token's log-probability and that many alternatives' (`engine.logprobs`). `position`: the output
+    position the step decides first (the context's length), where a seeded generator's uniforms start
+    (`sampling.SeededGenerator`)."""
+    if isinstance(generator, sampling.SeededGenerator):
+        generator.position = position
     raw = rows = logits[: len(draft) + 1]  # [draft_len + 1, vocab]
     if history is not None:
         rows = history.penalise(rows, draft)

@@ -1,4 +1,5 @@
-"""Verification of a chain draft: greedy exact match and lossless speculative sampling.
+"""Verification of a chain draft: greedy exact match and lossless speculative sampling (a seeded sequence's
+matching by position, for a draft without distributions, is `verify.tree.verify`'s: `sampling`).
 
 Pure functions over tensors, so the maths is tested without a model. Names follow the glossary in
 `specdecode.types`; `target_probs` is the target model's distribution, `draft_probs` the drafter's.
@@ -35,7 +36,13 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     draft_tokens: [draft_len]. riders: tensors whose values come to the host in the same transfer
     (`Verdict.riders`).
     """
-    target_tokens = target_logits.argmax(-1)  # [draft_len + 1]
+    return match_chain(target_logits.argmax(-1), draft_tokens, riders)
+
+
+def match_chain(target_tokens: torch.Tensor, draft_tokens: torch.Tensor,
+                riders: tuple[torch.Tensor, ...] = ()) -> Verdict:
+    """Accept the longest prefix of the draft that equals the target's tokens ([draft_len + 1]: the argmax of each
+    row, or each row's token sampled with its position's uniform), then the target's token after it."""
     draft_tokens = to_device(draft_tokens, target_tokens.device)  # a host-made draft's through pinned memory
     k = draft_tokens.numel()
     num_accepted = accepted_prefix(target_tokens[:k] == draft_tokens)  # 0-d
@@ -102,7 +109,7 @@ def verify_chain(
     riders: tuple[torch.Tensor, ...] = (),
 ) -> Verdict:
     """Greedy exact match when decoding greedily (`riders` read with the verdict), speculative sampling
-    otherwise (riders left unread)."""
+    otherwise (riders left unread; a seeded sequence's matching by position is `verify.tree.verify`'s)."""
     if params.greedy:
         return verify_greedy(target_logits, draft.tokens, riders)
     target_probs = logits_to_probs(target_logits, params)

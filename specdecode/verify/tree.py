@@ -1,4 +1,5 @@
-"""Verification of a token tree: the greedy longest path and lossless multi-draft speculative sampling.
+"""Verification of a token tree: the greedy longest path and lossless multi-draft speculative sampling (or, for a
+tree without distributions in a seeded sequence, the path of the tokens plain decoding samples: `sampling`).
 
 Pure functions. `target_logits` / `target_probs` has one row for the context (row 0: the distribution
 of the token after the context) and one per node (row i + 1: the distribution after node i's path).
@@ -10,11 +11,11 @@ from dataclasses import replace
 
 import torch
 
-from specdecode.sampling import logits_to_probs, sample
+from specdecode.sampling import logits_to_probs, sample, step_uniforms
 from specdecode.tree import structure
 from specdecode.types import Draft, SamplingParams, Verdict
 from specdecode.devices import to_device, to_host
-from specdecode.verify.chain import residual_distribution, verify_chain
+from specdecode.verify.chain import match_chain, residual_distribution, verify_chain
 
 
 def _verdict(tokens: list[int], path: list[int], last: int, leaf: bool, riders: tuple = ()) -> Verdict:
@@ -31,10 +32,19 @@ def verify_tree_greedy(
     """Follow the target's argmax down the tree as far as a child matches it: the longest accepted path.
 
     The result equals plain greedy decoding: every accepted node's token is the target's argmax after
-    its (accepted) path, and the last token is the argmax after the deepest accepted node. The target's
-    argmax and the draft's tokens reach the host in one transfer; the walk down the tree is host work.
+    its (accepted) path, and the last token is the argmax after the deepest accepted node.
     """
-    target_tokens = target_logits.argmax(-1)  # [n + 1]
+    return match_tree(target_logits.argmax(-1), draft_tokens, parents, riders)
+
+
+def match_tree(
+    target_tokens: torch.Tensor,  # [n + 1] each row's token: its argmax, or sampled with its position's uniform
+    draft_tokens: torch.Tensor,  # [n]
+    parents: torch.Tensor,  # [n] on the host
+    riders: tuple[torch.Tensor, ...] = (),
+) -> Verdict:
+    """Follow the target's tokens down the tree as far as a child carries its parent's row's token. The target's
+    tokens and the draft's reach the host in one transfer; the walk down the tree is host work."""
     # (a host-made draft's tokens go to the device through pinned memory: a pageable copy would wait there)
     target_list, tokens, *extra = to_host(target_tokens, to_device(draft_tokens, target_tokens.device), *riders)
     kids = structure.children(parents)
@@ -51,17 +61,16 @@ def verify_tree_greedy(
 
 
 def verify_tree_on_device(
-    target_logits: torch.Tensor,  # [n + 1, vocab]
+    target_tokens: torch.Tensor,  # [n + 1] each row's token: its argmax, or sampled with its position's uniform
     draft: Draft,  # a tree whose tokens, parents and `layout` are on the device
     riders: tuple[torch.Tensor, ...] = (),
 ) -> Verdict:
-    """`verify_tree_greedy` of a tree whose structure is on the device (`Draft.layout`), decided there: a node is
-    accepted where it and each of its ancestors carry the target's argmax after their parent's path, and the path
-    is the deepest such node's. One transfer brings the path, the last token, the tree's tokens and parents and the
+    """`match_tree` of a tree whose structure is on the device (`Draft.layout`), decided there: a node is accepted
+    where it and each of its ancestors carry the target's token after their parent's path, and the path is the
+    deepest such node's. One transfer brings the path, the last token, the tree's tokens and parents and the
     riders; the draft's `parents` become the host's copy."""
     layout = draft.layout
     assert layout is not None and draft.parents is not None
-    target_tokens = target_logits.argmax(-1)  # [n + 1]
     matches = draft.tokens == target_tokens[draft.parents + 1]  # [n] each node against its parent's row
     accepted = ~(layout.ancestors & ~matches[None, :]).any(dim=1)  # [n] it and all its ancestors match
     depths = torch.where(accepted, layout.depths, 0)
@@ -131,23 +140,49 @@ def verify(
     generator: torch.Generator | None,
     riders: tuple[torch.Tensor, ...] = (),
 ) -> Verdict:
-    """Any draft, chain or tree: greedy match when decoding greedily (the draft's riders, `Draft.riders`, and
-    `riders` read with the verdict), speculative sampling otherwise. Refuses a tree's probs unless its nodes were
+    """Any draft, chain or tree: greedy match when decoding greedily; under sampling, a draft without distributions
+    matched against each row's token sampled with its position's uniform where `generator` names them
+    (`sampling.step_uniforms`: plain decoding's tokens under the seed), else speculative sampling. Matching reads
+    the draft's riders (`Draft.riders`) and `riders` with the verdict. Refuses a tree's probs unless its nodes were
     drawn independently (`Draft.check_probs`)."""
     draft.check_probs()
-    if not params.greedy:
+    targets = None if params.greedy else matched_tokens(target_logits, draft, params, generator)
+    if not params.greedy and targets is None:
         if draft.parents is None:
             return verify_chain(target_logits, draft, params, generator)
         target_probs = logits_to_probs(target_logits, params)
         return verify_tree_sampling(target_probs, draft.tokens, draft.parents, draft.probs, generator)
     both = (*draft.riders, *riders)  # the drafter's riders first (`Draft.riders`), then the caller's
+    if targets is None:
+        targets = target_logits.argmax(-1)  # [n + 1]
     if draft.parents is None:  # a chain
-        verdict = verify_chain(target_logits, draft, params, generator, both)
+        verdict = match_chain(targets, draft.tokens, both)
     elif draft.layout is not None:
-        verdict = verify_tree_on_device(target_logits, draft, both)
+        verdict = verify_tree_on_device(targets, draft, both)
     else:
-        verdict = verify_tree_greedy(target_logits, draft.tokens, draft.parents, both)
+        verdict = match_tree(targets, draft.tokens, draft.parents, both)
     if not draft.riders:
         return verdict
     draft.read = list(verdict.riders[: len(draft.riders)])
     return replace(verdict, riders=verdict.riders[len(draft.riders) :])
+
+
+def matched_tokens(target_logits: torch.Tensor, draft: Draft, params: SamplingParams,
+                   generator: torch.Generator | None) -> torch.Tensor | None:
+    """Under sampling, the token each row of a draft without distributions is sampled to, with its position's
+    uniform (the context's row decides the context's next position, a node's row the one after the node), where
+    `generator` names them; else None. -> [len(draft) + 1] on the device of the logits"""
+    if draft.probs is not None:
+        return None
+    device = target_logits.device
+    if draft.parents is None:
+        depths = torch.arange(len(draft) + 1, device=device)
+    elif draft.layout is not None:
+        depths = torch.cat([torch.zeros(1, dtype=torch.long, device=device), draft.layout.depths])
+    else:
+        above = torch.cat([torch.zeros(1, dtype=torch.long, device="cpu"), structure.depths(draft.parents)])
+        depths = to_device(above, device)
+    uniforms = step_uniforms(generator, depths)
+    if uniforms is None:
+        return None
+    return sample(logits_to_probs(target_logits[: len(draft) + 1], params), None, uniforms)

@@ -344,6 +344,30 @@ def test_greedy_batch_of_every_batched_method_equals_plain_decoding(tiny_target,
     assert len(engine) == 0 and target.cache_length == 0
 
 
+def test_a_seed_gives_every_batched_sequence_plain_decodings_sampled_answer(tiny_target):
+    """Under sampling, with the gate on (the batch's drafts cut together on the curve): every batched method's
+    sequence outputs what plain decoding alone samples under its seed, token for token, whatever the others in its
+    forwards (each output position's uniform decides its token: `sampling`)."""
+    prompts = repetitive_prompts(6, seed=7)
+    kinds = ["auto", "suffix-tree", "medusa-tree", "jacobi", "pld", "auto"]
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    configs = [GenerationConfig(max_new_tokens=24, sampling=params, seed=50 + i) for i in range(len(prompts))]
+    alone = SpeculativeEngine(HFCausalLM(tiny_target), LetterTokenizer())
+    answers = [alone.generate(prompt, config).token_ids for prompt, config in zip(prompts, configs)]
+    made = prototypes(tiny_target)
+    engine = BatchEngine(HFCausalLM(tiny_target), LetterTokenizer())
+    engine.curve = FLAT
+    ids = {engine.add(prompt, config, made[kind].for_sequence(None), kind): index
+           for index, (prompt, config, kind) in enumerate(zip(prompts, configs, kinds))}
+    outputs, drafted = {}, 0
+    while len(outputs) < len(prompts):
+        for ident, event, result in engine.step():
+            drafted += event.stats.drafted
+            if result is not None:
+                outputs[ids[ident]] = result.token_ids
+    assert outputs == dict(enumerate(answers)) and drafted > 0
+
+
 def test_a_lone_auto_sequence_runs_the_single_engines_forwards(tiny_target):
     """A batch of one `auto` sequence (a lone request on the server) feeds the target what `SpeculativeEngine`
     feeds it, forward for forward, the hidden states its head reads included."""

@@ -154,3 +154,38 @@ def test_every_lossless_method_is_here():
         resolve(name)[0].name for name in variant_names() if resolve(name)[0].lossless}
     assert {"ar", "draft-tree-fixed", "eagle3-tree", "suffix-tree"} <= set(LOSSLESS)
     assert "medusa-typical" not in LOSSLESS
+
+
+# methods whose drafts under sampling come with the distributions they were drawn from: verified by speculative
+# sampling, their sampled answer is their own (docs/verification.md, "Randomness")
+DRAWN = {"draft", "layerskip", "earlyexit", "sparse-kv"}  # the draft model's chain and the self-speculative ones
+SILENT = {"ar", "earlyexit", "sparse-kv"}  # nothing drafted on these tiny models (no draft of theirs pays)
+
+
+@pytest.mark.parametrize("variant", LOSSLESS)
+def test_a_seed_gives_plain_decodings_sampled_answer(variant, models, plain, random_heads, monkeypatch):
+    """Under sampling with a seed, a method whose drafts carry no distributions (copies, tries, a head's top-k)
+    outputs plain decoding's sampled answer token for token, whatever it drafted (each output position's uniform
+    decides its token: `sampling`); the methods of DRAWN draft with distributions, which speculative sampling
+    verifies."""
+    monkeypatch.setattr(heads, "shipped_head", lambda model, kind: random_heads / kind)
+    reference = None if "-tree" in variant else REFERENCE
+    engine = models.engine_for(choose(variant, reference=reference, only_if_taken=True))
+    verifier, with_probs, drafted = engine.verifier, [], []
+
+    def recording(rows, draft, *args, **kwargs):
+        with_probs.append(draft.probs is not None)
+        drafted.append(len(draft))
+        return verifier(rows, draft, *args, **kwargs)
+
+    engine.verifier = recording
+    plain_engine = SpeculativeEngine(models.target, models.tokenizer)
+    prompts, _ = plain
+    for i, prompt in enumerate(prompts):
+        config = GenerationConfig(max_new_tokens=max(LENGTHS), seed=7 + i,
+                                  sampling=SamplingParams(temperature=0.9, top_p=0.95))
+        answer = engine.generate(prompt, config).token_ids
+        if variant not in DRAWN:
+            assert answer == plain_engine.generate(prompt, config).token_ids, f"prompt {i}"
+    assert (sum(drafted) > 0) == (variant not in SILENT)
+    assert any(with_probs) == (variant in DRAWN - SILENT)

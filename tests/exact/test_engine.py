@@ -113,25 +113,35 @@ def test_bad_input_is_a_user_error(tiny_target, prompt, config_kwargs):
         SpeculativeEngine(HFCausalLM(tiny_target)).generate(prompt, GenerationConfig(**config_kwargs))
 
 
-def test_a_seed_reproduces_what_the_docs_say(tiny_target, spec_engine):
-    """docs/verification.md, "Randomness": a seed reproduces plain decoding's sampled answer, and a speculative
-    method's where its drafts do not follow timings (the tests' fixed cost curves); where the number of tokens a
-    step verifies changes (here: the same drafter under two cost curves, as a live curve would change it), the
-    same seed gives other tokens. Should this last part ever fail, the docs' caveat has become stale."""
+def test_a_seed_reproduces_what_the_docs_say(tiny_target, tiny_drafter):
+    """docs/verification.md, "Randomness": a seed reproduces plain decoding's sampled answer, and a method whose
+    drafts carry no distributions (here prompt lookup) gives that very answer whatever its drafts' lengths: the
+    same drafter under two cost curves (as a live curve changes them) verifies other drafts and outputs the same
+    tokens. A method that samples its drafts (the draft model) reproduces its own answer where its drafts do not
+    follow timings, and with drafts of other lengths it gives other tokens: should that last part ever fail, the
+    docs' caveat has become stale."""
     from specdecode.models.costs import CostCurve
 
     config = GenerationConfig(max_new_tokens=25, sampling=SamplingParams(temperature=1.0), seed=42)
     plain = SpeculativeEngine(HFCausalLM(tiny_target))
-    assert plain.generate(PROMPT, config).token_ids == plain.generate(PROMPT, config).token_ids
-    first = spec_engine.generate(PROMPT, config).token_ids
-    assert spec_engine.generate(PROMPT, config).token_ids == first
+    answer = plain.generate(PROMPT * 4, config).token_ids
+    assert plain.generate(PROMPT * 4, config).token_ids == answer
     other = GenerationConfig(max_new_tokens=25, sampling=SamplingParams(temperature=1.0), seed=43)
-    assert spec_engine.generate(PROMPT, other).token_ids != first
-    outputs = []
+    assert plain.generate(PROMPT * 4, other).token_ids != answer
+    sampled, drafted = [], []
     for slope in (0.0, 1.0):  # width free: long drafts verified; width as dear as depth: none
         engine = SpeculativeEngine(HFCausalLM(tiny_target), drafter=PromptLookupDrafter(num_tokens=8))
         engine.curve = CostCurve.linear(slope)
+        result = engine.generate(PROMPT * 4, config)
+        sampled.append(result.token_ids)
+        drafted.append(sum(step.drafted for step in result.steps))
+    assert sampled == [answer, answer] and drafted[0] > drafted[1]
+    outputs = []
+    for length in (2, 5):
+        drafter = DraftModelDrafter(HFCausalLM(tiny_drafter), length, adaptive=False, confidence_threshold=0)
+        engine = SpeculativeEngine(HFCausalLM(tiny_target), drafter=drafter, gate=False)
         outputs.append(engine.generate(PROMPT * 4, config).token_ids)
+        assert engine.generate(PROMPT * 4, config).token_ids == outputs[-1]
     assert outputs[0] != outputs[1]
 
 

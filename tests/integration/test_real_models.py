@@ -80,8 +80,12 @@ def test_greedy_speculative_equals_plain_on_real_pair(models, plain):
 def test_int4_speculation_equals_plain_on_real_pair():
     """The int4 path (models/int4.py), batch-invariant like int8: the draft model's tree (wide forwards,
     tree attention) and prompt lookup equal its plain decoding token for token on the edit prompt (every
-    drafter is checked on the int4 tiny target in tests/reference_vs_fast/test_quantized.py)."""
+    drafter is checked on the int4 tiny target in tests/reference_vs_fast/test_quantized.py). Sampled with a seed,
+    both give plain decoding's sampled answer token for token while drafts are accepted (docs/verification.md,
+    "Randomness": the draft model's tree and the copies carry no draft distributions)."""
     import gc
+
+    from specdecode.types import SamplingParams
 
     pair = load_models(dtype="int4", progress=False)
     assert pair.target.precision == "int4"
@@ -92,6 +96,11 @@ def test_int4_speculation_equals_plain_on_real_pair():
         result = pair.engine(name).generate(ids, CONFIG)
         assert result.token_ids == reference, f"{name}: {diagnose(pair.target, ids, reference, result.token_ids)}"
         assert sum(s.drafted for s in result.steps) > 0, name
+    sampled = GenerationConfig(max_new_tokens=32, sampling=SamplingParams(temperature=0.7, top_p=0.95), seed=11)
+    answer = pair.engine("ar").generate(ids, sampled).token_ids
+    for name in ("draft-tree", "pld"):
+        result = pair.engine(name).generate(ids, sampled)
+        assert result.token_ids == answer and result.target_forwards < len(answer), name
     del pair
     gc.collect()
 

@@ -150,3 +150,86 @@ def test_sample_draws_each_row_from_its_own_weights_and_never_a_zero():
             patch.setattr(torch, "rand", lambda *shape, top=top, **kw: torch.full(shape, top, dtype=torch.float64))
             assert sample(torch.tensor([0.1, 0.7, 0.0]), None).item() == 1
             assert sample(torch.tensor([1.0, 3.0, 0.5, 0.0, 0.0]), None).item() == 2
+
+
+# --- Seeded sequences: one counter-based uniform per output position (specdecode.sampling) ---------------
+
+
+def splitmix64_uniform(seed: int, position: int) -> float:
+    """The uniform `sampling.position_uniforms` gives a seed's position, written plainly with Python's integers:
+    splitmix64's output for the seed as the key, then the key's (position + 1)-th state, its top 53 bits."""
+    mask = (1 << 64) - 1
+
+    def mix(z: int) -> int:
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & mask
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & mask
+        return z ^ (z >> 31)
+
+    key = mix((seed + 0x9E3779B97F4A7C15) & mask)
+    return (mix((key + (position + 1) * 0x9E3779B97F4A7C15) & mask) >> 11) * 2.0**-53
+
+
+def test_position_uniforms_are_splitmix64_of_the_seed_and_position():
+    """int64 tensor arithmetic (products that wrap, shifts made unsigned) gives splitmix64's numbers exactly, for
+    seeds small, large and negative, at positions far apart."""
+    from specdecode.sampling import position_uniforms, seed_key
+
+    positions = torch.tensor([0, 1, 2, 3, 1000, 2**20, 2**31 + 5])
+    for seed in (0, 1, 42, 2**62 - 1, 2**63 + 17, -5):
+        assert position_uniforms(seed_key(seed), positions).tolist() == [
+            splitmix64_uniform(seed, p) for p in positions.tolist()]
+
+
+def test_position_uniforms_are_uniform_and_independent():
+    """Over positions of one seed and over seeds at one position the uniforms fall evenly into ten bins, and two
+    neighbouring positions' fall evenly into the hundred pairs of bins (a neighbour's does not follow from its
+    own); with enough draws to catch a total variation of 0.02 (a pair's: 0.05)."""
+    from specdecode.sampling import position_uniforms, seed_key
+
+    bins = 10
+    runs = runs_for_power(bins, tv=FINE_TV)
+    along = position_uniforms(seed_key(3), torch.arange(runs))
+    across = torch.stack([position_uniforms(seed_key(seed), torch.tensor(7)) for seed in range(runs)])
+    for what, u in (("positions", along), ("seeds", across)):
+        assert_follows(torch.bincount((u * bins).long(), minlength=bins).float(), torch.full((bins,), 1 / bins),
+                       what, tv=FINE_TV)
+    pairs = runs_for_power(bins * bins)
+    u = position_uniforms(seed_key(11), torch.arange(pairs + 1))
+    cells = (u[:-1] * bins).long() * bins + (u[1:] * bins).long()
+    assert_follows(torch.bincount(cells, minlength=bins * bins).float(), torch.full((bins * bins,), 1 / bins**2),
+                   "neighbours")
+
+
+def test_a_seeded_draft_without_distributions_is_matched_against_the_tokens_plain_decoding_samples():
+    """A seeded generator at position P: the verdict's tokens are, row after row along the accepted path, the
+    tokens `sample` draws with the uniforms of positions P, P + 1, ... (plain decoding's under the seed), for a
+    chain and for a tree; a chain whose drafts carry distributions is verified by speculative sampling instead,
+    drawing from the generator's stream."""
+    from specdecode.sampling import position_uniforms, seeded
+    from specdecode.verify.tree import verify
+
+    params = SamplingParams(temperature=1.0)
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(3)) * 2
+    probs = logits.softmax(-1)
+    matched = 0
+    for seed in range(200):
+        generator = seeded("cpu", seed)
+        generator.position = 40 + seed % 3
+        u = position_uniforms(generator.key, torch.arange(generator.position, generator.position + 4))
+        plain = sample(probs, None, u).tolist()  # each row's token under its position's uniform
+        chain = verify(logits, Draft(tokens=torch.tensor([plain[0], 1, 2])), params, generator)
+        accepted = 1 + (plain[1] == 1) * (1 + (plain[2] == 2))
+        assert chain.num_accepted == accepted and list(chain.tokens) == plain[: accepted + 1]
+        # a tree: the context -> node 0 (its token plain[0]) -> node 1 (token 4), node 2 (token 3) beside it
+        tree = Draft(tokens=torch.tensor([plain[0], 4, 3]), parents=torch.tensor([-1, 0, -1]))
+        rows = torch.tensor([0, 1, 2, 1])  # each row's depth: the context's, then the nodes'
+        tokens = sample(probs, None, position_uniforms(generator.key, generator.position + rows)).tolist()
+        verdict = verify(logits, tree, params, generator)
+        assert verdict.tokens[0] == plain[0] and verdict.tokens[1] == tokens[1]
+        matched += verdict.num_accepted == 2
+        stream = seeded("cpu", seed)
+        stream.position = 40
+        draft = Draft(tokens=torch.tensor([0, 1]), probs=probs[:2])
+        assert verify(logits, draft, params, stream).tokens == verify_speculative_sampling(
+            probs, draft.tokens, draft.probs, torch.Generator().manual_seed(seed)).tokens
+    assert matched > 0  # the tree's second node was reached and accepted now and then
