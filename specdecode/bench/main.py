@@ -155,9 +155,11 @@ def check_head(head: str | None, methods: list[str]) -> None:
 
 
 def sampling_caveat() -> list[str]:
-    return ["Sampling run: outputs are judged statistically, not token for token ('exact vs ar' only counts "
-            "chance agreement); the exact distribution is also proven by "
-            "tests/statistical/test_sampling_statistical.py."]
+    return ["Sampling run: each task and repeat has one seed for every method, so a torch method whose drafts carry "
+            "no distributions gives plain decoding's sampled answer token for token ('exact vs ar' counts it; "
+            "docs/verification.md, \"Randomness\"); the draft model's chain, the self-speculative methods and "
+            "other engines sample otherwise, and are judged statistically below (the exact distribution is also "
+            "proven by tests/statistical/)."]
 
 
 def run(

@@ -213,7 +213,7 @@ def test_sampled_fidelity_on_tiny_models(tiny_folder):
     from specdecode.types import SamplingParams
 
     models = load_models(str(tiny_folder), str(tiny_folder), dtype="float32", progress=False)
-    runners = build_runners(models, ["draft"])
+    runners = build_runners(models, ["draft", "pld"])
     params = SamplingParams(temperature=1.0)
     colder = runners["ar"].run  # a broken "method": samples at a lower temperature than asked
 
@@ -223,7 +223,14 @@ def test_sampled_fidelity_on_tiny_models(tiny_folder):
     runners["biased"] = Runner("biased", True, False, biased)
     tasks = [Task("a", f"a/{i}", (f"the cat {i}",)) for i in range(16)]
     records = run_benchmark(models, runners, tasks, GenerationConfig(max_new_tokens=24, sampling=params, seed=3), 1)
-    notes = sampled_fidelity(models, records, {"ar": True, "draft": True, "biased": True}, params)
-    assert len(notes) == 2
-    assert notes[0].startswith("draft:") and "consistent" in notes[0]
-    assert notes[1].startswith("biased:") and "DIFFERS" in notes[1]
+    notes = sampled_fidelity(models, records, {"ar": True, "draft": True, "pld": True, "biased": True}, params)
+    by_method = {note.split(":")[0]: note for note in notes}
+    assert len(notes) == 3 and "consistent" in by_method["draft"] and "consistent" in by_method["pld"]
+    assert "DIFFERS" in by_method["biased"]
+    # prompt lookup's drafts carry no distributions: under each task's seed, plain sampling's answer itself
+    # (docs/verification.md, "Randomness"); the draft model samples its drafts, and its answers are its own
+    answers = {(r.method, r.task_id): r.token_ids for r in records}
+    tasks_ids = [task.task_id for task in tasks]
+    assert all(answers["pld", task] == answers["ar", task] for task in tasks_ids)
+    assert sum(step.drafted for r in records if r.method == "pld" for step in r.steps or []) > 0
+    assert any(answers["draft", task] != answers["ar", task] for task in tasks_ids)
