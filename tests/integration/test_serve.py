@@ -115,6 +115,9 @@ def test_stop_strings_and_seeded_sampling(client, models):
     sampled = [client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=1.0, seed=7,
                                          top_p=0.9).choices[0].text for _ in range(2)]
     assert sampled[0] == sampled[1]  # a seed reproduces a sampled answer
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=1.0, seed=7,
+                                      top_p=0.9, extra_body={"method": "ar"}).choices[0].text
+    assert plain == sampled[0]  # plain decoding's, whatever the method (docs/verification.md, "Randomness")
 
 
 def test_a_vanishing_temperature_decodes_greedily(client, models):
