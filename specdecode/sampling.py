@@ -167,3 +167,10 @@ def step_uniforms(generator: torch.Generator | None, depths: torch.Tensor) -> to
     if not isinstance(generator, SeededGenerator) or generator.position is None:
         return None
     return position_uniforms(generator.key, depths + generator.position)
+
+
+def matched(params: SamplingParams, generator: torch.Generator | None) -> bool:
+    """Whether an engine verifies a draft without distributions by matching it against tokens the target's rows alone
+    decide (greedy decoding's argmax; a seeded sequence's tokens by position: `verify.tree.verify`), reading the draft's
+    riders in the same transfer as its verdict: a drafter may then leave such a draft on the device until then."""
+    return params.greedy or isinstance(generator, SeededGenerator)

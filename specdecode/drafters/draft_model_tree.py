@@ -18,10 +18,10 @@ Where the tree grows: on the host where the draft runs on the CPU (each round's 
 decision whether another round pays made on this step's scores: reading costs nothing on a CPU), else on the
 device (`tree.growth`): every round queued without a read, and the number of rounds chosen before it starts,
 from the tree before: as many as the same rule says paid there, one more where all did. A sequence's first such
-tree is read whole and pruned on the host as above; under greedy decoding every later one is also pruned on the
-device, to as many nodes as paid in the tree before, and goes to the engine with its structure there
-(`Draft.layout`), verified there and read with its verdict, which brings this drafter the scores it learns from
-too. So a greedy step on a GPU waits for the device once, however deep the tree.
+tree is read whole and pruned on the host as above; under greedy decoding or seeded sampling (`sampling.matched`)
+every later one is also pruned on the device, to as many nodes as paid in the tree before, and goes to the engine
+with its structure there (`Draft.layout`), verified there and read with its verdict, which brings this drafter the
+scores it learns from too. So a step on a GPU waits for the device once, however deep the tree.
 
 Fixed shape: the same rounds, but the nodes to expand and the ranks of their children come from a
 Medusa/EAGLE "choices" list, for comparison with the dynamic tree.
@@ -46,7 +46,7 @@ from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.models import costs
 from specdecode.models.costs import CostCurve
-from specdecode.sampling import logits_to_probs
+from specdecode.sampling import logits_to_probs, matched
 from specdecode.tree import structure
 from specdecode.tree.budget import MAX_BUDGET, Calibration, best_budget, prune
 from specdecode.tree import growth
@@ -120,8 +120,9 @@ class DraftModelTreeDrafter(Drafter):
         # on the host or on the device (module docstring); a head's drafter says where its head runs
         self.grows_on_host = model is None or model.device.type == "cpu"
         self.rounds = FIRST_ROUNDS  # growing rounds of the next tree grown on the device
-        # whether a greedy tree grown on the device is also pruned there, to be read with its verdict (a composite
-        # that merges trees on the host turns it off), and to how many nodes (None: read this one and choose)
+        # whether a tree grown on the device is also pruned there (greedy or seeded sampling), to be read with its
+        # verdict (a composite that merges trees on the host turns it off), and to how many nodes (None: read this one
+        # and choose)
         self.kept_on_device = True
         self.late_budget: int | None = None
         self._late: tuple[Draft, list[int], int] | None = None  # (a draft kept on the device, layer sizes, rounds)
@@ -250,7 +251,7 @@ class DraftModelTreeDrafter(Drafter):
             return Draft.empty()
         on_device = not self.grows_on_host and self.shape_parents is None
         rounds = max(min(self.rounds, depth_limit - 1), 0)  # a tree grown on the device
-        if on_device and params.greedy and self.kept_on_device and self.late_budget is not None:
+        if on_device and matched(params, generator) and self.kept_on_device and self.late_budget is not None:
             draft = self._late_draft(logits, params, length, rounds, self.late_budget)
             self._end(length)
             return draft

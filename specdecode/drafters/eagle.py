@@ -45,6 +45,7 @@ from specdecode.tree.growth import layer_sizes
 from specdecode.errors import UserError
 from specdecode.tree.budget import Calibration
 from specdecode.types import Draft, SamplingParams
+from specdecode.sampling import matched
 
 ROUND_TIMINGS = 5  # latest timings of a head's tree round, per width, whose lower median prices it
 
@@ -69,10 +70,10 @@ class EagleDrafter(Drafter):
     Where the confidence is read (`stops_early`): on a CPU after each token, which costs nothing there and
     spares the head's forwards past the stop; elsewhere the whole chain is drafted on the device and read
     in one transfer, then cut where the confidence fell under `min_confidence` (a product of probabilities
-    never grows, so the cut chain is the one that stopping early drafts). Off the CPU and under greedy decoding
-    (`reads_late`), after a sequence's first chain, not even that: each chain is drafted as long as the one before
-    stayed confident (one token more where all of it did) and verified whole, its probabilities read with its
-    verdict (`Draft.riders`), so that a step waits for the device once."""
+    never grows, so the cut chain is the one that stopping early drafts). Off the CPU, greedy or sampled in a seeded
+    sequence (`reads_late`, `sampling.matched`), after a sequence's first chain, not even that: each chain is drafted
+    as long as the one before stayed confident (one token more where all of it did) and verified whole, its
+    probabilities read with its verdict (`Draft.riders`), so that a step waits for the device once."""
 
     name = "eagle"
     needs = Needs(hidden=True)
@@ -115,7 +116,7 @@ class EagleDrafter(Drafter):
         if feature is None:
             return Draft.empty()
         limit, end = min(max_tokens, self.max_tokens), len(context) - 1
-        if self.reads_late and params.greedy and self.late_length is not None:  # verified whole, read late
+        if self.reads_late and matched(params, generator) and self.late_length is not None:  # verified whole, read late
             tokens, probs = self._device_chain(feature, min(limit, self.late_length), end)
             self._late = Draft(tokens=tokens, riders=(probs,))
             return self._late

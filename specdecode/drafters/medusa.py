@@ -25,10 +25,10 @@ In a batch each sequence has a drafter of its own (`for_sequence`), and their he
 (`BatchedHeads`): the heads read all their weights for a few rows as for one, so a batch of sequences drafts
 for about what one does.
 
-Off the CPU, under greedy decoding and outside a batch, a draft is read with its verdict rather than before it
-(`reads_late`): the chain verified whole, the tree made on the device (`tree.growth.top_paths`: the same best
-nodes as `best_first`) and pruned there to as many nodes as paid in the tree before, so a step waits for the device
-once.
+Off the CPU, under greedy decoding or seeded sampling (`sampling.matched`) and outside a batch, a draft is read
+with its verdict rather than before it (`reads_late`): the chain verified whole, the tree made on the device
+(`tree.growth.top_paths`: the same best nodes as `best_first`) and pruned there to as many nodes as paid in the tree
+before, so a step waits for the device once.
 
 On a static target (`models.static`) the heads' call on one feature runs through the target's runner
 (`models.graphs`: captured as a CUDA graph for each depth on a GPU); a batch's call, whose row count varies, runs
@@ -59,6 +59,7 @@ from specdecode.models.static import StaticCausalLM
 from specdecode.tree.budget import MAX_BUDGET, Calibration, best_budget
 from specdecode.tree import growth
 from specdecode.types import DeviceLayout, Draft, SamplingParams
+from specdecode.sampling import matched
 
 WEIGHTS, CONFIG = "medusa.safetensors", "medusa.json"
 TIMINGS = 5  # latest timings of the heads' call whose lower median prices a draft
@@ -211,7 +212,7 @@ class MedusaDrafter(Drafter):
         self._timings: deque[float] = deque(maxlen=TIMINGS)  # shared with the batch's twins (`for_sequence`)
         self._calibration = Calibration()
         self._batched: BatchedHeads | None = None  # the heads' call shared by a batch's sequences (`for_sequence`)
-        # Off the CPU, under greedy decoding and outside a batch, a draft after a sequence's first is read with its
+        # Off the CPU, greedy or seeded and outside a batch, a draft after a sequence's first is read with its
         # verdict (`Draft.riders`): a chain verified whole, a tree made and pruned on the device (`tree.growth`) to
         # as many nodes as paid in the one before; `kept_on_device` off: a composite merges the trees on the host
         self.reads_late, self.kept_on_device = weight.device.type != "cpu", True
@@ -305,7 +306,7 @@ class MedusaDrafter(Drafter):
             probs = self.distributions(self._feature, depth)
             self.stopwatch.measure(start, self.stopwatch.mark(), self._timings.appendleft)
         factor = self._calibration.factor
-        late = self.reads_late and params.greedy and self._batched is None and self.kept_on_device
+        late = self.reads_late and matched(params, generator) and self._batched is None and self.kept_on_device
         if late and (not self.tree or self.late_budget is not None):
             return self._read_late(probs, depth)
         if not self.tree:

@@ -51,14 +51,19 @@ def verify_typical(
         return verify(target_logits, draft, params, generator, riders)
     probs = logits_to_probs(target_logits, params)  # [n + 1, vocab]
     device = probs.device
-    parents = draft.parents if draft.parents is not None else structure.chain(len(draft))  # [n] on the host
+    parents = draft.parents if draft.parents is not None else structure.chain(len(draft))  # [n], host or device
     draft_tokens = to_device(draft.tokens, device)  # [n]
     rows = to_device(parents + 1, device)  # [n] each node's parent's row
-    # each row's threshold, each node's token and its probability under its parent's row
-    threshold, tokens, token_probs = to_host(typical_thresholds(probs, epsilon, delta), draft_tokens,
-                                             probs[rows, draft_tokens])
+    # each row's threshold, each node's token, its probability under its parent's row and its parent, and the
+    # draft's riders (a draft left on the device until its verdict: `Draft.riders`)
+    threshold, tokens, token_probs, up, *read = to_host(typical_thresholds(probs, epsilon, delta), draft_tokens,
+                                                        probs[rows, draft_tokens], parents, *draft.riders)
+    if draft.riders:
+        draft.read = read
+    if draft.layout is not None:  # a tree whose structure is on the device: the host's copy from now on
+        draft.parents = torch.tensor(up, dtype=torch.long, device="cpu")
     # a node is accepted when it and all its ancestors are typical; nodes come parents first
-    depth, up = [0] * len(tokens), parents.tolist()
+    depth = [0] * len(tokens)
     for node, parent in enumerate(up):
         typical = token_probs[node] > threshold[parent + 1]
         if typical and (parent < 0 or depth[parent] > 0):
@@ -70,6 +75,6 @@ def verify_typical(
         node = up[node]
     path.reverse()
     last_row = path[-1] + 1 if path else 0
-    leaf = not bool((parents == (path[-1] if path else -1)).any())
+    leaf = (path[-1] if path else -1) not in up
     verdict = _verdict(tokens, path, int(sample(probs[last_row], generator)), leaf=leaf)
     return verdict if draft.is_tree else replace(verdict, rejected=tuple(tokens[len(path):]))

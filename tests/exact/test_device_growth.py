@@ -92,30 +92,35 @@ def test_a_tree_grown_on_the_device_is_the_one_grown_on_the_host(tiny_target, ki
 
 @pytest.mark.parametrize("kind", KINDS)
 @PATHS
-def test_a_step_reads_the_device_once_however_deep_the_tree(tiny_target, kind, static):
+@PARAMS
+def test_a_step_reads_the_device_once_however_deep_the_tree(tiny_target, kind, static, params):
     """A sequence's first tree grown on the device is read to choose how many nodes to keep (two reads with the
-    verdict); every later one is pruned on the device and read with its verdict: one read a greedy step, where
-    the host's growth reads once per level (`test_head_syncs`)."""
+    verdict); every later one is pruned on the device and read with its verdict: one read a step, greedy or sampled
+    (a seeded sequence's tree is matched against the tokens plain decoding samples: `sampling`), where the host's
+    growth reads once per level (`test_head_syncs`)."""
     target_lm = tracked(tiny_target, static)
     tree = drafter(kind, target_lm, on_host=False, static=static)
     if kind == "draft":
         devices.track(tree.model)
     engine = SpeculativeEngine(target_lm, drafter=tree, gate=False)
-    counts, events = syncs_per_step(engine, GREEDY)
+    counts, events = syncs_per_step(engine, params)
     depths = [e.stats.draft_depth or 0 for e in events]
-    assert max(depths) >= 3, depths  # deep trees
+    assert max(depths) >= (3 if params.greedy else 2), depths  # trees of several levels (sampled ones score lower)
     first = next(i for i, e in enumerate(events) if e.stats.drafted)
     assert counts[first] == 2 and set(counts[first + 1 :]) == {1}, counts
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_greedy_output_is_plain_decoding(tiny_target, kind):
+@PARAMS
+def test_the_output_is_plain_decodings(tiny_target, kind, params):
+    """Greedy, and sampled with a seed: the trees grown, pruned and verified on the device give plain decoding's
+    tokens."""
     prompts = random_prompts(3, seed=11, low=6, high=20)
     plain = SpeculativeEngine(HFCausalLM(tiny_target))
     engine = SpeculativeEngine(target_lm := HFCausalLM(tiny_target),
                                drafter=drafter(kind, target_lm, on_host=False, static=False, budget=None))
-    for prompt in prompts:
-        config = GenerationConfig(max_new_tokens=30)
+    for number, prompt in enumerate(prompts):
+        config = GenerationConfig(max_new_tokens=30, sampling=params, seed=number)
         result = engine.generate(prompt, config)
         assert result.token_ids == plain.generate(prompt, config).token_ids
         assert any(step.drafted for step in result.steps)
@@ -241,7 +246,7 @@ def test_no_tensor_of_the_devices_policy_lands_on_the_wrong_device(tiny_target, 
     """Every tensor the trees grown on the device (and the chains and Medusa's drafts read with their verdicts) make
     without naming a device goes to `meta` (`conftest.wrong_device_trap`): one made on the host where the model's
     device was meant fails here on the CPU as it would on a GPU. Greedy output is still plain decoding's, sampled
-    runs through."""
+    runs through and gives plain decoding's sampled tokens."""
     from conftest import random_medusa_heads, wrong_device_trap
     from specdecode.drafters.eagle import EagleDrafter
     from specdecode.drafters.medusa import MedusaDrafter
@@ -261,7 +266,10 @@ def test_no_tensor_of_the_devices_policy_lands_on_the_wrong_device(tiny_target, 
     plain = SpeculativeEngine(lm(tiny_target, static))
     config = GenerationConfig(max_new_tokens=16)
     expected = plain.generate(PROMPT, config).token_ids
+    sampled_config = GenerationConfig(max_new_tokens=8, sampling=SAMPLED, seed=1)
+    expected_sampled = plain.generate(PROMPT, sampled_config).token_ids
     with wrong_device_trap():
         greedy = engine.generate(PROMPT, config)
-        engine.generate(PROMPT, GenerationConfig(max_new_tokens=8, sampling=SAMPLED, seed=1))
+        sampled = engine.generate(PROMPT, sampled_config)
     assert greedy.token_ids == expected and sum(step.drafted for step in greedy.steps) > 0
+    assert sampled.token_ids == expected_sampled

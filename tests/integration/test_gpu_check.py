@@ -39,7 +39,8 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     assert any(r["accepted"] > 0 for r in rows)
 
     syncs = parts["syncs"]["result"]["rows"]
-    assert [(r["path"], r["method"]) for r in syncs] == [(p, m) for p in ("dynamic", "static") for m in SYNC_METHODS]
+    assert [(r["decoding"], r["path"], r["method"]) for r in syncs] == [
+        (d, p, m) for d in ("greedy", "sampled") for p in ("dynamic", "static") for m in SYNC_METHODS]
     assert all(r["steps"] > 0 and r["per_step"] == r["counted"] / r["steps"] for r in syncs), syncs
 
     plan = report["plan"]
