@@ -135,9 +135,12 @@ def seed_key(seed: int) -> int:
 
 def position_uniforms(key: int, positions: torch.Tensor) -> torch.Tensor:
     """The uniforms in [0, 1) of a key's output positions ([...] int64, on any device): splitmix64 of the key's
-    `positions`-th step, its top 53 bits as a float64. The same numbers on every device and whatever was drawn
-    before: a function of the key and the position alone. -> [...] float64"""
+    `positions`-th step, its top 53 bits as a float64 (on MPS, which has none, 24 bits as a float32). The same
+    numbers on every device and whatever was drawn before: a function of the key and the position alone.
+    -> [...] float64"""
     z = _mix(key + (positions + 1) * _signed(_GOLDEN))
+    if positions.device.type == "mps":  # no float64 there: the top 24 bits, exact in a float32
+        return _shifted(z, 40).to(torch.float32) * 2.0**-24
     return _shifted(z, 11).to(torch.float64) * 2.0**-53
 
 
