@@ -35,7 +35,7 @@ from specdecode.drafters.eagle import EagleDrafter, EagleTreeDrafter
 from specdecode.drafters.eagle_head import full_vocabulary
 from specdecode.drafters.static_heads import StaticFeeds
 from specdecode.drafters.eagle3_head import Eagle3Head
-from specdecode.drafters.heads import check_fits, for_drafting, head_folder
+from specdecode.drafters.heads import check_fits, for_drafting, head_folder, lm_head_rows
 from specdecode.errors import UserError
 from specdecode.models.static import BUCKETS, DEFAULT_CAPACITY, StaticCausalLM
 from specdecode.models.static_layers import grouped_attention
@@ -56,7 +56,7 @@ class Eagle3State:
         # the target's LM head's rows of the draft vocabulary [V', d]: read once (an int8 target unpacks its whole
         # head to give them), kept where an adaptation makes drafting copies again
         lm_head = target_model.get_output_embeddings()
-        rows = lm_head.weight[head.draft_ids.to(self.device)]
+        rows = lm_head_rows(target_model, head.draft_ids)
         self._rows = rows if adaptation is not None else None
         self._drafting_copy(head, rows)
         self.dtype = torch.float32

@@ -15,7 +15,7 @@ from transformers import DynamicCache, Qwen2Config, Qwen2Model
 
 from specdecode.devices import to_device
 from specdecode.drafters.base import tensor_bytes
-from specdecode.drafters.heads import for_drafting, load_head, save_head
+from specdecode.drafters.heads import for_drafting, lm_head_rows, load_head, save_head
 from specdecode.models.cache import cache_keyword
 
 WEIGHTS, CONFIG = "eagle.safetensors", "eagle.json"
@@ -102,14 +102,13 @@ class HeadState:
     quantize = True  # the head's layers on the quantized kernels where the device is a CPU that has them
 
     def __init__(self, head: EagleHead, target_model):
-        weight = target_model.get_output_embeddings().weight  # [vocab, d] the target's LM head
-        self.device = weight.device
-        # the head as it drafts: float32 on the target's device (`heads.for_drafting`)
-        self.head, self.lm_head = for_drafting(head, weight[head.vocab_ids.to(self.device)], self.quantize)
-        self.dtype = torch.float32
         self.embed = target_model.get_input_embeddings()
+        self.device = self.embed.weight.device  # the target's
+        # the head as it drafts: float32 on the target's device (`heads.for_drafting`), over its LM head's rows
+        self.head, self.lm_head = for_drafting(head, lm_head_rows(target_model, head.vocab_ids), self.quantize)
+        self.dtype = torch.float32
         self.vocab_ids = head.vocab_ids.to(self.device)  # draft index -> token id
-        self.vocab_size = weight.shape[0]
+        self.vocab_size = target_model.get_output_embeddings().out_features
         self.reset()
 
     def reset(self, forget: bool = False) -> None:

@@ -113,6 +113,17 @@ def head_folder(target, kind: str, head: str | None):
 DRAFT_BITS: int | None = 4
 
 
+def lm_head_rows(target_model, ids: torch.Tensor) -> torch.Tensor:
+    """The rows `ids` ([k] token ids) of the target's LM head, [k, d] on its device, without the graph: an int4 head
+    dequantizes only those rows (`InvariantInt4Linear.weight_rows`), any other gives `weight[ids]`."""
+    lm_head = target_model.get_output_embeddings()
+    select = getattr(lm_head, "weight_rows", None)
+    if select is not None:
+        return select(ids)
+    weight = lm_head.weight.detach()
+    return weight[ids.to(weight.device)]
+
+
 def for_drafting(head: H, lm_rows: torch.Tensor, quantize: bool = True) -> tuple[H, nn.Module]:
     """(a float32 copy of a trained head, a layer computing its draft logits from the LM head's rows of its
     vocabulary `lm_rows` [V', d]) as they draft, both on the device of `lm_rows` (the target's): on the CPU

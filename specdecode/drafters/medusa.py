@@ -51,7 +51,7 @@ from torch import nn
 
 from specdecode import devices
 from specdecode.drafters.base import Drafter, Memory, Needs, Outcome, late_values
-from specdecode.drafters.heads import check_fits, for_drafting, head_folder, load_head, save_head
+from specdecode.drafters.heads import check_fits, for_drafting, head_folder, lm_head_rows, load_head, save_head
 from specdecode.errors import UserError
 from specdecode.models.costs import lower_median
 from specdecode.models.graphs import Runner, make_runner
@@ -186,19 +186,20 @@ class MedusaDrafter(Drafter):
             raise ValueError("a Medusa tree needs the target's cost curve or a fixed budget")
         if top_k < 1 or max_nodes < 1:
             raise UserError(f"Medusa needs top_k >= 1 and max_nodes >= 1; got {top_k}, {max_nodes}")
-        weight = target_model.get_output_embeddings().weight.detach()  # [vocab, d] on the target's device
-        vocab_ids = torch.arange(weight.shape[0], device="cpu") if full_vocabulary else heads.vocab_ids.cpu()
+        lm_head = target_model.get_output_embeddings()
+        device = target_model.get_input_embeddings().weight.device  # the target's
+        vocab_ids = torch.arange(lm_head.out_features, device="cpu") if full_vocabulary else heads.vocab_ids.cpu()
         # draft index -> token id: on the device for chains (drafted there), on the host for trees (built there)
-        self.vocab_ids, self.host_vocab_ids = vocab_ids.to(weight.device), vocab_ids
+        self.vocab_ids, self.host_vocab_ids = vocab_ids.to(device), vocab_ids
         # the heads as they draft: float32 on the target's device, on the quantized kernels where that is a
         # CPU that has them; float layers where their call runs through a static target's runner (the quantized
         # kernels are the CPU's dynamic path's, and no graph traces them)
-        self.heads, self.lm_head = for_drafting(heads, weight if full_vocabulary else weight[self.vocab_ids],
-                                                quantize=runner is None)
+        rows = lm_head.weight.detach() if full_vocabulary else lm_head_rows(target_model, vocab_ids)  # [V', d]
+        self.heads, self.lm_head = for_drafting(heads, rows, quantize=runner is None)
         # `runner`: a static target's (`build_medusa`; "eager", "compile" or CUDA "graphs", `models.graphs`), which
         # runs the heads' call on one feature, a shape fixed for each depth; None: the call as written
         self.runner: Runner | None = None if runner is None else make_runner(runner, self._distributions,
-                                                                              weight.device, backend)
+                                                                              device, backend)
         self.dtype = torch.float32
         self.curve, self.tree, self.top_k, self.max_nodes, self.budget = curve, tree, top_k, max_nodes, budget
         if draft_cost is not None and not draft_cost >= 0:
@@ -208,14 +209,14 @@ class MedusaDrafter(Drafter):
         # or on a curve without it, `draft_cost` (None: free). Timed without waiting for the device
         # (`devices.stopwatch`); `clock`: a fixed clock instead (a test's).
         self.draft_cost = draft_cost
-        self.stopwatch = devices.stopwatch(weight.device, clock)
+        self.stopwatch = devices.stopwatch(device, clock)
         self._timings: deque[float] = deque(maxlen=TIMINGS)  # shared with the batch's twins (`for_sequence`)
         self._calibration = Calibration()
         self._batched: BatchedHeads | None = None  # the heads' call shared by a batch's sequences (`for_sequence`)
         # Off the CPU, greedy or seeded and outside a batch, a draft after a sequence's first is read with its
         # verdict (`Draft.riders`): a chain verified whole, a tree made and pruned on the device (`tree.growth`) to
         # as many nodes as paid in the one before; `kept_on_device` off: a composite merges the trees on the host
-        self.reads_late, self.kept_on_device = weight.device.type != "cpu", True
+        self.reads_late, self.kept_on_device = device.type != "cpu", True
         self.begin([])
 
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:

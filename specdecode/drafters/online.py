@@ -29,6 +29,7 @@ from specdecode import devices
 from specdecode.devices import to_device
 from specdecode.drafters.base import Drafter, tensor_bytes
 from specdecode.drafters.eagle3 import build_eagle3
+from specdecode.drafters.heads import lm_head_rows
 from specdecode.drafters.eagle3_head import Eagle3Head, unroll
 
 LEARNING_RATE = 1e-4
@@ -51,7 +52,7 @@ class OnlineAdaptation:
         self.learning_rate = LEARNING_RATE if learning_rate is None else learning_rate
         self.steps, self.unroll, self.replay_tokens = STEPS if steps is None else steps, unroll, replay_tokens
         self.optimiser = self._optimiser()
-        self.lm_rows = target_model.get_output_embeddings().weight.detach()[self.head.draft_ids].float()  # [V', d]
+        self.lm_rows = lm_head_rows(target_model, self.head.draft_ids).float()  # [V', d]
         draft_index = torch.full((self.table.shape[0],), -1, dtype=torch.long, device=self.device)
         draft_index[self.head.draft_ids] = torch.arange(len(self.head.draft_ids), device=self.device)
         self.draft_index = draft_index  # target id -> draft id (-1: outside the draft vocabulary)
