@@ -54,7 +54,8 @@ class Eagle3State:
         self.device = self.embed.weight.device
         self.adaptation = adaptation  # a head that learns while it drafts (`drafters.online`), or None
         # the target's LM head's rows of the draft vocabulary [V', d]: read once (an int8 target unpacks its whole
-        # head to give them), kept where an adaptation makes drafting copies again
+        # head to give them, an int4 one those rows: `heads.lm_head_rows`), kept where an adaptation makes drafting
+        # copies again
         lm_head = target_model.get_output_embeddings()
         rows = lm_head_rows(target_model, head.draft_ids)
         self._rows = rows if adaptation is not None else None
