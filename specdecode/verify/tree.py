@@ -146,15 +146,14 @@ def verify(
     the draft's riders (`Draft.riders`) and `riders` with the verdict. Refuses a tree's probs unless its nodes were
     drawn independently (`Draft.check_probs`)."""
     draft.check_probs()
-    targets = None if params.greedy else matched_tokens(target_logits, draft, params, generator)
-    if not params.greedy and targets is None:
+    if params.greedy:
+        targets = target_logits.argmax(-1)  # [n + 1]
+    elif (targets := matched_tokens(target_logits, draft, params, generator)) is None:
         if draft.parents is None:
             return verify_chain(target_logits, draft, params, generator)
         target_probs = logits_to_probs(target_logits, params)
         return verify_tree_sampling(target_probs, draft.tokens, draft.parents, draft.probs, generator)
     both = (*draft.riders, *riders)  # the drafter's riders first (`Draft.riders`), then the caller's
-    if targets is None:
-        targets = target_logits.argmax(-1)  # [n + 1]
     if draft.parents is None:  # a chain
         verdict = match_chain(targets, draft.tokens, both)
     elif draft.layout is not None:
