@@ -146,9 +146,9 @@ def verify(
     the draft's riders (`Draft.riders`) and `riders` with the verdict. Refuses a tree's probs unless its nodes were
     drawn independently (`Draft.check_probs`)."""
     draft.check_probs()
-    if params.greedy:
-        targets = target_logits.argmax(-1)  # [n + 1]
-    elif (targets := matched_tokens(target_logits, draft, params, generator)) is None:
+    targets = (target_logits.argmax(-1) if params.greedy  # [n + 1]
+               else matched_tokens(target_logits, draft, params, generator))
+    if targets is None:
         if draft.parents is None:
             return verify_chain(target_logits, draft, params, generator)
         target_probs = logits_to_probs(target_logits, params)
