@@ -151,7 +151,7 @@ def test_real_pair_greedy_speculative_equals_plain_on_llamacpp():
     from specdecode.bench.exactness import diagnose
 
     models = load_models(backend="llamacpp", progress=False)
-    config = GenerationConfig(max_new_tokens=40)
+    config = GenerationConfig(max_new_tokens=24)  # short: the real-pair tests share CI's 20 minutes with the rest
     identical = 0
     for prompt in ["Write a Python function that returns the n-th Fibonacci number.",
                    "Rename the variable x to count and return the code:\n\nx = 0\nfor item in items:\n    x += 1\n"]:

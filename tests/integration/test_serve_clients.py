@@ -7,7 +7,7 @@ gets the same answer, calls and scores from both.
 On a tiny random model (`conftest.tiny_tool_folder`: Qwen2.5's chat template) nothing calls a tool of its own accord,
 so the calls are forced (`tool_choice` required or a named function, which the grammar engine enforces) and the tools'
 arguments bounded (a random model would write an unbounded integer until max_tokens); the loop still runs end to end.
-The `slow` cases do the same on the real pair."""
+The `slow` case runs the agent on the real pair."""
 
 from __future__ import annotations
 
@@ -183,21 +183,16 @@ def test_lm_eval_scores_equal_under_ar_and_auto(servers, folder, tmp_path, monke
 
 
 @pytest.mark.slow
-def test_the_real_pair_agent_and_lm_eval_agree_under_auto(tmp_path, monkeypatch):
+def test_the_real_pair_agent_runs_the_same_under_auto():
     """The real default pair on the int8 path (batch-invariant: greedy speculation is plain decoding token for token,
-    where bfloat16 would leave near-ties to chance): the agent's loop and lm-eval's scores are the same under `auto`
-    as under `ar`."""
+    where bfloat16 would leave near-ties to chance): the agent calls the same tools with the same arguments and gives
+    the same final answer under `auto` as under `ar`. (lm-eval's scores under both are compared on the tiny model
+    above: the real pair would add minutes of CI for a check its exactness tests already make.)"""
     pair = load_models(dtype="int8", progress=False)
-    pair.tokenizer.save_pretrained(tmp_path / "tokenizer")  # lm-eval's, from a local folder
     running = {m: ServerThread(create_app(Server(pair, "real", default_method=m, methods=[m]))) for m in METHODS}
     try:
-        urls = {m: r.url + "/v1" for m, r in running.items()}
-        answers = {m: run_agent(url, "real", max_tokens=96) for m, url in urls.items()}
+        answers = {m: run_agent(r.url + "/v1", "real", max_tokens=64) for m, r in running.items()}
         assert answers["ar"][1] and answers["auto"] == answers["ar"]
-        write_tasks(tmp_path)
-        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-        scores = {m: lm_eval_scores(url, "real", str(tmp_path / "tokenizer"), tmp_path)[0] for m, url in urls.items()}
-        assert scores["auto"] == scores["ar"]
     finally:
         for r in running.values():
             r.stop()
