@@ -68,9 +68,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    # the real-model files first: with a worker a core (`make test`) the longest files start at once, and none
-    # starts last to run on alone
-    items.sort(key=lambda item: "slow" not in item.keywords)
+    # the real-model files first, then the statistical ones (thousands of runs a case, a minute or two a file), then
+    # the rest: with a worker a core (`make test`, a file at a time) the longest files start early, and none starts
+    # last to run on alone while the other worker idles
+    items.sort(key=lambda item: ("slow" not in item.keywords, item.path.parent.name != "statistical"))
     if DEVICE.type == "cpu":
         return
     skip = pytest.mark.skip(reason=f"CPU only (int8/int4 kernels, llama.cpp, real models); running on {DEVICE}")

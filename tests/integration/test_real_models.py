@@ -157,6 +157,23 @@ def test_plain_decoding_equals_transformers_generate_on_real_target(models):
     assert ours == theirs[0, len(ids) :].tolist()
 
 
+def test_an_agent_calls_the_same_tools_under_auto(models):
+    """The OpenAI Agents SDK against `specdecode serve` on the pair (`test_serve_clients.run_agent`): the same tool
+    calls with the same arguments, and the same final answer, under `auto` as under `ar` (the int8 path: greedy
+    speculation is plain decoding token for token, where bfloat16 would leave near-ties to chance)."""
+    from test_serve_clients import METHODS, run_agent
+
+    from specdecode.serve.app import Server, ServerThread, create_app
+
+    running = {m: ServerThread(create_app(Server(models, "real", default_method=m, methods=[m]))) for m in METHODS}
+    try:
+        answers = {m: run_agent(r.url + "/v1", "real", max_tokens=64) for m, r in running.items()}
+        assert answers["ar"][1] and answers["auto"] == answers["ar"]
+    finally:
+        for r in running.values():
+            r.stop()
+
+
 def test_chat_template_and_eos(models):
     ids = models.encode("Reply with the single word: yes", chat=True)
     result = models.engine("draft").generate(ids, GenerationConfig(max_new_tokens=20))

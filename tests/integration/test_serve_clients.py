@@ -7,7 +7,7 @@ gets the same answer, calls and scores from both.
 On a tiny random model (`conftest.tiny_tool_folder`: Qwen2.5's chat template) nothing calls a tool of its own accord,
 so the calls are forced (`tool_choice` required or a named function, which the grammar engine enforces) and the tools'
 arguments bounded (a random model would write an unbounded integer until max_tokens); the loop still runs end to end.
-The `slow` case runs the agent on the real pair."""
+The agent runs on the real pair too (`test_real_models.py`, beside the pair's other tests: one load)."""
 
 from __future__ import annotations
 
@@ -181,18 +181,3 @@ def test_lm_eval_scores_equal_under_ar_and_auto(servers, folder, tmp_path, monke
         assert [float(x[0][0]) for x in ours] == pytest.approx([float(x[0][0]) for x in theirs], abs=1e-4)
     assert scores["auto"][1]["tiny_questions"] == raw["tiny_questions"]
 
-
-@pytest.mark.slow
-def test_the_real_pair_agent_runs_the_same_under_auto():
-    """The real default pair on the int8 path (batch-invariant: greedy speculation is plain decoding token for token,
-    where bfloat16 would leave near-ties to chance): the agent calls the same tools with the same arguments and gives
-    the same final answer under `auto` as under `ar`. (lm-eval's scores under both are compared on the tiny model
-    above: the real pair would add minutes of CI for a check its exactness tests already make.)"""
-    pair = load_models(dtype="int8", progress=False)
-    running = {m: ServerThread(create_app(Server(pair, "real", default_method=m, methods=[m]))) for m in METHODS}
-    try:
-        answers = {m: run_agent(r.url + "/v1", "real", max_tokens=64) for m, r in running.items()}
-        assert answers["ar"][1] and answers["auto"] == answers["ar"]
-    finally:
-        for r in running.values():
-            r.stop()
