@@ -99,8 +99,9 @@ def check_static_parts(parts: dict, plan: dict) -> None:
 
 def test_gpu_check_runs_the_parts_asked_for_and_names_an_unknown_one(tmp_path):
     check = [sys.executable, str(REPO / "scripts" / "gpu-check"), "--device", "cpu", "--small", "--out", str(tmp_path)]
-    done = subprocess.run([*check, "--parts", "versions,syncs"], capture_output=True, text=True, timeout=300)
+    # two of the quickest parts (the whole check runs above)
+    done = subprocess.run([*check, "--parts", "versions,overhead"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert list(json.loads((tmp_path / "gpu-check.json").read_text())["parts"]) == ["versions", "syncs"]
+    assert list(json.loads((tmp_path / "gpu-check.json").read_text())["parts"]) == ["versions", "overhead"]
     done = subprocess.run([*check, "--parts", "versions,speed"], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "no part named speed" in done.stderr and "Traceback" not in done.stderr
