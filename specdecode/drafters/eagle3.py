@@ -54,15 +54,13 @@ class Eagle3State:
         self.device = self.embed.weight.device
         self.adaptation = adaptation  # a head that learns while it drafts (`drafters.online`), or None
         # the target's LM head's rows of the draft vocabulary [V', d]: read once (an int8 target unpacks its whole
-        # head to give them, an int4 one those rows: `heads.lm_head_rows`), kept where an adaptation makes drafting
-        # copies again
-        lm_head = target_model.get_output_embeddings()
-        rows = lm_head_rows(target_model, head.draft_ids)
-        self._rows = rows if adaptation is not None else None
+        # head to give them, an int4 one those rows: `heads.lm_head_rows`); an adaptation has read them already,
+        # and holds them for its drafting copies to come
+        rows = adaptation.lm_rows if adaptation is not None else lm_head_rows(target_model, head.draft_ids)
         self._drafting_copy(head, rows)
         self.dtype = torch.float32
         self.vocab_ids = head.draft_ids.to(self.device)
-        self.vocab_size = lm_head.out_features
+        self.vocab_size = target_model.get_output_embeddings().out_features
         self.features: list[torch.Tensor] = []  # [layers * d] the target's layer inputs at each context position
         self.keys: torch.Tensor | None = None  # [kv_heads, cached, head_dim]
         self.values: torch.Tensor | None = None
@@ -70,9 +68,10 @@ class Eagle3State:
 
     def _drafting_copy(self, head: Eagle3Head, rows: torch.Tensor | None = None) -> None:
         """The head as it drafts: float32 on the target's device (`heads.for_drafting`), over the LM head's `rows`
-        (else the kept ones)."""
-        rows = self._rows if rows is None else rows
-        assert rows is not None, "an adapting state keeps its rows; others copy the head once, given them"
+        (else the adaptation's)."""
+        if rows is None:
+            assert self.adaptation is not None, "an adapting state copies again over its adaptation's rows; others once"
+            rows = self.adaptation.lm_rows
         self.head, self.lm_head = for_drafting(head, rows, self.quantize)
 
     def reset(self, forget: bool = False) -> None:
@@ -91,8 +90,9 @@ class Eagle3State:
         self.last: torch.Tensor | None = None  # the head's output after its last real pair
 
     def memory_bytes(self) -> int:  # the head as loaded and as it drafts, its cache and features, the adaptation's
-        return tensor_bytes(self.trained, self.head, self.lm_head, self.features, self.keys, self.values, self._rows
-                            ) + (self.adaptation.memory_bytes() if self.adaptation is not None else 0)
+        # in one count: a drafting copy may share its storage with the adaptation's rows
+        held = self.adaptation.tensors() if self.adaptation is not None else ()
+        return tensor_bytes(self.trained, self.head, self.lm_head, self.features, self.keys, self.values, *held)
 
     def observe(self, hidden: torch.Tensor, num_pending: int, path: tuple[int, ...]) -> None:
         rows = list(range(num_pending)) + [num_pending + node for node in path]

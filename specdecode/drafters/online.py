@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from specdecode import devices
 from specdecode.devices import to_device
-from specdecode.drafters.base import Drafter, tensor_bytes
+from specdecode.drafters.base import Drafter
 from specdecode.drafters.eagle3 import build_eagle3
 from specdecode.drafters.heads import lm_head_rows
 from specdecode.drafters.eagle3_head import Eagle3Head, unroll
@@ -63,9 +63,9 @@ class OnlineAdaptation:
         self._stopwatch = devices.stopwatch(self.device)  # (on CUDA events: learning's seconds come once done)
         self._rng = random.Random(0)
 
-    def memory_bytes(self) -> int:
-        """The learning head, its optimiser's state, the LM head's rows and the replay buffer."""
-        return tensor_bytes(self.head, self.optimiser, self.lm_rows, self.replay)
+    def tensors(self) -> tuple:
+        """What it holds: the learning head, its optimiser's state, the LM head's rows and the replay buffer."""
+        return self.head, self.optimiser, self.lm_rows, self.replay
 
     def _copy(self, head: Eagle3Head) -> Eagle3Head:
         """A float32 copy of `head` on the target's device, to learn."""
