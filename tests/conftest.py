@@ -13,9 +13,13 @@ import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from specdecode.drafters import auto
+from specdecode.drafters.composite import CompositeDrafter, Source
+from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.eagle_head import EagleHead, head_config
 from specdecode.drafters.eagle3_head import Eagle3Config, Eagle3Head
-from specdecode.drafters.medusa import MedusaHeads
+from specdecode.drafters.medusa import MedusaDrafter, MedusaHeads
+from specdecode.drafters.options import DrafterOptions
 from specdecode.models import costs
 from specdecode.models.costs import CostCurve
 from specdecode.models.hf import HFCausalLM
@@ -24,6 +28,8 @@ from specdecode.models.hf import HFCausalLM
 # verification width nearly free. Adaptive drafting weighs a draft by them; the methods measure them
 # (`DraftModelDrafter.for_models`).
 DRAFT_PRICES = {"draft_cost": 0.4, "curve": CostCurve.linear(0.03)}
+# a GPU's shape of cost: a verification of 16 tokens 1.1x a one-token forward
+FLAT = CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.05, 1.1, 1.2, 1.4))
 
 VOCAB = 97
 REAL_MEASURE = costs.measure  # before the session's fixture fixes every curve (`fixed_measure`)
@@ -449,6 +455,18 @@ def random_medusa_heads(target, num_heads: int = 3, vocab: int | None = None, se
         for block in heads.blocks:
             block.weight.normal_(0, scale / math.sqrt(d))
     return heads.float().eval().to(target.device)
+
+
+def auto_prototype(model, draft_model=None, curve: CostCurve = FLAT) -> CompositeDrafter:
+    """`auto` as `drafters.auto` composes it where a Medusa head drafts (prompt lookup, the suffix cache, the head
+    as the fallback; random heads), priced on `curve`; the draft model beside it when given (which stays out of the
+    batch)."""
+    sources = [*auto.copy_sources(HFCausalLM(model), DrafterOptions(), curve),
+               Source(MedusaDrafter(random_medusa_heads(model, scale=0.5), model, curve, tree=True, top_k=2,
+                                    max_nodes=8), "expensive")]
+    if draft_model is not None:
+        sources.append(Source(DraftModelDrafter(HFCausalLM(draft_model), num_tokens=3, **DRAFT_PRICES), "expensive"))
+    return auto.compose(sources, curve, final_layer=model.config.num_hidden_layers)
 
 
 def random_eagle_head(target, vocab: int | None = None, seed: int = 0, intermediate: int = 32) -> EagleHead:

@@ -48,7 +48,10 @@ from specdecode.drafters.sources import Source
 from specdecode.drafters.suffix import SuffixDrafter
 
 if TYPE_CHECKING:
+    import torch
+
     from specdecode.models.base import CausalLM
+    from specdecode.models.costs import CostCurve
 
 HEAD_KINDS = ("medusa", "eagle3", "eagle")  # the shipped heads auto may draft with, cheapest first (`heads_for`)
 HEAD_BELOW = 2.0  # the head is asked while the copies promise fewer accepted tokens than this (module docstring)
@@ -95,21 +98,25 @@ def head_drafter(target: CausalLM, kind: str, folder: Path | None, options: Draf
     build = {"medusa": build_medusa, "eagle3": build_eagle3, "eagle": build_eagle}[kind]
     drafter = build(target, None, dataclasses.replace(options, tree=True, budget=None,
                                                       head=None if folder is None else str(folder)))
-    assert drafter is not None
-    if hasattr(drafter, "kept_on_device"):  # its trees are merged with the others' on the host: read them there
-        drafter.kept_on_device = False
+    assert drafter is not None  # (a tree it keeps on the device goes beside the merged copies: `drafters.composite`)
     return drafter
 
 
-def auto_sources(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> list[Source]:
-    """What `auto` composes for these models, in the order asked (see the module docstring)."""
-    curve = target.cost_curve()
+def copy_sources(target: CausalLM, options: DrafterOptions, curve: CostCurve | None = None) -> list[Source]:
+    """What `auto` asks first, free: prompt lookup (with the `--reference` document), the suffix cache (its trees
+    sized on `curve`, default the target's), and retrieval where a datastore is given."""
     sources = [Source(PromptLookupDrafter(reference_ids=options.reference_ids)),
-               Source(SuffixDrafter(curve, tree=True))]
+               Source(SuffixDrafter(curve or target.cost_curve(), tree=True))]
     if options.datastore is not None:
         from specdecode.drafters.retrieval import build_retrieval
 
         sources.append(Source(build_retrieval(target, None, dataclasses.replace(options, tree=False, budget=None))))
+    return sources
+
+
+def auto_sources(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> list[Source]:
+    """What `auto` composes for these models, in the order asked (see the module docstring)."""
+    sources = copy_sources(target, options)
     guessers = [Source(head_drafter(target, kind, folder, options), "expensive")
                 for kind, folder in heads_for(target, options.head)]
     sources += guessers
@@ -118,18 +125,24 @@ def auto_sources(target: CausalLM, draft: CausalLM | None, options: DrafterOptio
     return sources
 
 
+def compose(sources: list[Source], curve: CostCurve, final_layer: int | None,
+            device: torch.device | str | None = None) -> CompositeDrafter:
+    """`auto`'s composite of these sources, merged into one tree sized on `curve`; `final_layer`: the target's
+    final-norm state's index among its hidden states (for a head that reads it)."""
+    # with a head, the one expensive source is the head (no draft model beside it): asked below HEAD_BELOW
+    with_head = any(source.drafter.needs.hidden for source in sources)
+    drafter = CompositeDrafter(sources, curve, tree=True, final_layer=final_layer,
+                               fallback_below=HEAD_BELOW if with_head else 1.0, device=device)
+    drafter.name = "auto"
+    drafter.weighs_itself = True  # no step-aside switch (module docstring)
+    return drafter
+
+
 def build_auto(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> Drafter:
     """The `auto` method: `auto_sources` merged into one tree sized on the target's cost curve."""
     model = getattr(target, "model", None)
     final_layer = None if model is None else model.config.num_hidden_layers  # the final-norm state's index
-    sources = auto_sources(target, draft, options)
-    # with a head, the one expensive source is the head (no draft model beside it): asked below HEAD_BELOW
-    with_head = any(source.drafter.needs.hidden for source in sources)
-    drafter = CompositeDrafter(sources, target.cost_curve(), tree=True, final_layer=final_layer,
-                               fallback_below=HEAD_BELOW if with_head else 1.0, device=target.device)
-    drafter.name = "auto"
-    drafter.weighs_itself = True  # no step-aside switch (module docstring)
-    return drafter
+    return compose(auto_sources(target, draft, options), target.cost_curve(), final_layer, target.device)
 
 
 def describe(sources: list[Source]) -> str:

@@ -56,6 +56,12 @@ inputs) get them every step, asked or not: the composite asks the forward for th
 tuple), and each hears its own columns with the accepted path of the draft that was fed (`Outcome.fed_path`),
 so its features follow the context whatever source drafted it, while its verdict judges its own proposal.
 
+Off the CPU. A source that keeps its tree on the device (a trained head's, pruned there and read with the verdict:
+`Draft.layout`) is not merged, which would read it first: its tree goes beside the merged nodes as one forest
+(`merging.beside`), verified on the device, so a step waits for the device once. A path both propose is then verified
+twice (the deeper accepted copy wins); the tree's tokens and structure come back with the verdict, and its source
+hears its verdict as any other does.
+
 What pays. Each source's drafting is timed and weighed against the tokens it adds beyond the sources asked
 before it, per request (`drafters.source_payoff`). The timing does not wait for the device (`devices.stopwatch`:
 on CUDA between events); its seconds are in by the step's verdict, whose read on the host waited for the drafting
@@ -79,7 +85,7 @@ from specdecode.drafters.base import Drafter, Memory, Needs, Outcome, RunningAcc
 from specdecode.drafters.options import DrafterOptions, check_budget
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.merging import (  # (re-exported: the composite's pure part)
-    COMBINE, DROPPED, Merged, default_scores, merge, parents_of, select, surviving, translate,
+    COMBINE, DROPPED, Merged, beside, default_scores, merge, parents_of, select, surviving, translate,
 )
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.drafters.retrieval import build_retrieval
@@ -146,6 +152,7 @@ class CompositeDrafter(Drafter):
         self._merged: Merged | None = None
         self._draft: Draft | None = None  # this step's, as submitted
         self._submitted: dict[int, int] = {}  # merged node -> its index in the draft verified
+        self._beside: int | None = None  # the source whose tree made on the device goes beside the merge this step
 
     def memory_bytes(self) -> int:
         """What its sources hold (a server keeps one composite per owner where a source remembers)."""
@@ -161,7 +168,7 @@ class CompositeDrafter(Drafter):
         if forget:
             self._acceptance = [RunningAcceptance() for _ in self.sources]
         self.payoff.begin()
-        self._proposals, self._merged, self._draft, self._submitted = [], None, None, {}
+        self._proposals, self._merged, self._draft, self._submitted, self._beside = [], None, None, {}, None
 
     def for_sequence(self, memory: Memory | None = None) -> CompositeDrafter:
         """A composite of its sources' own drafters for one sequence of a batch (`Drafter.for_sequence`), of
@@ -176,8 +183,12 @@ class CompositeDrafter(Drafter):
         for source in self.sources:
             source.drafter.end()
 
+    def _merged_proposals(self) -> list[tuple[int, Draft]]:
+        """(source, proposal) of what the merge takes: the proposals asked for, but a tree kept on the device."""
+        return [(i, d) for i, d in enumerate(self._proposals) if d is not None and d.layout is None]
+
     def _merge(self, depth: int) -> Merged:
-        asked = [(i, d) for i, d in enumerate(self._proposals) if d is not None]
+        asked = self._merged_proposals()
         scores = [d.scores if d.scores is not None else default_scores(d, self.rate(i)) for i, d in asked]
         return merge([d for _, d in asked], scores, self.combine, max_depth=depth)
 
@@ -193,7 +204,7 @@ class CompositeDrafter(Drafter):
         return float(self._choose(merged)[1].sum())
 
     def propose(self, context, max_tokens, params: SamplingParams, generator) -> Draft:
-        self._proposals, self._merged, self._draft, self._submitted = [], None, None, {}
+        self._proposals, self._merged, self._draft, self._submitted, self._beside = [], None, None, {}, None
         if max_tokens <= 0:
             return Draft.empty()
         # 1. Ask the sources in order, but those that have not paid on this request; an expensive one only
@@ -208,22 +219,27 @@ class CompositeDrafter(Drafter):
             start = self.stopwatch.mark()
             self._proposals.append(source.drafter.propose(context, max_tokens, params, generator))
             self.stopwatch.measure(start, self.stopwatch.mark(), functools.partial(_cost, self._costs, i, step))
-        # 2. Merge into one trie and keep the nodes that pay.
+        # 2. Merge into one trie and keep the nodes that pay; a tree kept on the device goes beside them unread.
         merged = self._merged = self._merge(max_tokens)
         keep, scores = self._choose(merged)
         auxiliary = next((d.auxiliary for d in self._proposals if d is not None and d.auxiliary is not None), None)
-        self._submitted = {node: i for i, node in enumerate(keep.tolist())}
+        tree = next(((i, d) for i, d in enumerate(self._proposals) if d is not None and d.layout is not None), None)
+        self._beside = None if tree is None else tree[0]
+        first = 0 if tree is None else len(tree[1])  # (its nodes come first)
+        self._submitted = {node: first + i for i, node in enumerate(keep.tolist())}
         tokens = torch.tensor(merged.tokens, dtype=torch.long, device="cpu")[keep]
         # 3. Deterministic nodes, no probs: lossless under sampling (see the module docstring).
         all_parents = torch.tensor(merged.parents, dtype=torch.long, device="cpu")
         parents = structure.select(all_parents, keep) if self.tree else None
         self._draft = Draft(tokens=tokens, parents=parents, scores=scores, auxiliary=auxiliary)
+        if tree is not None:
+            self._draft = beside(tree[1], self._draft)
         return self._draft
 
     def _verified_part(self, source: int, draft: Draft) -> tuple[Draft, list[int]]:
         """The nodes of a source's draft that were verified, as a draft, and their submitted indices."""
         assert self._merged is not None, "observed a step whose proposals were never merged"
-        mapping = self._merged.mappings[[i for i, d in enumerate(self._proposals) if d is not None].index(source)]
+        mapping = self._merged.mappings[[i for i, _ in self._merged_proposals()].index(source)]
         nodes = [n for n, m in enumerate(mapping) if m in self._submitted]  # closed under ancestors
         keep = torch.tensor(nodes, dtype=torch.long, device="cpu")
         parents = structure.select(parents_of(draft), keep) if draft.is_tree else None
@@ -244,6 +260,8 @@ class CompositeDrafter(Drafter):
         """Each source hears how its own proposal would have fared verified alone (see the module
         docstring), with its rows of the logits if it needs them."""
         draft, verdict, stats = outcome.draft, outcome.verdict, outcome.stats
+        if self._beside is not None:
+            self._read_beside(draft)
         # the engine's gate may have cut a chain, or a batch's gate a tree: only the nodes it kept were verified
         cut = draft.is_tree and not draft.forced and self._draft is not None and len(draft) < len(self._draft)
         if cut:
@@ -265,7 +283,7 @@ class CompositeDrafter(Drafter):
                 self._acceptance[i].record(own)
                 if own.num_drafted and proposal.parents is not None:
                     depth = int(structure.depths(proposal.parents).max())
-            if proposal is not None and cut and len(proposal):
+            if proposal is not None and cut and len(proposal) and i != self._beside:
                 accepted.append(translate(self._verified_part(i, proposal)[0], verdict.tokens).num_accepted)
             else:
                 accepted.append(None if proposal is None else own.num_accepted)
@@ -282,7 +300,22 @@ class CompositeDrafter(Drafter):
         if self._proposals:  # a step the composite drafted (not one the engine played plain)
             self.stopwatch.settle()  # the sources' seconds (the verdict's read waited for their drafting)
             self.payoff.record(accepted, self._costs, verdict.num_accepted)
-        self._proposals, self._merged, self._draft, self._submitted = [], None, None, {}
+        self._proposals, self._merged, self._draft, self._submitted, self._beside = [], None, None, {}, None
+
+    def _read_beside(self, verified: Draft) -> None:
+        """The tree that went beside the merge, on the host: its drafter's riders and its tokens and parents came
+        with the verdict when the forest was verified as submitted (else they are read now, at a wait)."""
+        assert self._beside is not None and self._draft is not None
+        tree = self._proposals[self._beside]
+        assert tree is not None and tree.parents is not None
+        first, riders = len(tree), len(tree.riders)
+        if verified is self._draft and verified.read is not None and verified.parents is not None:
+            tree.read, tokens = verified.read[:riders], verified.read[riders][:first]
+            parents = verified.parents[:first].tolist()  # (on the host: verification's copy)
+        else:  # (a grammar cut the forest, or nothing of it was verified)
+            tokens, parents = devices.to_host(tree.tokens, tree.parents)
+        self._proposals[self._beside] = Draft(tokens=torch.tensor(tokens, dtype=torch.long, device="cpu"),
+                                              parents=torch.tensor(parents, dtype=torch.long, device="cpu"))
 
 
 def _cost(costs: list[float], source: int, plain_step: float, seconds: float) -> None:

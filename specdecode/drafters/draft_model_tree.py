@@ -120,10 +120,8 @@ class DraftModelTreeDrafter(Drafter):
         # on the host or on the device (module docstring); a head's drafter says where its head runs
         self.grows_on_host = model is None or model.device.type == "cpu"
         self.rounds = FIRST_ROUNDS  # growing rounds of the next tree grown on the device
-        # whether a tree grown on the device is also pruned there (greedy or seeded sampling), to be read with its
-        # verdict (a composite that merges trees on the host turns it off), and to how many nodes (None: read this one
-        # and choose)
-        self.kept_on_device = True
+        # how many nodes a tree grown on the device keeps, pruned there to be read with its verdict (greedy or seeded
+        # sampling; a composite verifies it beside its merged sources); None: read this one and choose
         self.late_budget: int | None = None
         self._late: tuple[Draft, list[int], int] | None = None  # (a draft kept on the device, layer sizes, rounds)
         self._calibration = Calibration()
@@ -251,7 +249,7 @@ class DraftModelTreeDrafter(Drafter):
             return Draft.empty()
         on_device = not self.grows_on_host and self.shape_parents is None
         rounds = max(min(self.rounds, depth_limit - 1), 0)  # a tree grown on the device
-        if on_device and matched(params, generator) and self.kept_on_device and self.late_budget is not None:
+        if on_device and matched(params, generator) and self.late_budget is not None:
             draft = self._late_draft(logits, params, length, rounds, self.late_budget)
             self._end(length)
             return draft

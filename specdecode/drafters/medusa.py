@@ -215,8 +215,8 @@ class MedusaDrafter(Drafter):
         self._batched: BatchedHeads | None = None  # the heads' call shared by a batch's sequences (`for_sequence`)
         # Off the CPU, greedy or seeded and outside a batch, a draft after a sequence's first is read with its
         # verdict (`Draft.riders`): a chain verified whole, a tree made and pruned on the device (`tree.growth`) to
-        # as many nodes as paid in the one before; `kept_on_device` off: a composite merges the trees on the host
-        self.reads_late, self.kept_on_device = device.type != "cpu", True
+        # as many nodes as paid in the one before (a composite verifies such a tree beside its merged sources)
+        self.reads_late = device.type != "cpu"
         self.begin([])
 
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
@@ -307,7 +307,7 @@ class MedusaDrafter(Drafter):
             probs = self.distributions(self._feature, depth)
             self.stopwatch.measure(start, self.stopwatch.mark(), self._timings.appendleft)
         factor = self._calibration.factor
-        late = self.reads_late and matched(params, generator) and self._batched is None and self.kept_on_device
+        late = self.reads_late and matched(params, generator) and self._batched is None
         if late and (not self.tree or self.late_budget is not None):
             return self._read_late(probs, depth)
         if not self.tree:

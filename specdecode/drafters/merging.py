@@ -9,11 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.devices import to_device
 from specdecode.models.costs import CostCurve
 from specdecode.tree import structure
 from specdecode.tree.budget import best_budget, prune
 from specdecode.tree.trie import best_path
-from specdecode.types import Draft, Verdict
+from specdecode.types import DeviceLayout, Draft, Verdict
 
 DROPPED = -2  # a sub-draft node the merge left out (deeper than allowed, or under such a node)
 
@@ -152,3 +153,25 @@ def surviving(submitted: Draft, verified: Draft) -> dict[int, int]:
         if node is not None:
             where[node] = k
     return where
+
+
+def beside(tree: Draft, nodes: Draft) -> Draft:
+    """A tree made on the device (`Draft.layout`) and host-made nodes (a tree or a chain) side by side as one
+    forest on the device: the tree's nodes first, then the others, each part under the context as it was. Nothing
+    is read: where both parts propose the same path it is verified twice, which a wide forward costs little of
+    where such trees are made (off the CPU). The forest's riders are the tree's, then the forest's tokens, so that
+    its verdict's one transfer brings what the tree's drafter and the caller learn from."""
+    layout = tree.layout
+    assert layout is not None and tree.parents is not None and tree.scores is not None
+    device, first = tree.tokens.device, len(tree)
+    parents = parents_of(nodes)
+    shifted = torch.where(parents == structure.ROOT, parents, parents + first)
+    ancestors = torch.zeros(first + len(nodes), first + len(nodes), dtype=torch.bool, device=device)
+    ancestors[:first, :first] = layout.ancestors
+    ancestors[first:, first:] = to_device(structure.ancestor_mask(parents), device)
+    scores = nodes.scores if nodes.scores is not None else torch.ones(len(nodes), device="cpu")
+    tokens = torch.cat([tree.tokens, to_device(nodes.tokens, device)])
+    return Draft(tokens=tokens, parents=torch.cat([tree.parents, to_device(shifted, device)]),
+                 scores=torch.cat([tree.scores, to_device(scores, device, torch.float32).to(tree.scores.dtype)]),
+                 auxiliary=nodes.auxiliary, layout=DeviceLayout(ancestors, torch.cat(
+                     [layout.depths, to_device(structure.depths(parents), device)])), riders=(*tree.riders, tokens))

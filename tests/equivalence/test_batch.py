@@ -7,13 +7,12 @@ import pytest
 import torch
 
 from conftest import (
-    DRAFT_PRICES, VOCAB, LetterTokenizer, greedy_references, random_medusa_heads, tiny_qwen2, wrong_device_trap,
+    DRAFT_PRICES, FLAT, VOCAB, LetterTokenizer, auto_prototype, greedy_references, random_medusa_heads, tiny_qwen2,
+    wrong_device_trap,
 )
 from fakes import DRAFT, PROMPT, TARGET, FakeLM, IndependentTreeDrafter
 from goodness_of_fit import Outcomes, assert_follows, continuations, model_logits
-from specdecode.drafters.auto import HEAD_BELOW
 from specdecode.drafters.base import Drafter, Memory
-from specdecode.drafters.composite import CompositeDrafter, Source
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.jacobi import JacobiDrafter
 from specdecode.drafters.medusa import MedusaDrafter
@@ -31,7 +30,6 @@ from specdecode.types import Draft, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FLAT = CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.05, 1.1, 1.2, 1.4))
 
 
 def repetitive_prompts(count: int, seed: int = 3) -> list[list[int]]:
@@ -270,20 +268,6 @@ def test_the_batch_gate_cuts_scored_trees_to_subtrees():
 
 
 # --- Every method that joins the batch: auto, suffix, Medusa, Jacobi -------------------------------------------
-
-
-def auto_prototype(model, draft_model=None) -> CompositeDrafter:
-    """`auto` as `drafters.auto` composes it where a Medusa head drafts (prompt lookup, the suffix cache, the head
-    as the fallback; random heads), the draft model beside it when given (which stays out of the batch)."""
-    sources = [Source(PromptLookupDrafter()), Source(SuffixDrafter(FLAT, tree=True)),
-               Source(MedusaDrafter(random_medusa_heads(model, scale=0.5), model, FLAT, tree=True, top_k=2,
-                                    max_nodes=8), "expensive")]
-    if draft_model is not None:
-        sources.append(Source(DraftModelDrafter(HFCausalLM(draft_model), num_tokens=3, **DRAFT_PRICES), "expensive"))
-    composite = CompositeDrafter(sources, FLAT, tree=True, final_layer=model.config.num_hidden_layers,
-                                 fallback_below=HEAD_BELOW)
-    composite.name, composite.weighs_itself = "auto", True
-    return composite
 
 
 def prototypes(model) -> dict[str, Drafter]:

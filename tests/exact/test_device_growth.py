@@ -17,9 +17,13 @@ import torch
 
 from conftest import VOCAB, random_eagle3_head, random_eagle_head, random_prompts
 from specdecode import devices
+from specdecode.drafters import auto
+from specdecode.drafters.composite import Source
 from specdecode.drafters.draft_model_tree import FIRST_ROUNDS, DraftModelTreeDrafter
+from specdecode.drafters.merging import beside, parents_of
 from specdecode.drafters.eagle import EagleTreeDrafter
 from specdecode.drafters.eagle3 import Eagle3TreeDrafter, eagle3_state
+from specdecode.drafters.options import DrafterOptions
 from specdecode.drafters.static_heads import eagle_state
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.models.hf import HFCausalLM
@@ -110,6 +114,26 @@ def test_a_step_reads_the_device_once_however_deep_the_tree(tiny_target, kind, s
     assert counts[first] == 2 and set(counts[first + 1 :]) == {1}, counts
 
 
+@PATHS
+@PARAMS
+def test_auto_with_an_eagle3_head_reads_once_a_step(tiny_target, static, params):
+    """`auto` where its head is EAGLE-3 (a `--head` given, or the one shipped): the head's tree grown and pruned on
+    the device goes beside the copies' merged nodes, so a step reads once after the head's first tree, and the output
+    is plain decoding's, greedy or sampled with a seed."""
+    target_lm = tracked(tiny_target, static)
+    head = drafter("eagle3", target_lm, on_host=False, static=static, budget=None)
+    made = auto.compose([*auto.copy_sources(target_lm, DrafterOptions(), FLAT), Source(head, "expensive")], FLAT,
+                        final_layer=tiny_target.config.num_hidden_layers)
+    engine = SpeculativeEngine(target_lm, drafter=made)
+    drafts = recording(made)
+    counts, _ = syncs_per_step(engine, params, max_new_tokens=32)
+    assert counts.count(2) == 1 and set(counts) == {1, 2}, counts  # the head's first tree read to size it
+    assert any(d.layout is not None for d in drafts)
+    config = GenerationConfig(max_new_tokens=32, sampling=params, seed=3)
+    assert (engine.generate(PROMPT, config).token_ids
+            == SpeculativeEngine(HFCausalLM(tiny_target)).generate(PROMPT, config).token_ids)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @PARAMS
 def test_the_output_is_plain_decodings(tiny_target, kind, params):
@@ -126,12 +150,12 @@ def test_the_output_is_plain_decodings(tiny_target, kind, params):
         assert any(step.drafted for step in result.steps)
 
 
-@pytest.mark.parametrize("kind", ["draft", "eagle3"])
+@pytest.mark.parametrize("kind", ["draft", "eagle3", "auto"])
 def test_penalties_log_probabilities_and_a_grammar_see_the_tree_as_plain_decoding_does(kind):
     """What reads a tree's structure on the host (penalties, a constraint's masks and cuts) reads the device's as
     any device data; log-probabilities ride with the verdict. Each output, and its log-probabilities, is plain
-    decoding's under the same settings."""
-    from conftest import TOKENS, tiny_chat_qwen2, tiny_tokenizer
+    decoding's under the same settings. `auto`: its head's device tree beside its copies' nodes."""
+    from conftest import TOKENS, auto_prototype, tiny_chat_qwen2, tiny_tokenizer
     from specdecode.constraints import Constraint
 
     tokenizer = tiny_tokenizer()
@@ -142,8 +166,13 @@ def test_penalties_log_probabilities_and_a_grammar_see_the_tree_as_plain_decodin
     configs = [GenerationConfig(max_new_tokens=20, sampling=penalties), GenerationConfig(max_new_tokens=20, logprobs=2),
                GenerationConfig(max_new_tokens=20, constraint=grammar)]
     plain = SpeculativeEngine(HFCausalLM(target), tokenizer)
-    engine = SpeculativeEngine(target_lm := HFCausalLM(target), tokenizer,
-                               drafter=drafter(kind, target_lm, on_host=False, static=False, budget=None))
+    target_lm = HFCausalLM(target)
+    if kind == "auto":
+        made = auto_prototype(target)
+        made.sources[-1].drafter.reads_late = True  # (its head, on a GPU's policy)
+    else:
+        made = drafter(kind, target_lm, on_host=False, static=False, budget=None)
+    engine = SpeculativeEngine(target_lm, tokenizer, drafter=made)
     for config in configs:
         engine.generate(prompt, config)  # a first tree, read: the later ones are kept on the device
         expected, result = plain.generate(prompt, config), engine.generate(prompt, config)
@@ -195,6 +224,74 @@ def test_the_device_verdict_is_the_hosts():
         assert device == host and draft.read == [[0.0, 2.0, 4.0]]
         accepted.append(host.num_accepted)
     assert max(accepted) >= 3 and min(accepted) == 0
+
+
+def test_a_device_tree_beside_host_nodes_is_verified_as_one_forest():
+    """`merging.beside` (how `auto` verifies its head's device tree with its copies' nodes unread): the forest keeps
+    each part's structure under the context, its device layout is the forest's own (`ancestor_mask`, `depths`), and
+    its verdict accepts the longest path that follows the target (where both parts propose one path, the deeper
+    copy of it; the host's walk takes the first and may stop short), with the tree's riders, then the forest's
+    tokens, read in the same transfer."""
+    generator = torch.Generator().manual_seed(1)
+    vocab = 8  # few tokens: the two parts often propose the same paths
+
+    def draw(high: int) -> int:
+        return int(torch.randint(high, (1,), generator=generator))
+
+    def random_tree(n: int) -> tuple[torch.Tensor, torch.Tensor]:  # (tokens, parents), siblings distinct
+        parents, tokens = [], []
+        for i in range(n):
+            parent = draw(i + 1) - 1
+            taken = {t for t, p in zip(tokens, parents) if p == parent}
+            free = [t for t in range(vocab) if t not in taken]
+            if not free:
+                break
+            parents.append(parent)
+            tokens.append(free[draw(len(free))])
+        return torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long)
+
+    accepted_beside = 0
+    for trial in range(200):
+        tokens, parents = random_tree(draw(12) + 1)
+        scores = torch.rand(len(tokens), generator=generator)
+        tree = Draft(tokens=tokens, parents=parents, scores=scores, riders=(scores * 2,),
+                     layout=DeviceLayout(structure.ancestor_mask(parents), structure.depths(parents)))
+        other_tokens, other_parents = random_tree(draw(6))
+        chain = trial % 3 == 0  # a copy's chain, or a merged trie
+        other = Draft(tokens=other_tokens if not chain else torch.randint(vocab, (4,), generator=generator),
+                      parents=None if chain else other_parents)
+        forest = beside(tree, other)
+        first = len(tree)
+        assert forest.parents is not None and forest.layout is not None
+        expected_parents = torch.cat([parents, torch.where(parents_of(other) < 0, -1, parents_of(other) + first)])
+        assert torch.equal(forest.parents, expected_parents)
+        assert torch.equal(forest.layout.ancestors, structure.ancestor_mask(expected_parents))
+        assert torch.equal(forest.layout.depths, structure.depths(expected_parents))
+        assert torch.equal(forest.tokens, torch.cat([tokens, other.tokens]))
+        # the target's next token is a function of the path (two nodes of one path have the same row), mostly a child
+        paths: list[tuple[int, ...]] = []
+        for token, parent in zip(forest.tokens.tolist(), expected_parents.tolist()):
+            paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+        following: dict[tuple[int, ...], int] = {}
+        for path in [(), *paths]:
+            if path not in following:
+                kids = [p[-1] for p in paths if p[:-1] == path]
+                following[path] = kids[draw(len(kids))] if kids and draw(10) < 8 else draw(vocab)
+        logits = torch.zeros(len(forest) + 1, vocab)
+        for row, path in enumerate([(), *paths]):
+            logits[row, following[path]] = 1.0
+        greedy = [following[()]]
+        while tuple(greedy) in following:
+            greedy.append(following[tuple(greedy)])
+        deepest = max((len(path) for path in paths if list(path) == greedy[: len(path)]), default=0)
+        device = verify(logits, forest, SamplingParams(), None)
+        assert device.num_accepted == deepest and list(device.tokens) == greedy[: deepest + 1]  # the longest path
+        assert [paths[node] for node in device.path] == [tuple(greedy[:k]) for k in range(1, deepest + 1)]
+        host = verify_tree_greedy(logits, forest.tokens, expected_parents)  # (the first of two same paths)
+        assert host.num_accepted <= deepest and list(host.tokens[:-1]) == greedy[: host.num_accepted]
+        assert forest.read == [(scores * 2).tolist(), forest.tokens.tolist()]
+        accepted_beside += bool(device.path) and device.path[-1] >= first
+    assert accepted_beside > 10  # paths through the host nodes were accepted too
 
 
 def test_the_rounds_follow_what_the_trees_before_paid(tiny_target):

@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import random_eagle3_head, random_eagle_head, random_medusa_heads
+from conftest import FLAT, auto_prototype, random_eagle3_head, random_eagle_head, random_medusa_heads
 from specdecode import devices
 from specdecode.drafters.eagle import EagleDrafter, EagleTreeDrafter
 from specdecode.drafters.eagle3 import Eagle3Drafter, Eagle3TreeDrafter
 from specdecode.drafters.medusa import MedusaDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
-from specdecode.models.costs import CostCurve
 from specdecode.verify.typical import verify_typical
 from test_syncs import GREEDY, PROMPT, SAMPLED, syncs_per_step, tracked
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.cpu_only]  # the CPU's stand-in for a device
 
-FLAT = CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.05, 1.1, 1.2, 1.4))
 CHAINS = {"eagle": (EagleDrafter, random_eagle_head), "eagle3": (Eagle3Drafter, random_eagle3_head)}
 TREES = {"eagle": (EagleTreeDrafter, random_eagle_head), "eagle3": (Eagle3TreeDrafter, random_eagle3_head)}
 PARAMS = pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
@@ -197,6 +195,33 @@ def test_medusa_read_with_its_verdict_reads_once(tiny_target, tree, runner, para
     config = GenerationConfig(max_new_tokens=24, sampling=params, seed=3)
     assert (SpeculativeEngine(tracked(tiny_target), drafter=drafters[1]).generate(PROMPT, config).token_ids
             == SpeculativeEngine(HFCausalLM(tiny_target)).generate(PROMPT, config).token_ids)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@PARAMS
+def test_auto_verifies_its_heads_tree_beside_the_copies_in_one_read(tiny_target, static, params):
+    """Off the CPU `auto`'s head keeps its tree on the device, and the composite verifies it beside the copies'
+    merged nodes as one forest (`merging.beside`) without reading it: after the head's first tree (read to size
+    it) a step reads the device once, greedy or sampled with a seed, and the output is plain decoding's, with no
+    tensor made on the wrong device (`conftest.wrong_device_trap`)."""
+    from conftest import wrong_device_trap
+    from specdecode.models.hf import HFCausalLM
+
+    made = auto_prototype(tiny_target)
+    head = made.sources[-1].drafter
+    head.reads_late = True  # (the test picks a GPU's policy)
+    engine = SpeculativeEngine(tracked(tiny_target, static), drafter=made)
+    drafts, trees = recording(made), recording(head)
+    counts, _ = syncs_per_step(engine, params, max_new_tokens=32)
+    assert counts.count(2) == 1 and set(counts) == {1, 2}, counts  # the head's first tree read to size it
+    forests = [(d, next(t for t in trees if t.riders and d.riders[0] is t.riders[0]))
+               for d in drafts if d.layout is not None]
+    assert any(len(forest) > len(tree) for forest, tree in forests)  # copies beside the head's tree
+    config = GenerationConfig(max_new_tokens=32, sampling=params, seed=3)
+    with wrong_device_trap():
+        output = engine.generate(PROMPT, config)
+    assert output.token_ids == SpeculativeEngine(HFCausalLM(tiny_target)).generate(PROMPT, config).token_ids
+    assert sum(step.accepted for step in output.steps) > 0 or not params.greedy  # (sampled: rarely a copy)
 
 
 @pytest.mark.parametrize("reads_late", [False, True], ids=["read-first", "read-late"])

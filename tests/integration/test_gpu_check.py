@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 PARTS = ["versions", "exactness", "syncs", "pytest", "cost", "drafting", "replay", "decode", "overhead", "jitter",
          "throughput"]
 METHODS = ["ar", "pld", "draft", "eagle3"]
-SYNC_METHODS = [*METHODS, "draft-tree", "eagle3-tree", "medusa-tree"]
+SYNC_METHODS = [*METHODS, "draft-tree", "eagle3-tree", "medusa-tree", "auto"]
 
 
 def test_gpu_check_runs_on_the_cpu(tmp_path):
