@@ -112,9 +112,16 @@ def best_first(probs: torch.Tensor, top_k: int, max_nodes: int) -> tuple[list[in
     probs: [depth, V] each head's distribution. A node at depth d takes one of head d's top-k tokens;
     its score is the product of its path's probabilities. Nodes come out best first (so every prefix of
     the list is closed under ancestors): (draft indices, parents, scores). The heads' top-k reach the host
-    in one transfer; the rest is host work."""
+    in one transfer; the rest is host work (`best_first_of`)."""
     top = probs.topk(min(top_k, probs.shape[-1]), dim=-1)  # [depth, k]
     p, index = devices.to_host(top.values, top.indices)
+    return best_first_of(p, index, max_nodes)
+
+
+def best_first_of(p: list[list[float]], index: list[list[int]], max_nodes: int
+                  ) -> tuple[list[int], list[int], list[float]]:
+    """`best_first` of the heads' top-k on the host: p, index [depth][k], each head's best probabilities and their
+    draft indices, most likely first."""
     depth, k = len(p), len(p[0])
     # heap items: (-score, ranks along the path, parent score); popping a node pushes its first child
     # and its next sibling, which enumerates the products in decreasing order
@@ -141,8 +148,9 @@ class BatchedHeads:
     """The heads drafting for the sequences of a batch (each its own `MedusaDrafter`, `for_sequence`) in one call:
     the first sequence asked after a step computes the distributions of every sequence whose feature is new and
     that was asked at its last step too (the heads of a composite that benched them, or whose copies run long,
-    cost nothing), stacked [sequences, d]; the others find theirs ready. That call runs eagerly, even for a static
-    target: its row count varies from step to step, a shape no graph replays (a lone sequence's call goes through
+    cost nothing), stacked [sequences, d], and reads their top-k in one transfer; the others find theirs ready (off
+    the CPU a batch's step then waits for the heads once, not once a sequence). That call runs eagerly, even for a
+    static target: its row count varies from step to step, a shape no graph replays (a lone sequence's call goes through
     the runner, `MedusaDrafter.distributions`)."""
 
     def __init__(self) -> None:
@@ -158,8 +166,9 @@ class BatchedHeads:
             else:
                 features = torch.stack([m.feature for m in due])  # [sequences, d]
                 probs = asking.distributions(features, asking.heads.num_heads)  # [sequences, heads, V']
-                for member, rows in zip(due, probs):
-                    member._probs = rows
+                top = probs.topk(min(asking.top_k, probs.shape[-1]), dim=-1)  # [sequences, heads, k] (twins' k)
+                for member, rows, values, indices in zip(due, probs, *devices.to_host(top.values, top.indices)):
+                    member._probs, member._top = rows, (values, indices)
             # each sequence's share of the call prices its tree (the twins share their timings)
             asking.stopwatch.measure(start, asking.stopwatch.mark(),
                                      lambda seconds: asking._timings.appendleft(seconds / len(due)))
@@ -226,6 +235,7 @@ class MedusaDrafter(Drafter):
         self._scores = torch.empty(0, device="cpu")
         self._calibration.reset()
         self._probs: torch.Tensor | None = None  # [heads, V'] from the feature, once computed (`BatchedHeads`)
+        self._top: tuple[list, list] | None = None  # their top-k on the host, [heads][k] each, read with a batch's
         self._asked = self.wanted = False  # asked at this step; at the last one
         self.late_budget: int | None = None  # nodes of the next tree read late (None: read this one first)
         self._late: Draft | None = None  # the draft read late, before its observe
@@ -254,7 +264,7 @@ class MedusaDrafter(Drafter):
         path, pending = outcome.accepted_path, outcome.num_pending
         row = pending + path[-1] if path else pending - 1
         self._feature = outcome.require_hidden()[row].to(self.dtype)  # [d]
-        self._probs, self.wanted, self._asked = None, self._asked, False
+        self._probs, self._top, self.wanted, self._asked = None, None, self._asked, False
         self._length += len(path) + 1
         self._valid_for = self._length
         if self._late is not None:  # its scores came with the verdict (else they are read now)
@@ -310,13 +320,21 @@ class MedusaDrafter(Drafter):
         late = self.reads_late and matched(params, generator) and self._batched is None
         if late and (not self.tree or self.late_budget is not None):
             return self._read_late(probs, depth)
+        if not self.tree and self._top is not None:  # each head's best, read with the batch's (`BatchedHeads`)
+            best = torch.tensor([row[0] for row in self._top[0][:depth]], dtype=probs.dtype, device="cpu")
+            self._scores = (torch.cumprod(best, 0) * factor).clamp(max=1.0)
+            index = torch.tensor([row[0] for row in self._top[1][:depth]], dtype=torch.long, device="cpu")
+            return Draft(tokens=self.host_vocab_ids[index], scores=self._scores)
         if not self.tree:
             p, index = probs.max(dim=-1)  # [depth] each
             # the scores reach the host in one transfer (the engine cuts the chain by them); the tokens stay
             scores = (torch.cumprod(p, 0) * factor).clamp(max=1.0)
             self._scores = torch.tensor(devices.to_host(scores)[0], dtype=scores.dtype, device="cpu")
             return Draft(tokens=self.vocab_ids[index], scores=self._scores)
-        ids, parents, raw = best_first(probs, self.top_k, self.max_nodes)
+        if self._top is not None:  # read with the batch's other sequences' (`BatchedHeads`)
+            ids, parents, raw = best_first_of(self._top[0][:depth], self._top[1][:depth], self.max_nodes)
+        else:
+            ids, parents, raw = best_first(probs, self.top_k, self.max_nodes)
         node_scores = [min(s * factor, 1.0) for s in raw]  # best first, so already descending
         n = self.budget or best_budget(node_scores, self.curve, self.price(), cap=MAX_BUDGET)
         n = min(n, len(ids))

@@ -197,6 +197,31 @@ def test_medusa_read_with_its_verdict_reads_once(tiny_target, tree, runner, para
             == SpeculativeEngine(HFCausalLM(tiny_target)).generate(PROMPT, config).token_ids)
 
 
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_a_batchs_heads_are_read_once_a_step_for_all_its_sequences(tiny_target, tree):
+    """In the batch engine Medusa's heads run for its sequences in one call (`BatchedHeads`) whose top-k reach the
+    host in one transfer: after each sequence's first head step, a step of n sequences reads n + 1 times (each
+    verification, and the heads once) where it read 2n; each sequence's output is its plain decoding's."""
+    from specdecode.engine.batch import BatchEngine
+    from specdecode.models.hf import HFCausalLM
+
+    made = MedusaDrafter(random_medusa_heads(tiny_target), tiny_target, FLAT, tree=tree)
+    engine = BatchEngine(tracked(tiny_target))
+    prompts = [PROMPT[3 * k :] for k in range(4)]
+    config = GenerationConfig(max_new_tokens=16)
+    idents = [engine.add(prompt, config, made.for_sequence(), "medusa") for prompt in prompts]
+    counts, outputs = [], {}
+    while len(engine):
+        with devices.SyncCounter("cpu") as counter:
+            stepped = engine.step()
+        counts.append((counter.total, len({ident for ident, _, _ in stepped})))
+        outputs |= {ident: result.token_ids for ident, _, result in stepped if result is not None}
+    assert all(reads <= sequences + 1 for reads, sequences in counts[2:]), counts
+    assert counts[2] == (5, 4), counts
+    plain = SpeculativeEngine(HFCausalLM(tiny_target))
+    assert [outputs[ident] for ident in idents] == [plain.generate(p, config).token_ids for p in prompts]
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @PARAMS
 def test_auto_verifies_its_heads_tree_beside_the_copies_in_one_read(tiny_target, static, params):
