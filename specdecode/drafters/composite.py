@@ -153,6 +153,8 @@ class CompositeDrafter(Drafter):
         self._draft: Draft | None = None  # this step's, as submitted
         self._submitted: dict[int, int] = {}  # merged node -> its index in the draft verified
         self._beside: int | None = None  # the source whose tree made on the device goes beside the merge this step
+        # this step's latest merge, by the proposals it took, and its choice (`_merge`, `_choose`)
+        self._memo: tuple[tuple, Merged, tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
     def memory_bytes(self) -> int:
         """What its sources hold (a server keeps one composite per owner where a source remembers)."""
@@ -189,14 +191,21 @@ class CompositeDrafter(Drafter):
 
     def _merge(self, depth: int) -> Merged:
         asked = self._merged_proposals()
-        scores = [d.scores if d.scores is not None else default_scores(d, self.rate(i)) for i, d in asked]
-        return merge([d for _, d in asked], scores, self.combine, max_depth=depth)
+        key = (depth, tuple(i for i, _ in asked))
+        if self._memo is None or self._memo[0] != key:  # (a step merges the same proposals twice: `propose`)
+            scores = [d.scores if d.scores is not None else default_scores(d, self.rate(i)) for i, d in asked]
+            self._memo = (key, merge([d for _, d in asked], scores, self.combine, max_depth=depth), None)
+        return self._memo[1]
 
     def _choose(self, merged: Merged) -> tuple[torch.Tensor, torch.Tensor]:
         """(kept nodes, their scores) of a merged trie."""
+        if self._memo is not None and self._memo[1] is merged and self._memo[2] is not None:
+            return self._memo[2]
         scores = torch.tensor(merged.scores, dtype=torch.float32, device="cpu")  # [n]
         parents = torch.tensor(merged.parents, dtype=torch.long, device="cpu")
         keep = select(parents, scores, self.curve, self.budget, self.tree)
+        if self._memo is not None and self._memo[1] is merged:
+            self._memo = (self._memo[0], merged, (keep, scores[keep]))
         return keep, scores[keep]
 
     def promised(self, merged: Merged) -> float:
@@ -205,6 +214,7 @@ class CompositeDrafter(Drafter):
 
     def propose(self, context, max_tokens, params: SamplingParams, generator) -> Draft:
         self._proposals, self._merged, self._draft, self._submitted, self._beside = [], None, None, {}, None
+        self._memo = None
         if max_tokens <= 0:
             return Draft.empty()
         # 1. Ask the sources in order, but those that have not paid on this request; an expensive one only

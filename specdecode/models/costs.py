@@ -8,7 +8,9 @@ backend and machine and cached as JSON under the package cache; tree drafters si
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -69,7 +71,17 @@ class CostCurve:
         if n > sizes[-1]:  # beyond the measurements: the last segment's slope, never falling
             slope = max((costs[-1] - costs[-2]) / (sizes[-1] - sizes[-2]), 0.0)
             return max(costs[-1] + slope * (n - sizes[-1]), FLOOR)
-        return max(min(c for size, c in zip(sizes, costs) if size >= n), FLOOR)
+        return self._at_least[bisect.bisect_left(sizes, n)]
+
+    @functools.cached_property
+    def _at_least(self) -> tuple[float, ...]:
+        """Per size: the cheapest cost of it and every larger size, floored (what `__call__` reads: a budget search
+        asks the curve dozens of times a step)."""
+        cheapest, out = math.inf, []
+        for cost in reversed(self.relative):
+            cheapest = min(cheapest, cost)
+            out.append(max(cheapest, FLOOR))
+        return tuple(reversed(out))
 
     def observe(self, n: int, seconds: float) -> None:
         """A fixed curve learns nothing from timings (`LiveCurve` does)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from specdecode.errors import UserError
@@ -40,21 +41,20 @@ def chain(n: int) -> torch.Tensor:
 
 def depths(parents: torch.Tensor) -> torch.Tensor:
     """Distance of each node from the context (children of the context: 1). [n] -> [n]"""
-    depth = torch.ones(parents.numel(), dtype=torch.long, device="cpu")
-    for i, parent in enumerate(parents.tolist()):
-        if parent != ROOT:
-            depth[i] = depth[parent] + 1
-    return depth
+    depth: list[int] = []  # (on the host in Python: a step builds several, and an element of a tensor costs more)
+    for parent in parents.tolist():
+        depth.append(1 if parent == ROOT else depth[parent] + 1)
+    return torch.tensor(depth, dtype=torch.long, device="cpu")
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """mask[i, j] is True iff node j is node i or one of its ancestors. [n] -> [n, n] bool"""
     n = parents.numel()
-    mask = torch.eye(n, dtype=torch.bool, device="cpu")
+    mask = np.eye(n, dtype=bool)  # (numpy rows: a tensor's row operations cost several times more)
     for i, parent in enumerate(parents.tolist()):
         if parent != ROOT:
             mask[i] |= mask[parent]  # the parent's row is complete: parents come first
-    return mask
+    return torch.from_numpy(mask)
 
 
 def children(parents: torch.Tensor) -> list[list[int]]:

@@ -141,6 +141,36 @@ def test_index_matches_slow_reference(ops, capacity, max_match):
             assert fast.tokens_of(sequence).tolist() == tokens
 
 
+def test_a_steps_few_tokens_are_linked_as_the_vectorised_pass_links_them(monkeypatch):
+    """A step's few tokens are indexed one by one in Python (`index.SMALL`); forced through the vectorised pass
+    instead, the same writes (with eviction and compaction under the cap) give the same log, the same hash chains
+    and the same lookups."""
+    from specdecode.drafters.suffix import index as index_module
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        sequences = [rng.integers(0, 30, size=rng.integers(1, 400)).tolist() for _ in range(6)]
+        cuts = [sorted(set(rng.integers(1, len(s) + 1, size=8).tolist()) | {len(s)}) for s in sequences]
+        built = []
+        for small in (index_module.SMALL, 0):
+            monkeypatch.setattr(index_module, "SMALL", small)
+            index = SuffixIndex(capacity=1024)
+            for tokens, ends in zip(sequences, cuts):
+                index.open()
+                for start, end in zip([0, *ends], ends):
+                    index.extend(tokens[start:end])
+                index.close(drop_first=2)
+            built.append(index)
+        one_by_one, vectorised = built
+        assert np.array_equal(one_by_one._tokens, vectorised._tokens)
+        for k in one_by_one.keys:
+            assert np.array_equal(one_by_one._prev[k], vectorised._prev[k])
+            assert np.array_equal(one_by_one._head[k], vectorised._head[k])
+        context = rng.integers(0, 30, size=40)
+        assert ([(m.sequence, m.matched, m.continuation.tolist()) for m in one_by_one.lookup(context, 1, 8, 10)]
+                == [(m.sequence, m.matched, m.continuation.tolist()) for m in vectorised.lookup(context, 1, 8, 10)])
+
+
 @settings(max_examples=100, deadline=None)
 @given(stored=st.lists(st.integers(0, 2), min_size=1, max_size=60),
        context=st.lists(st.integers(0, 2), min_size=1, max_size=20))

@@ -59,6 +59,19 @@ def slots(windows: np.ndarray, bits: int) -> np.ndarray:
     return ((hashes * _GOLDEN) >> np.uint64(64 - bits)).astype(np.int64)
 
 
+_MASK = (1 << 64) - 1
+SMALL = 32  # positions indexed one by one in Python below this many (a step's few tokens), vectorised above
+
+
+def slot_of(key: Sequence[int], bits: int) -> int:
+    """`slots` of one n-gram in Python integers (a step's few lookups and insertions: numpy's per-call cost is
+    more than the arithmetic), the same slot."""
+    value = _FNV_OFFSET
+    for token in key:
+        value = ((value ^ token) * 0x100000001B3) & _MASK
+    return ((value * 0x9E3779B97F4A7C15) & _MASK) >> (64 - bits)
+
+
 def link(head: np.ndarray, prev: np.ndarray, slot: np.ndarray, positions: np.ndarray) -> None:
     """Push `positions` onto the hash chains of their slots, in one vectorised pass.
 
@@ -266,6 +279,17 @@ class SuffixIndex:
     def _link(self, start: int, end: int) -> None:
         """Index log positions start .. end - 1 (the newest): each under the k tokens before it, for every
         key length k, when those and the position's own token are all in one sequence."""
+        if end - start < SMALL:  # a step's tokens: one by one, as `link` would push them
+            base = max(start - self.keys[-1], 0)
+            log = self._tokens[base:end].tolist()
+            for k in self.keys:
+                head, prev = self._head[k], self._prev[k]
+                for position in range(max(start, k), end):
+                    window = log[position - k - base : position + 1 - base]  # the key, then the token
+                    if min(window) >= 0:
+                        slot = slot_of(window[:k], self._bits)
+                        prev[position], head[slot] = head[slot], position
+            return
         positions = np.arange(start, end)
         for k in self.keys:
             p = positions[positions >= k]
@@ -303,7 +327,7 @@ class SuffixIndex:
         for k in reversed(self.keys):
             if k > limit or k < floor or len(found) >= max_candidates:
                 continue
-            slot = int(slots(context[None, context.shape[0] - k :], self._bits)[0])
+            slot = slot_of(context[context.shape[0] - k :].tolist(), self._bits)
             batch, position, prev = [], int(self._head[k][slot]), self._prev[k]
             for _ in range(self.max_walk):
                 if position < 0:

@@ -1,0 +1,118 @@
+"""The host's work per engine step, the target's forward left out: what a step costs besides its forward where the
+forward is fast (a GPU's graphed forward of the 1.5B shape takes about 3 ms, docs/results/gpu.md) and the host's
+Python is not hidden behind it. Each method runs greedily on the tests' tiny random Qwen2 (tests/conftest.py: its
+forward is timed and subtracted), on a GPU's policy where a drafter has one (the heads' trees kept on the device and
+read with the verdict), over fixed prompts, some of which repeat themselves so that the copy drafters find copies.
+
+    python benchmarks/host_overhead.py [--methods ar,pld,suffix-tree,medusa-tree,auto] [--repeats 3]
+    python benchmarks/host_overhead.py --profile auto    # the functions the host spends its time in
+
+The figures are this machine's host (its CPU), not a GPU host's; compare methods and commits in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+from conftest import FLAT, auto_prototype, random_medusa_heads, random_prompts, tiny_qwen2  # noqa: E402
+from specdecode.drafters.medusa import MedusaDrafter  # noqa: E402
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter  # noqa: E402
+from specdecode.drafters.suffix import SuffixDrafter  # noqa: E402
+from specdecode.engine import GenerationConfig, SpeculativeEngine  # noqa: E402
+from specdecode.models.hf import HFCausalLM  # noqa: E402
+
+METHODS = ("ar", "pld", "suffix-tree", "medusa-tree", "auto")
+
+
+def drafter(method: str, target):
+    """The method's drafter on the tiny target, priced on a GPU's flat cost curve, its head on a GPU's policy."""
+    if method == "ar":
+        return None
+    if method == "pld":
+        return PromptLookupDrafter()
+    if method == "suffix-tree":
+        return SuffixDrafter(FLAT, tree=True)
+    if method == "medusa-tree":
+        made = MedusaDrafter(random_medusa_heads(target, scale=0.5), target, FLAT, tree=True, top_k=2, max_nodes=8)
+        made.reads_late = True
+        return made
+    if method == "auto":
+        made = auto_prototype(target)
+        made.sources[-1].drafter.reads_late = True
+        return made
+    raise SystemExit(f"unknown method {method!r}: one of {', '.join(METHODS)}")
+
+
+def prompts() -> list[list[int]]:
+    """Six random prompts, and one that repeats itself (copies to find)."""
+    repeated = random_prompts(1, seed=3, low=12, high=13)[0] * 6
+    return random_prompts(6, seed=4, low=30, high=60) + [repeated]
+
+
+def run(method: str, target, tokens: int) -> tuple[float, int, int]:
+    """(host seconds outside the target's forward, steps, new tokens) of the method over the prompts."""
+    lm = HFCausalLM(target)
+    spent = [0.0]
+    forward = lm.forward
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        out = forward(*args, **kwargs)
+        spent[0] += time.perf_counter() - start
+        return out
+
+    lm.forward = timed  # type: ignore[method-assign]
+    engine = SpeculativeEngine(lm, drafter=drafter(method, target))
+    engine.curve = FLAT  # (the gate's curve fixed, not timed: the same drafts in every run)
+    config = GenerationConfig(max_new_tokens=tokens)
+    engine.generate(prompts()[0], config)  # first-use costs out
+    spent[0], steps, new = 0.0, 0, 0
+    start = time.perf_counter()
+    for prompt in prompts():
+        result = engine.generate(prompt, config)
+        steps, new = steps + len(result.steps), new + len(result.token_ids)
+    return time.perf_counter() - start - spent[0], steps, new
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--tokens", type=int, default=100, help="new tokens per prompt")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per method, interleaved; the median is shown")
+    parser.add_argument("--profile", metavar="METHOD", help="profile one method's run instead")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    target = tiny_qwen2(seed=0, layers=3)
+    if args.profile:
+        profile = cProfile.Profile()
+        profile.runcall(run, args.profile, target, args.tokens)
+        pstats.Stats(profile).sort_stats("cumulative").print_stats("specdecode", 40)
+        return
+    methods = args.methods.split(",")
+    runs: dict[str, list[tuple[float, int, int]]] = {method: [] for method in methods}
+    for _ in range(args.repeats):
+        for method in methods:
+            runs[method].append(run(method, target, args.tokens))
+    print(f"host work per step, the target's forward left out ({torch.backends.cpu.get_cpu_capability()} CPU, "
+          f"{args.repeats} runs, median)")
+    print("| method | steps | tokens a step | host ms a step | host ms a token |")
+    print("|---|---|---|---|---|")
+    for method, measured in runs.items():
+        seconds = statistics.median(s for s, _, _ in measured)
+        _, steps, new = measured[0]
+        print(f"| `{method}` | {steps} | {new / steps:.2f} | {seconds / steps * 1e3:.2f} | {seconds / new * 1e3:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
