@@ -27,10 +27,13 @@ def find_starts(context: np.ndarray, ngram: int, max_matches: int) -> np.ndarray
     length = context.shape[0]
     if length <= ngram or max_matches <= 0:
         return np.empty(0, dtype=np.int64)
-    tail = context[length - ngram :]
-    # windows[i] = context[i : i + ngram] for every start i whose window ends before the tail begins
-    windows = np.lib.stride_tricks.sliding_window_view(context[: length - 1], ngram)  # [length - ngram, ngram]
-    return np.flatnonzero((windows == tail).all(axis=1))[::-1][:max_matches]
+    tail, count = context[length - ngram :], length - ngram
+    # window i = context[i : i + ngram], for every start i whose window ends before the context's last token; compared
+    # a column at a time over contiguous slices (a strided view of the windows compared whole took several times more)
+    matches = context[:count] == tail[0]  # [count]
+    for j in range(1, ngram):
+        matches &= context[j : count + j] == tail[j]
+    return np.flatnonzero(matches)[::-1][:max_matches]
 
 
 def find_continuations(context: np.ndarray, ngram: int, max_tokens: int, max_matches: int) -> list[np.ndarray]:
@@ -87,6 +90,7 @@ PRIOR_WEIGHT = 4.0  # the priors count as this many observations
 # the replay of the benchmark's outputs (`benchmarks/copy_acceptance.py`) gains on code-edit and rag;
 # where it is cheap (PyTorch) the cap doubles away within a few steps.
 FIRST_CAP = 16
+CHECKED = 8  # the last tokens of the context seen before that must match for the array kept to be extended
 
 
 class CopyAcceptance:
@@ -171,6 +175,7 @@ class PromptLookupDrafter(Drafter):
         self._open: list[tuple[int, int, int]] = []  # proposals not yet judged: (bucket, source, context length)
         self._stopped: int | None = None  # where in its source the last real copy stopped being right
         self._longest = 0  # the most draft tokens a step of this request has had accepted
+        self._ids = self._reference.astype(np.int64)  # the reference, then the context as far as seen (`_ids_of`)
 
     def observe(self, outcome: Outcome) -> None:
         self._longest = max(self._longest, outcome.verdict.num_accepted)
@@ -179,6 +184,18 @@ class PromptLookupDrafter(Drafter):
         twin = copy.copy(self)  # the reference document shared; `begin` makes the rest anew
         twin.begin([])
         return twin
+
+    def _ids_of(self, context) -> np.ndarray:
+        """The reference, then `context`, as int64 ids: the array of the last step extended by what the context
+        gained since (within a request a context only grows, and converting a long one whole took most of a
+        step's lookup), made anew where its last tokens seen no longer match (another context)."""
+        seen = self._ids.shape[0] - self._reference.shape[0]
+        tail = min(seen, CHECKED)
+        if seen > len(context) or (tail and list(context[seen - tail : seen]) != self._ids[-tail:].tolist()):
+            self._ids, seen = self._reference.astype(np.int64), 0
+        if len(context) > seen:
+            self._ids = np.concatenate([self._ids, np.asarray(context[seen:], dtype=np.int64)])
+        return self._ids
 
     def _judge(self, ids: np.ndarray) -> None:
         """Compare the open proposals with what the output turned out to be."""
@@ -195,7 +212,7 @@ class PromptLookupDrafter(Drafter):
         self._open = still_open
 
     def propose(self, context, max_tokens, params, generator) -> Draft:
-        ids = np.concatenate([self._reference, np.asarray(context, dtype=np.int64)])
+        ids = self._ids_of(context)
         self._judge(ids)
         limit = min(self.num_tokens, max_tokens)
         if self.ramp_up:

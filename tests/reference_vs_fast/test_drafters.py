@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdecode.drafters.draft_model import best_draft_length
-from specdecode.drafters.prompt_lookup import PromptLookupDrafter, find_continuation
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter, find_continuation, find_starts
 from specdecode.types import SamplingParams
 
 
@@ -34,6 +34,36 @@ def test_prompt_lookup_matches_slow_reference(context, ngram, max_tokens):
     fast = find_continuation(np.array(context, dtype=np.int64), ngram, max_tokens)
     slow = slow_find_continuation(context, ngram, max_tokens)
     assert (None if fast is None else fast.tolist()) == slow
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    context=st.lists(st.integers(0, 3), min_size=0, max_size=40),
+    ngram=st.integers(1, 4),
+    max_matches=st.integers(0, 6),
+)
+def test_every_earlier_occurrence_is_found_most_recent_first(context, ngram, max_matches):
+    """`find_starts`: where the last n-gram occurred before (its window ending before the context's last token), most
+    recent first, at most `max_matches`, as a plain loop finds them."""
+    slow = [start for start in range(len(context) - ngram - 1, -1, -1)
+            if len(context) > ngram and context[start : start + ngram] == context[-ngram:]][:max_matches]
+    assert find_starts(np.array(context, dtype=np.int64), ngram, max_matches).tolist() == slow
+
+
+def test_prompt_lookup_follows_a_growing_context_and_notices_another():
+    """The drafter keeps the context's ids from step to step and adds what it gained (`_ids_of`): as it grows, each
+    proposal is a fresh drafter's; handed another context (no `begin` between), it drafts from that one."""
+    rng = np.random.default_rng(0)
+    context = rng.integers(0, 6, size=300).tolist()
+    kept = PromptLookupDrafter(ramp_up=False)
+    for length in range(20, 300, 7):
+        fresh = PromptLookupDrafter(ramp_up=False)
+        assert (kept.propose(context[:length], 8, SamplingParams(), None).tokens.tolist()
+                == fresh.propose(context[:length], 8, SamplingParams(), None).tokens.tolist())
+    for size in (400, 200):  # longer than the context seen (its last tokens differ), then shorter
+        other = rng.integers(0, 6, size=size).tolist()
+        assert (kept.propose(other, 8, SamplingParams(), None).tokens.tolist()
+                == PromptLookupDrafter(ramp_up=False).propose(other, 8, SamplingParams(), None).tokens.tolist())
 
 
 def test_prompt_lookup_prefers_longest_ngram_and_latest_match():
