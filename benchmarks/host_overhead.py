@@ -47,9 +47,7 @@ def drafter(method: str, target):
         made.reads_late = True
         return made
     if method == "auto":
-        made = auto_prototype(target)
-        made.sources[-1].drafter.reads_late = True
-        return made
+        return auto_prototype(target, reads_late=True)
     raise SystemExit(f"unknown method {method!r}: one of {', '.join(METHODS)}")
 
 

@@ -457,13 +457,13 @@ def random_medusa_heads(target, num_heads: int = 3, vocab: int | None = None, se
     return heads.float().eval().to(target.device)
 
 
-def auto_prototype(model, draft_model=None, curve: CostCurve = FLAT) -> CompositeDrafter:
+def auto_prototype(model, draft_model=None, curve: CostCurve = FLAT, reads_late: bool = False) -> CompositeDrafter:
     """`auto` as `drafters.auto` composes it where a Medusa head drafts (prompt lookup, the suffix cache, the head
     as the fallback; random heads), priced on `curve`; the draft model beside it when given (which stays out of the
-    batch)."""
-    sources = [*auto.copy_sources(HFCausalLM(model), DrafterOptions(), curve),
-               Source(MedusaDrafter(random_medusa_heads(model, scale=0.5), model, curve, tree=True, top_k=2,
-                                    max_nodes=8), "expensive")]
+    batch). `reads_late`: the head on a GPU's policy (its tree kept on the device, read with the verdict)."""
+    head = MedusaDrafter(random_medusa_heads(model, scale=0.5), model, curve, tree=True, top_k=2, max_nodes=8)
+    head.reads_late = reads_late
+    sources = [*auto.copy_sources(HFCausalLM(model), DrafterOptions(), curve), Source(head, "expensive")]
     if draft_model is not None:
         sources.append(Source(DraftModelDrafter(HFCausalLM(draft_model), num_tokens=3, **DRAFT_PRICES), "expensive"))
     return auto.compose(sources, curve, final_layer=model.config.num_hidden_layers)

@@ -172,6 +172,6 @@ def beside(tree: Draft, nodes: Draft) -> Draft:
     scores = nodes.scores if nodes.scores is not None else torch.ones(len(nodes), device="cpu")
     tokens = torch.cat([tree.tokens, to_device(nodes.tokens, device)])
     return Draft(tokens=tokens, parents=torch.cat([tree.parents, to_device(shifted, device)]),
-                 scores=torch.cat([tree.scores, to_device(scores, device, torch.float32).to(tree.scores.dtype)]),
+                 scores=torch.cat([tree.scores, to_device(scores, device).to(tree.scores.dtype)]),
                  auxiliary=nodes.auxiliary, layout=DeviceLayout(ancestors, torch.cat(
                      [layout.depths, to_device(structure.depths(parents), device)])), riders=(*tree.riders, tokens))

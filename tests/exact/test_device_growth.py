@@ -168,8 +168,7 @@ def test_penalties_log_probabilities_and_a_grammar_see_the_tree_as_plain_decodin
     plain = SpeculativeEngine(HFCausalLM(target), tokenizer)
     target_lm = HFCausalLM(target)
     if kind == "auto":
-        made = auto_prototype(target)
-        made.sources[-1].drafter.reads_late = True  # (its head, on a GPU's policy)
+        made = auto_prototype(target, reads_late=True)  # (its head on a GPU's policy)
     else:
         made = drafter(kind, target_lm, on_host=False, static=False, budget=None)
     engine = SpeculativeEngine(target_lm, tokenizer, drafter=made)

@@ -232,9 +232,8 @@ def test_auto_verifies_its_heads_tree_beside_the_copies_in_one_read(tiny_target,
     from conftest import wrong_device_trap
     from specdecode.models.hf import HFCausalLM
 
-    made = auto_prototype(tiny_target)
+    made = auto_prototype(tiny_target, reads_late=True)  # (the test picks a GPU's policy)
     head = made.sources[-1].drafter
-    head.reads_late = True  # (the test picks a GPU's policy)
     engine = SpeculativeEngine(tracked(tiny_target, static), drafter=made)
     drafts, trees = recording(made), recording(head)
     counts, _ = syncs_per_step(engine, params, max_new_tokens=32)

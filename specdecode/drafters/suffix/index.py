@@ -44,8 +44,8 @@ MAX_WALK = 64  # chain links followed per key length and lookup
 INITIAL_LOG = 1 << 12
 
 _FNV_OFFSET = 0xCBF29CE484222325
-_FNV_PRIME = np.uint64(0x100000001B3)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio: spreads the hash into the top bits
+_PRIME, _MIX = 0x100000001B3, 0x9E3779B97F4A7C15  # FNV's prime; 2^64 / golden ratio: spreads the hash into the top bits
+_FNV_PRIME, _GOLDEN = np.uint64(_PRIME), np.uint64(_MIX)
 
 
 def slots(windows: np.ndarray, bits: int) -> np.ndarray:
@@ -68,8 +68,8 @@ def slot_of(key: Sequence[int], bits: int) -> int:
     more than the arithmetic), the same slot."""
     value = _FNV_OFFSET
     for token in key:
-        value = ((value ^ token) * 0x100000001B3) & _MASK
-    return ((value * 0x9E3779B97F4A7C15) & _MASK) >> (64 - bits)
+        value = ((value ^ token) * _PRIME) & _MASK
+    return ((value * _MIX) & _MASK) >> (64 - bits)
 
 
 def link(head: np.ndarray, prev: np.ndarray, slot: np.ndarray, positions: np.ndarray) -> None:
