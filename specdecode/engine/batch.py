@@ -16,7 +16,8 @@ reading the weights.
 
 The gate spreads speculation across the batch (`tree.budget.cut_batch`): every scored draft token of
 every sequence competes for the forward on the cost curve, so as the batch grows speculation shrinks, and
-it switches itself off where the curve says a wider forward no longer pays.
+it switches itself off where the curve says a wider forward no longer pays. Prompt tokens fed in the same
+step are the prompts' cost, not the drafts' (`cut_batch`'s `feeding`).
 
 Prompts: a step carries at most one chunk of prompt tokens in all (`costs.prefill_chunk`, then what takes as
 long at the pace of the last chunk: `PrefillShare`), so that no prompt holds the batch for longer than a
@@ -258,7 +259,13 @@ class BatchEngine:
             drafts.append(m.progress.propose(m.drafter if steps else None, room))  # (`engine.forced`)
             draft_seconds.append(self.stopwatch.now() - start)
         if self.gate:
-            drafts = cut_batch(drafts, self.curve, sum(len(p) for p in pending), shared=len(members) > 1)
+            # the sequences that step share out the forward; prompt tokens fed beside them, each one's last context
+            # token aside, are the prompts' cost, not speculation's (`cut_batch`'s `feeding`)
+            total, ready = sum(len(p) for p in pending), [k for k, s in enumerate(stepping) if s]
+            cut = cut_batch([drafts[k] for k in ready], self.curve, total, shared=len(members) > 1,
+                            feeding=total - len(ready))
+            for k, draft in zip(ready, cut):
+                drafts[k] = draft
         # 2. One forward over every sequence's pending tokens and draft.
         timed = self.gate and not plan  # a prompt's prefill (cold, all attention) is not timed
         forward_start, host_start = self.stopwatch.mark() if timed else None, self.stopwatch.now()

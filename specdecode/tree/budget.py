@@ -66,8 +66,10 @@ def prune(
 
 def cut_chain(draft: Draft, curve: Curve, pending: int = 1) -> Draft:
     """A scored chain cut to the prefix that pays on the cost curve (maybe none of it); other drafts as
-    they are. `pending`: context tokens the same target forward carries."""
-    return cut_batch([draft], curve, pending, shared=False)[0]  # a lone tree is sized by its drafter's own budget
+    they are. `pending`: context tokens the same target forward carries (more than one where a step feeds
+    a prompt, or its last chunk, with the first draft: all but the last are the prompt's cost, `cut_batch`)."""
+    # (a lone tree is sized by its drafter's own budget)
+    return cut_batch([draft], curve, pending, shared=False, feeding=max(pending - 1, 0))[0]
 
 
 class Interpolated:
@@ -89,7 +91,7 @@ class Interpolated:
         return start + (end - start) * (n - low) / (high - low)
 
 
-def cut_batch(drafts: list[Draft], curve: Curve, pending: int, shared: bool = True) -> list[Draft]:
+def cut_batch(drafts: list[Draft], curve: Curve, pending: int, shared: bool = True, feeding: int = 0) -> list[Draft]:
     """The drafts of sequences that share one target forward, cut together: every scored token of every scored
     chain, and where the forward is `shared` by several sequences (the batch engine's) of every scored tree
     (sent without distributions), competes for the forward, the best-scored first (a node's score capped by its
@@ -97,7 +99,14 @@ def cut_batch(drafts: list[Draft], curve: Curve, pending: int, shared: bool = Tr
     maximise expected tokens (one per sequence plus the scores) per cost of the whole forward (of a `shared` one
     read `Interpolated`: the batch engine runs on torch). So the larger the batch, the less each sequence drafts,
     down to nothing where the curve says a wider forward no longer pays. `pending`: the context tokens of all
-    sequences the forward carries. Other drafts go as they are, their tokens counted."""
+    sequences the forward carries. Other drafts go as they are, their tokens counted.
+
+    `feeding`: how many of the pending tokens are prompt tokens fed beside the decoding (a prompt's chunk, or
+    the prefix of a prompt fed whole with its first draft), which yield no token this step. Their cost is the
+    prompt's, not speculation's: the drafts are priced as if the decoding sequences ran alone, plus what the
+    drafts add to the wider forward (`Beside`). Counted in the whole forward instead, a prompt's chunk makes
+    the step look so dear per token that every draft node seems to pay, however poor its score: the chunk's
+    step then grows by every sequence's drafts, and every sequence waits for it."""
     scored = {i: d for i, d in enumerate(drafts)  # the drafts cut, by index
               if d.scores is not None and len(d) and (not d.is_tree or (shared and d.probs is None))}
     fixed = pending + sum(len(d) for i, d in enumerate(drafts) if i not in scored)
@@ -106,13 +115,32 @@ def cut_batch(drafts: list[Draft], curve: Curve, pending: int, shared: bool = Tr
     # no wider than the largest measured forward: beyond it the curve is a guess (on llama.cpp a 65-token
     # forward costs far more than the line through 48 and 64 says: docs/results/code-choices.md)
     cap = max(curve.sizes[-1] - fixed, 0)
-    count = best_budget([c[0] for c in ranked], Interpolated(curve) if shared else curve, 0.0, pending=fixed, cap=cap,
+    cost: Curve = Interpolated(curve) if shared else curve
+    if feeding:
+        cost = Beside(cost, fixed - feeding, feeding)
+    count = best_budget([c[0] for c in ranked], cost, 0.0, pending=fixed - feeding, cap=cap,
                         base=float(len(drafts)))
     keep: dict[int, list[int]] = {i: [] for i in scored}
     for _, _, i, node in ranked[:count]:
         keep[i].append(node)
     return [d if i not in keep else _subtree(d, keep[i]) if d.is_tree else d.prefix(len(keep[i]))
             for i, d in enumerate(drafts)]
+
+
+class Beside:
+    """The cost of a forward's decoding when prompt tokens ride in it (`cut_batch`'s `feeding`): n decoding tokens
+    (pending and drafted) cost what they would alone up to the `decoding` the step carries anyway, and each one
+    beyond, what it adds to the forward that also feeds the prompt tokens."""
+
+    def __init__(self, curve: Curve, decoding: int, feeding: int):
+        self.curve, self.decoding, self.feeding = curve, decoding, feeding
+        self.sizes = curve.sizes
+        self._base, self._whole = curve(decoding), curve(decoding + feeding)
+
+    def __call__(self, n: int) -> float:
+        if n <= self.decoding:
+            return self.curve(n)
+        return self._base + self.curve(n + self.feeding) - self._whole
 
 
 def _capped(draft: Draft) -> list[tuple[float, int]]:

@@ -25,7 +25,7 @@ from specdecode.errors import UserError
 from specdecode.models.costs import CostCurve
 from specdecode.models.hf import HFCausalLM
 from specdecode.models.static import StaticCausalLM
-from specdecode.tree.budget import Interpolated, cut_batch
+from specdecode.tree.budget import Interpolated, cut_batch, cut_chain
 from specdecode.types import Draft, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -229,6 +229,26 @@ def test_the_batch_gate_shares_the_forward():
     # unscored drafts go whole, their tokens counted in the forward's cost
     tree = Draft(tokens=torch.arange(3), parents=torch.tensor([-1, 0, 0]))
     assert cut_batch([tree, scored(4, 0.9)], FLAT, pending=2)[0] is tree
+
+
+def test_prompt_tokens_fed_beside_the_decoding_do_not_make_drafts_look_cheap():
+    """A step that also feeds prompt tokens (a long prompt's chunk, a short prompt whole) prices the drafts as the
+    decoding sequences' own forward plus what the drafts add: counted in the whole forward, the prompt's tokens
+    made the step so dear per token that poorly scored drafts seemed to pay and widened the step for everyone."""
+    steep = CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.3, 2.0, 3.5, 7.0, 14.0, 28.0))  # compute-bound
+    poor = [scored(3, 0.4)] * 4  # four decoding sequences, beside 40 prompt tokens of a fifth
+    assert sum(len(d) for d in cut_batch(poor, steep, pending=44)) > 0  # the prompt counted as decoding's cost
+    assert sum(len(d) for d in cut_batch(poor, steep, pending=44, feeding=40)) == 0
+    assert sum(len(d) for d in cut_batch(poor, steep, pending=4)) == 0  # as without the prompt
+    # a draft that pays alone still pays beside a prompt, as far as it pays alone
+    good = [scored(4, 0.99)] + [scored(3, 0.4)] * 3
+    alone, beside = cut_batch(good, steep, pending=4), cut_batch(good, steep, pending=44, feeding=40)
+    assert [len(d) for d in beside] == [len(d) for d in alone] and len(beside[0]) > 0
+    # nothing fed beside: the cut is the plain one
+    assert [len(d) for d in cut_batch(good, steep, pending=4, feeding=0)] == [len(d) for d in alone]
+    # a lone sequence's first step, its prompt fed with its chain (`cut_chain`): the prompt is not the chain's cost
+    linear = CostCurve.linear(0.5, sizes=tuple(range(1, 65)))
+    assert len(cut_chain(scored(8, 0.5), linear, pending=40)) == len(cut_chain(scored(8, 0.5), linear, pending=1))
 
 
 def test_a_shared_forward_is_priced_between_measured_sizes():
