@@ -61,6 +61,32 @@ from specdecode.verify.tree import verify
 GARBAGE_SHARE = 0.25  # compact the cache once this share of it belongs to no sequence
 
 
+class Slots:
+    """A sequence's cache slots, in order, in a growing tensor: a step adds a few, and every step's mask reads them
+    all (`attention_inputs`), which a Python list would turn into a tensor anew each time."""
+
+    def __init__(self, slots: torch.Tensor | None = None):
+        self._data = torch.empty(64, dtype=torch.long, device="cpu") if slots is None else slots.clone()
+        self._length = 0 if slots is None else len(slots)
+
+    def __len__(self) -> int:
+        return self._length
+
+    def extend(self, slots: list[int] | range) -> None:
+        end = self._length + len(slots)
+        if end > len(self._data):
+            grown = torch.empty(max(end, 2 * len(self._data)), dtype=torch.long, device="cpu")
+            grown[: self._length] = self._data[: self._length]
+            self._data = grown
+        self._data[self._length : end] = torch.as_tensor(slots, dtype=torch.long, device="cpu")
+        self._length = end
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """[len] the slots (a view: read it before the next `extend`)."""
+        return self._data[: self._length]
+
+
 @dataclass
 class Member:
     """A sequence in the batch."""
@@ -69,7 +95,7 @@ class Member:
     drafter: Drafter | None
     method: str
     verifier: Callable  # the method's (exact verification unless the method is lossy)
-    slots: list[int]  # the cache slots of context[:len(slots)], in order
+    slots: Slots  # the cache slots of context[:len(slots)], in order
     chunks: int = 0  # chunks of its prompt fed before its first step
     # those chunks' hidden states [chunk, d], where its drafter reads them (`after_prefill`)
     pieces: list[torch.Tensor] = field(default_factory=list)
@@ -167,8 +193,8 @@ def attention_inputs(members: list[Member], spans: list[tuple[int, int, torch.Te
     total = sum(n for _, n, _ in spans)
     tree_mask = torch.zeros(total, cached + total, dtype=torch.bool, device="cpu")  # the forward moves it
     for m, (offset, n, local) in zip(members, spans):
-        if m.slots:
-            tree_mask[offset : offset + n, m.slots] = True
+        if len(m.slots):
+            tree_mask[offset : offset + n, m.slots.tensor] = True
         tree_mask[offset : offset + n, cached + offset : cached + offset + n] = local
     return tree_mask, torch.cat(positions)
 
@@ -223,7 +249,7 @@ class BatchEngine:
         ident = next(self._ids)
         method = method or (drafter.name if drafter else "ar")
         state = SequenceState(prompt_ids, config, self.tokenizer, self.target)
-        self.members[ident] = Member(state, drafter, method, verifier, [])
+        self.members[ident] = Member(state, drafter, method, verifier, Slots())
         return ident
 
     def remove(self, ident: int) -> None:
@@ -297,7 +323,7 @@ class BatchEngine:
                 self.hidden.setdefault(ident, []).append(kept.to(torch.bfloat16))
             hidden = None if output.hidden is None else asked.columns(output.hidden[offset : offset + n], k + 1)
             if not steps:  # a chunk of its prompt
-                m.slots += list(range(first, first + len(p)))
+                m.slots.extend(range(first, first + len(p)))
                 m.chunks += 1
                 if hidden is not None:  # for its drafter's first step (`after_prefill`)
                     m.pieces.append(hidden)
@@ -319,9 +345,9 @@ class BatchEngine:
         fed, path = step.num_pending, step.verdict.path
         if alone:  # the cache keeps its context and accepted drafts, as `SpeculativeEngine.step` keeps them
             self.target.compact(first + fed, path)
-            m.slots = list(range(self.target.cache_length))
+            m.slots = Slots(torch.arange(self.target.cache_length, device="cpu"))
         else:
-            m.slots += list(range(first, first + fed)) + [first + fed + node for node in path]
+            m.slots.extend([*range(first, first + fed), *(first + fed + node for node in path)])
         if m.chunks and len(m.progress.steps) == 0:  # its first step, after its prompt's chunks
             step = after_prefill(step, len(m.slots) - fed - len(path), m.pieces)
             m.pieces = []
@@ -366,12 +392,12 @@ class BatchEngine:
         if not self.members:
             self.target.reset()
             return
-        live = sorted(s for m in self.members.values() for s in m.slots)
-        garbage = self.target.cache_length - len(live)
+        # (counted, not gathered: a step's host work must not grow with the contexts the batch holds)
+        garbage = self.target.cache_length - sum(len(m.slots) for m in self.members.values())
         # the last sequence left gets the cache to itself at once, so that it steps alone (`step`)
         if garbage == 0 or (garbage <= GARBAGE_SHARE * self.target.cache_length and len(self.members) > 1):
             return
-        self.target.compact(0, live)
-        moved = {old: new for new, old in enumerate(live)}
-        for m in self.members.values():
-            m.slots = [moved[s] for s in m.slots]
+        live = torch.sort(torch.cat([m.slots.tensor for m in self.members.values()])).values
+        self.target.compact(0, live.tolist())
+        for m in self.members.values():  # each slot moves to its rank among the live ones
+            m.slots = Slots(torch.searchsorted(live, m.slots.tensor))

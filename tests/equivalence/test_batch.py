@@ -216,6 +216,20 @@ def scored(tokens: int, score: float) -> Draft:
     return Draft(tokens=torch.arange(tokens), scores=score ** torch.arange(1, tokens + 1, dtype=torch.float32))
 
 
+def test_a_sequences_slots_grow_and_read_as_a_list_would():
+    """`Slots` keeps a sequence's cache slots in a growing tensor (the mask reads them every step): past its first
+    capacity, from ranges and lists alike, it holds what a list extended the same way holds."""
+    from specdecode.engine.batch import Slots
+
+    slots, reference = Slots(), []
+    for step in range(40):
+        more = list(range(3 * step, 3 * step + step % 5)) if step % 2 else range(200 + step, 203 + step)
+        slots.extend(more)
+        reference += list(more)
+        assert len(slots) == len(reference) and slots.tensor.tolist() == reference
+    assert Slots(torch.tensor(reference[:5])).tensor.tolist() == reference[:5]
+
+
 def test_the_batch_gate_shares_the_forward():
     # cheap up to a few tokens, then linear (compute-bound)
     steep = CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.3, 2.0, 3.5, 7.0, 14.0, 28.0))
