@@ -13,7 +13,7 @@ import torch
 
 from specdecode.api import load_models
 from specdecode.bench.datasets import CATEGORIES
-from specdecode.drafters.base import DrafterOptions
+from specdecode.drafters.options import DrafterOptions
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.methods import get_method
 
