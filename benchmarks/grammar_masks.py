@@ -10,6 +10,7 @@ Engines: llguidance, xgrammar, outlines-core (those installed; `pip install -c c
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import time
@@ -212,6 +213,9 @@ def main() -> None:
                   f"{statistics.median(masks):>9.3f} {mean:>7.3f} {max(masks):>7.2f} {per_answer:>9.1f}")
     print("JSON Schema features (compiles and accepts a valid instance):")
     for name, engine in ENGINES.items():
+        if importlib.util.find_spec(name.replace("-", "_")) is None:
+            print(f"  {name:<14} not installed")
+            continue
         supported = [feature for feature, (schema, instance) in FEATURES.items()
                      if accepts(engine, tokenizer, schema, instance)]
         print(f"  {name:<14} {len(supported)}/{len(FEATURES)}; missing: "
