@@ -110,13 +110,14 @@ def select(parents: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
     parents: [n]; keep: [m] node indices, ascending. -> [m], indexed within the subtree.
     """
-    new_index = torch.full((parents.numel() + 1,), -2, dtype=torch.long, device="cpu")
-    new_index[0] = ROOT  # slot 0 stands for the context
-    new_index[keep + 1] = torch.arange(keep.numel(), device="cpu")
-    sub = new_index[parents[keep] + 1]
-    if bool((sub == -2).any()):
-        raise ValueError("the kept nodes are not closed under ancestors")
-    return sub
+    # in lists: a step selects a few small subtrees, where each tensor operation's fixed cost is most of the work
+    kept, of = keep.tolist(), parents.tolist()
+    new_index = {ROOT: ROOT} | {node: i for i, node in enumerate(kept)}
+    try:
+        sub = [new_index[of[node]] for node in kept]
+    except KeyError:
+        raise ValueError("the kept nodes are not closed under ancestors") from None
+    return torch.tensor(sub, dtype=torch.long, device="cpu")
 
 
 def top_nodes(parents: torch.Tensor, scores: torch.Tensor, budget: int) -> torch.Tensor:
@@ -128,13 +129,14 @@ def top_nodes(parents: torch.Tensor, scores: torch.Tensor, budget: int) -> torch
     n = parents.numel()
     if budget >= n:
         return torch.arange(n, device="cpu")
-    order = torch.sort(scores, descending=True, stable=True).indices[:budget]  # ties: the earlier node first
-    chosen = order.tolist()
+    of, score = parents.tolist(), scores.tolist()  # (lists: a step's trees are small, see `select`)
+    chosen = sorted(range(n), key=lambda node: -score[node])[:budget]  # a stable sort: ties, the earlier node first
     keep = set(chosen)
-    for parent in parents[order].tolist():  # close under ancestors all the same, should a score ever grow down a path
+    for node in chosen:  # close under ancestors all the same, should a score ever grow down a path
+        parent = of[node]
         while parent != ROOT and parent not in keep:
             keep.add(parent)
-            parent = int(parents[parent])
+            parent = of[parent]
     return torch.tensor(sorted(keep), dtype=torch.long, device="cpu")
 
 
