@@ -74,16 +74,14 @@ class Slots:
 
     def extend(self, slots: list[int] | range) -> None:
         end = self._length + len(slots)
-        if end > len(self._data):
-            grown = torch.empty(max(end, 2 * len(self._data)), dtype=torch.long, device="cpu")
-            grown[: self._length] = self._data[: self._length]
-            self._data = grown
+        if end > len(self._data):  # (doubled: the slots are copied now and then, not at every step)
+            grown = torch.empty(max(end, 2 * len(self._data)) - self._length, dtype=torch.long, device="cpu")
+            self._data = torch.cat([self._data[: self._length], grown])
         self._data[self._length : end] = torch.as_tensor(slots, dtype=torch.long, device="cpu")
         self._length = end
 
     @property
-    def tensor(self) -> torch.Tensor:
-        """[len] the slots (a view: read it before the next `extend`)."""
+    def tensor(self) -> torch.Tensor:  # [len] the slots (a view: read it before the next `extend`)
         return self._data[: self._length]
 
 
@@ -288,10 +286,9 @@ class BatchEngine:
             # the sequences that step share out the forward; prompt tokens fed beside them, each one's last context
             # token aside, are the prompts' cost, not speculation's (`cut_batch`'s `feeding`)
             total, ready = sum(len(p) for p in pending), [k for k, s in enumerate(stepping) if s]
-            cut = cut_batch([drafts[k] for k in ready], self.curve, total, shared=len(members) > 1,
-                            feeding=total - len(ready))
-            for k, draft in zip(ready, cut):
-                drafts[k] = draft
+            cut = iter(cut_batch([drafts[k] for k in ready], self.curve, total, shared=len(members) > 1,
+                                 feeding=total - len(ready)))
+            drafts = [next(cut) if steps else draft for draft, steps in zip(drafts, stepping)]
         # 2. One forward over every sequence's pending tokens and draft.
         timed = self.gate and not plan  # a prompt's prefill (cold, all attention) is not timed
         forward_start, host_start = self.stopwatch.mark() if timed else None, self.stopwatch.now()
