@@ -65,8 +65,8 @@ class Slots:
     """A sequence's cache slots, in order, in a growing tensor: a step adds a few, and every step's mask reads them
     all (`attention_inputs`), which a Python list would turn into a tensor anew each time."""
 
-    def __init__(self, slots: torch.Tensor | None = None):
-        self._data = torch.empty(64, dtype=torch.long, device="cpu") if slots is None else slots.clone()
+    def __init__(self, slots: torch.Tensor | None = None):  # (a tensor given becomes its own)
+        self._data = torch.empty(64, dtype=torch.long, device="cpu") if slots is None else slots
         self._length = 0 if slots is None else len(slots)
 
     def __len__(self) -> int:
@@ -285,9 +285,9 @@ class BatchEngine:
         if self.gate:
             # the sequences that step share out the forward; prompt tokens fed beside them, each one's last context
             # token aside, are the prompts' cost, not speculation's (`cut_batch`'s `feeding`)
-            total, ready = sum(len(p) for p in pending), [k for k, s in enumerate(stepping) if s]
-            cut = iter(cut_batch([drafts[k] for k in ready], self.curve, total, shared=len(members) > 1,
-                                 feeding=total - len(ready)))
+            context, ready = sum(len(p) for p in pending), [k for k, s in enumerate(stepping) if s]
+            cut = iter(cut_batch([drafts[k] for k in ready], self.curve, context, shared=len(members) > 1,
+                                 feeding=context - len(ready)))
             drafts = [next(cut) if steps else draft for draft, steps in zip(drafts, stepping)]
         # 2. One forward over every sequence's pending tokens and draft.
         timed = self.gate and not plan  # a prompt's prefill (cold, all attention) is not timed
@@ -341,8 +341,8 @@ class BatchEngine:
         accepted tokens kept, its tokens appended, its drafter told how its draft fared; and its end, if it ends."""
         fed, path = step.num_pending, step.verdict.path
         if alone:  # the cache keeps its context and accepted drafts, as `SpeculativeEngine.step` keeps them
-            self.target.compact(first + fed, path)
-            m.slots = Slots(torch.arange(self.target.cache_length, device="cpu"))
+            self.target.compact(first + fed, path)  # (its slots were the cache's first ones, 0 .. first - 1)
+            m.slots.extend(range(first, self.target.cache_length))
         else:
             m.slots.extend([*range(first, first + fed), *(first + fed + node for node in path)])
         if m.chunks and len(m.progress.steps) == 0:  # its first step, after its prompt's chunks
