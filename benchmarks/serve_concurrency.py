@@ -1,14 +1,15 @@
 """Served concurrency: `specdecode serve` at 1, 2, 4 and 8 concurrent clients, the methods interleaved.
 
     python benchmarks/serve_concurrency.py [--clients 1,2,4,8] [--methods auto,ar,pld] [--per-category 2]
-                                           [--max-tokens 64] [--repeats 1] [--dtype auto] [--out DIR]
+                                           [--part tuning] [--max-tokens 64] [--repeats 1] [--dtype auto] [--out DIR]
     python benchmarks/serve_concurrency.py --render DIR   # the report again, from DIR's kept records
 
 Starts `specdecode serve --methods M1,M2,... --max-batch N` as a child process on a free loopback port. At every
-level each method is sent the same prompts (a seeded sample of the held-out part of each category, chat-templated
-token ids over /v1/completions, greedy, streamed): `clients` threads, each taking the next prompt when its answer
-is in. Levels and repeats follow one another; within each, the methods run in the rows of a balanced Latin square
-(`bench.harness.method_order`), so neither a drifting machine nor what one method leaves behind favours another.
+level each method is sent the same prompts (a seeded sample of the held-out part of each category, or of the tuning
+part with --part tuning, chat-templated token ids over /v1/completions, greedy, streamed): `clients` threads, each
+taking the next prompt when its answer is in. Levels and repeats follow one another; within each, the methods run in
+the rows of a balanced Latin square (`bench.harness.method_order`), so neither a drifting machine nor what one method
+leaves behind favours another.
 
 Per method and level: the total output tokens per second over the run's wall clock; each request's tokens per
 second (from sending it to its last token); time to first token; time between tokens (a streamed chunk's gap
@@ -45,6 +46,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--methods", default="auto,ar,pld", help="the first is the server's default")
     parser.add_argument("--categories", default=CATEGORIES)
     parser.add_argument("--per-category", type=int, default=2)
+    parser.add_argument("--part", default="held-out", choices=["held-out", "tuning"],
+                        help="which part of each category's prompts: tuning for decisions, held-out for reports")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--dtype", default="auto", help="the target's path, in-process and served")
@@ -159,7 +162,8 @@ def render(out: Path) -> str:
     lines = [f"# specdecode serve at {', '.join(map(str, levels))} concurrent clients", "",
              f"- {settings['date']}, {settings['machine']}, commit {settings.get('commit', 'not recorded')}",
              f"- `{settings['command']}`",
-             f"- {settings['prompts']} prompts ({settings['categories']}), {settings['max_tokens']} tokens at most, "
+             f"- {settings['prompts']} prompts ({settings.get('part', 'held-out')} part of {settings['categories']}), "
+             f"{settings['max_tokens']} tokens at most, "
              f"greedy, streamed; {settings['repeats']} interleaved round(s); while it ran: {settings['beside']}", "",
              "| clients | method | tokens/s | over `ar` | a client's tokens/s | TTFT median / p95 (s) | "
              "TBT median / p95 (ms) | = in-process greedy |", "|---|---|---|---|---|---|---|---|"]
@@ -220,7 +224,7 @@ def prompts_and_references(args: argparse.Namespace) -> tuple[list[list[int]], l
 
     torch.set_num_threads(args.threads)
     models = load_models(dtype=args.dtype, progress=False)
-    tasks = sample_tasks(args.categories.split(","), args.per_category)
+    tasks = sample_tasks(args.categories.split(","), args.per_category, part=args.part)
     prompts = [models.encode(task.turns[0], chat=True) for task in tasks]
     plain = SpeculativeEngine(models.target, models.tokenizer)
     config = GenerationConfig(max_new_tokens=args.max_tokens)
@@ -250,7 +254,8 @@ def run(args: argparse.Namespace) -> None:
     settings = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "command": shlex.join(sys.argv),
                 "commit": commit.stdout.strip() or "unknown",
                 "serve": shlex.join(serve), "clients": levels, "methods": methods, "prompts": len(prompts),
-                "categories": args.categories, "max_tokens": args.max_tokens, "repeats": args.repeats,
+                "part": args.part, "categories": args.categories, "max_tokens": args.max_tokens,
+                "repeats": args.repeats,
                 "beside": os.environ.get("BESIDE", "not recorded (set BESIDE to say)")}
     (args.out / "settings.json").write_text(json.dumps(settings, indent=1))
     records = (args.out / "records.jsonl").open("w")

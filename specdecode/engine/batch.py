@@ -1,38 +1,34 @@
-"""Speculative decoding of several sequences at once: one target forward per step for all of them, each
-sequence accepting its own number of draft tokens.
+"""Speculative decoding of several sequences at once: one target forward per step for all of them, each sequence
+accepting its own number of draft tokens.
 
-Layout (ragged, no padding): every sequence's keys and values live side by side in the target's one KV
-cache, each sequence owning a list of cache slots. A step's forward carries, sequence after sequence, the
-context tokens each has not fed yet (a newcomer's whole prompt, then one token per step) and its draft.
-A full attention mask over cache and input lets every token see only its own sequence's slots and, within
-the step, its own causal (chain) or ancestor (tree) predecessors; position ids count per sequence. After
-verification a sequence keeps the slots of its context and accepted tokens; the rest (rejected drafts,
-finished sequences) is garbage, squeezed out of the cache once it passes a quarter of it.
+Layout (ragged, no padding): every sequence's keys and values live side by side in the target's one KV cache, each
+sequence owning a list of cache slots. A step's forward carries, sequence after sequence, the context tokens each has
+not fed yet (a newcomer's whole prompt, then one token per step) and its draft. A full attention mask over cache and
+input lets every token see only its own sequence's slots and, within the step, its own causal (chain) or ancestor (tree)
+predecessors; position ids count per sequence. After verification a sequence keeps the slots of its context and accepted
+tokens; the rest (rejected drafts, finished sequences) is garbage, squeezed out once it is a quarter of the cache.
 
-Why one ragged row rather than a padded batch: a forward costs what its tokens cost (the measured cost
-curve prices it, padding would waste it) and it runs through the model interface trees already use. The
-price is that attention spans every sequence's slots, masked: small on a CPU, where decoding is bound by
-reading the weights.
+Why one ragged row rather than a padded batch: a forward costs what its tokens cost (the measured cost curve prices it,
+padding would waste it) and it runs through the model interface trees already use. The price is that attention spans
+every sequence's slots, masked: small on a CPU, where decoding is bound by reading the weights.
 
-The gate spreads speculation across the batch (`tree.budget.cut_batch`): every scored draft token of
-every sequence competes for the forward on the cost curve, so as the batch grows speculation shrinks, and
-it switches itself off where the curve says a wider forward no longer pays. Prompt tokens fed in the same
-step are the prompts' cost, not the drafts' (`cut_batch`'s `feeding`).
+The gate spreads speculation across the batch (`tree.budget.cut_batch`): every scored draft token of every sequence
+competes for the forward on the cost curve, so as the batch grows speculation shrinks, and it switches itself off where
+the curve says a wider forward no longer pays. Prompt tokens fed in the same step are the prompts' cost, not the drafts'
+(`cut_batch`'s `feeding`).
 
-Prompts: a step carries at most one chunk of prompt tokens in all (`costs.prefill_chunk`, then what takes as
-long at the pace of the last chunk: `PrefillShare`), so that no prompt holds the batch for longer than a
-chunk. Prompts that fit in a chunk are fed whole, oldest first, while they fit together; a longer prompt is
-fed a chunk a step, drafting and verifying nothing until its rest fits in a chunk, and takes turns with the
-other sequences (`PrefillShare`): a sequence that comes in while a long prompt is being fed waits for the
-chunk under way, not for the prompt. Several long prompts take turns too, the one that has fed the fewest
-chunks first.
+Prompts: a step carries at most one chunk of prompt tokens in all (`costs.prefill_chunk`, then what takes as long at the
+pace of the last chunk: `PrefillShare`), so that no prompt holds the batch for longer than a chunk. Prompts that fit in
+a chunk are fed whole, oldest first, while they fit together; a longer prompt is fed a chunk a step, drafting and
+verifying nothing until its rest fits in a chunk, and takes turns with the other sequences (`PrefillShare`): a sequence
+that comes in while a long prompt is being fed waits for the chunk under way, not for the prompt. Several long prompts
+take turns too, the one that has fed the fewest chunks first.
 
-Drafters here must not run a model of their own or the target (`Drafter.batchable`: the copies, retrieval,
-Jacobi's guesses from the target's logits, a head that reads the target's features, a composite of those); each
-sequence gets its own drafter (`Drafter.for_sequence`), told how its draft fared with its rows of the forward's
-logits and hidden states (the forward asks for what any of them reads, `HiddenRequest`), and ended as the sequence
-leaves (`Drafter.end`: what it remembers goes to its owner's memory). A head's sequences draft in one call
-(`drafters.medusa.BatchedHeads`).
+Drafters here must not run a model of their own or the target (`Drafter.batchable`: the copies, retrieval, Jacobi's
+guesses from the target's logits, a head that reads the target's features, a composite of those); each sequence gets its
+own drafter (`Drafter.for_sequence`), told how its draft fared with its rows of the forward's logits and hidden states
+(the forward asks for what any of them reads, `HiddenRequest`), and ended as the sequence leaves (`Drafter.end`: what it
+remembers goes to its owner's memory). A head's sequences draft in one call (`drafters.medusa.BatchedHeads`).
 """
 
 from __future__ import annotations
@@ -275,8 +271,10 @@ class BatchEngine:
         chunked = any(i in plan and not steps for i, steps in zip(idents, stepping))  # a long prompt's chunk
         # 1. Draft, each sequence on its own (a head's sequences in one call: `drafters.medusa.BatchedHeads`);
         #    then the gate shares the forward out: trees too where it carries several sequences (a sequence alone
-        #    steps as the single-sequence engine does, its tree sized on the curve by its drafter).
-        drafts, draft_seconds = [], []
+        #    steps as the single-sequence engine does, its tree sized on the curve by its drafter), over its cache.
+        drafts, draft_seconds, cached = [], [], self.target.cache_length
+        if self.gate:
+            self.curve.at(cached)
         for m, steps in zip(members, stepping):
             start = self.stopwatch.now()
             room = m.progress.room() - 1  # the step adds a token beyond its accepted drafts
@@ -292,7 +290,6 @@ class BatchEngine:
         # 2. One forward over every sequence's pending tokens and draft.
         timed = self.gate and not plan  # a prompt's prefill (cold, all attention) is not timed
         forward_start, host_start = self.stopwatch.mark() if timed else None, self.stopwatch.now()
-        cached = self.target.cache_length
         fed, positions, spans, rows = forward_inputs(members, pending, drafts, stepping)
         total = sum(len(f) for f in fed)
         # A sequence alone in the forward and in the cache (a lone request, or the last one left) steps as the
@@ -307,7 +304,8 @@ class BatchEngine:
                                      rows=torch.cat(rows) if rows else torch.tensor([total - 1], device="cpu"),
                                      output_hidden=asked.request)
         if forward_start is not None:  # (its seconds come once the device has done it)
-            self.stopwatch.measure(forward_start, self.stopwatch.mark(), functools.partial(self.curve.observe, total))
+            observe = functools.partial(self.curve.observe, total, context=cached)
+            self.stopwatch.measure(forward_start, self.stopwatch.mark(), observe)
         # 3. Verify each sequence on its rows; keep the slots of its context and accepted tokens.
         out: list[tuple[int, StepEvent, GenerationResult | None]] = []
         row = 0

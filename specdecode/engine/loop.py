@@ -132,6 +132,8 @@ class SpeculativeEngine:
         start = self.stopwatch.now()
         pending = context[self.target.cache_length :]
         drafter = self.drafter if room > 0 and speculate else None  # None: a plain step
+        if self.gate and self.drafter is not None:  # the step is priced over the cache it runs over (`LiveCurve.at`)
+            self.curve.at(self.target.cache_length)
         # (under a constraint: the grammar's forced run first, and nothing it forbids: `engine.forced`)
         draft = forced.propose(drafter, context, room, params, generator, matcher)
         if self.gate and draft.scores is not None:
@@ -161,7 +163,7 @@ class SpeculativeEngine:
         forward_start = self.stopwatch.mark() if timed else None
         out = self.target.forward(fed, positions=positions, tree_mask=mask, num_logits=rows, output_hidden=hidden)
         if forward_start is not None:  # (its seconds come once the device has done it)
-            observe = functools.partial(self.curve.observe, fed.numel())
+            observe = functools.partial(self.curve.observe, fed.numel(), context=len(context) - len(pending))
             self.stopwatch.measure(forward_start, self.stopwatch.mark(), observe)
         # 3. Accept the longest admissible prefix (or tree path) and add the correction or bonus token.
         verdict = verify_draft(self.verifier, draft, out.logits, params, generator, matcher, history, top_logprobs,

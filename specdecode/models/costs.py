@@ -83,8 +83,11 @@ class CostCurve:
             out.append(max(cheapest, FLOOR))
         return tuple(reversed(out))
 
-    def observe(self, n: int, seconds: float) -> None:
+    def observe(self, n: int, seconds: float, context: int | None = None) -> None:
         """A fixed curve learns nothing from timings (`LiveCurve` does)."""
+
+    def at(self, context: int) -> None:
+        """A fixed curve prices every cache length alike (`LiveCurve` does not)."""
 
     def probe(self, widest: int) -> int | None:
         """A fixed curve has nothing to probe."""
@@ -112,6 +115,14 @@ class LiveCurve:
     that paid recently, once every `PROBE_EVERY` forwards, and verifies that much: lossless, and a few
     percent of the time at worst.
 
+    A forward's attention reads the whole cache, so the same width costs more over a longer one (a batch of
+    eight sequences holds thousands of tokens): the estimates are kept per band of cache lengths
+    (`context_band`: under 1,024 tokens, then doubling), each starting from the band below as it stood.
+    The engine says the cache length its next forwards run over (`at`), which the readers of the curve then
+    price, and each timing goes to its own forward's band. Mixed, the forwards of a crowded batch priced
+    every width for the lone requests after it, and through the cache for later processes too (only the
+    first band is stored, the one the prior was measured in).
+
     Reads like a CostCurve: `curve(n)`, `sizes`, `relative`, `seconds`."""
 
     WINDOW = 7  # latest forwards per size whose median is the estimate
@@ -120,45 +131,62 @@ class LiveCurve:
     def __init__(self, prior: CostCurve, on_change=None):
         self.sizes = prior.sizes
         seconds = prior.seconds or 1.0
-        self._times: list[list[float]] = [[r * seconds] for r in prior.relative]  # per size, latest first
-        self._last_seen = [0] * len(self.sizes)  # forward count when each size was last timed or probed
+        self._bands = {0: _Band([[r * seconds] for r in prior.relative], [0] * len(self.sizes))}
+        self._band = 0  # where the next forwards run (`at`)
         self._forwards = 0
-        self._snapshot: CostCurve | None = None
-        self._on_change = on_change  # called with the current curve now and then (to cache it)
+        self._on_change = on_change  # called with the first band's curve now and then (to cache it)
         self._prefill = prior.prefill  # (not corrected: the engine times no prefill)
 
     def _index(self, n: int) -> int | None:
         return next((i for i, size in enumerate(self.sizes) if size >= n), None)
 
-    def observe(self, n: int, seconds: float) -> None:
-        """A forward over n new tokens took `seconds`."""
+    def _get(self, band: int) -> _Band:
+        """A band's estimates; a band met for the first time starts from the nearest band below it, as it stands."""
+        if band not in self._bands:
+            below = self._bands[max(b for b in self._bands if b < band)]
+            self._bands[band] = _Band([list(times) for times in below.times], list(below.last_seen))
+        return self._bands[band]
+
+    def at(self, context: int) -> None:
+        """The next forwards run over a cache of `context` tokens: the curve prices their band from now on."""
+        self._band = context_band(context)
+        self._get(self._band)
+
+    def observe(self, n: int, seconds: float, context: int | None = None) -> None:
+        """A forward over n new tokens took `seconds`, over a cache of `context` tokens (None: the band set last)."""
         self._forwards += 1
+        band = self._get(self._band if context is None else context_band(context))
+        band.forwards += 1
         i = self._index(n)
         if i is None or not seconds > 0:
             return
-        self._times[i] = [seconds, *self._times[i][: self.WINDOW - 1]]
-        self._last_seen[i] = self._forwards
-        self._snapshot = None
+        band.times[i] = [seconds, *band.times[i][: self.WINDOW - 1]]
+        band.last_seen[i] = band.forwards
+        band.snapshot = None
         if self._on_change is not None and self._forwards % 256 == 0:
-            self._on_change(self.current())
+            self._on_change(self._curve(self._bands[0]))
 
-    def current(self) -> CostCurve:
-        """The curve as it stands."""
-        if self._snapshot is None:
+    def _curve(self, band: _Band) -> CostCurve:
+        if band.snapshot is None:
             # never less than a narrower forward: a wide size timed in a quiet moment (or the prior's figure)
             # must not make every narrower forward look cheap once the narrow ones are timed busy
-            estimates = list(itertools.accumulate((lower_median(times) for times in self._times), max))
-            self._snapshot = CostCurve(self.sizes, tuple(e / estimates[0] for e in estimates), estimates[0],
-                                       self._prefill)
-        return self._snapshot
+            estimates = list(itertools.accumulate((lower_median(times) for times in band.times), max))
+            band.snapshot = CostCurve(self.sizes, tuple(e / estimates[0] for e in estimates), estimates[0],
+                                      self._prefill)
+        return band.snapshot
+
+    def current(self) -> CostCurve:
+        """The curve as it stands, in the band the next forwards run in."""
+        return self._curve(self._bands[self._band])
 
     def probe(self, widest: int) -> int | None:
         """A forward size worth timing again, or None: the next measured size beyond `widest` (the widest
-        forward that paid lately) when it has not been timed for PROBE_EVERY forwards."""
+        forward that paid lately) when it has not been timed in this band for PROBE_EVERY of its forwards."""
+        band = self._bands[self._band]
         i = self._index(widest + 1)
-        if i is None or self._forwards - self._last_seen[i] < self.PROBE_EVERY:
+        if i is None or band.forwards - band.last_seen[i] < self.PROBE_EVERY:
             return None
-        self._last_seen[i] = self._forwards  # one probe per period, whether or not the draft fills it
+        band.last_seen[i] = band.forwards  # one probe per period, whether or not the draft fills it
         return self.sizes[i]
 
     def __call__(self, n: int) -> float:
@@ -175,6 +203,24 @@ class LiveCurve:
     @property
     def prefill(self) -> float:
         return self._prefill
+
+
+@dataclass
+class _Band:
+    """A LiveCurve's estimates for one band of cache lengths."""
+
+    times: list[list[float]]  # per size, the latest forwards' seconds, latest first
+    last_seen: list[int]  # per size, the band's forward count when it was last timed or probed
+    forwards: int = 0
+    snapshot: CostCurve | None = None
+
+
+FIRST_BAND = 1024  # cache lengths below this are the first band (the prior is measured over 256 tokens)
+
+
+def context_band(context: int) -> int:
+    """The band of a cache of `context` tokens (`LiveCurve`): 0 below FIRST_BAND, then one per doubling."""
+    return (max(context, 0) // FIRST_BAND).bit_length()
 
 
 def lower_median(values) -> float:

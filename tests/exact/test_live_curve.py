@@ -180,3 +180,59 @@ def test_a_probe_never_widens_a_tree_cut_to_a_subtree(tiny_target, monkeypatch):
     engine.curve.probe = lambda widest: widest + 2  # a probe due at every step
     result = engine.generate(PROMPT, GenerationConfig(max_new_tokens=12))
     assert result.new_tokens == 12 and any(0 < s.drafted < 6 for s in result.steps)  # cut, and not widened
+
+
+def test_a_long_caches_forwards_are_priced_in_their_own_band():
+    """A crowded batch's cache holds thousands of tokens, over which every width costs more: its timings price its own
+    band of cache lengths, not the short contexts of the lone requests after it, nor the curve stored for later."""
+    stored = []
+    curve = LiveCurve(CostCurve.linear(0.1, sizes=(1, 2, 4, 8)), on_change=stored.append)
+    curve.at(300)
+    assert curve(4) == pytest.approx(1.3)
+    for _ in range(LiveCurve.WINDOW):  # over 5,000 cached tokens every width costs three times as much
+        curve.observe(1, 3.0, context=5000)
+        curve.observe(4, 3.9 * 2, context=5000)  # and width more than that: attention over the cache per token
+    assert curve(4) == pytest.approx(1.3)  # the short band as it was
+    curve.at(5000)
+    assert curve(4) == pytest.approx(2.6) and curve.seconds == pytest.approx(3.0)
+    curve.at(2500)  # a band not met yet starts from the nearest below it
+    assert curve(4) == pytest.approx(1.3)
+    for _ in range(256 - 2 * LiveCurve.WINDOW):
+        curve.observe(1, 1.0, context=5000)
+    assert stored and stored[-1](4) == pytest.approx(1.3)  # what goes to the cache: the first band's
+
+
+@pytest.mark.parametrize("engine_kind", ["single", "batch"])
+def test_the_engines_time_each_forward_in_the_band_of_its_cache(tiny_target, engine_kind):
+    from specdecode.engine.batch import BatchEngine
+
+    clock = FakeClock()
+    target = TimedLM(tiny_target, clock, slope=0.5)
+    seen = []
+
+    class Recording(LiveCurve):
+        def at(self, context):
+            seen.append(("at", context))
+            super().at(context)
+
+        def observe(self, n, seconds, context=None):
+            seen.append(("observe", context))
+            super().observe(n, seconds, context)
+
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    if engine_kind == "single":
+        engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(num_tokens=4), clock=clock)
+        engine.curve = Recording(CostCurve.linear(0.1, sizes=(1, 2, 4, 8)))
+        engine.generate(PROMPT[:40], config)
+    else:
+        engine = BatchEngine(target, clock=clock)
+        engine.curve = Recording(CostCurve.linear(0.1, sizes=(1, 2, 4, 8)))
+        for _ in range(2):
+            engine.add(PROMPT[:40], config, PromptLookupDrafter(num_tokens=4))
+        while engine.members:
+            engine.step()
+    observed = [c for kind, c in seen if kind == "observe"]
+    assert observed and all(c is not None and c >= 40 for c in observed)
+    # every timed forward was priced beforehand over the cache it then ran over
+    priced = [c for kind, c in seen if kind == "at"]
+    assert set(observed) <= set(priced)

@@ -291,9 +291,9 @@ class RecordingCurve(LiveCurve):
         super().__init__(FIXED_CURVE)
         self.observed: list[tuple[int, float]] = []
 
-    def observe(self, n: int, seconds: float) -> None:
+    def observe(self, n: int, seconds: float, context: int | None = None) -> None:
         self.observed.append((n, seconds))
-        super().observe(n, seconds)
+        super().observe(n, seconds, context)
 
 
 def timed_engine(target, clock=None) -> SpeculativeEngine:

@@ -1,0 +1,156 @@
+"""What a batch of N sequences spends its time on, per method, in-process: the server's batch engine
+(`engine.batch.BatchEngine`) on the default pair, N slots refilled from the prompts as answers end (as N clients
+each sending the next prompt when its answer is in), the methods interleaved round by round.
+
+    python benchmarks/batch_anatomy.py [--slots 2] [--methods auto,ar,pld] [--part tuning] [--per-category 2]
+                                       [--max-new-tokens 64] [--rounds 2] [--dtype auto]
+
+Per method (the least wall time of the rounds, and that round's figures): output tokens per second; the steps that
+feed prompt tokens and their share of the wall time; the decoding steps' mean time, their forward's mean width,
+draft tokens and accepted tokens per sequence-step, and where a decoding step's time goes: the target's forward, the
+drafters' drafting, the rest of the host's work (the gate, the inputs and mask, verification, appending, learning).
+And whether every answer is token for token the in-process single-sequence greedy answer.
+
+Not a served measurement (`serve_concurrency.py` is): the same engine without the server's threads and streaming, so
+that a change to the batch's work shows in its own figures. Use the tuning part for decisions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import torch
+
+from specdecode.api import load_models
+from specdecode.bench.samples import sample_tasks
+from specdecode.engine import GenerationConfig, SpeculativeEngine
+from specdecode.engine.batch import BatchEngine
+from specdecode.methods import choose
+from specdecode.serve.worker import own_cache
+
+CATEGORIES = "code,code-edit,summarisation,qa,math,rag,translation,multi-turn"
+
+
+@dataclasses.dataclass
+class Tally:
+    """One method's run."""
+
+    wall: float = 0.0
+    tokens: int = 0
+    feeding_steps: int = 0
+    feeding_seconds: float = 0.0
+    steps: int = 0  # decoding steps (no prompt token fed)
+    seconds: float = 0.0
+    forward: float = 0.0
+    drafting: float = 0.0
+    width: int = 0  # tokens the decoding steps' forwards carried
+    sequence_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    identical: int = 0
+    answers: int = 0
+
+
+def run(models, target, method: str, prompts: list[list[int]], slots: int, config: GenerationConfig,
+        references: list[list[int]]) -> Tally:
+    """The prompts through a batch of `slots`, refilled as answers end."""
+    choice = choose(method)
+    prototype = models.drafter_for(choice) if method != "ar" else None
+    engine = BatchEngine(target, models.tokenizer)
+    tally, forward_seconds = Tally(), [0.0]
+    original = target.forward
+
+    def timed_forward(*a, **k):
+        start = time.perf_counter()
+        out = original(*a, **k)
+        forward_seconds[0] += time.perf_counter() - start
+        return out
+
+    target.forward = timed_forward
+    queue, owner = list(range(len(prompts))), {}
+    start = time.perf_counter()
+    try:
+        while queue or engine.members:
+            while queue and len(engine) < slots:
+                p = queue.pop(0)
+                drafter = None if prototype is None else prototype.for_sequence(None)
+                owner[engine.add(prompts[p], config, drafter, method=method)] = p
+            widths = {i: len(m.slots) for i, m in engine.members.items()}
+            feeding = any(w < len(m.progress.context) - 1 for w, m in zip(widths.values(), engine.members.values()))
+            forward_seconds[0], step_start = 0.0, time.perf_counter()
+            events = engine.step()
+            seconds = time.perf_counter() - step_start
+            if feeding:
+                tally.feeding_steps, tally.feeding_seconds = tally.feeding_steps + 1, tally.feeding_seconds + seconds
+            else:
+                stepped = [e for _, e, _ in events if e.token_ids and e.stats.forward_tokens]
+                tally.steps, tally.seconds, tally.forward = tally.steps + 1, tally.seconds + seconds, \
+                    tally.forward + forward_seconds[0]
+                tally.drafting += sum(e.stats.draft_seconds for e in stepped)
+                tally.width += sum(e.stats.forward_tokens for e in stepped)
+                tally.sequence_steps += len(stepped)
+                tally.drafted += sum(e.stats.drafted for e in stepped)
+                tally.accepted += sum(e.stats.accepted for e in stepped)
+            for ident, _, result in events:
+                if result is not None:
+                    p = owner.pop(ident)
+                    tally.tokens += len(result.token_ids)
+                    tally.answers += 1
+                    tally.identical += result.token_ids == references[p]
+    finally:
+        target.forward = original
+    tally.wall = time.perf_counter() - start
+    return tally
+
+
+def report(method: str, t: Tally) -> str:
+    steps, seq = max(t.steps, 1), max(t.sequence_steps, 1)
+    return (f"| `{method}` | {t.tokens / t.wall:.1f} | {t.wall:.1f} | {t.feeding_steps} / "
+            f"{100 * t.feeding_seconds / t.wall:.0f}% | {t.steps} | {1e3 * t.seconds / steps:.1f} | "
+            f"{t.width / steps:.1f} | {t.drafted / seq:.2f} / {t.accepted / seq:.2f} | "
+            f"{1e3 * t.forward / steps:.1f} / {1e3 * t.drafting / steps:.1f} / "
+            f"{1e3 * (t.seconds - t.forward - t.drafting) / steps:.1f} | {t.identical}/{t.answers} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--slots", type=int, default=2)
+    parser.add_argument("--methods", default="auto,ar,pld")
+    parser.add_argument("--categories", default=CATEGORIES)
+    parser.add_argument("--part", default="tuning", choices=["tuning", "held-out"])
+    parser.add_argument("--per-category", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    models = load_models(dtype=args.dtype, progress=False)
+    tasks = sample_tasks(args.categories.split(","), args.per_category, part=args.part)
+    prompts = [models.encode(task.turns[0], chat=True) for task in tasks]
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    plain = SpeculativeEngine(models.target, models.tokenizer)
+    references = [plain.generate(p, config).token_ids for p in prompts]
+    target = own_cache(models.target)
+    methods = args.methods.split(",")
+    best: dict[str, Tally] = {}
+    for round_ in range(args.rounds):
+        order = methods[round_ % len(methods):] + methods[: round_ % len(methods)]
+        for method in order:
+            tally = run(models, target, method, prompts, args.slots, config, references)
+            print(f"round {round_}, {method}: {tally.tokens / tally.wall:.1f} tokens/s", flush=True)
+            if method not in best or tally.wall < best[method].wall:
+                best[method] = tally
+    print(f"\n{len(prompts)} prompts ({args.part}), {args.slots} slots, {args.max_new_tokens} tokens at most, "
+          f"least wall of {args.rounds} rounds\n")
+    print("| method | tokens/s | wall s | feeding steps / share of wall | decoding steps | ms a step | width | "
+          "drafted / accepted a sequence-step | ms a step: forward / drafting / other host |  = greedy |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for method in methods:
+        print(report(method, best[method]))
+
+
+if __name__ == "__main__":
+    main()
