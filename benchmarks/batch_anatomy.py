@@ -51,6 +51,8 @@ class Tally:
     accepted: int = 0
     identical: int = 0
     answers: int = 0
+    beside: list[int] = dataclasses.field(default_factory=lambda: [0, 0, 0])  # feeding steps: sequence-steps,
+    # their drafted and accepted tokens (the sequences that decode beside a prompt's tokens)
 
 
 def run(models, target, method: str, prompts: list[list[int]], slots: int, config: GenerationConfig,
@@ -82,10 +84,12 @@ def run(models, target, method: str, prompts: list[list[int]], slots: int, confi
             forward_seconds[0], step_start = 0.0, time.perf_counter()
             events = engine.step()
             seconds = time.perf_counter() - step_start
+            stepped = [e for _, e, _ in events if e.token_ids and e.stats.forward_tokens]
             if feeding:
                 tally.feeding_steps, tally.feeding_seconds = tally.feeding_steps + 1, tally.feeding_seconds + seconds
+                tally.beside = [tally.beside[0] + len(stepped), tally.beside[1] + sum(e.stats.drafted for e in stepped),
+                                tally.beside[2] + sum(e.stats.accepted for e in stepped)]
             else:
-                stepped = [e for _, e, _ in events if e.token_ids and e.stats.forward_tokens]
                 tally.steps, tally.seconds, tally.forward = tally.steps + 1, tally.seconds + seconds, \
                     tally.forward + forward_seconds[0]
                 tally.drafting += sum(e.stats.draft_seconds for e in stepped)
@@ -111,7 +115,9 @@ def report(method: str, t: Tally) -> str:
             f"{100 * t.feeding_seconds / t.wall:.0f}% | {t.steps} | {1e3 * t.seconds / steps:.1f} | "
             f"{t.width / steps:.1f} | {t.drafted / seq:.2f} / {t.accepted / seq:.2f} | "
             f"{1e3 * t.forward / steps:.1f} / {1e3 * t.drafting / steps:.1f} / "
-            f"{1e3 * (t.seconds - t.forward - t.drafting) / steps:.1f} | {t.identical}/{t.answers} |")
+            f"{1e3 * (t.seconds - t.forward - t.drafting) / steps:.1f} | "
+            f"{t.beside[0]}: {t.beside[1]} / {t.beside[2]} | "
+            f"{t.identical}/{t.answers} |")
 
 
 def main() -> None:
@@ -146,8 +152,9 @@ def main() -> None:
     print(f"\n{len(prompts)} prompts ({args.part}), {args.slots} slots, {args.max_new_tokens} tokens at most, "
           f"least wall of {args.rounds} rounds\n")
     print("| method | tokens/s | wall s | feeding steps / share of wall | decoding steps | ms a step | width | "
-          "drafted / accepted a sequence-step | ms a step: forward / drafting / other host |  = greedy |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "drafted / accepted a sequence-step | ms a step: forward / drafting / other host | beside prompts: "
+          "sequence-steps: drafted / accepted | = greedy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for method in methods:
         print(report(method, best[method]))
 

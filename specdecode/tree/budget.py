@@ -113,8 +113,11 @@ def cut_batch(drafts: list[Draft], curve: Curve, pending: int, shared: bool = Tr
     ranked = sorted(((score, depth, i, node) for i, d in scored.items() for node, (score, depth)
                      in enumerate(_capped(d))), key=lambda c: (-c[0], c[1]))
     # no wider than the largest measured forward: beyond it the curve is a guess (on llama.cpp a 65-token
-    # forward costs far more than the line through 48 and 64 says: docs/results/code-choices.md)
-    cap = max(curve.sizes[-1] - fixed, 0)
+    # forward costs far more than the line through 48 and 64 says: docs/results/code-choices.md). A `shared`
+    # forward runs on torch, about linear once wide: there the cap bounds the decoding alone, and drafts beside
+    # a prompt's chunk cost what they add to it (else a chunk of 64 tokens or more would leave every sequence
+    # decoding beside it without a draft)
+    cap = max(curve.sizes[-1] - (fixed - feeding if shared else fixed), 0)
     cost: Curve = Interpolated(curve) if shared else curve
     if feeding:
         cost = Beside(cost, fixed - feeding, feeding)

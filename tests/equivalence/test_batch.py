@@ -260,6 +260,9 @@ def test_prompt_tokens_fed_beside_the_decoding_do_not_make_drafts_look_cheap():
     assert [len(d) for d in beside] == [len(d) for d in alone] and len(beside[0]) > 0
     # nothing fed beside: the cut is the plain one
     assert [len(d) for d in cut_batch(good, steep, pending=4, feeding=0)] == [len(d) for d in alone]
+    # beside a chunk as wide as the curve or wider, the same: the cap bounds the decoding, not the prompt's tokens
+    wide = cut_batch(good, steep, pending=4 + 200, feeding=200)
+    assert [len(d) for d in wide] == [len(d) for d in alone]
     # a lone sequence's first step, its prompt fed with its chain (`cut_chain`): the prompt is not the chain's cost
     linear = CostCurve.linear(0.5, sizes=tuple(range(1, 65)))
     assert len(cut_chain(scored(8, 0.5), linear, pending=40)) == len(cut_chain(scored(8, 0.5), linear, pending=1))
