@@ -3,13 +3,17 @@
 each sending the next prompt when its answer is in), the methods interleaved round by round.
 
     python benchmarks/batch_anatomy.py [--slots 2] [--methods auto,ar,pld] [--part tuning] [--per-category 2]
-                                       [--max-new-tokens 64] [--rounds 2] [--dtype auto]
+                                       [--max-new-tokens 64] [--rounds 2] [--dtype auto] [--chunk-seconds 1.0,0.25]
 
-Per method (the least wall time of the rounds, and that round's figures): output tokens per second; the steps that
+Methods: any that batches, and "copies": `auto` without its trained head (its copy sources alone).
+
+Per method (the least wall time of the rounds, and that round's figures): output tokens per second; the time between
+a sequence's tokens (from its first on, a step's gap spread over the tokens it brought), median and p95; the steps that
 feed prompt tokens and their share of the wall time; the decoding steps' mean time, their forward's mean width,
 draft tokens and accepted tokens per sequence-step, and where a decoding step's time goes: the target's forward, the
-drafters' drafting, the rest of the host's work (the gate, the inputs and mask, verification, appending, learning).
-And whether every answer is token for token the in-process single-sequence greedy answer.
+drafters' drafting, the rest of the host's work (the gate, the inputs and mask, verification, appending, learning);
+in the steps that feed prompt tokens, the sequences that decode beside them and their drafted and accepted tokens. And
+whether every answer is token for token the in-process single-sequence greedy answer.
 
 Not a served measurement (`serve_concurrency.py` is): the same engine without the server's threads and streaming, so
 that a change to the batch's work shows in its own figures. Use the tuning part for decisions.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import time
 
 import torch
@@ -28,6 +33,7 @@ from specdecode.bench.samples import sample_tasks
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.engine.batch import BatchEngine
 from specdecode.methods import choose
+from specdecode.models.costs import CHUNK_SECONDS
 from specdecode.serve.worker import own_cache
 
 CATEGORIES = "code,code-edit,summarisation,qa,math,rag,translation,multi-turn"
@@ -51,16 +57,16 @@ class Tally:
     accepted: int = 0
     identical: int = 0
     answers: int = 0
+    gaps: list[float] = dataclasses.field(default_factory=list)  # time between a sequence's tokens, per token
     beside: list[int] = dataclasses.field(default_factory=lambda: [0, 0, 0])  # feeding steps: sequence-steps,
     # their drafted and accepted tokens (the sequences that decode beside a prompt's tokens)
 
 
-def run(models, target, method: str, prompts: list[list[int]], slots: int, config: GenerationConfig,
-        references: list[list[int]]) -> Tally:
-    """The prompts through a batch of `slots`, refilled as answers end."""
-    choice = choose(method)
-    prototype = models.drafter_for(choice) if method != "ar" else None
-    engine = BatchEngine(target, models.tokenizer)
+def run(models, target, prototype, method: str, prompts: list[list[int]], slots: int, config: GenerationConfig,
+        references: list[list[int]], chunk_seconds: float = CHUNK_SECONDS) -> Tally:
+    """The prompts through a batch of `slots`, refilled as answers end, each sequence's drafter made from
+    `prototype` (None: plain decoding), built once beforehand as the server builds it."""
+    engine = BatchEngine(target, models.tokenizer, chunk_seconds=chunk_seconds)
     tally, forward_seconds = Tally(), [0.0]
     original = target.forward
 
@@ -71,7 +77,7 @@ def run(models, target, method: str, prompts: list[list[int]], slots: int, confi
         return out
 
     target.forward = timed_forward
-    queue, owner = list(range(len(prompts))), {}
+    queue, owner, last = list(range(len(prompts))), {}, {}
     start = time.perf_counter()
     try:
         while queue or engine.members:
@@ -97,7 +103,12 @@ def run(models, target, method: str, prompts: list[list[int]], slots: int, confi
                 tally.sequence_steps += len(stepped)
                 tally.drafted += sum(e.stats.drafted for e in stepped)
                 tally.accepted += sum(e.stats.accepted for e in stepped)
-            for ident, _, result in events:
+            now = time.perf_counter()
+            for ident, event, result in events:
+                if event.token_ids and ident in last:  # (from its first token on, as a streaming client sees it)
+                    tally.gaps += [(now - last[ident]) / len(event.token_ids)] * len(event.token_ids)
+                if event.token_ids:
+                    last[ident] = now
                 if result is not None:
                     p = owner.pop(ident)
                     tally.tokens += len(result.token_ids)
@@ -109,9 +120,24 @@ def run(models, target, method: str, prompts: list[list[int]], slots: int, confi
     return tally
 
 
+def prototype(models, method: str):
+    """The method's drafter the sequences' are made from; "copies": `auto` without its trained head (prompt lookup
+    and the suffix cache, merged as `auto` merges them)."""
+    if method != "copies":
+        return models.drafter_for(choose(method))
+    from specdecode.drafters.auto import compose, copy_sources
+    from specdecode.drafters.options import DrafterOptions
+
+    target = models.target
+    return compose(copy_sources(target, DrafterOptions()), target.cost_curve(), target.model.config.num_hidden_layers,
+                   target.device)
+
+
 def report(method: str, t: Tally) -> str:
     steps, seq = max(t.steps, 1), max(t.sequence_steps, 1)
-    return (f"| `{method}` | {t.tokens / t.wall:.1f} | {t.wall:.1f} | {t.feeding_steps} / "
+    gaps = sorted(t.gaps) or [float("nan")]
+    return (f"| {method} | {t.tokens / t.wall:.1f} | {t.wall:.1f} | {1e3 * statistics.median(gaps):.0f} / "
+            f"{1e3 * gaps[int(0.95 * (len(gaps) - 1))]:.0f} | {t.feeding_steps} / "
             f"{100 * t.feeding_seconds / t.wall:.0f}% | {t.steps} | {1e3 * t.seconds / steps:.1f} | "
             f"{t.width / steps:.1f} | {t.drafted / seq:.2f} / {t.accepted / seq:.2f} | "
             f"{1e3 * t.forward / steps:.1f} / {1e3 * t.drafting / steps:.1f} / "
@@ -131,6 +157,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--chunk-seconds", default=str(CHUNK_SECONDS),
+                        help="what a step's prompt tokens take at most (BatchEngine's chunk_seconds); several, "
+                             "comma-separated: each method runs with each")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     models = load_models(dtype=args.dtype, progress=False)
@@ -141,22 +170,26 @@ def main() -> None:
     references = [plain.generate(p, config).token_ids for p in prompts]
     target = own_cache(models.target)
     methods = args.methods.split(",")
-    best: dict[str, Tally] = {}
+    prototypes = {m: prototype(models, m) for m in methods}  # (built once, as the server does)
+    chunks = [float(c) for c in args.chunk_seconds.split(",")]
+    runs = [(m, c) for m in methods for c in chunks]
+    best: dict[tuple[str, float], Tally] = {}
     for round_ in range(args.rounds):
-        order = methods[round_ % len(methods):] + methods[: round_ % len(methods)]
-        for method in order:
-            tally = run(models, target, method, prompts, args.slots, config, references)
-            print(f"round {round_}, {method}: {tally.tokens / tally.wall:.1f} tokens/s", flush=True)
-            if method not in best or tally.wall < best[method].wall:
-                best[method] = tally
+        for method, chunk in runs[round_ % len(runs):] + runs[: round_ % len(runs)]:
+            name = "auto" if method == "copies" else method
+            tally = run(models, target, prototypes[method], name, prompts, args.slots, config, references, chunk)
+            print(f"round {round_}, {method}, chunks of {chunk} s: {tally.tokens / tally.wall:.1f} tokens/s",
+                  flush=True)
+            if (method, chunk) not in best or tally.wall < best[(method, chunk)].wall:
+                best[(method, chunk)] = tally
     print(f"\n{len(prompts)} prompts ({args.part}), {args.slots} slots, {args.max_new_tokens} tokens at most, "
           f"least wall of {args.rounds} rounds\n")
-    print("| method | tokens/s | wall s | feeding steps / share of wall | decoding steps | ms a step | width | "
-          "drafted / accepted a sequence-step | ms a step: forward / drafting / other host | beside prompts: "
-          "sequence-steps: drafted / accepted | = greedy |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for method in methods:
-        print(report(method, best[method]))
+    print("| method | tokens/s | wall s | TBT median / p95 ms | feeding steps / share of wall | decoding steps | "
+          "ms a step | width | drafted / accepted a sequence-step | ms a step: forward / drafting / other host | "
+          "beside prompts: sequence-steps: drafted / accepted | = greedy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for method, chunk in runs:
+        print(report(f"`{method}`" + (f", {chunk} s chunks" if len(chunks) > 1 else ""), best[(method, chunk)]))
 
 
 if __name__ == "__main__":

@@ -123,12 +123,13 @@ class PrefillShare:
     (or when the step would carry nothing else). So while a long prompt is fed, the sequences decoding get
     at least half of the time (and a token in each chunk's step too), and the prompt the other half.
 
-    A chunk is what takes CHUNK_SECONDS at the pace of the last one, within MIN_CHUNK and the curve's chunk
+    A chunk is what takes `seconds` (CHUNK_SECONDS) at the pace of the last one, within MIN_CHUNK and the curve's chunk
     (`costs.prefill_chunk`, timed at the start of a prompt): a token's attention grows with the context, and
     a machine shared with other work slows every forward, so that a newcomer waits about as long for the
     chunk under way deep into a long prompt, or on a busy machine, as at its start on a quiet one."""
 
-    def __init__(self) -> None:
+    def __init__(self, seconds: float = CHUNK_SECONDS) -> None:
+        self.seconds = seconds  # what a chunk takes at the pace of the last one
         self.chunk_seconds = 0.0  # the last step that carried a chunk
         self.since = 0.0  # the steps after it
         self.per_token = 0.0  # the last chunk's step, seconds a token it fed (0: none yet)
@@ -142,7 +143,7 @@ class PrefillShare:
         """Prompt tokens the next step may carry, `most` at the most."""
         if not self.per_token > 0:
             return most
-        return max(min(most, MIN_CHUNK), min(most, round(CHUNK_SECONDS / self.per_token)))
+        return max(min(most, MIN_CHUNK), min(most, round(self.seconds / self.per_token)))
 
     def took(self, chunked: bool, tokens: int) -> Callable[[float], None]:
         """A step fed `tokens`; `chunked`: a long prompt's chunk among them. Returns what takes its seconds once
@@ -198,12 +199,13 @@ class BatchEngine:
     it ends)."""
 
     def __init__(self, target: CausalLM, tokenizer=None, gate: bool = True,
-                 keep_hidden: bool | tuple[int, ...] = False, clock: Callable[[], float] | None = None):
-        """`keep_hidden`: the hidden states (`CausalLM.forward`'s `output_hidden`) of every context token a
-        sequence feeds are kept, bfloat16, in `hidden[id]` (one piece a step, in order; the caller pops them).
-        The target's forwards (for its cost curve) and whole steps (for the turns of long prompts, `PrefillShare`)
-        are timed without waiting for the device, as `SpeculativeEngine` times them (`devices.stopwatch`; `clock`:
-        a fixed clock instead, read at once)."""
+                 keep_hidden: bool | tuple[int, ...] = False, clock: Callable[[], float] | None = None,
+                 chunk_seconds: float = CHUNK_SECONDS):
+        """`keep_hidden`: the hidden states (`CausalLM.forward`'s `output_hidden`) of every context token a sequence
+        feeds are kept, bfloat16, in `hidden[id]` (one piece a step, in order; the caller pops them). The target's
+        forwards (for its cost curve) and whole steps (for the turns of long prompts, `PrefillShare`) are timed without
+        waiting for the device, as `SpeculativeEngine` times them (`devices.stopwatch`; `clock`: a fixed clock
+        instead, read at once). `chunk_seconds`: what a step's prompt tokens take at most (`PrefillShare`)."""
         if not target.several_sequences:
             raise UserError(f"{type(target).__name__} holds one sequence at a time; batching needs the torch backend")
         self.target, self.tokenizer, self.gate, self.keep_hidden = target, tokenizer, gate, keep_hidden
@@ -211,7 +213,7 @@ class BatchEngine:
         self.members: dict[int, Member] = {}
         self.hidden: dict[int, list[torch.Tensor]] = {}
         self._ids = itertools.count()
-        self._share = PrefillShare()
+        self._share = PrefillShare(chunk_seconds)
 
     @functools.cached_property
     def curve(self) -> CostCurve | LiveCurve:
@@ -221,7 +223,7 @@ class BatchEngine:
     @functools.cached_property
     def prefill_chunk(self) -> int:
         """Prompt tokens a step feeds at most (`costs.prefill_chunk`; a test may assign it)."""
-        return prefill_chunk(self.target.cost_curve())
+        return prefill_chunk(self.target.cost_curve(), self._share.seconds)
 
     def __len__(self) -> int:
         return len(self.members)

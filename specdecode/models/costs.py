@@ -282,8 +282,8 @@ DEFAULT_CHUNK = 256  # prompt tokens a forward, where the curve has no prefill f
 MIN_CHUNK, MAX_CHUNK = 16, 4096
 
 
-def prefill_chunk(curve: CostCurve | LiveCurve) -> int:
-    """Prompt tokens one forward of a prefill feeds at most: about CHUNK_SECONDS by the curve's prefill
+def prefill_chunk(curve: CostCurve | LiveCurve, seconds: float = CHUNK_SECONDS) -> int:
+    """Prompt tokens one forward of a prefill feeds at most: about `seconds` by the curve's prefill
     figure (DEFAULT_CHUNK where it has none), within MIN_CHUNK .. MAX_CHUNK.
 
     Why chunks: between two forwards a server runs other requests' steps and notices a client leaving or a
@@ -292,7 +292,7 @@ def prefill_chunk(curve: CostCurve | LiveCurve) -> int:
     costs more (the batch sizes its chunks by their pace: `engine.batch.PrefillShare`)."""
     if not curve.prefill > 0:
         return DEFAULT_CHUNK
-    return max(MIN_CHUNK, min(MAX_CHUNK, round(CHUNK_SECONDS / curve.prefill)))
+    return max(MIN_CHUNK, min(MAX_CHUNK, round(seconds / curve.prefill)))
 
 
 def _machine() -> str:

@@ -16,7 +16,7 @@ from specdecode.drafters.eagle import EagleDrafter
 from specdecode.drafters.eagle3 import Eagle3Drafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
-from specdecode.engine.batch import BatchEngine
+from specdecode.engine.batch import BatchEngine, PrefillShare
 from specdecode.engine.sequence import Prefilled, StepEvent, prefill, prefill_spans
 from specdecode.models import costs, int4
 from specdecode.models.costs import CostCurve
@@ -237,3 +237,12 @@ def test_chunks_shrink_to_what_takes_chunk_seconds_as_their_tokens_cost_more():
 def test_the_batch_asks_the_targets_curve_for_its_chunk():
     engine = BatchEngine(FakeLM(TARGET, curve=CostCurve((1, 2), (1.0, 1.1), prefill=costs.CHUNK_SECONDS / 25)))
     assert engine.prefill_chunk == 25 == SpeculativeEngine(engine.target).prefill_chunk
+    # a batch told to hold its steps' prompt tokens to a quarter of that feeds a quarter as many
+    quick = FakeLM(TARGET, curve=CostCurve((1, 2), (1.0, 1.1), prefill=costs.CHUNK_SECONDS / 100))
+    assert BatchEngine(quick, chunk_seconds=costs.CHUNK_SECONDS / 4).prefill_chunk == 25
+
+
+def test_chunks_take_the_seconds_the_batch_is_given():
+    share = PrefillShare(seconds=0.25)
+    share.took(True, 100)(1.0)  # the last chunk: 100 tokens in a second
+    assert share.chunk(1000) == 25 and share.chunk(10) == 10
