@@ -144,7 +144,7 @@ class LiveCurve:
         """A band's estimates; a band met for the first time starts from the nearest band below it, as it stands."""
         if band not in self._bands:
             below = self._bands[max(b for b in self._bands if b < band)]
-            self._bands[band] = _Band([list(times) for times in below.times], list(below.last_seen))
+            self._bands[band] = _Band([list(times) for times in below.times], [0] * len(self.sizes))
         return self._bands[band]
 
     def at(self, context: int) -> None:
