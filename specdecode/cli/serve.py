@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 
@@ -12,6 +14,8 @@ from specdecode.cli.options import (
     DTypeOption, HeadOption, MemoryScope, MethodName, TargetOption, backend_device, console)
 from specdecode.errors import UserError
 from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+T = TypeVar("T")
 
 
 # The options of who may call the server and what it offers, named here to keep `serve` short.
@@ -92,19 +96,47 @@ def serve(
 
     default, offered = _methods(method.value, methods, datastore, no_drafter, head)
     guard, keys = _guard(host, allowed_host, api_key, allowed_origin, docs, max_body_mib, read_timeout)
-    models = load_models(target, None if no_drafter else drafter, dtype=dtype.value, draft_dtype=draft_dtype.value,
-                         backend=backend.value, device=backend_device(backend, device))
     name = model_name or Path(target.rstrip("/")).name.removesuffix(".gguf")
-    server = Server(models, name, default, datastore=str(datastore) if datastore else None,
-                    head=str(head) if head else None, max_batch=max_batch,
-                    limits=Limits(max_tokens=max_tokens, default_max_tokens=default_max_tokens,
-                                  request_seconds=request_timeout, max_queue=max_queue,
-                                  max_prompt_tokens=max_prompt_tokens),
-                    methods=offered, memory_scope=memory_scope.value, memory_owners=memory_owners,
-                    memory_budget=_memory_budget(memory_budget_gib, len(keys)))
+
+    def build() -> Server:  # (off the main thread, where the event loop runs: `on_a_passing_thread`)
+        models = load_models(target, None if no_drafter else drafter, dtype=dtype.value, draft_dtype=draft_dtype.value,
+                             backend=backend.value, device=backend_device(backend, device))
+        return Server(models, name, default, datastore=str(datastore) if datastore else None,
+                      head=str(head) if head else None, max_batch=max_batch,
+                      limits=Limits(max_tokens=max_tokens, default_max_tokens=default_max_tokens,
+                                    request_seconds=request_timeout, max_queue=max_queue,
+                                    max_prompt_tokens=max_prompt_tokens),
+                      methods=offered, memory_scope=memory_scope.value, memory_owners=memory_owners,
+                      memory_budget=_memory_budget(memory_budget_gib, len(keys)))
+
+    server = on_a_passing_thread(build)
     console.print(f"serving [bold]{name}[/] ({method.value} by default) on http://{host}:{port}/ ("
                   f"{'API key required' if keys else 'no API key: this machine only'}); Ctrl-C stops")
     uvicorn.run(create_app(server, guard), host=host, port=port, **uvicorn_options(guard))
+
+
+def on_a_passing_thread(build: Callable[[], T]) -> T:
+    """`build()` on a thread of its own that ends with it: where the server loads its models and builds what it
+    serves, before its worker thread decodes. Loaded on the main thread, the worker's forwards were a quarter slower
+    than the same forwards on the main thread, each of their hundreds of OpenMP parallel regions dearer (measured:
+    docs/results/serving.md); loaded on a thread that has ended, they are not. The likely cause: the OpenMP threads
+    the main thread started stay beside the worker's, and libgomp, managing more threads than there are cores, lets
+    a thread waiting between two regions spin only briefly before it sleeps, so each region pays a wake-up."""
+    built: list[T] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            built.append(build())
+        except BaseException as error:  # (raised again on the caller's thread)
+            failed.append(error)
+
+    thread = threading.Thread(target=run, name="specdecode-load", daemon=True)  # (Ctrl-C need not wait for it)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return built[0]
 
 
 def _methods(method: str, methods: str | None, datastore: Path | None, no_drafter: bool, head: Path | None = None):
