@@ -31,7 +31,7 @@ import torch
 from specdecode.api import load_models
 from specdecode.bench.samples import sample_tasks
 from specdecode.engine import GenerationConfig, SpeculativeEngine
-from specdecode.engine.batch import BatchEngine
+from specdecode.engine.batch import BatchEngine, final_layer
 from specdecode.methods import choose
 from specdecode.models.costs import CHUNK_SECONDS
 from specdecode.serve.worker import own_cache
@@ -85,8 +85,8 @@ def run(models, target, prototype, method: str, prompts: list[list[int]], slots:
                 p = queue.pop(0)
                 drafter = None if prototype is None else prototype.for_sequence(None)
                 owner[engine.add(prompts[p], config, drafter, method=method)] = p
-            widths = {i: len(m.slots) for i, m in engine.members.items()}
-            feeding = any(w < len(m.progress.context) - 1 for w, m in zip(widths.values(), engine.members.values()))
+            # (a sequence decoding feeds one token a step: its last; more is a prompt's)
+            feeding = any(len(m.slots) < len(m.progress.context) - 1 for m in engine.members.values())
             forward_seconds[0], step_start = 0.0, time.perf_counter()
             events = engine.step()
             seconds = time.perf_counter() - step_start
@@ -129,8 +129,7 @@ def prototype(models, method: str):
     from specdecode.drafters.options import DrafterOptions
 
     target = models.target
-    return compose(copy_sources(target, DrafterOptions()), target.cost_curve(), target.model.config.num_hidden_layers,
-                   target.device)
+    return compose(copy_sources(target, DrafterOptions()), target.cost_curve(), final_layer(target), target.device)
 
 
 def report(method: str, t: Tally) -> str:
