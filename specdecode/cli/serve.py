@@ -117,8 +117,8 @@ def serve(
 
 def on_a_passing_thread(build: Callable[[], T]) -> T:
     """`build()` on a thread of its own that ends with it: where the server loads its models and builds what it
-    serves, before its worker thread decodes. Loaded on the main thread, the worker's forwards were a quarter slower
-    than the same forwards on the main thread, each of their hundreds of OpenMP parallel regions dearer (measured:
+    serves, before its worker thread decodes. Loaded on the main thread, the worker's forwards were slower than the
+    same forwards on the main thread, each of their hundreds of OpenMP parallel regions dearer (measured:
     docs/results/serving.md); loaded on a thread that has ended, they are not. The likely cause: the OpenMP threads
     the main thread started stay beside the worker's, and libgomp, managing more threads than there are cores, lets
     a thread waiting between two regions spin only briefly before it sleeps, so each region pays a wake-up."""
