@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import os
 import shlex
 import statistics
@@ -149,6 +150,39 @@ def prompt_ratio(records: list[dict], method: str, prompt: int, levels: list[int
     return median(levels[-1]) / median(levels[0])
 
 
+def repeat_rates(records: list[dict], level: int, method: str) -> dict[int, float]:
+    """Per repeat, a method's output tokens per second at `level` clients (its run's tokens over its wall)."""
+    tokens: dict[int, int] = {}
+    for r in records:
+        if r["kind"] == "request" and r["clients"] == level and r["method"] == method:
+            tokens[r["repeat"]] = tokens.get(r["repeat"], 0) + len(r["token_ids"])
+    return {r["repeat"]: tokens.get(r["repeat"], 0) / r["wall"] for r in records
+            if r["kind"] == "run" and r["clients"] == level and r["method"] == method}
+
+
+def noise_lines(records: list[dict], levels: list[int], methods: list[str]) -> list[str]:
+    """Each method's throughput over `ar`'s, per level: the geometric mean of the repeats' ratios (a repeat's runs
+    are interleaved, so each ratio pairs two runs of one moment) and its 90% interval; how wide the interval is
+    says how small a difference these repeats could tell from noise."""
+    from specdecode.bench.noise import interval, verdict
+
+    lines = ["", "Throughput over `ar`, repeat by repeat (each repeat's runs interleaved; geometric mean, 90% interval "
+                 "by Student's t over the repeats):", "",
+             "| clients | method | repeats' ratios | geometric mean | 90% interval | verdict |", "|---|---|---|---|---|---|"]
+    for level in levels:
+        ar = repeat_rates(records, level, "ar")
+        for method in methods:
+            rates = repeat_rates(records, level, method)
+            logs = [math.log(rates[k] / ar[k]) for k in sorted(rates) if k in ar and method != "ar"]
+            if not logs:
+                continue
+            mean, low, high = interval(logs)
+            shown = "-" if len(logs) < 2 else f"{math.exp(low):.3f}-{math.exp(high):.3f}"
+            lines.append(f"| {level} | `{method}` | {', '.join(f'{math.exp(x):.2f}' for x in logs)} | "
+                         f"{math.exp(mean):.3f} | {shown} | {verdict(low, high) if len(logs) > 1 else '-'} |")
+    return lines
+
+
 def render(out: Path) -> str:
     """report.md and throughput.png from `out`'s records and settings."""
     settings = json.loads((out / "settings.json").read_text())
@@ -180,6 +214,8 @@ def render(out: Path) -> str:
         worst = max(prompt_ratio(records, method, p, levels) / prompt_ratio(records, "ar", p, levels)
                     for p in range(settings["prompts"])) if "ar" in methods else float("nan")
         lines.append(f"- `{method}`: {high / low:.2f}x; per prompt, beyond `ar`'s: at most {worst:.2f}x")
+    if "ar" in methods:
+        lines += noise_lines(records, levels, methods)
     differing = [r for r in records if r["kind"] == "request" and not r["identical"]]
     lines += ["", "Answers that differ from in-process greedy decoding:", ""] + [
         f"- {r['clients']} clients, `{r['method']}`, prompt {r['prompt']}: first differs at token "
@@ -288,6 +324,8 @@ def run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = arguments(argv)
     if args.render is not None:
+        if not (args.render / "records.jsonl").is_file() or not (args.render / "settings.json").is_file():
+            raise SystemExit(f"{args.render} holds no run of this script (its records.jsonl and settings.json)")
         print(render(args.render))
         return
     run(args)

@@ -28,6 +28,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from specdecode.bench.noise import interval, verdict
+
 Key = tuple[int, str, int]  # (file, task, repeat)
 
 
@@ -50,22 +52,6 @@ def load(paths: list[Path], decoding_alone: bool = False) -> dict[str, dict[str,
             rate = tokens / seconds
             out[record["category"]][record["method"]][index, record["task_id"], record["repeat"]] = math.log(rate)
     return out
-
-
-# Student's t, 95th percentile, by degrees of freedom (1-30; beyond, the normal's 1.645 plus a little)
-T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
-       1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
-
-
-def interval(differences: list[float]) -> tuple[float, float, float]:
-    """Mean log ratio and its 90% interval (t over the pairs); one pair: no interval (infinite)."""
-    mean = statistics.fmean(differences)
-    if len(differences) < 2:
-        return mean, -math.inf, math.inf
-    degrees = len(differences) - 1
-    quantile = T95[degrees - 1] if degrees <= len(T95) else 1.645 + 1.5 / degrees
-    half = quantile * statistics.stdev(differences) / math.sqrt(len(differences))
-    return mean, mean - half, mean + half
 
 
 def repeat_noise(measured: dict[str, dict[str, dict[Key, float]]]) -> float:
@@ -100,10 +86,9 @@ def table(measured, method: str, rivals: list[str] | None) -> list[str]:
         if not rows:
             continue
         rival, count, mean, low, high = min(rows, key=lambda row: row[2])
-        verdict = "ahead" if low > 0 else "behind" if high < 0 else "level"
         every = ", ".join(f"{name} {math.exp(m):.2f}" for name, _, m, _, _ in sorted(rows, key=lambda row: row[2]))
         lines.append(f"| {category} | {rival} | {math.exp(mean):.3f} | {math.exp(low):.3f}-{math.exp(high):.3f} "
-                     f"| {count} | {verdict} | {every} |")
+                     f"| {count} | {verdict(low, high)} | {every} |")
     noise = repeat_noise(measured)
     lines.append("")
     lines.append(f"Repeat noise: one run of a prompt lies {100 * (math.exp(noise) - 1):.1f}% (root mean square, log "
