@@ -4,15 +4,18 @@ each sending the next prompt when its answer is in), the methods interleaved rou
 
     python benchmarks/batch_anatomy.py [--slots 2] [--methods auto,ar,pld] [--part tuning] [--per-category 2]
                                        [--max-new-tokens 64] [--rounds 2] [--dtype auto] [--chunk-seconds 1.0,0.25]
+                                       [--chunk-policy turns,every]
 
-Methods: any that batches, and "copies": `auto` without its trained head (its copy sources alone).
+Methods: any that batches, and "copies": `auto` without its trained head (its copy sources alone). `--chunk-policy
+every`, an experiment the engine does not offer: a long prompt's chunk goes into every step while the prompt is fed, the
+decoding sequences riding in it, instead of taking turns with steps of decoding alone (`engine.pacing.PrefillShare`).
 
-Per method (the least wall time of the rounds, and that round's figures): output tokens per second; the time between
-a sequence's tokens (from its first on, a step's gap spread over the tokens it brought), median and p95; the steps that
-feed prompt tokens and their share of the wall time; the decoding steps' mean time, their forward's mean width,
+Per method (the least wall time of the rounds, and that round's figures): output tokens per second; the time between a
+sequence's tokens (from its first on, a step's gap spread over the tokens it brought), median, p95 and mean; the steps
+that feed prompt tokens and their share of the wall time; the decoding steps' mean time, their forward's mean width,
 draft tokens and accepted tokens per sequence-step, and where a decoding step's time goes: the target's forward, the
-drafters' drafting, the rest of the host's work (the gate, the inputs and mask, verification, appending, learning);
-in the steps that feed prompt tokens, the sequences that decode beside them and their drafted and accepted tokens. And
+drafters' drafting, the rest of the host's work (the gate, the inputs and mask, verification, appending, learning); in
+the steps that feed prompt tokens, the sequences that decode beside them and their drafted and accepted tokens. And
 whether every answer is token for token the in-process single-sequence greedy answer.
 
 Not a served measurement (`serve_concurrency.py` is): the same engine without the server's threads and streaming, so
@@ -63,10 +66,12 @@ class Tally:
 
 
 def run(models, target, prototype, method: str, prompts: list[list[int]], slots: int, config: GenerationConfig,
-        references: list[list[int]], chunk_seconds: float = CHUNK_SECONDS) -> Tally:
+        references: list[list[int]], chunk_seconds: float = CHUNK_SECONDS, policy: str = "turns") -> Tally:
     """The prompts through a batch of `slots`, refilled as answers end, each sequence's drafter made from
     `prototype` (None: plain decoding), built once beforehand as the server builds it."""
     engine = BatchEngine(target, models.tokenizer, chunk_seconds=chunk_seconds)
+    if policy == "every":  # a long prompt's chunk in every step, the decoding sequences riding in it
+        engine._share.turn = lambda: True
     tally, forward_seconds = Tally(), [0.0]
     original = target.forward
 
@@ -136,7 +141,7 @@ def report(method: str, t: Tally) -> str:
     steps, seq = max(t.steps, 1), max(t.sequence_steps, 1)
     gaps = sorted(t.gaps) or [float("nan")]
     return (f"| {method} | {t.tokens / t.wall:.1f} | {t.wall:.1f} | {1e3 * statistics.median(gaps):.0f} / "
-            f"{1e3 * gaps[int(0.95 * (len(gaps) - 1))]:.0f} | {t.feeding_steps} / "
+            f"{1e3 * gaps[int(0.95 * (len(gaps) - 1))]:.0f} / {1e3 * statistics.fmean(gaps):.0f} | {t.feeding_steps} / "
             f"{100 * t.feeding_seconds / t.wall:.0f}% | {t.steps} | {1e3 * t.seconds / steps:.1f} | "
             f"{t.width / steps:.1f} | {t.drafted / seq:.2f} / {t.accepted / seq:.2f} | "
             f"{1e3 * t.forward / steps:.1f} / {1e3 * t.drafting / steps:.1f} / "
@@ -159,6 +164,10 @@ def main() -> None:
     parser.add_argument("--chunk-seconds", default=str(CHUNK_SECONDS),
                         help="what a step's prompt tokens take at most (BatchEngine's chunk_seconds); several, "
                              "comma-separated: each method runs with each")
+    parser.add_argument("--chunk-policy", default="turns",
+                        help="when a long prompt's chunk goes into a step: turns (PrefillShare's: once the steps "
+                             "since the last chunk took as long as it did) or every (every step while the prompt is "
+                             "fed, the decoding sequences riding in it); both, comma-separated: each run with each")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     models = load_models(dtype=args.dtype, progress=False)
@@ -171,24 +180,31 @@ def main() -> None:
     methods = args.methods.split(",")
     prototypes = {m: prototype(models, m) for m in methods}  # (built once, as the server does)
     chunks = [float(c) for c in args.chunk_seconds.split(",")]
-    runs = [(m, c) for m in methods for c in chunks]
-    best: dict[tuple[str, float], Tally] = {}
+    policies = args.chunk_policy.split(",")
+    if not set(policies) <= {"turns", "every"}:
+        parser.error(f"--chunk-policy takes turns and every, not {args.chunk_policy}")
+    runs = [(m, c, p) for m in methods for c in chunks for p in policies]
+    best: dict[tuple[str, float, str], Tally] = {}
     for round_ in range(args.rounds):
-        for method, chunk in runs[round_ % len(runs):] + runs[: round_ % len(runs)]:
+        for method, chunk, policy in runs[round_ % len(runs):] + runs[: round_ % len(runs)]:
             name = "auto" if method == "copies" else method
-            tally = run(models, target, prototypes[method], name, prompts, args.slots, config, references, chunk)
-            print(f"round {round_}, {method}, chunks of {chunk} s: {tally.tokens / tally.wall:.1f} tokens/s",
+            tally = run(models, target, prototypes[method], name, prompts, args.slots, config, references, chunk,
+                        policy)
+            print(f"round {round_}, {method}, chunks of {chunk} s, {policy}: {tally.tokens / tally.wall:.1f} tokens/s",
                   flush=True)
-            if (method, chunk) not in best or tally.wall < best[(method, chunk)].wall:
-                best[(method, chunk)] = tally
+            if (method, chunk, policy) not in best or tally.wall < best[(method, chunk, policy)].wall:
+                best[(method, chunk, policy)] = tally
     print(f"\n{len(prompts)} prompts ({args.part}), {args.slots} slots, {args.max_new_tokens} tokens at most, "
           f"least wall of {args.rounds} rounds\n")
-    print("| method | tokens/s | wall s | TBT median / p95 ms | feeding steps / share of wall | decoding steps | "
-          "ms a step | width | drafted / accepted a sequence-step | ms a step: forward / drafting / other host | "
-          "beside prompts: sequence-steps: drafted / accepted | = greedy |")
+    print("| method | tokens/s | wall s | TBT median / p95 / mean ms | feeding steps / share of wall | "
+          "decoding steps | ms a step | width | drafted / accepted a sequence-step | "
+          "ms a step: forward / drafting / other host | beside prompts: sequence-steps: drafted / accepted | "
+          "= greedy |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for method, chunk in runs:
-        print(report(f"`{method}`" + (f", {chunk} s chunks" if len(chunks) > 1 else ""), best[(method, chunk)]))
+    for method, chunk, policy in runs:
+        label = (f"`{method}`" + (f", {chunk} s chunks" if len(chunks) > 1 else "")
+                 + (f", {policy}" if len(policies) > 1 else ""))
+        print(report(label, best[(method, chunk, policy)]))
 
 
 if __name__ == "__main__":

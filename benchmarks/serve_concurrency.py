@@ -168,7 +168,8 @@ def noise_lines(records: list[dict], levels: list[int], methods: list[str]) -> l
 
     lines = ["", "Throughput over `ar`, repeat by repeat (each repeat's runs interleaved; geometric mean, 90% interval "
                  "by Student's t over the repeats):", "",
-             "| clients | method | repeats' ratios | geometric mean | 90% interval | verdict |", "|---|---|---|---|---|---|"]
+             "| clients | method | repeats' ratios | geometric mean | 90% interval | verdict |",
+             "|---|---|---|---|---|---|"]
     for level in levels:
         ar = repeat_rates(records, level, "ar")
         for method in methods:

@@ -151,6 +151,12 @@ class Drafter(abc.ABC):
         at its `end` (None: a memory of its own, forgotten after)."""
         raise NotImplementedError(f"the {self.name} drafter cannot join a batch")
 
+    def batch_pace(self, seconds_per_token: float | None) -> None:
+        """The batch this sequence decodes in outputs a token every `seconds_per_token` (None: the sequence decodes
+        alone, or the pace is not yet known): told before each step's draft (`engine.batch.Pace`). A drafter that
+        weighs its own drafting time against the tokens it gains prices it at that pace, since in a batch every
+        sequence waits for it (`drafters.composite`); others ignore it."""
+
     def end(self) -> None:
         """The sequence is over (ended, or dropped): a batched sequence's drafter leaves what its owner's later
         sequences may read in its `memory`, and is not used again."""

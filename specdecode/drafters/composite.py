@@ -65,9 +65,10 @@ hears its verdict as any other does.
 What pays. Each source's drafting is timed and weighed against the tokens it adds beyond the sources asked
 before it, per request (`drafters.source_payoff`). The timing does not wait for the device (`devices.stopwatch`:
 on CUDA between events); its seconds are in by the step's verdict, whose read on the host waited for the drafting
-(a source's seconds not in by then count as nothing). One that does not pay is not asked until
-the text changes character. Where nothing is asked or nothing pays on the cost curve, the draft is empty
-and the step is the target's plain one.
+(a source's seconds not in by then count as nothing). A token's worth of time is a plain step of the target for a
+sequence alone, and in a batch the batch's seconds a token (`Drafter.batch_pace`): there every sequence of the step
+waits for each one's drafting. One that does not pay is not asked until the text changes character. Where nothing is
+asked or nothing pays on the cost curve, the draft is empty and the step is the target's plain one.
 """
 
 from __future__ import annotations
@@ -152,6 +153,7 @@ class CompositeDrafter(Drafter):
         self._merged: Merged | None = None
         self._draft: Draft | None = None  # this step's, as submitted
         self._submitted: dict[int, int] = {}  # merged node -> its index in the draft verified
+        self._pace: float | None = None  # seconds a token of the batch it drafts in (`batch_pace`; None: alone)
         self._beside: int | None = None  # the source whose tree made on the device goes beside the merge this step
         # this step's latest merge, by the proposals it took, and its choice (`_merge`, `_choose`)
         self._memo: tuple[tuple, Merged, tuple[torch.Tensor, torch.Tensor] | None] | None = None
@@ -171,6 +173,9 @@ class CompositeDrafter(Drafter):
             self._acceptance = [RunningAcceptance() for _ in self.sources]
         self.payoff.begin()
         self._proposals, self._merged, self._draft, self._submitted, self._beside = [], None, None, {}, None
+
+    def batch_pace(self, seconds_per_token: float | None) -> None:
+        self._pace = seconds_per_token
 
     def for_sequence(self, memory: Memory | None = None) -> CompositeDrafter:
         """A composite of its sources' own drafters for one sequence of a batch (`Drafter.for_sequence`), of
@@ -218,8 +223,8 @@ class CompositeDrafter(Drafter):
         if max_tokens <= 0:
             return Draft.empty()
         # 1. Ask the sources in order, but those that have not paid on this request; an expensive one only
-        #    while the others promise too little. Each one's drafting is timed, in plain steps.
-        step = getattr(self.curve, "seconds", 0.0)
+        #    while the others promise too little. Each one's drafting is timed, in tokens' worth of time.
+        step: float = getattr(self.curve, "seconds", 0.0) if self._pace is None else self._pace  # (`batch_pace`)
         self._costs = [0.0] * len(self.sources)
         for i, source in enumerate(self.sources):
             if not self.payoff.asks(i) or (
@@ -328,9 +333,9 @@ class CompositeDrafter(Drafter):
                                               parents=torch.tensor(parents, dtype=torch.long, device="cpu"))
 
 
-def _cost(costs: list[float], source: int, plain_step: float, seconds: float) -> None:
-    """A source's drafting seconds, in plain steps (`plain_step` seconds; 0: unknown, nothing)."""
-    costs[source] = seconds / plain_step if plain_step > 0 else 0.0
+def _cost(costs: list[float], source: int, token_time: float, seconds: float) -> None:
+    """A source's drafting seconds, in tokens' worth of time (`token_time` seconds; 0: unknown, nothing)."""
+    costs[source] = seconds / token_time if token_time > 0 else 0.0
 
 
 def default_sources(target: CausalLM, draft: CausalLM | None, options: DrafterOptions) -> list[Source]:

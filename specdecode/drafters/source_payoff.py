@@ -4,7 +4,9 @@ A source is worth asking while the tokens it adds are worth more than its drafti
 asked, it *gains* the tokens of its own proposal that verification would have accepted beyond the most that
 any source asked before it accepted (the sources are asked cheapest first, so a later one is judged on what
 it adds to the cheaper ones), and it *costs* the seconds its proposal took, in plain steps (the target's
-one-token forward on the cost curve): an accepted token saves about one plain step. Both are decayed sums
+one-token forward on the cost curve): an accepted token saves about one plain step. In a batch every sequence of a step
+waits for each one's drafting, so there the seconds are priced at the batch's pace instead, its seconds a token
+(`Drafter.batch_pace`). Both are decayed sums
 over the steps it was asked, kept per request (what pays depends on the text more than on anything learnt
 from earlier requests), starting from a prior of `PRIOR_GAIN` tokens so that one unlucky first step does
 not bench a source.

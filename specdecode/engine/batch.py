@@ -47,9 +47,10 @@ from specdecode.engine.sequence import (
     GenerationConfig, GenerationResult, SequenceState, StepEvent, VerifiedStep, after_prefill, check_prompt, conclude,
     draft_inputs,
 )
+from specdecode.engine.pacing import Pace, PrefillShare
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
-from specdecode.models.costs import CHUNK_SECONDS, MIN_CHUNK, CostCurve, LiveCurve, prefill_chunk
+from specdecode.models.costs import CHUNK_SECONDS, CostCurve, LiveCurve, prefill_chunk
 from specdecode.tree.budget import cut_batch
 from specdecode.types import Draft
 from specdecode.verify.tree import verify
@@ -116,52 +117,6 @@ def final_layer(target: CausalLM) -> int | None:
     return getattr(config, "num_hidden_layers", None)
 
 
-class PrefillShare:
-    """Turns between long prompts' chunks and the other sequences' steps, and the chunks' size.
-
-    A chunk goes into a step once the steps since the previous chunk have taken as long as that chunk did
-    (or when the step would carry nothing else). So while a long prompt is fed, the sequences decoding get
-    at least half of the time (and a token in each chunk's step too), and the prompt the other half.
-
-    A chunk is what takes `seconds` (CHUNK_SECONDS) at the pace of the last one, within MIN_CHUNK and the curve's chunk
-    (`costs.prefill_chunk`, timed at the start of a prompt): a token's attention grows with the context, and
-    a machine shared with other work slows every forward, so that a newcomer waits about as long for the
-    chunk under way deep into a long prompt, or on a busy machine, as at its start on a quiet one."""
-
-    def __init__(self, seconds: float = CHUNK_SECONDS) -> None:
-        self.seconds = seconds  # what a chunk takes at the pace of the last one
-        self.chunk_seconds = 0.0  # the last step that carried a chunk
-        self.since = 0.0  # the steps after it
-        self.per_token = 0.0  # the last chunk's step, seconds a token it fed (0: none yet)
-        self._chunks = 0  # steps that carried a chunk
-
-    def turn(self) -> bool:
-        """Whether a chunk may go into the next step."""
-        return self.since >= self.chunk_seconds
-
-    def chunk(self, most: int) -> int:
-        """Prompt tokens the next step may carry, `most` at the most."""
-        if not self.per_token > 0:
-            return most
-        return max(min(most, MIN_CHUNK), min(most, round(self.seconds / self.per_token)))
-
-    def took(self, chunked: bool, tokens: int) -> Callable[[float], None]:
-        """A step fed `tokens`; `chunked`: a long prompt's chunk among them. Returns what takes its seconds once
-        known (on a GPU a step or two later, `devices.EventStopwatch`): a chunk restarts the count of the steps
-        since at once, and a step's seconds from before it, coming later, no longer count."""
-        if chunked:
-            self.since, self._chunks = 0.0, self._chunks + 1
-        chunks = self._chunks
-
-        def timed(seconds: float) -> None:
-            if chunked:
-                self.chunk_seconds, self.per_token = seconds, seconds / tokens
-            elif chunks == self._chunks:
-                self.since += seconds
-
-        return timed
-
-
 def forward_inputs(members: list[Member], pending: list[list[int]], drafts: list[Draft], stepping: list[bool]):
     """Per sequence in the forward: the tokens fed (its pending context tokens, then its draft), their positions,
     its span (offset, n, the draft's own mask [n, n]), and the rows of logits it verifies on, if it steps."""
@@ -214,6 +169,7 @@ class BatchEngine:
         self.hidden: dict[int, list[torch.Tensor]] = {}
         self._ids = itertools.count()
         self._share = PrefillShare(chunk_seconds)
+        self.pace = Pace()  # how fast the batch outputs tokens, what its sequences' drafting is priced at
 
     @functools.cached_property
     def curve(self) -> CostCurve | LiveCurve:
@@ -274,14 +230,10 @@ class BatchEngine:
         # 1. Draft, each sequence on its own (a head's sequences in one call: `drafters.medusa.BatchedHeads`);
         #    then the gate shares the forward out: trees too where it carries several sequences (a sequence alone
         #    steps as the single-sequence engine does, its tree sized on the curve by its drafter), over its cache.
-        drafts, draft_seconds, cached = [], [], self.target.cache_length
+        cached = self.target.cache_length
         if self.gate:
             self.curve.at(cached)
-        for m, steps in zip(members, stepping):
-            start = self.stopwatch.now()
-            room = m.progress.room() - 1  # the step adds a token beyond its accepted drafts
-            drafts.append(m.progress.propose(m.drafter if steps else None, room))  # (`engine.forced`)
-            draft_seconds.append(self.stopwatch.now() - start)
+        drafts, draft_seconds = self._draft(members, stepping)
         if self.gate:
             # the sequences that step share out the forward; prompt tokens fed beside them, each one's last context
             # token aside, are the prompts' cost, not speculation's (`cut_batch`'s `feeding`)
@@ -332,8 +284,23 @@ class BatchEngine:
                                     self.stopwatch.now() - host_start, hidden)
             out += self._conclude(ident, m, verified, first, alone)
         self._collect()
-        self.stopwatch.measure(began, self.stopwatch.mark(), self._share.took(chunked, total))
+        tokens = sum(len(event.token_ids) for _, event, _ in out)
+        self.stopwatch.measure(began, self.stopwatch.mark(), self.pace.took(tokens, self._share.took(chunked, total)))
         return out
+
+    def _draft(self, members: list[Member], stepping: list[bool]) -> tuple[list[Draft], list[float]]:
+        """Each sequence's draft (none while it feeds its prompt) and its drafting seconds; where the forward carries
+        several sequences, each drafter is told the batch's pace first (`Pace`: all of them wait for its drafting)."""
+        pace = self.pace.per_token if len(members) > 1 else None
+        drafts, seconds = [], []
+        for m, steps in zip(members, stepping):
+            start = self.stopwatch.now()
+            if m.drafter is not None:
+                m.drafter.batch_pace(pace)
+            room = m.progress.room() - 1  # the step adds a token beyond its accepted drafts
+            drafts.append(m.progress.propose(m.drafter if steps else None, room))  # (`engine.forced`)
+            seconds.append(self.stopwatch.now() - start)
+        return drafts, seconds
 
     def _conclude(self, ident: int, m: Member, step: VerifiedStep, first: int, alone: bool
                   ) -> list[tuple[int, StepEvent, GenerationResult | None]]:

@@ -289,7 +289,7 @@ def prefill_chunk(curve: CostCurve | LiveCurve, seconds: float = CHUNK_SECONDS) 
     Why chunks: between two forwards a server runs other requests' steps and notices a client leaving or a
     deadline passing (`engine.batch`, `serve.worker`), and a forward's activations stay bounded. The figure
     is timed at the start of a prompt; attention grows with the context, so a chunk deep into a long prompt
-    costs more (the batch sizes its chunks by their pace: `engine.batch.PrefillShare`)."""
+    costs more (the batch sizes its chunks by their pace: `engine.pacing.PrefillShare`)."""
     if not curve.prefill > 0:
         return DEFAULT_CHUNK
     return max(MIN_CHUNK, min(MAX_CHUNK, round(seconds / curve.prefill)))

@@ -11,7 +11,7 @@ other up for a whole answer. On a backend whose cache holds one sequence (llama.
 in arrival order, each to its end.
 
 A long prompt is fed in chunks, each a step of its job (`costs.prefill_chunk`): in the batch it takes turns
-with the other sequences' steps (`engine.batch.PrefillShare`), so a request that comes in while another's
+with the other sequences' steps (`engine.pacing.PrefillShare`), so a request that comes in while another's
 long prompt is being fed waits for the chunk under way, not for the prompt; a job that runs alone feeds
 its chunks one a turn (`Stream.items`). A job that runs alone gets its engine before it is submitted
 (`Job.engine`), built beside the worker where it must be built (a new memory owner's: `serve.engines`).

@@ -167,6 +167,28 @@ def test_the_composite_stops_asking_a_source_that_does_not_pay():
     assert composite.payoff.benched() == [1]
 
 
+@pytest.mark.parametrize("pace", [None, 0.01])
+def test_a_source_worth_its_time_alone_is_benched_at_a_batchs_pace(pace):
+    """A source adds a token a step for half a plain step of drafting: worth it for a sequence alone; in a batch that
+    outputs a token every 10 ms (every sequence waiting for it), its 50 ms cost five tokens: not worth it."""
+    clock = [0.0]
+    curve = CostCurve((1, 2, 4), (1.0, 1.0, 1.0), seconds=0.1)
+    cheap, dear = Costly([1, 2], clock, 0.0), Costly([1, 2, 3], clock, 0.05)
+    composite = CompositeDrafter([cheap, dear], curve, clock=lambda: clock[0])
+    composite.begin([0])
+    for _ in range(EVIDENCE + 3):
+        composite.batch_pace(pace)
+        draft = composite.propose([0], 4, SamplingParams(), None)
+        merged = composite._merged
+        assert merged is not None
+        drafted = [t for t in (1, 2, 3) if t in merged.tokens]  # (the target's text: 1, 2, 3, 4)
+        path = tuple(merged.tokens.index(t) for t in drafted)
+        verdict = Verdict(num_drafted=len(draft), num_accepted=len(drafted),
+                          tokens=(1, 2, 3, 4)[: len(drafted) + 1], path=path)
+        composite.observe(Outcome(draft, verdict, STATS))
+    assert composite.payoff.benched() == ([] if pace is None else [1])
+
+
 def test_nothing_asked_is_a_plain_step():
     composite = CompositeDrafter([PromptLookupDrafter()], FREE)
     composite.begin([1, 2, 3])

@@ -1,6 +1,6 @@
 """Chunked prefill: a long prompt is fed a chunk a forward, by the single-sequence engine and in the batch,
 with the output it has when fed whole; in the batch, long prompts take turns with the other sequences'
-steps (`engine.batch.PrefillShare`) on a clock the test turns, so no count here depends on the machine.
+steps (`engine.pacing.PrefillShare`) on a clock the test turns, so no count here depends on the machine.
 
 The fake model checks every forward's cache chain (`fakes.FakeLM`): a chunk fed at the wrong positions, or
 seeing the wrong slots, raises."""

@@ -1,0 +1,51 @@
+"""benchmarks/serve_concurrency.py: each method's throughput over `ar`, repeat by repeat, read from kept records."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "serve_concurrency.py"
+
+
+def script():
+    spec = importlib.util.spec_from_file_location("serve_concurrency", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def records(walls: dict[tuple[int, str, int], float], tokens: int = 10) -> list[dict]:
+    """Runs of two requests of `tokens` tokens each: (clients, method, repeat) -> the run's wall seconds."""
+    out = []
+    for (clients, method, repeat), wall in walls.items():
+        out.append({"kind": "run", "repeat": repeat, "clients": clients, "method": method, "wall": wall})
+        out += [{"kind": "request", "repeat": repeat, "clients": clients, "method": method, "prompt": p,
+                 "token_ids": [1] * tokens} for p in range(2)]
+    return out
+
+
+def rows(lines: list[str]) -> dict[tuple[str, str], list[str]]:
+    cells = ([c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("| ") and
+             not line.startswith("| clients"))
+    return {(c[0], c[1]): c for c in cells}
+
+
+def test_ratios_pair_each_repeat_with_ars_own():
+    # auto: twice ar's rate at 1 client in every repeat, though the repeats' own rates differ by 3x; at 8, within
+    # a wobble of ar's
+    walls = {(1, "ar", 0): 2.0, (1, "auto", 0): 1.0, (1, "ar", 1): 6.0, (1, "auto", 1): 3.0,
+             (1, "ar", 2): 4.0, (1, "auto", 2): 2.0,
+             (8, "ar", 0): 1.0, (8, "auto", 0): 1.02, (8, "ar", 1): 1.0, (8, "auto", 1): 0.97,
+             (8, "ar", 2): 1.0, (8, "auto", 2): 1.0}
+    found = rows(script().noise_lines(records(walls), [1, 8], ["auto", "ar"]))
+    assert found[("1", "`auto`")][2:6] == ["2.00, 2.00, 2.00", "2.000", "2.000-2.000", "ahead"]
+    eight = found[("8", "`auto`")]
+    assert eight[5] == "level" and math.isclose(float(eight[3]), (1 / 1.02 / 0.97) ** (1 / 3), rel_tol=1e-3)
+    assert ("1", "`ar`") not in found  # ar over itself is no row
+
+
+def test_one_repeat_gives_no_interval():
+    found = rows(script().noise_lines(records({(2, "ar", 0): 2.0, (2, "auto", 0): 1.6}), [2], ["auto", "ar"]))
+    assert found[("2", "`auto`")][2:] == ["1.25", "1.250", "-", "-"]
