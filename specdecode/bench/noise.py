@@ -1,6 +1,6 @@
-"""How far a measured ratio is from noise: the mean of paired log ratios and its 90% interval (Student's t over
-the pairs), shared by the benchmark scripts that judge one method against another (`benchmarks/within_noise.py`,
-`benchmarks/serve_concurrency.py`)."""
+"""How far a measured ratio is from noise: the mean of paired log ratios and its two-sided interval at 0.9
+confidence (Student's t over the pairs), shared by the benchmark scripts that judge one method against another
+(`benchmarks/within_noise.py`, `benchmarks/serve_concurrency.py`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.7
 
 
 def interval(differences: list[float]) -> tuple[float, float, float]:
-    """Mean log ratio and its 90% interval (t over the pairs); one pair: no interval (infinite)."""
+    """Mean log ratio and its interval at 0.9 confidence (t over the pairs); one pair: no interval (infinite)."""
     mean = statistics.fmean(differences)
     if len(differences) < 2:
         return mean, -math.inf, math.inf

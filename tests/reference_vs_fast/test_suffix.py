@@ -18,7 +18,8 @@ from specdecode.methods import DrafterOptions
 from specdecode.models.costs import CostCurve
 from specdecode.models.hf import HFCausalLM
 from specdecode.tree import structure
-from specdecode.types import SamplingParams
+from specdecode.drafters.base import Outcome
+from specdecode.types import Draft, SamplingParams, StepStats, Verdict
 
 CURVE = CostCurve.linear(0.05)  # a fixed cost curve: tests time nothing
 PROMPTS = random_prompts(6, seed=5)
@@ -258,6 +259,28 @@ def test_drafter_proposes_a_scored_chain_and_a_tree():
     assert len(SuffixDrafter().propose([1, 2, 3], 8, SamplingParams(), None)) == 0  # nothing seen before
     tree.begin([1, 2, 3], forget=True)  # as between a benchmark's repeats: earlier requests are gone
     assert len(tree.propose([1, 2, 3], 8, SamplingParams(), None)) == 0 and tree.index.size == 4
+
+
+def test_steps_it_hears_only_in_part_are_taken_from_the_next_context():
+    """A composite tells a source it did not ask only the step's first token: two such steps in a row must not index
+    a text with the second step's first token glued to the first's, and the next draft's context completes the
+    request, as one sequence."""
+    drafter = SuffixDrafter()
+    drafter.begin([1, 2, 3])
+
+    def step(tokens, new):
+        stats = StepStats(drafted=0, accepted=0, new_tokens=new, draft_seconds=0.0, verify_seconds=0.0,
+                          forward_tokens=1)
+        drafter.observe(Outcome(Draft.empty(), Verdict(num_drafted=0, num_accepted=0, tokens=tokens), stats))
+
+    step((4,), 3)  # the step added 4, 5, 6
+    step((7,), 2)  # and this one 7, 8
+    assert drafter._seen == [1, 2, 3, 4]  # a prefix of the request, never [1, 2, 3, 4, 7]
+    context = [1, 2, 3, 4, 5, 6, 7, 8]
+    drafter.propose(context, 4, SamplingParams(), None)
+    assert drafter._seen == context and len(drafter.index.sequences()) == 1
+    step((9, 10), 2)  # heard whole again: taken in
+    assert drafter._seen == context + [9, 10]
 
 
 def test_a_used_sequence_outlives_unused_ones():

@@ -128,6 +128,7 @@ class SuffixDrafter(Drafter):
         self._judgments: list[_Judgment] = []
         self._prompt_length = 0
         self._seen: list[int] = []  # the current request's tokens so far (the index may hold fewer: the cap)
+        self._behind = False  # a verdict carried fewer tokens than its step added: the next context brings them
 
     def begin(self, prompt_ids: list[int], forget: bool = False) -> None:
         """Close the previous request's sequence and open this one's, indexing the prompt at once. With
@@ -145,6 +146,7 @@ class SuffixDrafter(Drafter):
         self.index.extend(prompt_ids)
         self._prompt_length = len(prompt_ids)
         self._seen = list(prompt_ids)
+        self._behind = False
         self._own = CopyAcceptance()
         self._judgments = []
 
@@ -183,6 +185,7 @@ class SuffixDrafter(Drafter):
             self.begin(list(context))
         else:
             self._absorb(context[known:])
+        self._behind = False
 
     def _absorb(self, tokens: list[int]) -> None:
         self._seen.extend(tokens)
@@ -190,9 +193,15 @@ class SuffixDrafter(Drafter):
         self._judge()
 
     def observe(self, outcome: Outcome) -> None:
-        """Take in the step's tokens (see the class docstring)."""
-        if self.index.open_id is not None:
-            self._absorb(list(outcome.verdict.tokens[: outcome.stats.new_tokens]))
+        """Take in the step's tokens (see the class docstring): those its verdict carries. A verdict may carry fewer
+        than the step added (a composite's, for a source it did not ask or whose proposal fell short of the tokens
+        accepted); the rest then comes with the next draft's context (`_sync`), and no later verdict is taken in before
+        it: absorbed after such a gap, a later step's tokens would index a text the request never had."""
+        if self.index.open_id is None or self._behind:
+            return
+        tokens = list(outcome.verdict.tokens[: outcome.stats.new_tokens])
+        self._absorb(tokens)
+        self._behind = len(tokens) < outcome.stats.new_tokens
 
     def _judge(self) -> None:
         """Compare the open judgments with the output so far; record those decided."""
