@@ -208,13 +208,14 @@ def render(out: Path) -> str:
         lines.append(f"| {level} | `{method}` | {row['throughput']:.1f} | {over} | {row['client']:.1f} | "
                      f"{row['ttft']:.2f} / {row['ttft95']:.2f} | {row['tbt'] * 1000:.0f} / {row['tbt95'] * 1000:.0f} | "
                      f"{row['identical']}/{row['requests']} |")
-    lines += ["", f"Time between tokens at {levels[-1]} clients over at {levels[0]} (median; and per prompt, its "
-                  "median's ratio over `ar`'s for the same prompt, the largest):", ""]
-    for method in methods:
-        low, high = table[(levels[0], method)]["tbt"], table[(levels[-1], method)]["tbt"]
-        worst = max(prompt_ratio(records, method, p, levels) / prompt_ratio(records, "ar", p, levels)
-                    for p in range(settings["prompts"])) if "ar" in methods else float("nan")
-        lines.append(f"- `{method}`: {high / low:.2f}x; per prompt, beyond `ar`'s: at most {worst:.2f}x")
+    if len(levels) > 1:  # (one level has nothing to compare its gaps with)
+        lines += ["", f"Time between tokens at {levels[-1]} clients over at {levels[0]} (median; and per prompt, its "
+                      "median's ratio over `ar`'s for the same prompt, the largest):", ""]
+        for method in methods:
+            low, high = table[(levels[0], method)]["tbt"], table[(levels[-1], method)]["tbt"]
+            worst = max(prompt_ratio(records, method, p, levels) / prompt_ratio(records, "ar", p, levels)
+                        for p in range(settings["prompts"])) if "ar" in methods else float("nan")
+            lines.append(f"- `{method}`: {high / low:.2f}x; per prompt, beyond `ar`'s: at most {worst:.2f}x")
     if "ar" in methods:
         lines += noise_lines(records, levels, methods)
     differing = [r for r in records if r["kind"] == "request" and not r["identical"]]
