@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import os
 import sys
@@ -34,6 +35,16 @@ FLAT = CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.05, 1.1, 1.2, 1.4))
 VOCAB = 97
 REAL_MEASURE = costs.measure  # before the session's fixture fixes every curve (`fixed_measure`)
 DEVICE = torch.device("cpu")  # where the tiny models live: `pytest --device cuda` (set in pytest_configure)
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+
+
+def benchmark_script(name: str):
+    """benchmarks/<name>.py loaded as a module (the scripts are no package), for a test of its functions."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def pytest_addoption(parser):

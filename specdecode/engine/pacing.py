@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from specdecode.engine.payoff import Rate
 from specdecode.models.costs import CHUNK_SECONDS, MIN_CHUNK
-
-PACE_DECAY = 0.8  # weight of the batch's earlier steps in its pace, per step
 
 
 class PrefillShare:
@@ -57,7 +56,8 @@ class PrefillShare:
 
 
 class Pace:
-    """Seconds a token of the batch's output, over its latest steps (decayed sums of their seconds and output tokens).
+    """Seconds a token of the batch's output, over its latest steps (their seconds and output tokens decayed as the
+    step-aside switch decays a way's, `engine.payoff.Rate`).
 
     What a sequence's drafting costs depends on who waits for it: alone, only itself, so a source of a composite is
     priced in plain steps of one sequence (`drafters.source_payoff`); in a batch, every sequence of the step waits, so
@@ -65,15 +65,14 @@ class Pace:
     this pace before it drafts (`Drafter.batch_pace`)."""
 
     def __init__(self) -> None:
-        self.seconds = self.tokens = 0.0
+        self.rate = Rate()
 
     def took(self, tokens: int, then: Callable[[float], None]) -> Callable[[float], None]:
         """A step that output `tokens`: returns what takes its seconds once they are known, and hands them on to
         `then` (on a GPU a step or two later, `devices.EventStopwatch`)."""
 
         def timed(seconds: float) -> None:
-            self.seconds = PACE_DECAY * self.seconds + seconds
-            self.tokens = PACE_DECAY * self.tokens + tokens
+            self.rate.add(seconds, tokens)
             then(seconds)
 
         return timed
@@ -81,4 +80,4 @@ class Pace:
     @property
     def per_token(self) -> float | None:
         """Seconds a token (None before a step that output one is timed)."""
-        return self.seconds / self.tokens if self.tokens > 0 else None
+        return self.rate.per_token

@@ -43,8 +43,8 @@ TRIAL_SHARE = 0.05  # the most of the time dear trials may cost while plain deco
 
 
 @dataclass
-class _Rate:
-    """Decayed seconds and tokens of one way's latest steps."""
+class Rate:
+    """Decayed seconds and tokens of the latest steps (of one way here; of a batch's steps, `engine.pacing.Pace`)."""
 
     seconds: float = 0.0
     tokens: float = 0.0
@@ -69,7 +69,7 @@ class StepAside:
 
     def forget(self) -> None:
         """Start afresh (a benchmark's repeat): speculation leads until timed otherwise."""
-        self.rates = {SPECULATE: _Rate(), PLAIN: _Rate()}
+        self.rates = {SPECULATE: Rate(), PLAIN: Rate()}
         self.leader, self.period = SPECULATE, FIRST_PERIOD
         self.way, self.left, self.trial = SPECULATE, TRIAL[SPECULATE], True
         self._previous: str | None = None  # the way of the last step timed (None: a sequence starts)

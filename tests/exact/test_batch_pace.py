@@ -12,7 +12,8 @@ from fakes import TARGET, FakeLM
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.engine import GenerationConfig
 from specdecode.engine.batch import BatchEngine
-from specdecode.engine.pacing import PACE_DECAY, Pace
+from specdecode.engine.pacing import Pace
+from specdecode.engine.payoff import DECAY
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -23,7 +24,7 @@ def test_the_pace_is_decayed_seconds_over_decayed_tokens():
     pace.took(2, seen.append)(0.5)
     assert pace.per_token == 0.25 and seen == [0.5]  # (the step's seconds handed on)
     pace.took(0, seen.append)(1.0)  # a step that output nothing (a prompt's chunk) still took its time
-    assert math.isclose(pace.per_token, (PACE_DECAY * 0.5 + 1.0) / (PACE_DECAY * 2))
+    assert math.isclose(pace.per_token, (DECAY * 0.5 + 1.0) / (DECAY * 2))
 
 
 class Ticking(FakeLM):

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
-SCRIPT = Path(__file__).parents[2] / "benchmarks" / "serve_concurrency.py"
+from conftest import benchmark_script
 
 
 def script():
-    spec = importlib.util.spec_from_file_location("serve_concurrency", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("serve_concurrency")
 
 
 def records(walls: dict[tuple[int, str, int], float], tokens: int = 10) -> list[dict]:

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
-SCRIPT = Path(__file__).parents[2] / "benchmarks" / "within_noise.py"
+from conftest import benchmark_script
 
 
 def script():
-    spec = importlib.util.spec_from_file_location("within_noise", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("within_noise")
 
 
 def write(path: Path, seconds: dict[tuple[str, str, str, int], float]) -> Path:
