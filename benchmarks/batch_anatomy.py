@@ -15,8 +15,9 @@ sequence's tokens (from its first on, a step's gap spread over the tokens it bro
 that feed prompt tokens and their share of the wall time; the decoding steps' mean time, their forward's mean width,
 draft tokens and accepted tokens per sequence-step, and where a decoding step's time goes: the target's forward, the
 drafters' drafting, the rest of the host's work (the gate, the inputs and mask, verification, appending, learning); in
-the steps that feed prompt tokens, the sequences that decode beside them and their drafted and accepted tokens. And
-whether every answer is token for token the in-process single-sequence greedy answer.
+the steps that feed prompt tokens, the sequences that decode beside them and their drafted and accepted tokens; over
+the whole run, the seconds of the target's forwards and of the rest (drafting and the host's other work, every step's);
+and whether every answer is token for token the in-process single-sequence greedy answer.
 
 Not a served measurement (`serve_concurrency.py` is): the same engine without the server's threads and streaming, so
 that a change to the batch's work shows in its own figures. Use the tuning part for decisions.
@@ -48,6 +49,7 @@ class Tally:
 
     wall: float = 0.0
     tokens: int = 0
+    forwards: float = 0.0  # the target's forwards of every step
     feeding_steps: int = 0
     feeding_seconds: float = 0.0
     steps: int = 0  # decoding steps (no prompt token fed)
@@ -95,6 +97,7 @@ def run(models, target, prototype, method: str, prompts: list[list[int]], slots:
             forward_seconds[0], step_start = 0.0, time.perf_counter()
             events = engine.step()
             seconds = time.perf_counter() - step_start
+            tally.forwards += forward_seconds[0]
             stepped = [e for _, e, _ in events if e.token_ids and e.stats.forward_tokens]
             if feeding:
                 tally.feeding_steps, tally.feeding_seconds = tally.feeding_steps + 1, tally.feeding_seconds + seconds
@@ -147,7 +150,7 @@ def report(method: str, t: Tally) -> str:
             f"{1e3 * t.forward / steps:.1f} / {1e3 * t.drafting / steps:.1f} / "
             f"{1e3 * (t.seconds - t.forward - t.drafting) / steps:.1f} | "
             f"{t.beside[0]}: {t.beside[1]} / {t.beside[2]} | "
-            f"{t.identical}/{t.answers} |")
+            f"{t.forwards:.1f} / {t.wall - t.forwards:.1f} | {t.identical}/{t.answers} |")
 
 
 def main() -> None:
@@ -190,8 +193,8 @@ def main() -> None:
             name = "auto" if method == "copies" else method
             tally = run(models, target, prototypes[method], name, prompts, args.slots, config, references, chunk,
                         policy)
-            print(f"round {round_}, {method}, chunks of {chunk} s, {policy}: {tally.tokens / tally.wall:.1f} tokens/s",
-                  flush=True)
+            print(f"round {round_}, {method}, chunks of {chunk} s, {policy}: {tally.tokens / tally.wall:.1f} tokens/s "
+                  f"(forwards {tally.forwards:.2f} s, the rest {tally.wall - tally.forwards:.2f} s)", flush=True)
             if (method, chunk, policy) not in best or tally.wall < best[(method, chunk, policy)].wall:
                 best[(method, chunk, policy)] = tally
     print(f"\n{len(prompts)} prompts ({args.part}), {args.slots} slots, {args.max_new_tokens} tokens at most, "
@@ -199,8 +202,8 @@ def main() -> None:
     print("| method | tokens/s | wall s | TBT median / p95 / mean ms | feeding steps / share of wall | "
           "decoding steps | ms a step | width | drafted / accepted a sequence-step | "
           "ms a step: forward / drafting / other host | beside prompts: sequence-steps: drafted / accepted | "
-          "= greedy |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "whole run s: forwards / the rest | = greedy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for method, chunk, policy in runs:
         label = (f"`{method}`" + (f", {chunk} s chunks" if len(chunks) > 1 else "")
                  + (f", {policy}" if len(policies) > 1 else ""))

@@ -10,7 +10,7 @@ many nodes verification actually accepted compared with how many the scores pred
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -91,7 +91,8 @@ class Interpolated:
         return start + (end - start) * (n - low) / (high - low)
 
 
-def cut_batch(drafts: list[Draft], curve: Curve, pending: int, shared: bool = True, feeding: int = 0) -> list[Draft]:
+def cut_batch(drafts: list[Draft], curve: Curve, pending: int, shared: bool = True, feeding: int = 0,
+              probe: Callable[[int], int | None] | None = None) -> list[Draft]:
     """The drafts of sequences that share one target forward, cut together: every scored token of every scored
     chain, and where the forward is `shared` by several sequences (the batch engine's) of every scored tree
     (sent without distributions), competes for the forward, the best-scored first (a node's score capped by its
@@ -106,7 +107,11 @@ def cut_batch(drafts: list[Draft], curve: Curve, pending: int, shared: bool = Tr
     prompt's, not speculation's: the drafts are priced as if the decoding sequences ran alone, plus what the
     drafts add to the wider forward (`Beside`). Counted in the whole forward instead, a prompt's chunk makes
     the step look so dear per token that every draft node seems to pay, however poor its score: the chunk's
-    step then grows by every sequence's drafts, and every sequence waits for it."""
+    step then grows by every sequence's drafts, and every sequence waits for it.
+
+    `probe`: told the forward's width as cut, it may name a wider one to time again (`LiveCurve.probe`): the next
+    best nodes then fill the forward up to that width, if there are as many. Without it a width the gate stopped
+    letting through would keep the price it was last timed at, however wrong."""
     scored = {i: d for i, d in enumerate(drafts)  # the drafts cut, by index
               if d.scores is not None and len(d) and (not d.is_tree or (shared and d.probs is None))}
     fixed = pending + sum(len(d) for i, d in enumerate(drafts) if i not in scored)
@@ -123,6 +128,9 @@ def cut_batch(drafts: list[Draft], curve: Curve, pending: int, shared: bool = Tr
         cost = Beside(cost, fixed - feeding, feeding)
     count = best_budget([c[0] for c in ranked], cost, 0.0, pending=fixed - feeding, cap=cap,
                         base=float(len(drafts)))
+    wider = None if probe is None else probe(fixed + count)  # (`LiveCurve.probe`: a width to time again)
+    if wider is not None:  # the next best nodes fill the forward up to it (any prefix of `ranked` is closed)
+        count = min(len(ranked), max(count, wider - fixed))
     keep: dict[int, list[int]] = {i: [] for i in scored}
     for _, _, i, node in ranked[:count]:
         keep[i].append(node)

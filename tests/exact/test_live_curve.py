@@ -236,3 +236,36 @@ def test_the_engines_time_each_forward_in_the_band_of_its_cache(tiny_target, eng
     # every timed forward was priced beforehand over the cache it then ran over
     priced = [c for kind, c in seen if kind == "at"]
     assert set(observed) <= set(priced)
+
+
+def test_a_batchs_curve_measured_while_busy_is_corrected(tiny_target):
+    """As above, in the batch engine: two sequences whose prior says width is dear verify no draft, and without a
+    probe the widths beyond theirs would never be timed again, keeping that price for good (and in the cache). The
+    batch's gate fills a forward up to the probed width now and then, the curve learns that width is cheap, and
+    speculation comes back; each output is plain decoding's."""
+    from specdecode.engine.batch import BatchEngine
+
+    clock = FakeClock()
+    target = TimedLM(tiny_target, clock, slope=0.02)
+    engine = BatchEngine(target, clock=clock)
+    engine.curve = LiveCurve(CostCurve.linear(1.0))
+    prompts = [PROMPT, PROMPT[20:]]
+    results = {}
+    idents = [engine.add(p, CONFIG, PromptLookupDrafter(num_tokens=8, ramp_up=False)) for p in prompts]
+    while engine.members:
+        results |= {ident: result for ident, _, result in engine.step() if result is not None}
+    plain = SpeculativeEngine(HFCausalLM(tiny_target))
+    assert [results[i].token_ids for i in idents] == [plain.generate(p, CONFIG).token_ids for p in prompts]
+    assert engine.curve(4) < 1.2  # (the prior: 4)
+    assert all(_late_drafted(results[i]) > 0 for i in idents)
+
+
+def test_tokens_beyond_the_widest_size_cost_at_least_a_prompt_token():
+    """Beyond its widest measured size a curve goes on at its last segment's slope, but never below what a token of
+    a prompt's prefill costs: a live curve's last segment can be flat (its estimates never fall with the width),
+    which would price every token beyond it at nothing."""
+    flat = CostCurve((1, 2, 4), (1.0, 2.0, 2.0), seconds=0.1, prefill=0.05)  # a prompt token: half a forward
+    assert flat(4) == 2.0 and flat(6) == pytest.approx(3.0) and flat(10) == pytest.approx(5.0)
+    assert CostCurve((1, 2, 4), (1.0, 2.0, 2.0), seconds=0.1)(6) == 2.0  # (no prefill measured: as before)
+    steep = CostCurve((1, 2, 4), (1.0, 2.0, 4.0), seconds=0.1, prefill=0.05)
+    assert steep(6) == pytest.approx(6.0)  # the last segment's slope where it is the steeper
