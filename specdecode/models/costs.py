@@ -68,19 +68,12 @@ class CostCurve:
         budget search finds on its own.
         """
         sizes, costs = self.sizes, self.relative
-        if n > sizes[-1]:  # beyond the measurements: the last segment's slope, never below a prompt token's cost
-            return max(costs[-1] + self._slope * (n - sizes[-1]), FLOOR)
+        if n > sizes[-1]:  # beyond the measurements: the last segment's slope, but never below a prompt token's
+            # prefill (a live curve's last segment can be flat, which made drafts beside a prompt's chunk free)
+            slope = (costs[-1] - costs[-2]) / (sizes[-1] - sizes[-2])
+            return max(costs[-1] + max(slope, self.prefill / self.seconds if self.seconds > 0 else 0.0, 0.0)
+                       * (n - sizes[-1]), FLOOR)
         return self._at_least[bisect.bisect_left(sizes, n)]
-
-    @functools.cached_property
-    def _slope(self) -> float:
-        """What a token beyond the widest measured size adds: the last segment's slope, but never less than a token
-        of a prompt's prefill costs (where both are measured). A live curve's estimates never fall with the width
-        (`LiveCurve`), so its last segment can be flat, which read alone would make every token beyond it free:
-        drafts beside a prompt's chunk would then all seem to pay (`tree.budget.Beside`)."""
-        sizes, costs = self.sizes, self.relative
-        prompt_token = self.prefill / self.seconds if self.seconds > 0 else 0.0
-        return max((costs[-1] - costs[-2]) / (sizes[-1] - sizes[-2]), prompt_token, 0.0)
 
     @functools.cached_property
     def _at_least(self) -> tuple[float, ...]:
