@@ -234,17 +234,17 @@ class BatchEngine:
         if self.gate:
             self.curve.at(cached)
         drafts, draft_seconds = self._draft(members, stepping)
+        timed = self.gate and not plan  # a prompt's prefill (cold, all attention) is not timed
         if self.gate:
             # the sequences that step share out the forward; prompt tokens fed beside them, each one's last context
             # token aside, are the prompts' cost, not speculation's (`cut_batch`'s `feeding`); where the forward is
             # timed, a width the gate stopped letting through is timed again now and then (`LiveCurve.probe`)
             context, ready = sum(len(p) for p in pending), [k for k, s in enumerate(stepping) if s]
-            probe = None if plan else getattr(self.curve, "probe", None)
+            probe = getattr(self.curve, "probe", None) if timed else None
             cut = iter(cut_batch([drafts[k] for k in ready], self.curve, context, shared=len(members) > 1,
                                  feeding=context - len(ready), probe=probe))
             drafts = [next(cut) if steps else draft for draft, steps in zip(drafts, stepping)]
         # 2. One forward over every sequence's pending tokens and draft.
-        timed = self.gate and not plan  # a prompt's prefill (cold, all attention) is not timed
         forward_start, host_start = self.stopwatch.mark() if timed else None, self.stopwatch.now()
         fed, positions, spans, rows = forward_inputs(members, pending, drafts, stepping)
         total = sum(len(f) for f in fed)
