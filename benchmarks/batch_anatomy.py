@@ -4,11 +4,13 @@ each sending the next prompt when its answer is in), the methods interleaved rou
 
     python benchmarks/batch_anatomy.py [--slots 2] [--methods auto,ar,pld] [--part tuning] [--per-category 2]
                                        [--max-new-tokens 64] [--rounds 2] [--dtype auto] [--chunk-seconds 1.0,0.25]
-                                       [--chunk-policy turns,every]
+                                       [--chunk-policy turns,every] [--prefixes shared,fed]
 
 Methods: any that batches, and "copies": `auto` without its trained head (its copy sources alone). `--chunk-policy
 every`, an experiment the engine does not offer: a long prompt's chunk goes into every step while the prompt is fed, the
 decoding sequences riding in it, instead of taking turns with steps of decoding alone (`engine.pacing.PrefillShare`).
+`--prefixes fed`: every sequence feeds its whole prompt, none taking a prefix another holds (`BatchEngine`'s
+`share_prefixes`; the chat template's system prompt begins every prompt here).
 
 Per method (the least wall time of the rounds, and that round's figures): output tokens per second; the time between a
 sequence's tokens (from its first on, a step's gap spread over the tokens it brought), median, p95 and mean; the steps
@@ -17,7 +19,8 @@ draft tokens and accepted tokens per sequence-step, and where a decoding step's 
 drafters' drafting, the rest of the host's work (the gate, the inputs and mask, verification, appending, learning); in
 the steps that feed prompt tokens, the sequences that decode beside them and their drafted and accepted tokens; over
 the whole run, the seconds of the target's forwards and of the rest (drafting and the host's other work, every step's);
-and whether every answer is token for token the in-process single-sequence greedy answer.
+the prompt tokens a sequence took from another instead of feeding them (`--prefixes`); and whether every answer is
+token for token the in-process single-sequence greedy answer.
 
 Not a served measurement (`serve_concurrency.py` is): the same engine without the server's threads and streaming, so
 that a change to the batch's work shows in its own figures. Use the tuning part for decisions.
@@ -62,16 +65,20 @@ class Tally:
     accepted: int = 0
     identical: int = 0
     answers: int = 0
+    prompt_tokens: int = 0
+    shared: int = 0  # prompt tokens not fed: a prefix another sequence held
     gaps: list[float] = dataclasses.field(default_factory=list)  # time between a sequence's tokens, per token
     beside: list[int] = dataclasses.field(default_factory=lambda: [0, 0, 0])  # feeding steps: sequence-steps,
     # their drafted and accepted tokens (the sequences that decode beside a prompt's tokens)
 
 
 def run(models, target, prototype, method: str, prompts: list[list[int]], slots: int, config: GenerationConfig,
-        references: list[list[int]], chunk_seconds: float = CHUNK_SECONDS, policy: str = "turns") -> Tally:
+        references: list[list[int]], chunk_seconds: float = CHUNK_SECONDS, policy: str = "turns",
+        prefixes: str = "shared") -> Tally:
     """The prompts through a batch of `slots`, refilled as answers end, each sequence's drafter made from
     `prototype` (None: plain decoding), built once beforehand as the server builds it."""
-    engine = BatchEngine(target, models.tokenizer, chunk_seconds=chunk_seconds)
+    engine = BatchEngine(target, models.tokenizer, chunk_seconds=chunk_seconds, share_prefixes=prefixes == "shared",
+                         keep_ended=slots)  # (as the server keeps them)
     if policy == "every":  # a long prompt's chunk in every step, the decoding sequences riding in it
         engine._share.turn = lambda: True
     tally, forward_seconds = Tally(), [0.0]
@@ -121,6 +128,8 @@ def run(models, target, prototype, method: str, prompts: list[list[int]], slots:
                     p = owner.pop(ident)
                     tally.tokens += len(result.token_ids)
                     tally.answers += 1
+                    tally.prompt_tokens, tally.shared = tally.prompt_tokens + len(prompts[p]), \
+                        tally.shared + result.cached_tokens
                     tally.identical += result.token_ids == references[p]
     finally:
         target.forward = original
@@ -150,7 +159,8 @@ def report(method: str, t: Tally) -> str:
             f"{1e3 * t.forward / steps:.1f} / {1e3 * t.drafting / steps:.1f} / "
             f"{1e3 * (t.seconds - t.forward - t.drafting) / steps:.1f} | "
             f"{t.beside[0]}: {t.beside[1]} / {t.beside[2]} | "
-            f"{t.forwards:.1f} / {t.wall - t.forwards:.1f} | {t.identical}/{t.answers} |")
+            f"{t.forwards:.1f} / {t.wall - t.forwards:.1f} | {t.shared} / {t.prompt_tokens} | "
+            f"{t.identical}/{t.answers} |")
 
 
 def main() -> None:
@@ -171,6 +181,10 @@ def main() -> None:
                         help="when a long prompt's chunk goes into a step: turns (PrefillShare's: once the steps "
                              "since the last chunk took as long as it did) or every (every step while the prompt is "
                              "fed, the decoding sequences riding in it); both, comma-separated: each run with each")
+    parser.add_argument("--prefixes", default="shared",
+                        help="shared (a sequence takes a prefix of its prompt another holds: BatchEngine's "
+                             "share_prefixes) or fed (every prompt fed whole); both, comma-separated: each run with "
+                             "each")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     models = load_models(dtype=args.dtype, progress=False)
@@ -186,28 +200,32 @@ def main() -> None:
     policies = args.chunk_policy.split(",")
     if not set(policies) <= {"turns", "every"}:
         parser.error(f"--chunk-policy takes turns and every, not {args.chunk_policy}")
-    runs = [(m, c, p) for m in methods for c in chunks for p in policies]
-    best: dict[tuple[str, float, str], Tally] = {}
+    prefixes = args.prefixes.split(",")
+    if not set(prefixes) <= {"shared", "fed"}:
+        parser.error(f"--prefixes takes shared and fed, not {args.prefixes}")
+    runs = [(m, c, p, s) for m in methods for c in chunks for p in policies for s in prefixes]
+    best: dict[tuple[str, float, str, str], Tally] = {}
     for round_ in range(args.rounds):
-        for method, chunk, policy in runs[round_ % len(runs):] + runs[: round_ % len(runs)]:
+        for method, chunk, policy, shared in runs[round_ % len(runs):] + runs[: round_ % len(runs)]:
             name = "auto" if method == "copies" else method
             tally = run(models, target, prototypes[method], name, prompts, args.slots, config, references, chunk,
-                        policy)
-            print(f"round {round_}, {method}, chunks of {chunk} s, {policy}: {tally.tokens / tally.wall:.1f} tokens/s "
+                        policy, shared)
+            print(f"round {round_}, {method}, chunks of {chunk} s, {policy}, prefixes {shared}: "
+                  f"{tally.tokens / tally.wall:.1f} tokens/s "
                   f"(forwards {tally.forwards:.2f} s, the rest {tally.wall - tally.forwards:.2f} s)", flush=True)
-            if (method, chunk, policy) not in best or tally.wall < best[(method, chunk, policy)].wall:
-                best[(method, chunk, policy)] = tally
+            if (method, chunk, policy, shared) not in best or tally.wall < best[(method, chunk, policy, shared)].wall:
+                best[(method, chunk, policy, shared)] = tally
     print(f"\n{len(prompts)} prompts ({args.part}), {args.slots} slots, {args.max_new_tokens} tokens at most, "
           f"least wall of {args.rounds} rounds\n")
     print("| method | tokens/s | wall s | TBT median / p95 / mean ms | feeding steps / share of wall | "
           "decoding steps | ms a step | width | drafted / accepted a sequence-step | "
           "ms a step: forward / drafting / other host | beside prompts: sequence-steps: drafted / accepted | "
-          "whole run s: forwards / the rest | = greedy |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for method, chunk, policy in runs:
+          "whole run s: forwards / the rest | prompt tokens shared / in all | = greedy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for method, chunk, policy, shared in runs:
         label = (f"`{method}`" + (f", {chunk} s chunks" if len(chunks) > 1 else "")
-                 + (f", {policy}" if len(policies) > 1 else ""))
-        print(report(label, best[(method, chunk, policy)]))
+                 + (f", {policy}" if len(policies) > 1 else "") + (f", prefixes {shared}" if len(prefixes) > 1 else ""))
+        print(report(label, best[(method, chunk, policy, shared)]))
 
 
 if __name__ == "__main__":

@@ -468,6 +468,18 @@ def random_medusa_heads(target, num_heads: int = 3, vocab: int | None = None, se
     return heads.float().eval().to(target.device)
 
 
+def watching_head(model, seen: list) -> MedusaDrafter:
+    """A Medusa tree drafter (random heads, priced on FLAT) that appends to `seen`, at each verdict, the pending
+    tokens it is told of and the rows of hidden states it is handed."""
+
+    class Watching(MedusaDrafter):
+        def observe(self, outcome):
+            seen.append((outcome.num_pending, outcome.require_hidden().shape[0]))
+            super().observe(outcome)
+
+    return Watching(random_medusa_heads(model), model, FLAT, tree=True, top_k=2)
+
+
 def auto_prototype(model, draft_model=None, curve: CostCurve = FLAT, reads_late: bool = False) -> CompositeDrafter:
     """`auto` as `drafters.auto` composes it where a Medusa head drafts (prompt lookup, the suffix cache, the head
     as the fallback; random heads), priced on `curve`; the draft model beside it when given (which stays out of the

@@ -24,6 +24,13 @@ verifying nothing until its rest fits in a chunk, and takes turns with the other
 that comes in while a long prompt is being fed waits for the chunk under way, not for the prompt. Several long prompts
 take turns too, the one that has fed the fewest chunks first.
 
+Shared prefixes: a sequence about to feed its prompt takes, instead of feeding them, the cache slots of the longest
+prefix of it (all but its last token) that another sequence of the same tenant holds (`add`'s `tenant`): a chat
+template's system prompt, a conversation's earlier turns. The keys and values are the ones its own prefill would compute
+(a token's depend only on the tokens before it, and the kernels give a row the same bits whatever else the forward
+carries), so output is unchanged; a slot is garbage once no sequence holds it. Tenants never share: a prefix found
+would show in another tenant's time to first token. Off where the caller keeps every fed token's hidden states.
+
 Drafters here must not run a model of their own or the target (`Drafter.batchable`: the copies, retrieval, Jacobi's
 guesses from the target's logits, a head that reads the target's features, a composite of those); each sequence gets its
 own drafter (`Drafter.for_sequence`), told how its draft fared with its rows of the forward's logits and hidden states
@@ -35,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +55,7 @@ from specdecode.engine.sequence import (
     draft_inputs,
 )
 from specdecode.engine.pacing import Pace, PrefillShare
+from specdecode.engine.slots import Held, Slots, longest_prefix
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import CHUNK_SECONDS, CostCurve, LiveCurve, prefill_chunk
@@ -56,30 +64,6 @@ from specdecode.types import Draft
 from specdecode.verify.tree import verify
 
 GARBAGE_SHARE = 0.25  # compact the cache once this share of it belongs to no sequence
-
-
-class Slots:
-    """A sequence's cache slots, in order, in a growing tensor: a step adds a few, and every step's mask reads them
-    all (`attention_inputs`), which a Python list would turn into a tensor anew each time."""
-
-    def __init__(self, slots: torch.Tensor | None = None):  # (a tensor given becomes its own)
-        self._data = torch.empty(64, dtype=torch.long, device="cpu") if slots is None else slots
-        self._length = 0 if slots is None else len(slots)
-
-    def __len__(self) -> int:
-        return self._length
-
-    def extend(self, slots: list[int] | range) -> None:
-        end = self._length + len(slots)
-        if end > len(self._data):  # (doubled: the slots are copied now and then, not at every step)
-            grown = torch.empty(max(end, 2 * len(self._data)) - self._length, dtype=torch.long, device="cpu")
-            self._data = torch.cat([self._data[: self._length], grown])
-        self._data[self._length : end] = torch.as_tensor(slots, dtype=torch.long, device="cpu")
-        self._length = end
-
-    @property
-    def tensor(self) -> torch.Tensor:  # [len] the slots (a view: read it before the next `extend`)
-        return self._data[: self._length]
 
 
 @dataclass
@@ -94,6 +78,8 @@ class Member:
     chunks: int = 0  # chunks of its prompt fed before its first step
     # those chunks' hidden states [chunk, d], where its drafter reads them (`after_prefill`)
     pieces: list[torch.Tensor] = field(default_factory=list)
+    tenant: Hashable = None  # who it may share a prompt's prefix with (module docstring, *Shared prefixes*)
+    borrowed: int = 0  # its first slots, another sequence's: prompt tokens it did not feed
 
 
 class HiddenRequest:
@@ -155,17 +141,25 @@ class BatchEngine:
 
     def __init__(self, target: CausalLM, tokenizer=None, gate: bool = True,
                  keep_hidden: bool | tuple[int, ...] = False, clock: Callable[[], float] | None = None,
-                 chunk_seconds: float = CHUNK_SECONDS):
+                 chunk_seconds: float = CHUNK_SECONDS, share_prefixes: bool = True, keep_ended: int = 0):
         """`keep_hidden`: the hidden states (`CausalLM.forward`'s `output_hidden`) of every context token a sequence
         feeds are kept, bfloat16, in `hidden[id]` (one piece a step, in order; the caller pops them). The target's
         forwards (for its cost curve) and whole steps (for the turns of long prompts, `PrefillShare`) are timed without
         waiting for the device, as `SpeculativeEngine` times them (`devices.stopwatch`; `clock`: a fixed clock
-        instead, read at once). `chunk_seconds`: what a step's prompt tokens take at most (`PrefillShare`)."""
+        instead, read at once). `chunk_seconds`: what a step's prompt tokens take at most (`PrefillShare`).
+        `share_prefixes`: a sequence takes the slots of a prefix of its prompt another holds (module docstring);
+        `keep_ended`: so many ended sequences' contexts stay in the cache for that too, until it is squeezed or a
+        sequence that comes to an empty batch has no use for them: only where nothing else touches the target's cache
+        (the server's batch, on a cache of its own)."""
         if not target.several_sequences:
             raise UserError(f"{type(target).__name__} holds one sequence at a time; batching needs the torch backend")
         self.target, self.tokenizer, self.gate, self.keep_hidden = target, tokenizer, gate, keep_hidden
         self.stopwatch = devices.stopwatch(target.device, clock)  # (a test may assign one)
         self.members: dict[int, Member] = {}
+        self.share_prefixes = share_prefixes and not keep_hidden  # (a borrowed token's hidden states are not fed)
+        self._doubled = 0  # slots held by more than one sequence, counted once for each holder beyond the first
+        self.keep_ended = keep_ended if self.share_prefixes else 0
+        self._ended: list[Held] = []  # the last `keep_ended` ended sequences' contexts, their slots garbage
         self.hidden: dict[int, list[torch.Tensor]] = {}
         self._ids = itertools.count()
         self._share = PrefillShare(chunk_seconds)
@@ -185,30 +179,32 @@ class BatchEngine:
         return len(self.members)
 
     def add(self, prompt_ids: list[int], config: GenerationConfig, drafter: Drafter | None = None,
-            method: str | None = None, verifier: Callable = verify) -> int:
+            method: str | None = None, verifier: Callable = verify, tenant: Hashable = None) -> int:
         """A new sequence; it joins at the next step. Returns its id. `verifier`: the method's
-        (`Method.verifier`), exact verification by default."""
+        (`Method.verifier`), exact verification by default. `tenant`: sequences of the same one (None is one too)
+        share their prompts' prefixes (module docstring, *Shared prefixes*)."""
         check_prompt(self.target, prompt_ids)
         if drafter is not None and not drafter.batchable:
             raise UserError(f"the {drafter.name} drafter cannot join a batch (it runs a model, or remembers earlier "
                             "sequences); run it alone")
         if self.gate:
             _ = self.curve  # measured (once per model and machine) while the cache is empty
-        if not self.members:
+        if not self.members and not self._ended:
             self.target.reset()
         if drafter is not None:
             drafter.begin(list(prompt_ids))
         ident = next(self._ids)
         method = method or (drafter.name if drafter else "ar")
         state = SequenceState(prompt_ids, config, self.tokenizer, self.target)
-        self.members[ident] = Member(state, drafter, method, verifier, Slots())
+        self.members[ident] = Member(state, drafter, method, verifier, Slots(), tenant=tenant)
         return ident
 
     def remove(self, ident: int) -> None:
         """Drop a sequence (its client went away); its slots become garbage."""
         self._end(ident)
-        if not self.members:
+        if not self.members:  # (and nothing kept: the request may have failed in a forward)
             self.target.reset()
+            self._ended.clear()
 
     def step(self) -> list[tuple[int, StepEvent, GenerationResult | None]]:
         """One forward for the sequences in the batch: (id, event, result if it ended) for each that stepped.
@@ -315,7 +311,7 @@ class BatchEngine:
         else:
             m.slots.extend([*range(first, first + fed), *(first + fed + node for node in path)])
         if m.chunks and len(m.progress.steps) == 0:  # its first step, after its prompt's chunks
-            step = after_prefill(step, len(m.slots) - fed - len(path), m.pieces)
+            step = after_prefill(step, len(m.slots) - fed - len(path) - m.borrowed, m.pieces)
             m.pieces = []
         # 4. The sequence's tokens appended; its drafter learns how its draft fared.
         out: list[tuple[int, StepEvent, GenerationResult | None]] = [(ident, conclude(m.progress, m.drafter, step),
@@ -324,20 +320,51 @@ class BatchEngine:
             if (tail := m.progress.tail()) is not None:
                 out.append((ident, tail, None))
             out[-1] = (ident, out[-1][1], m.progress.result(m.method))
-            self._end(ident)
+            self._end(ident, ended=True)
         return out
 
-    def _end(self, ident: int) -> None:
-        """A sequence leaves: its drafter ends (leaving its owner's memory what it remembers)."""
+    def _end(self, ident: int, ended: bool = False) -> None:
+        """A sequence leaves: its drafter ends (leaving its owner's memory what it remembers); one that `ended` (not
+        removed) leaves its context for later sequences to take a prefix of (`keep_ended`)."""
         m = self.members.pop(ident, None)
-        if m is not None and m.drafter is not None:
+        if m is None:
+            return
+        if m.drafter is not None:
             m.drafter.end()
+        if ended and self.keep_ended and len(m.slots):
+            self._ended.append(Held(m.tenant, m.progress.context, m.slots.tensor))
+            del self._ended[: -self.keep_ended]
+        if self._doubled:
+            self._recount()
+
+    def _recount(self) -> None:
+        """Count the slots held more than once again (at a sequence's end or start, not at every step)."""
+        held = [m.slots.tensor for m in self.members.values()]
+        self._doubled = sum(map(len, held)) - len(torch.unique(torch.cat(held))) if held else 0
+
+    def _borrow(self) -> None:
+        """Each sequence yet to feed its prompt takes the slots of the longest prefix of it, all but its last token,
+        that another sequence of its tenant holds, or an ended one left (module docstring, *Shared prefixes*). One
+        that comes to an empty batch keeps only that prefix in the cache, so that it steps alone."""
+        waiting = [m for m in self.members.values() if not len(m.slots)]
+        for m in waiting:
+            held = [Held(o.tenant, o.progress.context, o.slots.tensor) for o in self.members.values() if len(o.slots)]
+            n, slots = longest_prefix(m.progress.prompt_ids[:-1], m.tenant, held + self._ended)
+            if slots is not None:
+                m.slots, m.borrowed, m.progress.cached = Slots(slots[:n].clone()), n, n
+            if len(self.members) == 1 and self.target.cache_length > len(m.slots):  # ended ones' contexts
+                self.target.compact(0, m.slots.tensor.tolist())  # (none: emptied)
+                m.slots, self._ended = Slots(torch.arange(len(m.slots))), []
+        if waiting:
+            self._recount()
 
     def _plan(self) -> dict[int, int]:
         """The prompt tokens each sequence still feeding its prompt feeds in this step (module docstring,
         *Prompts*): prompts whose rest fits in a chunk whole, oldest first, while they fit in one chunk
         together; then, at a long prompt's turn (`PrefillShare`) or when the step would carry nothing else,
         what is left of the chunk to the long prompt that has fed the fewest chunks (then the oldest)."""
+        if self.share_prefixes:
+            self._borrow()
         chunk = budget = self._share.chunk(self.prefill_chunk)
         plan: dict[int, int] = {}
         prompts = {i: len(m.progress.prompt_ids) - len(m.slots) for i, m in self.members.items()
@@ -355,15 +382,18 @@ class BatchEngine:
 
     def _collect(self) -> None:
         """Squeeze the garbage out of the cache once it is GARBAGE_SHARE of it."""
-        if not self.members:
-            self.target.reset()
+        if not self.members:  # (the ended sequences' contexts kept, if any, for the next: `_borrow`)
+            if not self._ended:
+                self.target.reset()
+            self._doubled = 0
             return
         # (counted, not gathered: a step's host work must not grow with the contexts the batch holds)
-        garbage = self.target.cache_length - sum(len(m.slots) for m in self.members.values())
+        garbage = self.target.cache_length - sum(len(m.slots) for m in self.members.values()) + self._doubled
         # the last sequence left gets the cache to itself at once, so that it steps alone (`step`)
         if garbage == 0 or (garbage <= GARBAGE_SHARE * self.target.cache_length and len(self.members) > 1):
             return
-        live = torch.sort(torch.cat([m.slots.tensor for m in self.members.values()])).values
+        live = torch.unique(torch.cat([m.slots.tensor for m in self.members.values()]))  # sorted
         self.target.compact(0, live.tolist())
         for m in self.members.values():  # each slot moves to its rank among the live ones
             m.slots = Slots(torch.searchsorted(live, m.slots.tensor))
+        self._ended = []  # (their slots squeezed out)

@@ -80,6 +80,7 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None  # each new token's, when asked for (`GenerationConfig.logprobs`)
     # each prompt token's but the first (which nothing scores), when asked for (`GenerationConfig.echo`)
     prompt_logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int = 0  # prompt tokens not fed: their keys and values another sequence's (`engine.batch`)
 
     @property
     def new_tokens(self) -> int:
@@ -129,6 +130,7 @@ class GenerationResult:
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "finish_reason": self.finish_reason,
+            "cached_tokens": self.cached_tokens,
             "tree_budget": self.tree_budget,
             "mean_draft_tokens": metrics.mean_drafted(self.steps),
             "stepped_aside": metrics.stepped_aside(self.steps),
@@ -242,6 +244,7 @@ class SequenceState:
             if config.sampling.penalised else None
         self.logprobs: list[TokenLogprob] | None = None if config.logprobs is None else []
         self.prompt_logprobs: list[TokenLogprob] | None = None  # (`echo`: set once the prompt is fed)
+        self.cached = 0  # prompt tokens whose keys and values another sequence's prefill had computed (`engine.batch`)
         self.start = time.perf_counter()
 
     def room(self) -> int:
@@ -321,6 +324,7 @@ class SequenceState:
             tree_budget=tree_budget,
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
+            cached_tokens=self.cached,
         )
 
 

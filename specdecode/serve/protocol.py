@@ -281,7 +281,9 @@ def finish_reason(result: GenerationResult) -> str:
 
 def usage(result: GenerationResult) -> dict:
     prompt, completion = len(result.prompt_ids), result.new_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    # (OpenAI's field for prompt tokens served from a cache: here those a sequence of the batch shared, `engine.batch`)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
 
 
 def speculative(result: GenerationResult) -> dict:

@@ -33,7 +33,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
@@ -144,6 +144,12 @@ class Server:
         if self.memory_scope == "request" or (tenant is None and user is None):
             return None
         return Owner(tenant, user)
+
+    def prefix_group(self, tenant: str | None) -> Hashable:
+        """Whose requests may share their prompts' prefixes in the batch (`engine.batch`; a prefix found shows in
+        the time to the first token): a key's, as its memory is kept; everybody's under `--memory-scope server`,
+        nobody's under `request`."""
+        return {"server": None, "request": object()}.get(self.memory_scope, tenant)
 
     def _finished(self, job: Job, result: GenerationResult) -> None:
         seconds = time.perf_counter() - job.submitted
@@ -271,7 +277,7 @@ class Server:
             self.worker.leave()
             raise
         job = Job(choice, prompt_ids, config, loop, asyncio.Queue(), memory=memory, engine=engine,
-                  deadline=arrival + self.limits.request_seconds)
+                  deadline=arrival + self.limits.request_seconds, tenant=self.prefix_group(request.state.tenant))
         self.worker.submit(job)
         watcher = asyncio.create_task(replies.disconnected(request))
         finished = False

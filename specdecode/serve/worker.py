@@ -108,6 +108,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue  # Step..., then a GenerationResult or an Exception
     memory: Hashable | None = None  # whose cross-request memory its drafter may read (None: its own only)
+    tenant: Hashable = None  # whose prompts' prefixes it may share in the batch (`Server.prefix_group`)
     engine: SpeculativeEngine | None = None  # built beside the worker for a job that runs alone (None: the factory's)
     deadline: float = math.inf  # time.perf_counter() past which it ends where it is
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -194,7 +195,8 @@ class Worker:
         self._on_batch_step = on_batch_step  # (sequences, draft tokens verified) after every batched forward
         self.max_batch, self.max_queue = max_batch, max_queue
         batch_target = batch_target or (own_cache(target) if target.several_sequences and max_batch > 1 else None)
-        self.batch = BatchEngine(batch_target, tokenizer) if batch_target is not None else None
+        # (its cache its own: ended requests' contexts may stay there for later requests' prefixes, `keep_ended`)
+        self.batch = BatchEngine(batch_target, tokenizer, keep_ended=max_batch) if batch_target is not None else None
         self._incoming: queue.Queue[Job | None] = queue.Queue()
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: dict[int, Job] = {}  # batch member id -> job
@@ -327,7 +329,7 @@ class Worker:
                     continue
                 drafter = self.factory.drafter(job.choice, job.memory)
                 self._active[self._batched().add(job.prompt_ids, job.config, drafter, job.choice.name,
-                                                 verifier=job.choice.method.verifier)] = job
+                                                 verifier=job.choice.method.verifier, tenant=job.tenant)] = job
             except Exception as error:  # reaches the request as its error (UserError: 400, others: 500)
                 self._fail(job, error)
 

@@ -8,7 +8,7 @@ import torch
 
 from conftest import (
     DRAFT_PRICES, FLAT, VOCAB, LetterTokenizer, auto_prototype, greedy_references, random_medusa_heads, tiny_qwen2,
-    wrong_device_trap,
+    watching_head, wrong_device_trap,
 )
 from fakes import DRAFT, PROMPT, TARGET, FakeLM, IndependentTreeDrafter
 from goodness_of_fit import Outcomes, assert_follows, continuations, model_logits
@@ -219,7 +219,7 @@ def scored(tokens: int, score: float) -> Draft:
 def test_a_sequences_slots_grow_and_read_as_a_list_would():
     """`Slots` keeps a sequence's cache slots in a growing tensor (the mask reads them every step): past its first
     capacity, from ranges and lists alike, it holds what a list extended the same way holds."""
-    from specdecode.engine.batch import Slots
+    from specdecode.engine.slots import Slots
 
     slots, reference = Slots(), []
     for step in range(40):
@@ -412,14 +412,8 @@ def test_a_long_prompt_fed_in_chunks_reaches_the_head_whole(tiny_target):
     plain decoding's."""
     prompt = repetitive_prompts(8, seed=6)[7] * 3  # 81 tokens
     references = greedy_references(tiny_target, [prompt], 12)
-    seen = []
-
-    class Watching(MedusaDrafter):
-        def observe(self, outcome):
-            seen.append((outcome.num_pending, outcome.require_hidden().shape[0]))
-            super().observe(outcome)
-
-    head = Watching(random_medusa_heads(tiny_target), tiny_target, FLAT, tree=True, top_k=2)
+    seen: list[tuple[int, int]] = []
+    head = watching_head(tiny_target, seen)
     engine = BatchEngine(HFCausalLM(tiny_target), LetterTokenizer())
     engine.curve, engine.prefill_chunk = FLAT, 16
     engine.add(prompt, GenerationConfig(max_new_tokens=12), head.for_sequence())

@@ -62,6 +62,7 @@ def test_completion_equals_the_engine_greedy(client, models, method):
         assert response.choices[0].text == expected(models, method, completion_ids(models, prompt), 20)
         assert response.usage.completion_tokens <= 20
         assert response.usage.prompt_tokens == len(completion_ids(models, prompt))
+        assert response.usage.prompt_tokens_details.cached_tokens == 0  # alone: nothing shared (`engine.batch`)
         stats = response.model_extra["speculative"]
         assert stats["method"] == method
         assert stats["target_forwards"] >= 1

@@ -111,9 +111,9 @@ def worker():
         running.stop()
 
 
-def submit(running: Worker, choice, length: int, new_tokens: int, seed: int = 0) -> Job:
-    prompt = [(seed + 7 * i) % VOCAB for i in range(length)]
-    job = Job(choice, prompt, GenerationConfig(max_new_tokens=new_tokens), Direct(), queue.Queue())
+def submit(running: Worker, choice, length: int, new_tokens: int, seed: int = 0, tenant: str | None = None) -> Job:
+    prompt = [(seed + 7 * i) % VOCAB for i in range(length)]  # (a seed's shorter prompts begin its longer ones)
+    job = Job(choice, prompt, GenerationConfig(max_new_tokens=new_tokens), Direct(), queue.Queue(), tenant=tenant)
     assert running.enter()
     running.submit(job)
     return job
@@ -189,6 +189,35 @@ def test_a_short_request_is_served_while_another_streams_a_long_answer(choice):
         assert result(short).token_ids == served_alone(3, 2, seed=2)
         target.go(10_000)
         assert result(long).token_ids == served_alone(5, 60, seed=1)
+
+
+@pytest.mark.parametrize("choice", [BATCHED, AUTO], ids=["ar", "auto"])
+def test_a_keys_requests_share_a_prompts_prefix_and_no_other_keys_do(choice):
+    """While a request of key "a" streams its answer, a later request of "a" whose prompt begins as the first's
+    takes that prefix's keys and values from the batch instead of feeding it; one of key "b", the same prompt,
+    feeds all of it (a prefix found would show in its time to first token). Every answer is plain decoding's."""
+    with worker() as (running, target):
+        first = submit(running, choice, 5, 30, seed=1, tenant="a")
+        for _ in range(3):
+            target.next_forward()
+            target.go()
+        same, other = submit(running, choice, 8, 4, seed=1, tenant="a"), submit(running, choice, 8, 4, seed=1,
+                                                                                 tenant="b")
+        target.go(10_000)
+        answers = [result(job) for job in (first, same, other)]
+        assert [a.token_ids for a in answers] == [served_alone(5, 30, seed=1), *[served_alone(8, 4, seed=1)] * 2]
+        assert [a.cached_tokens for a in answers] == [0, 5, 0]
+
+
+def test_a_keys_next_request_takes_a_prefix_its_last_one_left():
+    """The batch emptied by the end of key "a"'s request keeps its context: "a"'s next request, whose prompt begins
+    as that one's, takes the prefix; "b"'s, the same prompt, takes nothing. Every answer is plain decoding's."""
+    with worker() as (running, target):
+        target.go(10_000)
+        answers = [result(submit(running, BATCHED, length, 4, seed=1, tenant=key))
+                   for length, key in [(5, "a"), (8, "a"), (8, "b")]]
+        assert [a.token_ids for a in answers] == [served_alone(5, 4, seed=1), *[served_alone(8, 4, seed=1)] * 2]
+        assert [a.cached_tokens for a in answers] == [0, 5, 0]
 
 
 @pytest.mark.parametrize("first, second", [(ALONE, BATCHED), (BATCHED, ALONE), (ALONE, AUTO)],

@@ -236,3 +236,17 @@ def test_batched_auto_keeps_owners_apart(models, head, memory_scope, leaks):
         assert {name: sorted(ids) for name, ids in held.items()} == {"server": list(range(5))}
     else:  # alice's three requests and her probe; bob's probe alone
         assert len(held["alice"]) == 4 and len(held["bob"]) == 1
+
+
+@pytest.mark.parametrize("memory_scope", ["tenant", "request", "server"])
+def test_prompts_prefixes_are_shared_as_memory_is(models, memory_scope):
+    """Which requests' sequences may take each other's prompt prefixes in the batch (`engine.batch`): a key's under
+    the default scope, no two under `request`, all under `server`."""
+    state = Server(models, MODEL, default_method="ar", methods=["ar"], memory_scope=memory_scope)
+    try:
+        group = state.prefix_group
+        assert (group("k1") == group("k1")) == (memory_scope != "request")
+        assert (group("k1") == group("k2")) == (memory_scope == "server")
+        assert (group(None) == group(None)) == (memory_scope != "request")
+    finally:
+        state.close()

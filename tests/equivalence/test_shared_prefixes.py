@@ -1,0 +1,198 @@
+"""Shared prefixes in the batch engine: a sequence whose prompt begins as a live sequence of its tenant's context
+takes that prefix's cache slots instead of feeding it, and decodes exactly as it would have alone, greedy and
+sampled, whoever leaves first and however often the cache is compacted; another tenant's sequence shares nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import FLAT, VOCAB, LetterTokenizer, auto_prototype, greedy_references, watching_head
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupTreeDrafter
+from specdecode.engine import GenerationConfig, SpeculativeEngine
+from specdecode.engine import batch as batch_module
+from specdecode.engine.batch import BatchEngine
+from specdecode.engine.slots import common_prefix
+from specdecode.models.hf import HFCausalLM
+from specdecode.models.static import StaticCausalLM
+from specdecode.types import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PREFIX = 24  # the tokens every prompt begins with (a chat template's system prompt, say)
+
+
+def prompts_with_a_prefix(count: int, seed: int = 11) -> list[list[int]]:
+    """A random prefix, then for each prompt a repeated stretch of its own (prompt lookup finds something to copy),
+    each stretch beginning with a token of its own, so that two prompts share exactly the prefix."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, VOCAB, (PREFIX,), generator=g).tolist()
+    prompts = []
+    for i in range(count):
+        stretch = [i] + torch.randint(0, VOCAB, (4 + i % 3,), generator=g).tolist()
+        prompts.append(prefix + stretch * 3)
+    return prompts
+
+
+def drafter(kind: str):
+    return {"ar": None, "pld": PromptLookupDrafter(num_tokens=6), "pld-tree": PromptLookupTreeDrafter(FLAT, budget=6),
+            "auto": None}[kind]
+
+
+def test_common_prefix():
+    assert common_prefix([], [1]) == 0
+    assert common_prefix([1, 2, 3], [1, 2, 3]) == 3
+    assert common_prefix([1, 2, 3], [1, 2]) == 2
+    for n in range(12):  # every place of the first difference
+        a = list(range(12))
+        b = a[:n] + [-1] + a[n + 1 :]
+        assert common_prefix(a, b) == n
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("garbage_share", [0.0, 0.25])  # compact at every step, by default
+def test_a_tenants_sequences_share_a_prompts_prefix_and_decode_as_alone(tiny_target, monkeypatch, garbage_share,
+                                                                        static):
+    """Tenant "a"'s later sequences take the prefix from the first (one sends the first's very prompt: all of it
+    but its last token is taken); tenant "b"'s first shares nothing, its second shares with it; the first
+    sequence ends long before those that borrowed from it; one of them samples. Each output is what it is alone,
+    and each fed only what it did not share."""
+    monkeypatch.setattr(batch_module, "GARBAGE_SHARE", garbage_share)
+    prompts = prompts_with_a_prefix(5)
+    prompts.append(prompts[0])
+    sampled = GenerationConfig(max_new_tokens=30, sampling=SamplingParams(temperature=0.8), seed=5)
+    greedy = [GenerationConfig(max_new_tokens=n) for n in (12, 40, 30, 20, 30, 25)]
+    configs = [*greedy[:4], sampled, greedy[5]]
+    # (join at step, kind, tenant, prompt tokens expected shared)
+    plan = [(0, "ar", "a", 0), (2, "pld", "a", PREFIX), (3, "ar", "b", 0), (4, "pld-tree", "a", PREFIX),
+            (6, "pld", "b", PREFIX), (7, "ar", "a", len(prompts[0]) - 1)]
+    references = greedy_references(tiny_target, prompts, 40)
+    alone = SpeculativeEngine(HFCausalLM(tiny_target), LetterTokenizer()).generate(prompts[4], sampled).token_ids
+    target = StaticCausalLM(tiny_target, capacity=512) if static else HFCausalLM(tiny_target)
+    engine = BatchEngine(target, LetterTokenizer())
+    engine.curve = FLAT  # speculation pays: the gate lets drafts through
+    results, ids = {}, {}
+    for step in range(300):
+        for index, (join, kind, tenant, _) in enumerate(plan):
+            if join == step:
+                ids[engine.add(prompts[index], configs[index], drafter(kind), kind, tenant=tenant)] = index
+        results.update({ids[i]: r for i, _, r in engine.step() if r is not None})
+        held = [m.slots.tensor for m in engine.members.values()]
+        unique = len(torch.unique(torch.cat(held))) if held else 0
+        assert engine._doubled == sum(map(len, held)) - unique  # (what decides when the cache is compacted)
+        if garbage_share == 0:  # compacted at every step: the cache holds each shared slot once
+            assert target.cache_length == unique
+        if len(results) == len(plan):
+            break
+    for index, (_, kind, _, shared) in enumerate(plan):
+        expected = alone if index == 4 else references[index][: configs[index].max_new_tokens]
+        assert results[index].token_ids == expected, f"sequence {index} ({kind})"
+        assert results[index].cached_tokens == shared, f"sequence {index}"
+        first = results[index].steps[0]  # its prompt fed whole in its first step: what it did not share
+        assert first.forward_tokens - first.drafted == len(prompts[index]) - shared
+    assert len(results[0].token_ids) < len(results[1].token_ids)  # the lender left first
+    assert sum(s.accepted for s in results[1].steps) > 0  # prompt lookup did draft
+    assert len(engine) == 0 and target.cache_length == 0
+
+
+def test_nothing_is_shared_when_sharing_is_off_or_hidden_states_are_kept(tiny_target):
+    prompts = prompts_with_a_prefix(2)
+    for engine in (BatchEngine(HFCausalLM(tiny_target), share_prefixes=False),
+                   BatchEngine(HFCausalLM(tiny_target), keep_hidden=True)):
+        engine.add(prompts[0], GenerationConfig(max_new_tokens=8))
+        engine.step()
+        engine.add(prompts[1], GenerationConfig(max_new_tokens=8))
+        results = [r for _ in range(40) for _, _, r in engine.step() if r is not None]
+        assert [r.cached_tokens for r in results] == [0, 0]
+
+
+def test_a_head_reads_its_own_rows_after_a_shared_prefix(tiny_target):
+    """A prompt that shares a prefix and feeds the rest in chunks: its drafter (a Medusa head, and `auto`) is handed
+    the hidden states of what it fed, counted as fed (`after_prefill`), and its output is plain decoding's."""
+    long = prompts_with_a_prefix(3, seed=12)
+    long = [p + p[PREFIX:] * 3 for p in long]  # shared prefix, then a rest fed over several chunks
+    references = greedy_references(tiny_target, long, 12)
+    seen: list[tuple[int, int]] = []
+    head = watching_head(tiny_target, seen)
+    engine = BatchEngine(HFCausalLM(tiny_target), LetterTokenizer())
+    engine.curve, engine.prefill_chunk = FLAT, 16
+    config = GenerationConfig(max_new_tokens=12)
+    ids = {engine.add(long[0], GenerationConfig(max_new_tokens=40)): 0}
+    results = {}
+    for step in range(200):
+        if step == 8:  # the first has fed its prompt
+            ids[engine.add(long[1], config, head.for_sequence(), "medusa")] = 1
+            ids[engine.add(long[2], config, auto_prototype(tiny_target).for_sequence(), "auto")] = 2
+        results.update({ids[i]: r for i, _, r in engine.step() if r is not None})
+        if len(results) == 3:
+            break
+    assert [results[i].token_ids for i in (1, 2)] == [references[i] for i in (1, 2)]
+    assert results[1].cached_tokens == results[2].cached_tokens == PREFIX
+    fed = len(long[1]) - PREFIX
+    assert seen[0][0] == fed and seen[0][1] >= fed  # (rows beyond: its draft's)
+
+
+def run_one(engine: BatchEngine, prompt: list[int], tenant, n: int = 10, kind: str = "pld"):
+    """One request to its end in an otherwise empty batch (a client's turn of a conversation)."""
+    ident = engine.add(prompt, GenerationConfig(max_new_tokens=n), drafter(kind), kind, tenant=tenant)
+    return next(r for _ in range(100) for i, _, r in engine.step() if i == ident and r is not None)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_a_conversations_next_turn_takes_the_last_turns_context(tiny_target, static):
+    """With `keep_ended`, an ended sequence's context stays in the cache of an emptied batch: the next turn of the
+    conversation (its prompt: the last one, its answer, a new message) takes all of it but the answer's last token,
+    then steps alone; another tenant's request, or none of the conversation, takes nothing and finds the cache as
+    a fresh batch would. Every answer is what the prompt gets alone; without `keep_ended` nothing is kept."""
+    target = StaticCausalLM(tiny_target, capacity=512) if static else HFCausalLM(tiny_target)
+    engine = BatchEngine(target, LetterTokenizer(), keep_ended=2)
+    engine.curve = FLAT
+    masked, forward = [], target.forward
+
+    def recorded(*args, tree_mask=None, **kwargs):  # whether a forward masks (over the cache): not alone
+        masked.append(tree_mask is not None)
+        return forward(*args, tree_mask=tree_mask, **kwargs)
+
+    target.forward = recorded
+    first = prompts_with_a_prefix(1, seed=13)[0]
+    answer = run_one(engine, first, "a")
+    assert answer.cached_tokens == 0 and answer.token_ids == greedy_references(tiny_target, [first], 10)[0]
+    assert target.cache_length > 0  # kept for the next turn
+    turn = first + answer.token_ids + [5, 6, 7]
+    again = run_one(engine, turn, "a")
+    assert again.cached_tokens == len(first) + len(answer.token_ids) - 1  # (its last token was never fed)
+    assert again.token_ids == greedy_references(tiny_target, [turn], 10)[0]
+    assert again.steps[0].forward_tokens - again.steps[0].drafted == len(turn) - again.cached_tokens
+    other = run_one(engine, turn, "b")  # the same prompt, another tenant: the cache as a fresh batch's
+    assert other.cached_tokens == 0 and other.token_ids == again.token_ids
+    assert len(engine._ended) == 1 and target.cache_length == len(turn) + len(other.token_ids) - 1
+    assert not any(masked)  # each stepped alone, as the single-sequence engine steps (chains: causal attention)
+    fresh = BatchEngine(HFCausalLM(tiny_target), LetterTokenizer())
+    run_one(fresh, first, "a")
+    assert run_one(fresh, turn, "a").cached_tokens == 0 and fresh.target.cache_length == 0
+
+
+def test_ended_contexts_squeezed_out_of_the_cache_are_not_taken(tiny_target, monkeypatch):
+    """Ended sequences' contexts kept while others decode are garbage: once the cache is squeezed (here at every
+    step) they are gone, and a later sequence whose prompt begins as one of them feeds its prompt, or takes it from
+    a live sequence, never from slots that moved. Every answer is what its prompt gets alone."""
+    monkeypatch.setattr(batch_module, "GARBAGE_SHARE", 0.0)
+    prompts = prompts_with_a_prefix(4, seed=14)
+    engine = BatchEngine(HFCausalLM(tiny_target), LetterTokenizer(), keep_ended=4)
+    engine.curve = FLAT
+    plan = [(0, 6), (0, 40), (10, 8), (12, 8)]  # (join at step, tokens): the first ends while the second decodes
+    results, ids = {}, {}
+    for step in range(200):
+        for index, (join, n) in enumerate(plan):
+            if join == step:
+                prompt = prompts[index] if index < 2 else prompts[0] + results[0].token_ids + [index]
+                ids[engine.add(prompt, GenerationConfig(max_new_tokens=n), drafter("pld"), tenant="a")] = index
+        results.update({ids[i]: r for i, _, r in engine.step() if r is not None})
+        if len(results) == len(plan):
+            break
+    # the third takes the prefix from the live second sequence (the first's context was squeezed out), the fourth
+    # all but its last token from the third's
+    for index, shared in [(2, PREFIX), (3, len(prompts[0]) + len(results[0].token_ids))]:
+        prompt = prompts[0] + results[0].token_ids + [index]
+        assert results[index].token_ids == greedy_references(tiny_target, [prompt], 8)[0]
+        assert results[index].cached_tokens == shared
