@@ -64,10 +64,11 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def stream(url: str, prompt_ids: list[int], method: str, max_tokens: int) -> dict:
-    """One greedy streamed completion: when it was sent, each chunk's arrival and token ids, and when it ended."""
+    """One greedy streamed completion: when it was sent, each chunk's arrival and token ids, when it ended, and the
+    prompt tokens the server took from its cache (`usage.prompt_tokens_details.cached_tokens`)."""
     host = url.removeprefix("http://")
     body = {"model": "default", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "method": method}
+            "method": method, "stream_options": {"include_usage": True}}
     connection = http.client.HTTPConnection(host, timeout=3600)
     sent = time.perf_counter()
     connection.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
@@ -75,17 +76,19 @@ def stream(url: str, prompt_ids: list[int], method: str, max_tokens: int) -> dic
     if response.status != 200:
         raise RuntimeError(f"{method}: {response.status} {response.read()[:300]!r}")
     chunks: list[tuple[float, list[int]]] = []
+    cached = 0
     for line in response:
         if not line.startswith(b"data: {"):
             continue
         payload = json.loads(line[len(b"data: "):])
+        cached = ((payload.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens", cached)
         ids = [t["id"] for t in payload.get("specdecode", {}).get("tokens", [])]
         if ids:
             chunks.append((time.perf_counter() - sent, ids))
     ended = time.perf_counter() - sent
     connection.close()
     return {"sent": sent, "chunks": [[t, ids] for t, ids in chunks], "seconds": ended,
-            "token_ids": [i for _, ids in chunks for i in ids]}
+            "token_ids": [i for _, ids in chunks for i in ids], "cached": cached}
 
 
 def run_level(url: str, prompts: list[list[int]], method: str, clients: int, max_tokens: int) -> tuple[float, list]:
@@ -137,7 +140,8 @@ def figures(requests: list[dict], runs: list[dict]) -> dict:
     return {"throughput": tokens / wall, "client": statistics.median(rates), "ttft": statistics.median(first),
             "ttft95": percentile(first, 0.95), "tbt": statistics.median(between) if between else float("nan"),
             "tbt95": percentile(between, 0.95), "identical": sum(r["identical"] for r in requests),
-            "requests": len(requests)}
+            "requests": len(requests), "cached": sum(r.get("cached", 0) for r in requests),
+            "prompt_tokens": sum(r.get("prompt_tokens", 0) for r in requests)}
 
 
 def prompt_ratio(records: list[dict], method: str, prompt: int, levels: list[int]) -> float:
@@ -208,6 +212,10 @@ def render(out: Path) -> str:
         lines.append(f"| {level} | `{method}` | {row['throughput']:.1f} | {over} | {row['client']:.1f} | "
                      f"{row['ttft']:.2f} / {row['ttft95']:.2f} | {row['tbt'] * 1000:.0f} / {row['tbt95'] * 1000:.0f} | "
                      f"{row['identical']}/{row['requests']} |")
+    if any(row["prompt_tokens"] for row in table.values()):  # (recorded since the batch shares prefixes)
+        lines += ["", "Prompt tokens taken from the server's cache (a shared prefix), not fed, of all:", ""]
+        lines += [f"- {level} clients, `{method}`: {row['cached']} of {row['prompt_tokens']}"
+                  for (level, method), row in table.items()]
     if len(levels) > 1:  # (one level has nothing to compare its gaps with)
         lines += ["", f"Time between tokens at {levels[-1]} clients over at {levels[0]} (median; and per prompt, its "
                       "median's ratio over `ar`'s for the same prompt, the largest):", ""]
@@ -315,6 +323,7 @@ def run(args: argparse.Namespace) -> None:
                         records.write(json.dumps({"kind": "request", "repeat": repeat, "clients": level,
                                                   "method": method, "prompt": prompt, "category": categories[prompt],
                                                   "client": client, "identical": difference is None,
+                                                  "prompt_tokens": len(prompts[prompt]),
                                                   "first_difference": difference, **request}) + "\n")
                     records.flush()
                     tokens = sum(len(a[2]["token_ids"]) for a in answers)

@@ -25,11 +25,11 @@ that comes in while a long prompt is being fed waits for the chunk under way, no
 take turns too, the one that has fed the fewest chunks first.
 
 Shared prefixes: a sequence about to feed its prompt takes, instead of feeding them, the cache slots of the longest
-prefix of it (all but its last token) that another sequence of the same tenant holds (`add`'s `tenant`): a chat
-template's system prompt, a conversation's earlier turns. The keys and values are the ones its own prefill would compute
-(a token's depend only on the tokens before it, and the kernels give a row the same bits whatever else the forward
-carries), so output is unchanged; a slot is garbage once no sequence holds it. Tenants never share: a prefix found
-would show in another tenant's time to first token. Off where the caller keeps every fed token's hidden states.
+prefix of it (all but its last token) that another sequence of the same tenant holds (`add`'s `tenant`), live or
+ended (`keep_ended`): a chat template's system prompt, a conversation's earlier turns. Their keys and values are what
+its own prefill would compute (a token's depend only on the tokens before it: the same bits on the int8 and int4
+paths, a wider forward's rounding on the float ones); a slot is garbage once no sequence holds it. Tenants never
+share: a prefix found shows in the time to the first token. Off where the caller keeps every fed token's hidden states.
 
 Drafters here must not run a model of their own or the target (`Drafter.batchable`: the copies, retrieval, Jacobi's
 guesses from the target's logits, a head that reads the target's features, a composite of those); each sequence gets its

@@ -18,6 +18,8 @@ class ServerMetrics:
                                 "Answers by endpoint and HTTP status (499: the client left first)",
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("specdecode_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_prompt_tokens = Counter("specdecode_cached_prompt_tokens", "Prompt tokens of finished requests "
+                                            "taken from another sequence's cache, not fed", registry=r)
         self.generated_tokens = Counter("specdecode_generated_tokens", "Tokens generated", ["method"], registry=r)
         self.target_forwards = Counter("specdecode_target_forwards", "Target forwards (steps)", ["method"], registry=r)
         self.drafted = Counter("specdecode_drafted_tokens", "Draft tokens proposed", ["method"], registry=r)
@@ -47,6 +49,7 @@ class ServerMetrics:
     def finished(self, result: GenerationResult, seconds: float) -> None:
         method = result.method
         self.prompt_tokens.inc(len(result.prompt_ids))
+        self.cached_prompt_tokens.inc(result.cached_tokens)
         self.generated_tokens.labels(method).inc(result.new_tokens)
         self.target_forwards.labels(method).inc(result.target_forwards)
         self.drafted.labels(method).inc(sum(s.drafted for s in result.steps))

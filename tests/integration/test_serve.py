@@ -62,7 +62,6 @@ def test_completion_equals_the_engine_greedy(client, models, method):
         assert response.choices[0].text == expected(models, method, completion_ids(models, prompt), 20)
         assert response.usage.completion_tokens <= 20
         assert response.usage.prompt_tokens == len(completion_ids(models, prompt))
-        assert response.usage.prompt_tokens_details.cached_tokens == 0  # alone: nothing shared (`engine.batch`)
         stats = response.model_extra["speculative"]
         assert stats["method"] == method
         assert stats["target_forwards"] >= 1
@@ -341,6 +340,21 @@ def test_metrics(server, client):
         assert name in text, name
     assert metric(running.url, 'specdecode_requests_total{endpoint="/v1/completions",status="200"}') >= 1
     assert metric(running.url, "specdecode_generated_tokens_total") >= 16
+
+
+def test_a_prompt_sent_again_takes_its_context_from_the_batchs_cache(server, client, models):
+    """The batch keeps an ended request's context (`BatchEngine.keep_ended`): the same prompt again, alone, takes all
+    of it but its last token instead of feeding it, says so in `usage` and `/metrics`, and answers the same."""
+    running, _ = server
+    prompt = "A prompt no other test sends, twice over: " + PROMPTS[2]
+    before = metric(running.url, "specdecode_cached_prompt_tokens_total")
+    replies = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                         extra_body={"method": "pld"}) for _ in range(2)]
+    length = len(completion_ids(models, prompt))
+    assert [r.usage.prompt_tokens_details.cached_tokens for r in replies] == [0, length - 1]
+    assert replies[0].choices[0].text == replies[1].choices[0].text == expected(models, "pld", completion_ids(
+        models, prompt), 8)
+    assert metric(running.url, "specdecode_cached_prompt_tokens_total") - before == length - 1
 
 
 def resident_bytes() -> int:
