@@ -346,16 +346,17 @@ class BatchEngine:
         """Each sequence yet to feed its prompt takes the slots of the longest prefix of it, all but its last token,
         that another sequence of its tenant holds, or an ended one left (module docstring, *Shared prefixes*). One
         that comes to an empty batch keeps only that prefix in the cache, so that it steps alone."""
-        waiting = [m for m in self.members.values() if not len(m.slots)]
-        for m in waiting:
+        taken = False
+        for m in [m for m in self.members.values() if not len(m.slots)]:
             held = [Held(o.tenant, o.progress.context, o.slots.tensor) for o in self.members.values() if len(o.slots)]
-            n, slots = longest_prefix(m.progress.prompt_ids[:-1], m.tenant, held + self._ended)
+            prompt = m.progress.prompt_ids
+            n, slots = longest_prefix(prompt, len(prompt) - 1, m.tenant, held + self._ended)
             if slots is not None:
-                m.slots, m.borrowed, m.progress.cached = Slots(slots[:n].clone()), n, n
+                m.slots, m.borrowed, m.progress.cached, taken = Slots(slots[:n].clone()), n, n, True
             if len(self.members) == 1 and self.target.cache_length > len(m.slots):  # ended ones' contexts
                 self.target.compact(0, m.slots.tensor.tolist())  # (none: emptied)
                 m.slots, self._ended = Slots(torch.arange(len(m.slots))), []
-        if waiting:
+        if taken:
             self._recount()
 
     def _plan(self) -> dict[int, int]:

@@ -33,15 +33,18 @@ class Slots:
         return self._data[: self._length]
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many tokens two lists share from their start (halving: each slice is compared at C speed)."""
-    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; a[:high] == b[:high] unless high is low
-    while low < high:
-        middle = (low + high + 1) // 2
-        if a[low:middle] == b[low:middle]:
-            low = middle
-        else:
-            high = middle - 1
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many tokens two lists share from their start, `limit` at most. Galloping, in slices compared at C speed: the
+    work grows with the tokens shared, not with the lists (a waiting prompt is matched again at every step)."""
+    end, low, step = min(len(a), len(b), limit), 0, 1
+    while low < end:
+        high = min(low + step, end)
+        if a[low:high] == b[low:high]:
+            low, step = high, 2 * step
+        elif step == 1:
+            break
+        else:  # the first difference lies in [low, high): close in on it from low again
+            step = 1
     return low
 
 
@@ -53,12 +56,13 @@ class Held(NamedTuple):
     slots: torch.Tensor
 
 
-def longest_prefix(tokens: list[int], tenant: Hashable, held: Iterable[Held]) -> tuple[int, torch.Tensor | None]:
-    """The longest prefix of `tokens` that one of `held` of `tenant` holds: its length and that one's slots (None:
-    no token in common)."""
+def longest_prefix(tokens: list[int], limit: int, tenant: Hashable, held: Iterable[Held]
+                   ) -> tuple[int, torch.Tensor | None]:
+    """The longest prefix of `tokens`, `limit` at most, that one of `held` of `tenant` holds: its length and that
+    one's slots (None: no token in common)."""
     best, where = 0, None
     for h in held:
         if h.tenant == tenant and len(h.slots) > best:
-            if (n := common_prefix(tokens, h.context[: len(h.slots)])) > best:
+            if (n := common_prefix(tokens, h.context, min(limit, len(h.slots)))) > best:
                 best, where = n, h.slots
     return best, where

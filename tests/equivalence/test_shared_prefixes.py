@@ -40,13 +40,16 @@ def drafter(kind: str):
 
 
 def test_common_prefix():
-    assert common_prefix([], [1]) == 0
-    assert common_prefix([1, 2, 3], [1, 2, 3]) == 3
-    assert common_prefix([1, 2, 3], [1, 2]) == 2
-    for n in range(12):  # every place of the first difference
-        a = list(range(12))
-        b = a[:n] + [-1] + a[n + 1 :]
-        assert common_prefix(a, b) == n
+    assert common_prefix([], [1], 5) == 0
+    assert common_prefix([1, 2, 3], [1, 2, 3], 5) == 3
+    assert common_prefix([1, 2, 3], [1, 2], 5) == 2
+    assert common_prefix([1, 2, 3], [1, 2, 3], 1) == 1
+    for length in (1, 7, 33):
+        for n in range(length):  # every place of the first difference
+            a = list(range(length))
+            b = a[:n] + [-1] + a[n + 1 :]
+            assert common_prefix(a, b, length) == n
+            assert common_prefix(a, b, n // 2) == n // 2
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
