@@ -199,3 +199,20 @@ def test_ended_contexts_squeezed_out_of_the_cache_are_not_taken(tiny_target, mon
         prompt = prompts[0] + results[0].token_ids + [index]
         assert results[index].token_ids == greedy_references(tiny_target, [prompt], 8)[0]
         assert results[index].cached_tokens == shared
+
+
+def test_a_batch_emptied_by_a_removal_keeps_nothing(tiny_target):
+    """A sequence removed (its client left, or its forward failed) leaves nothing to take, and once it was the last,
+    the cache is emptied with every ended context kept before: the next request feeds its whole prompt."""
+    engine = BatchEngine(HFCausalLM(tiny_target), LetterTokenizer(), keep_ended=2)
+    engine.curve = FLAT
+    first = prompts_with_a_prefix(1, seed=15)[0]
+    run_one(engine, first, "a")
+    assert engine.target.cache_length > 0  # kept
+    ident = engine.add(first + [1, 2], GenerationConfig(max_new_tokens=20), drafter("pld"), "pld", tenant="a")
+    engine.step()
+    assert engine.members[ident].borrowed == len(first)
+    engine.remove(ident)
+    assert engine.target.cache_length == 0 and not engine._ended
+    again = run_one(engine, first, "a")
+    assert again.cached_tokens == 0 and again.token_ids == greedy_references(tiny_target, [first], 10)[0]
