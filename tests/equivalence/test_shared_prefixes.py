@@ -4,6 +4,8 @@ sampled, whoever leaves first and however often the cache is compacted; another 
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -216,3 +218,42 @@ def test_a_batch_emptied_by_a_removal_keeps_nothing(tiny_target):
     assert engine.target.cache_length == 0 and not engine._ended
     again = run_one(engine, first, "a")
     assert again.cached_tokens == 0 and again.token_ids == greedy_references(tiny_target, [first], 10)[0]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_joins_removals_and_tenants_decode_as_alone(tiny_target, monkeypatch, seed):
+    """Random traffic: sequences join (prompts that begin as one of a few stems, or as an ended sequence's context),
+    some are removed, two tenants, contexts kept or not, the cache squeezed at every step, by default or never,
+    prompts fed whole or in chunks. Every answer is its prompt's greedy continuation alone; at every step the double
+    count is the slots' true one and every slot lies in the cache."""
+    rng = random.Random(seed)
+    monkeypatch.setattr(batch_module, "GARBAGE_SHARE", rng.choice([0.0, 0.25, 10.0]))
+    engine = BatchEngine(HFCausalLM(tiny_target), LetterTokenizer(), keep_ended=rng.choice([0, 1, 3]))
+    engine.curve = FLAT
+    engine.prefill_chunk = rng.choice([8, 256])
+    stems = [[rng.randrange(VOCAB) for _ in range(rng.randrange(5, 40))] for _ in range(3)]
+    contexts, live, answers = [], {}, []
+    for _ in range(100):
+        if rng.random() < 0.35 and len(live) < 6:
+            stem = list(rng.choice(contexts)) if contexts and rng.random() < 0.4 else rng.choice(stems)[
+                : rng.randrange(1, 40)]
+            prompt = (stem + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 8))])[:200]
+            kind, n = rng.choice(["ar", "pld", "pld-tree"]), rng.randrange(1, 24)
+            ident = engine.add(prompt, GenerationConfig(max_new_tokens=n), drafter(kind), kind,
+                               tenant=rng.choice("ab"))
+            live[ident] = (prompt, n)
+        if live and rng.random() < 0.05:
+            engine.remove(removed := rng.choice(list(live)))
+            del live[removed]
+        for ident, _, result in engine.step():
+            if result is not None:
+                prompt, n = live.pop(ident)
+                answers.append((prompt, n, result))
+                contexts.append(prompt + result.token_ids)
+        held = [m.slots.tensor for m in engine.members.values()]
+        unique = len(torch.unique(torch.cat(held))) if held else 0
+        assert engine._doubled == sum(map(len, held)) - unique
+        assert all(int(t.max()) < engine.target.cache_length for t in held if len(t))
+    for prompt, n, result in answers:
+        assert result.token_ids == greedy_references(tiny_target, [prompt], n)[0]
+    assert len(answers) > 10 and sum(result.cached_tokens for _, _, result in answers) > 0
