@@ -79,7 +79,6 @@ class Member:
     # those chunks' hidden states [chunk, d], where its drafter reads them (`after_prefill`)
     pieces: list[torch.Tensor] = field(default_factory=list)
     tenant: Hashable = None  # who it may share a prompt's prefix with (module docstring, *Shared prefixes*)
-    borrowed: int = 0  # its first slots, another sequence's: prompt tokens it did not feed
 
 
 class HiddenRequest:
@@ -311,7 +310,7 @@ class BatchEngine:
         else:
             m.slots.extend([*range(first, first + fed), *(first + fed + node for node in path)])
         if m.chunks and len(m.progress.steps) == 0:  # its first step, after its prompt's chunks
-            step = after_prefill(step, len(m.slots) - fed - len(path) - m.borrowed, m.pieces)
+            step = after_prefill(step, len(m.slots) - fed - len(path) - m.progress.cached, m.pieces)
             m.pieces = []
         # 4. The sequence's tokens appended; its drafter learns how its draft fared.
         out: list[tuple[int, StepEvent, GenerationResult | None]] = [(ident, conclude(m.progress, m.drafter, step),
@@ -352,7 +351,7 @@ class BatchEngine:
             prompt = m.progress.prompt_ids
             n, slots = longest_prefix(prompt, len(prompt) - 1, m.tenant, held + self._ended)
             if slots is not None:
-                m.slots, m.borrowed, m.progress.cached, taken = Slots(slots[:n].clone()), n, n, True
+                m.slots, m.progress.cached, taken = Slots(slots[:n].clone()), n, True
             if len(self.members) == 1 and self.target.cache_length > len(m.slots):  # ended ones' contexts
                 self.target.compact(0, m.slots.tensor.tolist())  # (none: emptied)
                 m.slots, self._ended = Slots(torch.arange(len(m.slots))), []
@@ -386,7 +385,6 @@ class BatchEngine:
         if not self.members:  # (the ended sequences' contexts kept, if any, for the next: `_borrow`)
             if not self._ended:
                 self.target.reset()
-            self._doubled = 0
             return
         # (counted, not gathered: a step's host work must not grow with the contexts the batch holds)
         garbage = self.target.cache_length - sum(len(m.slots) for m in self.members.values()) + self._doubled

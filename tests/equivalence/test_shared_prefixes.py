@@ -213,7 +213,7 @@ def test_a_batch_emptied_by_a_removal_keeps_nothing(tiny_target):
     assert engine.target.cache_length > 0  # kept
     ident = engine.add(first + [1, 2], GenerationConfig(max_new_tokens=20), drafter("pld"), "pld", tenant="a")
     engine.step()
-    assert engine.members[ident].borrowed == len(first)
+    assert engine.members[ident].progress.cached == len(first)
     engine.remove(ident)
     assert engine.target.cache_length == 0 and not engine._ended
     again = run_one(engine, first, "a")
