@@ -71,6 +71,10 @@ def serve(
         min=0.0, help="What one API key's owners' memories may hold together, in GiB, its least recently used "
                       "forgotten first (default: a quarter of this machine's memory, shared out among the "
                       "keys).")] = None,
+    prefix_cache_gib: Annotated[float, typer.Option(
+        min=0.0, help="What the batch keeps of ended requests' contexts (their keys and values, copied out of its "
+                      "cache), in GiB, for later requests whose prompts begin as they do (a conversation's next "
+                      "turn), shared as the memory scope says; the least recently used dropped first; 0: none.")] = 1.0,
     docs: Annotated[bool, typer.Option("--docs", help="Serve /docs and /openapi.json (behind the key).")] = False,
     model_name: Annotated[str | None, typer.Option(
         help="The model id clients send (default: the target's name).")] = None,
@@ -107,7 +111,8 @@ def serve(
                                     request_seconds=request_timeout, max_queue=max_queue,
                                     max_prompt_tokens=max_prompt_tokens),
                       methods=offered, memory_scope=memory_scope.value, memory_owners=memory_owners,
-                      memory_budget=_memory_budget(memory_budget_gib, len(keys)))
+                      memory_budget=_memory_budget(memory_budget_gib, len(keys)),
+                      prefix_cache=int(prefix_cache_gib * 2**30))
 
     server = on_a_passing_thread(build)
     console.print(f"serving [bold]{name}[/] ({method.value} by default) on http://{host}:{port}/ ("

@@ -26,7 +26,8 @@ take turns too, the one that has fed the fewest chunks first.
 
 Shared prefixes: a sequence about to feed its prompt takes, instead of feeding them, the cache slots of the longest
 prefix of it (all but its last token) that another sequence of the same tenant holds (`add`'s `tenant`), live or
-ended (`keep_ended`): a chat template's system prompt, a conversation's earlier turns. Their keys and values are what
+ended (`keep_ended`; once squeezed out of the cache, a copy of its entries: `keep_bytes`, `slots.SavedContexts`): a
+chat template's system prompt, a conversation's earlier turns. Their keys and values are what
 its own prefill would compute (a token's depend only on the tokens before it: the same bits on the int8 and int4
 paths, a wider forward's rounding on the float ones); a slot is garbage once no sequence holds it. Tenants never
 share: a prefix found shows in the time to the first token. Off where the caller keeps every fed token's hidden states.
@@ -52,12 +53,11 @@ from specdecode.drafters.base import Drafter
 from specdecode.drafters.sources import columns, hidden_request
 from specdecode.engine.sequence import (
     GenerationConfig, GenerationResult, SequenceState, StepEvent, VerifiedStep, after_prefill, check_prompt, conclude,
-    draft_inputs,
 )
 from specdecode.engine.pacing import Pace, PrefillShare
-from specdecode.engine.slots import Held, Slots, longest_prefix
+from specdecode.engine.slots import Held, SavedContexts, Slots, attention_inputs, forward_inputs, longest_prefix
 from specdecode.errors import UserError
-from specdecode.models.base import CausalLM
+from specdecode.models.base import CausalLM, Entries
 from specdecode.models.costs import CHUNK_SECONDS, CostCurve, LiveCurve, prefill_chunk
 from specdecode.tree.budget import cut_batch
 from specdecode.types import Draft
@@ -102,45 +102,14 @@ def final_layer(target: CausalLM) -> int | None:
     return getattr(config, "num_hidden_layers", None)
 
 
-def forward_inputs(members: list[Member], pending: list[list[int]], drafts: list[Draft], stepping: list[bool]):
-    """Per sequence in the forward: the tokens fed (its pending context tokens, then its draft), their positions,
-    its span (offset, n, the draft's own mask [n, n]), and the rows of logits it verifies on, if it steps."""
-    fed: list[torch.Tensor] = []
-    positions, spans, rows = [], [], []
-    for m, p, draft, steps in zip(members, pending, drafts, stepping):
-        offset, n = sum(len(f) for f in fed), len(p) + len(draft)
-        position, local = draft_inputs(draft, len(p), len(m.slots) + len(p))  # [n], [n, n]
-        fed.append(torch.cat([torch.tensor(p, dtype=torch.long, device="cpu"), draft.tokens.cpu()]))  # host drafts
-        positions.append(position)
-        spans.append((offset, n, local))
-        if steps:  # from the last context token's on
-            rows.append(torch.arange(offset + len(p) - 1, offset + n, device="cpu"))
-    return fed, positions, spans, rows
-
-
-def attention_inputs(members: list[Member], spans: list[tuple[int, int, torch.Tensor]], positions: list[torch.Tensor],
-                     drafts: list[Draft], cached: int, alone: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The forward's tree mask and positions: for a sequence `alone` in the forward and the cache, what the
-    single-sequence engine passes (none for a chain, the tree's own mask and positions for a tree); for several, the
-    full mask over the cache (each sequence its own slots) and the fed tokens (each its own draft's mask)."""
-    if alone:
-        return (spans[0][2], positions[0]) if drafts[0].is_tree else (None, None)
-    total = sum(n for _, n, _ in spans)
-    tree_mask = torch.zeros(total, cached + total, dtype=torch.bool, device="cpu")  # the forward moves it
-    for m, (offset, n, local) in zip(members, spans):
-        if len(m.slots):
-            tree_mask[offset : offset + n, m.slots.tensor] = True
-        tree_mask[offset : offset + n, cached + offset : cached + offset + n] = local
-    return tree_mask, torch.cat(positions)
-
-
 class BatchEngine:
     """Steps every sequence added to it together; `step()` returns each one's event (and its result once
     it ends)."""
 
     def __init__(self, target: CausalLM, tokenizer=None, gate: bool = True,
                  keep_hidden: bool | tuple[int, ...] = False, clock: Callable[[], float] | None = None,
-                 chunk_seconds: float = CHUNK_SECONDS, share_prefixes: bool = True, keep_ended: int = 0):
+                 chunk_seconds: float = CHUNK_SECONDS, share_prefixes: bool = True, keep_ended: int = 0,
+                 keep_bytes: int = 0):
         """`keep_hidden`: the hidden states (`CausalLM.forward`'s `output_hidden`) of every context token a sequence
         feeds are kept, bfloat16, in `hidden[id]` (one piece a step, in order; the caller pops them). The target's
         forwards (for its cost curve) and whole steps (for the turns of long prompts, `PrefillShare`) are timed without
@@ -149,7 +118,8 @@ class BatchEngine:
         `share_prefixes`: a sequence takes the slots of a prefix of its prompt another holds (module docstring);
         `keep_ended`: so many ended sequences' contexts stay in the cache for that too, until it is squeezed or a
         sequence that comes to an empty batch has no use for them: only where nothing else touches the target's cache
-        (the server's batch, on a cache of its own)."""
+        (the server's batch, on a cache of its own); `keep_bytes`: then, copied out of the cache, up to so many bytes
+        of them (`slots.SavedContexts`)."""
         if not target.several_sequences:
             raise UserError(f"{type(target).__name__} holds one sequence at a time; batching needs the torch backend")
         self.target, self.tokenizer, self.gate, self.keep_hidden = target, tokenizer, gate, keep_hidden
@@ -159,6 +129,7 @@ class BatchEngine:
         self._doubled = 0  # slots held by more than one sequence, counted once for each holder beyond the first
         self.keep_ended = keep_ended if self.share_prefixes else 0
         self._ended: list[Held] = []  # the last `keep_ended` ended sequences' contexts, their slots garbage
+        self.saved = SavedContexts(keep_bytes if self.keep_ended else 0)  # theirs once their slots leave the cache
         self.hidden: dict[int, list[torch.Tensor]] = {}
         self._ids = itertools.count()
         self._share = PrefillShare(chunk_seconds)
@@ -241,13 +212,13 @@ class BatchEngine:
             drafts = [next(cut) if steps else draft for draft, steps in zip(drafts, stepping)]
         # 2. One forward over every sequence's pending tokens and draft.
         forward_start, host_start = self.stopwatch.mark() if timed else None, self.stopwatch.now()
-        fed, positions, spans, rows = forward_inputs(members, pending, drafts, stepping)
+        fed, positions, spans, rows = forward_inputs([m.slots for m in members], pending, drafts, stepping)
         total = sum(len(f) for f in fed)
         # A sequence alone in the forward and in the cache (a lone request, or the last one left) steps as the
         # single-sequence engine does: the cache is its context, so no mask over it, and a chain is plain causal
         # attention; its rejected drafts are cropped away rather than left as garbage.
         alone = len(members) == 1 and len(members[0].slots) == cached
-        tree_mask, where = attention_inputs(members, spans, positions, drafts, cached, alone)
+        tree_mask, where = attention_inputs([m.slots for m in members], spans, positions, drafts, cached, alone)
         asked = HiddenRequest(self.keep_hidden, [m.drafter.needs.hidden if m.drafter else False for m in members],
                               final_layer(self.target))
         # (a forward of chunks alone asks one row of logits, unused: every backend computes at least one)
@@ -343,20 +314,38 @@ class BatchEngine:
 
     def _borrow(self) -> None:
         """Each sequence yet to feed its prompt takes the slots of the longest prefix of it, all but its last token,
-        that another sequence of its tenant holds, or an ended one left (module docstring, *Shared prefixes*). One
-        that comes to an empty batch keeps only that prefix in the cache, so that it steps alone."""
+        that another sequence of its tenant holds, or an ended one left, in the cache or copied out of it (then
+        appended to the cache again) (module docstring, *Shared prefixes*). One that comes to an empty batch keeps
+        only that prefix in the cache, so that it steps alone."""
         taken = False
         for m in [m for m in self.members.values() if not len(m.slots)]:
             held = [Held(o.tenant, o.progress.context, o.slots.tensor) for o in self.members.values() if len(o.slots)]
-            prompt = m.progress.prompt_ids
-            n, slots = longest_prefix(prompt, len(prompt) - 1, m.tenant, held + self._ended)
-            if slots is not None:
-                m.slots, m.progress.cached, taken = Slots(slots[:n].clone()), n, True
-            if len(self.members) == 1 and self.target.cache_length > len(m.slots):  # ended ones' contexts
+            prompt, lone = m.progress.prompt_ids, len(self.members) == 1
+            n, where = longest_prefix(prompt, len(prompt) - 1, m.tenant, held + self._ended + self.saved.held)
+            source = None if where is None else where.slots
+            if isinstance(source, Entries):  # a copy: appended to the cache
+                self.saved.taken(source)
+                if lone:
+                    self._drop_ended()
+                    self.target.reset()
+                m.slots = Slots(torch.arange(self.target.cache_length, self.target.cache_length + n))
+                self.target.append_entries(source, n)
+            elif source is not None:  # slots of the cache
+                m.slots = Slots(source[:n].clone())
+            m.progress.cached, taken = n, taken or source is not None
+            if lone and self.target.cache_length > len(m.slots):  # ended ones' contexts
+                self._drop_ended()
                 self.target.compact(0, m.slots.tensor.tolist())  # (none: emptied)
-                m.slots, self._ended = Slots(torch.arange(len(m.slots))), []
+                m.slots = Slots(torch.arange(len(m.slots)))
         if taken:
             self._recount()
+
+    def _drop_ended(self) -> None:
+        """The ended sequences' contexts leave the cache (squeezed out, or the cache emptied): copied out of it first,
+        within `keep_bytes` (`slots.SavedContexts`)."""
+        for h in self._ended:
+            self.saved.save(self.target, h)
+        self._ended = []
 
     def _plan(self) -> dict[int, int]:
         """The prompt tokens each sequence still feeding its prompt feeds in this step (module docstring,
@@ -392,7 +381,7 @@ class BatchEngine:
         if garbage == 0 or (garbage <= GARBAGE_SHARE * self.target.cache_length and len(self.members) > 1):
             return
         live = torch.unique(torch.cat([m.slots.tensor for m in self.members.values()]))  # sorted
+        self._drop_ended()  # (their slots squeezed out)
         self.target.compact(0, live.tolist())
         for m in self.members.values():  # each slot moves to its rank among the live ones
             m.slots = Slots(torch.searchsorted(live, m.slots.tensor))
-        self._ended = []  # (their slots squeezed out)

@@ -1,5 +1,7 @@
 """Where a batch's sequences keep their keys and values: each a list of slots of the target's one KV cache
-(`engine.batch`), a sequence's first slots perhaps another's, where their prompts begin alike."""
+(`engine.batch`), a sequence's first slots perhaps another's, where their prompts begin alike; what a forward over
+them takes (its inputs and the mask that keeps each sequence to its own slots); and ended sequences' contexts copied
+out of the cache for later prompts that begin as they do (`SavedContexts`)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,10 @@ from collections.abc import Hashable, Iterable
 from typing import NamedTuple
 
 import torch
+
+from specdecode.engine.sequence import draft_inputs
+from specdecode.models.base import Entries
+from specdecode.types import Draft
 
 
 class Slots:
@@ -49,20 +55,80 @@ def common_prefix(a: list[int], b: list[int], limit: int) -> int:
 
 
 class Held(NamedTuple):
-    """A sequence's context as its slots hold it: `context[:len(slots)]` (tenant: who may take a prefix of it)."""
+    """A sequence's context as its slots hold it, `context[:len(slots)]` (tenant: who may take a prefix of it); or
+    as a copy of its entries out of the cache holds it (`SavedContexts`)."""
 
     tenant: Hashable
     context: list[int]
-    slots: torch.Tensor
+    slots: torch.Tensor | Entries
 
 
-def longest_prefix(tokens: list[int], limit: int, tenant: Hashable, held: Iterable[Held]
-                   ) -> tuple[int, torch.Tensor | None]:
+def longest_prefix(tokens: list[int], limit: int, tenant: Hashable, held: Iterable[Held]) -> tuple[int, Held | None]:
     """The longest prefix of `tokens`, `limit` at most, that one of `held` of `tenant` holds: its length and that
-    one's slots (None: no token in common)."""
+    one, the first of those that hold as much (None: no token in common)."""
     best, where = 0, None
     for h in held:
         if h.tenant == tenant and len(h.slots) > best:
             if (n := common_prefix(tokens, h.context, min(limit, len(h.slots)))) > best:
-                best, where = n, h.slots
+                best, where = n, h
     return best, where
+
+
+class SavedContexts:
+    """Ended sequences' contexts whose slots are about to leave the cache (squeezed out, or the cache emptied),
+    their entries copied out of it (`CausalLM.entries`), up to `budget` bytes in all, the least recently saved or
+    taken dropped first: a conversation's next turn finds its earlier turns here however busy the batch was
+    meanwhile, and costs the batch nothing until then (kept in the cache, they would widen every step's
+    attention). A context that begins as a newer one of its tenant holds all of is dropped for it."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.held: list[Held] = []  # (slots: Entries), the most recently saved or taken last
+
+    def save(self, target, held: Held) -> None:
+        if not self.budget or not len(held.slots):
+            return
+        n = len(held.slots)
+        self.held = [h for h in self.held if h.tenant != held.tenant or len(h.slots) > n
+                     or common_prefix(h.context, held.context, len(h.slots)) < len(h.slots)]
+        assert isinstance(held.slots, torch.Tensor)  # (slots of the cache, not yet copied)
+        self.held.append(Held(held.tenant, held.context[:n], target.entries(held.slots)))
+        while sum(h.slots.nbytes for h in self.held) > self.budget:
+            del self.held[0]
+
+    def taken(self, entries: Entries) -> None:
+        """The copy `entries` was taken a prefix of: the last to drop."""
+        self.held = [h for h in self.held if h.slots is not entries] + [h for h in self.held if h.slots is entries]
+
+
+def forward_inputs(slots: list[Slots], pending: list[list[int]], drafts: list[Draft], stepping: list[bool]):
+    """Per sequence in the forward (its `slots` so far): the tokens fed (its pending context tokens, then its draft),
+    their positions, its span (offset, n, the draft's own mask [n, n]), and the rows of logits it verifies on, if it
+    steps."""
+    fed: list[torch.Tensor] = []
+    positions, spans, rows = [], [], []
+    for s, p, draft, steps in zip(slots, pending, drafts, stepping):
+        offset, n = sum(len(f) for f in fed), len(p) + len(draft)
+        position, local = draft_inputs(draft, len(p), len(s) + len(p))  # [n], [n, n]
+        fed.append(torch.cat([torch.tensor(p, dtype=torch.long, device="cpu"), draft.tokens.cpu()]))  # host drafts
+        positions.append(position)
+        spans.append((offset, n, local))
+        if steps:  # from the last context token's on
+            rows.append(torch.arange(offset + len(p) - 1, offset + n, device="cpu"))
+    return fed, positions, spans, rows
+
+
+def attention_inputs(slots: list[Slots], spans: list[tuple[int, int, torch.Tensor]], positions: list[torch.Tensor],
+                     drafts: list[Draft], cached: int, alone: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The forward's tree mask and positions: for a sequence `alone` in the forward and the cache, what the
+    single-sequence engine passes (none for a chain, the tree's own mask and positions for a tree); for several, the
+    full mask over the cache (each sequence its own slots) and the fed tokens (each its own draft's mask)."""
+    if alone:
+        return (spans[0][2], positions[0]) if drafts[0].is_tree else (None, None)
+    total = sum(n for _, n, _ in spans)
+    tree_mask = torch.zeros(total, cached + total, dtype=torch.bool, device="cpu")  # the forward moves it
+    for s, (offset, n, local) in zip(slots, spans):
+        if len(s):
+            tree_mask[offset : offset + n, s.tensor] = True
+        tree_mask[offset : offset + n, cached + offset : cached + offset + n] = local
+    return tree_mask, torch.cat(positions)

@@ -24,6 +24,21 @@ class ForwardOutput:
     hidden: torch.Tensor | None = None  # [n, hidden_size (x layers)] every fed token's hidden states, on request
 
 
+@dataclass
+class Entries:
+    """A copy of some of a cache's entries (`CausalLM.entries`), kept apart from it, to be appended to it again
+    (`CausalLM.append_entries`): the keys and values of a context's first tokens, in the backend's own layout."""
+
+    tensors: list[torch.Tensor]  # each with the tokens along dimension -2
+
+    def __len__(self) -> int:
+        return self.tensors[0].shape[-2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
 class CausalLM(abc.ABC):
     """A causal language model with a KV cache over a single sequence."""
 
@@ -97,6 +112,17 @@ class CausalLM(abc.ABC):
     def reset(self) -> None:
         """Forget the sequence."""
         self.crop(0)
+
+    def entries(self, slots: torch.Tensor) -> Entries:
+        """A copy of the cache's entries at `slots` ([n] int64, in order), which outlives every later change to
+        the cache (`several_sequences` backends: the batch engine keeps ended contexts' prefixes so)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot copy its cache's entries")
+
+    def append_entries(self, entries: Entries, n: int) -> None:
+        """Append the first `n` entries of a copy (`entries`) to the cache, as if their tokens had been fed at the
+        positions they were fed at before (a prefix's keys and values do not depend on where in the cache they
+        lie, only on their positions)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take entries copied out of a cache")
 
     @property
     def cost_key(self) -> str:

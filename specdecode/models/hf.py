@@ -8,8 +8,8 @@ from transformers import PreTrainedModel
 from specdecode import devices
 from specdecode.devices import to_device
 from specdecode.errors import UserError
-from specdecode.models.base import CausalLM, ForwardOutput
-from specdecode.models.cache import cache_keyword, growing_cache, keys_values
+from specdecode.models.base import CausalLM, Entries, ForwardOutput
+from specdecode.models.cache import attention_layer, cache_keyword, growing_cache, keys_values
 from specdecode.models.int4 import InvariantInt4Linear
 from specdecode.models.int8 import InvariantInt8Linear
 from specdecode.models.lean import QUANTIZED_LAYERS, LeanDecoder, lean_decoder
@@ -187,6 +187,18 @@ class HFCausalLM(CausalLM):
     def reset(self) -> None:
         self._cache = growing_cache(self.model.config)
         self._length = 0
+
+    @torch.inference_mode()
+    def entries(self, slots: torch.Tensor) -> Entries:
+        index = to_device(slots, self.device)
+        return Entries([t.index_select(-2, index) for layer in self._cache.layers for t in keys_values(layer)])
+
+    @torch.inference_mode()
+    def append_entries(self, entries: Entries, n: int) -> None:
+        pairs = zip(entries.tensors[::2], entries.tensors[1::2], strict=True)
+        for layer, (keys, values) in zip(self._cache.layers, pairs, strict=True):
+            attention_layer(layer).update(keys[..., :n, :], values[..., :n, :])
+        self._length += n
 
     def sibling(self) -> HFCausalLM:
         """The same weights on the same path over a KV cache of their own (what the server's batch runs on beside

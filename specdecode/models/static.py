@@ -46,7 +46,7 @@ from transformers import PreTrainedModel
 from specdecode import devices
 from specdecode.devices import to_device
 from specdecode.errors import UserError
-from specdecode.models.base import ForwardOutput
+from specdecode.models.base import Entries, ForwardOutput
 from specdecode.models.graphs import make_runner
 from specdecode.models.hf import HFCausalLM
 from specdecode.models.lean import LAYERS, NORMS
@@ -318,6 +318,16 @@ class StaticCausalLM(HFCausalLM):
 
     def reset(self) -> None:
         self._length = 0
+
+    @torch.inference_mode()
+    def entries(self, slots: torch.Tensor) -> Entries:
+        return Entries([self.decoder.kv.index_select(3, to_device(slots, self.device))])
+
+    @torch.inference_mode()
+    def append_entries(self, entries: Entries, n: int) -> None:
+        self._ensure(self._length + n + BUCKETS[-1])
+        self.decoder.kv[..., self._length : self._length + n, :] = entries.tensors[0][..., :n, :]
+        self._length += n
 
 
 def torch_lm(model: PreTrainedModel, static: bool | None = None, progress: bool = True) -> HFCausalLM:

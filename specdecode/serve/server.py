@@ -54,7 +54,7 @@ from specdecode.serve.offer import Offer, Preparation
 from specdecode.serve.logprobs import TokenTexts
 from specdecode.serve.protocol import APIError, CompletionRequest, SamplingRequest
 from specdecode.serve.replies import NOT_READY_RETRY_SECONDS, api_error
-from specdecode.serve.worker import DEFAULT_MAX_BATCH, Job, Worker
+from specdecode.serve.worker import DEFAULT_MAX_BATCH, DEFAULT_PREFIX_CACHE, Job, Worker
 
 MEMORY_SCOPES = ("tenant", "request", "server")
 TOKENIZER_THREADS = 2
@@ -71,14 +71,17 @@ class Server:
                  datastore: str | None = None, head: str | None = None, max_batch: int = DEFAULT_MAX_BATCH,
                  limits: Limits = Limits(),
                  methods: Sequence[str | MethodChoice] | None = None, prepare: Sequence[str] | None = None,
-                 memory_scope: str = "tenant", memory_owners: int = 64, memory_budget: int | None = None):
+                 memory_scope: str = "tenant", memory_owners: int = 64, memory_budget: int | None = None,
+                 prefix_cache: int = DEFAULT_PREFIX_CACHE):
         """`methods`: those clients may name (default: every one the models can run), by name or resolved
         already (`methods.choose`); `datastore`: the retrieval datastore of those that take one; `head`: the
         trained head's folder of the methods of its kind (default: the shipped ones); `prepare`:
         those prepared before the server takes requests (default: all of `methods` when given, else the
         default method), each other one being prepared in the background on its first request;
         `memory_owners`, `memory_budget` (bytes; None: a quarter of the machine's memory): what one tenant's
-        memory owners may be and hold together (`serve.engines`)."""
+        memory owners may be and hold together (`serve.engines`); `prefix_cache` (bytes): what the batch keeps of
+        ended requests' contexts copied out of its cache, for later requests' prompts that begin as they do
+        (`engine.slots.SavedContexts`; none under the request scope, where no request shares a prefix)."""
         self.offer = Offer.resolve(models, default_method, methods, datastore, head)
         self.offered = tuple(self.offer.names())
         if prepare is None:
@@ -102,7 +105,8 @@ class Server:
         self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="specdecode-tokenize")
         self.engines = Engines(models, memory_owners, memory_budget)
         self.worker = Worker(models.target, models.tokenizer, self.engines, on_finish=self._finished,
-                             max_batch=max_batch, on_batch_step=self.metrics.batch_step, max_queue=limits.max_queue)
+                             max_batch=max_batch, on_batch_step=self.metrics.batch_step, max_queue=limits.max_queue,
+                             keep_bytes=0 if memory_scope == "request" else prefix_cache)
         self.preparation = Preparation(self.engines, batching=self.worker.batch is not None)
         self.metrics.waiting.set_function(lambda: self.worker.queued)
         # What the methods share, measured once per machine while the models are idle: the cost curves.

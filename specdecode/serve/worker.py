@@ -54,6 +54,7 @@ from specdecode.models.hf import HFCausalLM
 from specdecode.types import StepStats
 
 DEFAULT_MAX_BATCH = 8
+DEFAULT_PREFIX_CACHE = 1 << 30  # bytes of ended requests' contexts the batch keeps copied (`BatchEngine.saved`)
 DEFAULT_MAX_QUEUE = 64
 
 log = logging.getLogger("specdecode.serve")
@@ -177,7 +178,8 @@ class Worker:
     """Runs jobs on a daemon thread. `factory` builds the engine of a job that runs alone (for its method
     and memory) and a new drafter for one sequence of a batch, asked only for methods whose
     `Method.batchable`; `on_finish(job, result)` sees every result. `batch_target`: what the batch runs on
-    (default: `own_cache(target)`; None there: no batch, every job runs alone)."""
+    (default: `own_cache(target)`; None there: no batch, every job runs alone); `keep_bytes`: what it keeps of ended
+    requests' contexts copied out of its cache (`BatchEngine`)."""
 
     def __init__(
         self,
@@ -189,14 +191,17 @@ class Worker:
         on_batch_step: Callable[[int, int], None] = lambda size, drafted: None,
         max_queue: int = DEFAULT_MAX_QUEUE,
         batch_target: CausalLM | None = None,
+        keep_bytes: int = 0,
     ):
         self.tokenizer = tokenizer
         self.factory, self._on_finish = factory, on_finish
         self._on_batch_step = on_batch_step  # (sequences, draft tokens verified) after every batched forward
         self.max_batch, self.max_queue = max_batch, max_queue
         batch_target = batch_target or (own_cache(target) if target.several_sequences and max_batch > 1 else None)
-        # (its cache its own: ended requests' contexts may stay there for later requests' prefixes, `keep_ended`)
-        self.batch = BatchEngine(batch_target, tokenizer, keep_ended=max_batch) if batch_target is not None else None
+        # (its cache its own: ended requests' contexts may stay there for later requests' prefixes, `keep_ended`, then
+        # copied out of it, `keep_bytes`)
+        self.batch = (BatchEngine(batch_target, tokenizer, keep_ended=max_batch, keep_bytes=keep_bytes)
+                      if batch_target is not None else None)
         self._incoming: queue.Queue[Job | None] = queue.Queue()
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: dict[int, Job] = {}  # batch member id -> job

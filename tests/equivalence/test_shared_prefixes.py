@@ -223,12 +223,13 @@ def test_a_batch_emptied_by_a_removal_keeps_nothing(tiny_target):
 @pytest.mark.parametrize("seed", range(6))
 def test_random_joins_removals_and_tenants_decode_as_alone(tiny_target, monkeypatch, seed):
     """Random traffic: sequences join (prompts that begin as one of a few stems, or as an ended sequence's context),
-    some are removed, two tenants, contexts kept or not, the cache squeezed at every step, by default or never,
-    prompts fed whole or in chunks. Every answer is its prompt's greedy continuation alone; at every step the double
-    count is the slots' true one and every slot lies in the cache."""
+    some are removed, two tenants, contexts kept or not (in the cache, and copied out of it), the cache squeezed at
+    every step, by default or never, prompts fed whole or in chunks. Every answer is its prompt's greedy continuation
+    alone; at every step the double count is the slots' true one and every slot lies in the cache."""
     rng = random.Random(seed)
     monkeypatch.setattr(batch_module, "GARBAGE_SHARE", rng.choice([0.0, 0.25, 10.0]))
-    engine = BatchEngine(HFCausalLM(tiny_target), LetterTokenizer(), keep_ended=rng.choice([0, 1, 3]))
+    engine = BatchEngine(HFCausalLM(tiny_target), LetterTokenizer(), keep_ended=rng.choice([0, 1, 3]),
+                         keep_bytes=rng.choice([0, 1 << 16, 1 << 30]))
     engine.curve = FLAT
     engine.prefill_chunk = rng.choice([8, 256])
     stems = [[rng.randrange(VOCAB) for _ in range(rng.randrange(5, 40))] for _ in range(3)]
@@ -257,3 +258,79 @@ def test_random_joins_removals_and_tenants_decode_as_alone(tiny_target, monkeypa
     for prompt, n, result in answers:
         assert result.token_ids == greedy_references(tiny_target, [prompt], n)[0]
     assert len(answers) > 10 and sum(result.cached_tokens for _, _, result in answers) > 0
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_contexts_squeezed_out_of_the_cache_are_taken_from_their_copies(tiny_target, monkeypatch, static):
+    """With `keep_bytes`, an ended sequence's context squeezed out of the cache (here at every step) is copied out
+    of it first: a conversation's next turn that comes while others decode takes all of it but its last token from
+    the copy (appended to the cache again), and decodes as it does alone; another tenant's takes nothing of it."""
+    monkeypatch.setattr(batch_module, "GARBAGE_SHARE", 0.0)
+    prompts = prompts_with_a_prefix(4, seed=14)
+    target = StaticCausalLM(tiny_target, capacity=512) if static else HFCausalLM(tiny_target)
+    engine = BatchEngine(target, LetterTokenizer(), keep_ended=4, keep_bytes=1 << 30)
+    engine.curve = FLAT
+    plan = [(0, 6, "a"), (0, 40, "a"), (10, 8, "a"), (12, 8, "b")]  # (join at step, tokens, tenant)
+    results, ids = {}, {}
+    for step in range(200):
+        for index, (join, n, tenant) in enumerate(plan):
+            if join == step:
+                prompt = prompts[index] if index < 2 else prompts[0] + results[0].token_ids + [index]
+                ids[engine.add(prompt, GenerationConfig(max_new_tokens=n), drafter("pld"), tenant=tenant)] = index
+        results.update({ids[i]: r for i, _, r in engine.step() if r is not None})
+        if len(results) == len(plan):
+            break
+    turn = len(prompts[0]) + len(results[0].token_ids) - 1  # (the first's last token was never fed)
+    for index, shared in [(2, turn), (3, 0)]:
+        prompt = prompts[0] + results[0].token_ids + [index]
+        assert results[index].token_ids == greedy_references(tiny_target, [prompt], 8)[0]
+        assert results[index].cached_tokens == shared
+    # copied: the third's and fourth's (the first's dropped for the third's, which holds all of it; the second, the
+    # last to end, is still in the cache)
+    assert [(h.tenant, len(h.slots)) for h in engine.saved.held] == [("a", turn + 1 + 8), ("b", turn + 1 + 8)]
+
+
+def test_a_lone_request_takes_a_copy_into_an_emptied_cache(tiny_target):
+    """A conversation's turn ends; another tenant's request, alone, squeezes its context out of the cache (copied);
+    the next turn, alone again, takes it from the copy into an emptied cache and steps alone (no mask over the
+    cache), as the single-sequence engine does. Without `keep_bytes` it feeds its whole prompt."""
+    first = prompts_with_a_prefix(1, seed=16)[0]
+    for budget in (0, 1 << 30):
+        target = HFCausalLM(tiny_target)
+        engine = BatchEngine(target, LetterTokenizer(), keep_ended=2, keep_bytes=budget)
+        engine.curve = FLAT
+        masked, forward = [], target.forward
+
+        def recorded(*args, tree_mask=None, forward=forward, masked=masked, **kwargs):
+            masked.append(tree_mask is not None)
+            return forward(*args, tree_mask=tree_mask, **kwargs)
+
+        target.forward = recorded
+        answer = run_one(engine, first, "a")
+        run_one(engine, [9, 8, 7, 6], "b")
+        turn = first + answer.token_ids + [5, 6, 7]
+        again = run_one(engine, turn, "a")
+        assert again.token_ids == greedy_references(tiny_target, [turn], 10)[0]
+        assert again.cached_tokens == (len(first) + len(answer.token_ids) - 1 if budget else 0)
+        assert not any(masked)
+
+
+def test_saved_contexts_keep_within_their_budget(tiny_target):
+    """The copies hold at most `budget` bytes, the least recently saved or taken dropped first; a context that
+    begins as a newer one of its tenant holds all of is dropped for it, another tenant's is not."""
+    from specdecode.engine.slots import Held, SavedContexts
+
+    target = HFCausalLM(tiny_target)
+    target.forward(torch.arange(40))
+    per_token = target.entries(torch.arange(1)).nbytes
+    saved = SavedContexts(budget=25 * per_token)
+    context = list(range(40))
+    saved.save(target, Held("a", context, torch.arange(10)))
+    saved.save(target, Held("b", context, torch.arange(10)))
+    saved.save(target, Held("a", context, torch.arange(12)))  # holds all of a's first
+    assert [(h.tenant, len(h.slots)) for h in saved.held] == [("b", 10), ("a", 12)]
+    assert torch.equal(saved.held[1].slots.tensors[0], target.entries(torch.arange(12)).tensors[0])
+    saved.taken(saved.held[0].slots)  # b's: now the last to drop
+    saved.save(target, Held("c", context, torch.arange(5)))  # 27 tokens' worth: a's goes
+    assert [(h.tenant, len(h.slots)) for h in saved.held] == [("b", 10), ("c", 5)]
+    SavedContexts(budget=0).save(target, Held("a", context, torch.arange(10)))  # nothing kept, nothing copied

@@ -357,6 +357,18 @@ def test_a_prompt_sent_again_takes_its_context_from_the_batchs_cache(server, cli
     assert metric(running.url, "specdecode_cached_prompt_tokens_total") - before == length - 1
 
 
+def test_a_prompt_sent_again_after_another_takes_its_context_from_a_copy(server, client, models):
+    """A request in between, to an emptied batch, keeps only what it takes of the cache: the first's context leaves
+    it, copied out (`Server`'s `prefix_cache`), and the first prompt sent again takes all of it but its last token
+    from the copy, and answers the same."""
+    prompt = "Another prompt no other test sends, sent twice: " + PROMPTS[1]
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    client.completions.create(model=MODEL, prompt="Zebras " + PROMPTS[3], max_tokens=4, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == len(completion_ids(models, prompt)) - 1
+    assert again.choices[0].text == first.choices[0].text == expected(models, "pld", completion_ids(models, prompt), 8)
+
+
 def resident_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
