@@ -72,9 +72,8 @@ def serve(
                       "forgotten first (default: a quarter of this machine's memory, shared out among the "
                       "keys).")] = None,
     prefix_cache_gib: Annotated[float, typer.Option(
-        min=0.0, help="What the batch keeps of ended requests' contexts (their keys and values, copied out of its "
-                      "cache), in GiB, for later requests whose prompts begin as they do (a conversation's next "
-                      "turn), shared as the memory scope says; the least recently used dropped first; 0: none.")] = 1.0,
+        min=0.0, help="GiB of ended requests' keys and values the batch keeps for later prompts that begin as they "
+                      "do (a conversation's next turn), shared as the memory scope says; 0: none.")] = 1.0,
     docs: Annotated[bool, typer.Option("--docs", help="Serve /docs and /openapi.json (behind the key).")] = False,
     model_name: Annotated[str | None, typer.Option(
         help="The model id clients send (default: the target's name).")] = None,

@@ -198,8 +198,7 @@ class Worker:
         self._on_batch_step = on_batch_step  # (sequences, draft tokens verified) after every batched forward
         self.max_batch, self.max_queue = max_batch, max_queue
         batch_target = batch_target or (own_cache(target) if target.several_sequences and max_batch > 1 else None)
-        # (its cache its own: ended requests' contexts may stay there for later requests' prefixes, `keep_ended`, then
-        # copied out of it, `keep_bytes`)
+        # (its cache its own: ended requests' contexts stay for later prompts' prefixes, `keep_ended`, `keep_bytes`)
         self.batch = (BatchEngine(batch_target, tokenizer, keep_ended=max_batch, keep_bytes=keep_bytes)
                       if batch_target is not None else None)
         self._incoming: queue.Queue[Job | None] = queue.Queue()
