@@ -6,8 +6,9 @@ conversation so far, against two servers, one that keeps ended requests' context
                                              [--repeats 2] [--method auto] [--dtype auto] [--out DIR]
     python benchmarks/serve_conversations.py --render DIR   # the report again, from DIR's kept records
 
-Both servers run side by side as child processes (an idle one costs no compute); each repeat sends every
-conversation to each, the one to go first alternating. `clients` threads each take the next conversation and send
+Both servers run side by side as child processes (an idle one costs no compute); each repeat sends its own
+conversations (--per-category of them, none sent in another repeat: a conversation sent again would find its own
+earlier copy) to each, the one to go first alternating. `clients` threads each take the next conversation and send
 its turns one after another, each the moment the last answer is in (as an agent's loop does), over
 /v1/chat/completions (greedy, streamed), each turn's messages the conversation so far with each answer as its
 text. Per server: output tokens per second over the run's wall clock; per turn, the median time to the first token,
@@ -39,7 +40,8 @@ SERVERS = {"copies kept": "1", "none kept": "0"}  # name -> --prefix-cache-gib
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--per-category", type=int, default=16, help="conversations (of the multi-turn category)")
+    parser.add_argument("--per-category", type=int, default=16,
+                        help="conversations (of the multi-turn category) a repeat")
     parser.add_argument("--part", default="held-out", choices=["held-out", "tuning"],
                         help="which part of the conversations: tuning for decisions, held-out for reports")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -134,7 +136,7 @@ def render(out: Path) -> str:
     runs = [r for r in lines if r["kind"] == "run"]
     requests = [r for r in lines if r["kind"] == "request"]
     turns = sorted({r["turn"] for r in requests})
-    rows = [f"Served conversations: {settings['conversations']} conversations ({settings['part']} part of "
+    rows = [f"Served conversations: {settings['conversations']} conversations a repeat ({settings['part']} part of "
             f"multi-turn), {settings['clients']} clients, `{settings['method']}`, {settings['max_tokens']} tokens an "
             f"answer at most, {settings['repeats']} repeats; {settings['date']}, {settings['machine']}, commit "
             f"{settings['commit']}.", "", f"    {settings['command']}", "",
@@ -168,7 +170,10 @@ def run(args: argparse.Namespace) -> None:
     from specdecode.bench.samples import sample_tasks
     from specdecode.models.costs import machine
 
-    conversations = [task.turns for task in sample_tasks(["multi-turn"], args.per_category, part=args.part)]
+    tasks = sample_tasks(["multi-turn"], args.per_category * args.repeats, part=args.part)
+    if len(tasks) < args.per_category * args.repeats:
+        raise SystemExit(f"the {args.part} part holds {len(tasks)} conversations: fewer repeats or per repeat")
+    conversations = [task.turns for task in tasks]
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     commands, processes = {}, {}
@@ -180,7 +185,7 @@ def run(args: argparse.Namespace) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
     settings = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "command": shlex.join(sys.argv),
                 "commit": commit.stdout.strip() or "unknown", "serve": {k: shlex.join(v) for k, v in commands.items()},
-                "clients": args.clients, "method": args.method, "conversations": len(conversations),
+                "clients": args.clients, "method": args.method, "conversations": args.per_category,
                 "part": args.part, "max_tokens": args.max_tokens, "repeats": args.repeats}
     (args.out / "settings.json").write_text(json.dumps(settings, indent=1))
     records: list[dict] = []
@@ -191,8 +196,8 @@ def run(args: argparse.Namespace) -> None:
             chat(server.url, [{"role": "user", "content": "Warm up."}], args.method, 8)
         for repeat in range(args.repeats):
             for name in list(servers)[:: 1 if repeat % 2 == 0 else -1]:
-                wall, done = run_conversations(servers[name].url, conversations, args.clients, args.method,
-                                               args.max_tokens)
+                mine = conversations[repeat * args.per_category : (repeat + 1) * args.per_category]
+                wall, done = run_conversations(servers[name].url, mine, args.clients, args.method, args.max_tokens)
                 records.append({"kind": "run", "repeat": repeat, "server": name, "wall": wall})
                 records += [{"kind": "request", "repeat": repeat, "server": name, **r} for r in done]
                 tokens = sum(len(r["token_ids"]) for r in done)
