@@ -93,8 +93,12 @@ class SavedContexts:
                      or common_prefix(h.context, held.context, len(h.slots)) < len(h.slots)]
         assert isinstance(held.slots, torch.Tensor)  # (slots of the cache, not yet copied)
         self.held.append(Held(held.tenant, held.context[:n], target.entries(held.slots)))
-        while sum(h.slots.nbytes for h in self.held) > self.budget:
+        while self.nbytes > self.budget:
             del self.held[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(h.slots.nbytes for h in self.held)
 
     def taken(self, entries: Entries) -> None:
         """The copy `entries` was taken a prefix of: the last to drop."""

@@ -45,6 +45,8 @@ class ServerMetrics:
         self.waiting = Gauge("specdecode_waiting_requests", "Requests queued for the model (being tokenized or "
                              "waiting for the worker)", registry=r)
         self.running = Gauge("specdecode_running_requests", "Requests being generated", registry=r)
+        self.prefix_cache = Gauge("specdecode_prefix_cache_bytes", "Ended requests' keys and values the batch keeps "
+                                  "copied for later prompts that begin as they do (--prefix-cache-gib)", registry=r)
 
     def finished(self, result: GenerationResult, seconds: float) -> None:
         method = result.method

@@ -109,6 +109,8 @@ class Server:
                              keep_bytes=0 if memory_scope == "request" else prefix_cache)
         self.preparation = Preparation(self.engines, batching=self.worker.batch is not None)
         self.metrics.waiting.set_function(lambda: self.worker.queued)
+        batch = self.worker.batch
+        self.metrics.prefix_cache.set_function(lambda: batch.saved.nbytes if batch is not None else 0)
         # What the methods share, measured once per machine while the models are idle: the cost curves.
         models.target.cost_curve()
         if models.draft is not None and any(c.method.loads_draft_model for c in self.offer.choices):

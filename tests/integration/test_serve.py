@@ -367,6 +367,7 @@ def test_a_prompt_sent_again_after_another_takes_its_context_from_a_copy(server,
     again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens == len(completion_ids(models, prompt)) - 1
     assert again.choices[0].text == first.choices[0].text == expected(models, "pld", completion_ids(models, prompt), 8)
+    assert metric(server[0].url, "specdecode_prefix_cache_bytes") > 0
 
 
 def resident_bytes() -> int:
