@@ -73,7 +73,7 @@ def serve(
                       "keys).")] = None,
     prefix_cache_gib: Annotated[float, typer.Option(
         min=0.0, help="GiB of ended requests' keys and values the batch keeps for later prompts that begin as they "
-                      "do (a conversation's next turn), shared as the memory scope says; 0: none.")] = 1.0,
+                      "do (a conversation's next turn), shared out among the API keys; 0: none.")] = 1.0,
     docs: Annotated[bool, typer.Option("--docs", help="Serve /docs and /openapi.json (behind the key).")] = False,
     model_name: Annotated[str | None, typer.Option(
         help="The model id clients send (default: the target's name).")] = None,
@@ -111,7 +111,7 @@ def serve(
                                     max_prompt_tokens=max_prompt_tokens),
                       methods=offered, memory_scope=memory_scope.value, memory_owners=memory_owners,
                       memory_budget=_memory_budget(memory_budget_gib, len(keys)),
-                      prefix_cache=int(prefix_cache_gib * 2**30))
+                      prefix_cache=int(prefix_cache_gib * 2**30) // max(1, len(keys)))
 
     server = on_a_passing_thread(build)
     console.print(f"serving [bold]{name}[/] ({method.value} by default) on http://{host}:{port}/ ("

@@ -119,7 +119,7 @@ class BatchEngine:
         `keep_ended`: so many ended sequences' contexts stay in the cache for that too, until it is squeezed or a
         sequence that comes to an empty batch has no use for them: only where nothing else touches the target's cache
         (the server's batch, on a cache of its own); `keep_bytes`: then, copied out of the cache, up to so many bytes
-        of them (`slots.SavedContexts`)."""
+        of each tenant's (`slots.SavedContexts`)."""
         if not target.several_sequences:
             raise UserError(f"{type(target).__name__} holds one sequence at a time; batching needs the torch backend")
         self.target, self.tokenizer, self.gate, self.keep_hidden = target, tokenizer, gate, keep_hidden

@@ -76,10 +76,11 @@ def longest_prefix(tokens: list[int], limit: int, tenant: Hashable, held: Iterab
 
 class SavedContexts:
     """Ended sequences' contexts whose slots are about to leave the cache (squeezed out, or the cache emptied),
-    their entries copied out of it (`CausalLM.entries`), up to `budget` bytes in all, the least recently saved or
-    taken dropped first: a conversation's next turn finds its earlier turns here however busy the batch was
-    meanwhile, and costs the batch nothing until then (kept in the cache, they would widen every step's
-    attention). A context that begins as a newer one of its tenant holds all of is dropped for it."""
+    their entries copied out of it (`CausalLM.entries`), up to `budget` bytes for each tenant, its least recently
+    saved or taken dropped first (a tenant pushes out only its own): a conversation's next turn finds its earlier
+    turns here however busy the batch was meanwhile, and costs the batch nothing until then (kept in the cache, they
+    would widen every step's attention). A context that begins as a newer one of its tenant holds all of is dropped
+    for it."""
 
     def __init__(self, budget: int):
         self.budget = budget
@@ -88,13 +89,15 @@ class SavedContexts:
     def save(self, target, held: Held) -> None:
         if not self.budget or not len(held.slots):
             return
-        n = len(held.slots)
-        self.held = [h for h in self.held if h.tenant != held.tenant or len(h.slots) > n
+        n, tenant = len(held.slots), held.tenant
+        self.held = [h for h in self.held if h.tenant != tenant or len(h.slots) > n
                      or common_prefix(h.context, held.context, len(h.slots)) < len(h.slots)]
         assert isinstance(held.slots, torch.Tensor)  # (slots of the cache, not yet copied)
-        self.held.append(Held(held.tenant, held.context[:n], target.entries(held.slots)))
-        while self.nbytes > self.budget:
-            del self.held[0]
+        self.held.append(Held(tenant, held.context[:n], target.entries(held.slots)))
+        mine = [h for h in self.held if h.tenant == tenant]
+        while sum(h.slots.nbytes for h in mine) > self.budget:
+            dropped = mine.pop(0)
+            self.held = [h for h in self.held if h is not dropped]
 
     @property
     def nbytes(self) -> int:

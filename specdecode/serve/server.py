@@ -80,8 +80,8 @@ class Server:
         default method), each other one being prepared in the background on its first request;
         `memory_owners`, `memory_budget` (bytes; None: a quarter of the machine's memory): what one tenant's
         memory owners may be and hold together (`serve.engines`); `prefix_cache` (bytes): what the batch keeps of
-        ended requests' contexts copied out of its cache, for later requests' prompts that begin as they do
-        (`engine.slots.SavedContexts`; none under the request scope, where no request shares a prefix)."""
+        each tenant's ended requests' contexts copied out of its cache, for later requests' prompts that begin as
+        they do (`engine.slots.SavedContexts`; none under the request scope, where no request shares a prefix)."""
         self.offer = Offer.resolve(models, default_method, methods, datastore, head)
         self.offered = tuple(self.offer.names())
         if prepare is None:

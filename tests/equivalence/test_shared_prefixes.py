@@ -316,21 +316,26 @@ def test_a_lone_request_takes_a_copy_into_an_emptied_cache(tiny_target):
 
 
 def test_saved_contexts_keep_within_their_budget(tiny_target):
-    """The copies hold at most `budget` bytes, the least recently saved or taken dropped first; a context that
-    begins as a newer one of its tenant holds all of is dropped for it, another tenant's is not."""
+    """Each tenant's copies hold at most `budget` bytes, its least recently saved or taken dropped first, and a
+    tenant pushes out only its own; a context that begins as a newer one of its tenant holds all of is dropped for
+    it, another tenant's is not."""
     from specdecode.engine.slots import Held, SavedContexts
 
     target = HFCausalLM(tiny_target)
     target.forward(torch.arange(40))
     per_token = target.entries(torch.arange(1)).nbytes
     saved = SavedContexts(budget=25 * per_token)
-    context = list(range(40))
+    context, other = list(range(40)), list(range(40, 80))
     saved.save(target, Held("a", context, torch.arange(10)))
     saved.save(target, Held("b", context, torch.arange(10)))
     saved.save(target, Held("a", context, torch.arange(12)))  # holds all of a's first
     assert [(h.tenant, len(h.slots)) for h in saved.held] == [("b", 10), ("a", 12)]
     assert torch.equal(saved.held[1].slots.tensors[0], target.entries(torch.arange(12)).tensors[0])
-    saved.taken(saved.held[0].slots)  # b's: now the last to drop
-    saved.save(target, Held("c", context, torch.arange(5)))  # 27 tokens' worth: a's goes
-    assert [(h.tenant, len(h.slots)) for h in saved.held] == [("b", 10), ("c", 5)]
+    saved.save(target, Held("b", other, torch.arange(8)))
+    saved.taken(saved.held[0].slots)  # b's first: now b's last to drop
+    saved.save(target, Held("b", other[:1] + context, torch.arange(9)))  # 27 tokens of b's: b's other goes
+    assert [(h.tenant, len(h.slots)) for h in saved.held] == [("a", 12), ("b", 10), ("b", 9)]
+    saved.save(target, Held("a", other, torch.arange(20)))  # 32 of a's: a's first goes, b's stay
+    assert [(h.tenant, len(h.slots)) for h in saved.held] == [("b", 10), ("b", 9), ("a", 20)]
+    assert saved.nbytes == 39 * per_token
     SavedContexts(budget=0).save(target, Held("a", context, torch.arange(10)))  # nothing kept, nothing copied
