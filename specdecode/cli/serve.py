@@ -111,7 +111,7 @@ def serve(
                                     max_prompt_tokens=max_prompt_tokens),
                       methods=offered, memory_scope=memory_scope.value, memory_owners=memory_owners,
                       memory_budget=_memory_budget(memory_budget_gib, len(keys)),
-                      prefix_cache=int(prefix_cache_gib * 2**30) // max(1, len(keys)))
+                      prefix_cache=_prefix_cache(prefix_cache_gib, memory_scope.value, len(keys)))
 
     server = on_a_passing_thread(build)
     console.print(f"serving [bold]{name}[/] ({method.value} by default) on http://{host}:{port}/ ("
@@ -162,6 +162,12 @@ def _memory_budget(gib: float | None, keys: int) -> int:
     from specdecode.serve.engines import default_memory_budget
 
     return default_memory_budget() // max(1, keys) if gib is None else int(gib * 2**30)
+
+
+def _prefix_cache(gib: float, scope: str, keys: int) -> int:
+    """Bytes of copied contexts each prefix group keeps: --prefix-cache-gib, shared out among the keys where each key
+    is a group of its own (the tenant scope)."""
+    return int(gib * 2**30) // (max(1, keys) if scope == "tenant" else 1)
 
 
 def _guard(host: str, allowed_host, api_key, allowed_origin, docs: bool, max_body_mib: float, read_timeout: float):

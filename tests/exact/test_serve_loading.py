@@ -24,3 +24,13 @@ def test_what_the_build_raises_is_raised_on_the_callers_thread():
 
     with pytest.raises(UserError, match="no such model"):
         on_a_passing_thread(refuse)
+
+
+def test_the_prefix_cache_is_shared_out_among_the_keys_only_where_each_is_a_group():
+    """`--prefix-cache-gib` is what all the copies hold: under the tenant scope each API key (a prefix group of its
+    own) gets its share; a keyless server, or the server scope (one group), gets all of it."""
+    from specdecode.cli.serve import _prefix_cache
+
+    assert _prefix_cache(1.0, "tenant", 0) == _prefix_cache(1.0, "server", 4) == 2**30
+    assert _prefix_cache(1.0, "tenant", 4) == 2**28
+    assert _prefix_cache(0.0, "tenant", 2) == 0
