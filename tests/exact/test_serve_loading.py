@@ -1,6 +1,6 @@
 """The server loads its models on a thread that ends before the worker decodes (`cli.serve.on_a_passing_thread`),
 not on the main thread, whose OpenMP threads made the worker's forwards dearer (docs/results/serving.md): what the
-build returns or raises comes back to the caller."""
+build returns or raises comes back to the caller; and what its options' budgets come to."""
 
 from __future__ import annotations
 
