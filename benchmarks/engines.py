@@ -80,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
         # on two busy cores a llama-server took 3 minutes to answer, ours (int4) 12: generous limits
         llama = servers.enter_context(engine_rows(args.target_gguf, args.draft_gguf, args.threads, timeout=900))
         ours.wait_until_up(timeout=1800)
-        command = bench_command(args, [f"ours=openai:{ours.url}/v1", *llama.values()])
+        # (no row takes a prompt from an earlier request's context: llama-server's are sent the same field)
+        command = bench_command(args, [f'ours=openai:{ours.url}/v1;extra_body={{"cache_prompt":false}}',
+                                       *llama.values()])
         print(shlex.join(command), flush=True)
         return subprocess.run(command, check=False).returncode
 

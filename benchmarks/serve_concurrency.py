@@ -4,12 +4,13 @@
                                            [--part tuning] [--max-tokens 64] [--repeats 1] [--dtype auto] [--out DIR]
     python benchmarks/serve_concurrency.py --render DIR   # the report again, from DIR's kept records
 
-Starts `specdecode serve --methods M1,M2,... --max-batch N` as a child process on a free loopback port. At every
-level each method is sent the same prompts (a seeded sample of the held-out part of each category, or of the tuning
-part with --part tuning, chat-templated token ids over /v1/completions, greedy, streamed): `clients` threads, each
-taking the next prompt when its answer is in. Levels and repeats follow one another; within each, the methods run in
-the rows of a balanced Latin square (`bench.harness.method_order`), so neither a drifting machine nor what one method
-leaves behind favours another.
+Starts `specdecode serve --methods M1,M2,... --max-batch N --prefix-cache-gib 0` as a child process on a free
+loopback port (no copies of ended contexts: the same prompts come again at every level, and each would find its own).
+At every level each method is sent the same prompts (a seeded sample of the held-out part of each category, or of the
+tuning part with --part tuning, chat-templated token ids over /v1/completions, greedy, streamed): `clients` threads,
+each taking the next prompt when its answer is in. Levels and repeats follow one another; within each, the methods run
+in the rows of a balanced Latin square (`bench.harness.method_order`), so neither a drifting machine nor what one
+method leaves behind favours another.
 
 Per method and level: the total output tokens per second over the run's wall clock; each request's tokens per
 second (from sending it to its last token); time to first token; time between tokens (a streamed chunk's gap
@@ -294,8 +295,10 @@ def run(args: argparse.Namespace) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    # (no copies of ended contexts: every method and level sends the same prompts, and a copy would hand a prompt its
+    # own earlier answer's context; prefixes of live and just-ended requests are shared, as they were before copies)
     serve = [*SPECDECODE, "serve", "--methods", ",".join(methods), "--method", methods[0], "--dtype", args.dtype,
-             "--port", str(port), "--max-batch", str(max(levels)), "--model-name", "default"]
+             "--port", str(port), "--max-batch", str(max(levels)), "--model-name", "default", "--prefix-cache-gib", "0"]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
     settings = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "command": shlex.join(sys.argv),
                 "commit": commit.stdout.strip() or "unknown",

@@ -134,7 +134,9 @@ def main() -> None:
 
         keys = (f"probe-a-{secrets.token_hex(12)}", f"probe-b-{secrets.token_hex(12)}")
         models = load_models(progress=False)
-        state = Server(models, MODEL, default_method="auto", methods=["pld", "auto", "ar", "eagle3-online"])
+        # (no copies of ended contexts: B's short request comes again and again)
+        state = Server(models, MODEL, default_method="auto", methods=["pld", "auto", "ar", "eagle3-online"],
+                       prefix_cache=0)
         running = ServerThread(create_app(state, Guard(api_keys=keys)))
         target = Target(running.url, *keys)
     rows: list[tuple[str, str]] = []

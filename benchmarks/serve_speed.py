@@ -10,7 +10,9 @@ method (`extra_body={"method": M}`, token ids over /v1/completions, so both side
 prompt ids), so each prompt runs in-process and served, method after method, in one interleaved order. The
 server process idles while the bench decodes in-process, and the bench only reads a socket while the server
 decodes. Both sides keep nothing between prompts (`bench --memory prompt`): the server keeps no memory for
-requests without an owner, so methods that learn across prompts (suffix, auto) start each prompt afresh on both.
+requests without an owner, so methods that learn across prompts (suffix, auto) start each prompt afresh on both,
+and every served request says `cache_prompt: false`, so that the server feeds every prompt whole, as the bench's own
+engine does (not taking it from an earlier request's context: the same prompts come again, method after method).
 Prints, per method, tokens per second served over in-process (whole requests, from the engines' own token counts)
 and the inter-token pace, and writes the bench's usual report to --out.
 """
@@ -88,8 +90,8 @@ def run(args: argparse.Namespace) -> int:
     with ServerProcess("specdecode serve", serve, port) as server:
         print(f"starting {shlex.join(serve)}", flush=True)
         server.wait_until_up(timeout=1800)
-        engines = [f"served-{m}=openai:{server.url}/v1;extra_body={json.dumps({'method': m})};reference={m}"
-                   for m in methods]
+        engines = [f"served-{m}=openai:{server.url}/v1;extra_body={json.dumps({'method': m, 'cache_prompt': False})}"
+                   f";reference={m}" for m in methods]
         bench = [*SPECDECODE, "bench", "--methods", ",".join(methods), "--categories", args.categories,
                  "--per-category", str(args.per_category), "--max-new-tokens", str(args.max_new_tokens),
                  "--repeats", str(args.repeats), "--dtype", args.dtype, "--threads", str(args.threads),

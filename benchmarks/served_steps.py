@@ -56,7 +56,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     models = load_models(DEFAULT_TARGET, None, dtype=args.dtype, progress=True)
-    thread = ServerThread(create_app(Server(models, "target", args.method, methods=["ar", args.method])))
+    # (no copies of ended contexts: the same prompts come again, round after round)
+    server = Server(models, "target", args.method, methods=["ar", args.method], prefix_cache=0)
+    thread = ServerThread(create_app(server))
     steps: list[Step] = []  # every verified step of any engine in this process: the single-sequence engine's
     original, batched = loop.SpeculativeEngine.step, BatchEngine.step  # (in-process), the batch's (served)
 

@@ -79,6 +79,7 @@ class Member:
     # those chunks' hidden states [chunk, d], where its drafter reads them (`after_prefill`)
     pieces: list[torch.Tensor] = field(default_factory=list)
     tenant: Hashable = None  # who it may share a prompt's prefix with (module docstring, *Shared prefixes*)
+    share: bool = True  # False: it takes no prefix, lends none, leaves none
 
 
 class HiddenRequest:
@@ -149,10 +150,12 @@ class BatchEngine:
         return len(self.members)
 
     def add(self, prompt_ids: list[int], config: GenerationConfig, drafter: Drafter | None = None,
-            method: str | None = None, verifier: Callable = verify, tenant: Hashable = None) -> int:
+            method: str | None = None, verifier: Callable = verify, tenant: Hashable = None, share: bool = True
+            ) -> int:
         """A new sequence; it joins at the next step. Returns its id. `verifier`: the method's
         (`Method.verifier`), exact verification by default. `tenant`: sequences of the same one (None is one too)
-        share their prompts' prefixes (module docstring, *Shared prefixes*)."""
+        share their prompts' prefixes (module docstring, *Shared prefixes*); `share` False: this one shares
+        nothing, feeding its whole prompt and leaving nothing for later ones."""
         check_prompt(self.target, prompt_ids)
         if drafter is not None and not drafter.batchable:
             raise UserError(f"the {drafter.name} drafter cannot join a batch (it runs a model, or remembers earlier "
@@ -166,7 +169,7 @@ class BatchEngine:
         ident = next(self._ids)
         method = method or (drafter.name if drafter else "ar")
         state = SequenceState(prompt_ids, config, self.tokenizer, self.target)
-        self.members[ident] = Member(state, drafter, method, verifier, Slots(), tenant=tenant)
+        self.members[ident] = Member(state, drafter, method, verifier, Slots(), tenant=tenant, share=share)
         return ident
 
     def remove(self, ident: int) -> None:
@@ -301,7 +304,7 @@ class BatchEngine:
             return
         if m.drafter is not None:
             m.drafter.end()
-        if ended and self.keep_ended and len(m.slots):
+        if ended and self.keep_ended and m.share and len(m.slots):
             self._ended.append(Held(m.tenant, m.progress.context, m.slots.tensor))
             del self._ended[: -self.keep_ended]
         if self._doubled:
@@ -313,15 +316,17 @@ class BatchEngine:
         self._doubled = sum(map(len, held)) - len(torch.unique(torch.cat(held))) if held else 0
 
     def _borrow(self) -> None:
-        """Each sequence yet to feed its prompt takes the slots of the longest prefix of it, all but its last token,
-        that another sequence of its tenant holds, or an ended one left, in the cache or copied out of it (then
-        appended to the cache again) (module docstring, *Shared prefixes*). One that comes to an empty batch keeps
-        only that prefix in the cache, so that it steps alone."""
+        """Each sequence yet to feed its prompt (that shares: `add`'s `share`) takes the slots of the longest prefix of
+        it, all but its last token, that another sequence of its tenant holds, or an ended one left, in the cache or
+        copied out of it (then appended to the cache again) (module docstring, *Shared prefixes*). One that comes to
+        an empty batch keeps only that prefix in the cache, so that it steps alone."""
         taken = False
         for m in [m for m in self.members.values() if not len(m.slots)]:
-            held = [Held(o.tenant, o.progress.context, o.slots.tensor) for o in self.members.values() if len(o.slots)]
             prompt, lone = m.progress.prompt_ids, len(self.members) == 1
-            n, where = longest_prefix(prompt, len(prompt) - 1, m.tenant, held + self._ended + self.saved.held)
+            held = [Held(o.tenant, o.progress.context, o.slots.tensor) for o in self.members.values()
+                    if len(o.slots) and o.share]
+            n, where = longest_prefix(prompt, len(prompt) - 1, m.tenant, held + self._ended + self.saved.held
+                                      ) if m.share else (0, None)
             source = None if where is None else where.slots
             if isinstance(source, Entries):  # a copy: appended to the cache
                 self.saved.taken(source)

@@ -103,6 +103,8 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=MAX_NAME)  # the end user: scopes cross-request memory
     method: str | None = Field(None, max_length=MAX_NAME)  # ours: the speculative method (default: the server's)
+    # as llama-server's: False, the prompt neither takes a prefix from the batch's cache nor leaves one there
+    cache_prompt: bool | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # as vLLM's: a regular expression or a Lark grammar
     # the penalties and biases (`SamplingParams`): OpenAI's, then vLLM's two

@@ -283,7 +283,8 @@ class Server:
             self.worker.leave()
             raise
         job = Job(choice, prompt_ids, config, loop, asyncio.Queue(), memory=memory, engine=engine,
-                  deadline=arrival + self.limits.request_seconds, tenant=self.prefix_group(request.state.tenant))
+                  deadline=arrival + self.limits.request_seconds, tenant=self.prefix_group(request.state.tenant),
+                  share=body.cache_prompt is not False)
         self.worker.submit(job)
         watcher = asyncio.create_task(replies.disconnected(request))
         finished = False

@@ -110,6 +110,7 @@ class Job:
     events: asyncio.Queue  # Step..., then a GenerationResult or an Exception
     memory: Hashable | None = None  # whose cross-request memory its drafter may read (None: its own only)
     tenant: Hashable = None  # whose prompts' prefixes it may share in the batch (`Server.prefix_group`)
+    share: bool = True  # False: its prompt takes no prefix and leaves none (a request's `cache_prompt`)
     engine: SpeculativeEngine | None = None  # built beside the worker for a job that runs alone (None: the factory's)
     deadline: float = math.inf  # time.perf_counter() past which it ends where it is
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -333,7 +334,8 @@ class Worker:
                     continue
                 drafter = self.factory.drafter(job.choice, job.memory)
                 self._active[self._batched().add(job.prompt_ids, job.config, drafter, job.choice.name,
-                                                 verifier=job.choice.method.verifier, tenant=job.tenant)] = job
+                                                 verifier=job.choice.method.verifier, tenant=job.tenant,
+                                                 share=job.share)] = job
             except Exception as error:  # reaches the request as its error (UserError: 400, others: 500)
                 self._fail(job, error)
 

@@ -339,3 +339,26 @@ def test_saved_contexts_keep_within_their_budget(tiny_target):
     assert [(h.tenant, len(h.slots)) for h in saved.held] == [("b", 10), ("b", 9), ("a", 20)]
     assert saved.nbytes == 39 * per_token
     SavedContexts(budget=0).save(target, Held("a", context, torch.arange(10)))  # nothing kept, nothing copied
+
+
+def test_a_sequence_that_shares_nothing_takes_lends_and_leaves_nothing(tiny_target):
+    """`add(..., share=False)` (a request's `cache_prompt: false`): a sequence whose prompt begins as a live one's
+    feeds all of it; a later one whose prompt begins as its context takes only what the live one holds; once it has
+    ended nothing of it is kept, in the cache or copied. Every answer is what its prompt gets alone."""
+    engine = BatchEngine(HFCausalLM(tiny_target), LetterTokenizer(), keep_ended=2, keep_bytes=1 << 30)
+    engine.curve = FLAT
+    prompts = prompts_with_a_prefix(2, seed=17)
+    ids = {engine.add(prompts[0], GenerationConfig(max_new_tokens=60), drafter("pld"), tenant="a"): 0}
+    engine.step()
+    ids[engine.add(prompts[1], GenerationConfig(max_new_tokens=6), drafter("pld"), tenant="a", share=False)] = 1
+    results = {}
+    while 1 not in results:
+        results.update({ids[i]: r for i, _, r in engine.step() if r is not None})
+    assert results[1].cached_tokens == 0 and not engine._ended and not engine.saved.held
+    later = prompts[1] + results[1].token_ids + [3]
+    ids[engine.add(later, GenerationConfig(max_new_tokens=6), drafter("pld"), tenant="a")] = 2
+    while 2 not in results:
+        results.update({ids[i]: r for i, _, r in engine.step() if r is not None})
+    assert results[2].cached_tokens == PREFIX
+    for index, prompt in [(1, prompts[1]), (2, later)]:
+        assert results[index].token_ids == greedy_references(tiny_target, [prompt], 6)[0]

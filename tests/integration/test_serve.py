@@ -370,6 +370,16 @@ def test_a_prompt_sent_again_after_another_takes_its_context_from_a_copy(server,
     assert metric(server[0].url, "specdecode_prefix_cache_bytes") > 0
 
 
+def test_a_request_that_does_not_cache_its_prompt_takes_and_leaves_nothing(server, client, models):
+    """`cache_prompt: false` (as llama-server's): the request feeds its whole prompt and leaves nothing for the next
+    one; a request without it leaves its context, which the next takes."""
+    prompt = "Quokkas, in a third prompt no other test sends: " + PROMPTS[0]
+    cached = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                        extra_body=extra).usage.prompt_tokens_details.cached_tokens
+              for extra in [{"cache_prompt": False}, {"cache_prompt": False}, {}, {}]]
+    assert cached == [0, 0, 0, len(completion_ids(models, prompt)) - 1]
+
+
 def resident_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
