@@ -8,8 +8,9 @@ One option per engine: a label, `openai:` and the API's base URL (ending in /v1)
   sends the conversation to /v1/chat/completions, for engines that take no token ids or serve another
   tokenizer: the engine applies its own template, so its prompts may differ (the report compares the
   prompt token counts the engine reports with ours);
-- `extra_body=JSON`: fields merged into every request body (`{"cache_prompt": false}` for llama-server,
-  `{"return_token_ids": true}` for a vLLM that streams token ids, a method for ours);
+- `extra_body=JSON`: fields merged into every request body (`{"cache_prompt": false}` for llama-server and ours,
+  so that a prompt sent again is fed again, `{"return_token_ids": true}` for a vLLM that streams token ids, a
+  method for ours);
 - `reference=LABEL`: the row whose greedy output this one must equal (default: `--reference`, `ar`);
 - `lossless=false`: do not compare its output at all;
 - `stats=auto|vllm|sglang|response|none`: where its speculative figures are read (`bench.engine_stats`);
