@@ -54,13 +54,15 @@ from specdecode.serve.offer import Offer, Preparation
 from specdecode.serve.logprobs import TokenTexts
 from specdecode.serve.protocol import APIError, CompletionRequest, SamplingRequest
 from specdecode.serve.replies import NOT_READY_RETRY_SECONDS, api_error
-from specdecode.serve.worker import DEFAULT_MAX_BATCH, DEFAULT_PREFIX_CACHE, Job, Worker
+from specdecode.serve.worker import DEFAULT_MAX_BATCH, Job, Worker
 
 MEMORY_SCOPES = ("tenant", "request", "server")
 TOKENIZER_THREADS = 2
 PREPARE_GRACE = 1.0  # seconds a request waits for its method's preparation before a 503
 
 log = logging.getLogger("specdecode.serve")
+
+DEFAULT_PREFIX_CACHE = 1 << 30  # bytes of ended requests' contexts the batch keeps copied (`BatchEngine.saved`)
 
 
 class Server:

@@ -54,7 +54,6 @@ from specdecode.models.hf import HFCausalLM
 from specdecode.types import StepStats
 
 DEFAULT_MAX_BATCH = 8
-DEFAULT_PREFIX_CACHE = 1 << 30  # bytes of ended requests' contexts the batch keeps copied (`BatchEngine.saved`)
 DEFAULT_MAX_QUEUE = 64
 
 log = logging.getLogger("specdecode.serve")
@@ -179,8 +178,7 @@ class Worker:
     """Runs jobs on a daemon thread. `factory` builds the engine of a job that runs alone (for its method
     and memory) and a new drafter for one sequence of a batch, asked only for methods whose
     `Method.batchable`; `on_finish(job, result)` sees every result. `batch_target`: what the batch runs on
-    (default: `own_cache(target)`; None there: no batch, every job runs alone); `keep_bytes`: what it keeps of ended
-    requests' contexts copied out of its cache (`BatchEngine`)."""
+    (default: `own_cache(target)`; None there: no batch, every job runs alone); `keep_bytes`: `BatchEngine`'s."""
 
     def __init__(
         self,
