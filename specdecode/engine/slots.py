@@ -85,15 +85,17 @@ class SavedContexts:
     def __init__(self, budget: int):
         self.budget = budget
         self.held: list[Held] = []  # (slots: Entries), the most recently saved or taken last
+        self._token_bytes = 0  # what a token's entries take, once known (a context over the budget is not copied)
 
     def save(self, target, held: Held) -> None:
-        if not self.budget or not len(held.slots):
-            return
         n, tenant = len(held.slots), held.tenant
+        if not self.budget or not n or n * self._token_bytes > self.budget:
+            return
         self.held = [h for h in self.held if h.tenant != tenant or len(h.slots) > n
                      or common_prefix(h.context, held.context, len(h.slots)) < len(h.slots)]
         assert isinstance(held.slots, torch.Tensor)  # (slots of the cache, not yet copied)
-        self.held.append(Held(tenant, held.context[:n], target.entries(held.slots)))
+        self.held.append(Held(tenant, held.context[:n], entries := target.entries(held.slots)))
+        self._token_bytes = entries.nbytes // n
         mine = [h for h in self.held if h.tenant == tenant]
         while sum(h.slots.nbytes for h in mine) > self.budget:
             dropped = mine.pop(0)

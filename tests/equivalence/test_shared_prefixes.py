@@ -338,7 +338,12 @@ def test_saved_contexts_keep_within_their_budget(tiny_target):
     saved.save(target, Held("a", other, torch.arange(20)))  # 32 of a's: a's first goes, b's stay
     assert [(h.tenant, len(h.slots)) for h in saved.held] == [("b", 10), ("b", 9), ("a", 20)]
     assert saved.nbytes == 39 * per_token
-    SavedContexts(budget=0).save(target, Held("a", context, torch.arange(10)))  # nothing kept, nothing copied
+    copies: list[int] = []
+    target.entries = lambda slots: copies.append(len(slots))  # type: ignore[method-assign]
+    saved.save(target, Held("c", other, torch.arange(26)))  # over a tenant's budget: not kept, nor copied
+    none = SavedContexts(budget=0)
+    none.save(target, Held("a", context, torch.arange(10)))  # nothing kept, nothing copied
+    assert [h.tenant for h in saved.held] == ["b", "b", "a"] and not none.held and not copies
 
 
 def test_a_sequence_that_shares_nothing_takes_lends_and_leaves_nothing(tiny_target):
