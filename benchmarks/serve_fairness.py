@@ -3,9 +3,10 @@
     python benchmarks/serve_fairness.py [--url URL --key-a KEY --key-b KEY] [--repeats 3] [--lengths 3000,12000]
                                         [--methods pld,auto]
 
-Without --url it serves the default models itself (dtype auto) with two API keys, on loopback. Cases, each
-against key B's short request (a 2-token greedy completion, in each of --methods: `pld`, and `auto`, the server's
-default) measured alone first (median of --repeats):
+Without --url it serves the default models itself (dtype auto) with two API keys, on loopback, keeping no copies of
+ended requests' contexts (B's short request comes again and again; with --url, start the server with
+`--prefix-cache-gib 0`). Cases, each against key B's short request (a 2-token greedy completion, in each of
+--methods: `pld`, and `auto`, the server's default) measured alone first (median of --repeats):
 
 1. key A sends a prompt of each --lengths token ids (max_tokens 16) and disconnects after --leave-after
    seconds; B's request is sent --offset seconds after A's, while A's prompt is being fed. Reported: B's
