@@ -306,6 +306,8 @@ class BatchEngine:
             m.drafter.end()
         if ended and self.keep_ended and m.share and len(m.slots):
             self._ended.append(Held(m.tenant, m.progress.context, m.slots.tensor))
+            for h in self._ended[: -self.keep_ended]:  # (pushed out by newer ones: copied while their slots hold)
+                self.saved.save(self.target, h)
             del self._ended[: -self.keep_ended]
         if self._doubled:
             self._recount()

@@ -367,3 +367,26 @@ def test_a_sequence_that_shares_nothing_takes_lends_and_leaves_nothing(tiny_targ
     assert results[2].cached_tokens == PREFIX
     for index, prompt in [(1, prompts[1]), (2, later)]:
         assert results[index].token_ids == greedy_references(tiny_target, [prompt], 6)[0]
+
+
+def test_an_ended_context_pushed_out_by_newer_ones_is_copied(tiny_target, monkeypatch):
+    """More sequences end than `keep_ended` keeps in the cache (not squeezed while several decode, here): the oldest
+    is copied as it is pushed out, and a later prompt that begins as its context takes it from the copy (and decodes
+    as alone)."""
+    monkeypatch.setattr(batch_module, "GARBAGE_SHARE", 10.0)
+    engine = BatchEngine(HFCausalLM(tiny_target), LetterTokenizer(), keep_ended=1, keep_bytes=1 << 30)
+    engine.curve = FLAT
+    prompts = prompts_with_a_prefix(3, seed=18)
+    live = engine.add(prompts[2], GenerationConfig(max_new_tokens=80), drafter("pld"), tenant="a")
+    results: dict[int, object] = {}
+    ids = {engine.add(p, GenerationConfig(max_new_tokens=n), drafter("pld"), tenant="b"): i
+           for i, (p, n) in enumerate([(prompts[0], 4), (prompts[1], 8)])}
+    while len(results) < 2:
+        results.update({ids[i]: r for i, _, r in engine.step() if r is not None and i in ids})
+    first = results[0]
+    assert live in engine.members  # (so the cache was squeezed only once both had ended, the second kept till then)
+    turn = prompts[0] + first.token_ids + [1]
+    ident = engine.add(turn, GenerationConfig(max_new_tokens=6), drafter("pld"), tenant="b")
+    result = next(r for _ in range(100) for i, _, r in engine.step() if i == ident and r is not None)
+    assert result.cached_tokens == len(prompts[0]) + len(first.token_ids) - 1
+    assert result.token_ids == greedy_references(tiny_target, [turn], 6)[0]
