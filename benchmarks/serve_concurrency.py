@@ -25,18 +25,18 @@ asks for, the answers that differ) and throughput.png (tokens per second against
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import math
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from specdecode.bench.server_process import ServerProcess, free_port, run_settings, streamed
 
 SPECDECODE = [sys.executable, "-m", "specdecode"]
 CATEGORIES = "code,code-edit,summarisation,qa,math,rag,translation,multi-turn"
@@ -67,27 +67,17 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
 def stream(url: str, prompt_ids: list[int], method: str, max_tokens: int) -> dict:
     """One greedy streamed completion: when it was sent, each chunk's arrival and token ids, when it ended, and the
     prompt tokens the server took from its cache (`usage.prompt_tokens_details.cached_tokens`)."""
-    host = url.removeprefix("http://")
     body = {"model": "default", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "method": method, "stream_options": {"include_usage": True}}
-    connection = http.client.HTTPConnection(host, timeout=3600)
-    sent = time.perf_counter()
-    connection.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
-    response = connection.getresponse()
-    if response.status != 200:
-        raise RuntimeError(f"{method}: {response.status} {response.read()[:300]!r}")
     chunks: list[tuple[float, list[int]]] = []
     cached = 0
-    for line in response:
-        if not line.startswith(b"data: {"):
-            continue
-        payload = json.loads(line[len(b"data: "):])
+    sent = time.perf_counter()
+    for arrived, payload in streamed(url, "/v1/completions", body):
         cached = ((payload.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens", cached)
         ids = [t["id"] for t in payload.get("specdecode", {}).get("tokens", [])]
         if ids:
-            chunks.append((time.perf_counter() - sent, ids))
+            chunks.append((arrived - sent, ids))
     ended = time.perf_counter() - sent
-    connection.close()
     return {"sent": sent, "chunks": [[t, ids] for t, ids in chunks], "seconds": ended,
             "token_ids": [i for _, ids in chunks for i in ids], "cached": cached}
 
@@ -286,8 +276,6 @@ def first_difference(ours: list[int], theirs: list[int]) -> int | None:
 
 def run(args: argparse.Namespace) -> None:
     from specdecode.bench.harness import method_order
-    from specdecode.bench.server_process import ServerProcess, free_port
-    from specdecode.models.costs import machine
 
     levels = [int(c) for c in args.clients.split(",")]
     methods = [m for m in args.methods.split(",") if m]
@@ -299,12 +287,9 @@ def run(args: argparse.Namespace) -> None:
     # own earlier answer's context; prefixes of live and just-ended requests are shared, as they were before copies)
     serve = [*SPECDECODE, "serve", "--methods", ",".join(methods), "--method", methods[0], "--dtype", args.dtype,
              "--port", str(port), "--max-batch", str(max(levels)), "--model-name", "default", "--prefix-cache-gib", "0"]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
-    settings = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "command": shlex.join(sys.argv),
-                "commit": commit.stdout.strip() or "unknown",
-                "serve": shlex.join(serve), "clients": levels, "methods": methods, "prompts": len(prompts),
-                "part": args.part, "categories": args.categories, "max_tokens": args.max_tokens,
-                "repeats": args.repeats,
+    settings = {**run_settings(), "serve": shlex.join(serve), "clients": levels, "methods": methods,
+                "prompts": len(prompts), "part": args.part, "categories": args.categories,
+                "max_tokens": args.max_tokens, "repeats": args.repeats,
                 "beside": os.environ.get("BESIDE", "not recorded (set BESIDE to say)")}
     (args.out / "settings.json").write_text(json.dumps(settings, indent=1))
     records = (args.out / "records.jsonl").open("w")

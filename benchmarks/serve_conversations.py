@@ -21,17 +21,17 @@ benchmarks/reports/serve-conversations-<date>).
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from specdecode.bench.server_process import ServerProcess, free_port, run_settings, streamed
 
 SPECDECODE = [sys.executable, "-m", "specdecode"]
 SERVERS = {"copies kept": "1", "none kept": "0"}  # name -> --prefix-cache-gib
@@ -60,26 +60,16 @@ def chat(url: str, messages: list[dict], method: str, max_tokens: int) -> dict:
     """One greedy streamed chat request: its time to the first token and in all, its tokens, and its usage."""
     body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "method": method, "stream_options": {"include_usage": True}}
-    connection = http.client.HTTPConnection(url.removeprefix("http://"), timeout=3600)
-    sent = time.perf_counter()
-    connection.request("POST", "/v1/chat/completions", body=json.dumps(body),
-                       headers={"content-type": "application/json"})
-    response = connection.getresponse()
-    if response.status != 200:
-        raise RuntimeError(f"{response.status} {response.read()[:300]!r}")
     first, ids, text, usage = None, [], [], {}
-    for line in response:
-        if not line.startswith(b"data: {"):
-            continue
-        payload = json.loads(line[len(b"data: "):])
+    sent = time.perf_counter()
+    for arrived, payload in streamed(url, "/v1/chat/completions", body):
         usage = payload.get("usage") or usage
         tokens = [t["id"] for t in payload.get("specdecode", {}).get("tokens", [])]
         if tokens and first is None:
-            first = time.perf_counter() - sent
+            first = arrived - sent
         ids += tokens
         text += [c["delta"].get("content") or "" for c in payload.get("choices", [])]
     seconds = time.perf_counter() - sent
-    connection.close()
     return {"ttft": first if first is not None else seconds, "seconds": seconds, "token_ids": ids,
             "text": "".join(text), "prompt_tokens": usage.get("prompt_tokens", 0),
             "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
@@ -166,9 +156,7 @@ def render(out: Path) -> str:
 
 
 def run(args: argparse.Namespace) -> None:
-    from specdecode.bench.server_process import ServerProcess, free_port
     from specdecode.bench.samples import sample_tasks
-    from specdecode.models.costs import machine
 
     tasks = sample_tasks(["multi-turn"], args.per_category * args.repeats, part=args.part)
     if len(tasks) < args.per_category * args.repeats:
@@ -182,9 +170,7 @@ def run(args: argparse.Namespace) -> None:
         commands[name] = [*SPECDECODE, "serve", "--method", args.method, "--dtype", args.dtype, "--port", str(port),
                           "--max-batch", "8", "--model-name", "default", "--prefix-cache-gib", gib]
         processes[name] = ServerProcess(f"specdecode serve ({name})", commands[name], port)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
-    settings = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "command": shlex.join(sys.argv),
-                "commit": commit.stdout.strip() or "unknown", "serve": {k: shlex.join(v) for k, v in commands.items()},
+    settings = {**run_settings(), "serve": {k: shlex.join(v) for k, v in commands.items()},
                 "clients": args.clients, "method": args.method, "conversations": args.per_category,
                 "part": args.part, "max_tokens": args.max_tokens, "repeats": args.repeats}
     (args.out / "settings.json").write_text(json.dumps(settings, indent=1))

@@ -1,20 +1,26 @@
 """A server the benchmark starts as a child process on a free loopback port: llama.cpp's llama-server as a
 peer (`llamacpp_peers`), or any engine a script puts side by side (benchmarks/engines.py: `specdecode
 serve` too). Its output goes to a log file, it is up once `GET /health` answers 200, and it dies with the
-process that started it, however that one ends.
+process that started it, however that one ends. Also what the scripts that time such a server share: a streamed
+request's events as they arrive (`streamed`), and what a run's settings.json says of the run (`run_settings`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import http.client
+import json
+import shlex
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
 import weakref
+from collections.abc import Iterator
 
 from specdecode.errors import UserError
 
@@ -24,6 +30,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def streamed(url: str, path: str, body: dict) -> Iterator[tuple[float, dict]]:
+    """POST `body` (a streamed request) to `path` of the server at `url` (http://host:port): each server-sent event's
+    JSON, with when it arrived (`time.perf_counter()`), as it comes. A status other than 200 raises RuntimeError."""
+    connection = http.client.HTTPConnection(url.removeprefix("http://"), timeout=3600)
+    try:
+        connection.request("POST", path, body=json.dumps(body), headers={"content-type": "application/json"})
+        response = connection.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"{body.get('method', path)}: {response.status} {response.read()[:300]!r}")
+        for line in response:
+            if line.startswith(b"data: {"):
+                yield time.perf_counter(), json.loads(line[len(b"data: "):])
+    finally:
+        connection.close()
+
+
+def run_settings() -> dict:
+    """What a timed run's settings.json says of it: when, on what machine, the command, the commit."""
+    from specdecode.models.costs import machine
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "command": shlex.join(sys.argv),
+            "commit": commit.stdout.strip() or "unknown"}
 
 
 def _die_with_parent() -> None:
