@@ -36,7 +36,7 @@ class Entries:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+        return sum(t.nbytes for t in self.tensors)
 
 
 class CausalLM(abc.ABC):
