@@ -208,7 +208,7 @@ def model_logits(model) -> Callable[[tuple[int, ...]], torch.Tensor]:
     @functools.cache
     def logits(sequence: tuple[int, ...]) -> torch.Tensor:
         with torch.no_grad():
-            return model(torch.tensor([sequence])).logits[0, -1].float()
+            return model(torch.tensor([sequence], device=model.device)).logits[0, -1].float().cpu()
 
     return logits
 
