@@ -196,7 +196,7 @@ def name(device: torch.device | str) -> str:
 
 
 # Tensor methods and torch functions that copy a device tensor's values to the host (and so wait for it).
-# `__getitem__` counts only with a boolean mask (its size depends on the values).
+# `__getitem__` counts only with a boolean mask (its size depends on the values) or a 0-d integer index.
 _SYNCING = {
     "item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__",
     "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "equal", "allclose",
@@ -248,8 +248,9 @@ class SyncCounter(TorchFunctionMode):
     None) the calls on `Tracked` tensors count: what a `track`ed model returned and what was computed
     from it, the data that would live on a GPU. `counts` maps each call's name to how many times it ran,
     `total` is their sum. `.to("cpu")` counts as a transfer when its tensor is on a GPU (on the CPU it is
-    the model's device too, so host reads there go through `.cpu()`, `.tolist()`...), and indexing with a
-    boolean mask counts (its result's size depends on the values). The explicit waits count as "synchronize",
+    the model's device too, so host reads there go through `.cpu()`, `.tolist()`...), indexing with a
+    boolean mask counts (its result's size depends on the values), and so does indexing with a 0-d integer
+    tensor of the device (torch reads it as a Python int). The explicit waits count as "synchronize",
     whatever the device (`devices.synchronize` of the CPU too: on a GPU the same call would wait); they are
     counted by replacing those calls while any counter is active, process-wide."""
 
@@ -295,6 +296,8 @@ class SyncCounter(TorchFunctionMode):
             self.counts["to(cpu)"] += 1
         elif name == "__getitem__" and self._watched(first) and _boolean_index(args[1] if len(args) > 1 else None):
             self.counts["boolean index"] += 1
+        elif name in ("__getitem__", "__setitem__") and any(map(self._watched, _scalar_indices(args[1:2]))):
+            self.counts["scalar index"] += 1
         return func(*args, **kwargs)
 
 
@@ -346,6 +349,14 @@ def _restore_waits() -> None:
 def _to_cpu(args, kwargs) -> bool:
     target = kwargs.get("device", args[1] if len(args) > 1 else None)
     return isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
+
+
+def _scalar_indices(index: tuple) -> list:
+    """The 0-d integer tensors among an index's parts: torch reads each on the host, as a Python int (on a GPU,
+    a wait), where a 1-d index of one element stays on the device."""
+    parts = index[0] if index and isinstance(index[0], tuple) else index
+    return [part for part in parts if isinstance(part, torch.Tensor) and part.dim() == 0
+            and not part.is_floating_point() and part.dtype != torch.bool]
 
 
 def _boolean_index(index) -> bool:

@@ -74,9 +74,12 @@ def verify_tree_on_device(
     matches = draft.tokens == target_tokens[draft.parents + 1]  # [n] each node against its parent's row
     accepted = ~(layout.ancestors & ~matches[None, :]).any(dim=1)  # [n] it and all its ancestors match
     depths = torch.where(accepted, layout.depths, 0)
-    deepest = depths.argmax()  # (node 0 where none is accepted: its depth 0 tells)
-    on_path = layout.ancestors[deepest] & (depths[deepest] > 0)  # [n]
-    last = target_tokens[torch.where(depths[deepest] > 0, deepest + 1, 0)]
+    # [1], not 0-d: torch reads a 0-d index on the host (a wait on a GPU). Node 0 where none is accepted: its
+    # depth 0 tells
+    deepest = depths.argmax().view(1)
+    reached = depths[deepest] > 0  # [1]
+    on_path = layout.ancestors[deepest][0] & reached  # [n]
+    last = target_tokens[torch.where(reached, deepest + 1, 0)][0]
     path_mask, last_token, tokens, parents, *extra = to_host(on_path, last, draft.tokens, draft.parents, *riders)
     draft.parents = torch.tensor(parents, dtype=torch.long, device="cpu")
     path = [node for node, on in enumerate(path_mask) if on]  # parents come first: root to deepest
@@ -117,12 +120,12 @@ def verify_tree_sampling(
         probs = target_probs[node + 1]  # [vocab] the target's distribution after the path so far
         winner = torch.full((), -1, dtype=torch.long, device=device)  # the accepted child's rank; -1: none yet
         for rank, child in enumerate(kids[node + 1]):
-            token = draft_tokens[child]  # 0-d, on the device
+            token = draft_tokens[child : child + 1]  # [1], on the device (a 0-d index would be read on the host)
             if draft_probs is None:
-                draft_row = torch.zeros_like(probs).index_fill_(0, token.view(1), 1.0)
+                draft_row = torch.zeros_like(probs).index_fill_(0, token, 1.0)
             else:
                 draft_row = draft_probs[child]
-            accept = (uniforms[child] * draft_row[token] < probs[token]) & (winner < 0)  # u < p(x) / q(x)
+            accept = (uniforms[child] * draft_row[token][0] < probs[token][0]) & (winner < 0)  # u < p(x) / q(x)
             winner = torch.where(accept, rank, winner)
             probs = torch.where(winner < 0, residual_distribution(probs, draft_row), probs)
         correction = sample(probs, generator)  # used only if every child was rejected
