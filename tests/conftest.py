@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from specdecode.drafters import auto
@@ -546,3 +547,15 @@ def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
         main()
     out, err = capsys.readouterr()
     return exit_info.value.code or 0, out, err
+
+
+class Dispatched(TorchDispatchMode):
+    """Counts the operations that compute (views left out): on a GPU, about one kernel launch each."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view
+        return func(*args, **(kwargs or {}))

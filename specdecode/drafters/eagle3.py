@@ -26,8 +26,10 @@ itself, its layer and storage are in `drafters.eagle3_head`.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from specdecode.devices import to_device
 from specdecode.drafters.base import Drafter, Needs, tensor_bytes
@@ -38,7 +40,7 @@ from specdecode.drafters.eagle3_head import Eagle3Head
 from specdecode.drafters.heads import check_fits, for_drafting, head_folder, lm_head_rows
 from specdecode.errors import UserError
 from specdecode.models.static import BUCKETS, DEFAULT_CAPACITY, StaticCausalLM
-from specdecode.models.static_layers import grouped_attention
+from specdecode.models.static_layers import fuse_layer, grouped_attention, rotate
 
 
 class Eagle3State:
@@ -158,7 +160,13 @@ class StaticEagle3State(StaticFeeds, Eagle3State):
 
     def _drafting_copy(self, head: Eagle3Head, rows: torch.Tensor | None = None) -> None:
         super()._drafting_copy(head, rows)
-        attention = self.head.midlayer.self_attn
+        layer = self.head.midlayer
+        attention = layer.self_attn
+        fuse_layer(attention, layer.mlp)  # (the drafting copy's own weights: `for_drafting` copied the head)
+        # the rotary angles' frequencies, each pair's twice, and the sign that makes `rotate`'s roll the rotation
+        self._frequencies = attention.inverse_frequencies.repeat(2)
+        self._signs = torch.ones(attention.head_dim, device=self.device)
+        self._signs[: attention.head_dim // 2] = -1.0
         self._allocate(torch.zeros(2, attention.kv_heads, self.capacity, attention.head_dim, dtype=torch.float32,
                                    device=self.device), self.head.config.hidden_size)
 
@@ -166,12 +174,33 @@ class StaticEagle3State(StaticFeeds, Eagle3State):
         return super().memory_bytes() + tensor_bytes(self.kv)
 
     def feed(self, hidden, tokens, positions, slots, allowed):
-        attention = self.head.midlayer.self_attn
-        q, k, v = attention.project(self.head.inputs(hidden, self.embed(tokens).to(self.dtype)), positions)
-        self.kv[0].index_copy_(1, slots, k)  # [kv_heads, capacity, head_dim]
-        self.kv[1].index_copy_(1, slots, v)
-        attended = grouped_attention(q, self.kv[0], self.kv[1], allowed, attention.head_dim ** -0.5)
-        return self.head.finish(hidden, attention.o_proj(attended.transpose(0, 1).reshape(q.shape[1], -1)))
+        """The head's layer (`Eagle3Head.forward`) in few kernels, as the target's static layers are written
+        (`models.static_layers`): the query, key and value in one product, the MLP's gate and up in another, the RMS
+        norms torch's one kernel, query and key rotated together; the same sums in float32."""
+        layer: Any = self.head.midlayer  # (its stacked weights are buffers `fuse_layer` registered)
+        attention, mlp = layer.self_attn, layer.mlp
+        n, heads, kv_heads = hidden.shape[0], attention.heads, attention.kv_heads
+        embeddings = self.embed(tokens).to(self.dtype)
+        x = torch.cat([_norm(layer.input_layernorm, embeddings), _norm(layer.hidden_norm, hidden)], dim=-1)
+        qkv = F.linear(x, attention.qkv_weight).view(n, heads + 2 * kv_heads, attention.head_dim)
+        angles = positions.float()[:, None] * self._frequencies  # [n, head_dim]
+        rotated = rotate(qkv[:, : heads + kv_heads], angles.cos()[:, None], (angles.sin() * self._signs)[:, None],
+                         attention.head_dim // 2)
+        self.kv[0].index_copy_(1, slots, rotated[:, heads:].transpose(0, 1))  # [kv_heads, capacity, head_dim]
+        self.kv[1].index_copy_(1, slots, qkv[:, heads + kv_heads :].transpose(0, 1))
+        attended = grouped_attention(rotated[:, :heads].transpose(0, 1), self.kv[0], self.kv[1], allowed,
+                                     attention.head_dim ** -0.5)
+        residual = hidden + attention.o_proj(attended.transpose(0, 1).reshape(n, -1))
+        gate, up = F.linear(_norm(layer.post_attention_layernorm, residual), mlp.gate_up_weight).chunk(2, dim=-1)
+        return residual + mlp.down_proj(F.silu(gate) * up)
+
+    def probs(self, output: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.lm_head(_norm(self.head.norm, output)), dim=-1)
+
+
+def _norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """The head's RMS norm (`eagle3_head.RMSNorm`) in torch's one kernel."""
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
 
 
 class Eagle3Drafter(EagleDrafter):

@@ -1,7 +1,8 @@
 """The arithmetic of the static-shape path's layers (`models.static`): transformers' forward of a Llama-family
 decoder written out over a KV cache of fixed capacity, in few kernels, because on a GPU at batch one a forward costs
 its number of kernels more than its arithmetic. The target's and the draft model's static decoder run it, and so does
-the EAGLE head's one Qwen2 layer (`drafters.static_heads`); EAGLE-3's own layer uses `grouped_attention`."""
+the EAGLE head's one Qwen2 layer (`drafters.static_heads`); EAGLE-3's own layer (`drafters.eagle3.StaticEagle3State`) is
+written with the same pieces (`fuse_layer`, `rotate`, `grouped_attention`)."""
 
 from __future__ import annotations
 
@@ -25,10 +26,15 @@ def fuse_projections(decoder) -> None:
     bound by its number of kernels, not by their arithmetic. Done again where a weight is no longer a view (the model
     moved since, say); a no-op otherwise."""
     for layer in decoder.layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        _stack(attention, "qkv", [attention.q_proj, attention.k_proj, attention.v_proj])
-        if hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj"):
-            _stack(mlp, "gate_up", [mlp.gate_proj, mlp.up_proj])
+        fuse_layer(layer.self_attn, layer.mlp)
+
+
+def fuse_layer(attention: torch.nn.Module, mlp: torch.nn.Module) -> None:
+    """`fuse_projections` for one layer's attention (its `q_proj`, `k_proj`, `v_proj`) and MLP (its `gate_proj` and
+    `up_proj`, where it has them): the EAGLE-3 head's layer too, whose modules are its own."""
+    _stack(attention, "qkv", [attention.q_proj, attention.k_proj, attention.v_proj])
+    if hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj"):
+        _stack(mlp, "gate_up", [mlp.gate_proj, mlp.up_proj])
 
 
 def _stack(owner: torch.nn.Module, name: str, linears: list) -> None:
@@ -80,7 +86,7 @@ def decode_layers(decoder, states: torch.Tensor, positions: torch.Tensor, slots:
     cos, sin = cos[0, :, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[0, :, None]  # [n, 1, head_dim]
     attention = decoder.layers[0].self_attn
     heads = attention.q_proj.out_features // attention.head_dim
-    bias = attention_bias(allowed, heads // kv.shape[2])
+    bias = attention_bias(allowed)
     for index, layer in enumerate(decoder.layers):
         if trace is not None:
             trace.append(states)
@@ -95,10 +101,10 @@ def decode_layers(decoder, states: torch.Tensor, positions: torch.Tensor, slots:
         kv_heads = (qkv.shape[1] - heads) // 2
         value = qkv[:, heads + kv_heads :]  # [n, kv_heads, head_dim]
         if hasattr(attention, "q_norm"):  # Qwen3: each head's query and key normalised
-            query = _rotate(attention.q_norm(qkv[:, :heads]), cos, sin, half)
-            key = _rotate(attention.k_norm(qkv[:, heads : heads + kv_heads]), cos, sin, half)
+            query = rotate(attention.q_norm(qkv[:, :heads]), cos, sin, half)
+            key = rotate(attention.k_norm(qkv[:, heads : heads + kv_heads]), cos, sin, half)
         else:
-            rotated = _rotate(qkv[:, : heads + kv_heads], cos, sin, half)
+            rotated = rotate(qkv[:, : heads + kv_heads], cos, sin, half)
             query, key = rotated[:, :heads], rotated[:, heads:]
         kv[0, index].index_copy_(1, slots, key.transpose(0, 1))  # [kv_heads, capacity, head_dim]
         kv[1, index].index_copy_(1, slots, value.transpose(0, 1))
@@ -114,7 +120,7 @@ def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
     """transformers' `apply_rotary_pos_emb` for x [n, heads, d] with cos [n, 1, d] and `sin` [n, 1, d] whose first
     half is negated (`decode_layers`)."""
     return (x * cos) + (torch.roll(x, half, dims=-1) * sin)
@@ -129,11 +135,10 @@ def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
     return mlp.down_proj(mlp.act_fn(gate) * up)
 
 
-def attention_bias(allowed: torch.Tensor, group: int) -> torch.Tensor:
-    """`allowed` [n, capacity] -> the additive float32 bias [group * n, capacity] `grouped_attention` adds to its
-    scores: 0 where allowed, -inf elsewhere, repeated for each query head of a group."""
-    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
-    return bias.masked_fill(~allowed, float("-inf")).repeat(group, 1)
+def attention_bias(allowed: torch.Tensor) -> torch.Tensor:
+    """`allowed` [n, capacity] -> the additive float32 bias [n, capacity] `grouped_attention` adds to its scores (each
+    group of query heads alike): 0 where allowed, -inf elsewhere."""
+    return torch.where(allowed, 0.0, float("-inf"))
 
 
 def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
@@ -142,13 +147,15 @@ def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     is True -> [heads, n, d]. Each group of heads that shares a key head is one matrix product over that head's keys,
     read once: torch's fused kernels take a mask with grouped heads only by copying every key head for each query
     head, the whole capacity at every step (its math fallback). Scores and softmax in float32. `bias`:
-    `attention_bias(allowed, ...)`, made once where many layers share the mask."""
+    `attention_bias(allowed)`, made once where many layers share the mask."""
     heads, n, d = query.shape
     kv = keys.shape[0]
     group = heads // kv  # head h reads key head h // group, as transformers' repeat_kv lays them out
     if bias is None:
-        bias = attention_bias(allowed, group)
-    # bias + scale * scores in one kernel, in float32: 0 + x is x, and -inf + x is -inf, as a masked fill gives
-    scores = torch.add(bias, torch.matmul(query.reshape(kv, group * n, d), keys.transpose(1, 2)), alpha=scale)
+        bias = attention_bias(allowed)
+    scores = torch.matmul(query.reshape(kv, group * n, d), keys.transpose(1, 2))  # [kv, group * n, capacity]
+    # bias + scale * scores in one kernel, in float32, the bias broadcast over each group's rows: 0 + x is x, and
+    # -inf + x is -inf, as a masked fill gives
+    scores = torch.add(bias, scores.view(kv, group, n, -1), alpha=scale)
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    return torch.matmul(probs, values).view(heads, n, d)
+    return torch.matmul(probs.view(kv, group * n, -1), values).view(heads, n, d)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import LetterTokenizer, greedy_references, greedy_runs, oracle_eagle_head, random_prompts
+from conftest import Dispatched, LetterTokenizer, greedy_references, greedy_runs, oracle_eagle_head, random_prompts
 from conftest import random_eagle_head as random_head
 from specdecode.drafters.eagle import EagleDrafter, EagleTreeDrafter
 from specdecode.drafters.eagle_head import EagleHead, HeadState
@@ -149,15 +149,25 @@ def test_a_head_tree_prices_its_rounds_as_timed(tiny_target, round_seconds, deep
     assert (grown >= len(depths) // 2 if deeper else grown <= 1), depths
 
 
-def test_the_static_state_runs_the_head_as_the_dynamic_one(tiny_target, monkeypatch):
-    """`StaticHeadState.run` (the head's layer written out over a cache of fixed capacity, feeds padded to a bucket
-    and masked on the device) gives `HeadState.run`'s outputs, float32 both (the dynamic state's layers unquantized
-    here, as the static one's always are): a prompt's pairs wider than every bucket (run eagerly), a few more
-    (a bucket), a tree's rounds under their masks (the last one's reaching past the window: eagerly again), then
-    the speculative entries cropped and the context's next pairs fed over them."""
-    monkeypatch.setattr(HeadState, "quantize", False)
-    head = random_head(tiny_target, seed=5)
-    states = (HeadState(head, tiny_target), StaticHeadState(head, tiny_target, capacity=256))
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_the_static_state_runs_the_head_as_the_dynamic_one(tiny_target, monkeypatch, kind):
+    """`StaticHeadState.run` and `StaticEagle3State.run` (the head's layer written out over a cache of fixed capacity
+    in few kernels, feeds padded to a bucket and masked on the device) give the dynamic states' outputs (the head's
+    module), float32 both (the dynamic state's layers unquantized here, as the static one's always are): a prompt's
+    pairs wider than every bucket (run eagerly), a few more (a bucket), a tree's rounds under their masks (the last
+    one's reaching past the window: eagerly again), then the speculative entries cropped and the context's next
+    pairs fed over them."""
+    from conftest import random_eagle3_head
+    from specdecode.drafters.eagle3 import Eagle3State, StaticEagle3State
+
+    if kind == "eagle":
+        monkeypatch.setattr(HeadState, "quantize", False)
+        head = random_head(tiny_target, seed=5)
+        states = (HeadState(head, tiny_target), StaticHeadState(head, tiny_target, capacity=256))
+    else:
+        monkeypatch.setattr(Eagle3State, "quantize", False)
+        head = random_eagle3_head(tiny_target, seed=5)
+        states = (Eagle3State(head, tiny_target), StaticEagle3State(head, tiny_target, capacity=256))
     assert states[1].kv.dtype == torch.float32
     d, device, vocab = tiny_target.config.hidden_size, tiny_target.device, tiny_target.config.vocab_size
     generator = torch.Generator(device="cpu").manual_seed(0)
@@ -190,6 +200,24 @@ def test_the_static_state_runs_the_head_as_the_dynamic_one(tiny_target, monkeypa
             state.crop()
         assert states[1].cached == prompt + 3
         feed(4, torch.arange(prompt + 3, prompt + 7))
+
+
+def test_the_static_eagle3_feed_runs_few_operations(tiny_target):
+    """At batch one a GPU runs a head's step in about its number of kernels, whatever their size. EAGLE-3's static
+    feed (one decoder layer) counts 35-39 computing operations in float32 (at most 40 allowed here), where the head's
+    module, through which the static state ran it before, counts 68; a chain's top token from a feature, 5 (13)."""
+    from conftest import random_eagle3_head
+    from specdecode.drafters.eagle3 import StaticEagle3State
+
+    state = StaticEagle3State(random_eagle3_head(tiny_target, seed=2), tiny_target, capacity=256)
+    feature = torch.randn(tiny_target.config.hidden_size)
+    counts = {}
+    with torch.inference_mode():
+        for k in (1, 5):
+            with Dispatched() as dispatched:
+                state.chain_step(torch.tensor([8, 40]), feature, k)
+            counts[k] = dispatched.count
+    assert counts[1] <= 8 and (counts[5] - counts[1]) / 4 <= 40, counts  # a feed and a top token a depth
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import copy
 
-import torch.utils._python_dispatch
-
 import pytest
 import torch
 
-from conftest import VOCAB, tiny_architecture, tiny_qwen2
+from conftest import VOCAB, Dispatched, tiny_architecture, tiny_qwen2
 from specdecode.models.hf import HFCausalLM
 from specdecode.models.static import StaticCausalLM
 from specdecode.models.static_layers import decode_layers, empty_cache, fuse_projections
@@ -90,18 +88,6 @@ def test_the_static_path_fuses_the_model_it_is_given():
     StaticCausalLM(model, capacity=64)
     assert all(hasattr(layer.self_attn, "qkv_weight") and hasattr(layer.mlp, "gate_up_weight")
                for layer in model.model.layers)
-
-
-class Dispatched(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the operations that compute (views left out): on a GPU, about one kernel launch each."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += not func.is_view
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("width", [1, 16])
