@@ -9,7 +9,7 @@ the dynamic one and against transformers' own static-cache generate(), and repla
   drafting  seconds per drafted token of each drafter against a one-token forward of the first target on the
             static path: the draft model (static too) drafting 4 tokens a step, EAGLE-3's head (a chain of 4, and
             its tree) and Medusa's heads (chain and tree); every proposal waited for (`devices.clock`)
-  replay    a recording of `specdecode bench --record-acceptance` (benchmarks/acceptance/) replayed on the
+  replay    the recordings of `specdecode bench --record-acceptance` (benchmarks/acceptance/) replayed on the
             first target's shape with the draft model's, on the static path (`bench.replay_acceptance`): per
             method tokens/s and speedup over plain decoding at the recorded acceptance, next to what the cost
             curve predicts from the replayed steps; every figure labelled "replayed acceptance"
@@ -464,6 +464,8 @@ def method_drafter(check, method: str, target, draft, budget: int | None = None)
     from specdecode.methods import choose
 
     kind = next((k for k in ("eagle3", "medusa") if method.startswith(k)), None)
+    if method == "auto":  # its head on the default target: the shipped Medusa heads (`drafters.auto.heads_for`)
+        kind = "medusa"
     head = None if kind is None else str(head_folder(check, check.plan.targets[0], kind))
     return Models(target, None, draft).drafter_for(choose(method, head=head, budget=budget, only_if_taken=True))
 

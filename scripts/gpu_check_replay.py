@@ -20,16 +20,20 @@ from gpu_check_parts import LABEL, RECORDINGS, decode_seconds, forward_seconds, 
 BUCKET_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def recording_runs(check) -> tuple[str, dict, list]:
-    """(the recording's path, its settings, the runs to replay): the first repeat's; with --small one run per
-    method, its ids folded into the tiny vocabulary."""
+def recording_runs(check) -> tuple[list[str], list[str], list]:
+    """(the recordings' paths, the commands that recorded them, the runs to replay): --recording's, else every
+    recording in benchmarks/acceptance/ (the same pair's, each its methods'), their first repeat's; with --small one
+    run per method, its ids folded into the tiny vocabulary."""
     from specdecode.bench import acceptance
 
-    path = check.args.recording or next(iter(sorted(RECORDINGS.glob("*.json*"))), None)
-    if path is None:
+    paths = [check.args.recording] if check.args.recording else sorted(RECORDINGS.glob("*.json*"))
+    if not paths:
         raise FileNotFoundError(f"no recording in {RECORDINGS} (specdecode bench --record-acceptance FILE)")
-    settings, runs = acceptance.load(path)
-    runs = [run for run in runs if run.repeat == 0]
+    commands, runs = [], []
+    for path in paths:
+        settings, recorded = acceptance.load(path)
+        commands.append(settings.get("command"))
+        runs += [run for run in recorded if run.repeat == 0]
     if check.args.small:
         vocab = check.model(check.plan.targets[0]).vocab_size
         firsts = {}
@@ -39,7 +43,7 @@ def recording_runs(check) -> tuple[str, dict, list]:
         for run in runs:
             run.prompt_ids = [t % vocab for t in run.prompt_ids]
             run.output_ids = [t % vocab for t in run.output_ids]
-    return str(path), settings, runs
+    return [str(path) for path in paths], commands, runs
 
 
 def prepared(check, runs, target, draft) -> tuple[dict, dict, list]:
@@ -102,7 +106,7 @@ def replay(check) -> dict:
     from specdecode.engine import SpeculativeEngine
 
     plan = check.plan
-    path, settings, runs = recording_runs(check)
+    paths, commands, runs = recording_runs(check)
     target, draft = static_model(check, plan.targets[0]), static_model(check, plan.draft)
     drafters, continuations, failed = prepared(check, runs, target, draft)
     context = int(statistics.median(len(run.prompt_ids) for run in runs))
@@ -124,7 +128,7 @@ def replay(check) -> dict:
         mine = [i for i, run in enumerate(runs) if run.method == method and i in costs and (i, method) in samples]
         if mine:
             rows.append(_row(method, runs, mine, samples, costs, metrics))
-    return {"label": LABEL, "recording": path, "recorded": settings.get("command"), "shape": plan.targets[0],
+    return {"label": LABEL, "recordings": paths, "recorded": commands, "shape": plan.targets[0],
             "draft_shape": plan.draft, "context": context, "curve": curve, "forward_seconds": seconds[1],
             "rows": rows, "failed": failed}
 
@@ -166,7 +170,8 @@ def replay_summary(result: dict) -> list[str]:
 
 
 def replay_markdown(result: dict, table) -> list[str]:
-    lines = [f"**{LABEL.capitalize()}**: the steps recorded by `{result['recorded']}` ({result['recording']}), "
+    recorded = "; ".join(f"`{command}` ({path})" for command, path in zip(result["recorded"], result["recordings"]))
+    lines = [f"**{LABEL.capitalize()}**: the steps recorded by {recorded}, "
              f"replayed on random-weight models of the shapes {result['shape']} (target) and {result['draft_shape']} "
              "(draft model), on the static path: the real drafter drafts in full every step, then the target "
              "verifies a draft of the recorded shape that it accepts exactly as recorded (`bench.replay_acceptance`). "
