@@ -31,8 +31,9 @@ with its verdict rather than before it (`reads_late`): the chain verified whole,
 before, so a step waits for the device once.
 
 On a static target (`models.static`) the heads' call on one feature runs through the target's runner
-(`models.graphs`: captured as a CUDA graph for each depth on a GPU); a batch's call, whose row count varies, runs
-as written.
+(`models.graphs`: captured as a CUDA graph for each depth on a GPU), and so does a tree read late (`growth.best_paths`:
+one graph for each depth and budget, in place of some eighty small operations launched one at a time); a batch's
+call, whose row count varies, runs as written.
 """
 
 from __future__ import annotations
@@ -209,6 +210,8 @@ class MedusaDrafter(Drafter):
         # runs the heads' call on one feature, a shape fixed for each depth; None: the call as written
         self.runner: Runner | None = None if runner is None else make_runner(runner, self._distributions,
                                                                               device, backend)
+        # a tree read late, made from the heads' distributions (`growth.best_paths`): through the runner too
+        self.tree_runner = make_runner(runner or "eager", growth.best_paths, device, backend)
         self.dtype = torch.float32
         self.curve, self.tree, self.top_k, self.max_nodes, self.budget = curve, tree, top_k, max_nodes, budget
         if draft_cost is not None and not draft_cost >= 0:
@@ -356,11 +359,8 @@ class MedusaDrafter(Drafter):
             self._late = Draft(tokens=self.vocab_ids[index], riders=(torch.cumprod(p, 0),))
             return self._late
         assert self.late_budget is not None
-        top = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)  # [depth, k]
-        ids, parents, scores = growth.top_paths(top.values, top.indices, self.max_nodes)
-        kept_ids, kept_parents, kept_scores, above, depths = growth.select(ids, parents, scores, self.late_budget,
-                                                                          depth)
-        best = torch.topk(scores, min(self.max_nodes, scores.numel())).values  # the tree's best, best first
+        kept_ids, kept_parents, kept_scores, above, depths, best = self.tree_runner(
+            (probs,), (self.top_k, self.max_nodes, self.late_budget))
         self._late = Draft(tokens=self.vocab_ids[kept_ids], parents=kept_parents,
                            scores=(kept_scores * self._calibration.factor).clamp(max=1.0),
                            layout=DeviceLayout(above, depths), riders=(kept_scores, best))

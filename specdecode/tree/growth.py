@@ -129,6 +129,17 @@ def select(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, bu
     return tokens[kept], kept_parents, scores[kept], above, above.sum(1)
 
 
+def best_paths(probs: torch.Tensor, top_k: int, max_nodes: int, budget: int) -> tuple[torch.Tensor, ...]:
+    """Medusa's tree from the heads' distributions probs [depth, V'] (`top_paths` over each head's `top_k` best, at
+    most `max_nodes` a depth), its `budget` best nodes kept (`select`): (draft indices, parents, scores, which sees
+    which, depths) of the kept nodes, and the tree's best scores, best first (at most `max_nodes`). One step function
+    of fixed shapes for a depth and budget: on a GPU, one CUDA graph (`drafters.medusa`)."""
+    top = probs.topk(min(top_k, probs.shape[-1]), dim=-1)  # [depth, k]
+    ids, parents, scores = top_paths(top.values, top.indices, max_nodes)
+    kept = select(ids, parents, scores, budget, probs.shape[0])
+    return (*kept, torch.topk(scores, min(max_nodes, scores.numel())).values)
+
+
 def layer_sizes(first: int, top_k: int, width: int, rounds: int) -> list[int]:
     """The number of nodes in each layer of a tree `DeviceTree` grows: `first` children of the root, then each
     round's top_k children of the (at most) `width` nodes it expands."""

@@ -5,9 +5,9 @@ values, cannot be captured, and a step with a new shape needs a new capture. `to
 dynamic=False` refuses the first (a graph break is an error) and counts the second (each new graph is a
 compilation): so on the CPU, with dynamo tracing the same step functions the GPU captures (the target's and the
 draft model's `StaticDecoder.step`, the EAGLE heads' `StaticHeadState.step` and `StaticEagle3State.step`, their
-chains' `chain_step` and trees' `tree_step`, Medusa's heads' call), a whole generation must compile nothing once
-every bucket has been seen (a first generation warms them up), while its acceptance varies from step to step. The
-backend is "eager": dynamo's tracing and guards are what is tested, not inductor's code.
+chains' `chain_step` and trees' `tree_step`, Medusa's heads' call and its tree read late), a whole generation must
+compile nothing once every bucket has been seen (a first generation warms them up), while its acceptance varies from
+step to step. The backend is "eager": dynamo's tracing and guards are what is tested, not inductor's code.
 """
 
 from __future__ import annotations
@@ -69,7 +69,16 @@ def drafters(target: StaticCausalLM, draft: StaticCausalLM, heads: dict) -> dict
         "eagle3-tree-device": on_device(Eagle3TreeDrafter(
             heads["eagle3"], target.model, FREE, **tree,
             state=StaticEagle3State(heads["eagle3"], target.model, "compile", capacity=256, backend="eager"))),
+        # Medusa's tree read late, as off the CPU: made and pruned by one step function per depth and budget
+        # (`growth.best_paths`), its budget fixed here (a GPU meets each budget's graph once)
+        "medusa-tree-device": read_late(MedusaDrafter(heads["medusa"], target.model, FREE, tree=True, top_k=2,
+                                                      max_nodes=16, budget=6, runner="compile", backend="eager")),
     }
+
+
+def read_late(drafter):
+    drafter.reads_late = True
+    return drafter
 
 
 def on_device(drafter):
@@ -103,7 +112,7 @@ def models():
 
 
 @pytest.mark.parametrize("method", ["ar", "pld", "draft", "draft-tree", "eagle-tree", "eagle3", "eagle3-tree",
-                                    "medusa-tree", "draft-tree-device", "eagle3-tree-device"])
+                                    "medusa-tree", "draft-tree-device", "eagle3-tree-device", "medusa-tree-device"])
 def test_a_generation_after_warm_up_compiles_nothing_and_breaks_no_graph(method, models):
     target_model, draft_model, heads = models
     torch._dynamo.reset()
@@ -120,10 +129,13 @@ def test_a_generation_after_warm_up_compiles_nothing_and_breaks_no_graph(method,
         head = getattr(drafter, "state", drafter)
         head.capture()
         runners["head"] = head.runner
-    if method in ("eagle3", "eagle3-tree-device"):  # its chains or trees, one step function per length or number
-        for prompt in PROMPTS:                          # of rounds met: a first generation warms them up
+    if method in ("eagle3", "eagle3-tree-device", "medusa-tree-device"):  # its chains or trees, one step function
+        if method == "medusa-tree-device":                                 # per shape met: a first generation
+            drafter.capture()                                              # warms them up
+        for prompt in PROMPTS:
             engine.generate(prompt, config)
-        runners["head"] = drafter.state.chain_runner if method == "eagle3" else drafter.state.tree_runner
+        state = getattr(drafter, "state", drafter)
+        runners["head"] = state.chain_runner if method == "eagle3" else state.tree_runner
     calls = dict.fromkeys(runners, 0)
     for name, runner in runners.items():
         runner.compiled = counting(runner.compiled, calls, name)
