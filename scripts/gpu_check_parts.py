@@ -355,6 +355,8 @@ def decode(check) -> dict:
             engine = SpeculativeEngine(lm, None, None, gate=False, step_aside=False)
             runs[path] = lambda engine=engine, prompt=prompt: _ours(check.device, engine, prompt, config)
         first = {path: run() for path, run in runs.items()}  # warm-up (first uses)
+        if check.args.inductor and shape == plan.targets[0]:
+            _add_inductor(check, shape, prompt, config, runs, first, notes)
         worker = None
         if not compiles or check.left() > (150 if not rows else 120):  # its compile took 30-35 s a shape on an H200
             worker = HFWorker(check.shapes[shape], zlib.crc32(shape.encode()), check.device, prompt,
@@ -377,10 +379,9 @@ def decode(check) -> dict:
                     try:
                         samples[path].append(run())
                     except Exception as error:
-                        if path != "hf-static":
+                        if path not in ("hf-static", "inductor"):
                             raise
-                        notes.append(f"{shape}: transformers' static cache failed in round {round_ + 1}: "
-                                     f"{type(error).__name__}: {error}")
+                        notes.append(f"{shape}: {path} failed in round {round_ + 1}: {type(error).__name__}: {error}")
                         del runs[path]
         finally:
             if worker is not None:
@@ -397,8 +398,9 @@ def decode(check) -> dict:
                          "run_seconds": whole,
                          "capture_seconds": check.captured.get(shape) if path == "graphed" else None,
                          # the first call's seconds beyond a later call's: the compile (transformers) or first use
-                         "compile_seconds": first[path]["whole"] - whole if path == "hf-static" and compiles else None,
-                         "compiled": compiles if path == "hf-static" else None,
+                         "compile_seconds": (first[path]["whole"] - whole if path == "inductor"
+                                             or path == "hf-static" and compiles else None),
+                         "compiled": compiles if path == "hf-static" else True if path == "inductor" else None,
                          "same_as_eager": _first_difference(eager.model, prompt, reference, values[0]["ids"])})
         eager_ms = next(r["ms_per_token"] for r in rows if r["shape"] == shape and r["path"] == "eager")
         for row in rows:
@@ -406,6 +408,24 @@ def decode(check) -> dict:
                 row["speedup_over_eager"] = eager_ms / row["ms_per_token"]
     return {"rows": rows, "notes": notes, "new_tokens": plan.new_tokens, "prompt_tokens": plan.prompt,
             "cut_short": cut}
+
+
+def _add_inductor(check, shape: str, prompt: list[int], config, runs: dict, first: dict, notes: list) -> None:
+    """--inductor: the static path on inductor's kernels, each shape's captured as a CUDA graph
+    (`models.graphs.CompiledGraphs`; on a CPU compiled alone), as the path "inductor" of `runs`; its first use
+    compiles (the first target shape only: inductor compiles a deep model's shape for a long while). A failure is a
+    note."""
+    from specdecode.engine import SpeculativeEngine
+    from specdecode.models.static import StaticCausalLM
+
+    runner = "compile-graphs" if check.device.type == "cuda" else "compile"
+    try:
+        lm = StaticCausalLM(check.model(shape).model, runner=runner, capacity=max(check.plan.contexts) + 1024)
+        engine = SpeculativeEngine(lm, None, None, gate=False, step_aside=False)
+        first["inductor"] = _ours(check.device, engine, prompt, config)
+        runs["inductor"] = lambda: _ours(check.device, engine, prompt, config)
+    except Exception as error:
+        notes.append(f"{shape}: inductor's kernels failed: {type(error).__name__}: {error}")
 
 
 def _ours(device, engine, prompt, config) -> dict:

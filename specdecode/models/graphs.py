@@ -1,6 +1,7 @@
 """How a static-shape step function runs (`static.StaticDecoder.step`, the EAGLE heads'
-`static_heads.StaticFeeds.step`, Medusa's heads' call `medusa.MedusaDrafter._distributions`): eagerly, through
-`torch.compile`, or as CUDA graphs captured by hand.
+`static_heads.StaticFeeds.step`, Medusa's heads' call `medusa.MedusaDrafter._distributions` and its late tree):
+eagerly, through `torch.compile`, as CUDA graphs captured by hand, or both ("compile-graphs": inductor's kernels
+captured, an option `scripts/gpu-check --inductor` measures).
 
 A runner is called with the step's tensor inputs (host or device; each of a shape fixed for the key) and its
 options (hashable values the function takes after the tensors, such as which hidden states to return); it
@@ -26,7 +27,7 @@ import torch
 
 from specdecode.devices import to_device
 
-RUNNERS = ("eager", "compile", "graphs")
+RUNNERS = ("eager", "compile", "graphs", "compile-graphs")
 
 
 class Runner:
@@ -114,6 +115,17 @@ class Graphs(Runner):
         return captured
 
 
+class CompiledGraphs(Graphs):
+    """inductor's kernels for the step (`Compiled`), each shape's then captured as a CUDA graph: fewer, fused kernels
+    a step than the eager step's graph has, at the price of inductor's compilation for every shape (long for a deep
+    model, and paid again at each start without a warm compile cache). An option to measure (`scripts/gpu-check
+    --inductor`), not the default: see the module docstring."""
+
+    def __init__(self, fn: Callable, device: torch.device, backend: str = "inductor"):
+        self.compiled_step = Compiled(fn, device, backend)
+        super().__init__(self.compiled_step.compiled, device)
+
+
 def _copied(outputs: Any) -> Any:
     if isinstance(outputs, torch.Tensor):
         return outputs.clone()
@@ -123,11 +135,13 @@ def _copied(outputs: Any) -> Any:
 
 
 def make_runner(name: str, fn: Callable, device: torch.device, backend: str = "inductor") -> Runner:
-    """The runner called `name` ("eager", "compile", "graphs") for step function `fn` on `device`."""
+    """The runner called `name` (`RUNNERS`) for step function `fn` on `device`."""
     if name == "eager":
         return Runner(fn, device)
     if name == "compile":
         return Compiled(fn, device, backend)
     if name == "graphs":
         return Graphs(fn, device)
+    if name == "compile-graphs":
+        return CompiledGraphs(fn, device, backend)
     raise ValueError(f"unknown runner {name!r}; choose one of {', '.join(RUNNERS)}")

@@ -28,6 +28,7 @@ from specdecode.drafters.eagle3_head import Eagle3Config, Eagle3Head
 from specdecode.drafters.medusa import MedusaDrafter, MedusaHeads
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
+from specdecode.models.graphs import RUNNERS, make_runner
 from specdecode.models.costs import CostCurve
 from specdecode.models.static import BUCKETS, StaticCausalLM
 
@@ -158,3 +159,28 @@ def test_every_bucket_compiles_once_without_a_graph_break(models):
     target.capture(hidden=(False, True))
     assert not counters["graph_break"]
     assert counters["stats"]["unique_graphs"] == 2 * len(BUCKETS)
+
+
+@pytest.mark.parametrize("name", RUNNERS)
+def test_every_runner_runs_the_step_as_written_or_refuses_a_device_it_cannot_use(name):
+    """Each runner (`models.graphs.RUNNERS`) gives the step function's own outputs, on outputs it may keep (a
+    graph's replay writes the same buffers again); a CUDA graph's runner refuses any other device with a clear
+    error (`pytest --device cuda` runs the graphs here too)."""
+    import conftest
+
+    device = conftest.DEVICE
+
+    def step(x: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.softmax(x * scale, dim=-1)
+        return y, y.argmax(-1)
+
+    if "graphs" in name and device.type != "cuda":
+        with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+            make_runner(name, step, device, backend="eager")
+        return
+    runner = make_runner(name, step, device, backend="eager")
+    inputs = [torch.randn(3, 7, generator=torch.Generator().manual_seed(seed)) for seed in range(3)]
+    outputs = [runner((x,), (2.0,)) for x in inputs]  # the first use captures or compiles; later ones replay
+    for x, (y, top) in zip(inputs, outputs):
+        expected, expected_top = step(x.to(device), 2.0)
+        assert torch.allclose(y, expected) and torch.equal(top, expected_top)
