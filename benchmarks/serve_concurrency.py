@@ -36,7 +36,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from specdecode.bench.server_process import ServerProcess, free_port, run_settings, streamed
+from specdecode.bench.server_process import ServerProcess, free_port, parse_run_arguments, run_settings, streamed
 
 SPECDECODE = [sys.executable, "-m", "specdecode"]
 CATEGORIES = "code,code-edit,summarisation,qa,math,rag,translation,multi-turn"
@@ -52,13 +52,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
                         help="which part of each category's prompts: tuning for decisions, held-out for reports")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--dtype", default="auto", help="the target's path, in-process and served")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads, in-process and served")
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--render", type=Path, default=None, help="only write DIR's report from its records")
-    args = parser.parse_args(argv)
-    args.out = args.out or Path("benchmarks/reports") / time.strftime("serve-concurrency-%Y-%m-%d-%H%M")
-    return args
+    return parse_run_arguments(parser, argv, "serve-concurrency")
 
 
 # --- A streamed request, timed -----------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from specdecode.bench.server_process import ServerProcess, free_port, run_settings, streamed
+from specdecode.bench.server_process import ServerProcess, free_port, parse_run_arguments, run_settings, streamed
 
 SPECDECODE = [sys.executable, "-m", "specdecode"]
 SERVERS = {"copies kept": "1", "none kept": "0"}  # name -> --prefix-cache-gib
@@ -47,13 +47,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--method", default="auto")
-    parser.add_argument("--dtype", default="auto", help="the target's path, in-process and served")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads, in-process and served")
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--render", type=Path, default=None, help="only write DIR's report from its records")
-    args = parser.parse_args(argv)
-    args.out = args.out or Path("benchmarks/reports") / time.strftime("serve-conversations-%Y-%m-%d-%H%M")
-    return args
+    return parse_run_arguments(parser, argv, "serve-conversations")
 
 
 def chat(url: str, messages: list[dict], method: str, max_tokens: int) -> dict:

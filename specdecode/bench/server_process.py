@@ -57,6 +57,21 @@ def run_settings() -> dict:
             "commit": commit.stdout.strip() or "unknown"}
 
 
+def parse_run_arguments(parser, argv, name: str):
+    """A served benchmark's arguments, with the ones every such script takes added to `parser`: the target's path and
+    torch threads (in-process and served), the report folder (default benchmarks/reports/NAME-<date-time>) and
+    --render."""
+    from pathlib import Path
+
+    parser.add_argument("--dtype", default="auto", help="the target's path, in-process and served")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads, in-process and served")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--render", type=Path, default=None, help="only write DIR's report from its records")
+    args = parser.parse_args(argv)
+    args.out = args.out or Path("benchmarks/reports") / time.strftime(f"{name}-%Y-%m-%d-%H%M")
+    return args
+
+
 def _die_with_parent() -> None:
     """In the server's process: be killed when the benchmark dies, however it dies (Linux)."""
     try:
