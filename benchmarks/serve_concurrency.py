@@ -12,6 +12,10 @@ each taking the next prompt when its answer is in. Levels and repeats follow one
 in the rows of a balanced Latin square (`bench.harness.method_order`), so neither a drifting machine nor what one
 method leaves behind favours another.
 
+--variant "NAME=SERVE OPTIONS" (repeatable) starts one server per variant, each with its options added (e.g.
+--variant "1 s=--chunk-seconds 1" --variant "0.25 s=--chunk-seconds 0.25"), and runs every method on each, all
+interleaved; a row is then `method [NAME]`, compared with `ar [NAME]`.
+
 Per method and level: the total output tokens per second over the run's wall clock; each request's tokens per
 second (from sending it to its last token); time to first token; time between tokens (a streamed chunk's gap
 spread evenly over its tokens: a step that brings three tokens after 90 ms counts 30 ms three times), median and
@@ -25,6 +29,7 @@ asks for, the answers that differ) and throughput.png (tokens per second against
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -52,7 +57,18 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
                         help="which part of each category's prompts: tuning for decisions, held-out for reports")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
-    return parse_run_arguments(parser, argv, "serve-concurrency")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=OPTIONS",
+                        help="a server of its own with these serve options added (repeatable)")
+    args = parse_run_arguments(parser, argv, "serve-concurrency")
+    for variant in args.variant:
+        if "=" not in variant or not variant.partition("=")[0].strip():
+            parser.error(f"--variant {variant!r}: NAME=SERVE OPTIONS, e.g. \"0.25 s=--chunk-seconds 0.25\"")
+    return args
+
+
+def baseline(label: str) -> str:
+    """The `ar` row a row is compared with: `ar`, or `ar [NAME]` on a variant's server."""
+    return "ar" + label[label.index(" "):] if " " in label else "ar"
 
 
 # --- A streamed request, timed -----------------------------------------------------------------------------
@@ -160,10 +176,9 @@ def noise_lines(records: list[dict], levels: list[int], methods: list[str]) -> l
              "| clients | method | repeats' ratios | geometric mean | 90% interval | verdict |",
              "|---|---|---|---|---|---|"]
     for level in levels:
-        ar = repeat_rates(records, level, "ar")
         for method in methods:
-            rates = repeat_rates(records, level, method)
-            logs = [math.log(rates[k] / ar[k]) for k in sorted(rates) if k in ar and method != "ar"]
+            ar, rates = repeat_rates(records, level, baseline(method)), repeat_rates(records, level, method)
+            logs = [math.log(rates[k] / ar[k]) for k in sorted(rates) if k in ar and method != baseline(method)]
             if not logs:
                 continue
             mean, low, high = interval(logs)
@@ -192,7 +207,7 @@ def render(out: Path) -> str:
              "| clients | method | tokens/s | over `ar` | a client's tokens/s | TTFT median / p95 (s) | "
              "TBT median / p95 (ms) | = in-process greedy |", "|---|---|---|---|---|---|---|---|"]
     for (level, method), row in table.items():
-        ar = table.get((level, "ar"))
+        ar = table.get((level, baseline(method)))
         over = f"{row['throughput'] / ar['throughput']:.2f}x" if ar else "-"
         lines.append(f"| {level} | `{method}` | {row['throughput']:.1f} | {over} | {row['client']:.1f} | "
                      f"{row['ttft']:.2f} / {row['ttft95']:.2f} | {row['tbt'] * 1000:.0f} / {row['tbt95'] * 1000:.0f} | "
@@ -206,10 +221,10 @@ def render(out: Path) -> str:
                       "median's ratio over `ar`'s for the same prompt, the largest):", ""]
         for method in methods:
             low, high = table[(levels[0], method)]["tbt"], table[(levels[-1], method)]["tbt"]
-            worst = max(prompt_ratio(records, method, p, levels) / prompt_ratio(records, "ar", p, levels)
-                        for p in range(settings["prompts"])) if "ar" in methods else float("nan")
+            worst = max(prompt_ratio(records, method, p, levels) / prompt_ratio(records, baseline(method), p, levels)
+                        for p in range(settings["prompts"])) if baseline(method) in methods else float("nan")
             lines.append(f"- `{method}`: {high / low:.2f}x; per prompt, beyond `ar`'s: at most {worst:.2f}x")
-    if "ar" in methods:
+    if any(baseline(method) in methods for method in methods):
         lines += noise_lines(records, levels, methods)
     differing = [r for r in records if r["kind"] == "request" and not r["identical"]]
     lines += ["", "Answers that differ from in-process greedy decoding:", ""] + [
@@ -275,41 +290,52 @@ def run(args: argparse.Namespace) -> None:
     methods = [m for m in args.methods.split(",") if m]
     prompts, categories, references = prompts_and_references(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    port = free_port()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     # (no copies of ended contexts: every method and level sends the same prompts, and a copy would hand a prompt its
     # own earlier answer's context; prefixes of live and just-ended requests are shared, as they were before copies)
-    serve = [*SPECDECODE, "serve", "--methods", ",".join(methods), "--method", methods[0], "--dtype", args.dtype,
-             "--port", str(port), "--max-batch", str(max(levels)), "--model-name", "default", "--prefix-cache-gib", "0"]
-    settings = {**run_settings(), "serve": shlex.join(serve), "clients": levels, "methods": methods,
-                "prompts": len(prompts), "part": args.part, "categories": args.categories,
+    variants = [v.partition("=") for v in args.variant] or [("", "", "")]
+    commands = {}  # variant name -> its server's command line
+    for name, _, options in variants:
+        commands[name.strip()] = [
+            *SPECDECODE, "serve", "--methods", ",".join(methods), "--method", methods[0], "--dtype", args.dtype,
+            "--port", str(free_port()), "--max-batch", str(max(levels)), "--model-name", "default",
+            "--prefix-cache-gib", "0", *shlex.split(options)]
+    labels = {(f"{m} [{name}]" if name else m): (name, m) for name in commands for m in methods}
+    settings = {**run_settings(), "serve": " ; ".join(shlex.join(c) for c in commands.values()), "clients": levels,
+                "methods": list(labels), "prompts": len(prompts), "part": args.part, "categories": args.categories,
                 "max_tokens": args.max_tokens, "repeats": args.repeats,
                 "beside": os.environ.get("BESIDE", "not recorded (set BESIDE to say)")}
     (args.out / "settings.json").write_text(json.dumps(settings, indent=1))
     records = (args.out / "records.jsonl").open("w")
-    with ServerProcess("specdecode serve", serve, port) as server:
-        print(f"starting {shlex.join(serve)}", flush=True)
-        server.wait_until_up(timeout=1800)
-        for method in methods:  # warm-up: first forwards, the batch's path at the widest level
-            run_level(server.url, prompts[: max(levels)], method, max(levels), 8)
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for name, command in commands.items():
+            server = stack.enter_context(ServerProcess("specdecode serve", command, int(command[command.index(
+                "--port") + 1])))
+            print(f"starting {shlex.join(command)}", flush=True)
+            server.wait_until_up(timeout=1800)
+            urls[name] = server.url
+            for method in methods:  # warm-up: first forwards, the batch's path at the widest level
+                run_level(server.url, prompts[: max(levels)], method, max(levels), 8)
         index = 0
         for repeat in range(args.repeats):
             for level in levels:
-                for method in method_order(methods, index):
-                    wall, answers = run_level(server.url, prompts, method, level, args.max_tokens)
+                for label in method_order(list(labels), index):
+                    name, method = labels[label]
+                    wall, answers = run_level(urls[name], prompts, method, level, args.max_tokens)
                     index += 1
-                    records.write(json.dumps({"kind": "run", "repeat": repeat, "clients": level, "method": method,
+                    records.write(json.dumps({"kind": "run", "repeat": repeat, "clients": level, "method": label,
                                               "wall": wall}) + "\n")
                     for prompt, client, request in answers:
                         difference = first_difference(request["token_ids"], references[prompt])
                         records.write(json.dumps({"kind": "request", "repeat": repeat, "clients": level,
-                                                  "method": method, "prompt": prompt, "category": categories[prompt],
+                                                  "method": label, "prompt": prompt, "category": categories[prompt],
                                                   "client": client, "identical": difference is None,
                                                   "prompt_tokens": len(prompts[prompt]),
                                                   "first_difference": difference, **request}) + "\n")
                     records.flush()
                     tokens = sum(len(a[2]["token_ids"]) for a in answers)
-                    print(f"{level} clients, {method}: {tokens / wall:.1f} tokens/s", flush=True)
+                    print(f"{level} clients, {label}: {tokens / wall:.1f} tokens/s", flush=True)
     records.close()
     print(render(args.out))
 

@@ -18,7 +18,7 @@ from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
 T = TypeVar("T")
 
 
-# The options of who may call the server and what it offers, named here to keep `serve` short.
+# The options of who may call the server, what it offers and what it keeps, named here to keep `serve` short.
 ApiKeyOption = Annotated[list[str] | None, typer.Option(
     envvar="SPECDECODE_API_KEY", show_envvar=True,
     help="A key clients must send as `Authorization: Bearer KEY`: one word of at least 16 characters "
@@ -35,6 +35,18 @@ MethodsOption = Annotated[str | None, typer.Option(
     help="Comma-separated methods clients may pick (tree forms included), all prepared at start-up "
          "(default: every method; --method is prepared at start-up, another on its first request, in "
          "the background, answering 503 until ready).")]
+
+MemoryBudgetOption = Annotated[float | None, typer.Option(
+    min=0.0, help="What one API key's owners' memories may hold together, in GiB, its least recently used forgotten "
+                  "first (default: a quarter of this machine's memory, shared out among the keys).")]
+PrefixCacheOption = Annotated[float, typer.Option(
+    min=0.0, help="GiB of ended requests' keys and values the batch keeps for later prompts that begin as they do (a "
+                  "conversation's next turn), shared out among the API keys; 0: none.")]
+ChunkSecondsOption = Annotated[float | None, typer.Option(
+    min=0.01, show_default=False,
+    help="Seconds of prompt feeding one step of the batch carries at most (default: one): a longer prompt is fed in "
+         "chunks of this, taking turns with the requests decoding (smaller: steadier streams while prompts arrive; "
+         "larger: prompts fed sooner).")]
 
 
 def serve(
@@ -67,13 +79,9 @@ def serve(
              "server (everybody: one trusted user only).")] = MemoryScope("tenant"),
     memory_owners: Annotated[int, typer.Option(
         min=1, help="Memory owners kept for each API key, its least recently used forgotten first.")] = 64,
-    memory_budget_gib: Annotated[float | None, typer.Option(
-        min=0.0, help="What one API key's owners' memories may hold together, in GiB, its least recently used "
-                      "forgotten first (default: a quarter of this machine's memory, shared out among the "
-                      "keys).")] = None,
-    prefix_cache_gib: Annotated[float, typer.Option(
-        min=0.0, help="GiB of ended requests' keys and values the batch keeps for later prompts that begin as they "
-                      "do (a conversation's next turn), shared out among the API keys; 0: none.")] = 1.0,
+    memory_budget_gib: MemoryBudgetOption = None,
+    prefix_cache_gib: PrefixCacheOption = 1.0,
+    chunk_seconds: ChunkSecondsOption = None,
     docs: Annotated[bool, typer.Option("--docs", help="Serve /docs and /openapi.json (behind the key).")] = False,
     model_name: Annotated[str | None, typer.Option(
         help="The model id clients send (default: the target's name).")] = None,
@@ -111,7 +119,8 @@ def serve(
                                     max_prompt_tokens=max_prompt_tokens),
                       methods=offered, memory_scope=memory_scope.value, memory_owners=memory_owners,
                       memory_budget=_memory_budget(memory_budget_gib, len(keys)),
-                      prefix_cache=_prefix_cache(prefix_cache_gib, memory_scope.value, len(keys)))
+                      prefix_cache=_prefix_cache(prefix_cache_gib, memory_scope.value, len(keys)),
+                      chunk_seconds=chunk_seconds)
 
     server = on_a_passing_thread(build)
     console.print(f"serving [bold]{name}[/] ({method.value} by default) on http://{host}:{port}/ ("

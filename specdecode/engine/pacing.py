@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from specdecode.engine.payoff import Rate
+from specdecode.errors import UserError
 from specdecode.models.costs import CHUNK_SECONDS, MIN_CHUNK
 
 
@@ -22,6 +23,8 @@ class PrefillShare:
     chunk under way deep into a long prompt, or on a busy machine, as at its start on a quiet one."""
 
     def __init__(self, seconds: float = CHUNK_SECONDS) -> None:
+        if not seconds > 0:
+            raise UserError(f"a chunk of prompt takes some time: chunk_seconds {seconds} is not above 0")
         self.seconds = seconds  # what a chunk takes at the pace of the last one
         self.chunk_seconds = 0.0  # the last step that carried a chunk
         self.since = 0.0  # the steps after it

@@ -44,6 +44,7 @@ from specdecode.constraints import grammar
 from specdecode.engine import GenerationResult, SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.methods import MethodChoice
+from specdecode.models.costs import CHUNK_SECONDS
 from specdecode.serve import protocol, replies, tools
 from specdecode.serve.chat import ChatRequest
 from specdecode.serve.engines import Engines, Owner
@@ -74,7 +75,7 @@ class Server:
                  limits: Limits = Limits(),
                  methods: Sequence[str | MethodChoice] | None = None, prepare: Sequence[str] | None = None,
                  memory_scope: str = "tenant", memory_owners: int = 64, memory_budget: int | None = None,
-                 prefix_cache: int = DEFAULT_PREFIX_CACHE):
+                 prefix_cache: int = DEFAULT_PREFIX_CACHE, chunk_seconds: float | None = None):
         """`methods`: those clients may name (default: every one the models can run), by name or resolved
         already (`methods.choose`); `datastore`: the retrieval datastore of those that take one; `head`: the
         trained head's folder of the methods of its kind (default: the shipped ones); `prepare`:
@@ -83,7 +84,9 @@ class Server:
         `memory_owners`, `memory_budget` (bytes; None: a quarter of the machine's memory): what one tenant's
         memory owners may be and hold together (`serve.engines`); `prefix_cache` (bytes): what the batch keeps of
         each tenant's ended requests' contexts copied out of its cache, for later requests' prompts that begin as
-        they do (`engine.slots.SavedContexts`; none under the request scope, where no request shares a prefix)."""
+        they do (`engine.slots.SavedContexts`; none under the request scope, where no request shares a prefix);
+        `chunk_seconds`: what one batch step's prompt tokens take at most (`engine.pacing.PrefillShare`; None: its
+        default)."""
         self.offer = Offer.resolve(models, default_method, methods, datastore, head)
         self.offered = tuple(self.offer.names())
         if prepare is None:
@@ -108,7 +111,8 @@ class Server:
         self.engines = Engines(models, memory_owners, memory_budget)
         self.worker = Worker(models.target, models.tokenizer, self.engines, on_finish=self._finished,
                              max_batch=max_batch, on_batch_step=self.metrics.batch_step, max_queue=limits.max_queue,
-                             keep_bytes=0 if memory_scope == "request" else prefix_cache)
+                             batch_options={"keep_bytes": 0 if memory_scope == "request" else prefix_cache,
+                                            "chunk_seconds": chunk_seconds or CHUNK_SECONDS})
         self.preparation = Preparation(self.engines, batching=self.worker.batch is not None)
         self.metrics.waiting.set_function(lambda: self.worker.queued)
         batch = self.worker.batch

@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from specdecode.drafters.base import Drafter
 from specdecode.engine import GenerationConfig, GenerationResult, SpeculativeEngine, StepEvent, Stream
@@ -175,10 +175,10 @@ class Alone:
 
 
 class Worker:
-    """Runs jobs on a daemon thread. `factory` builds the engine of a job that runs alone (for its method
-    and memory) and a new drafter for one sequence of a batch, asked only for methods whose
-    `Method.batchable`; `on_finish(job, result)` sees every result. `batch_target`: what the batch runs on
-    (default: `own_cache(target)`; None there: no batch, every job runs alone); `keep_bytes`: `BatchEngine`'s."""
+    """Runs jobs on a daemon thread. `factory` builds the engine of a job that runs alone (for its method and memory)
+    and a new drafter for one sequence of a batch, asked only for methods whose `Method.batchable`; `on_finish(job,
+    result)` sees every result. `batch_target`: what the batch runs on (default: `own_cache(target)`; None there: every
+    job runs alone); `batch_options`: `BatchEngine`'s keyword arguments (`keep_bytes`, `chunk_seconds`)."""
 
     def __init__(
         self,
@@ -190,7 +190,7 @@ class Worker:
         on_batch_step: Callable[[int, int], None] = lambda size, drafted: None,
         max_queue: int = DEFAULT_MAX_QUEUE,
         batch_target: CausalLM | None = None,
-        keep_bytes: int = 0,
+        batch_options: dict[str, Any] | None = None,
     ):
         self.tokenizer = tokenizer
         self.factory, self._on_finish = factory, on_finish
@@ -198,7 +198,7 @@ class Worker:
         self.max_batch, self.max_queue = max_batch, max_queue
         batch_target = batch_target or (own_cache(target) if target.several_sequences and max_batch > 1 else None)
         # (its cache its own: ended requests' contexts stay for later prompts' prefixes, `keep_ended`, `keep_bytes`)
-        self.batch = (BatchEngine(batch_target, tokenizer, keep_ended=max_batch, keep_bytes=keep_bytes)
+        self.batch = (BatchEngine(batch_target, tokenizer, keep_ended=max_batch, **(batch_options or {}))
                       if batch_target is not None else None)
         self._incoming: queue.Queue[Job | None] = queue.Queue()
         self._waiting: collections.deque[Job] = collections.deque()

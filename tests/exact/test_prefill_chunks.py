@@ -18,6 +18,7 @@ from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.engine.batch import BatchEngine, PrefillShare
 from specdecode.engine.sequence import Prefilled, StepEvent, prefill, prefill_spans
+from specdecode.errors import UserError
 from specdecode.models import costs, int4
 from specdecode.models.costs import CostCurve
 from specdecode.models.hf import HFCausalLM
@@ -246,3 +247,10 @@ def test_chunks_take_the_seconds_the_batch_is_given():
     share = PrefillShare(seconds=0.25)
     share.took(True, 100)(1.0)  # the last chunk: 100 tokens in a second
     assert share.chunk(1000) == 25 and share.chunk(10) == 10
+
+
+def test_a_chunk_takes_some_time():
+    with pytest.raises(UserError, match="chunk_seconds"):
+        PrefillShare(seconds=0.0)
+    with pytest.raises(UserError, match="chunk_seconds"):
+        BatchEngine(FakeLM(TARGET), chunk_seconds=-1.0)

@@ -44,3 +44,12 @@ def test_ratios_pair_each_repeat_with_ars_own():
 def test_one_repeat_gives_no_interval():
     found = rows(script().noise_lines(records({(2, "ar", 0): 2.0, (2, "auto", 0): 1.6}), [2], ["auto", "ar"]))
     assert found[("2", "`auto`")][2:] == ["1.25", "1.250", "-", "-"]
+
+
+def test_a_variants_rows_are_compared_with_ar_on_its_own_server():
+    """`--variant NAME=...`: `auto [NAME]` over `ar [NAME]`, not over the other server's `ar`."""
+    assert script().baseline("auto [0.25 s]") == "ar [0.25 s]" and script().baseline("pld") == "ar"
+    walls = {(8, "ar [1 s]", 0): 1.0, (8, "auto [1 s]", 0): 0.5, (8, "ar [q]", 0): 3.0, (8, "auto [q]", 0): 2.0}
+    found = rows(script().noise_lines(records(walls), [8], ["auto [1 s]", "ar [1 s]", "auto [q]", "ar [q]"]))
+    assert found[("8", "`auto [1 s]`")][2] == "2.00" and found[("8", "`auto [q]`")][2] == "1.50"
+    assert ("8", "`ar [q]`") not in found

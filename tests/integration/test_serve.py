@@ -385,6 +385,19 @@ def resident_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
+def test_the_chunk_seconds_given_are_what_the_batchs_prompt_chunks_take(models):
+    """`specdecode serve --chunk-seconds`: what one step of the batch feeds of prompts takes at most; left out, the
+    engine's default."""
+    from specdecode.models.costs import CHUNK_SECONDS
+
+    for given, expected_seconds in [(0.25, 0.25), (None, CHUNK_SECONDS)]:
+        state = Server(models, MODEL, default_method="ar", methods=["ar"], chunk_seconds=given)
+        try:
+            assert state.worker.batch is not None and state.worker.batch._share.seconds == expected_seconds
+        finally:
+            state.close()
+
+
 def test_load_200_requests_from_8_clients(server, client, models):
     running, state = server
     want = [expected(models, "ar", completion_ids(models, p), 8) for p in PROMPTS]
