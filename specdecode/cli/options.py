@@ -88,6 +88,14 @@ class MemoryScope(StrEnum):
     server = "server"
 
 
+class ChunkPolicy(StrEnum):
+    """When a long prompt's chunk goes into a step of the batch (`specdecode serve --chunk-policy`,
+    `engine.pacing.CHUNK_POLICIES`)."""
+
+    turns = "turns"
+    every = "every"
+
+
 BackendOption = Annotated[Backend, typer.Option(
     help="torch: any transformers model (target's path per --dtype, drafter per --draft-dtype); llamacpp: .gguf "
          "files through llama.cpp.")]

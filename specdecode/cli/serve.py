@@ -10,8 +10,8 @@ from typing import Annotated, TypeVar
 import typer
 
 from specdecode.cli.options import (
-    Backend, BackendOption, DatastoreOption, DeviceOption, DraftDType, DraftDTypeOption, DrafterOption, DType,
-    DTypeOption, HeadOption, MemoryScope, MethodName, TargetOption, backend_device, console)
+    Backend, BackendOption, ChunkPolicy, DatastoreOption, DeviceOption, DraftDType, DraftDTypeOption, DrafterOption,
+    DType, DTypeOption, HeadOption, MemoryScope, MethodName, TargetOption, backend_device, console)
 from specdecode.errors import UserError
 from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
 
@@ -47,6 +47,10 @@ ChunkSecondsOption = Annotated[float | None, typer.Option(
     help="Seconds of prompt feeding one step of the batch carries at most (default: one): a longer prompt is fed in "
          "chunks of this, taking turns with the requests decoding (smaller: steadier streams while prompts arrive; "
          "larger: prompts fed sooner).")]
+ChunkPolicyOption = Annotated[ChunkPolicy, typer.Option(
+    help="When a long prompt's chunk goes into a step of the batch: turns (once the steps since the last chunk took as "
+         "long as it did: the requests decoding keep half of the time at their own pace) or every (every step while "
+         "the prompt is fed, the requests decoding riding in it: smaller stalls, best with a small --chunk-seconds).")]
 
 
 def serve(
@@ -82,6 +86,7 @@ def serve(
     memory_budget_gib: MemoryBudgetOption = None,
     prefix_cache_gib: PrefixCacheOption = 1.0,
     chunk_seconds: ChunkSecondsOption = None,
+    chunk_policy: ChunkPolicyOption = ChunkPolicy("turns"),
     docs: Annotated[bool, typer.Option("--docs", help="Serve /docs and /openapi.json (behind the key).")] = False,
     model_name: Annotated[str | None, typer.Option(
         help="The model id clients send (default: the target's name).")] = None,
@@ -120,7 +125,7 @@ def serve(
                       methods=offered, memory_scope=memory_scope.value, memory_owners=memory_owners,
                       memory_budget=_memory_budget(memory_budget_gib, len(keys)),
                       prefix_cache=_prefix_cache(prefix_cache_gib, memory_scope.value, len(keys)),
-                      chunk_seconds=chunk_seconds)
+                      chunk_seconds=chunk_seconds, chunk_policy=chunk_policy.value)
 
     server = on_a_passing_thread(build)
     console.print(f"serving [bold]{name}[/] ({method.value} by default) on http://{host}:{port}/ ("

@@ -20,8 +20,9 @@ the curve says a wider forward no longer pays. Prompt tokens fed in the same ste
 Prompts: a step carries at most one chunk of prompt tokens in all (`costs.prefill_chunk`, then what takes as long at the
 pace of the last chunk: `PrefillShare`), so that no prompt holds the batch for longer than a chunk. Prompts that fit in
 a chunk are fed whole, oldest first, while they fit together; a longer prompt is fed a chunk a step, drafting and
-verifying nothing until its rest fits in a chunk, and takes turns with the other sequences (`PrefillShare`): a sequence
-that comes in while a long prompt is being fed waits for the chunk under way, not for the prompt. Several long prompts
+verifying nothing until its rest fits in a chunk, and takes turns with the other sequences (`PrefillShare`; or goes
+into every step, `chunk_policy="every"`): a sequence that comes in while a long prompt is fed waits for the chunk under
+way, not for the prompt. Several long prompts
 take turns too, the one that has fed the fewest chunks first.
 
 Shared prefixes: a sequence about to feed its prompt takes, instead of feeding them, the cache slots of the longest
@@ -110,12 +111,13 @@ class BatchEngine:
     def __init__(self, target: CausalLM, tokenizer=None, gate: bool = True,
                  keep_hidden: bool | tuple[int, ...] = False, clock: Callable[[], float] | None = None,
                  chunk_seconds: float = CHUNK_SECONDS, share_prefixes: bool = True, keep_ended: int = 0,
-                 keep_bytes: int = 0):
+                 keep_bytes: int = 0, chunk_policy: str = "turns"):
         """`keep_hidden`: the hidden states (`CausalLM.forward`'s `output_hidden`) of every context token a sequence
         feeds are kept, bfloat16, in `hidden[id]` (one piece a step, in order; the caller pops them). The target's
         forwards (for its cost curve) and whole steps (for the turns of long prompts, `PrefillShare`) are timed without
         waiting for the device, as `SpeculativeEngine` times them (`devices.stopwatch`; `clock`: a fixed clock
-        instead, read at once). `chunk_seconds`: what a step's prompt tokens take at most (`PrefillShare`).
+        instead, read at once). `chunk_seconds`, `chunk_policy`: what a step's prompt tokens take at most, and when a
+        long prompt's chunk goes into a step (`PrefillShare`).
         `share_prefixes`: a sequence takes the slots of a prefix of its prompt another holds (module docstring);
         `keep_ended`: so many ended sequences' contexts stay in the cache for that too, until it is squeezed or a
         sequence that comes to an empty batch has no use for them: only where nothing else touches the target's cache
@@ -133,7 +135,7 @@ class BatchEngine:
         self.saved = SavedContexts(keep_bytes if self.keep_ended else 0)  # theirs once their slots leave the cache
         self.hidden: dict[int, list[torch.Tensor]] = {}
         self._ids = itertools.count()
-        self._share = PrefillShare(chunk_seconds)
+        self._share = PrefillShare(chunk_seconds, chunk_policy)
         self.pace = Pace()  # how fast the batch outputs tokens, what its sequences' drafting is priced at
 
     @functools.cached_property

@@ -10,22 +10,30 @@ from specdecode.errors import UserError
 from specdecode.models.costs import CHUNK_SECONDS, MIN_CHUNK
 
 
+CHUNK_POLICIES = ("turns", "every")  # when a long prompt's chunk goes into a step (`PrefillShare`)
+
+
 class PrefillShare:
     """Turns between long prompts' chunks and the other sequences' steps, and the chunks' size.
 
-    A chunk goes into a step once the steps since the previous chunk have taken as long as that chunk did
-    (or when the step would carry nothing else). So while a long prompt is fed, the sequences decoding get
-    at least half of the time (and a token in each chunk's step too), and the prompt the other half.
+    Policy "turns" (the default): a chunk goes into a step once the steps since the previous chunk have taken as long
+    as that chunk did (or when the step would carry nothing else). So while a long prompt is fed, the sequences
+    decoding get at least half of the time at their own pace (and a token in each chunk's step too), and the prompt
+    the other half. Policy "every": a chunk goes into every step while a long prompt is fed, the decoding sequences
+    riding in it (the chunked prefill of vLLM and Sarathi-Serve): no step of theirs waits for a chunk beside it, but
+    each of their steps while the prompt is fed is a chunk's step, so small chunks go with it.
 
     A chunk is what takes `seconds` (CHUNK_SECONDS) at the pace of the last one, within MIN_CHUNK and the curve's chunk
     (`costs.prefill_chunk`, timed at the start of a prompt): a token's attention grows with the context, and
     a machine shared with other work slows every forward, so that a newcomer waits about as long for the
     chunk under way deep into a long prompt, or on a busy machine, as at its start on a quiet one."""
 
-    def __init__(self, seconds: float = CHUNK_SECONDS) -> None:
+    def __init__(self, seconds: float = CHUNK_SECONDS, policy: str = "turns") -> None:
         if not seconds > 0:
             raise UserError(f"a chunk of prompt takes some time: chunk_seconds {seconds} is not above 0")
-        self.seconds = seconds  # what a chunk takes at the pace of the last one
+        if policy not in CHUNK_POLICIES:
+            raise UserError(f"the chunk policy is one of {', '.join(CHUNK_POLICIES)}, not {policy!r}")
+        self.seconds, self.policy = seconds, policy  # what a chunk takes at the pace of the last one; when it goes
         self.chunk_seconds = 0.0  # the last step that carried a chunk
         self.since = 0.0  # the steps after it
         self.per_token = 0.0  # the last chunk's step, seconds a token it fed (0: none yet)
@@ -33,7 +41,7 @@ class PrefillShare:
 
     def turn(self) -> bool:
         """Whether a chunk may go into the next step."""
-        return self.since >= self.chunk_seconds
+        return self.policy == "every" or self.since >= self.chunk_seconds
 
     def chunk(self, most: int) -> int:
         """Prompt tokens the next step may carry, `most` at the most."""

@@ -75,7 +75,8 @@ class Server:
                  limits: Limits = Limits(),
                  methods: Sequence[str | MethodChoice] | None = None, prepare: Sequence[str] | None = None,
                  memory_scope: str = "tenant", memory_owners: int = 64, memory_budget: int | None = None,
-                 prefix_cache: int = DEFAULT_PREFIX_CACHE, chunk_seconds: float | None = None):
+                 prefix_cache: int = DEFAULT_PREFIX_CACHE, chunk_seconds: float | None = None,
+                 chunk_policy: str = "turns"):
         """`methods`: those clients may name (default: every one the models can run), by name or resolved
         already (`methods.choose`); `datastore`: the retrieval datastore of those that take one; `head`: the
         trained head's folder of the methods of its kind (default: the shipped ones); `prepare`:
@@ -85,8 +86,8 @@ class Server:
         memory owners may be and hold together (`serve.engines`); `prefix_cache` (bytes): what the batch keeps of
         each tenant's ended requests' contexts copied out of its cache, for later requests' prompts that begin as
         they do (`engine.slots.SavedContexts`; none under the request scope, where no request shares a prefix);
-        `chunk_seconds`: what one batch step's prompt tokens take at most (`engine.pacing.PrefillShare`; None: its
-        default)."""
+        `chunk_seconds`, `chunk_policy`: what one batch step's prompt tokens take at most (None: the engine's default),
+        and when a long prompt's chunk goes into a step (`engine.pacing.PrefillShare`)."""
         self.offer = Offer.resolve(models, default_method, methods, datastore, head)
         self.offered = tuple(self.offer.names())
         if prepare is None:
@@ -112,7 +113,8 @@ class Server:
         self.worker = Worker(models.target, models.tokenizer, self.engines, on_finish=self._finished,
                              max_batch=max_batch, on_batch_step=self.metrics.batch_step, max_queue=limits.max_queue,
                              batch_options={"keep_bytes": 0 if memory_scope == "request" else prefix_cache,
-                                            "chunk_seconds": chunk_seconds or CHUNK_SECONDS})
+                                            "chunk_seconds": chunk_seconds or CHUNK_SECONDS,
+                                            "chunk_policy": chunk_policy})
         self.preparation = Preparation(self.engines, batching=self.worker.batch is not None)
         self.metrics.waiting.set_function(lambda: self.worker.queued)
         batch = self.worker.batch

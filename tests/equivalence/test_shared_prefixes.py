@@ -14,6 +14,7 @@ from specdecode.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupT
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.engine import batch as batch_module
 from specdecode.engine.batch import BatchEngine
+from specdecode.engine.pacing import CHUNK_POLICIES
 from specdecode.engine.slots import common_prefix
 from specdecode.models.hf import HFCausalLM
 from specdecode.models.static import StaticCausalLM
@@ -224,12 +225,13 @@ def test_a_batch_emptied_by_a_removal_keeps_nothing(tiny_target):
 def test_random_joins_removals_and_tenants_decode_as_alone(tiny_target, monkeypatch, seed):
     """Random traffic: sequences join (prompts that begin as one of a few stems, or as an ended sequence's context),
     some are removed, two tenants, contexts kept or not (in the cache, and copied out of it), the cache squeezed at
-    every step, by default or never, prompts fed whole or in chunks. Every answer is its prompt's greedy continuation
-    alone; at every step the double count is the slots' true one and every slot lies in the cache."""
+    every step, by default or never, prompts fed whole or in chunks (taking turns, or one in every step). Every answer
+    is its prompt's greedy continuation alone; at every step the double count is the slots' true one and every slot
+    lies in the cache."""
     rng = random.Random(seed)
     monkeypatch.setattr(batch_module, "GARBAGE_SHARE", rng.choice([0.0, 0.25, 10.0]))
     engine = BatchEngine(HFCausalLM(tiny_target), LetterTokenizer(), keep_ended=rng.choice([0, 1, 3]),
-                         keep_bytes=rng.choice([0, 1 << 16, 1 << 30]))
+                         keep_bytes=rng.choice([0, 1 << 16, 1 << 30]), chunk_policy=rng.choice(CHUNK_POLICIES))
     engine.curve = FLAT
     engine.prefill_chunk = rng.choice([8, 256])
     stems = [[rng.randrange(VOCAB) for _ in range(rng.randrange(5, 40))] for _ in range(3)]

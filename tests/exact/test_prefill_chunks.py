@@ -177,6 +177,24 @@ def test_a_long_prompt_takes_turns_with_a_sequence_decoding():
     assert decoding not in results and len(engine.members[decoding].progress.output) == 1 + 40
 
 
+def test_under_the_every_policy_a_long_prompts_chunk_goes_into_every_step():
+    """`chunk_policy="every"`: while a long prompt is fed, each step carries a chunk of it and the decoding sequence's
+    token (vLLM's and Sarathi-Serve's chunked prefill); the answers are each one's alone all the same."""
+    engine, target = batch(chunk=4)
+    engine._share = PrefillShare(policy="every")
+    decoding = engine.add(prompt(3, seed=1), GenerationConfig(max_new_tokens=60))
+    engine.step()
+    long = engine.add(prompt(30, seed=2), GenerationConfig(max_new_tokens=3))
+    pattern, results = [], {}
+    while long not in results:
+        steps = {ident: result for ident, _, result in engine.step()}
+        results.update({i: r for i, r in steps.items() if r is not None})
+        pattern.append("C" if len(target.fed[-1]) == 5 else "d" if list(steps) == [decoding] else "+")
+    assert "".join(pattern) == "C" * 7 + "+++"  # seven chunks in a row, the other sequence's token in each
+    assert results[long].token_ids == alone(prompt(30, seed=2), 3)
+    assert engine.members[decoding].progress.output == alone(prompt(3, seed=1), 1 + 10)
+
+
 @pytest.mark.parametrize("length", [40, 400])
 def test_a_newcomer_waits_for_the_chunk_under_way_not_for_the_prompt(length):
     """However long another sequence's prompt, a newcomer's two tokens come in its first two steps."""
@@ -249,8 +267,10 @@ def test_chunks_take_the_seconds_the_batch_is_given():
     assert share.chunk(1000) == 25 and share.chunk(10) == 10
 
 
-def test_a_chunk_takes_some_time():
+def test_a_chunk_takes_some_time_and_goes_by_a_known_policy():
     with pytest.raises(UserError, match="chunk_seconds"):
         PrefillShare(seconds=0.0)
+    with pytest.raises(UserError, match="turns, every"):
+        BatchEngine(FakeLM(TARGET), chunk_policy="sometimes")
     with pytest.raises(UserError, match="chunk_seconds"):
         BatchEngine(FakeLM(TARGET), chunk_seconds=-1.0)

@@ -385,15 +385,16 @@ def resident_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def test_the_chunk_seconds_given_are_what_the_batchs_prompt_chunks_take(models):
-    """`specdecode serve --chunk-seconds`: what one step of the batch feeds of prompts takes at most; left out, the
-    engine's default."""
+def test_the_chunk_seconds_and_policy_given_are_the_batchs(models):
+    """`specdecode serve --chunk-seconds`, `--chunk-policy`: what one step of the batch feeds of prompts takes at most
+    (left out, the engine's default), and when a long prompt's chunk goes into a step."""
     from specdecode.models.costs import CHUNK_SECONDS
 
-    for given, expected_seconds in [(0.25, 0.25), (None, CHUNK_SECONDS)]:
-        state = Server(models, MODEL, default_method="ar", methods=["ar"], chunk_seconds=given)
+    for given, expected_seconds, policy in [(0.25, 0.25, "every"), (None, CHUNK_SECONDS, "turns")]:
+        state = Server(models, MODEL, default_method="ar", methods=["ar"], chunk_seconds=given, chunk_policy=policy)
         try:
-            assert state.worker.batch is not None and state.worker.batch._share.seconds == expected_seconds
+            share = state.worker.batch._share if state.worker.batch is not None else None
+            assert share is not None and share.seconds == expected_seconds and share.policy == policy
         finally:
             state.close()
 
