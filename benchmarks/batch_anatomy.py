@@ -7,8 +7,9 @@ each sending the next prompt when its answer is in), the methods interleaved rou
                                        [--chunk-policy turns,every] [--prefixes shared,fed]
 
 Methods: any that batches, and "copies": `auto` without its trained head (its copy sources alone). `--chunk-policy
-every`, an experiment the engine does not offer: a long prompt's chunk goes into every step while the prompt is fed, the
-decoding sequences riding in it, instead of taking turns with steps of decoding alone (`engine.pacing.PrefillShare`).
+every` (`BatchEngine`'s `chunk_policy`, the server's `--chunk-policy`): a long prompt's chunk goes into every step while
+the prompt is fed, the decoding sequences riding in it, instead of taking turns with steps of decoding alone
+(`engine.pacing.PrefillShare`).
 `--prefixes fed`: every sequence feeds its whole prompt, none taking a prefix another holds (`BatchEngine`'s
 `share_prefixes`; the chat template's system prompt begins every prompt here).
 
@@ -39,6 +40,7 @@ from specdecode.api import load_models
 from specdecode.bench.samples import sample_tasks
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.engine.batch import BatchEngine, final_layer
+from specdecode.engine.pacing import CHUNK_POLICIES
 from specdecode.methods import choose
 from specdecode.models.costs import CHUNK_SECONDS
 from specdecode.serve.worker import own_cache
@@ -78,9 +80,7 @@ def run(models, target, prototype, method: str, prompts: list[list[int]], slots:
     """The prompts through a batch of `slots`, refilled as answers end, each sequence's drafter made from
     `prototype` (None: plain decoding), built once beforehand as the server builds it."""
     engine = BatchEngine(target, models.tokenizer, chunk_seconds=chunk_seconds, share_prefixes=prefixes == "shared",
-                         keep_ended=slots)  # (as the server keeps them)
-    if policy == "every":  # a long prompt's chunk in every step, the decoding sequences riding in it
-        engine._share.turn = lambda: True
+                         keep_ended=slots, chunk_policy=policy)  # (as the server keeps them)
     tally, forward_seconds = Tally(), [0.0]
     original = target.forward
 
@@ -198,8 +198,8 @@ def main() -> None:
     prototypes = {m: prototype(models, m) for m in methods}  # (built once, as the server does)
     chunks = [float(c) for c in args.chunk_seconds.split(",")]
     policies = args.chunk_policy.split(",")
-    if not set(policies) <= {"turns", "every"}:
-        parser.error(f"--chunk-policy takes turns and every, not {args.chunk_policy}")
+    if not set(policies) <= set(CHUNK_POLICIES):
+        parser.error(f"--chunk-policy takes {', '.join(CHUNK_POLICIES)}, not {args.chunk_policy}")
     prefixes = args.prefixes.split(",")
     if not set(prefixes) <= {"shared", "fed"}:
         parser.error(f"--prefixes takes shared and fed, not {args.prefixes}")

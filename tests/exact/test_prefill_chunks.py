@@ -158,10 +158,14 @@ def alone(ids: list[int], n: int) -> list[int]:
     return engine.generate(ids, GenerationConfig(max_new_tokens=n)).token_ids
 
 
-def test_a_long_prompt_takes_turns_with_a_sequence_decoding():
-    """A chunk (4 prompt tokens, and the decoding sequence's token: 5 ticks) goes into a step once the
-    steps after the previous chunk have taken as long: here five one-token steps."""
+@pytest.mark.parametrize("policy", ["turns", "every"])
+def test_a_long_prompt_shares_the_steps_with_a_sequence_decoding(policy):
+    """A sequence decodes while another's 30-token prompt is fed in chunks of 4. "turns": a chunk (4 prompt tokens, and
+    the decoding sequence's token: 5 ticks) goes into a step once the steps after the previous chunk have taken as
+    long: here five one-token steps. "every" (vLLM's and Sarathi-Serve's chunked prefill): a chunk in every step, the
+    decoding sequence's token in each. Either way each answer is its alone."""
     engine, target = batch(chunk=4)
+    engine._share = PrefillShare(policy=policy)
     decoding = engine.add(prompt(3, seed=1), GenerationConfig(max_new_tokens=60))
     engine.step()
     long = engine.add(prompt(30, seed=2), GenerationConfig(max_new_tokens=3))
@@ -170,29 +174,14 @@ def test_a_long_prompt_takes_turns_with_a_sequence_decoding():
         steps = {ident: result for ident, _, result in engine.step()}
         results.update({i: r for i, r in steps.items() if r is not None})
         pattern.append("C" if len(target.fed[-1]) == 5 else "d" if list(steps) == [decoding] else "+")
-    # seven chunks (28 tokens) each with a token of the other sequence, five steps of its own between two;
-    # then the prompt's rest (2 tokens) fits in a chunk: it steps at once, then both decode
-    assert "".join(pattern) == "Cddddd" * 6 + "C" + "+++"
+    # seven chunks (28 tokens) each with a token of the other sequence; then the prompt's rest (2 tokens) fits in a
+    # chunk: it steps at once, then both decode
+    between = "ddddd" if policy == "turns" else ""
+    assert "".join(pattern) == ("C" + between) * 6 + "C" + "+++"
     assert results[long].token_ids == alone(prompt(30, seed=2), 3)
-    assert decoding not in results and len(engine.members[decoding].progress.output) == 1 + 40
-
-
-def test_under_the_every_policy_a_long_prompts_chunk_goes_into_every_step():
-    """`chunk_policy="every"`: while a long prompt is fed, each step carries a chunk of it and the decoding sequence's
-    token (vLLM's and Sarathi-Serve's chunked prefill); the answers are each one's alone all the same."""
-    engine, target = batch(chunk=4)
-    engine._share = PrefillShare(policy="every")
-    decoding = engine.add(prompt(3, seed=1), GenerationConfig(max_new_tokens=60))
-    engine.step()
-    long = engine.add(prompt(30, seed=2), GenerationConfig(max_new_tokens=3))
-    pattern, results = [], {}
-    while long not in results:
-        steps = {ident: result for ident, _, result in engine.step()}
-        results.update({i: r for i, r in steps.items() if r is not None})
-        pattern.append("C" if len(target.fed[-1]) == 5 else "d" if list(steps) == [decoding] else "+")
-    assert "".join(pattern) == "C" * 7 + "+++"  # seven chunks in a row, the other sequence's token in each
-    assert results[long].token_ids == alone(prompt(30, seed=2), 3)
-    assert engine.members[decoding].progress.output == alone(prompt(3, seed=1), 1 + 10)
+    output = engine.members[decoding].progress.output
+    assert decoding not in results and output == alone(prompt(3, seed=1), len(output)) and len(output) == 1 + len(
+        pattern)
 
 
 @pytest.mark.parametrize("length", [40, 400])
