@@ -63,6 +63,9 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     for variant in args.variant:
         if "=" not in variant or not variant.partition("=")[0].strip():
             parser.error(f"--variant {variant!r}: NAME=SERVE OPTIONS, e.g. \"0.25 s=--chunk-seconds 0.25\"")
+    names = [variant.partition("=")[0].strip() for variant in args.variant]
+    if len(set(names)) < len(names):
+        parser.error(f"--variant names must differ: {', '.join(names)}")
     return args
 
 
@@ -294,11 +297,12 @@ def run(args: argparse.Namespace) -> None:
     # (no copies of ended contexts: every method and level sends the same prompts, and a copy would hand a prompt its
     # own earlier answer's context; prefixes of live and just-ended requests are shared, as they were before copies)
     variants = [v.partition("=") for v in args.variant] or [("", "", "")]
-    commands = {}  # variant name -> its server's command line
+    commands, ports = {}, {}  # variant name -> its server's command line, port
     for name, _, options in variants:
+        port = ports[name.strip()] = free_port()
         commands[name.strip()] = [
             *SPECDECODE, "serve", "--methods", ",".join(methods), "--method", methods[0], "--dtype", args.dtype,
-            "--port", str(free_port()), "--max-batch", str(max(levels)), "--model-name", "default",
+            "--port", str(port), "--max-batch", str(max(levels)), "--model-name", "default",
             "--prefix-cache-gib", "0", *shlex.split(options)]
     labels = {(f"{m} [{name}]" if name else m): (name, m) for name in commands for m in methods}
     settings = {**run_settings(), "serve": " ; ".join(shlex.join(c) for c in commands.values()), "clients": levels,
@@ -310,8 +314,7 @@ def run(args: argparse.Namespace) -> None:
     with contextlib.ExitStack() as stack:
         urls = {}
         for name, command in commands.items():
-            server = stack.enter_context(ServerProcess("specdecode serve", command, int(command[command.index(
-                "--port") + 1])))
+            server = stack.enter_context(ServerProcess("specdecode serve", command, ports[name]))
             print(f"starting {shlex.join(command)}", flush=True)
             server.wait_until_up(timeout=1800)
             urls[name] = server.url

@@ -45,8 +45,8 @@ PrefixCacheOption = Annotated[float, typer.Option(
 ChunkSecondsOption = Annotated[float | None, typer.Option(
     min=0.01, show_default=False,
     help="Seconds of prompt feeding one step of the batch carries at most (default: one): a longer prompt is fed in "
-         "chunks of this, taking turns with the requests decoding (smaller: steadier streams while prompts arrive; "
-         "larger: prompts fed sooner).")]
+         "chunks of this beside the requests decoding (smaller: steadier streams while prompts arrive; larger: "
+         "prompts fed in fewer forwards).")]
 ChunkPolicyOption = Annotated[ChunkPolicy, typer.Option(
     help="When a long prompt's chunk goes into a step of the batch: turns (once the steps since the last chunk took as "
          "long as it did: the requests decoding keep half of the time at their own pace) or every (every step while "

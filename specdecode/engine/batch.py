@@ -22,8 +22,7 @@ pace of the last chunk: `PrefillShare`), so that no prompt holds the batch for l
 a chunk are fed whole, oldest first, while they fit together; a longer prompt is fed a chunk a step, drafting and
 verifying nothing until its rest fits in a chunk, and takes turns with the other sequences (`PrefillShare`; or goes
 into every step, `chunk_policy="every"`): a sequence that comes in while a long prompt is fed waits for the chunk under
-way, not for the prompt. Several long prompts
-take turns too, the one that has fed the fewest chunks first.
+way, not for the prompt. Several long prompts take turns too, the one that has fed the fewest chunks first.
 
 Shared prefixes: a sequence about to feed its prompt takes, instead of feeding them, the cache slots of the longest
 prefix of it (all but its last token) that another sequence of the same tenant holds (`add`'s `tenant`), live or

@@ -113,7 +113,7 @@ class Server:
         self.worker = Worker(models.target, models.tokenizer, self.engines, on_finish=self._finished,
                              max_batch=max_batch, on_batch_step=self.metrics.batch_step, max_queue=limits.max_queue,
                              batch_options={"keep_bytes": 0 if memory_scope == "request" else prefix_cache,
-                                            "chunk_seconds": chunk_seconds or CHUNK_SECONDS,
+                                            "chunk_seconds": CHUNK_SECONDS if chunk_seconds is None else chunk_seconds,
                                             "chunk_policy": chunk_policy})
         self.preparation = Preparation(self.engines, batching=self.worker.batch is not None)
         self.metrics.waiting.set_function(lambda: self.worker.queued)

@@ -13,6 +13,7 @@ import pytest
 
 from specdecode.api import load_models
 from specdecode.engine import GenerationConfig
+from specdecode.errors import UserError
 from specdecode.serve.app import Server, ServerThread, create_app
 
 MODEL = "tiny"
@@ -397,6 +398,8 @@ def test_the_chunk_seconds_and_policy_given_are_the_batchs(models):
             assert share is not None and share.seconds == expected_seconds and share.policy == policy
         finally:
             state.close()
+    with pytest.raises(UserError, match="chunk_seconds"):
+        Server(models, MODEL, default_method="ar", methods=["ar"], chunk_seconds=0.0)
 
 
 def test_load_200_requests_from_8_clients(server, client, models):
