@@ -231,10 +231,12 @@ class SuffixDrafter(Drafter):
 
     def propose(self, context, max_tokens, params: SamplingParams, generator) -> Draft:
         self._sync(list(context))
-        ids = np.asarray(context, dtype=np.int64)
         limit = min(self.num_tokens, max_tokens)
-        if limit <= 0 or not ids.size:
+        if limit <= 0 or len(context) == 0:
             return Draft.empty()
+        # the lookups read the context's last `max_match` tokens only (a long context converted whole each step cost
+        # more than the lookup)
+        ids = np.asarray(context[-max(self.index.max_match, self._earlier.max_match):], dtype=np.int64)
         matches, own = self._lookup(ids, limit)
         if not matches:
             return Draft.empty()
@@ -254,7 +256,7 @@ class SuffixDrafter(Drafter):
             leading = next((m for m, o in zip(matches, own) if o == source), None)
             if leading is not None:
                 self._judgments.append(_Judgment(source, CopyAcceptance.bucket(leading.matched),
-                                                 leading.continuation[:JUDGED].tolist(), ids.shape[0],
+                                                 leading.continuation[:JUDGED].tolist(), len(context),
                                                  leading.sequence))
         # 4. The best path as a scored chain, or the best nodes as a tree.
         if not self.tree:
