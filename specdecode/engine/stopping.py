@@ -9,16 +9,36 @@ class TextTracker:
     """Decodes the generated ids incrementally and watches for stop strings.
 
     Tokenizers decode an incomplete UTF-8 sequence as U+FFFD; such a tail is held back until the next
-    token completes it (or the generation ends).
+    token completes it (or the generation ends), and so is an end of the text that a stop string begins with, until
+    the text shows it is not the stop string (a client never sees a stop string's beginning the output then lacks).
     """
 
     def __init__(self, tokenizer, stop: Sequence[str] = ()):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.text = ""  # the text emitted so far
+        self._joins = joins(tokenizer)
+        self._settled: tuple[int, int | None, str] = (0, None, "")  # ids up to a character's end, the last, their text
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def _text_of(self, ids: Sequence[int]) -> str:
+        """`decode(ids)` of a growing output: where the tokenizer's decoding joins (`joins`), the text of the ids
+        settled at an earlier step (they ended at a character's end) and the decoding of the rest, so that a step
+        decodes its new ids (and any held back with an incomplete character), not the whole output again."""
+        count, last, text = self._settled
+        if not self._joins or count > len(ids) or (count and ids[count - 1] != last):  # (not the output settled)
+            count, text = 0, ""
+        text += self.decode(ids[count:])
+        if self._joins and ids and not text.endswith("\ufffd"):
+            self._settled = (len(ids), ids[-1], text)
+        return text
+
+    def _stop_begun(self, text: str) -> int:
+        """The length of the longest end of `text` that a stop string begins with (0: none)."""
+        return max((n for stop in self.stop for n in range(min(len(stop) - 1, len(text)), 0, -1)
+                    if stop.startswith(text[len(text) - n :])), default=0)
 
     def _first_stop(self, text: str) -> int | None:
         hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
@@ -30,7 +50,7 @@ class TextTracker:
         Returns the new text and, when a stop string appeared, how many ids to keep (up to the id that
         completes the stop string); the text then ends right before the stop string.
         """
-        full = self.decode(ids)
+        full = self._text_of(ids)
         keep = None
         cut = self._first_stop(full) if self.stop else None
         if cut is not None:
@@ -39,8 +59,9 @@ class TextTracker:
                 len(ids),
             )
             full = full[:cut]
-        else:
+        else:  # held back: an incomplete character, and an end a stop string may begin with (not output if it does)
             full = full.rstrip("\ufffd")
+            full = full[: len(full) - self._stop_begun(full)]
         delta = full[len(self.text) :]
         self.text = full if len(full) > len(self.text) else self.text
         return delta, keep
@@ -53,3 +74,11 @@ class TextTracker:
         delta = full[len(self.text) :]
         self.text = full
         return delta
+
+
+def joins(tokenizer) -> bool:
+    """Whether the tokenizer decodes ids as the decodings of any two parts of them joined, wherever the first part's
+    bytes end a character: a byte-level decoder (GPT-2's, Qwen's, Llama 3's: every token's bytes joined, then read as
+    UTF-8) with no clean-up of spaces afterwards. Others are decoded whole each time."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return type(decoder).__name__ == "ByteLevel" and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False

@@ -1,0 +1,83 @@
+"""`engine.stopping.TextTracker` decodes a growing output a step at a time: where the tokenizer's decoding joins (a
+byte-level decoder, no clean-up of spaces), only the ids since the last character's end. Its text at every step is the
+whole output's decoding, with random ids (incomplete characters, invalid bytes, special tokens among them), for the
+tests' tiny byte-level tokenizer and the default target's when it is in the cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import LetterTokenizer, tiny_tokenizer
+from specdecode.engine.stopping import TextTracker, joins
+
+
+def default_tokenizer():
+    from transformers import AutoTokenizer
+
+    from specdecode.models.loading import converted_dir
+    from specdecode.models.registry import DEFAULT_TARGET, MODELS
+
+    folder = converted_dir(MODELS[DEFAULT_TARGET])
+    if not (folder / "tokenizer.json").is_file():
+        pytest.skip(f"the default target's tokenizer is not in {folder}")
+    return AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(params=["tiny", "default"])
+def tokenizer(request):
+    return tiny_tokenizer() if request.param == "tiny" else default_tokenizer()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_every_steps_text_is_the_whole_outputs_decoding(tokenizer, seed):
+    rng = random.Random(seed)
+    ids = [rng.randrange(len(tokenizer)) for _ in range(600)]
+    tracker, whole = TextTracker(tokenizer), TextTracker(tokenizer)
+    whole._joins = False  # (decodes the whole output every step, as the tracker did before)
+    assert tracker._joins
+    output, deltas, expected = [], [], []
+    while len(output) < len(ids):
+        previous = len(output)
+        output.extend(ids[previous : previous + rng.randrange(1, 5)])
+        assert tracker._text_of(output) == tokenizer.decode(output, skip_special_tokens=True)
+        deltas.append(tracker.update(output, previous)[0])
+        expected.append(whole.update(output, previous)[0])
+    assert deltas == expected
+    assert "".join(deltas) + tracker.finish(output) == tokenizer.decode(output, skip_special_tokens=True)
+
+
+def test_a_stop_string_cuts_where_it_did(tokenizer):
+    """A stop string found in the joined text cuts the output as before (its search reads the whole text)."""
+    ids = tokenizer("one two three four five", add_special_tokens=False)["input_ids"]
+    tracker, whole = TextTracker(tokenizer, stop=["four"]), TextTracker(tokenizer, stop=["four"])
+    whole._joins = False
+    said, heard = [], []
+    for n in range(1, len(ids) + 1):
+        said.append(tracker.update(ids[:n], n - 1))
+        heard.append(whole.update(ids[:n], n - 1))
+        if said[-1][1] is not None:
+            break
+    assert said == heard and said[-1][1] is not None and "".join(d for d, _ in said) == "one two three "
+
+
+def test_only_a_byte_level_decoder_without_clean_up_joins():
+    tokenizer = tiny_tokenizer()
+    assert joins(tokenizer)
+    tokenizer.clean_up_tokenization_spaces = True  # (a clean-up can span the join)
+    assert not joins(tokenizer)
+    assert not joins(LetterTokenizer()) and not joins(None)
+
+
+def test_an_end_a_stop_string_begins_with_waits_until_the_text_says():
+    """Streamed text never shows the beginning of a stop string that the output then lacks: "fou" waits; "found"
+    shows it was not "four"; at the end a held "fou" comes with the tail."""
+    tokenizer = tiny_tokenizer()
+    ids = tokenizer("we found three fou", add_special_tokens=False)["input_ids"]
+    tracker = TextTracker(tokenizer, stop=["four"])
+    deltas = [tracker.update(ids[:n], n - 1)[0] for n in range(1, len(ids) + 1)]
+    shown = "".join(deltas)
+    assert not shown.endswith(("f", "fo", "fou")) and shown == "we found three "
+    assert "foun" in deltas  # "fou" of "found" shown once "n" said it was not "four"
+    assert tracker.finish(ids) == "fou"
