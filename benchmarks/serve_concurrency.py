@@ -296,11 +296,11 @@ def run(args: argparse.Namespace) -> None:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     # (no copies of ended contexts: every method and level sends the same prompts, and a copy would hand a prompt its
     # own earlier answer's context; prefixes of live and just-ended requests are shared, as they were before copies)
-    variants = [v.partition("=") for v in args.variant] or [("", "", "")]
+    variants = [(name.strip(), options) for name, _, options in (v.partition("=") for v in args.variant)]
     commands, ports = {}, {}  # variant name -> its server's command line, port
-    for name, _, options in variants:
-        port = ports[name.strip()] = free_port()
-        commands[name.strip()] = [
+    for name, options in variants or [("", "")]:
+        port = ports[name] = free_port()
+        commands[name] = [
             *SPECDECODE, "serve", "--methods", ",".join(methods), "--method", methods[0], "--dtype", args.dtype,
             "--port", str(port), "--max-batch", str(max(levels)), "--model-name", "default",
             "--prefix-cache-gib", "0", *shlex.split(options)]
