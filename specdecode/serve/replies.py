@@ -38,7 +38,10 @@ class Answer:
     prompt_ids: list[int] = field(default_factory=list)
 
     def finish_reason(self, result: GenerationResult, called: bool) -> str:
-        return "tool_calls" if called else protocol.finish_reason(result)
+        """OpenAI's: "length" for an answer `max_tokens` cut short, calls read before the cut or not (the last may
+        be missing), else "tool_calls" once a call was read."""
+        reason = protocol.finish_reason(result)
+        return "tool_calls" if called and reason != "length" else reason
 
     def completion_logprobs(self, result: GenerationResult, entries: list[TokenLogprob], offset: int) -> dict | None:
         if self.texts is None:

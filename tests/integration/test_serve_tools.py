@@ -130,3 +130,28 @@ def test_tool_choice_none_and_a_missing_function(client):
         ask(client, "ar", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "sub"}})
     with pytest.raises(openai.BadRequestError, match="not both"):
         ask(client, "ar", tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
+
+
+def test_an_answer_cut_by_max_tokens_says_length_even_after_calls(client):
+    """OpenAI's `finish_reason` is "length" for an answer `max_tokens` cut short, calls read before the cut or
+    not: "tool_calls" would tell the client its calls are whole when the last may be missing."""
+    whole = ask(client, "ar", tools=TOOLS, tool_choice="required")
+    assert whole.choices[0].finish_reason == "tool_calls"
+    full = calls_of(whole)
+    cuts = range(4, whole.usage.completion_tokens, 3)
+    seen_calls = False
+    for max_tokens in cuts:
+        for stream in (False, True):
+            if stream:
+                chunks = list(ask(client, "pld", tools=TOOLS, tool_choice="required", max_tokens=max_tokens,
+                                  stream=True))
+                finish = chunks[-1].choices[0].finish_reason
+                indices = {d.index for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []}
+                count = len(indices)
+            else:
+                cut = ask(client, "pld", tools=TOOLS, tool_choice="required", max_tokens=max_tokens)
+                finish, count = cut.choices[0].finish_reason, len(calls_of(cut))
+                assert calls_of(cut) == full[:count]
+            assert finish == "length", (max_tokens, stream)
+            seen_calls = seen_calls or count > 0
+    assert seen_calls  # some cut came after a whole call: the case that said "tool_calls"
