@@ -3,13 +3,14 @@ against the model's context, each failure an OpenAI error (400) before the reque
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from specdecode.engine import GenerationConfig
 from specdecode.errors import UserError
 from specdecode.constraints import Constraint
 from specdecode.serve.chat import ChatRequest
-from specdecode.serve.protocol import APIError, SamplingRequest
+from specdecode.serve.protocol import SEED_RANGE, APIError, SamplingRequest
 from specdecode.serve.worker import DEFAULT_MAX_QUEUE
 from specdecode.types import SamplingParams
 
@@ -91,6 +92,17 @@ class Limits:
                                     logprobs=top if top is not None else 0 if echo else None)
         except UserError as error:
             raise APIError(400, str(error)) from None
+
+
+def choice_configs(config: GenerationConfig, count: int) -> list[GenerationConfig]:
+    """The generations a request of `count` choices runs: one whose copies are every choice when it decodes
+    greedily (they would be the same tokens); else one a choice, choice i seeded with the request's seed + i (its
+    first choice is the one a request of one choice gets), or each from fresh randomness without a seed."""
+    if count == 1 or config.sampling.greedy:
+        return [config]
+    low, high = SEED_RANGE
+    seeds = [None if config.seed is None else (config.seed + i - low) % (high - low) + low for i in range(count)]
+    return [dataclasses.replace(config, seed=seed) for seed in seeds]
 
 
 def prompt_byte_limit(tokenizer, context: int) -> int | None:

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from specdecode.constraints import Constraint
 from specdecode.engine import GenerationResult
+from specdecode import metrics
 from specdecode.errors import UserError
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
@@ -27,6 +28,7 @@ MAX_BIASES = 1024  # logit_bias entries
 COMPLETION_MAX_TOKENS = 16  # what /v1/completions generates at most when max_tokens is left out or null (OpenAI's)
 MAX_NAME = 256  # characters of a model, method or user name (errors quote them back)
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: [low, high)
+MAX_CHOICES = 16  # a request's `n` at most: each sampled choice is a sequence of the batch
 STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
@@ -98,7 +100,7 @@ class SamplingRequest(BaseModel):
     top_k: int | None = Field(None, ge=0)  # not OpenAI's; as vLLM's (0: off)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
-    n: int | None = Field(None, ge=1, le=1)  # one choice per request
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)  # choices: sampled apart, or greedy's copies
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=MAX_NAME)  # the end user: scopes cross-request memory
@@ -154,6 +156,9 @@ class SamplingRequest(BaseModel):
         if not all(stops):
             raise ValueError("a stop string must not be empty")
         return stops
+
+    def choices(self) -> int:
+        return self.n or 1
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -281,25 +286,27 @@ def finish_reason(result: GenerationResult) -> str:
     return "length" if result.finish_reason == "length" else "stop"  # eos and stop strings
 
 
-def usage(result: GenerationResult) -> dict:
-    prompt, completion = len(result.prompt_ids), result.new_tokens
+def usage(choices: list[GenerationResult]) -> dict:
+    """OpenAI's `usage` of a request: its prompt once, every choice's tokens (greedy copies each counted)."""
+    prompt, completion = len(choices[0].prompt_ids), sum(result.new_tokens for result in choices)
     # (OpenAI's field for prompt tokens served from a cache: here those a sequence of the batch shared, `engine.batch`)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": choices[0].cached_tokens}}
 
 
-def speculative(result: GenerationResult) -> dict:
-    """Beside `usage`: how the request was decoded."""
-    drafted = sum(s.drafted for s in result.steps)
-    accepted = sum(s.accepted for s in result.steps)
+def speculative(runs: list[GenerationResult]) -> dict:
+    """Beside `usage`: how the request was decoded, over its generations (one per sampled choice; one for all
+    greedy choices), which ran side by side."""
+    steps = [step for result in runs for step in result.steps]
+    tokens, seconds = sum(result.new_tokens for result in runs), max(result.seconds for result in runs)
     return {
-        "method": result.method,
-        "target_forwards": result.target_forwards,
-        "drafted_tokens": drafted,
-        "accepted_tokens": accepted,
-        "mean_accepted_tokens": result.mean_accepted_tokens,
-        "acceptance_rate": result.acceptance_rate,
-        "tokens_per_second": result.tokens_per_second,
+        "method": runs[0].method,
+        "target_forwards": len(steps),
+        "drafted_tokens": sum(s.drafted for s in steps),
+        "accepted_tokens": sum(s.accepted for s in steps),
+        "mean_accepted_tokens": metrics.mean_accepted_tokens(steps),
+        "acceptance_rate": metrics.acceptance_rate(steps),
+        "tokens_per_second": metrics.tokens_per_second(tokens, seconds),
     }
 
 

@@ -4,6 +4,7 @@ of the answer and log-probabilities in both (`Answer`), and what a failure becom
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -53,10 +54,24 @@ class Answer:
         return logprobs.completion_entries([*prompt, *entries], tokens, self.texts, offset)
 
 
-def response(result: GenerationResult, answer: Answer, entries: list[TokenLogprob]) -> dict:
-    """The body of a finished generation; `entries`: its tokens' log-probabilities, when asked for."""
+def response(outcomes: list[tuple[GenerationResult, list[TokenLogprob]]], answer: Answer) -> dict:
+    """The body of a finished request: a choice per outcome, each a generation and its tokens' log-probabilities
+    (when asked for); greedy choices are one generation's copies (`usage` counts each, `speculative` the one)."""
+    runs = list({id(result): result for result, _ in outcomes}.values())
+    return {
+        "id": protocol.new_id("chatcmpl" if answer.chat else "cmpl"),
+        "object": "chat.completion" if answer.chat else "text_completion",
+        "created": protocol.now(),
+        "model": answer.model_name,
+        "choices": [_choice(index, result, entries, answer) for index, (result, entries) in enumerate(outcomes)],
+        "usage": protocol.usage([result for result, _ in outcomes]),
+        "speculative": protocol.speculative(runs),
+    }
+
+
+def _choice(index: int, result: GenerationResult, entries: list[TokenLogprob], answer: Answer) -> dict:
     calls: list[dict] = []
-    choice: dict = {"index": 0}
+    choice: dict = {"index": index}
     if answer.chat:
         content: str | None = result.text
         if answer.tools is not None:
@@ -67,23 +82,15 @@ def response(result: GenerationResult, answer: Answer, entries: list[TokenLogpro
         choice["text"] = (answer.echo or "") + result.text
         choice["logprobs"] = answer.completion_logprobs(result, entries, 0)
     choice["finish_reason"] = answer.finish_reason(result, bool(calls))
-    return {
-        "id": protocol.new_id("chatcmpl" if answer.chat else "cmpl"),
-        "object": "chat.completion" if answer.chat else "text_completion",
-        "created": protocol.now(),
-        "model": answer.model_name,
-        "choices": [choice],
-        "usage": protocol.usage(result),
-        "speculative": protocol.speculative(result),
-    }
+    return choice
 
 
 class Chunks:
     """The choices of a streamed answer's chunks: text (content, or a completion's text), tool calls read out of it
-    as they close (`serve.tools.CallReader`), each step's log-probabilities."""
+    as they close (`serve.tools.CallReader`), each step's log-probabilities; one writer per choice (`index`)."""
 
-    def __init__(self, answer: Answer):
-        self.answer = answer
+    def __init__(self, answer: Answer, index: int = 0):
+        self.answer, self.index = answer, index
         self.reader = CallReader(answer.tools) if answer.tools is not None else None
         self.offset = len(answer.echo or "")  # a completion's text so far (its log-probabilities' offsets)
 
@@ -122,52 +129,80 @@ class Chunks:
     def _choice(self, delta: dict, text: str | None = None, scores: dict | None = None,
                 finish: str | None = None) -> list[dict]:
         if not self.answer.chat:
-            return [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": scores}]
-        return [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": scores}]
+            return [{"index": self.index, "text": text or "", "finish_reason": finish, "logprobs": scores}]
+        return [{"index": self.index, "delta": delta, "finish_reason": finish, "logprobs": scores}]
 
 
-async def chunks(job: Job, first, body: SamplingRequest, answer: Answer, metrics: ServerMetrics
+async def chunks(jobs: list[Job], firsts: list, body: SamplingRequest, answer: Answer, metrics: ServerMetrics
                  ) -> AsyncIterator[str]:
-    """A streamed generation's events from its first item on, then `[DONE]`; a client that leaves
-    mid-stream cancels the job."""
+    """A streamed request's events from each generation's first item on, then `[DONE]`: choice i is generation
+    i's, or with one generation (greedy copies) every choice is its (`choices`); a client that leaves mid-stream
+    cancels the jobs."""
     ident, created = protocol.new_id("chatcmpl" if answer.chat else "cmpl"), protocol.now()
-    writer = Chunks(answer)
+    count = body.choices()
+    writers = [Chunks(answer, index) for index in range(count)]
+    served = [[index for index in range(count) if index % len(jobs) == run] for run in range(len(jobs))]
 
     def chunk(choices: list[dict], **extra) -> str:
         body_ = {"id": ident, "object": "chat.completion.chunk" if answer.chat else "text_completion",
                  "created": created, "model": answer.model_name, "choices": choices, **extra}
         return f"data: {json.dumps(body_)}\n\n"
 
+    merged: asyncio.Queue = asyncio.Queue()  # (generation, item) as they come
+    for run, first in enumerate(firsts):
+        merged.put_nowait((run, first))
+    pumps = [asyncio.create_task(_pump(job, run, merged)) for run, job in enumerate(jobs) if not _last(firsts[run])]
+    results: dict[int, GenerationResult] = {}
     finished = False
     metrics.running.inc()
     try:
-        for choices in writer.first():
-            yield chunk(choices)
-        item = first
-        while True:
+        for writer in writers:
+            for choices in writer.first():
+                yield chunk(choices)
+        while len(results) < len(jobs):
+            run, item = await merged.get()
             if isinstance(item, BaseException):
                 yield f"data: {json.dumps(api_error(item).body())}\n\n"
                 break
+            for index in served[run]:
+                if isinstance(item, GenerationResult):
+                    *before, final = writers[index].last(item)
+                    for choices in before:
+                        yield chunk(choices)
+                    yield chunk(final, speculative=protocol.speculative([item]))
+                else:
+                    main, *calls = writers[index].step(item)
+                    yield chunk(main, specdecode=step_payload(item))
+                    for choices in calls:
+                        yield chunk(choices)
             if isinstance(item, GenerationResult):
-                *before, final = writer.last(item)
-                for choices in before:
-                    yield chunk(choices)
-                yield chunk(final, speculative=protocol.speculative(item))
-                if body.include_usage():
-                    yield chunk([], usage=protocol.usage(item))
-                break
-            main, *calls = writer.step(item)
-            yield chunk(main, specdecode=step_payload(item))
-            for choices in calls:
-                yield chunk(choices)
-            item = await job.events.get()
-        finished = True
-        yield "data: [DONE]\n\n"
+                results[run] = item
+        else:
+            if body.include_usage():
+                yield chunk([], usage=protocol.usage([results[index % len(jobs)] for index in range(count)]))
+            finished = True
+            yield "data: [DONE]\n\n"
     finally:
         metrics.running.dec()
-        if not finished:  # the client went away mid-stream: stop the generation, free its cache
-            job.cancelled.set()
+        for pump in pumps:
+            pump.cancel()
+        if not finished:  # the client went away mid-stream, or a generation failed: stop them all, free their caches
+            for job in jobs:
+                job.cancelled.set()
             metrics.cancelled.inc()
+
+
+def _last(item) -> bool:
+    return isinstance(item, (GenerationResult, BaseException))
+
+
+async def _pump(job: Job, run: int, merged: asyncio.Queue) -> None:
+    """A generation's items after its first, into the queue the stream reads, up to its last."""
+    while True:
+        item = await job.events.get()
+        merged.put_nowait((run, item))
+        if _last(item):
+            return
 
 
 def step_payload(step: Step) -> dict:

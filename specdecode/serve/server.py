@@ -49,7 +49,7 @@ from specdecode.serve import protocol, replies, tools
 from specdecode.serve.chat import ChatRequest
 from specdecode.serve.engines import Engines, Owner
 from specdecode.serve.guard import ClientGone
-from specdecode.serve.limits import Limits, check_prompt_bytes, prompt_byte_limit
+from specdecode.serve.limits import Limits, check_prompt_bytes, choice_configs, prompt_byte_limit
 from specdecode.serve.metrics import ServerMetrics
 from specdecode.serve.offer import Offer, Preparation
 from specdecode.serve.logprobs import TokenTexts
@@ -269,11 +269,7 @@ class Server:
         limit = self._answer_limit(body)
         param = "messages" if chat else "prompt"
         encode, answer = self._prepare(body)
-        if not self.worker.enter():
-            retry = max(1, min(60, math.ceil(self._recent_seconds)))
-            raise APIError(429, f"The server is busy: {self.limits.max_queue} requests are waiting; retry in "
-                                f"{retry} s.", type="server_error", code="queue_full",
-                           headers={"Retry-After": str(retry)})
+        places = self._enter(0)
         loop = asyncio.get_running_loop()
         memory = self.memory_owner(request.state.tenant, body.user)
         try:
@@ -287,43 +283,69 @@ class Server:
             engine = None
             if self.worker.runs_alone(choice, config):
                 engine = await self._engine(choice, memory, request)
+            configs = choice_configs(config, body.choices())
+            while places < len(configs):  # a place in the queue for each generation
+                places = self._enter(places)
         except BaseException:
-            self.worker.leave()
+            for _ in range(places):
+                self.worker.leave()
             raise
-        job = Job(choice, prompt_ids, config, loop, asyncio.Queue(), memory=memory, engine=engine,
-                  deadline=arrival + self.limits.request_seconds, tenant=self.prefix_group(request.state.tenant),
-                  share=body.cache_prompt is not False)
-        self.worker.submit(job)
+        jobs = [Job(choice, prompt_ids, each, loop, asyncio.Queue(), memory=memory, engine=engine,
+                    deadline=arrival + self.limits.request_seconds, tenant=self.prefix_group(request.state.tenant),
+                    share=body.cache_prompt is not False) for each in configs]
+        for job in jobs:
+            self.worker.submit(job)
         watcher = asyncio.create_task(replies.disconnected(request))
         finished = False
         try:
-            first = await self._next(job, watcher)  # errors before the first token keep their status
-            if isinstance(first, BaseException):
-                raise api_error(first)
-            self.metrics.queue_seconds.observe((job.started or time.perf_counter()) - job.submitted)
-            self.metrics.first_token.labels(choice.name).observe(time.perf_counter() - job.submitted)
+            items = await self._items(jobs, watcher)  # errors before the first token keep their status
+            if error := next((item for item in items if isinstance(item, BaseException)), None):
+                raise api_error(error)
+            self.metrics.queue_seconds.observe((jobs[0].started or time.perf_counter()) - jobs[0].submitted)
+            self.metrics.first_token.labels(choice.name).observe(time.perf_counter() - jobs[0].submitted)
             if body.stream:
                 watcher.cancel()  # the streaming response watches the connection from here
                 finished = True
-                return StreamingResponse(replies.chunks(job, first, body, answer, self.metrics),
+                return StreamingResponse(replies.chunks(jobs, items, body, answer, self.metrics),
                                          media_type="text/event-stream")
             self.metrics.running.inc()
-            entries: list = []  # the tokens' log-probabilities, step by step (an expired job's result has none)
             try:
-                item = first
-                while not isinstance(item, GenerationResult):
-                    if isinstance(item, BaseException):
-                        raise api_error(item)
-                    entries += item.event.logprobs or []
-                    item = await self._next(job, watcher)
+                outcomes = await self._whole(jobs, items, watcher)
             finally:
                 self.metrics.running.dec()
             finished = True
-            return JSONResponse(replies.response(item, answer, entries))
+            return JSONResponse(replies.response([outcomes[i % len(jobs)] for i in range(body.choices())], answer))
         finally:
             watcher.cancel()
-            if not finished:  # the client left, or the request failed: stop the generation
-                job.cancelled.set()
+            if not finished:  # the client left, or the request failed: stop the generations
+                for job in jobs:
+                    job.cancelled.set()
+
+    def _enter(self, places: int) -> int:
+        """One more place in the worker's queue for this request's generations; a 429 when it is full (the places
+        taken are the caller's to give back)."""
+        if self.worker.enter():
+            return places + 1
+        retry = max(1, min(60, math.ceil(self._recent_seconds)))
+        raise APIError(429, f"The server is busy: {self.limits.max_queue} requests are waiting; retry in "
+                            f"{retry} s.", type="server_error", code="queue_full", headers={"Retry-After": str(retry)})
+
+    async def _whole(self, jobs: list[Job], items: list, watcher: asyncio.Task
+                     ) -> list[tuple[GenerationResult, list]]:
+        """Each job's generation and its tokens' log-probabilities (step by step; an expired job's result has none),
+        from its first item on."""
+        entries: list[list] = [[] for _ in jobs]
+        while True:
+            for run, item in enumerate(items):
+                if isinstance(item, BaseException):
+                    raise api_error(item)
+                if not isinstance(item, GenerationResult):
+                    entries[run] += item.event.logprobs or []
+            due = [run for run, item in enumerate(items) if not isinstance(item, GenerationResult)]
+            if not due:
+                return list(zip(items, entries))
+            for run, item in zip(due, await self._items([jobs[run] for run in due], watcher)):
+                items[run] = item
 
     async def _engine(self, choice: MethodChoice, memory: Owner | None, request: Request) -> SpeculativeEngine:
         """The engine a job that runs alone will run with, built beside the worker if need be (`Engines.building`):
@@ -352,13 +374,15 @@ class Server:
             log.error("building the engine of method %s failed", choice.name, exc_info=error)
             raise api_error(error) from None
 
-    async def _next(self, job: Job, watcher: asyncio.Task):
-        """The job's next event, or ClientGone once the client has disconnected (its job cancelled)."""
-        getter = asyncio.ensure_future(job.events.get())
-        await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if getter.done():
-            return getter.result()
-        getter.cancel()
-        job.cancelled.set()
+    async def _items(self, jobs: list[Job], watcher: asyncio.Task) -> list:
+        """Each job's next event, or ClientGone once the client has disconnected (the jobs cancelled)."""
+        getters = [asyncio.ensure_future(job.events.get()) for job in jobs]
+        every = asyncio.gather(*getters)
+        await asyncio.wait({every, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if every.done():
+            return every.result()
+        every.cancel()
+        for job in jobs:
+            job.cancelled.set()
         self.metrics.cancelled.inc()
         raise ClientGone

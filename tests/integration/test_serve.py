@@ -1,10 +1,11 @@
 """`specdecode serve` on loopback with a tiny model pair: the official `openai` client, streaming, chat,
-concurrency, bad requests, a client leaving mid-stream, /metrics, and a bounded load test."""
+concurrency, bad requests, a client leaving mid-stream, /metrics, a bounded load test, and several choices (`n`)."""
 
 from __future__ import annotations
 
 import json
 import time
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
 import http.client
@@ -15,6 +16,9 @@ from specdecode.api import load_models
 from specdecode.engine import GenerationConfig
 from specdecode.errors import UserError
 from specdecode.serve.app import Server, ServerThread, create_app
+from specdecode.serve.limits import choice_configs
+from specdecode.serve.protocol import MAX_CHOICES, SEED_RANGE, APIError, CompletionRequest, parse
+from specdecode.types import SamplingParams
 
 MODEL = "tiny"
 PROMPTS = ["the cat sat", "hello there", "one two three four", "the the the"]
@@ -185,7 +189,7 @@ def openai_error(reply: Reply) -> dict:
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 5}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "empty"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "Token ids"),
@@ -425,3 +429,88 @@ def test_load_200_requests_from_8_clients(server, client, models):
     assert (metric(running.url, 'specdecode_batch_size_bucket{le="1.0"}')
             < metric(running.url, "specdecode_batch_size_count"))
     assert metric(running.url, "specdecode_waiting_requests") == 0
+
+# --- Several choices (`n`) -------------------------------------------------------------------------------------
+# Greedy choices are one generation's copies; sampled choice i is what a request of one choice seeded with seed + i
+# gets, whichever method, batched or alone; streamed choices spell the whole ones; `usage` counts every choice; a
+# client that leaves stops them all.
+
+PROMPT = PROMPTS[0]
+MESSAGES = [{"role": "user", "content": "the cat"}]
+
+
+def complete(client, **kwargs):
+    method = kwargs.pop("method", "pld")
+    return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=kwargs.pop("max_tokens", 12),
+                                     extra_body={"method": method}, **kwargs)
+
+
+def test_greedy_choices_are_copies_of_one_generation(client, models):
+    many, one = complete(client, temperature=0, n=3), complete(client, temperature=0)
+    ids = completion_ids(models, PROMPT)
+    want = expected(models, "pld", ids, 12)
+    assert [(c.index, c.text, c.finish_reason) for c in many.choices] == [(i, want, one.choices[0].finish_reason)
+                                                                           for i in range(3)]
+    assert many.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert many.usage.prompt_tokens == one.usage.prompt_tokens == len(ids)
+    # one generation ran: its forwards are one request's
+    assert many.model_extra["speculative"]["target_forwards"] == one.model_extra["speculative"]["target_forwards"]
+
+
+@pytest.mark.parametrize("method", ["pld", "ar", "draft"])  # draft's sequences run alone, taking turns
+def test_sampled_choice_i_is_the_one_choice_seeded_with_seed_plus_i(client, method):
+    many = complete(client, method=method, temperature=1.0, seed=11, n=3, max_tokens=16)
+    singles = [complete(client, method=method, temperature=1.0, seed=11 + i, max_tokens=16) for i in range(3)]
+    assert [c.text for c in many.choices] == [s.choices[0].text for s in singles]
+    assert len({c.text for c in many.choices}) == 3  # sampled apart
+    assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    assert many.model_extra["speculative"]["target_forwards"] == sum(
+        s.model_extra["speculative"]["target_forwards"] for s in singles)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_streamed_choices_spell_the_whole_ones(client, temperature):
+    kwargs = {"model": MODEL, "messages": MESSAGES, "max_tokens": 12, "temperature": temperature, "seed": 5, "n": 3}
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    texts: dict[int, str] = defaultdict(str)
+    finishes, roles = {}, []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            roles += [choice.index] if choice.delta.role else []
+            if choice.finish_reason:
+                assert choice.index not in finishes  # one finish a choice
+                finishes[choice.index] = choice.finish_reason
+    assert dict(texts) == {c.index: c.message.content for c in whole.choices}
+    assert finishes == {c.index: c.finish_reason for c in whole.choices}
+    assert sorted(roles) == [0, 1, 2]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_a_client_leaving_a_stream_of_choices_stops_every_one(server, client):
+    running, state = server
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 100, "temperature": 1.0, "n": 3, "stream": True}
+    connection = http.client.HTTPConnection(running.url.removeprefix("http://"), timeout=30)
+    connection.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data:")
+    connection.close()  # mid-stream
+    deadline = time.monotonic() + 20
+    while state.worker.batch.members:  # every choice's sequence leaves the batch
+        assert time.monotonic() < deadline, "the server did not stop the choices"
+        time.sleep(0.05)
+    assert complete(client, temperature=0, n=2).choices[1].text
+
+
+def test_choices_are_refused_beyond_the_most_a_request_may_ask():
+    with pytest.raises(APIError, match="less than or equal to 16"):
+        parse(json.dumps({"model": MODEL, "prompt": "x", "n": MAX_CHOICES + 1}).encode(), CompletionRequest)
+
+
+def test_the_choices_seeds_wrap_within_the_seed_range():
+    sampled = GenerationConfig(sampling=SamplingParams(temperature=1.0), seed=SEED_RANGE[1] - 2)
+    assert [c.seed for c in choice_configs(sampled, 3)] == [SEED_RANGE[1] - 2, SEED_RANGE[1] - 1, SEED_RANGE[0]]
+    unseeded = GenerationConfig(sampling=SamplingParams(temperature=1.0))
+    assert [c.seed for c in choice_configs(unseeded, 2)] == [None, None]
+    assert len(choice_configs(GenerationConfig(seed=3), 4)) == 1  # greedy: one generation, copied

@@ -181,6 +181,19 @@ def test_a_full_queue_answers_429_with_retry_after(models):
         assert metric(running.url, "specdecode_waiting_requests") == 0
 
 
+def test_each_sampled_choice_takes_a_place_in_the_queue(models):
+    """A request of n sampled choices runs n generations: it needs n places, or gets 429 and holds none."""
+    with serving(models, limits=Limits(max_queue=2)) as (running, state):
+        sampled = {**completion("pld", 4), "temperature": 1.0, "seed": 3}
+        over = post(running.url, "/v1/completions", {**sampled, "n": 3})
+        assert over.status_code == 429 and openai_error(over)["code"] == "queue_full"
+        assert state.worker.queued == 0  # the places it took are given back
+        for n, body in [(2, sampled), (3, {**sampled, "temperature": 0})]:  # greedy copies take one place
+            reply = post(running.url, "/v1/completions", {**body, "n": n})
+            assert reply.status_code == 200, reply.text
+            assert len(reply.json()["choices"]) == n
+
+
 # --- Tokens ------------------------------------------------------------------------------------------
 
 
