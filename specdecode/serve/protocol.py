@@ -107,6 +107,7 @@ class SamplingRequest(BaseModel):
     method: str | None = Field(None, max_length=MAX_NAME)  # ours: the speculative method (default: the server's)
     # as llama-server's: False, the prompt neither takes a prefix from the batch's cache nor leaves one there
     cache_prompt: bool | None = None
+    ignore_eos: bool | None = None  # as vLLM's: decode on past end-of-sequence tokens, to max_tokens
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # as vLLM's: a regular expression or a Lark grammar
     # the penalties and biases (`SamplingParams`): OpenAI's, then vLLM's two

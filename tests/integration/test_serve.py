@@ -430,6 +430,18 @@ def test_load_200_requests_from_8_clients(server, client, models):
             < metric(running.url, "specdecode_batch_size_count"))
     assert metric(running.url, "specdecode_waiting_requests") == 0
 
+
+def test_ignore_eos_decodes_on_past_end_of_sequence_tokens(client, models):
+    """vLLM's `ignore_eos`: an answer made of end-of-sequence tokens (a bias forces them) runs to max_tokens."""
+    eos = min(models.target.eos_token_ids)
+    ask = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "logit_bias": {str(eos): 100}}
+    ended = client.completions.create(**ask)
+    assert ended.usage.completion_tokens == 1 and ended.choices[0].finish_reason == "stop"
+    for method in ("pld", "draft"):
+        going = client.completions.create(**ask, extra_body={"ignore_eos": True, "method": method})
+        assert going.usage.completion_tokens == 6 and going.choices[0].finish_reason == "length"
+
+
 # --- Several choices (`n`) -------------------------------------------------------------------------------------
 # Greedy choices are one generation's copies; sampled choice i is what a request of one choice seeded with seed + i
 # gets, whichever method, batched or alone; streamed choices spell the whole ones; `usage` counts every choice; a
