@@ -29,6 +29,7 @@ COMPLETION_MAX_TOKENS = 16  # what /v1/completions generates at most when max_to
 MAX_NAME = 256  # characters of a model, method or user name (errors quote them back)
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: [low, high)
 MAX_CHOICES = 16  # a request's `n` at most: each sampled choice is a sequence of the batch
+MAX_PROMPTS = 64  # a completion request's prompts at most (a batch of prompts: a generation each)
 STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
@@ -226,24 +227,28 @@ class CompletionRequest(SamplingRequest):
 
     @field_validator("prompt", mode="plain")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> str | list[int]:
-        if isinstance(prompt, list) and not prompt:
-            raise ValueError("the prompt is empty")
+    def _prompts(cls, prompt: Any) -> list[str | list[int]]:
         if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-            if len(prompt) != 1:
-                raise ValueError("one prompt per request (batch prompts are not supported; send several requests)")
-            prompt = prompt[0]
-        if not prompt:
+            if len({type(p) for p in prompt}) > 1:
+                raise ValueError("a batch of prompts is texts or token-id lists, not both")
+            if len(prompt) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts a request")
+            return [cls._prompt(p) for p in prompt]
+        return [cls._prompt(prompt)]
+
+    @staticmethod
+    def _prompt(prompt: Any) -> str | list[int]:
+        if not prompt and isinstance(prompt, (str, list)):
             raise ValueError("the prompt is empty")
         if isinstance(prompt, str):
             return prompt
         if isinstance(prompt, list) and all(type(p) is int for p in prompt):
             return prompt
-        raise ValueError("the prompt must be a string or a list of token ids (or a list of one of those)")
+        raise ValueError("the prompt must be a string or a list of token ids (or a list of those)")
 
-    def one_prompt(self) -> str | list[int]:
-        """The prompt as `_one_prompt` validated it: a text, or token ids (the schema keeps the forms sent)."""
-        return cast("str | list[int]", self.prompt)
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as `_prompts` validated them, each a text or token ids (the schema keeps the forms sent)."""
+        return cast("list[str | list[int]]", self.prompt)
 
 
 def _neutral(value: Any, neutral: tuple) -> bool:
@@ -287,12 +292,13 @@ def finish_reason(result: GenerationResult) -> str:
     return "length" if result.finish_reason == "length" else "stop"  # eos and stop strings
 
 
-def usage(choices: list[GenerationResult]) -> dict:
-    """OpenAI's `usage` of a request: its prompt once, every choice's tokens (greedy copies each counted)."""
-    prompt, completion = len(choices[0].prompt_ids), sum(result.new_tokens for result in choices)
+def usage(choices: list[GenerationResult], prompts: list[GenerationResult]) -> dict:
+    """OpenAI's `usage` of a request: every choice's tokens (greedy copies each counted), every prompt's once (from
+    one generation of each)."""
+    prompt, completion = sum(len(r.prompt_ids) for r in prompts), sum(result.new_tokens for result in choices)
     # (OpenAI's field for prompt tokens served from a cache: here those a sequence of the batch shared, `engine.batch`)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": choices[0].cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in prompts)}}
 
 
 def speculative(runs: list[GenerationResult]) -> dict:

@@ -1,6 +1,8 @@
-"""What a request gets back: the body of a finished generation, the server-sent events of a streamed one
-(OpenAI's chunks, each with our `specdecode.tokens`: every new token's id, text and origin), tool calls read out
-of the answer and log-probabilities in both (`Answer`), and what a failure becomes for the client (`api_error`)."""
+"""What a request gets back: the body of its finished generations, the server-sent events of streamed ones
+(OpenAI's chunks, each with our `specdecode.tokens`: every new token's id, text and origin), a choice for each prompt's
+`n` choices (`Choices`: sampled ones a generation each, greedy ones one generation's copies), tool calls read out of
+the answer and log-probabilities in both (`Answer`), and what a failure becomes for the client (`api_error`). The
+generations' events are read here too (`next_items`, `whole`), a client that leaves cancelling them all."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from fastapi import Request
 from specdecode.engine import GenerationResult
 from specdecode.errors import UserError
 from specdecode.serve import logprobs, protocol
+from specdecode.serve.guard import ClientGone
 from specdecode.serve.logprobs import TokenTexts
 from specdecode.serve.metrics import ServerMetrics
 from specdecode.serve.protocol import APIError, SamplingRequest
@@ -54,18 +57,32 @@ class Answer:
         return logprobs.completion_entries([*prompt, *entries], tokens, self.texts, offset)
 
 
-def response(outcomes: list[tuple[GenerationResult, list[TokenLogprob]]], answer: Answer) -> dict:
-    """The body of a finished request: a choice per outcome, each a generation and its tokens' log-probabilities
-    (when asked for); greedy choices are one generation's copies (`usage` counts each, `speculative` the one)."""
-    runs = list({id(result): result for result, _ in outcomes}.values())
+@dataclass
+class Choices:
+    """A request's choices: choice i is written by `answers[i]` (its prompt's) from generation `runs[i]` (a prompt's
+    greedy choices read one generation, its sampled ones one each)."""
+
+    answers: list[Answer]
+    runs: list[int]
+
+    def usage(self, results: list[GenerationResult]) -> dict:
+        """OpenAI's `usage`, from each generation's result: every prompt once, every choice's tokens."""
+        firsts = {id(answer): run for answer, run in reversed(list(zip(self.answers, self.runs)))}
+        return protocol.usage([results[run] for run in self.runs], [results[run] for run in firsts.values()])
+
+
+def response(outcomes: list[tuple[GenerationResult, list[TokenLogprob]]], plan: Choices) -> dict:
+    """The body of a finished request, from each generation's result and its tokens' log-probabilities (when asked
+    for): its choices (`plan`), `usage` (greedy copies each counted), `speculative` (the generations')."""
+    answer = plan.answers[0]
     return {
         "id": protocol.new_id("chatcmpl" if answer.chat else "cmpl"),
         "object": "chat.completion" if answer.chat else "text_completion",
         "created": protocol.now(),
         "model": answer.model_name,
-        "choices": [_choice(index, result, entries, answer) for index, (result, entries) in enumerate(outcomes)],
-        "usage": protocol.usage([result for result, _ in outcomes]),
-        "speculative": protocol.speculative(runs),
+        "choices": [_choice(index, *outcomes[run], plan.answers[index]) for index, run in enumerate(plan.runs)],
+        "usage": plan.usage([result for result, _ in outcomes]),
+        "speculative": protocol.speculative([result for result, _ in outcomes]),
     }
 
 
@@ -133,15 +150,14 @@ class Chunks:
         return [{"index": self.index, "delta": delta, "finish_reason": finish, "logprobs": scores}]
 
 
-async def chunks(jobs: list[Job], firsts: list, body: SamplingRequest, answer: Answer, metrics: ServerMetrics
+async def chunks(jobs: list[Job], firsts: list, body: SamplingRequest, plan: Choices, metrics: ServerMetrics
                  ) -> AsyncIterator[str]:
-    """A streamed request's events from each generation's first item on, then `[DONE]`: choice i is generation
-    i's, or with one generation (greedy copies) every choice is its (`choices`); a client that leaves mid-stream
-    cancels the jobs."""
+    """A streamed request's events from each generation's first item on, then `[DONE]`: each generation's items
+    go to the choices that read it (`plan`); a client that leaves mid-stream cancels the jobs."""
+    answer = plan.answers[0]
     ident, created = protocol.new_id("chatcmpl" if answer.chat else "cmpl"), protocol.now()
-    count = body.choices()
-    writers = [Chunks(answer, index) for index in range(count)]
-    served = [[index for index in range(count) if index % len(jobs) == run] for run in range(len(jobs))]
+    writers = [Chunks(each, index) for index, each in enumerate(plan.answers)]
+    served = [[index for index, read in enumerate(plan.runs) if read == run] for run in range(len(jobs))]
 
     def chunk(choices: list[dict], **extra) -> str:
         body_ = {"id": ident, "object": "chat.completion.chunk" if answer.chat else "text_completion",
@@ -179,7 +195,7 @@ async def chunks(jobs: list[Job], firsts: list, body: SamplingRequest, answer: A
                 results[run] = item
         else:
             if body.include_usage():
-                yield chunk([], usage=protocol.usage([results[index % len(jobs)] for index in range(count)]))
+                yield chunk([], usage=plan.usage([results[run] for run in range(len(jobs))]))
             finished = True
             yield "data: [DONE]\n\n"
     finally:
@@ -203,6 +219,38 @@ async def _pump(job: Job, run: int, merged: asyncio.Queue) -> None:
         merged.put_nowait((run, item))
         if _last(item):
             return
+
+
+async def next_items(jobs: list[Job], watcher: asyncio.Task, metrics: ServerMetrics) -> list:
+    """Each job's next event, or ClientGone once the client has disconnected (the jobs cancelled)."""
+    getters = [asyncio.ensure_future(job.events.get()) for job in jobs]
+    every = asyncio.gather(*getters)
+    await asyncio.wait({every, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if every.done():
+        return every.result()
+    every.cancel()
+    for job in jobs:
+        job.cancelled.set()
+    metrics.cancelled.inc()
+    raise ClientGone
+
+
+async def whole(jobs: list[Job], items: list, watcher: asyncio.Task, metrics: ServerMetrics
+                ) -> list[tuple[GenerationResult, list]]:
+    """Each job's generation and its tokens' log-probabilities (step by step; an expired job's result has none),
+    from its first item on."""
+    entries: list[list] = [[] for _ in jobs]
+    while True:
+        for run, item in enumerate(items):
+            if isinstance(item, BaseException):
+                raise api_error(item)
+            if not isinstance(item, GenerationResult):
+                entries[run] += item.event.logprobs or []
+        due = [run for run, item in enumerate(items) if not isinstance(item, GenerationResult)]
+        if not due:
+            return list(zip(items, entries))
+        for run, item in zip(due, await next_items([jobs[run] for run in due], watcher, metrics)):
+            items[run] = item
 
 
 def step_payload(step: Step) -> dict:

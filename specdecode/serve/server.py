@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specdecode.api import Models
 from specdecode.constraints import grammar
-from specdecode.engine import GenerationResult, SpeculativeEngine
+from specdecode.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.methods import MethodChoice
 from specdecode.models.costs import CHUNK_SECONDS
@@ -237,28 +237,30 @@ class Server:
         except UserError as error:
             raise APIError(400, str(error), param="response_format") from None
 
-    def _prepare(self, body: SamplingRequest) -> tuple[functools.partial, replies.Answer]:
-        """How a request's prompt is encoded (on the tokenizing pool) and how its answer is written: a chat's
-        messages and tools through the template, a completion's text or ids (echoed if asked)."""
+    def _prepare(self, body: SamplingRequest) -> list[tuple[functools.partial, replies.Answer]]:
+        """How each of a request's prompts is encoded (on the tokenizing pool) and how its answers are written: a
+        chat's messages and tools through the template, each of a completion's texts or ids (echoed if asked)."""
         texts = self.token_texts if body.top_logprobs_asked() is not None else None
         if isinstance(body, ChatRequest):
             use = tools.tool_use(body, getattr(self.models.tokenizer, "chat_template", None))
             messages = body.template_messages()
             offered = list(use.tools) if use is not None else None
             self._check_bytes([m["content"] for m in messages] + [json.dumps(offered or "")], "messages")
-            return (functools.partial(self._encode_chat, messages, offered),
-                    replies.Answer(True, self.model_name, texts, tools=use))
+            return [(functools.partial(self._encode_chat, messages, offered),
+                     replies.Answer(True, self.model_name, texts, tools=use))]
         assert isinstance(body, CompletionRequest)
-        prompt = body.one_prompt()
-        if isinstance(prompt, str):
-            self._check_bytes([prompt], "prompt")
-        echo = None
-        if body.echo:
-            echo = prompt if isinstance(prompt, str) else str(self.models.tokenizer.decode(prompt))
-            if body.stream and body.logprobs is not None:
-                raise APIError(400, "echo with logprobs is not streamed; leave `stream` out.", param="echo")
-        return functools.partial(self._encode_completion, prompt), replies.Answer(False, self.model_name, texts,
-                                                                                  echo=echo)
+        if body.echo and body.stream and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not streamed; leave `stream` out.", param="echo")
+        prepared = []
+        for prompt in body.prompts():
+            if isinstance(prompt, str):
+                self._check_bytes([prompt], "prompt")
+            echo = None
+            if body.echo:
+                echo = prompt if isinstance(prompt, str) else str(self.models.tokenizer.decode(prompt))
+            prepared.append((functools.partial(self._encode_completion, prompt),
+                             replies.Answer(False, self.model_name, texts, echo=echo)))
+        return prepared
 
     async def complete(self, request: Request, chat: bool) -> Response:
         """One request to /v1/completions or /v1/chat/completions, from its body to its response."""
@@ -267,38 +269,32 @@ class Server:
         body = protocol.parse(raw, ChatRequest) if chat else protocol.parse(raw, CompletionRequest)
         choice = await self._method(body)
         limit = self._answer_limit(body)
-        param = "messages" if chat else "prompt"
-        encode, answer = self._prepare(body)
+        prepared = self._prepare(body)
         places = self._enter(0)
-        loop = asyncio.get_running_loop()
         memory = self.memory_owner(request.state.tenant, body.user)
         try:
-            prompt_ids = await loop.run_in_executor(self._tokenizing, encode)
-            answer.prompt_ids = prompt_ids
-            self.limits.check_prompt(prompt_ids, self.models.target.max_context, param)
-            called = answer.tools.constraint(self.models.tokenizer) if answer.tools is not None else None
-            config = self.limits.config(body, prompt_ids, limit, self.models.target.max_context, param, called)
-            if config.constraint is not None:
-                await loop.run_in_executor(self._tokenizing, self._grammar_vocabulary)
-            engine = None
-            if self.worker.runs_alone(choice, config):
-                engine = await self._engine(choice, memory, request)
-            configs = choice_configs(config, body.choices())
-            while places < len(configs):  # a place in the queue for each generation
+            configs, engine = await self._configs(body, choice, limit, prepared, memory, request)
+            while places < sum(map(len, configs)):  # a place in the queue for each generation
                 places = self._enter(places)
         except BaseException:
             for _ in range(places):
                 self.worker.leave()
             raise
-        jobs = [Job(choice, prompt_ids, each, loop, asyncio.Queue(), memory=memory, engine=engine,
-                    deadline=arrival + self.limits.request_seconds, tenant=self.prefix_group(request.state.tenant),
-                    share=body.cache_prompt is not False) for each in configs]
+        loop, plan = asyncio.get_running_loop(), replies.Choices([], [])
+        jobs: list[Job] = []
+        for (_, answer), each in zip(prepared, configs):  # a prompt's choices: its generations, or one's copies
+            plan.answers += [answer] * body.choices()
+            plan.runs += [len(jobs) + i % len(each) for i in range(body.choices())]
+            jobs += [Job(choice, answer.prompt_ids, config, loop, asyncio.Queue(), memory=memory, engine=engine,
+                         deadline=arrival + self.limits.request_seconds, tenant=self.prefix_group(request.state.tenant),
+                         share=body.cache_prompt is not False) for config in each]
         for job in jobs:
             self.worker.submit(job)
         watcher = asyncio.create_task(replies.disconnected(request))
         finished = False
         try:
-            items = await self._items(jobs, watcher)  # errors before the first token keep their status
+            # (errors before the first token keep their status)
+            items = await replies.next_items(jobs, watcher, self.metrics)
             if error := next((item for item in items if isinstance(item, BaseException)), None):
                 raise api_error(error)
             self.metrics.queue_seconds.observe((jobs[0].started or time.perf_counter()) - jobs[0].submitted)
@@ -306,20 +302,42 @@ class Server:
             if body.stream:
                 watcher.cancel()  # the streaming response watches the connection from here
                 finished = True
-                return StreamingResponse(replies.chunks(jobs, items, body, answer, self.metrics),
+                return StreamingResponse(replies.chunks(jobs, items, body, plan, self.metrics),
                                          media_type="text/event-stream")
             self.metrics.running.inc()
             try:
-                outcomes = await self._whole(jobs, items, watcher)
+                outcomes = await replies.whole(jobs, items, watcher, self.metrics)
             finally:
                 self.metrics.running.dec()
             finished = True
-            return JSONResponse(replies.response([outcomes[i % len(jobs)] for i in range(body.choices())], answer))
+            return JSONResponse(replies.response(outcomes, plan))
         finally:
             watcher.cancel()
             if not finished:  # the client left, or the request failed: stop the generations
                 for job in jobs:
                     job.cancelled.set()
+
+    async def _configs(self, body: SamplingRequest, choice: MethodChoice, limit: int | None, prepared: list,
+                       memory: Owner | None, request: Request
+                       ) -> tuple[list[list[GenerationConfig]], SpeculativeEngine | None]:
+        """Each prompt's generations (`choice_configs`), its tokens in its answer, once it fits; and the engine of a
+        method that runs alone (None: the batch's)."""
+        loop = asyncio.get_running_loop()
+        param = "messages" if isinstance(body, ChatRequest) else "prompt"
+        context = self.models.target.max_context
+        encoded = await asyncio.gather(*(loop.run_in_executor(self._tokenizing, encode) for encode, _ in prepared))
+        configs = []
+        for (_, answer), prompt_ids in zip(prepared, encoded):
+            answer.prompt_ids = prompt_ids
+            self.limits.check_prompt(prompt_ids, context, param)
+            called = answer.tools.constraint(self.models.tokenizer) if answer.tools is not None else None
+            configs.append(choice_configs(self.limits.config(body, prompt_ids, limit, context, param, called),
+                                          body.choices()))
+        config = configs[0][0]
+        if config.constraint is not None:
+            await loop.run_in_executor(self._tokenizing, self._grammar_vocabulary)
+        engine = await self._engine(choice, memory, request) if self.worker.runs_alone(choice, config) else None
+        return configs, engine
 
     def _enter(self, places: int) -> int:
         """One more place in the worker's queue for this request's generations; a 429 when it is full (the places
@@ -329,23 +347,6 @@ class Server:
         retry = max(1, min(60, math.ceil(self._recent_seconds)))
         raise APIError(429, f"The server is busy: {self.limits.max_queue} requests are waiting; retry in "
                             f"{retry} s.", type="server_error", code="queue_full", headers={"Retry-After": str(retry)})
-
-    async def _whole(self, jobs: list[Job], items: list, watcher: asyncio.Task
-                     ) -> list[tuple[GenerationResult, list]]:
-        """Each job's generation and its tokens' log-probabilities (step by step; an expired job's result has none),
-        from its first item on."""
-        entries: list[list] = [[] for _ in jobs]
-        while True:
-            for run, item in enumerate(items):
-                if isinstance(item, BaseException):
-                    raise api_error(item)
-                if not isinstance(item, GenerationResult):
-                    entries[run] += item.event.logprobs or []
-            due = [run for run, item in enumerate(items) if not isinstance(item, GenerationResult)]
-            if not due:
-                return list(zip(items, entries))
-            for run, item in zip(due, await self._items([jobs[run] for run in due], watcher)):
-                items[run] = item
 
     async def _engine(self, choice: MethodChoice, memory: Owner | None, request: Request) -> SpeculativeEngine:
         """The engine a job that runs alone will run with, built beside the worker if need be (`Engines.building`):
@@ -373,16 +374,3 @@ class Server:
         except Exception as error:  # the server's fault: its log says what happened
             log.error("building the engine of method %s failed", choice.name, exc_info=error)
             raise api_error(error) from None
-
-    async def _items(self, jobs: list[Job], watcher: asyncio.Task) -> list:
-        """Each job's next event, or ClientGone once the client has disconnected (the jobs cancelled)."""
-        getters = [asyncio.ensure_future(job.events.get()) for job in jobs]
-        every = asyncio.gather(*getters)
-        await asyncio.wait({every, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if every.done():
-            return every.result()
-        every.cancel()
-        for job in jobs:
-            job.cancelled.set()
-        self.metrics.cancelled.inc()
-        raise ClientGone

@@ -17,7 +17,7 @@ from specdecode.engine import GenerationConfig
 from specdecode.errors import UserError
 from specdecode.serve.app import Server, ServerThread, create_app
 from specdecode.serve.limits import choice_configs
-from specdecode.serve.protocol import MAX_CHOICES, SEED_RANGE, APIError, CompletionRequest, parse
+from specdecode.serve.protocol import MAX_CHOICES, MAX_PROMPTS, SEED_RANGE, APIError, CompletionRequest, parse
 from specdecode.types import SamplingParams
 
 MODEL = "tiny"
@@ -526,3 +526,59 @@ def test_the_choices_seeds_wrap_within_the_seed_range():
     unseeded = GenerationConfig(sampling=SamplingParams(temperature=1.0))
     assert [c.seed for c in choice_configs(unseeded, 2)] == [None, None]
     assert len(choice_configs(GenerationConfig(seed=3), 4)) == 1  # greedy: one generation, copied
+
+
+# --- A batch of prompts (/v1/completions) --------------------------------------------------------------------------
+# OpenAI's legacy form: `prompt` a list of texts or of token-id lists; choice p * n + i is prompt p's choice i.
+
+
+def test_a_batch_of_prompts_answers_each_as_its_own_request(client, models):
+    ids = [completion_ids(models, prompt) for prompt in PROMPTS[:3]]
+    for prompt in (PROMPTS[:3], ids):
+        batch = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0)
+        assert [c.text for c in batch.choices] == [expected(models, "pld", each, 10) for each in ids]
+        assert [c.index for c in batch.choices] == [0, 1, 2]
+        assert batch.usage.prompt_tokens == sum(map(len, ids))
+        assert batch.usage.completion_tokens == sum(
+            client.completions.create(model=MODEL, prompt=[p], max_tokens=10, temperature=0).usage.completion_tokens
+            for p in PROMPTS[:3])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_of_prompts_with_sampled_choices(client, stream):
+    """Choice p * n + i: prompt p's choice i, seeded with seed + i, whole or streamed."""
+    ask = {"model": MODEL, "max_tokens": 8, "temperature": 1.0}
+    singles = [client.completions.create(**ask, prompt=prompt, seed=21 + i).choices[0].text
+               for prompt in PROMPTS[:2] for i in range(2)]
+    assert len(set(singles)) == 4
+    ask["seed"] = 21
+    if stream:
+        texts: dict[int, str] = defaultdict(str)
+        for chunk in client.completions.create(**ask, prompt=PROMPTS[:2], n=2, stream=True):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+        assert [texts[i] for i in range(4)] == singles
+    else:
+        batch = client.completions.create(**ask, prompt=PROMPTS[:2], n=2)
+        assert [c.text for c in batch.choices] == singles
+
+
+def test_a_batch_of_prompts_scored_as_evaluation_harnesses_score_them(client):
+    """lm-evaluation-harness's log-likelihood requests: echo with logprobs, several prompts at once."""
+    ask = {"model": MODEL, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}
+    batch = client.completions.create(**ask, prompt=PROMPTS[:3])
+    for choice, prompt in zip(batch.choices, PROMPTS[:3]):
+        alone = client.completions.create(**ask, prompt=prompt).choices[0]
+        assert choice.text == alone.text and choice.text.startswith(prompt)
+        assert choice.logprobs.token_logprobs == alone.logprobs.token_logprobs
+        assert choice.logprobs.text_offset == alone.logprobs.text_offset
+
+
+def test_a_batch_of_prompts_is_checked_prompt_by_prompt(server):
+    running, _ = server
+    for prompt, words in [(["hi"] * (MAX_PROMPTS + 1), f"at most {MAX_PROMPTS} prompts"),
+                          (["hi", ""], "empty"), (["hi", [1, 2]], "not both"), (["hi", [1, "a"]], "not both"),
+                          ([[1, 2], [1, "a"]], "a string or a list of token ids"),
+                          (["hi", "the " * 200], "maximum context length")]:
+        reply = post(running.url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2})
+        assert reply.status_code == 400 and words in openai_error(reply)["message"], reply.text
