@@ -2,7 +2,7 @@
 with two function tools to its final answer, LangChain's `ChatOpenAI(...).bind_tools`, instructor extracting a pydantic
 model, and lm-evaluation-harness's `local-completions` on a log-likelihood task and a generation task read from local
 files (no hub: HF_HUB_OFFLINE, a local tokenizer). Each runs under plain decoding (`ar`) and under `auto`, greedily, and
-gets the same answer, calls and scores from both.
+gets the same answer, calls and scores from both; lm-eval's also with `batch_size` 4 (a batch of prompts a request).
 
 On a tiny random model (`conftest.tiny_tool_folder`: Qwen2.5's chat template) nothing calls a tool of its own accord,
 so the calls are forced (`tool_choice` required or a named function, which the grammar engine enforces) and the tools'
@@ -149,8 +149,9 @@ def write_tasks(folder) -> None:
         "metric_list:\n  - metric: exact_match\n")
 
 
-def lm_eval_scores(url: str, model: str, tokenizer: str, tasks_folder) -> tuple[dict, dict]:
-    """(each task's metrics, each request's raw answers: log-likelihoods and generations) from `local-completions`."""
+def lm_eval_scores(url: str, model: str, tokenizer: str, tasks_folder, batch_size: int = 1) -> tuple[dict, dict]:
+    """(each task's metrics, each request's raw answers: log-likelihoods and generations) from `local-completions`,
+    `batch_size` prompts a request."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -159,13 +160,22 @@ def lm_eval_scores(url: str, model: str, tokenizer: str, tasks_folder) -> tuple[
         model="local-completions",
         model_args={"base_url": f"{url}/completions", "model": model, "tokenizer": tokenizer,
                     "tokenizer_backend": "huggingface", "tokenized_requests": True, "num_concurrent": 1,
-                    "max_retries": 1},
+                    "max_retries": 1, "batch_size": batch_size},
         tasks=["tiny_choice", "tiny_questions"], task_manager=TaskManager(include_path=str(tasks_folder)),
         log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
     assert results is not None
     metrics = {task: {k: v for k, v in values.items() if k != "alias"} for task, values in results["results"].items()}
     raw = {task: [sample["resps"] for sample in samples] for task, samples in results["samples"].items()}
     return metrics, raw
+
+
+def answered(url: str) -> float:
+    """The completions a server has answered (its /metrics)."""
+    import httpx
+
+    lines = httpx.get(url.removesuffix("/v1") + "/metrics").text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith('specdecode_requests_total{endpoint="/v1/completions",status="200"}'))
 
 
 def test_lm_eval_scores_equal_under_ar_and_auto(servers, folder, tmp_path, monkeypatch):
@@ -180,4 +190,12 @@ def test_lm_eval_scores_equal_under_ar_and_auto(servers, folder, tmp_path, monke
     for ours, theirs in zip(raw["tiny_choice"], scores["auto"][1]["tiny_choice"]):  # each choice's log-likelihood
         assert [float(x[0][0]) for x in ours] == pytest.approx([float(x[0][0]) for x in theirs], abs=1e-4)
     assert scores["auto"][1]["tiny_questions"] == raw["tiny_questions"]
-
+    # lm-eval's batch_size: several prompts a request (a batch of prompts), scored as one a request scores them
+    before = answered(servers["auto"])
+    batched = lm_eval_scores(servers["auto"], MODEL, str(folder), tmp_path, batch_size=4)
+    prompts = sum(len(c["choices"]) for c in CHOICES) + len(QUESTIONS)
+    assert answered(servers["auto"]) - before < prompts / 2  # batches of prompts were sent
+    assert batched[0] == metrics
+    for ours, theirs in zip(raw["tiny_choice"], batched[1]["tiny_choice"]):
+        assert [float(x[0][0]) for x in ours] == pytest.approx([float(x[0][0]) for x in theirs], abs=1e-4)
+    assert batched[1]["tiny_questions"] == raw["tiny_questions"]
