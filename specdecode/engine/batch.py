@@ -55,7 +55,8 @@ from specdecode.engine.sequence import (
     GenerationConfig, GenerationResult, SequenceState, StepEvent, VerifiedStep, after_prefill, check_prompt, conclude,
 )
 from specdecode.engine.pacing import Pace, PrefillShare
-from specdecode.engine.slots import Held, SavedContexts, Slots, attention_inputs, forward_inputs, longest_prefix
+from specdecode.engine.slots import (Held, SavedContexts, Slots, attention_inputs, forward_inputs, longest_prefix,
+                                     waiting)
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM, Entries
 from specdecode.models.costs import CHUNK_SECONDS, CostCurve, LiveCurve, prefill_chunk
@@ -321,15 +322,19 @@ class BatchEngine:
     def _borrow(self) -> None:
         """Each sequence yet to feed its prompt (that shares: `add`'s `share`) takes the slots of the longest prefix of
         it, all but its last token, that another sequence of its tenant holds, or an ended one left, in the cache or
-        copied out of it (then appended to the cache again) (module docstring, *Shared prefixes*). One that comes to
-        an empty batch keeps only that prefix in the cache, so that it steps alone."""
+        copied out of it (then appended to the cache again) (module docstring, *Shared prefixes*); one that took a
+        prefix and fed nothing yet (it waited: `slots.waiting`) takes a longer one a live sequence holds now. One that
+        comes to an empty batch keeps only that prefix in the cache, so that it steps alone."""
         taken = False
-        for m in [m for m in self.members.values() if not len(m.slots)]:
-            prompt, lone = m.progress.prompt_ids, len(self.members) == 1
+        for m in [m for m in self.members.values()
+                  if not len(m.slots) or m.share and len(m.slots) == m.progress.cached]:
+            prompt, lone, fresh = m.progress.prompt_ids, len(self.members) == 1, not len(m.slots)
             held = [Held(o.tenant, o.progress.context, o.slots.tensor) for o in self.members.values()
                     if len(o.slots) and o.share]
-            n, where = longest_prefix(prompt, len(prompt) - 1, m.tenant, held + self._ended + self.saved.held
-                                      ) if m.share else (0, None)
+            n, where = longest_prefix(prompt, len(prompt) - 1, m.tenant, held + (
+                self._ended + self.saved.held if fresh else [])) if m.share else (0, None)
+            if n <= len(m.slots) and not fresh:
+                continue
             source = None if where is None else where.slots
             if isinstance(source, Entries):  # a copy: appended to the cache
                 self.saved.taken(source)
@@ -356,26 +361,16 @@ class BatchEngine:
         self._ended = []
 
     def _plan(self) -> dict[int, int]:
-        """The prompt tokens each sequence still feeding its prompt feeds in this step (module docstring,
-        *Prompts*): prompts whose rest fits in a chunk whole, oldest first, while they fit in one chunk
-        together; then, at a long prompt's turn (`PrefillShare`) or when the step would carry nothing else,
-        what is left of the chunk to the long prompt that has fed the fewest chunks (then the oldest)."""
+        """The prompt tokens each sequence still feeding its prompt feeds in this step (module docstring, *Prompts*;
+        `PrefillShare.plan`), those that wait for an earlier one's prefix (`slots.waiting`) none."""
         if self.share_prefixes:
             self._borrow()
-        chunk = budget = self._share.chunk(self.prefill_chunk)
-        plan: dict[int, int] = {}
         prompts = {i: len(m.progress.prompt_ids) - len(m.slots) for i, m in self.members.items()
                    if len(m.slots) < len(m.progress.prompt_ids)}
-        for ident, left in prompts.items():  # in arrival order
-            if left <= chunk:
-                if left > budget:
-                    break
-                plan[ident], budget = left, budget - left
-        long = [(self.members[i].chunks, i) for i, left in prompts.items() if left > chunk]
-        alone = not plan and len(prompts) == len(self.members)  # nothing else to feed
-        if long and budget and (alone or self._share.turn()):
-            plan[min(long)[1]] = budget
-        return plan
+        wait = waiting((i, m.tenant, m.progress.prompt_ids, len(m.slots) if len(m.slots) == m.progress.cached else None)
+                       for i, m in ((i, self.members[i]) for i in prompts) if m.share) if self.share_prefixes else set()
+        return self._share.plan(prompts, self._share.chunk(self.prefill_chunk),
+                                {i: self.members[i].chunks for i in prompts}, len(prompts) == len(self.members), wait)
 
     def _collect(self) -> None:
         """Squeeze the garbage out of the cache once it is GARBAGE_SHARE of it."""

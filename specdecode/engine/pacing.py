@@ -49,6 +49,27 @@ class PrefillShare:
             return most
         return max(min(most, MIN_CHUNK), min(most, round(self.seconds / self.per_token)))
 
+    def plan(self, prompts: dict[int, int], chunk: int, chunks: dict[int, int], only: bool, wait: set
+             ) -> dict[int, int]:
+        """The prompt tokens each sequence feeds in the next step, from the tokens each sequence feeding its prompt has
+        left (`prompts`, in arrival order), `chunk` in all: prompts whose rest fits in a chunk whole, oldest first,
+        while they fit in one chunk together; then, at a long prompt's turn (`turn`) or when the step would carry
+        nothing else (`only` prompts are fed), what is left of the chunk to the long prompt that has fed the fewest
+        chunks (`chunks`), then the oldest. Those in `wait` feed nothing."""
+        plan: dict[int, int] = {}
+        budget = chunk
+        for ident, left in prompts.items():
+            if ident in wait:
+                continue
+            if left <= chunk:
+                if left > budget:
+                    break
+                plan[ident], budget = left, budget - left
+        long = [(chunks[i], i) for i, left in prompts.items() if left > chunk and i not in wait]
+        if long and budget and ((only and not plan) or self.turn()):
+            plan[min(long)[1]] = budget
+        return plan
+
     def took(self, chunked: bool, tokens: int) -> Callable[[float], None]:
         """A step fed `tokens`; `chunked`: a long prompt's chunk among them. Returns what takes its seconds once
         known (on a GPU a step or two later, `devices.EventStopwatch`): a chunk restarts the count of the steps

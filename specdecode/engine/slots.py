@@ -39,6 +39,9 @@ class Slots:
         return self._data[: self._length]
 
 
+WAIT_SHARE = 0.5  # a prompt waits for an earlier one that will hold this share of what it has left to feed, or more
+
+
 def common_prefix(a: list[int], b: list[int], limit: int) -> int:
     """How many tokens two lists share from their start, `limit` at most. Galloping, in slices compared at C speed: the
     work grows with the tokens shared, not with the lists (a waiting prompt is matched again at every step)."""
@@ -72,6 +75,25 @@ def longest_prefix(tokens: list[int], limit: int, tenant: Hashable, held: Iterab
             if (n := common_prefix(tokens, h.context, min(limit, len(h.slots)))) > best:
                 best, where = n, h
     return best, where
+
+
+def waiting(feeding: Iterable[tuple[Hashable, Hashable, list[int], int | None]], share: float = WAIT_SHARE) -> set:
+    """Of the sequences that share (`BatchEngine.add`'s `share`) feeding their prompts, in arrival order, each (id,
+    tenant, prompt, tokens it holds when all are a prefix it took, None when it fed some itself), those that wait for
+    an earlier one of their
+    tenant still feeding whose prompt begins as theirs for at least `share` of what they have left to take (all but
+    their last token): the next steps they take that prefix from it (`BatchEngine._borrow`) instead of feeding it too
+    (a request's sampled choices, clients sending one document at once)."""
+    out, earlier = set(), list[tuple[Hashable, list[int]]]()
+    for ident, tenant, prompt, holds in feeding:
+        if holds is not None:
+            left = len(prompt) - 1 - holds
+            gain = max((common_prefix(prompt, other, len(prompt) - 1) for t, other in earlier if t == tenant),
+                       default=0) - holds
+            if left > 0 and gain >= max(1.0, share * left):
+                out.add(ident)
+        earlier.append((tenant, prompt))
+    return out
 
 
 class SavedContexts:

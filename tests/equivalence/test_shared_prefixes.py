@@ -15,7 +15,7 @@ from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.engine import batch as batch_module
 from specdecode.engine.batch import BatchEngine
 from specdecode.engine.pacing import CHUNK_POLICIES
-from specdecode.engine.slots import common_prefix
+from specdecode.engine.slots import common_prefix, waiting
 from specdecode.models.hf import HFCausalLM
 from specdecode.models.static import StaticCausalLM
 from specdecode.types import SamplingParams
@@ -138,6 +138,51 @@ def test_a_head_reads_its_own_rows_after_a_shared_prefix(tiny_target):
     assert seen[0][0] == fed and seen[0][1] >= fed  # (rows beyond: its draft's)
 
 
+@pytest.mark.parametrize("chunk", [256, 16], ids=["whole", "chunked"])
+def test_sequences_that_come_together_with_one_prompt_feed_it_once(tiny_target, chunk):
+    """A request's sampled choices, or clients sending one document at once: sequences of one tenant that join in the
+    same step with prompts that begin alike wait for the first to feed it (whole, or chunk by chunk) and take it from
+    there (`slots.waiting`), each answer its own alone; another tenant's feeds its own (and one that shares less than
+    half of itself: `test_waiting_for_an_earlier_prompt`)."""
+    base = prompts_with_a_prefix(1, seed=13)[0] * 3  # 3 x 39 tokens: several chunks of 16
+    other = base[:10] + [(t + 1) % VOCAB for t in base[10:]]  # shares 10 tokens: too few to wait for
+    prompts = [base, base, base + [5, 6], base, other]
+    tenants = ["a", "a", "a", "b", "a"]
+    sampled = GenerationConfig(max_new_tokens=12, sampling=SamplingParams(temperature=0.9), seed=3)
+    greedy = GenerationConfig(max_new_tokens=12)
+    configs = [greedy, greedy, sampled, greedy, greedy]
+    references = greedy_references(tiny_target, prompts, 12)
+    alone = SpeculativeEngine(HFCausalLM(tiny_target), LetterTokenizer()).generate(prompts[2], sampled).token_ids
+    engine = BatchEngine(HFCausalLM(tiny_target), LetterTokenizer())
+    engine.curve, engine.prefill_chunk = FLAT, chunk
+    ids = {engine.add(p, c, drafter("pld"), "pld", tenant=t): i
+           for i, (p, c, t) in enumerate(zip(prompts, configs, tenants))}
+    results = {}
+    for _ in range(300):
+        results.update({ids[i]: r for i, _, r in engine.step() if r is not None})
+        if len(results) == len(prompts):
+            break
+    for index in range(len(prompts)):
+        assert results[index].token_ids == (alone if index == 2 else references[index]), f"sequence {index}"
+    shared = [results[i].cached_tokens for i in range(len(prompts))]
+    assert shared[:4] == [0, len(base) - 1, len(base), 0]  # (the last takes its 10 once the first holds them)
+    for index, prompt in enumerate(prompts):  # each fed only what it did not take
+        first = results[index].steps[0]
+        if chunk >= len(prompt):
+            assert first.forward_tokens - first.drafted == len(prompt) - shared[index]
+
+
+def test_waiting_for_an_earlier_prompt():
+    a, b = list(range(20)), list(range(10)) + [99] * 10
+    assert waiting([(0, "t", a, 0), (1, "t", a, 0), (2, "t", a + [7], 0)]) == {1, 2}
+    assert waiting([(0, "t", a, None), (1, "t", a, 0)]) == {1}  # the first feeds its own chunks
+    assert waiting([(0, "t", a, 0), (1, "u", a, 0)]) == set()  # another tenant's
+    assert waiting([(0, "t", a, 0), (1, "t", b, 0)]) == {1}  # 10 of its 19 to take: over half
+    assert waiting([(0, "t", a, 0), (1, "t", b + [1, 2], 0)]) == set()  # 10 of 21: under half
+    assert waiting([(0, "t", a, 0), (1, "t", a, 19)]) == set()  # it holds all it could take
+    assert waiting([(0, "t", a, 0), (1, "t", a, None)]) == set()  # it fed some itself
+
+
 def run_one(engine: BatchEngine, prompt: list[int], tenant, n: int = 10, kind: str = "pld"):
     """One request to its end in an otherwise empty batch (a client's turn of a conversation)."""
     ident = engine.add(prompt, GenerationConfig(max_new_tokens=n), drafter(kind), kind, tenant=tenant)
@@ -221,6 +266,19 @@ def test_a_batch_emptied_by_a_removal_keeps_nothing(tiny_target):
     assert again.cached_tokens == 0 and again.token_ids == greedy_references(tiny_target, [first], 10)[0]
 
 
+def ticking(target):
+    """The target, its `now` a tick later for each token a forward feeds: a clock that does not depend on the
+    machine."""
+    forward, target.now = target.forward, 0.0
+
+    def counted(token_ids, **options):
+        target.now += token_ids.numel()
+        return forward(token_ids, **options)
+
+    target.forward = counted
+    return target
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_joins_removals_and_tenants_decode_as_alone(tiny_target, monkeypatch, seed):
     """Random traffic: sequences join (prompts that begin as one of a few stems, or as an ended sequence's context),
@@ -230,8 +288,10 @@ def test_random_joins_removals_and_tenants_decode_as_alone(tiny_target, monkeypa
     lies in the cache."""
     rng = random.Random(seed)
     monkeypatch.setattr(batch_module, "GARBAGE_SHARE", rng.choice([0.0, 0.25, 10.0]))
-    engine = BatchEngine(HFCausalLM(tiny_target), LetterTokenizer(), keep_ended=rng.choice([0, 1, 3]),
-                         keep_bytes=rng.choice([0, 1 << 16, 1 << 30]), chunk_policy=rng.choice(CHUNK_POLICIES))
+    target = ticking(HFCausalLM(tiny_target))  # (the turns of long prompts by a clock of the tokens fed, not by time)
+    engine = BatchEngine(target, LetterTokenizer(), keep_ended=rng.choice([0, 1, 3]),
+                         keep_bytes=rng.choice([0, 1 << 16, 1 << 30]), chunk_policy=rng.choice(CHUNK_POLICIES),
+                         clock=lambda: target.now)
     engine.curve = FLAT
     engine.prefill_chunk = rng.choice([8, 256])
     stems = [[rng.randrange(VOCAB) for _ in range(rng.randrange(5, 40))] for _ in range(3)]
