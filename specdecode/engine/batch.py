@@ -27,10 +27,12 @@ way, not for the prompt. Several long prompts take turns too, the one that has f
 Shared prefixes: a sequence about to feed its prompt takes, instead of feeding them, the cache slots of the longest
 prefix of it (all but its last token) that another sequence of the same tenant holds (`add`'s `tenant`), live or
 ended (`keep_ended`; once squeezed out of the cache, a copy of its entries: `keep_bytes`, `slots.SavedContexts`): a
-chat template's system prompt, a conversation's earlier turns. Their keys and values are what
-its own prefill would compute (a token's depend only on the tokens before it: the same bits on the int8 and int4
-paths, a wider forward's rounding on the float ones); a slot is garbage once no sequence holds it. Tenants never
-share: a prefix found shows in the time to the first token. Off where the caller keeps every fed token's hidden states.
+chat template's system prompt, a conversation's earlier turns. Sequences that come together with prompts that begin
+alike feed that beginning once: a later one waits for the earlier to hold it (`slots.waiting`). Their keys and
+values are what its own prefill would compute (a token's depend only on the tokens before it: the same bits on the int8
+and int4 paths, a wider forward's rounding on the float ones); a slot is garbage once no sequence holds it. Tenants
+never share: a prefix found shows in the time to the first token. Off where the caller keeps every fed token's hidden
+states.
 
 Drafters here must not run a model of their own or the target (`Drafter.batchable`: the copies, retrieval, Jacobi's
 guesses from the target's logits, a head that reads the target's features, a composite of those); each sequence gets its
