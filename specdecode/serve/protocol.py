@@ -18,9 +18,9 @@ from typing import Any, ClassVar, Literal, TypeVar, cast
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from specdecode import metrics
 from specdecode.constraints import Constraint
 from specdecode.engine import GenerationResult
-from specdecode import metrics
 from specdecode.errors import UserError
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
