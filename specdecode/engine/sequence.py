@@ -33,6 +33,7 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()  # stop strings; the output text ends right before the first one
     seed: int | None = None  # seeds the one torch.Generator every random choice goes through
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the output as end-of-sequence ones do, ignore_eos or not
     # the language the output must belong to (`specdecode.constraints`); the sequence ends once it is complete
     constraint: Constraint | None = None
     # each output token's log-probability and this many alternatives' (`engine.logprobs`); None: none
@@ -49,6 +50,7 @@ class GenerationConfig:
             raise UserError("echo gives the prompt's log-probabilities: it needs logprobs")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
 
 @dataclass
@@ -222,7 +224,9 @@ class SequenceState:
     def __init__(self, prompt_ids: list[int], config: GenerationConfig, tokenizer, target: CausalLM):
         self.config = config
         self.max_context = target.max_context
-        self.eos = frozenset() if config.ignore_eos else target.eos_token_ids
+        if any(not 0 <= token < target.vocab_size for token in config.stop_token_ids):
+            raise UserError(f"stop_token_ids names a token id out of the vocabulary (size {target.vocab_size})")
+        self.eos = (frozenset() if config.ignore_eos else target.eos_token_ids) | frozenset(config.stop_token_ids)
         # on the target's device, so that sampling draws there; its positions' uniforms make a draft without
         # distributions give plain decoding's sampled tokens under the seed, whatever the gate or timings chose
         # (`sampling`; docs/verification.md, "Randomness")

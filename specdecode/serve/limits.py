@@ -88,7 +88,7 @@ class Limits:
                                       top_p=1.0 if body.top_p is None else body.top_p, **body.penalties())
             return GenerationConfig(max_new_tokens=limit if limit is not None else min(self.default_max_tokens, room),
                                     sampling=sampling, stop=tuple(body.stop or ()), seed=body.seed,
-                                    ignore_eos=bool(body.ignore_eos),
+                                    ignore_eos=bool(body.ignore_eos), stop_token_ids=tuple(body.stop_token_ids or ()),
                                     constraint=tool_constraint or constraint, echo=echo,
                                     logprobs=top if top is not None else 0 if echo else None)
         except UserError as error:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, ClassVar, Literal, TypeVar, cast
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, cast
 
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -25,6 +25,7 @@ from specdecode.errors import UserError
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_BIASES = 1024  # logit_bias entries
+MAX_STOP_TOKEN_IDS = 64  # stop_token_ids entries
 COMPLETION_MAX_TOKENS = 16  # what /v1/completions generates at most when max_tokens is left out or null (OpenAI's)
 MAX_NAME = 256  # characters of a model, method or user name (errors quote them back)
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: [low, high)
@@ -109,6 +110,8 @@ class SamplingRequest(BaseModel):
     # as llama-server's: False, the prompt neither takes a prefix from the batch's cache nor leaves one there
     cache_prompt: bool | None = None
     ignore_eos: bool | None = None  # as vLLM's: decode on past end-of-sequence tokens, to max_tokens
+    # as vLLM's: tokens that end the answer (kept in it) as an end-of-sequence token does
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # as vLLM's: a regular expression or a Lark grammar
     # the penalties and biases (`SamplingParams`): OpenAI's, then vLLM's two

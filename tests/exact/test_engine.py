@@ -14,6 +14,7 @@ from fakes import FakeLM
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
+from specdecode.engine.batch import BatchEngine
 from specdecode.errors import UserError
 from specdecode.models.hf import HFCausalLM
 from specdecode.types import SamplingParams
@@ -41,6 +42,26 @@ def test_eos_stops_and_is_kept(tiny_target, spec_engine):
     assert result.token_ids == ids[: first + 1] and result.finish_reason == "eos"
     ignored = spec_engine.generate(PROMPT, GenerationConfig(max_new_tokens=40, ignore_eos=True))
     assert ignored.token_ids == ids and ignored.finish_reason == "length"
+
+
+def test_stop_token_ids_stop_as_eos_does_ignore_eos_or_not(tiny_target, spec_engine):
+    """vLLM's `stop_token_ids`: the first of them ends the output (kept in it), speculation or not, batched or not,
+    and under `ignore_eos` too, which passes an end-of-sequence token before it."""
+    ids = plain_ids(tiny_target)
+    stops = (ids[12], ids[20])
+    first = min(ids.index(t) for t in stops)
+    eos = next(t for t in ids[:first] if t not in stops)
+    target = HFCausalLM(tiny_target)
+    target.eos_token_ids = spec_engine.target.eos_token_ids = frozenset({eos})
+    for ignore_eos, end in ((False, ids.index(eos)), (True, first)):
+        config = GenerationConfig(max_new_tokens=40, stop_token_ids=list(stops), ignore_eos=ignore_eos)
+        result = spec_engine.generate(PROMPT, config)
+        assert result.token_ids == ids[: end + 1] and result.finish_reason == "eos"
+        batch = BatchEngine(target)
+        batch.add(PROMPT, config, PromptLookupDrafter())
+        assert next(r for _ in range(60) for _, _, r in batch.step() if r is not None).token_ids == ids[: end + 1]
+    with pytest.raises(UserError, match="out of the vocabulary"):
+        spec_engine.generate(PROMPT, GenerationConfig(stop_token_ids=(VOCAB,)))
 
 
 def test_stop_string_cuts_text_and_tokens(tiny_target, spec_engine):

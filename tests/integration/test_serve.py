@@ -442,6 +442,20 @@ def test_ignore_eos_decodes_on_past_end_of_sequence_tokens(client, models):
         assert going.usage.completion_tokens == 6 and going.choices[0].finish_reason == "length"
 
 
+
+def test_stop_token_ids_end_the_answer(client, models, server):
+    """vLLM's `stop_token_ids`: the answer ends at the first of them, kept, `finish_reason` "stop"."""
+    ids = models.engine("pld").generate(completion_ids(models, PROMPTS[1]), GenerationConfig(max_new_tokens=12))
+    stop = ids.token_ids[5]
+    cut = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0,
+                                    extra_body={"stop_token_ids": [stop]})
+    assert cut.usage.completion_tokens == ids.token_ids.index(stop) + 1 and cut.choices[0].finish_reason == "stop"
+    running, _ = server
+    for bad, words in (([-1], "greater than or equal to 0"), ([10**6], "out of the vocabulary")):
+        reply = post(running.url, "/v1/completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": bad})
+        assert reply.status_code == 400 and words in openai_error(reply)["message"], reply.text
+
+
 # --- Several choices (`n`) -------------------------------------------------------------------------------------
 # Greedy choices are one generation's copies; sampled choice i is what a request of one choice seeded with seed + i
 # gets, whichever method, batched or alone; streamed choices spell the whole ones; `usage` counts every choice; a
