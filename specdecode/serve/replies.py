@@ -152,8 +152,9 @@ class Chunks:
 
 async def chunks(jobs: list[Job], firsts: list, body: SamplingRequest, plan: Choices, metrics: ServerMetrics
                  ) -> AsyncIterator[str]:
-    """A streamed request's events from each generation's first item on, then `[DONE]`: each generation's items
-    go to the choices that read it (`plan`); a client that leaves mid-stream cancels the jobs."""
+    """A streamed request's events from each generation's first item on (`firsts`: each generation's, or None where
+    none was read yet), then `[DONE]`: each generation's items go to the choices that read it (`plan`); a client that
+    leaves mid-stream cancels the jobs."""
     answer = plan.answers[0]
     ident, created = protocol.new_id("chatcmpl" if answer.chat else "cmpl"), protocol.now()
     writers = [Chunks(each, index) for index, each in enumerate(plan.answers)]
@@ -166,7 +167,8 @@ async def chunks(jobs: list[Job], firsts: list, body: SamplingRequest, plan: Cho
 
     merged: asyncio.Queue = asyncio.Queue()  # (generation, item) as they come
     for run, first in enumerate(firsts):
-        merged.put_nowait((run, first))
+        if first is not None:  # (None: none read yet)
+            merged.put_nowait((run, first))
     pumps = [asyncio.create_task(_pump(job, run, merged)) for run, job in enumerate(jobs) if not _last(firsts[run])]
     results: dict[int, GenerationResult] = {}
     finished = False
@@ -238,13 +240,13 @@ async def next_items(jobs: list[Job], watcher: asyncio.Task, metrics: ServerMetr
 async def whole(jobs: list[Job], items: list, watcher: asyncio.Task, metrics: ServerMetrics
                 ) -> list[tuple[GenerationResult, list]]:
     """Each job's generation and its tokens' log-probabilities (step by step; an expired job's result has none),
-    from its first item on."""
+    from its first item on (`items`: each job's, or None where none was read yet)."""
     entries: list[list] = [[] for _ in jobs]
     while True:
         for run, item in enumerate(items):
             if isinstance(item, BaseException):
                 raise api_error(item)
-            if not isinstance(item, GenerationResult):
+            if item is not None and not isinstance(item, GenerationResult):
                 entries[run] += item.event.logprobs or []
         due = [run for run, item in enumerate(items) if not isinstance(item, GenerationResult)]
         if not due:

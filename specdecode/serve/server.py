@@ -293,10 +293,11 @@ class Server:
         watcher = asyncio.create_task(replies.disconnected(request))
         finished = False
         try:
-            # (errors before the first token keep their status)
-            items = await replies.next_items(jobs, watcher, self.metrics)
-            if error := next((item for item in items if isinstance(item, BaseException)), None):
-                raise api_error(error)
+            # the first generation's first item (errors before it keep their status); the others' are read as they
+            # come, so that a stream begins at once however many generations wait for the batch
+            items: list = await replies.next_items(jobs[:1], watcher, self.metrics) + [None] * (len(jobs) - 1)
+            if isinstance(items[0], BaseException):
+                raise api_error(items[0])
             self.metrics.queue_seconds.observe((jobs[0].started or time.perf_counter()) - jobs[0].submitted)
             self.metrics.first_token.labels(choice.name).observe(time.perf_counter() - jobs[0].submitted)
             if body.stream:
