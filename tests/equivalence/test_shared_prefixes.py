@@ -138,8 +138,9 @@ def test_a_head_reads_its_own_rows_after_a_shared_prefix(tiny_target):
     assert seen[0][0] == fed and seen[0][1] >= fed  # (rows beyond: its draft's)
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("chunk", [256, 16], ids=["whole", "chunked"])
-def test_sequences_that_come_together_with_one_prompt_feed_it_once(tiny_target, chunk):
+def test_sequences_that_come_together_with_one_prompt_feed_it_once(tiny_target, chunk, static):
     """A request's sampled choices, or clients sending one document at once: sequences of one tenant that join in the
     same step with prompts that begin alike wait for the first to feed it (whole, or chunk by chunk) and take it from
     there (`slots.waiting`), each answer its own alone; another tenant's feeds its own (and one that shares less than
@@ -153,7 +154,8 @@ def test_sequences_that_come_together_with_one_prompt_feed_it_once(tiny_target, 
     configs = [greedy, greedy, sampled, greedy, greedy]
     references = greedy_references(tiny_target, prompts, 12)
     alone = SpeculativeEngine(HFCausalLM(tiny_target), LetterTokenizer()).generate(prompts[2], sampled).token_ids
-    engine = BatchEngine(HFCausalLM(tiny_target), LetterTokenizer())
+    target = StaticCausalLM(tiny_target, capacity=512) if static else HFCausalLM(tiny_target)
+    engine = BatchEngine(target, LetterTokenizer())
     engine.curve, engine.prefill_chunk = FLAT, chunk
     ids = {engine.add(p, c, drafter("pld"), "pld", tenant=t): i
            for i, (p, c, t) in enumerate(zip(prompts, configs, tenants))}
