@@ -50,7 +50,6 @@ class GenerationConfig:
             raise UserError("echo gives the prompt's log-probabilities: it needs logprobs")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
 
 @dataclass
@@ -224,8 +223,6 @@ class SequenceState:
     def __init__(self, prompt_ids: list[int], config: GenerationConfig, tokenizer, target: CausalLM):
         self.config = config
         self.max_context = target.max_context
-        if any(not 0 <= token < target.vocab_size for token in config.stop_token_ids):
-            raise UserError(f"stop_token_ids names a token id out of the vocabulary (size {target.vocab_size})")
         self.eos = (frozenset() if config.ignore_eos else target.eos_token_ids) | frozenset(config.stop_token_ids)
         # on the target's device, so that sampling draws there; its positions' uniforms make a draft without
         # distributions give plain decoding's sampled tokens under the seed, whatever the gate or timings chose
@@ -242,8 +239,8 @@ class SequenceState:
         self.matcher = None if config.constraint is None else Matcher(
             config.constraint, tokenizer, target.vocab_size, target.eos_token_ids)
         # what the penalties count (None: no penalty or bias)
-        if any(token >= target.vocab_size for token, _ in config.sampling.logit_bias):
-            raise UserError(f"logit_bias names a token id out of the vocabulary (size {target.vocab_size})")
+        if any(not 0 <= t < target.vocab_size for t in [*config.stop_token_ids, *dict(config.sampling.logit_bias)]):
+            raise UserError(f"logit_bias or stop_token_ids name a token id out of the vocabulary ({target.vocab_size})")
         self.history = TokenHistory(prompt_ids, config.sampling, target.vocab_size, target.device) \
             if config.sampling.penalised else None
         self.logprobs: list[TokenLogprob] | None = None if config.logprobs is None else []

@@ -54,7 +54,7 @@ def test_stop_token_ids_stop_as_eos_does_ignore_eos_or_not(tiny_target, spec_eng
     target = HFCausalLM(tiny_target)
     target.eos_token_ids = spec_engine.target.eos_token_ids = frozenset({eos})
     for ignore_eos, end in ((False, ids.index(eos)), (True, first)):
-        config = GenerationConfig(max_new_tokens=40, stop_token_ids=list(stops), ignore_eos=ignore_eos)
+        config = GenerationConfig(max_new_tokens=40, stop_token_ids=stops, ignore_eos=ignore_eos)
         result = spec_engine.generate(PROMPT, config)
         assert result.token_ids == ids[: end + 1] and result.finish_reason == "eos"
         batch = BatchEngine(target)
