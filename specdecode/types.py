@@ -58,6 +58,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits first; ids distinct
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's min_tokens: before this many tokens are generated, the tokens that would end the output (its
+    # end-of-sequence and stop token ids) have their logits at -inf, after the penalties (`engine.penalties`)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -78,6 +81,8 @@ class SamplingParams:
         ids = [token for token, _ in self.logit_bias]
         if len(set(ids)) != len(ids) or any(token < 0 for token in ids):
             raise UserError("logit_bias takes each token id (>= 0) once")
+        if self.min_tokens < 0:
+            raise UserError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if any(not -100.0 <= bias <= 100.0 for _, bias in self.logit_bias):
             raise UserError("a logit_bias value must be in [-100, 100]")
 
@@ -92,8 +97,8 @@ class SamplingParams:
 
     @property
     def penalised(self) -> bool:
-        """Whether the target's logits are changed before sampling (a penalty or a bias is on)."""
-        return self.counts_tokens or bool(self.logit_bias)
+        """Whether the target's logits are changed before sampling (a penalty, a bias or min_tokens is on)."""
+        return self.counts_tokens or bool(self.logit_bias) or self.min_tokens > 0
 
 
 @dataclass(frozen=True)

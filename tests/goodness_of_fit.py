@@ -78,11 +78,12 @@ def assert_follows(counts: torch.Tensor, expected: torch.Tensor, what: str = "",
 
 
 def penalised(logits: list[float], params: SamplingParams, prompt: tuple[int, ...],
-              generated: tuple[int, ...]) -> list[float]:
+              generated: tuple[int, ...], ends: tuple[int, ...] = ()) -> list[float]:
     """The logits after the bias and penalties, at a position after `prompt` and the `generated` tokens:
     each biased token's bias added; then every token of the prompt or generated so far divided by the
     repetition penalty if its logit is positive, multiplied by it if not; then minus the frequency penalty
-    times the times it was generated, minus the presence penalty if it was at all. Plain Python floats."""
+    times the times it was generated, minus the presence penalty if it was at all; then, while fewer than
+    min_tokens were generated, the tokens that would end the output (`ends`) at -inf. Plain Python floats."""
     out = list(logits)
     for token, bias in params.logit_bias:
         out[token] += bias
@@ -91,6 +92,9 @@ def penalised(logits: list[float], params: SamplingParams, prompt: tuple[int, ..
         if token in prompt or count:
             value = value / params.repetition_penalty if value > 0 else value * params.repetition_penalty
         out[token] = value - params.frequency_penalty * count - (params.presence_penalty if count else 0.0)
+    if len(generated) < params.min_tokens:
+        for token in ends:
+            out[token] = -math.inf
     return out
 
 
@@ -126,6 +130,7 @@ def processed(logits: list[float], params: SamplingParams) -> list[float]:
 
 def continuations(
     logits: Callable[[tuple[int, ...]], torch.Tensor], prompt: list[int], length: int, params: SamplingParams,
+    ends: tuple[int, ...] = (),
 ) -> torch.Tensor:
     """The exact distribution of the first `length` tokens sampled after `prompt` from a model whose
     logits after a sequence are `logits(sequence)`: [vocab] * length, the product of each token's
@@ -135,7 +140,7 @@ def continuations(
     for tokens in itertools.product(range(vocab), repeat=length):
         probability = 1.0
         for i, token in enumerate(tokens):
-            raw = penalised(logits(tuple(prompt) + tokens[:i]).tolist(), params, tuple(prompt), tokens[:i])
+            raw = penalised(logits(tuple(prompt) + tokens[:i]).tolist(), params, tuple(prompt), tokens[:i], ends)
             probability *= processed(raw, params)[token]
             if probability == 0.0:
                 break
@@ -213,15 +218,18 @@ def model_logits(model) -> Callable[[tuple[int, ...]], torch.Tensor]:
     return logits
 
 
-def assert_engine_follows_target(drafter, params: SamplingParams, runs: int, what: str, length: int = 3) -> Outcomes:
+def assert_engine_follows_target(drafter, params: SamplingParams, runs: int, what: str, length: int = 3,
+                                 ends: tuple[int, ...] = ()) -> Outcomes:
     """The end-to-end check on the fake models (`fakes`: TARGET after PROMPT, 4 tokens): `runs` generations
     with `drafter`, seeded 0, 1, ...; deep drafts, bonus tokens after two accepted ones and corrections
     must all occur (`Outcomes.assert_exercised`), and the first `length` tokens follow the target's exact
-    distribution (`assert_follows`)."""
+    distribution (`assert_follows`). `ends`: the target's end-of-sequence tokens (none by default)."""
     from fakes import PROMPT, TARGET, FakeLM
     from specdecode.engine import SpeculativeEngine
 
-    outcomes = engine_outcomes(SpeculativeEngine(FakeLM(TARGET), drafter=drafter), PROMPT, length, params, runs)
+    target = FakeLM(TARGET)
+    target.eos_token_ids = frozenset(ends)
+    outcomes = engine_outcomes(SpeculativeEngine(target, drafter=drafter), PROMPT, length, params, runs)
     outcomes.assert_exercised()
-    assert_follows(outcomes.counts, continuations(TARGET, PROMPT, length, params), what)
+    assert_follows(outcomes.counts, continuations(TARGET, PROMPT, length, params, ends), what)
     return outcomes

@@ -5,7 +5,8 @@ Plain decoding penalises the logits of a position by the tokens before it. A spe
 positions in one forward, each after the context and the draft tokens on its path (a chain's earlier tokens, a
 tree node's ancestors), so each row is penalised by the context's counts plus its path's: verifying a draft
 then meets exactly the distributions plain decoding would have sampled from, which keeps speculation lossless
-under penalties, greedy or sampled.
+under penalties, greedy or sampled. `min_tokens` is counted by position the same way: a row before it may not end
+the output.
 """
 
 from __future__ import annotations
@@ -23,9 +24,15 @@ class TokenHistory:
     generated and whether it was seen (prompt or output), [vocab] tensors on the target's device updated by each
     step's tokens, and the distinct tokens seen, on the host (the only columns a penalty can touch)."""
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, vocab_size: int, device: torch.device | str):
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, vocab_size: int, device: torch.device | str,
+                 ends: frozenset[int] = frozenset()):
+        """`ends`: the tokens that would end the output, held off its first `params.min_tokens` positions."""
         self.params = params
         self.device = device
+        self.count = 0  # tokens generated so far
+        self.ends = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [vocab]
+        if ends and params.min_tokens:
+            self.ends[torch.tensor(sorted(ends), device=device)] = True
         self.tokens = list(dict.fromkeys(prompt_ids))  # every distinct token seen, in order of first sight
         self._known = set(self.tokens)
         self.generated = torch.zeros(vocab_size, device=device)  # [vocab] float32
@@ -37,6 +44,7 @@ class TokenHistory:
         """Count a step's generated tokens."""
         if not tokens:
             return
+        self.count += len(tokens)
         ids = torch.tensor(tokens, device=self.device)  # [k]
         self.generated.index_add_(0, ids, torch.ones(len(tokens), device=self.device))
         self.seen[ids] = True
@@ -49,9 +57,10 @@ class TokenHistory:
         """rows: [len(draft) + 1, vocab], the target's logits after the context (row 0) and after each draft
         node's path; each row penalised by the tokens before its position. -> [len(draft) + 1, vocab] float32."""
         n, device = len(draft), rows.device
-        if not self.params.counts_tokens:  # a bias alone
+        if not self.params.counts_tokens:  # a bias alone, or min_tokens
             nothing = torch.zeros(n + 1, 0, device=device)
-            return penalise(rows, self.params, torch.zeros(0, dtype=torch.long, device=device), nothing, nothing > 0)
+            return self._held_open(penalise(rows, self.params, torch.zeros(0, dtype=torch.long, device=device),
+                                            nothing, nothing > 0), draft)
         # (host data through pinned memory: a pageable copy to a GPU would wait for the kernels queued)
         drafted = to_device(draft.tokens[:n], device)  # [n]
         ids = torch.cat([to_device(self.tokens, device), drafted])  # [cols]
@@ -64,4 +73,18 @@ class TokenHistory:
         on_path = above @ (drafted[:, None] == ids[None, :]).float()  # [n + 1, cols]
         generated = self.generated[ids] + on_path  # [n + 1, cols]
         seen = self.seen[ids] | (on_path > 0)  # [n + 1, cols]
-        return penalise(rows, self.params, ids, generated, seen)
+        return self._held_open(penalise(rows, self.params, ids, generated, seen), draft)
+
+    def _held_open(self, rows: torch.Tensor, draft: Draft) -> torch.Tensor:
+        """min_tokens: the rows whose position comes before it, the context's row at the next output position and a
+        node's after the nodes of its path, have the tokens that would end the output at -inf."""
+        short = self.params.min_tokens - self.count
+        if short <= 0:
+            return rows
+        if draft.parents is None:
+            offsets = torch.arange(len(draft) + 1, device="cpu")
+        else:  # a node's depth: its path's nodes, itself included
+            depths = structure.ancestor_mask(draft.parents).sum(1)
+            offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=depths.device), depths])
+        early = to_device(offsets, rows.device) < short  # [n + 1]
+        return rows.masked_fill(early[:, None] & self.ends[None, :], float("-inf"))

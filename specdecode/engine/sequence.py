@@ -221,8 +221,7 @@ class SequenceState:
     stop strings, the text emitted so far, per-step statistics, and its random generator."""
 
     def __init__(self, prompt_ids: list[int], config: GenerationConfig, tokenizer, target: CausalLM):
-        self.config = config
-        self.max_context = target.max_context
+        self.config, self.max_context = config, target.max_context
         self.eos = (frozenset() if config.ignore_eos else target.eos_token_ids) | frozenset(config.stop_token_ids)
         # on the target's device, so that sampling draws there; its positions' uniforms make a draft without
         # distributions give plain decoding's sampled tokens under the seed, whatever the gate or timings chose
@@ -236,12 +235,14 @@ class SequenceState:
         self.steps: list[StepStats] = []
         self.finish_reason = "length"  # until EOS or a stop string
         # the grammar state after the context (None: unconstrained)
+        if config.constraint is not None and config.sampling.min_tokens:  # (its grammar may end before)
+            raise UserError("min_tokens cannot hold open an output a constraint shapes")
         self.matcher = None if config.constraint is None else Matcher(
             config.constraint, tokenizer, target.vocab_size, target.eos_token_ids)
         # what the penalties count (None: no penalty or bias)
         if any(not 0 <= t < target.vocab_size for t in [*config.stop_token_ids, *dict(config.sampling.logit_bias)]):
             raise UserError(f"logit_bias or stop_token_ids name a token id out of the vocabulary ({target.vocab_size})")
-        self.history = TokenHistory(prompt_ids, config.sampling, target.vocab_size, target.device) \
+        self.history = TokenHistory(prompt_ids, config.sampling, target.vocab_size, target.device, self.eos) \
             if config.sampling.penalised else None
         self.logprobs: list[TokenLogprob] | None = None if config.logprobs is None else []
         self.prompt_logprobs: list[TokenLogprob] | None = None  # (`echo`: set once the prompt is fed)

@@ -83,10 +83,17 @@ class Limits:
         if tool_constraint is not None and constraint is not None:
             raise APIError(400, "Give `tool_choice` required (or a function) or a response format, not both.",
                            param="tool_choice")
+        if body.min_tokens and (tool_constraint or constraint):
+            raise APIError(400, "`min_tokens` cannot hold open an answer a format or a required call shapes (its "
+                                "grammar may end first).", param="min_tokens")
+        most = limit if limit is not None else min(self.default_max_tokens, room)
+        if body.min_tokens and body.min_tokens > most:
+            raise APIError(400, f"`min_tokens` ({body.min_tokens}) is more than the tokens the answer may have "
+                                f"({most}).", param="min_tokens")
         try:
             sampling = SamplingParams(temperature=temperature, top_k=body.top_k or 0,
                                       top_p=1.0 if body.top_p is None else body.top_p, **body.penalties())
-            return GenerationConfig(max_new_tokens=limit if limit is not None else min(self.default_max_tokens, room),
+            return GenerationConfig(max_new_tokens=most,
                                     sampling=sampling, stop=tuple(body.stop or ()), seed=body.seed,
                                     ignore_eos=bool(body.ignore_eos), stop_token_ids=tuple(body.stop_token_ids or ()),
                                     constraint=tool_constraint or constraint, echo=echo,

@@ -120,6 +120,7 @@ class SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as text) -> bias in [-100, 100]
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(None, ge=0)  # vLLM's: no end-of-sequence or stop token id before so many
 
     # OpenAI fields this server does not implement, with the values that ask for nothing (taken, then
     # dropped); any other value is a 400
@@ -144,7 +145,7 @@ class SamplingRequest(BaseModel):
         biases = tuple(sorted((int(key), float(value)) for key, value in (self.logit_bias or {}).items()))
         return {"frequency_penalty": self.frequency_penalty or 0.0, "presence_penalty": self.presence_penalty or 0.0,
                 "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                "min_p": self.min_p or 0.0, "logit_bias": biases}
+                "min_p": self.min_p or 0.0, "logit_bias": biases, "min_tokens": self.min_tokens or 0}
 
     def top_logprobs_asked(self) -> int | None:
         """The alternatives each output token's entry lists (None: no log-probabilities)."""

@@ -53,12 +53,17 @@ def test_the_penalties_change_plain_decoding(models, references):  # noqa: F811 
         assert output != free, name
 
 
+def method_engine(loaded, variant: str, head_folder, monkeypatch) -> SpeculativeEngine:
+    """The method's engine as `test_every_method.py` builds it (its random heads as the shipped ones)."""
+    monkeypatch.setattr(heads, "shipped_head", lambda model, kind: head_folder / kind)
+    reference = None if "-tree" in variant else REFERENCE
+    return loaded.engine_for(choose(variant, reference=reference, only_if_taken=True))
+
+
 @pytest.mark.parametrize("variant", LOSSLESS)
 def test_greedy_output_under_penalties_is_plain_decoding(variant, models, references,  # noqa: F811  (imported
                                                          random_heads, monkeypatch):  # noqa: F811  fixtures)
-    monkeypatch.setattr(heads, "shipped_head", lambda model, kind: random_heads / kind)
-    reference = None if "-tree" in variant else REFERENCE
-    engine = models.engine_for(choose(variant, reference=reference, only_if_taken=True))
+    engine = method_engine(models, variant, random_heads, monkeypatch)
     prompts, outputs = references
     for name, params in PENALTIES.items():
         for i, prompt in enumerate(prompts):
@@ -113,3 +118,38 @@ def test_plain_greedy_runs_agree_without_penalties(models):  # noqa: F811  (impo
     assert plain_outputs(models, neutral, prompts) == plain_outputs(models, SamplingParams(), prompts)
     list(greedy_runs(SpeculativeEngine(models.target, models.tokenizer), prompts[:1],
                      plain_outputs(models, SamplingParams(), prompts[:1]), [5]))
+
+
+def min_tokens_params(loaded, min_tokens: int = 7) -> SamplingParams:
+    """A bias that makes an end-of-sequence token the likeliest everywhere, held off by min_tokens."""
+    return SamplingParams(min_tokens=min_tokens, logit_bias=((min(loaded.target.eos_token_ids), 30.0),))
+
+
+@pytest.fixture(scope="module")
+def held_open(models):  # noqa: F811  (imported fixture)
+    """Plain greedy decoding under `min_tokens_params`: min_tokens tokens, then the end."""
+    prompts = [models.encode(text) for text in PROMPTS]
+    outputs = plain_outputs(models, min_tokens_params(models), prompts)
+    eos = models.target.eos_token_ids
+    assert all(len(o) == 8 and o[-1] in eos and not eos & set(o[:-1]) for o in outputs)
+    return prompts, outputs
+
+
+@pytest.mark.parametrize("variant", LOSSLESS)
+def test_greedy_output_under_min_tokens_is_plain_decoding(variant, models, held_open,  # noqa: F811  (imported
+                                                          random_heads, monkeypatch):  # noqa: F811  fixtures)
+    """Every drafted row before min_tokens, by its own position, has the end held off (`engine.penalties`)."""
+    engine = method_engine(models, variant, random_heads, monkeypatch)
+    prompts, outputs = held_open
+    for i, prompt in enumerate(prompts):
+        config = GenerationConfig(max_new_tokens=20, sampling=min_tokens_params(models))
+        assert engine.generate(prompt, config).token_ids == outputs[i], i
+    batch = BatchEngine(models.target, models.tokenizer, gate=False)
+    if engine.drafter is None or engine.drafter.batchable:
+        idents = {batch.add(p, GenerationConfig(max_new_tokens=20, sampling=min_tokens_params(models)),
+                            engine.drafter.for_sequence() if engine.drafter else None): o
+                  for p, o in zip(prompts, outputs)}
+        finished = {}
+        while batch.members:
+            finished.update({i: r.token_ids for i, _, r in batch.step() if r is not None})
+        assert finished == idents

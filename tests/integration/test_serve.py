@@ -456,6 +456,21 @@ def test_stop_token_ids_end_the_answer(client, models, server):
         assert reply.status_code == 400 and words in openai_error(reply)["message"], reply.text
 
 
+
+def test_min_tokens_holds_the_end_off(client, models, server):
+    """vLLM's `min_tokens`: an end-of-sequence token a bias makes the likeliest comes only after so many tokens."""
+    eos = min(models.target.eos_token_ids)
+    ask = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "logit_bias": {str(eos): 100}}
+    for method in ("pld", "draft"):
+        held = client.completions.create(**ask, extra_body={"min_tokens": 5, "method": method})
+        assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"
+    running, _ = server
+    for extra, words in (({"min_tokens": 13}, "more than"), ({"min_tokens": 2, "structured_outputs": {"regex": "a+"}},
+                                                             "cannot hold open"), ({"min_tokens": -1}, "greater")):
+        reply = post(running.url, "/v1/completions", {**ask, **extra})
+        assert reply.status_code == 400 and words in openai_error(reply)["message"], reply.text
+
+
 # --- Several choices (`n`) -------------------------------------------------------------------------------------
 # Greedy choices are one generation's copies; sampled choice i is what a request of one choice seeded with seed + i
 # gets, whichever method, batched or alone; streamed choices spell the whole ones; `usage` counts every choice; a

@@ -57,6 +57,15 @@ def test_the_penalties_move_the_distribution():
         assert 0.5 * float((moved - free).abs().sum()) > 0.1, kind
 
 
+def path_to(row: int, tokens: torch.Tensor, parents: torch.Tensor | None) -> list[int]:
+    """The draft tokens before a row's position: its node's path (row 0: none; a chain: the nodes before)."""
+    path, node = [], row - 1
+    while node >= 0:
+        path.insert(0, int(tokens[node]))
+        node = int(parents[node]) if parents is not None else node - 1
+    return path
+
+
 def test_every_row_of_a_tree_is_penalised_by_its_own_path():
     """Reference against fast: `TokenHistory.penalise` over a tree's rows equals the harness's plain penalties
     applied to each row's logits after the prompt, the generated tokens and the row's path."""
@@ -72,10 +81,7 @@ def test_every_row_of_a_tree_is_penalised_by_its_own_path():
     rows = torch.randn(len(tokens) + 1, vocab) * 3
     fast = history.penalise(rows, Draft(tokens=tokens, parents=parents))
     for row in range(len(tokens) + 1):
-        path, node = [], row - 1
-        while node >= 0:
-            path.insert(0, int(tokens[node]))
-            node = int(parents[node])
+        path = path_to(row, tokens, parents)
         expected = penalised(rows[row].tolist(), params, tuple(prompt), tuple(generated + path))
         assert fast[row].tolist() == pytest.approx(expected, abs=1e-5), row
     chain = Draft(tokens=torch.tensor([4, 4, 6]))
@@ -93,3 +99,35 @@ def test_min_p_keeps_the_tokens_near_the_likeliest():
     assert processed(logits.tolist(), SamplingParams(1.0, min_p=0.25)) == pytest.approx(probs.tolist())
     draws = torch.multinomial(probs, 20000, replacement=True, generator=torch.Generator().manual_seed(0))
     assert_follows(torch.bincount(draws, minlength=4).double(), probs.double(), "min-p")
+
+
+# a draft model's sampled chain, which drafts token 3 (made the target's end-of-sequence token) anywhere, under
+# min_tokens 2: the end may come third at the earliest. 61 cells, power 0.90 (asserted)
+MIN_TOKENS = SamplingParams(0.9, min_tokens=2, frequency_penalty=0.3)
+
+
+def test_min_tokens_sampled_output_follows_target_distribution(one_thread):
+    drafter = DraftModelDrafter(FakeLM(fakes.DRAFT), num_tokens=2, adaptive=False, confidence_threshold=0)
+    assert_engine_follows_target(drafter, MIN_TOKENS, 7600, "min-tokens", ends=(3,))
+    held = continuations(fakes.TARGET, fakes.PROMPT, 3, MIN_TOKENS, ends=(3,))
+    free = continuations(fakes.TARGET, fakes.PROMPT, 3, MIN_TOKENS, ends=())
+    assert held[3].sum() == held[:, 3].sum() == 0 and 0.5 * float((held - free).abs().sum()) > 0.1
+
+
+def test_min_tokens_holds_the_end_off_each_row_by_its_own_position():
+    """Reference against fast: under min_tokens each row of a tree or chain has the end tokens at -inf exactly where
+    its position (the generated tokens, then its path's) comes before min_tokens, as the harness says."""
+    torch.manual_seed(1)
+    vocab, prompt, generated = 9, [1, 4], [2]
+    params = SamplingParams(1.0, min_tokens=4, logit_bias=((3, 1.0),))
+    history = TokenHistory(prompt, params, vocab, "cpu", ends=frozenset({3, 6}))
+    history.add(generated)
+    tokens = torch.tensor([2, 5, 2, 8, 2, 5])
+    for parents in (torch.tensor([-1, -1, 0, 2, 3, 1]), None):
+        rows = torch.randn(len(tokens) + 1, vocab) * 3
+        fast = history.penalise(rows, Draft(tokens=tokens, parents=parents))
+        for row in range(len(tokens) + 1):
+            path = path_to(row, tokens, parents)
+            expected = penalised(rows[row].tolist(), params, tuple(prompt), tuple(generated + path), ends=(3, 6))
+            assert fast[row].tolist() == pytest.approx(expected, abs=1e-5), (parents is None, row)
+        assert torch.isinf(fast[:, 3]).any() and not torch.isinf(fast[:, 3]).all()  # both kinds of row
