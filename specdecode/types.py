@@ -59,7 +59,8 @@ class SamplingParams:
     # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits first; ids distinct
     logit_bias: tuple[tuple[int, float], ...] = ()
     # vLLM's min_tokens: before this many tokens are generated, the tokens that would end the output (its
-    # end-of-sequence and stop token ids) have their logits at -inf, after the penalties (`engine.penalties`)
+    # end-of-sequence and stop token ids) have their logits at -inf, after the penalties (`engine.penalties`), and
+    # a stop string counts only once a token at that position or later completes it (`engine.stopping`)
     min_tokens: int = 0
 
     def __post_init__(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 
@@ -13,9 +14,12 @@ class TextTracker:
     the text shows it is not the stop string (a client never sees a stop string's beginning the output then lacks).
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer, stop: Sequence[str] = (), min_tokens: int = 0):
+        """`min_tokens`: a stop string counts only once a token at that position or later completes it (vLLM's)."""
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.min_tokens = min_tokens
+        self._after: float | None = 0.0 if min_tokens <= 1 else None  # a stop string must end past this much text
         self.text = ""  # the text emitted so far
         self._joins = joins(tokenizer)
         self._settled: tuple[int, int | None, str] = (0, None, "")  # ids up to a character's end, the last, their text
@@ -40,9 +44,19 @@ class TextTracker:
         return max((n for stop in self.stop for n in range(min(len(stop) - 1, len(text)), 0, -1)
                     if stop.startswith(text[len(text) - n :])), default=0)
 
-    def _first_stop(self, text: str) -> int | None:
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+    def _first_stop(self, text: str, after: float = 0.0) -> int | None:
+        """Where the first stop string that ends past `after` characters begins (None: none)."""
+        if after == math.inf:
+            return None
+        hits = [i for i in (text.find(s, max(0, int(after) - len(s) + 1)) for s in self.stop) if i >= 0]
         return min(hits) if hits else None
+
+    def _held(self, ids: Sequence[int]) -> float:
+        """The text a stop string must end past: that of the output's first min_tokens - 1 tokens, once there are
+        as many (before: all of it)."""
+        if self._after is None and len(ids) >= self.min_tokens - 1:
+            self._after = float(len(self.decode(ids[: self.min_tokens - 1]).rstrip("\ufffd")))
+        return math.inf if self._after is None else self._after
 
     def update(self, ids: Sequence[int], previous: int) -> tuple[str, int | None]:
         """ids: every generated id so far; previous: how many of them the earlier calls saw.
@@ -52,10 +66,11 @@ class TextTracker:
         """
         full = self._text_of(ids)
         keep = None
-        cut = self._first_stop(full) if self.stop else None
+        after = self._held(ids) if self.stop else 0.0
+        cut = self._first_stop(full, after) if self.stop else None
         if cut is not None:
             keep = next(
-                (n for n in range(previous + 1, len(ids)) if self._first_stop(self.decode(ids[:n])) is not None),
+                (n for n in range(previous + 1, len(ids)) if self._first_stop(self.decode(ids[:n]), after) is not None),
                 len(ids),
             )
             full = full[:cut]
@@ -69,7 +84,7 @@ class TextTracker:
     def finish(self, ids: Sequence[int]) -> str:
         """The text not yet emitted once generation has ended (a held-back tail)."""
         full = self.decode(ids)
-        cut = self._first_stop(full) if self.stop else None
+        cut = self._first_stop(full, self._held(ids)) if self.stop else None
         full = full if cut is None else full[:cut]
         delta = full[len(self.text) :]
         self.text = full

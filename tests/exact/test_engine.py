@@ -75,6 +75,18 @@ def test_stop_string_cuts_text_and_tokens(tiny_target, spec_engine):
     assert result.token_ids == ids[: cut + len(stop)]  # up to the token completing the stop string
 
 
+def test_min_tokens_holds_a_stop_string_off(tiny_target, spec_engine):
+    """A stop string the output's first min_tokens - 1 tokens complete does not end it (`TextTracker`)."""
+    ids = plain_ids(tiny_target)
+    text = LetterTokenizer().decode(ids)
+    stop = text[12:14]
+    tokens = text.index(stop) + len(stop)  # (one letter a token)
+    held = spec_engine.generate(PROMPT, GenerationConfig(max_new_tokens=40, stop=(stop,),
+                                                         sampling=SamplingParams(min_tokens=tokens + 1)))
+    assert held.token_ids == ids[: len(held.token_ids)] and len(held.token_ids) > tokens
+    assert held.text.startswith(text[:tokens])
+
+
 def test_streaming_concatenates_to_result(tiny_target, spec_engine):
     stream = spec_engine.stream(PROMPT, GenerationConfig(max_new_tokens=33))
     events = list(stream)

@@ -81,3 +81,28 @@ def test_an_end_a_stop_string_begins_with_waits_until_the_text_says():
     assert not shown.endswith(("f", "fo", "fou")) and shown == "we found three "
     assert "foun" in deltas  # "fou" of "found" shown once "n" said it was not "four"
     assert tracker.finish(ids) == "fou"
+
+
+def test_min_tokens_holds_a_stop_string_off_until_a_token_that_late_completes_it():
+    """vLLM's `min_tokens` holds stop strings off too: one that the output's first min_tokens - 1 tokens hold whole
+    does not count; the next, completed later, does. Whole answers (`finish`) read them the same way."""
+    tokenizer = tiny_tokenizer()
+    ids = tokenizer("one four two four three", add_special_tokens=False)["input_ids"]
+    first_end = next(n for n in range(len(ids) + 1) if "four" in tokenizer.decode(ids[:n]))  # tokens to the first
+    second_end = next(n for n in range(first_end + 1, len(ids) + 1)
+                      if tokenizer.decode(ids[:n]).count("four") == 2)
+    for min_tokens, text, keep in ((0, "one ", first_end), (first_end, "one ", first_end),
+                                   (first_end + 1, "one four two ", second_end), (len(ids) + 1, None, None)):
+        tracker = TextTracker(tokenizer, stop=["four"], min_tokens=min_tokens)
+        said = []
+        for n in range(1, len(ids) + 1):
+            said.append(tracker.update(ids[:n], n - 1))
+            if said[-1][1] is not None:
+                break
+        shown = "".join(d for d, _ in said)
+        if text is None:  # held off to the end: nothing cut
+            assert said[-1][1] is None and shown + tracker.finish(ids) == "one four two four three"
+        else:
+            assert (shown, said[-1][1]) == (text, keep), min_tokens
+        late = TextTracker(tokenizer, stop=["four"], min_tokens=min_tokens)
+        assert late.finish(ids) == (text if text is not None else "one four two four three")
