@@ -370,7 +370,7 @@ class BatchEngine:
         prompts = {i: len(m.progress.prompt_ids) - len(m.slots) for i, m in self.members.items()
                    if len(m.slots) < len(m.progress.prompt_ids)}
         wait = waiting((i, m.tenant, m.progress.prompt_ids, len(m.slots) if len(m.slots) == m.progress.cached else None)
-                       for i, m in ((i, self.members[i]) for i in prompts) if m.share) if self.share_prefixes else set()
+                       for i, m in self.members.items() if i in prompts and m.share) if self.share_prefixes else set()
         return self._share.plan(prompts, self._share.chunk(self.prefill_chunk),
                                 {i: self.members[i].chunks for i in prompts}, len(prompts) == len(self.members), wait)
 

@@ -30,8 +30,9 @@ class TokenHistory:
         self.params = params
         self.device = device
         self.count = 0  # tokens generated so far
-        self.ends = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [vocab]
+        self.ends: torch.Tensor | None = None  # [vocab] bool, the tokens held off (None: none)
         if ends and params.min_tokens:
+            self.ends = torch.zeros(vocab_size, dtype=torch.bool, device=device)
             self.ends[torch.tensor(sorted(ends), device=device)] = True
         self.tokens = list(dict.fromkeys(prompt_ids))  # every distinct token seen, in order of first sight
         self._known = set(self.tokens)
@@ -55,12 +56,15 @@ class TokenHistory:
 
     def penalise(self, rows: torch.Tensor, draft: Draft) -> torch.Tensor:
         """rows: [len(draft) + 1, vocab], the target's logits after the context (row 0) and after each draft
-        node's path; each row penalised by the tokens before its position. -> [len(draft) + 1, vocab] float32."""
+        node's path; each row penalised by the tokens before its position, and the end held off before min_tokens.
+        -> [len(draft) + 1, vocab] float32."""
+        return self._held_open(self._penalised(rows, draft), draft)
+
+    def _penalised(self, rows: torch.Tensor, draft: Draft) -> torch.Tensor:
         n, device = len(draft), rows.device
         if not self.params.counts_tokens:  # a bias alone, or min_tokens
             nothing = torch.zeros(n + 1, 0, device=device)
-            return self._held_open(penalise(rows, self.params, torch.zeros(0, dtype=torch.long, device=device),
-                                            nothing, nothing > 0), draft)
+            return penalise(rows, self.params, torch.zeros(0, dtype=torch.long, device=device), nothing, nothing > 0)
         # (host data through pinned memory: a pageable copy to a GPU would wait for the kernels queued)
         drafted = to_device(draft.tokens[:n], device)  # [n]
         ids = torch.cat([to_device(self.tokens, device), drafted])  # [cols]
@@ -73,18 +77,15 @@ class TokenHistory:
         on_path = above @ (drafted[:, None] == ids[None, :]).float()  # [n + 1, cols]
         generated = self.generated[ids] + on_path  # [n + 1, cols]
         seen = self.seen[ids] | (on_path > 0)  # [n + 1, cols]
-        return self._held_open(penalise(rows, self.params, ids, generated, seen), draft)
+        return penalise(rows, self.params, ids, generated, seen)
 
     def _held_open(self, rows: torch.Tensor, draft: Draft) -> torch.Tensor:
         """min_tokens: the rows whose position comes before it, the context's row at the next output position and a
         node's after the nodes of its path, have the tokens that would end the output at -inf."""
         short = self.params.min_tokens - self.count
-        if short <= 0:
+        if short <= 0 or self.ends is None:
             return rows
-        if draft.parents is None:
-            offsets = torch.arange(len(draft) + 1, device="cpu")
-        else:  # a node's depth: its path's nodes, itself included
-            depths = structure.ancestor_mask(draft.parents).sum(1)
-            offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=depths.device), depths])
+        depths = torch.arange(1, len(draft) + 1) if draft.parents is None else structure.depths(draft.parents)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), depths])  # [n + 1] the row's position past the output's
         early = to_device(offsets, rows.device) < short  # [n + 1]
         return rows.masked_fill(early[:, None] & self.ends[None, :], float("-inf"))

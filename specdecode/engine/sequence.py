@@ -234,9 +234,9 @@ class SequenceState:
         self.output: list[int] = []
         self.steps: list[StepStats] = []
         self.finish_reason = "length"  # until EOS or a stop string
-        # the grammar state after the context (None: unconstrained)
         if config.constraint is not None and config.sampling.min_tokens:  # (its grammar may end before)
             raise UserError("min_tokens cannot hold open an output a constraint shapes")
+        # the grammar state after the context (None: unconstrained)
         self.matcher = None if config.constraint is None else Matcher(
             config.constraint, tokenizer, target.vocab_size, target.eos_token_ids)
         # what the penalties count (None: no penalty or bias)

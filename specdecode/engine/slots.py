@@ -80,10 +80,9 @@ def longest_prefix(tokens: list[int], limit: int, tenant: Hashable, held: Iterab
 def waiting(feeding: Iterable[tuple[Hashable, Hashable, list[int], int | None]], share: float = WAIT_SHARE) -> set:
     """Of the sequences that share (`BatchEngine.add`'s `share`) feeding their prompts, in arrival order, each (id,
     tenant, prompt, tokens it holds when all are a prefix it took, None when it fed some itself), those that wait for
-    an earlier one of their
-    tenant still feeding whose prompt begins as theirs for at least `share` of what they have left to take (all but
-    their last token): the next steps they take that prefix from it (`BatchEngine._borrow`) instead of feeding it too
-    (a request's sampled choices, clients sending one document at once)."""
+    an earlier one of their tenant still feeding whose prompt begins as theirs for at least `share` of what they have
+    left to take (all but their last token): the next steps they take that prefix from it (`BatchEngine._borrow`)
+    instead of feeding it too (a request's sampled choices, clients sending one document at once)."""
     out, earlier = set(), list[tuple[Hashable, list[int]]]()
     for ident, tenant, prompt, holds in feeding:
         if holds is not None:

@@ -67,7 +67,9 @@ class Choices:
 
     def usage(self, results: list[GenerationResult]) -> dict:
         """OpenAI's `usage`, from each generation's result: every prompt once, every choice's tokens."""
-        firsts = {id(answer): run for answer, run in reversed(list(zip(self.answers, self.runs)))}
+        firsts: dict[int, int] = {}  # each prompt's (its answer's) first generation
+        for answer, run in zip(self.answers, self.runs):
+            firsts.setdefault(id(answer), run)
         return protocol.usage([results[run] for run in self.runs], [results[run] for run in firsts.values()])
 
 
@@ -182,15 +184,17 @@ async def chunks(jobs: list[Job], firsts: list, body: SamplingRequest, plan: Cho
             if isinstance(item, BaseException):
                 yield f"data: {json.dumps(api_error(item).body())}\n\n"
                 break
+            extra = {"speculative": protocol.speculative([item])} if isinstance(item, GenerationResult) else {
+                "specdecode": step_payload(item)}  # (the same for every choice the generation serves)
             for index in served[run]:
                 if isinstance(item, GenerationResult):
                     *before, final = writers[index].last(item)
                     for choices in before:
                         yield chunk(choices)
-                    yield chunk(final, speculative=protocol.speculative([item]))
+                    yield chunk(final, **extra)
                 else:
                     main, *calls = writers[index].step(item)
-                    yield chunk(main, specdecode=step_payload(item))
+                    yield chunk(main, **extra)
                     for choices in calls:
                         yield chunk(choices)
             if isinstance(item, GenerationResult):
