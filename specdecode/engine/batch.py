@@ -61,7 +61,8 @@ from specdecode.engine.slots import (Held, SavedContexts, Slots, attention_input
                                      waiting)
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM, Entries
-from specdecode.models.costs import CHUNK_SECONDS, CostCurve, LiveCurve, prefill_chunk
+from specdecode.models.costs import CHUNK_SECONDS, CostCurve, prefill_chunk
+from specdecode.models.live_curve import LiveCurve
 from specdecode.tree.budget import cut_batch
 from specdecode.types import Draft
 from specdecode.verify.tree import verify

@@ -19,7 +19,8 @@ from specdecode.engine import forced
 from specdecode.engine.penalties import TokenHistory
 from specdecode.constraints import Matcher
 from specdecode.models.base import CausalLM
-from specdecode.models.costs import MIN_CHUNK, CostCurve, LiveCurve, prefill_chunk
+from specdecode.models.costs import MIN_CHUNK, CostCurve, prefill_chunk
+from specdecode.models.live_curve import LiveCurve
 from specdecode.types import AuxiliaryTokens, SamplingParams
 from specdecode.tree.budget import cut_chain
 from specdecode.verify.tree import verify

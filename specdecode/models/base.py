@@ -130,11 +130,11 @@ class CausalLM(abc.ABC):
         return f"{type(self).__name__}|{self.vocab_size}|{self.weight_bytes_per_token}"
 
     def cost_curve(self):
-        """The cost of a forward over n tokens relative to one (`models.costs.LiveCurve`): measured on first
+        """The cost of a forward over n tokens relative to one (`models.live_curve.LiveCurve`): measured on first
         use on this machine and cached, then corrected by the forwards the engine times. One per model,
         shared by its engines and drafters."""
-        from specdecode.models import costs
+        from specdecode.models import live_curve
 
         if getattr(self, "_live_curve", None) is None:
-            self._live_curve = costs.live(self)
+            self._live_curve = live_curve.live(self)
         return self._live_curve

@@ -23,7 +23,8 @@ from specdecode.drafters.source_payoff import EVIDENCE, FIRST_REST, Payoff, band
 from specdecode.drafters.sources import columns, hidden_request
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.methods import METHODS, choose
-from specdecode.models.costs import CostCurve, LiveCurve
+from specdecode.models.costs import CostCurve
+from specdecode.models.live_curve import LiveCurve
 from specdecode.models.hf import HFCausalLM
 from specdecode.types import Draft, SamplingParams, StepStats, Verdict
 

@@ -10,7 +10,8 @@ import torch
 from conftest import random_prompts
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
-from specdecode.models.costs import CostCurve, LiveCurve
+from specdecode.models.costs import CostCurve
+from specdecode.models.live_curve import LiveCurve
 from specdecode.models.hf import HFCausalLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -62,6 +63,25 @@ def test_one_stall_does_not_price_a_size_but_two_in_three_do():
     quick = LiveCurve(CostCurve.linear(1.0, sizes=(1, 2, 4, 8)))
     quick.observe(8, 5.0)  # a prior measured while busy: one quiet timing corrects it
     assert quick(8) == pytest.approx(5.0)
+
+
+def test_a_size_never_timed_between_timed_ones_is_priced_on_the_line_between_them():
+    """A prior that prices 2 to 8 alike (measured busy, or flattened by the never-cheaper rule and stored) makes the
+    gate verify 8 and never 2 or 4, whose stale figures held 8 at the prior's price whatever its timings said. Now
+    a size never timed is priced no higher than the narrowest timed size wider than it, and once sizes on both
+    sides of it are timed, on the line between them."""
+    curve = LiveCurve(CostCurve((1, 2, 4, 8), (1.0, 3.0, 3.0, 3.0), seconds=1.0))
+    assert curve(4) == pytest.approx(3.0)  # nothing timed: the prior
+    curve.observe(8, 2.0)
+    assert curve(8) == pytest.approx(2.0) and curve(2) == pytest.approx(2.0) and curve(4) == pytest.approx(2.0)
+    curve.observe(2, 1.2)
+    curve.observe(1, 1.0)
+    assert curve(2) == pytest.approx(1.2) and curve(8) == pytest.approx(2.0)
+    assert curve(4) == pytest.approx(1.2 + (2.0 - 1.2) * 2 / 6)
+    curve.observe(4, 1.3)  # once timed, its own figure
+    assert curve(4) == pytest.approx(1.3)
+    curve.at(5000)  # a band met for the first time starts from the one below, what was timed there included
+    assert curve.relative == pytest.approx((1.0, 1.2, 1.3, 2.0))
 
 
 def test_a_prompts_prefill_is_not_timed(tiny_target):
@@ -134,11 +154,11 @@ def test_a_quiet_curve_follows_the_machine_when_it_gets_busy(tiny_target):
 
 
 def test_a_corrected_curve_is_stored_for_the_next_process(tiny_target, monkeypatch):
-    from specdecode.models import costs
+    from specdecode.models import costs, live_curve
 
     stored = []
     monkeypatch.setattr(costs, "store", lambda key, curve: stored.append((key, curve)))
-    curve = costs.live(HFCausalLM(tiny_target))
+    curve = live_curve.live(HFCausalLM(tiny_target))
     before = len(stored)  # (the prior, measured and stored on first use)
     for _ in range(256):
         curve.observe(1, 1.0)

@@ -19,7 +19,8 @@ from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.engine import payoff
 from specdecode.engine.payoff import StepAside
 from specdecode.methods import resolve, variant_names
-from specdecode.models.costs import CostCurve, LiveCurve
+from specdecode.models.costs import CostCurve
+from specdecode.models.live_curve import LiveCurve
 from specdecode.models.hf import HFCausalLM
 from test_eagle import eagle_drafter
 from test_live_curve import FakeClock, TimedLM

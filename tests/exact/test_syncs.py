@@ -27,7 +27,8 @@ from specdecode.drafters.draft_model_tree import DraftModelTreeDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.engine.batch import BatchEngine
-from specdecode.models.costs import CostCurve, LiveCurve
+from specdecode.models.costs import CostCurve
+from specdecode.models.live_curve import LiveCurve
 from specdecode.models.hf import HFCausalLM
 from specdecode.models.static import StaticCausalLM
 from specdecode.tree import structure
