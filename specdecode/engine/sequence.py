@@ -228,7 +228,7 @@ class SequenceState:
         # (`sampling`; docs/verification.md, "Randomness")
         seed = config.seed if config.seed is not None else int(torch.randint(2**62, (), device="cpu"))
         self.generator = sampling.seeded(target.device, seed)
-        self.tracker = TextTracker(tokenizer, config.stop, config.sampling.min_tokens)
+        self.tracker = TextTracker(tokenizer, config.stop, config.sampling.min_tokens, config.stop_token_ids)
         self.prompt_ids = list(prompt_ids)
         self.context = list(prompt_ids)
         self.output: list[int] = []

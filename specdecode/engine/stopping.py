@@ -14,10 +14,13 @@ class TextTracker:
     the text shows it is not the stop string (a client never sees a stop string's beginning the output then lacks).
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str] = (), min_tokens: int = 0):
-        """`min_tokens`: a stop string counts only once a token at that position or later completes it (vLLM's)."""
+    def __init__(self, tokenizer, stop: Sequence[str] = (), min_tokens: int = 0, stop_token_ids: Sequence[int] = ()):
+        """`min_tokens`: a stop string counts only once a token at that position or later completes it (vLLM's);
+        `stop_token_ids`: one of these ending the output is left out of its text (vLLM's, with its default
+        `include_stop_str_in_output` false; the token stays in the output's ids)."""
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.stop_ids = frozenset(stop_token_ids)
         self.min_tokens = min_tokens
         self._after: float | None = 0.0 if min_tokens <= 1 else None  # a stop string must end past this much text
         self.text = ""  # the text emitted so far
@@ -38,6 +41,10 @@ class TextTracker:
         if self._joins and ids and not text.endswith("\ufffd"):
             self._settled = (len(ids), ids[-1], text)
         return text
+
+    def _shown(self, ids: Sequence[int]) -> Sequence[int]:
+        """The ids whose text the output shows: all, but a stop token id that ends them (it ends the output)."""
+        return ids[:-1] if ids and ids[-1] in self.stop_ids else ids
 
     def _stop_begun(self, text: str) -> int:
         """The length of the longest end of `text` that a stop string begins with (0: none)."""
@@ -64,6 +71,7 @@ class TextTracker:
         Returns the new text and, when a stop string appeared, how many ids to keep (up to the id that
         completes the stop string); the text then ends right before the stop string.
         """
+        ids = self._shown(ids)
         full = self._text_of(ids)
         keep = None
         after = self._held(ids) if self.stop else 0.0
@@ -83,6 +91,7 @@ class TextTracker:
 
     def finish(self, ids: Sequence[int]) -> str:
         """The text not yet emitted once generation has ended (a held-back tail)."""
+        ids = self._shown(ids)
         full = self.decode(ids)
         cut = self._first_stop(full, self._held(ids)) if self.stop else None
         full = full if cut is None else full[:cut]

@@ -10,7 +10,7 @@ from specdecode.engine import GenerationConfig
 from specdecode.errors import UserError
 from specdecode.constraints import Constraint
 from specdecode.serve.chat import ChatRequest
-from specdecode.serve.protocol import SEED_RANGE, APIError, SamplingRequest
+from specdecode.serve.protocol import COMPLETION_MAX_TOKENS, SEED_RANGE, APIError, SamplingRequest
 from specdecode.serve.worker import DEFAULT_MAX_QUEUE
 from specdecode.types import SamplingParams
 
@@ -52,8 +52,12 @@ class Limits:
                                 f"{len(prompt_ids)}.", param=param, code="prompt_too_long")
 
     def answer_limit(self, body: SamplingRequest, context: int) -> int | None:
-        """The tokens a request asks to generate at most (None: a chat request that names none), checked."""
-        limit = body.answer_limit() if isinstance(body, ChatRequest) else body.max_tokens
+        """The tokens a request asks to generate at most (None: a chat request that names none), checked; a completion
+        that names none asks for OpenAI's 16, or the server's maximum where that is less (it asked for no number)."""
+        if isinstance(body, ChatRequest):
+            limit = body.answer_limit()
+        else:
+            limit = body.max_tokens if body.max_tokens is not None else min(COMPLETION_MAX_TOKENS, self.max_tokens)
         if limit is not None and limit >= context:  # with any prompt at all
             raise APIError(400, f"This model's maximum context length is {context} tokens; the request asks for "
                                 f"{limit} to generate.", param="max_tokens", code="context_length_exceeded")

@@ -6,25 +6,53 @@ so a character split over tokens shows as replacement characters in each (its `b
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Sequence
 from functools import lru_cache
 
 from specdecode.types import TokenLogprob
 
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback piece
+
 
 class TokenTexts:
-    """Each token id's own text (`tokenizer.decode([id])`), remembered."""
+    """Each token id's own text (`tokenizer.decode([id])`) and bytes (`token_bytes`), remembered."""
 
     def __init__(self, tokenizer):
         self.text = lru_cache(maxsize=65536)(lambda token: tokenizer.decode([token]))
+        self.bytes = lru_cache(maxsize=65536)(lambda token: token_bytes(tokenizer, token, self.text(token)))
+
+
+def token_bytes(tokenizer, token: int, text: str) -> list[int]:
+    """The bytes a token stands for: its text's, but where its text holds a replacement character (the token is part
+    of a character), its vocabulary piece's: a SentencePiece byte piece `<0xNN>`, or a byte-level BPE's piece read
+    back through its byte alphabet (GPT-2's, which Qwen's and Llama 3's tokenizers use)."""
+    if "\ufffd" not in text:
+        return list(text.encode("utf-8"))
+    piece = tokenizer.convert_ids_to_tokens(token)
+    if isinstance(piece, str):
+        if match := BYTE_PIECE.fullmatch(piece):
+            return [int(match[1], 16)]
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        if type(decoder).__name__ == "ByteLevel" and all(c in _byte_alphabet() for c in piece):
+            return [_byte_alphabet()[c] for c in piece]
+    return list(text.encode("utf-8"))
+
+
+@functools.cache
+def _byte_alphabet() -> dict[str, int]:
+    """A byte-level BPE's character for each byte, read back: character -> byte."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {character: byte for byte, character in bytes_to_unicode().items()}
 
 
 def chat_entries(entries: list[TokenLogprob], texts: TokenTexts) -> dict:
     """`choices[0].logprobs` of a chat answer, or of a streamed chunk's tokens."""
 
     def one(token: int, logprob: float) -> dict:
-        text = texts.text(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": texts.text(token), "logprob": logprob, "bytes": texts.bytes(token)}
 
     return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]} for e in entries],
             "refusal": None}

@@ -207,8 +207,9 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    # left out or null: OpenAI's default for completions; 0 only with echo (the prompt's log-probabilities alone)
-    max_tokens: int = Field(COMPLETION_MAX_TOKENS, ge=0)
+    # left out or null: OpenAI's default for completions, within the server's maximum (`Limits.answer_limit`); 0 only
+    # with echo (the prompt's log-probabilities alone)
+    max_tokens: int | None = Field(None, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)  # each token's log-probability and this many alternatives'
     echo: bool | None = None  # the prompt before the answer, in the text and (with logprobs) the log-probabilities
 
@@ -222,12 +223,6 @@ class CompletionRequest(SamplingRequest):
         if self.max_tokens == 0 and not self.echo:
             raise APIError(400, "max_tokens is at least 1, or 0 with echo.", param="max_tokens")
         return self.logprobs
-
-    @field_validator("max_tokens", mode="before")
-    @classmethod
-    def _default_limit(cls, max_tokens: Any) -> Any:
-        """null means what leaving it out means, as in OpenAI's API: 16 here (not the server's chat default)."""
-        return COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
 
     @field_validator("prompt", mode="plain")
     @classmethod

@@ -274,7 +274,12 @@ class Server:
         memory = self.memory_owner(request.state.tenant, body.user)
         try:
             configs, engine = await self._configs(body, choice, limit, prepared, memory, request)
-            while places < sum(map(len, configs)):  # a place in the queue for each generation
+            needed = sum(map(len, configs))
+            if needed > self.limits.max_queue:  # a 429 would ask for retries that can never be served
+                raise APIError(400, f"This request runs {needed} generations (its prompts times its sampled choices); "
+                                    f"this server queues at most {self.limits.max_queue}.", param="n",
+                               code="too_many_generations")
+            while places < needed:  # a place in the queue for each generation
                 places = self._enter(places)
         except BaseException:
             for _ in range(places):

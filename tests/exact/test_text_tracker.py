@@ -106,3 +106,17 @@ def test_min_tokens_holds_a_stop_string_off_until_a_token_that_late_completes_it
             assert (shown, said[-1][1]) == (text, keep), min_tokens
         late = TextTracker(tokenizer, stop=["four"], min_tokens=min_tokens)
         assert late.finish(ids) == (text if text is not None else "one four two four three")
+
+
+def test_a_stop_token_id_that_ends_the_output_leaves_its_text_out(tokenizer):
+    """vLLM's `stop_token_ids` with its default `include_stop_str_in_output` false: the text stops before the token
+    that ended the output, streamed or not; a stop string the token would have completed does not cut earlier."""
+    ids = tokenizer(" alpha beta gamma!", add_special_tokens=False)["input_ids"]
+    stop = ids[-1]
+    assert stop not in ids[:-1] and tokenizer.decode([stop]).strip()  # (a token with a text, once)
+    want = tokenizer.decode(ids[:-1], skip_special_tokens=True)
+    for stops in ([], [tokenizer.decode([stop]).strip()]):
+        tracker = TextTracker(tokenizer, stop=stops, stop_token_ids=[stop])
+        deltas = [tracker.update(ids[:n], n - 1) for n in range(1, len(ids) + 1)]
+        assert "".join(d for d, _ in deltas) + tracker.finish(ids) == want == tracker.text
+        assert all(keep is None for _, keep in deltas)

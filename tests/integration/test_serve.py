@@ -444,12 +444,18 @@ def test_ignore_eos_decodes_on_past_end_of_sequence_tokens(client, models):
 
 
 def test_stop_token_ids_end_the_answer(client, models, server):
-    """vLLM's `stop_token_ids`: the answer ends at the first of them, kept, `finish_reason` "stop"."""
+    """vLLM's `stop_token_ids`: the answer ends at the first of them, `finish_reason` "stop"; the token counts among
+    the answer's tokens, its text is left out of the answer's (vLLM's default), whole and streamed."""
     ids = models.engine("pld").generate(completion_ids(models, PROMPTS[1]), GenerationConfig(max_new_tokens=12))
     stop = ids.token_ids[5]
-    cut = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0,
-                                    extra_body={"stop_token_ids": [stop]})
-    assert cut.usage.completion_tokens == ids.token_ids.index(stop) + 1 and cut.choices[0].finish_reason == "stop"
+    end = ids.token_ids.index(stop)
+    ask = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, extra_body={"stop_token_ids": [stop]})
+    cut = client.completions.create(**ask)
+    assert cut.usage.completion_tokens == end + 1 and cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == models.tokenizer.decode(ids.token_ids[:end], skip_special_tokens=True)
+    assert models.tokenizer.decode([stop]) not in ("", "\ufffd")  # (a token with a text of its own)
+    streamed = list(client.completions.create(**ask, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == cut.choices[0].text
     running, _ = server
     for bad, words in (([-1], "greater than or equal to 0"), ([10**6], "out of the vocabulary")):
         reply = post(running.url, "/v1/completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": bad})

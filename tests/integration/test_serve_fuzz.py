@@ -38,20 +38,27 @@ COMMON = {
     "top_k": st.integers(0, 5),
     "stop": st.none() | words | st.lists(words, max_size=4),
     "seed": st.integers(-(2**63), 2**64 - 1),
-    "n": st.just(1),
+    "n": st.integers(1, 3),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
     "user": st.sampled_from(["alice", "bob"]) | text,
     "method": st.sampled_from(["ar", "pld", "suffix", "suffix-tree"]),
-    "frequency_penalty": st.sampled_from([0, 0.0]),
-    "logit_bias": st.just({}),
+    "frequency_penalty": st.sampled_from([0, 0.0, 0.5]),
+    "presence_penalty": st.floats(-2, 2),
+    "logit_bias": st.dictionaries(st.integers(0, 200).map(str), st.floats(-100, 100), max_size=2),
+    # vLLM's fields (min_tokens mostly 0: above 0 it is refused beside a constraint)
+    "ignore_eos": st.booleans(),
+    "stop_token_ids": st.lists(st.integers(0, 200), max_size=3),
+    "min_tokens": st.sampled_from([0, 0, 1]),
 }
 COMPLETION = {
     **COMMON,
-    "prompt": words | st.lists(st.integers(0, 200), min_size=1, max_size=8) | st.lists(words, min_size=1, max_size=1),
-    "echo": st.just(False),
+    # a text, token ids, or a batch of either (lm-evaluation-harness sends batches)
+    "prompt": words | st.lists(st.integers(0, 200), min_size=1, max_size=8) | st.lists(words, min_size=1, max_size=3)
+    | st.lists(st.lists(st.integers(0, 200), min_size=1, max_size=6), min_size=1, max_size=3),
+    "echo": st.booleans(),
     "best_of": st.just(1),
-    "logprobs": st.none(),
+    "logprobs": st.none() | st.integers(0, 5),
     # a constraint (one field per endpoint, so that most bodies ask for one at most): mostly plausible ones, now
     # and then a schema, expression or grammar of any content (the grammar engine's refusals are 400s)
     "structured_outputs": st.one_of(
@@ -66,7 +73,7 @@ CHAT = {
     **COMMON,
     "messages": st.lists(message, min_size=1, max_size=3),
     "max_completion_tokens": st.integers(1, 3),
-    "logprobs": st.just(False),
+    "logprobs": st.booleans(),
     "tools": st.just([]),
     "response_format": st.one_of(st.sampled_from([
         {"type": "text"}, {"type": "json_object"},

@@ -182,11 +182,18 @@ def test_a_full_queue_answers_429_with_retry_after(models):
 
 
 def test_each_sampled_choice_takes_a_place_in_the_queue(models):
-    """A request of n sampled choices runs n generations: it needs n places, or gets 429 and holds none."""
+    """A request of n sampled choices runs n generations: it needs n places, or gets 429 and holds none; one that
+    needs more places than the queue has gets 400, not a 429 that no retry could get past."""
     with serving(models, limits=Limits(max_queue=2)) as (running, state):
         sampled = {**completion("pld", 4), "temperature": 1.0, "seed": 3}
-        over = post(running.url, "/v1/completions", {**sampled, "n": 3})
+        never = post(running.url, "/v1/completions", {**sampled, "n": 3})
+        assert never.status_code == 400 and openai_error(never)["code"] == "too_many_generations", never.text
+        batch = post(running.url, "/v1/completions", {**sampled, "prompt": [[1, 2]] * 3})
+        assert batch.status_code == 400 and openai_error(batch)["code"] == "too_many_generations", batch.text
+        assert state.worker.enter()  # another request waits
+        over = post(running.url, "/v1/completions", {**sampled, "n": 2})
         assert over.status_code == 429 and openai_error(over)["code"] == "queue_full"
+        state.worker.leave()
         assert state.worker.queued == 0  # the places it took are given back
         for n, body in [(2, sampled), (3, {**sampled, "temperature": 0})]:  # greedy copies take one place
             reply = post(running.url, "/v1/completions", {**body, "n": n})
@@ -211,6 +218,13 @@ def test_max_tokens_has_a_server_maximum_and_a_default(models):
         assert both.status_code == 400 and "not both" in openai_error(both)["message"]
         newer = post(running.url, "/v1/chat/completions", {**chat, "max_completion_tokens": 3})
         assert newer.json()["usage"]["completion_tokens"] <= 3
+    # a completion that names no max_tokens asks for OpenAI's 16, or the server's maximum where that is less
+    for most, want in ((12, 12), (20, 16)):
+        with serving(models, limits=Limits(max_tokens=most, default_max_tokens=5)) as (running, _):
+            body = {**completion("ar", 1), "ignore_eos": True}
+            for unnamed in ({k: v for k, v in body.items() if k != "max_tokens"}, {**body, "max_tokens": None}):
+                reply = post(running.url, "/v1/completions", unnamed)
+                assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == want, reply.text
 
 
 def test_a_null_max_tokens_means_the_endpoints_default(models):

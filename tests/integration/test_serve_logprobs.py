@@ -62,7 +62,10 @@ def test_chat_logprobs_streamed_and_whole(client, models, method):
                                            logprobs=True, top_logprobs=2, extra_body={"method": method})
     entries = whole.choices[0].logprobs.content
     assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in want.logprobs], abs=TOLERANCE)
-    assert all(len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode()) for e in entries)
+    assert all(len(e.top_logprobs) == 2 for e in entries)
+    # a token's bytes: its text's, or where it is part of a character, that part's (the answer's bytes, token by token)
+    assert all(e.bytes == list(e.token.encode()) for e in entries if "\ufffd" not in e.token)
+    assert b"".join(bytes(e.bytes) for e in entries).decode("utf-8", "replace") == whole.choices[0].message.content
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
                                                  logprobs=True, top_logprobs=2, stream=True,
                                                  extra_body={"method": method}))
@@ -106,3 +109,17 @@ def test_penalties_reach_the_engine(client, models, method):
                                          frequency_penalty=1.2, presence_penalty=0.5, logit_bias={str(ids[-1]): 5},
                                          extra_body={"method": method, "repetition_penalty": 1.3, "min_p": 0.05})
     assert response.choices[0].text == want.text
+
+
+def test_a_tokens_bytes_are_its_part_of_a_character():
+    """OpenAI's `bytes` exist for the tokens that hold part of a character, whose text reads "\ufffd": those give the
+    bytes they stand for (once answered as the replacement character's own), so that a client can join them."""
+    from conftest import tiny_tokenizer
+    from specdecode.serve.logprobs import TokenTexts
+
+    tokenizer = tiny_tokenizer()
+    texts = TokenTexts(tokenizer)
+    text = "naïve café, 😀 and € €"
+    ids = tokenizer.encode(text)
+    assert any("\ufffd" in texts.text(token) for token in ids)  # (the case under test)
+    assert b"".join(bytes(texts.bytes(token)) for token in ids) == text.encode()
