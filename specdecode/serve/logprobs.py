@@ -6,6 +6,7 @@ so a character split over tokens shows as replacement characters in each (its `b
 
 from __future__ import annotations
 
+import codecs
 import functools
 import re
 from collections.abc import Sequence
@@ -58,10 +59,29 @@ def chat_entries(entries: list[TokenLogprob], texts: TokenTexts) -> dict:
             "refusal": None}
 
 
+class Offsets:
+    """Where each token's text starts in a completion's text (`text_offset`), token after token: at the characters
+    its earlier tokens' bytes complete, so that the tokens of one character all start where it does, whether the
+    answer comes whole or streamed."""
+
+    def __init__(self, texts: TokenTexts, start: int = 0):
+        self.texts, self.at = texts, start
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # (invalid bytes read as the tokenizer's do)
+
+    def take(self, token: int) -> int:
+        """The next token's offset: where the text stands, past the replacement character of a held byte sequence
+        that the token's bytes do not go on with (it ends there, invalid, before the token's text)."""
+        held = bool(self._utf8.getstate()[0])
+        out = self._utf8.decode(bytes(self.texts.bytes(token)))
+        here = self.at + (1 if held and out.startswith("\ufffd") else 0)
+        self.at += len(out)
+        return here
+
+
 def completion_entries(entries: Sequence[TokenLogprob | None], tokens: list[int], texts: TokenTexts,
-                       offset: int = 0) -> dict:
+                       offsets: Offsets) -> dict:
     """`choices[0].logprobs` of a completion: `tokens` are the ids the entries stand for (an entry None: an unscored
-    first prompt token); `offset`: where the first token's text starts in the choice's whole text. Each position's
+    first prompt token); `offsets`: where the choice's text stands before the first of them. Each position's
     `top_logprobs` holds the likeliest tokens and the token itself (as vLLM's: logprobs=0 still names it)."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, entry in zip(tokens, entries):
@@ -70,6 +90,5 @@ def completion_entries(entries: Sequence[TokenLogprob | None], tokens: list[int]
         out["token_logprobs"].append(None if entry is None else entry.logprob)
         out["top_logprobs"].append(None if entry is None else {**{texts.text(t): v for t, v in entry.top},
                                                                 text: entry.logprob})
-        out["text_offset"].append(offset)
-        offset += len(text)
+        out["text_offset"].append(offsets.take(token))
     return out

@@ -54,7 +54,8 @@ class Answer:
         if self.echo is not None and result.prompt_logprobs is not None:
             prompt = [None, *result.prompt_logprobs]
         tokens = self.prompt_ids[: len(prompt)] + result.token_ids[: len(entries)]
-        return logprobs.completion_entries([*prompt, *entries], tokens, self.texts, offset)
+        offsets = logprobs.Offsets(self.texts, offset)
+        return logprobs.completion_entries([*prompt, *entries], tokens, self.texts, offsets)
 
 
 @dataclass
@@ -111,7 +112,8 @@ class Chunks:
     def __init__(self, answer: Answer, index: int = 0):
         self.answer, self.index = answer, index
         self.reader = CallReader(answer.tools) if answer.tools is not None else None
-        self.offset = len(answer.echo or "")  # a completion's text so far (its log-probabilities' offsets)
+        # where a completion's text stands (its log-probabilities' offsets)
+        self.offsets = None if answer.texts is None else logprobs.Offsets(answer.texts, len(answer.echo or ""))
 
     def first(self) -> list[list[dict]]:
         if self.answer.chat:
@@ -122,9 +124,8 @@ class Chunks:
         event, answer = step.event, self.answer
         scores = event.logprobs or []
         if not answer.chat:
-            entries = None if answer.texts is None else logprobs.completion_entries(
-                scores, event.token_ids, answer.texts, self.offset)
-            self.offset += len(event.text)
+            entries = None if answer.texts is None or self.offsets is None else logprobs.completion_entries(
+                scores, event.token_ids, answer.texts, self.offsets)
             return [self._choice({}, text=event.text, scores=entries)]
         entries = None if answer.texts is None else logprobs.chat_entries(scores, answer.texts)
         if self.reader is None:

@@ -51,7 +51,36 @@ def test_completion_logprobs_are_plain_decodings(client, models, method):
     # greedy: its own is the top (keys are token texts: several byte tokens read "\ufffd")
     assert all(max(top.values()) == pytest.approx(lp, abs=TOLERANCE)
                for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs))
-    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
+    assert_offsets_point_at_the_tokens(models, response.choices[0].text, logprobs)
+
+
+def assert_offsets_point_at_the_tokens(models, text: str, logprobs) -> None:
+    """Each token's `text_offset` is where its text stands in the choice's text (a token that is part of a character,
+    reading "\ufffd", where that character stands; a special token's text is not in the choice's); never falling."""
+    special = set(models.tokenizer.all_special_tokens)
+    for token, at in zip(logprobs.tokens, logprobs.text_offset):
+        if token not in special and "\ufffd" not in token:
+            assert text[at : at + len(token)] == token, (token, at, text)
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+
+
+def test_offsets_are_the_same_whole_and_streamed(client, models):
+    """Sampled answers of a small random model are full of byte tokens that split characters: their offsets come the
+    same whole and streamed (the stream's steps may split a character too)."""
+    ask = dict(model=MODEL, prompt=["Hello there", "ab"], max_tokens=12, n=2, seed=9, logprobs=2, temperature=1.0,
+               extra_body={"method": "pld"})
+    whole = client.completions.create(**ask)
+    split = 0
+    for choice in whole.choices:
+        split += sum("\ufffd" in token for token in choice.logprobs.tokens)
+        assert_offsets_point_at_the_tokens(models, choice.text, choice.logprobs)
+    assert split  # (the case under test)
+    streamed: dict[int, list[int]] = {}
+    for chunk in client.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                streamed.setdefault(choice.index, []).extend(choice.logprobs.text_offset)
+    assert streamed == {choice.index: choice.logprobs.text_offset for choice in whole.choices}
 
 
 @pytest.mark.parametrize("method", ["ar", "pld"])
