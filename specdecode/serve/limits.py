@@ -90,7 +90,9 @@ class Limits:
         if body.min_tokens and (tool_constraint or constraint):
             raise APIError(400, "`min_tokens` cannot hold open an answer a format or a required call shapes (its "
                                 "grammar may end first).", param="min_tokens")
-        most = limit if limit is not None else min(self.default_max_tokens, room)
+        # a chat request that names no limit: the server's default, or min_tokens where that asks for more
+        most = limit if limit is not None else min(max(self.default_max_tokens, body.min_tokens or 0), room,
+                                                   self.max_tokens)
         if body.min_tokens and body.min_tokens > most:
             raise APIError(400, f"`min_tokens` ({body.min_tokens}) is more than the tokens the answer may have "
                                 f"({most}).", param="min_tokens")

@@ -218,6 +218,11 @@ def test_max_tokens_has_a_server_maximum_and_a_default(models):
         assert both.status_code == 400 and "not both" in openai_error(both)["message"]
         newer = post(running.url, "/v1/chat/completions", {**chat, "max_completion_tokens": 3})
         assert newer.json()["usage"]["completion_tokens"] <= 3
+        # min_tokens above the default, no limit named: the answer may have min_tokens (within the maximum)
+        longer = post(running.url, "/v1/chat/completions", {**chat, "min_tokens": 8, "ignore_eos": True})
+        assert longer.status_code == 200 and longer.json()["usage"]["completion_tokens"] == 8, longer.text
+        beyond = post(running.url, "/v1/chat/completions", {**chat, "min_tokens": 13})
+        assert beyond.status_code == 400 and openai_error(beyond)["param"] == "min_tokens", beyond.text
     # a completion that names no max_tokens asks for OpenAI's 16, or the server's maximum where that is less
     for most, want in ((12, 12), (20, 16)):
         with serving(models, limits=Limits(max_tokens=most, default_max_tokens=5)) as (running, _):
