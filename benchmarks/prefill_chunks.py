@@ -4,7 +4,7 @@ taking turns.
     python benchmarks/prefill_chunks.py [--dtype bfloat16] [--length 3000] [--chunks 0,89,178] [--repeats 2]
 
 Chunk size 0 is the whole prompt in one forward; `auto` is `costs.prefill_chunk` of the target's cost curve
-(what the engine feeds, `engine.sequence.prefill`). Prints each way's seconds per repeat and their medians.
+(what the engine feeds, `engine.prompts.prefill`). Prints each way's seconds per repeat and their medians.
 A chunk reads the weights once more, so the smaller the chunks the slower the prefill; the larger, the
 longer a server's other requests may wait for the chunk under way (README, *Long prompts*).
 """

@@ -53,8 +53,9 @@ import torch
 from specdecode import devices
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.sources import columns, hidden_request
+from specdecode.engine.prompts import check_prompt
 from specdecode.engine.sequence import (
-    GenerationConfig, GenerationResult, SequenceState, StepEvent, VerifiedStep, after_prefill, check_prompt, conclude,
+    GenerationConfig, GenerationResult, SequenceState, StepEvent, VerifiedStep, after_prefill, conclude,
 )
 from specdecode.engine.pacing import Pace, PrefillShare
 from specdecode.engine.slots import (Held, SavedContexts, Slots, attention_inputs, forward_inputs, longest_prefix,

@@ -11,13 +11,15 @@ from specdecode import devices
 from specdecode.devices import to_device
 from specdecode.drafters.base import Drafter
 from specdecode.engine.payoff import StepAside
+from specdecode.engine.prompts import Prefilled, check_prompt, prefill
 from specdecode.engine.sequence import (
-    GenerationConfig, GenerationResult, Prefilled, SequenceState, StepEvent, Stream, VerifiedStep, after_prefill,
-    check_prompt, conclude, draft_inputs, prefill, verify_draft,
+    GenerationConfig, GenerationResult, SequenceState, StepEvent, Stream, VerifiedStep, after_prefill, conclude,
+    draft_inputs, verify_draft,
 )
 from specdecode.engine import forced
 from specdecode.engine.penalties import TokenHistory
 from specdecode.constraints import Matcher
+from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import MIN_CHUNK, CostCurve, prefill_chunk
 from specdecode.models.live_curve import LiveCurve
@@ -84,6 +86,7 @@ class SpeculativeEngine:
         # does not weigh its own steps (`Drafter.weighs_itself`)
         self._step_aside = step_aside
         self._forget = False  # the drafter forgets earlier sequences at its next begin (`forget`)
+        self._busy = False  # a sequence is being decoded (`_events`)
 
     @functools.cached_property
     def step_aside(self) -> StepAside | None:
@@ -176,6 +179,18 @@ class SpeculativeEngine:
                             self.stopwatch.now() - drafted, out.hidden)
 
     def _events(self, prompt_ids: list[int], config: GenerationConfig
+                ) -> Generator[StepEvent | Prefilled, None, GenerationResult]:
+        """`_decode`, one sequence at a time: the target's cache and the drafter hold one sequence's state."""
+        if self._busy:
+            raise UserError("this engine decodes one sequence at a time: run the other stream to its end or close it "
+                            "first (engine.batch.BatchEngine decodes several at once)")
+        self._busy = True
+        try:
+            return (yield from self._decode(prompt_ids, config))
+        finally:
+            self._busy = False
+
+    def _decode(self, prompt_ids: list[int], config: GenerationConfig
                 ) -> Generator[StepEvent | Prefilled, None, GenerationResult]:
         check_prompt(self.target, prompt_ids)
         if self.gate and self.drafter is not None:

@@ -212,6 +212,9 @@ class Server:
     def _encode_completion(self, prompt: str | list[int]) -> list[int]:  # on the tokenizing pool
         if isinstance(prompt, str):
             return self.models.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        return self._check_ids(prompt)
+
+    def _check_ids(self, prompt: list[int]) -> list[int]:
         vocab = self.models.target.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise APIError(400, f"Token ids must lie in [0, {vocab}).", param="prompt")
@@ -255,6 +258,8 @@ class Server:
         for prompt in body.prompts():
             if isinstance(prompt, str):
                 self._check_bytes([prompt], "prompt")
+            else:
+                self._check_ids(prompt)  # (before the echo decodes them)
             echo = None
             if body.echo:
                 echo = prompt if isinstance(prompt, str) else str(self.models.tokenizer.decode(prompt))

@@ -46,7 +46,7 @@ from typing import Any, Protocol
 from specdecode.drafters.base import Drafter
 from specdecode.engine import GenerationConfig, GenerationResult, SpeculativeEngine, StepEvent, Stream
 from specdecode.engine.batch import BatchEngine
-from specdecode.engine.sequence import Prefilled
+from specdecode.engine.prompts import Prefilled
 from specdecode.errors import UserError
 from specdecode.methods import MethodChoice
 from specdecode.models.base import CausalLM

@@ -135,7 +135,7 @@ def test_no_tensor_lands_on_the_wrong_device(variant, models, plain, random_head
 @pytest.mark.parametrize("variant", LOSSLESS)
 def test_greedy_output_is_plain_decoding_after_a_chunked_prefill(variant, models, random_heads, monkeypatch):
     """The same with the prompts (about 30 tokens) fed five tokens a forward before the first step
-    (`engine.sequence.prefill`), plain decoding's fed whole. (That the heads get the prompt's hidden states
+    (`engine.prompts.prefill`), plain decoding's fed whole. (That the heads get the prompt's hidden states
     as before: `exact/test_prefill_chunks.py`.)"""
     monkeypatch.setattr(heads, "shipped_head", lambda model, kind: random_heads / kind)
     prompts = [models.encode(" ".join([text] * 3)) for text in PROMPTS[:2]]

@@ -204,3 +204,39 @@ def test_fake_model_is_a_causal_lm_that_catches_misuse():
     lm.forward(torch.tensor([3, 0]), positions=torch.tensor([len(context)] * 2), tree_mask=siblings)
     with pytest.raises(ValueError, match="does not follow"):  # two siblings, neither rolled back
         lm.forward(torch.tensor([1]))
+
+
+def test_a_stream_left_early_goes_on_where_it_was(tiny_target):
+    """A loop over a stream that breaks, then another over it, gets the rest of the events (before, the first loop's
+    end closed the generation: no more events and no result); `close` still stops it."""
+    engine = SpeculativeEngine(HFCausalLM(tiny_target), drafter=PromptLookupDrafter())
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    stream = engine.stream(PROMPT, config)
+    first = next(iter(stream))
+    rest = list(stream)
+    assert stream.result is not None and rest
+    assert [t for e in [first, *rest] for t in e.token_ids] == stream.result.token_ids
+    assert stream.result.token_ids == engine.generate(PROMPT, config).token_ids
+    stopped = engine.stream(PROMPT, config)
+    next(iter(stopped))
+    stopped.close()
+    assert list(stopped) == [] and stopped.result is None
+
+
+def test_an_engine_decodes_one_stream_at_a_time(tiny_target):
+    """A second stream begun on an engine while another is under way is refused in words (it shared the target's
+    cache and the drafter's state, and failed deep in the model); the first goes on unharmed, and once it ends (or is
+    closed) the engine takes the next."""
+    engine = SpeculativeEngine(HFCausalLM(tiny_target), drafter=PromptLookupDrafter())
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    want = engine.generate(PROMPT, config).token_ids
+    first = engine.stream(PROMPT, config)
+    next(iter(first))
+    with pytest.raises(UserError, match="one sequence at a time"):
+        next(iter(engine.stream(PROMPT, config)))
+    list(first)
+    assert first.result is not None and first.result.token_ids == want
+    closed = engine.stream(PROMPT, config)
+    next(iter(closed))
+    closed.close()
+    assert engine.generate(PROMPT, config).token_ids == want

@@ -17,7 +17,8 @@ from specdecode.drafters.eagle3 import Eagle3Drafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.engine.batch import BatchEngine, PrefillShare
-from specdecode.engine.sequence import Prefilled, StepEvent, prefill, prefill_spans
+from specdecode.engine.prompts import Prefilled, prefill, prefill_spans
+from specdecode.engine.sequence import StepEvent
 from specdecode.errors import UserError
 from specdecode.models import costs, int4
 from specdecode.models.costs import CostCurve

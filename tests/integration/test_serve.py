@@ -617,3 +617,8 @@ def test_a_batch_of_prompts_is_checked_prompt_by_prompt(server):
                           (["hi", "the " * 200], "maximum context length")]:
         reply = post(running.url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2})
         assert reply.status_code == 400 and words in openai_error(reply)["message"], reply.text
+    for ids in ([[1, 2], [-1]], [[2**70]], [[1, 10**6]]):  # out of the vocabulary, echoed too (it decodes them)
+        for echo in (False, True):
+            body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "echo": echo}
+            reply = post(running.url, "/v1/completions", body)
+            assert reply.status_code == 400 and "Token ids must lie in" in openai_error(reply)["message"], reply.text
