@@ -222,8 +222,12 @@ def parse_choices(text: str) -> tuple[tuple[int, ...], ...]:
     from specdecode.tree.structure import from_choices
 
     try:
-        choices = tuple(tuple(int(r) for r in choice) for choice in json.loads(text))
-    except (ValueError, TypeError) as error:
+        parsed = json.loads(text)
+        if not isinstance(parsed, list) or not all(
+                isinstance(c, list) and all(type(r) is int for r in c) for c in parsed):  # (not 1.5, not true)
+            raise ValueError("each rank is a whole number")
+        choices = tuple(tuple(choice) for choice in parsed)
+    except ValueError as error:
         raise UserError(
             f"tree choices must be a JSON list of lists of ranks, e.g. [[0], [1], [0, 0]]: {error}") from None
     from_choices(choices)  # every prefix present, ranks >= 0

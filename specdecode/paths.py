@@ -38,6 +38,20 @@ log = logging.getLogger("specdecode.cache")
 T = TypeVar("T")
 
 
+def output_folder(path: Path, option: str) -> Path:
+    """A folder a command writes into, made now: a file in its place or one that cannot be made is the user's
+    mistake, said in one line before any work (`errors.UserError`; imported here, as nothing else of the package)."""
+    from specdecode.errors import UserError
+
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{option} {path} is a file; give a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"{option} {path} cannot be made: {error.strerror or error}") from None
+    return path
+
+
 def write_atomically(path: Path, content: str | bytes | Callable[[Path], object]) -> Path:
     """Write `path` whole or not at all: `content` (text as UTF-8, bytes, or a function that writes the file
     at the path it is given, as safetensors' `save_file` does) goes to a temporary file beside it, which

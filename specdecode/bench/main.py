@@ -18,6 +18,7 @@ from specdecode.bench.datasets import TRANSLATION_SOURCE, Task
 from specdecode.bench.samples import sample_tasks
 from specdecode.bench.exactness import diagnose_divergences, sampled_fidelity
 from specdecode.bench.harness import BenchOutcome, Record, check_memory, run_benchmark
+from specdecode.paths import output_folder
 from specdecode.bench.openai_engines import LevelRun, build_engines, run_levels
 from specdecode.bench.runners import PEERS, Setup, runner_names
 from specdecode.engine import GenerationConfig
@@ -192,7 +193,7 @@ def run(
     tasks = sample_tasks(categories, per_category, seed=seed, part=part)
     setup = Setup(methods, target, drafter, dtype, draft_dtype, backend, threads, datastore, device, head, step_aside)
     console = Console(stderr=True)
-    out.mkdir(parents=True, exist_ok=True)
+    output_folder(out, "--out")
     records_path = out / "records.jsonl"
     start = time.time()
     with RecordSink(records_path, console) as sink:

@@ -38,12 +38,14 @@ def bench(
         "translation). long-context (prompts of 4k, 8k and 16k tokens: documents with a question, news digests, "
         "standard-library modules to edit or summarise) runs only when named: --categories long-context, or one "
         "length of it: long-context/8k. Its report has a column per length."))] = "",
-    per_category: Annotated[int, typer.Option(min=1, help=(
-        "Seeded sample of prompts per category (long-context: per length)."))] = 2,
+    per_category: Annotated[int | None, typer.Option(min=1, help=(
+        "Seeded sample of prompts per category (long-context: per length). Default 2 (--quick: 1)."))] = None,
     full: Annotated[bool, typer.Option("--full", help="Every prompt of every category (hours).")] = False,
-    quick: Annotated[bool, typer.Option("--quick", help="1 prompt per category, 64 tokens, 1 repeat.")] = False,
-    max_new_tokens: Annotated[int, typer.Option(min=1, max=4096)] = 128,
-    repeats: Annotated[int, typer.Option(min=1, max=100, help="Interleaved repeats.")] = 3,
+    quick: Annotated[bool, typer.Option("--quick", help=(
+        "1 prompt per category, 64 tokens, 1 repeat (each where its option is not given)."))] = False,
+    max_new_tokens: Annotated[int | None, typer.Option(min=1, max=4096, help="Default 128 (--quick: 64).")] = None,
+    repeats: Annotated[int | None, typer.Option(
+        min=1, max=100, help="Interleaved repeats. Default 3 (--quick: 1).")] = None,
     temperature: Annotated[float, typer.Option(min=0.0, max=100.0, help="0: greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option(min=0)] = 0,
     top_p: Annotated[float, typer.Option()] = 1.0,
@@ -85,8 +87,10 @@ def bench(
     from specdecode.bench.datasets import DEFAULT_CATEGORIES
     from specdecode.bench.main import LLAMACPP_METHODS, TORCH_METHODS, run
 
-    if quick:
-        per_category, max_new_tokens, repeats = 1, 64, 1
+    # --quick's sizes, or the defaults, where the command line gives none
+    per_category = per_category or (1 if quick else 2)
+    max_new_tokens = max_new_tokens or (64 if quick else 128)
+    repeats = repeats or (1 if quick else 3)
     try:
         levels = [int(level) for level in concurrency.split(",") if level.strip()]
     except ValueError:

@@ -58,6 +58,8 @@ def datastore_build(
 
     if not corpus_dir.is_dir():
         raise UserError(f"no such folder: {corpus_dir}")
+    if out.is_dir():
+        raise UserError(f"{out} is a folder; give the datastore file to write (a .npz path)")
     tokenizer = _load_tokenizer(target)
     start = time.perf_counter()
     datastore = build_datastore(corpus_dir, tokenizer, pattern=pattern, max_tokens=max_tokens)

@@ -11,6 +11,7 @@ import typer
 
 from specdecode.cli.options import DeviceOption, DType, DTypeOption, TargetOption, console
 from specdecode.errors import UserError
+from specdecode.paths import output_folder
 from specdecode.models.registry import DEFAULT_TARGET
 
 if TYPE_CHECKING:
@@ -135,6 +136,7 @@ def train_data(
     if ray is not None and device != "auto":
         raise UserError("--device is where this machine answers; on a Ray cluster each node takes its own (auto)")
     on = devices.resolve(device)  # first: a device this machine lacks fails at once
+    _folders(out=out)
     settings = answers.Settings(max_new_tokens=max_new_tokens, sampled_share=sampled_share, seed=seed)
     answers.check_limits(tokens, seconds, batch)
     answer_store.check_settings(out, settings)  # before the model loads; the target is checked once it has
@@ -174,6 +176,13 @@ def train_pack(folder: Annotated[Path, typer.Argument(help="An answers folder of
 # --- end of specdecode train data ------------------------------------------------------------------
 
 
+def _folders(**folders: Path | None) -> None:
+    """The folders a command writes, made before the models load (a file in the way fails at once)."""
+    for option, folder in folders.items():
+        if folder is not None:
+            output_folder(folder, f"--{option}")
+
+
 def _checkpoint(out: Path) -> Path:
     """Where a training run saves where it is (`training.loop.optimise`), in its output folder."""
     out.mkdir(parents=True, exist_ok=True)
@@ -209,6 +218,7 @@ def train_eagle(
     from specdecode.training import eagle
 
     on = devices.resolve(device)  # first: a device this machine lacks fails at once
+    _folders(out=out, data=data)
     model, describe, shards = _target_features(target, data, tokens, seed, device=on)
     settings = eagle.TrainingSettings(intermediate_size=intermediate_size, vocab_size=vocab_size, seconds=seconds,
                                       epochs=epochs, learning_rate=learning_rate, seed=seed)
@@ -252,6 +262,7 @@ def train_eagle3(
     from specdecode.training import eagle3
 
     on = devices.resolve(device)  # first: a device this machine lacks fails at once
+    _folders(out=out, data=data)
     if extract and data is None:
         raise UserError("--data FOLDER is needed for the features to extract (or --no-extract)")
     if not extract and (answers is None or tokens):
@@ -290,6 +301,7 @@ def train_medusa(
     from specdecode.training import medusa
 
     on = devices.resolve(device)  # first: a device this machine lacks fails at once
+    _folders(out=out, data=data)
     model, describe, shards = _target_features(target, data, tokens, seed, device=on)
     settings = medusa.TrainingSettings(num_heads=heads, vocab_size=vocab_size, seconds=seconds, epochs=epochs,
                                        learning_rate=learning_rate, seed=seed)

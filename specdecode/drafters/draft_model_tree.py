@@ -114,6 +114,9 @@ class DraftModelTreeDrafter(Drafter):
         self.shape_parents = self.shape_ranks = None
         if choices is not None:
             self.shape_parents, self.shape_ranks = structure.from_choices(choices)
+            if model is not None and len(self.shape_ranks) and int(self.shape_ranks.max()) >= model.vocab_size:
+                raise UserError(f"the tree's choices rank up to {int(self.shape_ranks.max())}, past the draft "
+                                f"model's vocabulary of {model.vocab_size} tokens")
             self.shape_children = structure.children(self.shape_parents)
             self.max_depth = int(structure.depths(self.shape_parents).max())
         self._cache = SyncedCache(model, late_start(draft_cost, draft_curve, curve, range(0, max_depth + 1)))

@@ -91,6 +91,9 @@ def narrow_folder(tmp_path_factory):
         ["generate", "x", "--method", "pld", "--tree", "--choices", "default"],
         ["generate", "x", "--method", "draft", "--tree", "--choices", "[[0], [0, 0, 1]]"],
         ["generate", "x", "--method", "draft", "--tree", "--choices", "zero"],
+        ["generate", "x", "--method", "draft", "--tree", "--choices", "[[0], [1.5]]"],
+        ["generate", "x", "--method", "draft", "--tree", "--choices", "[[0], [true]]"],
+        ["generate", "x", "--method", "draft", "--tree", "--choices", "[[0], [300]]"],  # past the tiny vocabulary
         ["generate", "x", "--method", "draft", "--choices", "default"],
         ["bench", "--methods", "ar-tree"],
     ],
@@ -102,6 +105,37 @@ def test_bad_input_gives_one_line_error_and_exit_2(monkeypatch, capsys, tiny_fol
     code, out, err = run(monkeypatch, capsys, *args)
     assert code == 2, (out, err)
     assert "Traceback" not in err and err.strip(), err
+
+
+def test_a_file_where_a_folder_goes_is_a_one_line_error_before_any_work(monkeypatch, capsys, tiny_folder, tmp_path):
+    """The folders a command writes into are made first: a file in the way (or a folder where the datastore's file
+    goes) is said in one line, exit 2, before the models load or the corpus is read."""
+    afile = tmp_path / "afile.txt"
+    afile.write_text("x")
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("hello")
+    for args in (["bench", "--methods", "ar", "--out", str(afile), "--target", str(tiny_folder)],
+                 ["train", "medusa", "--data", str(tmp_path / "features"), "--out", str(afile),
+                  "--target", str(tiny_folder)],
+                 ["train", "medusa", "--data", str(afile), "--out", str(tmp_path / "heads"),
+                  "--target", str(tiny_folder)],
+                 ["datastore", "build", str(tmp_path / "corpus"), str(tmp_path), "--target", str(tiny_folder)]):
+        code, out, err = run(monkeypatch, capsys, *args)
+        assert code == 2 and "Traceback" not in err, (args, out, err)
+        assert ("is a file" in err or "is a folder" in err) and err.strip().count("\n") == 0, err
+
+
+def test_bench_quick_keeps_the_sizes_the_command_line_gives(monkeypatch, capsys):
+    """--quick sets 1 prompt a category, 64 tokens and 1 repeat, but not over an option given with it."""
+    from specdecode.bench import main
+
+    asked = []
+    monkeypatch.setattr(main, "run", lambda **kwargs: asked.append(kwargs))
+    for extra, want in (([], (1, 64, 1)), (["--max-new-tokens", "8", "--repeats", "2"], (1, 8, 2)),
+                        (["--per-category", "3"], (3, 64, 1))):
+        code, out, err = run(monkeypatch, capsys, "bench", "--quick", "--methods", "ar", *extra)
+        assert code == 0, err
+        assert (asked[-1]["per_category"], asked[-1]["max_new_tokens"], asked[-1]["repeats"]) == want
 
 
 def test_an_error_is_printed_whole_on_a_narrow_terminal(monkeypatch, capsys, tmp_path):
