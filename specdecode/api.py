@@ -216,7 +216,7 @@ _loaded: dict[tuple, Models] = {}
 
 
 def generate(
-    prompt: str | list[int],
+    prompt: str | list[int] | tuple[int, ...],
     *,
     method: str = "auto",  # the composite that fits the loaded models (docs/methods/index.md)
     target: str | PreTrainedModel = DEFAULT_TARGET,
@@ -242,6 +242,8 @@ def generate(
     `load_models`; `head`: a trained head's folder for the head methods (`specdecode train KIND --out`);
     `constraint`: the language the output must belong to (`Constraint.json_schema(schema)`, `.json_object()`,
     `.regex(pattern)`, `.grammar(lark)`), enforced losslessly under every method (docs/structured-output.md)."""
+    if not isinstance(prompt, str | list | tuple):
+        raise UserError(f"the prompt is a text or a list of token ids, not {type(prompt).__name__}")
     choice = choose(method, tree=tree, budget=budget, head=head)  # before any model loads
     needs_draft = choice.loads_draft_model(target, backend)
     key = (id(target) if isinstance(target, PreTrainedModel) else target,
@@ -251,7 +253,7 @@ def generate(
         _loaded[key] = load_models(target, drafter if needs_draft else None, tokenizer=tokenizer, dtype=dtype,
                                    draft_dtype=draft_dtype, backend=backend, device=device)
     models = _loaded[key]
-    ids = list(prompt) if isinstance(prompt, list) else models.encode(prompt, chat=chat)
+    ids = list(prompt) if isinstance(prompt, list | tuple) else models.encode(prompt, chat=chat)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),

@@ -33,6 +33,23 @@ import torch
 from specdecode.errors import UserError
 
 
+def check_types(owner, numbers: tuple[str, ...] = (), whole: tuple[str, ...] = (), optional: tuple[str, ...] = ()
+                ) -> None:
+    """A UserError naming the fields of a settings object (a dataclass a library caller fills) whose values are not
+    numbers (`numbers`: int or float) or whole numbers (`whole`; in `optional` also None); True and False are
+    neither (a string such as "0.5", a float of tokens, failed deep in the decoding, after the prompt's prefill)."""
+    def fits(value, kinds) -> bool:
+        return isinstance(value, kinds) and not isinstance(value, bool)
+
+    wrong = [(name, kinds) for names, kinds in ((numbers, (int, float)), (whole, int)) for name in names
+             if not (fits(getattr(owner, name), kinds) or (name in optional and getattr(owner, name) is None))]
+    if wrong:
+        said = "; ".join(f"{name} must be {'a number' if kinds == (int, float) else 'a whole number'}"
+                         f"{' or None' if name in optional else ''}, got {getattr(owner, name)!r}"
+                         for name, kinds in wrong)
+        raise UserError(f"{type(owner).__name__}: {said}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How the next token is chosen. ``temperature == 0`` means greedy decoding.
@@ -64,6 +81,8 @@ class SamplingParams:
     min_tokens: int = 0
 
     def __post_init__(self) -> None:
+        check_types(self, numbers=("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                                   "repetition_penalty"), whole=("top_k", "min_tokens"))
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise UserError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.temperature > 100:

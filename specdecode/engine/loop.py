@@ -235,6 +235,8 @@ class SpeculativeEngine:
 
     def stream(self, prompt_ids: list[int], config: GenerationConfig | None = None) -> Stream:
         """Generate step by step: iterate the returned Stream for StepEvents, then read `.result`."""
+        if config is not None and not isinstance(config, GenerationConfig):
+            raise UserError(f"config must be a GenerationConfig, got {type(config).__name__}")
         return Stream(self._events(list(prompt_ids), config or GenerationConfig()))
 
     def generate(

@@ -21,7 +21,9 @@ from specdecode.engine.prompts import Prefilled
 from specdecode.engine.stopping import TextTracker
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
-from specdecode.types import Draft, SamplingParams, StepStats, TokenLogprob, TokenOrigin, Verdict
+from specdecode.types import (
+    Draft, SamplingParams, StepStats, TokenLogprob, TokenOrigin, Verdict, check_types,
+)
 from specdecode.tree import structure as tree
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20
@@ -43,6 +45,9 @@ class GenerationConfig:
     echo: bool = False
 
     def __post_init__(self) -> None:
+        check_types(self, whole=("max_new_tokens", "seed", "logprobs"), optional=("seed", "logprobs"))
+        if not isinstance(self.sampling, SamplingParams):
+            raise UserError(f"GenerationConfig: sampling must be a SamplingParams, got {self.sampling!r}")
         if not (0 if self.echo else 1) <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
             raise UserError(f"max_new_tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got {self.max_new_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= logprobs.MAX_TOP:

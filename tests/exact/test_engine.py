@@ -146,6 +146,39 @@ def test_bad_input_is_a_user_error(tiny_target, prompt, config_kwargs):
         SpeculativeEngine(HFCausalLM(tiny_target)).generate(prompt, GenerationConfig(**config_kwargs))
 
 
+@pytest.mark.parametrize("settings, words", [
+    (lambda: GenerationConfig(max_new_tokens=2.5), "max_new_tokens must be a whole number"),
+    (lambda: GenerationConfig(seed="1"), "seed must be a whole number or None"),
+    (lambda: GenerationConfig(logprobs=True), "logprobs must be a whole number or None"),
+    (lambda: GenerationConfig(sampling={"temperature": 1.0}), "must be a SamplingParams"),
+    (lambda: SamplingParams(temperature="0.5"), "temperature must be a number"),
+    (lambda: SamplingParams(temperature=1.0, top_k=1.5), "top_k must be a whole number"),
+    (lambda: SamplingParams(min_tokens=False), "min_tokens must be a whole number"),
+])
+def test_settings_of_the_wrong_type_are_a_user_error(settings, words):
+    """A library caller's settings of the wrong type are refused in words at once (they failed deep in the decoding,
+    after the prompt's prefill: a float of tokens in a slice, a float top_k in torch.topk)."""
+    with pytest.raises(UserError, match=words):
+        settings()
+
+
+def test_generate_takes_token_ids_as_a_list_or_a_tuple(tiny_folder):
+    from specdecode.api import generate
+
+    ids = PROMPT[:12]
+    as_list = generate(ids, method="ar", target=str(tiny_folder), drafter=None, dtype="float32", max_new_tokens=4)
+    as_tuple = generate(tuple(ids), method="ar", target=str(tiny_folder), drafter=None, dtype="float32",
+                        max_new_tokens=4)
+    assert as_tuple.token_ids == as_list.token_ids
+    with pytest.raises(UserError, match="a text or a list of token ids"):
+        generate(5, method="ar", target=str(tiny_folder), drafter=None, dtype="float32")
+
+
+def test_a_config_that_is_not_one_is_a_user_error(tiny_target):
+    with pytest.raises(UserError, match="config must be a GenerationConfig"):
+        SpeculativeEngine(HFCausalLM(tiny_target)).generate(PROMPT, {"max_new_tokens": 4})
+
+
 def test_a_seed_reproduces_what_the_docs_say(tiny_target, tiny_drafter):
     """docs/verification.md, "Randomness": a seed reproduces plain decoding's sampled answer, and a method whose
     drafts carry no distributions (here prompt lookup) gives that very answer whatever its drafts' lengths: the
