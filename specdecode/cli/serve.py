@@ -111,6 +111,7 @@ def serve(
     from specdecode.serve.guard import uvicorn_options
 
     default, offered = _methods(method.value, methods, datastore, no_drafter, head)
+    _port_free(host, port)
     guard, keys = _guard(host, allowed_host, api_key, allowed_origin, docs, max_body_mib, read_timeout)
     name = model_name or Path(target.rstrip("/")).name.removesuffix(".gguf")
 
@@ -168,7 +169,22 @@ def _methods(method: str, methods: str | None, datastore: Path | None, no_drafte
         raise UserError(f"method {method!r} needs the draft model; drop --no-drafter or pick another --method")
     offered = [choose(m.strip(), datastore=datastore, head=head, only_if_taken=True)
                for m in methods.split(",") if m.strip()] if methods else None
+    if offered is not None and default.name not in [choice.name for choice in offered]:
+        raise UserError(f"the default method {default.name!r} (--method) is not among --methods: add it there, or "
+                        "name one of them with --method")
     return default, offered
+
+
+def _port_free(host: str, port: int) -> None:
+    """A port another server holds is the user's to change, said before the models load (uvicorn would say it after)."""
+    import socket
+
+    try:
+        with socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET):
+            pass
+    except OSError as error:
+        raise UserError(f"cannot serve on {host}:{port}: {error.strerror or error} (another server there? --port "
+                        "picks another)") from None
 
 
 def _memory_budget(gib: float | None, keys: int) -> int:

@@ -138,6 +138,20 @@ def test_bench_quick_keeps_the_sizes_the_command_line_gives(monkeypatch, capsys)
         assert (asked[-1]["per_category"], asked[-1]["max_new_tokens"], asked[-1]["repeats"]) == want
 
 
+def test_serve_says_what_is_wrong_before_the_models_load(monkeypatch, capsys, tmp_path):
+    """A port another server holds, or a default method left out of --methods: one line, exit 2, and no model loaded
+    (the target named does not exist: loading it would fail otherwise)."""
+    import socket
+
+    missing = str(tmp_path / "no-such-model")
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        code, out, err = run(monkeypatch, capsys, "serve", "--port", str(port), "--target", missing)
+        assert code == 2 and f"127.0.0.1:{port}" in err and "--port" in err, err
+    code, out, err = run(monkeypatch, capsys, "serve", "--methods", "pld,ar", "--method", "suffix", "--target", missing)
+    assert code == 2 and "--method" in err and "'suffix'" in err, err
+
+
 def test_an_error_is_printed_whole_on_a_narrow_terminal(monkeypatch, capsys, tmp_path):
     """The message of a user's mistake goes out as one line, whatever the width, so that a path in it can be
     copied whole (the terminal wraps it; a log keeps it intact)."""
