@@ -186,7 +186,7 @@ def run(
     check_head(head, methods)
     check_memory(memory)  # before the models load
     rows = runner_names(methods)
-    if ray is not None and reference not in rows:
+    if (ray is not None or not engines) and reference not in rows:  # (an engine's row is known once it answers)
         raise UserError(f"the reference {reference!r} is not a row of this run; rows: {', '.join(rows)}")
     config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p),
                               seed=seed)

@@ -30,6 +30,9 @@ def export_eagle(
     known = check_destination(fmt, out)  # before anything loads
     if head is not None and not head.is_dir():
         raise UserError(f"no such folder: {head}")
+    if head is None and not _ships_eagle3(target):
+        raise UserError(f"no EAGLE-3 head ships for {target}: train one (`specdecode train eagle3 --target ... --out "
+                        "DIR`) and give it with --head DIR")
 
     from specdecode.api import load_models
     from specdecode.drafters.eagle3 import load_shipped
@@ -51,3 +54,12 @@ def export_eagle(
                       "repository takes in a file: keep this folder out of git")
     engine_target = f"<the Hugging Face id of {target}>" if target in registered_models() else target
     print(serve_commands(engine_target, out, fmt))
+
+
+def _ships_eagle3(target: str) -> bool:
+    """Whether the package ships an EAGLE-3 head for `target` (a registered model's name)."""
+    from specdecode.drafters.heads import shipped_heads
+    from specdecode.models.registry import MODELS
+
+    model = MODELS.get(target)
+    return model is not None and any(kind == "eagle3" and name == model.name for name, kind, _ in shipped_heads())

@@ -152,6 +152,19 @@ def test_serve_says_what_is_wrong_before_the_models_load(monkeypatch, capsys, tm
     assert code == 2 and "--method" in err and "'suffix'" in err, err
 
 
+def test_export_without_a_head_for_a_target_none_ships_for(monkeypatch, capsys, tiny_folder, tmp_path):
+    code, _, err = run(monkeypatch, capsys, "export", "eagle", str(tmp_path / "out"), "--format", "vllm",
+                       "--target", str(tiny_folder))
+    assert code == 2 and "no EAGLE-3 head ships for" in err and "--head" in err, err
+
+
+def test_bench_refuses_a_reference_that_is_not_a_row_before_any_work(monkeypatch, capsys, tiny_folder, tmp_path):
+    out = tmp_path / "run"
+    code, _, err = run(monkeypatch, capsys, "bench", "--methods", "ar,pld", "--reference", "suffix", "--out", str(out),
+                       "--target", str(tiny_folder))
+    assert code == 2 and "'suffix' is not a row" in err and not out.exists(), err
+
+
 def test_an_error_is_printed_whole_on_a_narrow_terminal(monkeypatch, capsys, tmp_path):
     """The message of a user's mistake goes out as one line, whatever the width, so that a path in it can be
     copied whole (the terminal wraps it; a log keeps it intact)."""
