@@ -82,13 +82,18 @@ def generate(
     )
     engine = models.engine_for(choice)
     if as_json:
-        print(json.dumps(engine.generate(ids, config).summary()))
-        return
-    result = engine.generate(ids, config, on_step=lambda event: print(event.text, end="", flush=True))
-    print()
-    from specdecode.demo import stats_table
+        result = engine.generate(ids, config)
+        print(json.dumps(result.summary()))
+    else:
+        result = engine.generate(ids, config, on_step=lambda event: print(event.text, end="", flush=True))
+        print()
+        from specdecode.demo import stats_table
 
-    console.print(stats_table([result.summary()]))
+        console.print(stats_table([result.summary()]))
+    if len(ids) + len(result.token_ids) >= models.target.max_context and len(result.token_ids) < max_new_tokens:
+        console.print(f"[yellow]the output stopped at the model's context of {models.target.max_context} tokens "
+                      f"(the prompt's {len(ids)} and {len(result.token_ids)} new), short of --max-new-tokens "
+                      f"{max_new_tokens}[/yellow]")
 
 
 

@@ -158,6 +158,16 @@ def test_export_without_a_head_for_a_target_none_ships_for(monkeypatch, capsys, 
     assert code == 2 and "no EAGLE-3 head ships for" in err and "--head" in err, err
 
 
+def test_generate_says_when_the_context_cut_the_output_short(monkeypatch, capsys, tiny_folder):
+    """The tiny model holds 128 positions: asked for more, the output stops there, and the command says so (on
+    stderr: --json's output stays one object)."""
+    code, out, err = run(monkeypatch, capsys, "generate", "the cat sat", "--method", "ar", "--max-new-tokens", "500",
+                         "--json", "--target", str(tiny_folder))
+    summary = json.loads(out)
+    assert code == 0 and summary["new_tokens"] < 500 and summary["finish_reason"] == "length"
+    assert "stopped at the model's context of 128 tokens" in err, err
+
+
 def test_bench_refuses_a_reference_that_is_not_a_row_before_any_work(monkeypatch, capsys, tiny_folder, tmp_path):
     out = tmp_path / "run"
     code, _, err = run(monkeypatch, capsys, "bench", "--methods", "ar,pld", "--reference", "suffix", "--out", str(out),
