@@ -26,10 +26,24 @@ DEMO_METHODS = ["ar", "auto", "draft", "draft-tree", "pld", "pld-tree", "rest", 
                 "eagle-tree", "medusa-tree", "composite"]
 
 
+HEAD_METHODS = {"eagle-tree": "eagle", "medusa-tree": "medusa"}  # the demo's methods that draft with a shipped head
+
+
+def demo_methods(target: str) -> list[str]:
+    """DEMO_METHODS but the head methods whose kind of head ships for no such target (`heads.shipped_head`)."""
+    from specdecode.drafters.heads import RECORDS, shipped_head
+
+    kinds = {name: HEAD_METHODS.get(name) for name in DEMO_METHODS}
+    return [name for name, kind in kinds.items() if kind is None or (shipped_head(target, kind) / RECORDS[kind]).is_file()]
+
+
 def run_demo(target: str, drafter: str, dtype: str, draft_dtype: str, max_new_tokens: int,
              device: str | None = None) -> None:
     console = Console()
-    choices = {name: choose(name) for name in DEMO_METHODS}
+    methods = demo_methods(target)
+    if left := [name for name in DEMO_METHODS if name not in methods]:
+        console.print(f"[dim]{', '.join(left)}: no head of theirs ships for {target}; left out[/dim]")
+    choices = {name: choose(name) for name in methods}
     models = load_models(target, drafter, dtype=dtype, draft_dtype=draft_dtype, device=device)
     engines = {name: models.engine_for(choice) for name, choice in choices.items()}
     prompts = [models.encode(p, chat=True) for p in DEMO_PROMPTS]

@@ -283,3 +283,13 @@ def test_a_bad_constraint_is_exit_2_with_the_engines_message(monkeypatch, capsys
     code, out, err = run(monkeypatch, capsys, "generate", "the cat", "--method", "ar", "--target", str(tiny_folder),
                          "--dtype", "float32", *args)
     assert code == 2 and words in " ".join(err.split()) and "Traceback" not in err, err
+
+
+def test_the_demo_leaves_out_the_head_methods_no_head_ships_for(tiny_folder):
+    """`specdecode demo --target OTHER` ran every method and failed after loading on the first head method (no head
+    ships for another target); it leaves them out now, and keeps them for the default target."""
+    from specdecode.demo import DEMO_METHODS, HEAD_METHODS, demo_methods
+    from specdecode.models.registry import DEFAULT_TARGET
+
+    assert demo_methods(DEFAULT_TARGET) == DEMO_METHODS
+    assert demo_methods(str(tiny_folder)) == [name for name in DEMO_METHODS if name not in HEAD_METHODS]
