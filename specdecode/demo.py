@@ -34,7 +34,8 @@ def demo_methods(target: str) -> list[str]:
     from specdecode.drafters.heads import RECORDS, shipped_head
 
     kinds = {name: HEAD_METHODS.get(name) for name in DEMO_METHODS}
-    return [name for name, kind in kinds.items() if kind is None or (shipped_head(target, kind) / RECORDS[kind]).is_file()]
+    return [name for name, kind in kinds.items()
+            if kind is None or (shipped_head(target, kind) / RECORDS[kind]).is_file()]
 
 
 def run_demo(target: str, drafter: str, dtype: str, draft_dtype: str, max_new_tokens: int,
