@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from typing import Annotated
 
 import typer
 from rich.markup import escape
@@ -29,6 +30,22 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+
+
+def _version(asked: bool) -> None:
+    if asked:
+        from importlib.metadata import version
+
+        print(f"specdecode {version('specdecode')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True, help="Print the version and exit.")] = False) -> None:
+    """Speculative decoding for large language models."""
+
+
 app.add_typer(model_commands.app, name="models")
 app.command()(generate.generate)
 app.command()(generate.demo)

@@ -293,3 +293,10 @@ def test_the_demo_leaves_out_the_head_methods_no_head_ships_for(tiny_folder):
 
     assert demo_methods(DEFAULT_TARGET) == DEMO_METHODS
     assert demo_methods(str(tiny_folder)) == [name for name in DEMO_METHODS if name not in HEAD_METHODS]
+
+
+def test_version(monkeypatch, capsys):
+    from importlib.metadata import version
+
+    code, out, _ = run(monkeypatch, capsys, "--version")
+    assert code == 0 and out.strip() == f"specdecode {version('specdecode')}"
