@@ -10,7 +10,6 @@ import codecs
 import functools
 import re
 from collections.abc import Sequence
-from functools import lru_cache
 
 from specdecode.types import TokenLogprob
 
@@ -21,8 +20,8 @@ class TokenTexts:
     """Each token id's own text (`tokenizer.decode([id])`) and bytes (`token_bytes`), remembered."""
 
     def __init__(self, tokenizer):
-        self.text = lru_cache(maxsize=65536)(lambda token: tokenizer.decode([token]))
-        self.bytes = lru_cache(maxsize=65536)(lambda token: token_bytes(tokenizer, token, self.text(token)))
+        self.text = functools.lru_cache(maxsize=65536)(lambda token: tokenizer.decode([token]))
+        self.bytes = functools.lru_cache(maxsize=65536)(lambda token: token_bytes(tokenizer, token, self.text(token)))
 
 
 def token_bytes(tokenizer, token: int, text: str) -> list[int]:
