@@ -24,6 +24,7 @@ re-exported here.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 import warnings
 from pathlib import Path
@@ -98,6 +99,9 @@ def resolve(spec: str, *, progress: bool = True) -> Path | str:
             f"No such file or folder: {spec}. Pass a .gguf file, a model folder, a hub id, or one of the "
             f"registered models: {', '.join(registered_models())}."
         )
+    if "/" not in spec and (near := difflib.get_close_matches(spec.lower(), registered_models(), n=1, cutoff=0.75)):
+        # a registered name mistyped, not a hub id: said now, not after the hub's retries
+        raise UserError(f"No registered model {spec!r}: did you mean {near[0]!r}? (A hub id is OWNER/NAME.)")
     return spec  # a hub id
 
 

@@ -310,3 +310,15 @@ def test_default_pair_loads_and_shares_a_vocabulary() -> None:
     )
     assert prompt.endswith("<|im_start|>assistant\n")
     assert loading.is_assembled(registry.get_model(DEFAULT_TARGET))
+
+
+@pytest.mark.parametrize("typed, meant", [("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct"),
+                                          ("Qwen2.5-Coder-0.5B-Instruct", "qwen2.5-coder-0.5b-instruct"),
+                                          ("gemma-3-270m", "gemma3-270m")])
+def test_a_mistyped_registered_name_is_said_at_once(typed, meant):
+    """A name without an owner close to a registered one is a typo, not a hub id: said before the hub's retries (half
+    a minute offline), naming the registered model; ownerless hub ids far from them pass on to the hub as before."""
+    with pytest.raises(UserError, match=f"did you mean '{meant}'"):
+        loading.resolve(typed, progress=False)
+    assert loading.resolve("gpt2", progress=False) == "gpt2"
+    assert loading.resolve("Qwen/Qwen2.5-Coder-1.5B-Instruct", progress=False) == "Qwen/Qwen2.5-Coder-1.5B-Instruct"
