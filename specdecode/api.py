@@ -166,6 +166,9 @@ def load_models(
     and an already loaded model stays where it is. `static`: the torch backend's static-shape path, its
     forwards captured as CUDA graphs (`models.static`); None: on a CUDA device, for the models it fits."""
     if backend == "llamacpp":
+        if any(str(d) != "auto" for d in (dtype, draft_dtype)):
+            raise UserError("dtypes choose the torch backend's precision; llama.cpp runs a .gguf file's own "
+                            "quantization: leave --dtype and --draft-dtype out with --backend llamacpp")
         if device is not None:
             devices.refuse_off_cpu(devices.resolve(device), "the llama.cpp backend as shipped",
                                    "use --backend torch there (llama-cpp-python built with CUDA is not set up)")

@@ -96,6 +96,7 @@ def narrow_folder(tmp_path_factory):
         ["generate", "x", "--method", "draft", "--tree", "--choices", "[[0], [300]]"],  # past the tiny vocabulary
         ["generate", "x", "--method", "draft", "--choices", "default"],
         ["bench", "--methods", "ar-tree"],
+        ["generate", "x", "--backend", "llamacpp", "--dtype", "int8"],
     ],
 )
 def test_bad_input_gives_one_line_error_and_exit_2(monkeypatch, capsys, tiny_folder, narrow_folder, args):
