@@ -16,6 +16,9 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from specdecode.bench.harness import record_lines
+from specdecode.errors import UserError
+
 OPEN_ENDED = ("multi-turn", "qa", "math", "translation")
 FIELDS = ("method", "category", "task_id", "repeat", "turn_lengths", "seconds", "prefill_seconds", "error")
 
@@ -59,9 +62,15 @@ def main() -> None:
     parser.add_argument("--baseline", default="llamacpp-ar")
     parser.add_argument("--slim", type=Path, default=None)
     args = parser.parse_args()
-    records = [json.loads(line) for line in args.records.read_text().splitlines() if line.strip()]
-    if not any(r["method"] == args.baseline for r in records):
-        raise SystemExit(f"error: no run of {args.baseline} in {args.records}")
+    try:
+        records = record_lines(args.records)
+    except UserError as error:
+        raise SystemExit(f"error: {error}") from None
+    measured = rates(records)
+    if not any(method == args.baseline for method, _, _ in measured):
+        raise SystemExit(f"error: no usable run of {args.baseline} in {args.records} (none, or every one failed)")
+    if not any(method != args.baseline for method, _, _ in measured):
+        raise SystemExit(f"error: only {args.baseline} ran in {args.records}: nothing to compare with it")
     print("\n".join(table(records, args.baseline)))
     if args.slim is not None:
         args.slim.write_text("".join(json.dumps({k: r.get(k) for k in FIELDS}) + "\n" for r in records))

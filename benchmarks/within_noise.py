@@ -22,13 +22,15 @@ told apart (pass --rivals to choose).
 from __future__ import annotations
 
 import argparse
-import json
+import hashlib
 import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from specdecode.bench.harness import record_lines
 from specdecode.bench.noise import interval, verdict
+from specdecode.errors import UserError
 
 Key = tuple[int, str, int]  # (file, task, repeat)
 
@@ -38,8 +40,7 @@ def load(paths: list[Path], decoding_alone: bool = False) -> dict[str, dict[str,
     (and with `decoding_alone`, runs without a prefill time: slimmed records, llama.cpp's rows)."""
     out: dict[str, dict[str, dict[Key, float]]] = defaultdict(lambda: defaultdict(dict))
     for index, path in enumerate(paths):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
+        for record in record_lines(path):
             if record["repeat"] < 0 or record["error"] or not record["seconds"]:
                 continue
             tokens, seconds = sum(record["turn_lengths"]), record["seconds"]
@@ -106,8 +107,23 @@ def main() -> None:
     for path in args.records:
         if not path.is_file():
             parser.error(f"no such file: {path}")
+    # a file given twice (or a copy of one) would count its pairs twice: a narrower interval from the same evidence
+    contents = [hashlib.sha256(path.read_bytes()).hexdigest() for path in args.records]
+    if len(set(contents)) < len(contents):
+        parser.error("a records file is given twice (or two files hold the same runs): each run counts once")
     rivals = [r.strip() for r in args.rivals.split(",") if r.strip()] if args.rivals else None
-    print("\n".join(table(load(args.records, args.decoding_alone), args.method, rivals)))
+    try:
+        measured = load(args.records, args.decoding_alone)
+    except UserError as error:
+        parser.error(str(error))
+    present = sorted({method for runs in measured.values() for method in runs})
+    if args.method not in present or any(rival not in present for rival in rivals or ()):
+        missing = [name for name in [args.method, *(rivals or ())] if name not in present]
+        parser.error(f"no usable runs of {', '.join(missing)} in the records; methods there: "
+                     f"{', '.join(present) or 'none'}")
+    if not [m for m in rivals or present if m != args.method and (rivals or m != "ar")]:
+        parser.error(f"no rival of {args.method} in the records to compare it with (--rivals names them)")
+    print("\n".join(table(measured, args.method, rivals)))
 
 
 if __name__ == "__main__":

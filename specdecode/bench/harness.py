@@ -94,10 +94,30 @@ class Record:
 
 def read_records(path) -> list[Record]:
     """The records of a kept run (its records.jsonl)."""
+    return [Record.from_json(line) for line in record_lines(path)]
+
+
+def record_lines(path) -> list[dict]:
+    """A records file's JSON lines, blank ones skipped; a UserError for a file that is missing or holds a line that
+    is not JSON, but its last: a run cut off while writing leaves that half written, and it is skipped with a
+    warning."""
     import json
+    import sys
     from pathlib import Path
 
-    return [Record.from_json(json.loads(line)) for line in Path(path).read_text().splitlines() if line.strip()]
+    if not Path(path).is_file():
+        raise UserError(f"no such records file: {path}")
+    lines = [(number, line) for number, line in enumerate(Path(path).read_text().splitlines(), 1) if line.strip()]
+    out = []
+    for index, (number, line) in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if index < len(lines) - 1:
+                raise UserError(f"{path}:{number} is not a JSON record") from None
+            print(f"warning: {path}:{number}, the last line, is cut short (a run stopped while writing): skipped",
+                  file=sys.stderr)
+    return out
 
 
 @dataclass

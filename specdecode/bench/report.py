@@ -92,8 +92,8 @@ def _cell(records: list[Record], reference: list[Record]) -> Cell:
         mine = [r for r in ok if r.repeat == repeat and r.node == node]
         tasks = {r.task_id for r in mine}
         base = [r for r in reference if r.repeat == repeat and r.node == node and r.ok and r.task_id in tasks]
-        if mine and base:
-            per_repeat.append(_throughput(mine))
+        per_repeat.append(_throughput(mine))  # its own rate, whether or not the reference ran beside it
+        if base:
             ratios.append(per_repeat[-1] / _throughput(base))
             decode, decode_base = _decode_throughput(mine), _decode_throughput(base)
             if decode is not None and decode_base:
@@ -123,7 +123,7 @@ def summarise(records: list[Record], lossless: dict[str, bool], reference_name: 
     for r in records:
         by_method[r.method].append(r)
     categories = sorted({r.category for r in records})
-    reference = by_method[reference_name]
+    reference = by_method.get(reference_name, [])  # (get: no empty row for a reference with no runs)
     outputs = {name: {(r.task_id, r.repeat): r for r in runs if r.ok} for name, runs in by_method.items()}
     ar_steps = _decode_steps([s for r in by_method.get("ar", []) if r.ok and r.steps for s in r.steps])
     plain_token_seconds = sum(s.verify_seconds for s in ar_steps) / len(ar_steps) if ar_steps else 0.0
