@@ -139,8 +139,8 @@ def summarise(records: list[Record], lossless: dict[str, bool], reference_name: 
             theirs = outputs.get(compared_with, {})
             pairs = [(r, theirs[(r.task_id, r.repeat)]) for r in ok if (r.task_id, r.repeat) in theirs]
             exact = (sum(same_output(a, b) for a, b in pairs), len(pairs))
-        summary = MethodSummary(method, cells, exact, errors=[f"{r.task_id}: {r.error}" for r in mine if not r.ok],
-                                reference=compared_with, server=summed_server(ok),
+        errors = [f"{r.task_id} (repeat {r.repeat}): {r.error}" for r in mine if not r.ok]
+        summary = MethodSummary(method, cells, exact, errors=errors, reference=compared_with, server=summed_server(ok),
                                 engine=any(r.engine_prompt_tokens is not None for r in mine))
         if summary.engine:
             summary.first_token_seconds, summary.inter_token_seconds = _latencies(ok)
