@@ -30,12 +30,10 @@ HEAD_METHODS = {"eagle-tree": "eagle", "medusa-tree": "medusa"}  # the demo's me
 
 
 def demo_methods(target: str) -> list[str]:
-    """DEMO_METHODS but the head methods whose kind of head ships for no such target (`heads.shipped_head`)."""
-    from specdecode.drafters.heads import RECORDS, shipped_head
+    """DEMO_METHODS but the head methods whose kind of head ships for no such target (`heads.ships`)."""
+    from specdecode.drafters.heads import ships
 
-    kinds = {name: HEAD_METHODS.get(name) for name in DEMO_METHODS}
-    return [name for name, kind in kinds.items()
-            if kind is None or (shipped_head(target, kind) / RECORDS[kind]).is_file()]
+    return [name for name in DEMO_METHODS if name not in HEAD_METHODS or ships(target, HEAD_METHODS[name])]
 
 
 def run_demo(target: str, drafter: str, dtype: str, draft_dtype: str, max_new_tokens: int,

@@ -24,13 +24,14 @@ def export_eagle(
 ) -> None:
     """Write an EAGLE-3 head for TARGET as the draft-model folder vLLM or SGLang loads (LlamaForCausalLMEagle3,
     with the target's LM head rows of its draft vocabulary), and print how to serve it."""
+    from specdecode.drafters.heads import ships
     from specdecode.models.registry import registered_models
     from specdecode.training.export import FILE_LIMIT, check_destination, export_eagle3, serve_commands
 
     known = check_destination(fmt, out)  # before anything loads
     if head is not None and not head.is_dir():
         raise UserError(f"no such folder: {head}")
-    if head is None and not _ships_eagle3(target):
+    if head is None and not ships(target, "eagle3"):
         raise UserError(f"no EAGLE-3 head ships for {target}: train one (`specdecode train eagle3 --target ... --out "
                         "DIR`) and give it with --head DIR")
 
@@ -54,12 +55,3 @@ def export_eagle(
                       "repository takes in a file: keep this folder out of git")
     engine_target = f"<the Hugging Face id of {target}>" if target in registered_models() else target
     print(serve_commands(engine_target, out, fmt))
-
-
-def _ships_eagle3(target: str) -> bool:
-    """Whether the package ships an EAGLE-3 head for `target` (a registered model's name)."""
-    from specdecode.drafters.heads import shipped_heads
-    from specdecode.models.registry import MODELS
-
-    model = MODELS.get(target)
-    return model is not None and any(kind == "eagle3" and name == model.name for name, kind, _ in shipped_heads())

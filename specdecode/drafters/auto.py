@@ -79,7 +79,7 @@ def shipped_kind(target) -> str | None:
     """The first kind of HEAD_KINDS shipped for the target (a transformers model, or its name or path before it
     loads: `heads.shipped_head`), the first EAGLE left out: it drafts only when given, EAGLE-3 supersedes it."""
     return next((kind for kind in HEAD_KINDS
-                 if kind != "eagle" and (heads.shipped_head(target, kind) / heads.RECORDS[kind]).is_file()), None)
+                 if kind != "eagle" and heads.ships(target, kind)), None)
 
 
 def drafts_with_head(target, head: str | Path | None = None, backend: str = "torch") -> bool:

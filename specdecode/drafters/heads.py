@@ -83,6 +83,11 @@ def shipped_head(target, kind: str) -> Path:
     return Path(__file__).resolve().parents[1] / "heads" / name / kind
 
 
+def ships(target, kind: str) -> bool:
+    """Whether a head of `kind` ships for `target` (as `shipped_head` names its folder)."""
+    return (shipped_head(target, kind) / RECORDS[kind]).is_file()
+
+
 def shipped_heads() -> list[tuple[str, str, Path]]:
     """(target name, kind, folder) of every head the package ships."""
     root = Path(__file__).resolve().parents[1] / "heads"
@@ -100,11 +105,10 @@ def head_folder(target, kind: str, head: str | None):
         if kind_of(head) != kind:
             raise UserError(f"{head} holds {kind_of(head)} heads, not {kind} (`specdecode train {kind} --out DIR`)")
         return model, Path(head).expanduser()
-    folder = shipped_head(model, kind)
-    if not (folder / RECORDS[kind]).is_file():
+    if not ships(model, kind):
         raise UserError(f"no {kind} head ships for {Path(str(model.config._name_or_path)).name}: train one with "
                         f"`specdecode train {kind} --target ... --out DIR`, then pass --head DIR")
-    return model, folder
+    return model, shipped_head(model, kind)
 
 
 # The bits a trained head drafts with where the machine has the quantized kernels (`for_drafting`); None:

@@ -77,11 +77,12 @@ class Offsets:
         return here
 
 
-def completion_entries(entries: Sequence[TokenLogprob | None], tokens: list[int], texts: TokenTexts,
-                       offsets: Offsets) -> dict:
+def completion_entries(entries: Sequence[TokenLogprob | None], tokens: list[int], offsets: Offsets) -> dict:
     """`choices[0].logprobs` of a completion: `tokens` are the ids the entries stand for (an entry None: an unscored
-    first prompt token); `offsets`: where the choice's text stands before the first of them. Each position's
-    `top_logprobs` holds the likeliest tokens and the token itself (as vLLM's: logprobs=0 still names it)."""
+    first prompt token); `offsets`: where the choice's text stands before the first of them (and the token texts).
+    Each position's `top_logprobs` holds the likeliest tokens and the token itself (as vLLM's: logprobs=0 still names
+    it)."""
+    texts = offsets.texts
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, entry in zip(tokens, entries):
         text = texts.text(token)

@@ -54,8 +54,7 @@ class Answer:
         if self.echo is not None and result.prompt_logprobs is not None:
             prompt = [None, *result.prompt_logprobs]
         tokens = self.prompt_ids[: len(prompt)] + result.token_ids[: len(entries)]
-        offsets = logprobs.Offsets(self.texts, offset)
-        return logprobs.completion_entries([*prompt, *entries], tokens, self.texts, offsets)
+        return logprobs.completion_entries([*prompt, *entries], tokens, logprobs.Offsets(self.texts, offset))
 
 
 @dataclass
@@ -124,8 +123,8 @@ class Chunks:
         event, answer = step.event, self.answer
         scores = event.logprobs or []
         if not answer.chat:
-            entries = None if answer.texts is None or self.offsets is None else logprobs.completion_entries(
-                scores, event.token_ids, answer.texts, self.offsets)
+            entries = None if self.offsets is None else logprobs.completion_entries(
+                scores, event.token_ids, self.offsets)
             return [self._choice({}, text=event.text, scores=entries)]
         entries = None if answer.texts is None else logprobs.chat_entries(scores, answer.texts)
         if self.reader is None:

@@ -212,13 +212,12 @@ class Server:
     def _encode_completion(self, prompt: str | list[int]) -> list[int]:  # on the tokenizing pool
         if isinstance(prompt, str):
             return self.models.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        return self._check_ids(prompt)
+        return prompt  # (its ids checked by `_prepare`)
 
-    def _check_ids(self, prompt: list[int]) -> list[int]:
+    def _check_ids(self, prompt: list[int]) -> None:
         vocab = self.models.target.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise APIError(400, f"Token ids must lie in [0, {vocab}).", param="prompt")
-        return prompt
 
     def _encode_chat(self, messages: list[dict], offered: list[dict] | None) -> list[int]:  # on the tokenizing pool
         from jinja2 import TemplateError
