@@ -313,6 +313,9 @@ def choose(
         raise UserError(f"--{source} applies to {takers(source)}, not {method.name}")
 
     datastore, reference, head = taken("datastore", datastore), taken("reference", reference), taken("head", head)
+    if reference is not None and (not isinstance(reference, str) or not reference):
+        raise UserError("the reference document is empty" if isinstance(reference, str) else
+                        f"a reference is the document's text (a str), not {type(reference).__name__}")
     if datastore is not None and not Path(datastore).expanduser().is_file():
         raise UserError(f"no datastore at {datastore} (build one with `specdecode datastore build`)")
     if head is not None:
@@ -327,4 +330,4 @@ def choose(
             head = None
     return MethodChoice(method, replace(options, datastore=str(datastore) if datastore is not None else None,
                                         head=str(Path(head).expanduser()) if head is not None else None),
-                        reference or None)
+                        reference)

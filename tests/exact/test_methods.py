@@ -49,6 +49,9 @@ def test_takers_name_the_methods_that_draft_from_a_source():
     ("pld", {"datastore": "x.npz"}, f"--datastore applies to {takers('datastore')}, not pld"),
     ("suffix", {"reference": "a document"}, f"--reference applies to {takers('reference')}, not suffix"),
     ("rest", {"datastore": "/no/such/datastore.npz"}, "no datastore at"),
+    ("pld", {"reference": ""}, "the reference document is empty"),
+    ("auto", {"reference": "", "only_if_taken": True}, "the reference document is empty"),
+    ("pld", {"reference": b"bytes"}, "the document's text"),
 ])
 def test_what_does_not_go_together_is_one_user_error(spec, options, message):
     with pytest.raises(UserError, match=message) as error:
