@@ -2,7 +2,8 @@
 
     python benchmarks/humaneval_speed.py [--prompts 10] [--max-new-tokens 128] [--repeats 2] [--out results/x.json]
 
-Runs, on the same chat-templated HumanEval prompts, greedy, bf16, 2 threads:
+Runs, on the same chat-templated HumanEval prompts (the first of the held-out part, `bench.samples.part_of`),
+greedy, bf16, 2 threads:
   ours:  ar (the reference), draft (the 0.5B drafter), pld (prompt lookup)
   peers: transformers generate() plain, with assistant_model= (the 0.5B), with prompt_lookup_num_tokens=10
 through the benchmark's harness (`specdecode.bench`): order of methods changing for every prompt and
@@ -28,6 +29,8 @@ from specdecode.bench.datasets import Task, humaneval_instruction, humaneval_pro
 from specdecode.bench.harness import run_benchmark
 from specdecode.bench.main import diagnose_divergences
 from specdecode.bench.runners import build_runners
+from specdecode.bench.samples import part_of
+from specdecode.bench.server_process import run_settings
 from specdecode.engine import GenerationConfig
 
 METHODS = ["ar", "draft", "draft-tree", "pld", "pld-tree", "hf-plain", "hf-assisted", "hf-prompt-lookup"]
@@ -46,7 +49,8 @@ def main() -> None:
     console = Console()
 
     models = load_models(dtype="bfloat16")
-    tasks = [Task("code", p["task_id"], (humaneval_instruction(p),)) for p in humaneval_prompts(args.prompts)]
+    tasks = [Task("code", p["task_id"], (humaneval_instruction(p),)) for p in humaneval_prompts()]
+    tasks = [task for task in tasks if part_of(task) == "held-out"][: args.prompts]  # never the tuning part
     runners = build_runners(models, [m for m in args.methods.split(",") if m] or METHODS)
     with console.status(f"{len(runners)} methods x {len(tasks)} prompts x {args.repeats} repeats"):
         records = run_benchmark(models, runners, tasks, GenerationConfig(max_new_tokens=args.max_new_tokens),
@@ -75,7 +79,7 @@ def main() -> None:
     for line in divergences + [f"{s.method} FAILED on {e}" for s in summaries for e in s.errors]:
         console.print(f"  {line}", highlight=False)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
+    args.out.write_text(json.dumps({**run_settings(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
                                     "divergences": divergences, "torch": torch.__version__,
                                     "threads": torch.get_num_threads()}, indent=1))
     console.print(f"saved {args.out}")

@@ -23,13 +23,16 @@ OPEN_ENDED = ("multi-turn", "qa", "math", "translation")
 FIELDS = ("method", "category", "task_id", "repeat", "turn_lengths", "seconds", "prefill_seconds", "error")
 
 
-def rates(records: list[dict]) -> dict[tuple[str, str, int], tuple[float, str]]:
-    """(method, task, repeat) -> (new tokens per second, category), failed and warm-up runs left out."""
+def rates(records: list[dict]) -> dict[tuple[str, tuple[str, str], int], tuple[float, str]]:
+    """(method, (category, task id), repeat) -> (new tokens per second, category), failed and warm-up runs left
+    out."""
     out = {}
     for r in records:
         if r["repeat"] < 0 or r["error"] or not r["seconds"]:
             continue
-        out[r["method"], r["task_id"], r["repeat"]] = (sum(r["turn_lengths"]) / r["seconds"], r["category"])
+        # (a task is its category and id: code and code-edit share HumanEval's ids)
+        out[r["method"], (r["category"], r["task_id"]), r["repeat"]] = (sum(r["turn_lengths"]) / r["seconds"],
+                                                                        r["category"])
     return out
 
 

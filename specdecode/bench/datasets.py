@@ -40,6 +40,13 @@ class Task:
     # messages after the first turn's, before the model answers (the agentic category's earlier calls and results)
     history: tuple[dict, ...] = ()
     tools: tuple[dict, ...] = ()  # OpenAI function definitions the chat template renders (the agentic category's)
+    # tasks that share one (an agentic scenario's: a later task's prompt holds the earlier's answer) fall in one
+    # part of the split (`bench.samples.part_of`); None: the task alone
+    group: str | None = None
+
+    @property
+    def split_group(self) -> str:
+        return self.group if self.group is not None else self.task_id
 
 
 def _package_file(distribution: str, path: str):
@@ -337,7 +344,7 @@ def structured() -> list[Task]:
 def agentic() -> list[Task]:
     from specdecode.bench import agentic as agents
 
-    return [Task(agents.CATEGORY, ident, (request,), history=history, tools=tools)
+    return [Task(agents.CATEGORY, ident, (request,), history=history, tools=tools, group=ident.partition("/")[0])
             for ident, request, history, tools in agents.tasks()]
 
 

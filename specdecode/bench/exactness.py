@@ -64,11 +64,11 @@ def diagnose_divergences(models, records: list[Record], lossless: dict[str, bool
     """For each lossless run whose output differs from its reference's (`ar`, or the row `references`
     names), where and with what logit margin; for an engine that streams text only, where the texts part
     (no logits: a near-tie cannot be told from a bug)."""
-    runs = {(r.method, r.task_id, r.repeat): r for r in records if r.ok}
+    runs = {(r.method, r.task, r.repeat): r for r in records if r.ok}
     notes = []
     for r in records:
         name = (references or {}).get(r.method, reference)
-        other = runs.get((name, r.task_id, r.repeat))
+        other = runs.get((name, r.task, r.repeat))
         if r.method == name or not r.ok or other is None or not lossless[r.method] or same_output(r, other):
             continue
         against = "" if name == "ar" else f" vs {name}"

@@ -68,6 +68,11 @@ class Record:
     def new_tokens(self) -> int:
         return sum(self.turn_lengths)
 
+    @property
+    def task(self) -> tuple[str, str]:
+        """The task it ran: its category and id (code and code-edit both hold HumanEval's ids)."""
+        return self.category, self.task_id
+
     def turns(self) -> list[tuple[list[int], list[int]]]:
         """(prompt ids, new ids) per turn."""
         ends = [sum(self.turn_lengths[: i + 1]) for i in range(len(self.turn_lengths))]
@@ -145,6 +150,16 @@ def check_context(runner: Runner, prompt_ids: list[int], config: GenerationConfi
                         f"{len(prompt_ids) + config.max_new_tokens} positions, but {runner.name}'s model holds {limit}")
 
 
+def check_tools_rendered(models: Models, task: Task, prompt_ids: list[int]) -> None:
+    """A UserError unless the chat template wrote every tool of an agentic task into its prompt: a template that
+    takes no tools drops them, and the agent's earlier calls with them, without a word."""
+    text = models.tokenizer.decode(prompt_ids)
+    missing = [tool["function"]["name"] for tool in task.tools if tool["function"]["name"] not in text]
+    if missing:
+        raise UserError(f"the target's chat template renders no tools (the prompt lacks {', '.join(missing)}): "
+                        "an agentic task needs a template that does, such as Qwen2.5's")
+
+
 def run_task(models: Models, runner: Runner, task: Task, config: GenerationConfig, repeat: int) -> Record:
     """All turns of a task with one method; the later turns follow the method's own earlier answers. A
     failure is recorded (a UserError, such as a prompt too long for the model, without a traceback)."""
@@ -160,6 +175,8 @@ def run_task(models: Models, runner: Runner, task: Task, config: GenerationConfi
             if index == 0:  # the agent's earlier calls and the tools' answers, after its request
                 messages += [dict(message) for message in task.history]
             prompt_ids = models.encode_chat(messages, list(task.tools)) if task.tools else models.encode_chat(messages)
+            if index == 0 and task.tools:
+                check_tools_rendered(models, task, prompt_ids)
             check_context(runner, prompt_ids, config, models.target.max_context)
             output = runner.chat(messages, config) if runner.chat else runner.run(prompt_ids, config)
             record.prompt_ids.append(prompt_ids)

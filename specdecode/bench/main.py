@@ -16,6 +16,7 @@ from specdecode import cluster, devices
 from specdecode.bench import acceptance, ray_shards, report, terminal
 from specdecode.bench.datasets import TRANSLATION_SOURCE, Task
 from specdecode.bench.samples import sample_tasks
+from specdecode.bench.server_process import commit
 from specdecode.bench.exactness import diagnose_divergences, sampled_fidelity
 from specdecode.bench.harness import BenchOutcome, Record, check_memory, run_benchmark
 from specdecode.paths import output_folder
@@ -95,10 +96,15 @@ class RecordSink:
             where = f" on {record.node}" if record.node else ""
             self.progress.update(self.bar, advance=1, description=f"{record.method} {record.task_id}{where}")
 
-    def __exit__(self, *exc) -> None:
+    def close(self) -> None:
+        """The bar stopped (so that what is printed next shows), the file closed."""
         if self.progress is not None:
             self.progress.stop()
+            self.progress = None
         self.file.close()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def run_here(setup: Setup, tasks: list[Task], config: GenerationConfig, repeats: int, levels: list[int],
@@ -114,8 +120,9 @@ def run_here(setup: Setup, tasks: list[Task], config: GenerationConfig, repeats:
     for name in {reference, *references.values()}:
         if name not in runners:
             raise UserError(f"the reference {name!r} is not a row of this run; rows: {', '.join(runners)}")
-    first_turns = {t.task_id: models.encode_chat([{"role": "user", "content": t.turns[0]}]) for t in tasks}
-    too_long = [task_id for task_id, ids in first_turns.items()
+    first_turns = {(t.category, t.task_id): models.encode_chat([{"role": "user", "content": t.turns[0]}])
+                   for t in tasks}
+    too_long = [task_id for (_, task_id), ids in first_turns.items()
                 if len(ids) + config.max_new_tokens > models.target.max_context]
     if too_long:
         console.print(f"[yellow]{len(too_long)} of {len(tasks)} tasks do not fit the target's context of "
@@ -195,15 +202,24 @@ def run(
     console = Console(stderr=True)
     output_folder(out, "--out")
     records_path = out / "records.jsonl"
-    start = time.time()
+    if records_path.is_file() and records_path.stat().st_size:
+        raise UserError(f"{out} holds an earlier run's records ({records_path}); name a new --out folder, or move "
+                        "them away first")
+    start, date = time.time(), time.strftime("%Y-%m-%d %H:%M")
     with RecordSink(records_path, console) as sink:
-        if ray is None:
-            outcome = run_here(setup, tasks, config, repeats, levels, engines or [], reference, sink, console,
-                               memory, recorder)
-        else:
-            outcome = ray_shards.run(ray, setup, tasks, config, repeats, reference, sink, sink.expect, memory)
-            if not config.sampling.greedy:
-                outcome.notes[:0] = sampling_caveat()
+        try:
+            if ray is None:
+                outcome = run_here(setup, tasks, config, repeats, levels, engines or [], reference, sink, console,
+                                   memory, recorder)
+            else:
+                outcome = ray_shards.run(ray, setup, tasks, config, repeats, reference, sink, sink.expect, memory)
+                if not config.sampling.greedy:
+                    outcome.notes[:0] = sampling_caveat()
+        except KeyboardInterrupt:
+            sink.close()
+            console.print(f"[yellow]interrupted: the {sink.written} runs that ended are in {records_path}; a run cut "
+                          "short writes no report")
+            raise
     options = {"methods": ",".join(methods) or "ar", "categories": ",".join(categories),
                "per-category": per_category if per_category is not None else "all", "max-new-tokens": max_new_tokens,
                "repeats": repeats, **({"part": part} if part != "held-out" else {}),
@@ -219,6 +235,8 @@ def run(
                **({"record-acceptance": record_acceptance} if record_acceptance is not None else {}),
                **({"step-aside": "off"} if step_aside is False else {}), "out": out}
     settings = {
+        "date": date,
+        "commit": commit(),
         "command": "specdecode bench " + " ".join(f"--{k} {v}" for k, v in options.items())
                    + "".join(f" --engine '{option}'" for option in engines or []),
         "target / drafter": f"{target} / {drafter}",
@@ -252,8 +270,7 @@ def write_report(out: Path, outcome: BenchOutcome, settings: dict[str, str], ref
     text = report.markdown(summaries, settings, outcome.notes, reference, outcome.levels)
     (out / "report.md").write_text(text)
     # what the run was, for the tables rendered from its records (scripts/method-table)
-    kept = {"date": time.strftime("%Y-%m-%d"), **settings}
-    (out / "settings.json").write_text(json.dumps(kept, indent=1, default=str) + "\n")
+    (out / "settings.json").write_text(json.dumps(settings, indent=1, default=str) + "\n")
     report.plots(summaries, out)
     screen = Console()  # stdout: the command's output; 80 columns are enough, report.md has it all
     for table in [*terminal.leaderboard(summaries, reference, screen.width), terminal.per_method(summaries, reference)]:

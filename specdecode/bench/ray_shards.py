@@ -13,7 +13,6 @@ A method that learns across prompts (suffix decoding, say) learns from its node'
 
 from __future__ import annotations
 
-import platform
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ from specdecode.bench.exactness import diagnose_divergences, distribution_notes,
 from specdecode.bench.harness import BenchOutcome, Record, interleaved
 from specdecode.bench.runners import Setup
 from specdecode.engine import GenerationConfig
+from specdecode.models import costs
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,7 @@ def node_job(setup: Setup, tasks: list[tuple[int, Task]], count: int, config: Ge
     models, runners = setup.load(progress=False)
     lossless = {name: runner.lossless for name, runner in runners.items()}
     precision, threads = models.target.precision, torch.get_num_threads()
-    yield NodeStart(lossless, precision, threads, f"{node}: {platform.processor() or platform.machine()}, "
-                                                  f"{precision}, threads {threads}, torch {torch.__version__}")
+    yield NodeStart(lossless, precision, threads, f"{node}: {costs.machine()}, {precision}")
     records = []
     for record in interleaved(models, runners, [task for _, task in tasks], config, repeats,
                               positions=[position for position, _ in tasks], count=count, memory=memory):

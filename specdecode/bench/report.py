@@ -85,16 +85,20 @@ def _latencies(records: list[Record]) -> tuple[float | None, float | None]:
 
 
 def _cell(records: list[Record], reference: list[Record]) -> Cell:
-    """Ratios per repeat and machine: a Ray run's records on one node against that node's reference runs."""
+    """Ratios per repeat and machine: a Ray run's records on one node against that node's reference runs, over
+    the tasks both ran to their end (a task the reference failed on is left out of the ratio, not weighed against
+    the reference's other tasks)."""
     ok = [r for r in records if r.ok]
     per_repeat, ratios, decode_ratios = [], [], []
     for repeat, node in dict.fromkeys((r.repeat, r.node) for r in ok):
         mine = [r for r in ok if r.repeat == repeat and r.node == node]
-        tasks = {r.task_id for r in mine}
-        base = [r for r in reference if r.repeat == repeat and r.node == node and r.ok and r.task_id in tasks]
+        tasks = {r.task for r in mine}
+        base = [r for r in reference if r.repeat == repeat and r.node == node and r.ok and r.task in tasks]
         per_repeat.append(_throughput(mine))  # its own rate, whether or not the reference ran beside it
         if base:
-            ratios.append(per_repeat[-1] / _throughput(base))
+            shared = {r.task for r in base}
+            mine = [r for r in mine if r.task in shared]
+            ratios.append(_throughput(mine) / _throughput(base))
             decode, decode_base = _decode_throughput(mine), _decode_throughput(base)
             if decode is not None and decode_base:
                 decode_ratios.append(decode / decode_base)
@@ -124,7 +128,7 @@ def summarise(records: list[Record], lossless: dict[str, bool], reference_name: 
         by_method[r.method].append(r)
     categories = sorted({r.category for r in records})
     reference = by_method.get(reference_name, [])  # (get: no empty row for a reference with no runs)
-    outputs = {name: {(r.task_id, r.repeat): r for r in runs if r.ok} for name, runs in by_method.items()}
+    outputs = {name: {(r.task, r.repeat): r for r in runs if r.ok} for name, runs in by_method.items()}
     ar_steps = _decode_steps([s for r in by_method.get("ar", []) if r.ok and r.steps for s in r.steps])
     plain_token_seconds = sum(s.verify_seconds for s in ar_steps) / len(ar_steps) if ar_steps else 0.0
 
@@ -137,7 +141,7 @@ def summarise(records: list[Record], lossless: dict[str, bool], reference_name: 
         compared_with = (references or {}).get(method, reference_name)
         if lossless.get(method, True):
             theirs = outputs.get(compared_with, {})
-            pairs = [(r, theirs[(r.task_id, r.repeat)]) for r in ok if (r.task_id, r.repeat) in theirs]
+            pairs = [(r, theirs[(r.task, r.repeat)]) for r in ok if (r.task, r.repeat) in theirs]
             exact = (sum(same_output(a, b) for a, b in pairs), len(pairs))
         errors = [f"{r.task_id} (repeat {r.repeat}): {r.error}" for r in mine if not r.ok]
         summary = MethodSummary(method, cells, exact, errors=errors, reference=compared_with, server=summed_server(ok),
@@ -277,11 +281,12 @@ def _engine_tables(summaries: list[MethodSummary], levels: list, reference: str)
             by_key[(run.engine, run.concurrency)].append(run)
         for (name, level), runs in sorted(by_key.items(), key=lambda item: (item[0][1], item[0][0])):
             rates = [run.new_tokens / run.seconds for run in runs if run.seconds > 0]
-            base = by_key.get((reference, level), [])
-            ratio = "-"
-            if base and name != reference:
-                base_rate = sum(r.new_tokens for r in base) / sum(r.seconds for r in base)
-                ratio = f"{sum(rates) / len(rates) / base_rate:.2f}x" if base_rate else "-"
+            # each repeat's rate over the reference's in the same repeat, averaged as the tables above are
+            base = {run.repeat: run.new_tokens / run.seconds for run in by_key.get((reference, level), [])
+                    if run.seconds > 0 and run.new_tokens}
+            paired = [run.new_tokens / run.seconds / base[run.repeat] for run in runs
+                      if run.seconds > 0 and run.repeat in base]
+            ratio = f"{sum(paired) / len(paired):.2f}x" if paired and name != reference else "-"
             servers = [run.server for run in runs if run.server is not None]
             server = sum(servers[1:], servers[0]) if servers else None
             failures = sum(not r.ok for run in runs for r in run.records)

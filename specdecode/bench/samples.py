@@ -37,7 +37,8 @@ def part_of(task: Task) -> str:
     """"tuning" or "held-out": every stratum (`_strata`) is split once and for all, disjointly, by a digest of
     its tasks' ids: the ceil(n / TUNING_SHARE) tasks with the lowest digests are for tuning (choices such as
     auto's sources and thresholds, A/B runs), the others for reporting. Fixed by the ids alone, so no seed or
-    sample size moves a prompt from one part to the other."""
+    sample size moves a prompt from one part to the other. Tasks of one group (`Task.group`: an agentic
+    scenario's, each holding the one before it) are ranked together, so a group falls in one part."""
     return "tuning" if task.task_id in _tuning(task.category) else "held-out"
 
 
@@ -47,8 +48,10 @@ def _tuning(stratum: str) -> frozenset[str]:
     if base not in CATEGORIES:  # a task made up outside the benchmark's categories (tests): nothing to tune on
         return frozenset()
     pool = _strata(base, _pool(base)).get(stratum, [])
-    ranked = sorted(pool, key=lambda task: hashlib.blake2b(task.task_id.encode(), digest_size=8).digest())
-    return frozenset(task.task_id for task in (ranked[: -(-len(ranked) // TUNING_SHARE)] if len(ranked) > 1 else []))
+    groups = sorted({task.split_group for task in pool},
+                    key=lambda group: hashlib.blake2b(group.encode(), digest_size=8).digest())
+    tuning = set(groups[: -(-len(groups) // TUNING_SHARE)] if len(groups) > 1 else [])
+    return frozenset(task.task_id for task in pool if task.split_group in tuning)
 
 
 def sample_tasks(categories: list[str], per_category: int | None, seed: int = 0, part: str = "held-out"

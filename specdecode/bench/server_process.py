@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 
 from specdecode.errors import UserError
 
@@ -52,9 +53,18 @@ def run_settings() -> dict:
     """What a timed run's settings.json says of it: when, on what machine, the command, the commit."""
     from specdecode.models.costs import machine
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
     return {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "command": shlex.join(sys.argv),
-            "commit": commit.stdout.strip() or "unknown"}
+            "commit": commit()}
+
+
+def commit() -> str:
+    """The checkout's commit, short ("unknown" outside a git checkout)."""
+    try:
+        found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
+                               cwd=Path(__file__).parent)
+    except OSError:  # no git
+        return "unknown"
+    return found.stdout.strip() or "unknown"
 
 
 def parse_run_arguments(parser, argv, name: str):

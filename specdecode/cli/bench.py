@@ -52,7 +52,8 @@ def bench(
     seed: Annotated[int, typer.Option(help="Seeds the prompt sample and sampling.")] = 0,
     part: PartOption = "held-out",
     threads: Annotated[int, typer.Option(min=1, max=256)] = 2,
-    out: Annotated[Path | None, typer.Option(help="Output folder (default: results/bench-<time>).")] = None,
+    out: Annotated[Path | None, typer.Option(
+        help="Output folder (default: results/bench-<time>); not one that holds a run's records.")] = None,
     dtype: DTypeOption = DType("auto"),
     draft_dtype: DraftDTypeOption = DraftDType("auto"),
     backend: BackendOption = Backend("torch"),
@@ -79,7 +80,7 @@ def bench(
     ray: Annotated[str | None, typer.Option(help=(
         "Share the prompts out over a Ray cluster's nodes, each running every method on its share (ratios stay "
         "within a node): auto, ray://HOST:PORT, HOST:PORT, or local (a Ray started on this machine). Needs "
-        "pip install 'specdecode[ray]'."))] = None,
+        "pip install 'specdecode\\[ray]'."))] = None,
     record_acceptance: RecordAcceptanceOption = None,
     step_aside: StepAsideOption = "auto",
 ) -> None:
@@ -98,8 +99,8 @@ def bench(
             f"--concurrency takes comma-separated numbers of streams, e.g. 1,4,16, not {concurrency!r}") from None
     defaults = [] if engine else TORCH_METHODS if backend.value == "torch" else LLAMACPP_METHODS
     run(
-        methods=[m for m in methods.split(",") if m] or defaults,
-        categories=[c for c in categories.split(",") if c] or DEFAULT_CATEGORIES,
+        methods=_names(methods) or defaults,
+        categories=_names(categories) or DEFAULT_CATEGORIES,
         per_category=None if full else per_category,
         max_new_tokens=max_new_tokens, repeats=repeats,
         out=out or Path("results") / time.strftime("bench-%Y%m%d-%H%M%S"),
@@ -110,6 +111,12 @@ def bench(
         engines=engine or [], concurrency=levels, reference=reference, ray=ray, memory=memory,
         record_acceptance=record_acceptance, part=part, step_aside=step_aside_option(step_aside),
     )
+
+
+def _names(listed: str) -> list[str]:
+    """A comma-separated list's names, each once, in order (a category named twice would run its tasks twice
+    under the same ids)."""
+    return list(dict.fromkeys(name.strip() for name in listed.split(",") if name.strip()))
 
 
 def step_aside_option(value: str) -> bool | None:

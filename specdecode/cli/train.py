@@ -123,7 +123,7 @@ def train_data(
         "token for a 1.5B target) in --out/features as the answers are made: no second pass over them."))] = True,
     ray: Annotated[str | None, typer.Option(help=(
         "Answer on a Ray cluster's nodes, --batch sequences on each, into --out here: auto, ray://HOST:PORT, "
-        "HOST:PORT, or local. Needs pip install 'specdecode[ray]'."))] = None,
+        "HOST:PORT, or local. Needs pip install 'specdecode\\[ray]'."))] = None,
     device: DeviceOption = "auto",
 ) -> None:
     """Have TARGET answer ShareGPT's and standard-library code prompts (benchmark prompts excluded) in

@@ -48,3 +48,15 @@ def test_the_harness_encodes_the_history_with_the_tools():
 
     record = run_task(models, Runner("pld", True, False, run), task, GenerationConfig(max_new_tokens=8), 0)
     assert record.ok and tokenizer.decode(prompts[0]).count("<tool_response>") == len(task.history) // 2
+
+
+def test_a_template_that_renders_no_tools_is_a_recorded_failure():
+    """The tiny tokenizer's own template takes no tools: it would drop them and every earlier call without a word, so
+    the run is recorded as failed, naming why, and the runner never called."""
+    tokenizer = tiny_tokenizer()
+    models = Models(target=type("Target", (), {"max_context": 100_000})(), tokenizer=tokenizer, draft=None)
+    task = sample_tasks(["agentic"], None, part="all")[0]
+    called = []
+    runner = Runner("pld", True, False, lambda ids, config: called.append(ids) or Output([5], 0.1, steps=[]))
+    record = run_task(models, runner, task, GenerationConfig(max_new_tokens=8), 0)
+    assert not record.ok and "renders no tools" in record.error and not called

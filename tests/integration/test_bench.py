@@ -12,7 +12,7 @@ from specdecode.api import load_models
 from specdecode.bench import report
 from specdecode.bench.datasets import CATEGORIES, Task
 from specdecode.bench.samples import TUNING_SHARE, part_of, sample_tasks
-from specdecode.bench.harness import method_order, run_benchmark
+from specdecode.bench.harness import Record, method_order, run_benchmark
 from specdecode.bench.runners import Output, Runner, build_runners
 from specdecode.engine import GenerationConfig
 from specdecode.errors import UserError
@@ -88,6 +88,11 @@ def test_tuning_and_reporting_draw_from_disjoint_parts_of_each_category():
         assert sample == sample_tasks(["qa", "code-edit"], 4, seed=seed, part="held-out")
         assert all(part_of(t) == "held-out" for t in sample)
         assert all(part_of(t) == "tuning" for t in sample_tasks(["qa", "code-edit"], 4, seed=seed, part="tuning"))
+    # an agentic scenario's tasks each hold the one before it (and its answer): a scenario falls in one part
+    parts: dict[str, set[str]] = {}
+    for task in CATEGORIES["agentic"]():
+        parts.setdefault(task.task_id.partition("/")[0], set()).add(part_of(task))
+    assert all(len(found) == 1 for found in parts.values()) and {"tuning", "held-out"} == set().union(*parts.values())
 
 
 @pytest.mark.parametrize("n", range(1, 9))
@@ -192,6 +197,46 @@ def test_harness_records_failures_and_keeps_them_out(tiny_folder, tmp_path):
     assert all(p.stat().st_size > 1000 for p in paths)
 
 
+def _run(method: str, task: str, seconds: float, category: str = "code", tokens=(1,) * 100, repeat: int = 0,
+         error: str | None = None) -> Record:
+    return Record(method, category, task, repeat, token_ids=list(tokens), turn_lengths=[len(tokens)], seconds=seconds,
+                  error=error)
+
+
+def test_a_task_is_its_category_and_its_id():
+    """code and code-edit both hold HumanEval's ids: a run is timed and compared against the reference's run of its
+    own task, not of the other category's task of the same id."""
+    records = [_run("ar", "HumanEval/5", 1.0, "code", (1, 2)), _run("ar", "HumanEval/5", 4.0, "code-edit", (3, 4)),
+               _run("pld", "HumanEval/5", 1.0, "code", (1, 2)), _run("pld", "HumanEval/5", 2.0, "code-edit", (3, 4))]
+    summaries = {s.method: s for s in report.summarise(records, {"ar": True, "pld": True})}
+    assert summaries["ar"].exact == (2, 2) == summaries["pld"].exact
+    assert summaries["ar"].cells["code"].speedup == (1.0, 0.0)
+    assert summaries["pld"].cells["code"].speedup == (1.0, 0.0)
+    assert summaries["pld"].cells["code-edit"].speedup[0] == pytest.approx(2.0)
+
+
+def test_a_task_the_reference_failed_on_is_left_out_of_the_ratio():
+    """A row as fast as the reference on every task is 1.0x, though the reference failed its longest task."""
+    records = [_run("ar", "a", 1.0), _run("ar", "b", 10.0, error="UserError: timeout"), _run("m", "a", 1.0),
+               _run("m", "b", 10.0)]
+    summaries = {s.method: s for s in report.summarise(records, {"ar": True, "m": True})}
+    assert summaries["m"].cells[report.OVERALL].speedup == (1.0, 0.0)
+    assert summaries["m"].cells[report.OVERALL].runs == 2  # (its own rate still counts the task)
+
+
+def test_engines_under_load_pair_each_repeat_with_the_reference():
+    """Two engines timed alike are 1.00x whatever the repeats' spread (a mean of rates over a pooled rate read
+    1.33x here)."""
+    from specdecode.bench.openai_engines import LevelRun
+
+    levels = [LevelRun(name, 4, repeat, seconds, [_run(name, "t", seconds, repeat=repeat)])
+              for name in ("ref", "eng") for repeat, seconds in ((0, 1.0), (1, 3.0))]
+    cell = report.Cell((0, 0), (0, 0), None, 1, 0)
+    rows = [report.MethodSummary(name, {report.OVERALL: cell}, None, engine=True) for name in ("ref", "eng")]
+    table = [line for line in report._engine_tables(rows, levels, "ref") if line.startswith("| eng | 4 |")]
+    assert table and "| 1.00x |" in table[0]
+
+
 def test_two_sample_ks_matches_scipy():
     from scipy.stats import ks_2samp
     import torch
@@ -234,3 +279,25 @@ def test_sampled_fidelity_on_tiny_models(tiny_folder):
     assert all(answers["pld", task] == answers["ar", task] for task in tasks_ids)
     assert sum(step.drafted for r in records if r.method == "pld" for step in r.steps or []) > 0
     assert any(answers["draft", task] != answers["ar", task] for task in tasks_ids)
+
+
+def test_an_interrupted_run_says_where_its_records_are(tmp_path, monkeypatch, capsys):
+    """Ctrl-C mid-run: the runs that ended stay in records.jsonl and the command says so; a later run into the same
+    folder is refused rather than writing over them."""
+    from specdecode.bench import main as bench_main
+
+    def interrupted(setup, tasks, config, repeats, levels, engines, reference, sink, *rest):
+        sink(_run("ar", tasks[0].task_id, 1.0))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_main, "run_here", interrupted)
+    options = dict(methods=["ar"], categories=["qa"], per_category=1, max_new_tokens=4, repeats=1, out=tmp_path,
+                   target="t", drafter="d", dtype="float32", draft_dtype="auto", threads=1, backend="torch",
+                   temperature=0.0, top_k=0, top_p=1.0, seed=0)
+    with pytest.raises(KeyboardInterrupt):
+        bench_main.run(**options)
+    said = capsys.readouterr().err.replace("\n", "")
+    assert "interrupted: the 1 runs that ended are in" in said and "records.jsonl" in said
+    assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 1
+    with pytest.raises(UserError, match="holds an earlier run's records"):
+        bench_main.run(**options)

@@ -160,10 +160,10 @@ def test_the_command_line(tiny_folder, our_server, tmp_path, monkeypatch, capsys
 
     monkeypatch.setattr(bench_main, "sample_tasks", lambda categories, per_category, seed=0, part="held-out": TASKS)
 
-    def run(*args):
+    def run(*args, out=tmp_path):
         monkeypatch.setattr(sys, "argv", ["specdecode", "bench", "--target", str(tiny_folder), "--drafter",
                                           str(tiny_folder), "--dtype", "float32", "--repeats", "1",
-                                          "--max-new-tokens", "8", "--threads", "1", "--out", str(tmp_path), *args])
+                                          "--max-new-tokens", "8", "--threads", "1", "--out", str(out), *args])
         with pytest.raises(SystemExit) as exit_info:
             main()
         out, err = capsys.readouterr()
@@ -177,12 +177,17 @@ def test_the_command_line(tiny_folder, our_server, tmp_path, monkeypatch, capsys
     for option in (f"--target {tiny_folder}", "--dtype float32", "--threads 1", f"--out {tmp_path}"):
         assert option in command  # the line reproduces the run
     assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 2 * len(TASKS) + len(TASKS)
-    for args, says in [(["--engine", "x=http://nowhere"], "expected LABEL=openai:URL"),
+    assert "- date: " in text and "- commit: " in text
+    # a second run into the same folder is refused before it touches the first's records
+    kept = (tmp_path / "records.jsonl").read_text()
+    code, out = run("--engine", "x=openai:http://127.0.0.1:9/v1")
+    assert code == 2 and "holds an earlier run's records" in out and (tmp_path / "records.jsonl").read_text() == kept
+    for number, (args, says) in enumerate( [(["--engine", "x=http://nowhere"], "expected LABEL=openai:URL"),
                        (["--engine", "x=openai:http://127.0.0.1:9/v1"], "cannot reach"),
                        (["--engine", f"x=openai:{our_server.url}/v1;model=nope"], "HTTP 404"),
                        (["--concurrency", "1,4"], "--concurrency applies to --engine"),
-                       (["--engine", f"x=openai:{our_server.url}/v1", "--reference", "y"], "the reference 'y'")]:
-        code, out = run(*args)
+                       (["--engine", f"x=openai:{our_server.url}/v1", "--reference", "y"], "the reference 'y'")]):
+        code, out = run(*args, out=tmp_path / f"refused-{number}")
         assert code == 2 and says in out and "Traceback" not in out, (args, out)
 
 
