@@ -46,8 +46,8 @@ class Constraint:
     compiled: str  # llguidance's grammar (JSON text), checked when made
 
     @staticmethod
-    def json_schema(schema: dict[str, Any] | str, strict: bool = True) -> Constraint:
-        """Output that validates against `schema` (a JSON Schema, as a dict or JSON text). `strict`: a
+    def json_schema(schema: dict[str, Any] | bool | str, strict: bool = True) -> Constraint:
+        """Output that validates against `schema` (a JSON Schema, as a dict, a bool or JSON text). `strict`: a
         keyword the engine cannot enforce is an error; otherwise a warning, and the rest is enforced (as
         OpenAI's `strict: false`, where the schema is a hint)."""
         if isinstance(schema, str):
@@ -55,8 +55,12 @@ class Constraint:
                 schema = json.loads(schema)
             except json.JSONDecodeError as error:
                 raise UserError(f"the JSON schema is not valid JSON: {error}") from None
+        if schema is True:  # JSON Schema's `true`: any JSON, as {}
+            schema = {}
+        if schema is False:
+            raise UserError("the JSON schema `false` admits no output: its language is empty")
         if not isinstance(schema, dict):
-            raise UserError(f"a JSON schema is a JSON object, got {type(schema).__name__}")
+            raise UserError(f"a JSON schema is a JSON object (or true), got {type(schema).__name__}")
         options = dict(JSON_OPTIONS, lenient=not strict)
         with refusals("json_schema"):
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)  # type: ignore[arg-type]

@@ -20,6 +20,7 @@ from specdecode.errors import UserError
 from specdecode.types import Draft
 
 BITS = 32  # tokens per word of a bitmask
+FORBIDDEN = "doesn't satisfy the grammar"  # llguidance's error for a token its mask forbids
 
 
 class Matcher:
@@ -76,7 +77,12 @@ class Matcher:
             if self.complete:
                 return taken
             if not self._engine.consume_token(token):
-                raise RuntimeError(f"a token the grammar forbids was accepted: {self._engine.get_error()}")
+                error = self._engine.get_error()
+                if FORBIDDEN in error:  # verification let a token the mask forbids through: ours to fix
+                    raise RuntimeError(f"a token the grammar forbids was accepted: {error}")
+                # the engine stopped on the constraint itself (a limit: a schema whose forced run has no end)
+                raise UserError(f"the {self.constraint.describe()} cannot be followed: "
+                                f"{error.strip().splitlines()[0] if error.strip() else 'the grammar engine stopped'}")
         return len(tokens)
 
     def legal_prefix(self, tokens: list[int]) -> int:

@@ -1,16 +1,19 @@
 """What a composite drafter's sources are (`drafters.composite`): a drafter and its cost class, and how the
-target's hidden states the forward returns are shared among the sources that read them."""
+target's hidden states the forward returns are shared among the sources (and a batch's sequences) that read them."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from specdecode.drafters.base import Drafter
 from specdecode.errors import UserError
+
+if TYPE_CHECKING:
+    from specdecode.models.base import CausalLM
 
 CostClass = Literal["free", "expensive"]
 COST_CLASSES = ("free", "expensive")
@@ -57,3 +60,24 @@ def columns(hidden: torch.Tensor, blocks: list[int], count: int) -> torch.Tensor
         return hidden
     rows = hidden.shape[0]
     return hidden.view(rows, count, -1)[:, blocks].reshape(rows, -1)
+
+
+class HiddenRequest:
+    """The hidden states a batch's forward asks for (`CausalLM.forward`'s `output_hidden`): what the engine keeps
+    for its caller (`keep_hidden`) and what each sequence's drafter reads (`Needs.hidden`), as one request
+    (`hidden_request`); `columns` gives each of them its own."""
+
+    def __init__(self, keep: bool | tuple[int, ...], needs: list[bool | tuple[int, ...]], last: int | None):
+        self.request, self._blocks = hidden_request([keep, *needs], last)
+        self._count = 1 if self.request is True else len(self.request or ())
+
+    def columns(self, hidden: torch.Tensor, who: int) -> torch.Tensor | None:
+        """[n, d * asked] -> who's columns (0: the caller's, i + 1: the i-th sequence's drafter's; None: none)."""
+        blocks = self._blocks[who]
+        return None if blocks is None else columns(hidden, blocks, self._count)
+
+
+def final_layer(target: CausalLM) -> int | None:
+    """The index of the target's final-norm state among its layers' (`hidden_request`), if known."""
+    config = getattr(getattr(target, "model", None), "config", None)
+    return getattr(config, "num_hidden_layers", None)

@@ -52,7 +52,7 @@ import torch
 
 from specdecode import devices
 from specdecode.drafters.base import Drafter
-from specdecode.drafters.sources import columns, hidden_request
+from specdecode.drafters.sources import HiddenRequest, final_layer
 from specdecode.engine.prompts import check_prompt
 from specdecode.engine.sequence import (
     GenerationConfig, GenerationResult, SequenceState, StepEvent, VerifiedStep, after_prefill, conclude,
@@ -85,27 +85,6 @@ class Member:
     pieces: list[torch.Tensor] = field(default_factory=list)
     tenant: Hashable = None  # who it may share a prompt's prefix with (module docstring, *Shared prefixes*)
     share: bool = True  # False: it takes no prefix, lends none, leaves none
-
-
-class HiddenRequest:
-    """The hidden states a batch's forward asks for (`CausalLM.forward`'s `output_hidden`): what the engine keeps
-    for its caller (`keep_hidden`) and what each sequence's drafter reads (`Needs.hidden`), as one request
-    (`drafters.sources.hidden_request`); `columns` gives each of them its own."""
-
-    def __init__(self, keep: bool | tuple[int, ...], needs: list[bool | tuple[int, ...]], last: int | None):
-        self.request, self._blocks = hidden_request([keep, *needs], last)
-        self._count = 1 if self.request is True else len(self.request or ())
-
-    def columns(self, hidden: torch.Tensor, who: int) -> torch.Tensor | None:
-        """[n, d * asked] -> who's columns (0: the caller's, i + 1: the i-th sequence's drafter's; None: none)."""
-        blocks = self._blocks[who]
-        return None if blocks is None else columns(hidden, blocks, self._count)
-
-
-def final_layer(target: CausalLM) -> int | None:
-    """The index of the target's final-norm state among its layers' (`drafters.sources.hidden_request`), if known."""
-    config = getattr(getattr(target, "model", None), "config", None)
-    return getattr(config, "num_hidden_layers", None)
 
 
 class BatchEngine:
@@ -141,6 +120,9 @@ class BatchEngine:
         self._ids = itertools.count()
         self._share = PrefillShare(chunk_seconds, chunk_policy)
         self.pace = Pace()  # how fast the batch outputs tokens, what its sequences' drafting is priced at
+        # the sequences the last step ended on a UserError of their own (a constraint the grammar engine cannot
+        # follow), each with it: the others step on
+        self.failures: list[tuple[int, UserError]] = []
 
     @functools.cached_property
     def curve(self) -> CostCurve | LiveCurve:
@@ -189,6 +171,7 @@ class BatchEngine:
         """One forward for the sequences in the batch: (id, event, result if it ended) for each that stepped.
         A sequence that ends also yields its held-back text as a last event. A sequence whose prompt is fed
         only in part (module docstring: *Prompts*), or waits, yields nothing."""
+        self.failures = []
         if not self.members:
             return []
         self.stopwatch.settle()  # the timings of earlier steps the device has done with
@@ -208,7 +191,7 @@ class BatchEngine:
         cached = self.target.cache_length
         if self.gate:
             self.curve.at(cached)
-        drafts, draft_seconds = self._draft(members, stepping)
+        drafts, draft_seconds = self._draft(idents, members, stepping)
         timed = self.gate and not plan  # a prompt's prefill (cold, all attention) is not timed
         if self.gate:
             # the sequences that step share out the forward; prompt tokens fed beside them, each one's last context
@@ -256,26 +239,38 @@ class BatchEngine:
                 continue
             logits = output.logits[row : row + len(draft) + 1]  # [len(draft) + 1, vocab]
             row += len(draft) + 1
-            # (the host's seconds since the forward began: its verification read waited for the forward)
-            verified = VerifiedStep(draft, m.progress.verify(m.verifier, draft, logits), logits, len(p), spent,
-                                    self.stopwatch.now() - host_start, hidden)
-            out += self._conclude(ident, m, verified, first, alone)
+            try:
+                if any(ident == failed for failed, _ in self.failures):
+                    continue  # (its drafting failed)
+                # (the host's seconds since the forward began: its verification read waited for the forward)
+                verified = VerifiedStep(draft, m.progress.verify(m.verifier, draft, logits), logits, len(p), spent,
+                                        self.stopwatch.now() - host_start, hidden)
+                out += self._conclude(ident, m, verified, first, alone)
+            except UserError as error:
+                self.failures.append((ident, error))
+        for ident, _ in self.failures:
+            self.remove(ident)
         self._collect()
         tokens = sum(len(event.token_ids) for _, event, _ in out)
         self.stopwatch.measure(began, self.stopwatch.mark(), self.pace.took(tokens, self._share.took(chunked, total)))
         return out
 
-    def _draft(self, members: list[Member], stepping: list[bool]) -> tuple[list[Draft], list[float]]:
+    def _draft(self, idents: list[int], members: list[Member], stepping: list[bool]) -> tuple[list[Draft], list[float]]:
         """Each sequence's draft (none while it feeds its prompt) and its drafting seconds; where the forward carries
-        several sequences, each drafter is told the batch's pace first (`Pace`: all of them wait for its drafting)."""
+        several sequences, each drafter is told the batch's pace first (`Pace`: all of them wait for its drafting). A
+        sequence whose drafting fails on a UserError of its own drafts nothing and joins `failures`."""
         pace = self.pace.per_token if len(members) > 1 else None
         drafts, seconds = [], []
-        for m, steps in zip(members, stepping):
+        for ident, m, steps in zip(idents, members, stepping):
             start = self.stopwatch.now()
             if m.drafter is not None:
                 m.drafter.batch_pace(pace)
             room = m.progress.room() - 1  # the step adds a token beyond its accepted drafts
-            drafts.append(m.progress.propose(m.drafter if steps else None, room))  # (`engine.forced`)
+            try:
+                drafts.append(m.progress.propose(m.drafter if steps else None, room))  # (`engine.forced`)
+            except UserError as error:
+                drafts.append(Draft.empty())
+                self.failures.append((ident, error))
             seconds.append(self.stopwatch.now() - start)
         return drafts, seconds
 

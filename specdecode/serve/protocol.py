@@ -66,7 +66,7 @@ class JSONSchemaFormat(BaseModel):
 
     name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")  # (true: any JSON, as {}; false: none)
     strict: bool | None = None
 
 
@@ -184,9 +184,17 @@ class SamplingRequest(BaseModel):
         except UserError as error:
             raise APIError(400, f"Invalid `{param}`: {error}", param=param) from None
 
+    def constraint_field(self) -> str | None:
+        """The field the request's constraint comes from (None: none)."""
+        asked = self._asked()
+        return asked[0][0] if asked else None
+
     def _asked(self) -> list[tuple[str, Any]]:
         asked: list[tuple[str, Any]] = []
         form = self.response_format
+        if form is not None and form.type != "json_schema" and form.json_schema is not None:
+            raise APIError(400, f"`json_schema` goes with `type: json_schema`, not `{form.type}`.",
+                           param="response_format.json_schema")
         if form is not None and form.type == "json_object":
             asked.append(("response_format", Constraint.json_object))
         elif form is not None and form.type == "json_schema":

@@ -40,7 +40,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specdecode.api import Models
-from specdecode.constraints import grammar
+from specdecode.constraints import Constraint, grammar
+from specdecode.constraints.matcher import Matcher
 from specdecode.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from specdecode.errors import UserError
 from specdecode.methods import MethodChoice
@@ -229,15 +230,17 @@ class Server:
         except TemplateError as error:  # the template refuses the conversation (e.g. roles out of order)
             raise APIError(400, f"The chat template cannot render these messages: {error}", param="messages") from None
 
-    def _grammar_vocabulary(self) -> None:  # on the tokenizing pool
+    def _grammar_vocabulary(self, constraint: Constraint, param: str) -> None:  # on the tokenizing pool
         """The grammar engine's view of the tokenizer (`constraints.grammar.engine_tokenizer`), built here on a
         constrained request's way in: built once, it takes seconds on a large vocabulary, which on the worker
-        (where a sequence's matcher is made) would hold every other request up."""
+        (where a sequence's matcher is made) would hold every other request up. A matcher made here refuses a
+        constraint whose language is empty with a 400 naming `param`, before the request joins the queue."""
         target = self.models.target
         try:
             grammar.engine_tokenizer(self.models.tokenizer, target.vocab_size, target.eos_token_ids)
+            Matcher(constraint, self.models.tokenizer, target.vocab_size, target.eos_token_ids)
         except UserError as error:
-            raise APIError(400, str(error), param="response_format") from None
+            raise APIError(400, f"Invalid `{param}`: {error}", param=param) from None
 
     def _prepare(self, body: SamplingRequest) -> list[tuple[functools.partial, replies.Answer]]:
         """How each of a request's prompts is encoded (on the tokenizing pool) and how its answers are written: a
@@ -345,7 +348,8 @@ class Server:
                                           body.choices()))
         config = configs[0][0]
         if config.constraint is not None:
-            await loop.run_in_executor(self._tokenizing, self._grammar_vocabulary)
+            await loop.run_in_executor(self._tokenizing, self._grammar_vocabulary, config.constraint,
+                                       body.constraint_field() or "tools")  # (none: a tool call's grammar)
         engine = await self._engine(choice, memory, request) if self.worker.runs_alone(choice, config) else None
         return configs, engine
 

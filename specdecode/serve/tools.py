@@ -69,14 +69,15 @@ class ToolUse:
 
     def constraint(self, tokenizer) -> Constraint | None:
         """For `required` or a named function: the answer is one call (or several, when parallel) of the allowed
-        functions, each call's arguments valid against its parameters schema; None for `auto`. A tag that is one
-        token of `tokenizer`'s (Qwen2.5's `<tool_call>`) is that token in the grammar, as the model writes it."""
-        if self.choice == "auto":
-            return None
-        functions = [tool["function"] for tool in self.tools if self.choice in ("required", tool["function"]["name"])]
+        functions, each call's arguments valid against its parameters schema, a separator after the last allowed
+        (a model that writes one there then ends); None for `auto` (its grammar is still made: a definition that
+        could not be enforced is a 400 whatever the choice). A tag that is one token of `tokenizer`'s (Qwen2.5's
+        `<tool_call>`) is that token in the grammar, as the model writes it."""
+        functions = [tool["function"] for tool in self.tools
+                     if self.choice in ("auto", "required", tool["function"]["name"])]
         bodies = [f"body_{i}: %json {json.dumps(call_schema(function))}" for i, function in enumerate(functions)]
         calls = " | ".join(f"body_{i}" for i in range(len(functions)))
-        start = "start: call (SEP call)*" if self.parallel else "start: call"
+        start = "start: call (SEP call)* SEP?" if self.parallel else "start: call SEP?"
         form, added = self.format, set(getattr(tokenizer, "get_added_vocab", dict)())
 
         def tag(text: str) -> str:  # the special token itself, or the text
@@ -86,17 +87,39 @@ class ToolUse:
         call = f"call: {tag(form.open)} {json.dumps(before)} body {json.dumps(after)} {tag(form.close)}"
         lark = "\n".join([start, call, f"body: {calls}", *bodies, f"SEP: {json.dumps(form.separator)}"])
         try:
-            return Constraint.grammar(lark)
+            constraint = Constraint.grammar(lark)
         except UserError as error:
             raise APIError(400, f"The tools' parameters cannot be enforced: {error}", param="tools") from None
+        return None if self.choice == "auto" else constraint
+
+
+DEFINITIONS = ("$defs", "definitions")  # where a schema keeps the parts its references name
 
 
 def call_schema(function: dict) -> dict:
-    """The JSON schema of one call of `function` as the template family writes it: its name, then its arguments."""
+    """The JSON schema of one call of `function` as the template family writes it: its name, then its arguments. The
+    parameters schema becomes the `arguments` property of a new root, so its definitions move up to that root and
+    every reference into it (`#`, `#/properties/...`) is rebased (`#/properties/arguments/...`)."""
     parameters = function.get("parameters") or {"type": "object"}
     options = dict(JSON_OPTIONS, lenient=not function.get("strict"))
-    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
-            "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": options}
+    kept = {key: _rebased(parameters[key]) for key in DEFINITIONS if key in parameters}
+    arguments = _rebased({key: value for key, value in parameters.items() if key not in DEFINITIONS})
+    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": arguments},
+            "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": options, **kept}
+
+
+def _rebased(schema: Any) -> Any:
+    """`schema` with each local reference into the parameters' root rebased to `#/properties/arguments`."""
+    if isinstance(schema, list):
+        return [_rebased(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _rebased(value) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) and \
+            not any(ref.startswith(f"#/{key}/") for key in DEFINITIONS):
+        out["$ref"] = "#/properties/arguments" + ref[1:]
+    return out
 
 
 def tool_use(body: ChatRequest, template: str | None) -> ToolUse | None:
@@ -140,6 +163,27 @@ def parse_call(text: str) -> dict | None:
     return new_call(call["name"], arguments) if isinstance(arguments, dict) else None
 
 
+def _closing(text: str, close: str) -> int:
+    """Where `close` first stands in a call's text outside a JSON string (an argument may spell the tag), or -1."""
+    end = text.find(close)
+    while end >= 0 and _in_string(text[:end]):
+        end = text.find(close, end + 1)
+    return end
+
+
+def _in_string(text: str) -> bool:
+    """Whether JSON text ends inside a string."""
+    inside = escaped = False
+    for character in text:
+        if escaped:
+            escaped = False
+        elif character == "\\":
+            escaped = inside
+        elif character == '"':
+            inside = not inside
+    return inside
+
+
 class CallReader:
     """Reads an answer's text as it comes (`feed`, then `finish`) into the text meant for the user and tool calls.
     Text before, between and after calls is content (blank text between calls is dropped); a call that does not
@@ -169,7 +213,7 @@ class CallReader:
                 content += self._outside(self.buffer[:at])
                 self.buffer, self.inside = self.buffer[at + len(form.open) :], True
             else:
-                end = self.buffer.find(form.close)
+                end = _closing(self.buffer, form.close)
                 if end < 0:
                     return content, calls
                 body, self.buffer, self.inside = self.buffer[:end], self.buffer[end + len(form.close) :], False
@@ -179,9 +223,11 @@ class CallReader:
     def finish(self) -> tuple[str, list[dict]]:
         """(content, calls) left at the end: an unclosed call that parses is a call (an answer cut short)."""
         rest, self.buffer = self.buffer, ""  # (blank text held after a call is dropped)
-        if self.inside:
+        if self.inside:  # (a closing tag cut short is left out)
             self.inside = False
-            return self._call(rest, closed=False)
+            close = self.use.format.close
+            cut = next((n for n in range(min(len(close) - 1, len(rest)), 0, -1) if close.startswith(rest[-n:])), 0)
+            return self._call(rest[: len(rest) - cut], closed=False)
         return self._outside(rest), []
 
     def read(self, text: str) -> tuple[str | None, list[dict]]:

@@ -160,9 +160,6 @@ class Turns:
     def took(self, alone: bool, seconds: float) -> None:
         self.seconds[alone] += seconds
 
-    def reset(self) -> None:
-        self.seconds = {True: 0.0, False: 0.0}
-
 
 @dataclass
 class Alone:
@@ -297,7 +294,7 @@ class Worker:
                     if not job.cancelled.is_set():
                         self._expire(job)
             if self._alone is None or not self._active:
-                self._turns.reset()  # one of them alone: nothing owed
+                self._turns = Turns()  # one of them alone: nothing owed
             if self._alone is not None and (not self._active or self._turns.alone_next()):
                 self._timed(True, self._step_alone)
             elif self._active:
@@ -350,6 +347,8 @@ class Worker:
                 self._fail(member, error)
             self._active.clear()
             return
+        for ident, error in self._batched().failures:  # a request's own fault (its grammar): it alone fails
+            self._fail(self._active.pop(ident), error)
         self._on_batch_step(len(self._active), sum(e.stats.drafted for _, e, _ in outcomes))
         for ident, event, result in outcomes:
             job = self._active.get(ident)

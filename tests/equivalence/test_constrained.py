@@ -152,6 +152,31 @@ def test_an_empty_language_is_a_user_error(models):  # noqa: F811
         engine.generate(models.encode("the cat"), GenerationConfig(constraint=Constraint.regex(r"[^\s\S]")))
 
 
+# no finite JSON satisfies it: the grammar engine's forced run after `{` has no end, and it stops at its limit
+ENDLESS = Constraint.json_schema({"$defs": {"n": {"type": "object", "properties": {"n": {"$ref": "#/$defs/n"}},
+                                                  "required": ["n"], "additionalProperties": False}},
+                                  "$ref": "#/$defs/n"})
+
+
+def test_a_constraint_the_grammar_engine_cannot_follow_fails_its_own_sequence_alone(models):  # noqa: F811
+    """A user error (a 400 when served), not an internal one; in a batch the other sequences step on to their own
+    plain output."""
+    engine = SpeculativeEngine(models.target, models.tokenizer)
+    prompt = models.encode("the cat")
+    with pytest.raises(UserError, match="cannot be followed"):
+        engine.generate(prompt, GenerationConfig(max_new_tokens=8, constraint=ENDLESS))
+    expected = engine.generate(prompt, GenerationConfig(max_new_tokens=8)).token_ids
+    batch = BatchEngine(models.target, models.tokenizer, gate=False)
+    endless = batch.add(prompt, GenerationConfig(max_new_tokens=8, constraint=ENDLESS), PromptLookupDrafter(4), "pld")
+    others = [batch.add(prompt, GenerationConfig(max_new_tokens=8), PromptLookupDrafter(4), "pld") for _ in range(2)]
+    results, failed = {}, []
+    while batch.members:
+        results.update({i: r for i, _, r in batch.step() if r is not None})
+        failed += batch.failures
+    assert [ident for ident, _ in failed] == [endless] and "cannot be followed" in str(failed[0][1])
+    assert all(results[i].token_ids == expected for i in others)
+
+
 def test_a_lenient_schema_ignores_what_it_cannot_enforce(models):  # noqa: F811
     constraint = Constraint.json_schema({"type": "string", "format": "no-such-format", "maxLength": 3},
                                         strict=False)

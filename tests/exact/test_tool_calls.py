@@ -9,8 +9,13 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import QWEN25_TEMPLATE
-from specdecode.serve.tools import QWEN25, CallReader, ToolUse, tool_format
+import jsonschema
+import pytest
+
+from conftest import QWEN25_TEMPLATE, tiny_tokenizer
+from specdecode.constraints.matcher import Matcher
+from specdecode.serve.protocol import APIError
+from specdecode.serve.tools import QWEN25, CallReader, ToolUse, call_schema, tool_format
 
 USE = ToolUse(tools=(), choice="auto", parallel=True, format=QWEN25)
 ONE = ToolUse(tools=(), choice="auto", parallel=False, format=QWEN25)
@@ -25,6 +30,11 @@ CASES = [  # text: (content, [(name, arguments)])
     ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}', (None, [("add", {"a": 1})])),  # cut before the tag
     ('<tool_call>\n{"name": "add", "arguments": {"a": 1', ('<tool_call>\n{"name": "add", "arguments": {"a": 1', [])),
     ('<tool_call>\n{"name": "f", "parameters": {"x": "y"}}\n</tool_call>', (None, [("f", {"x": "y"})])),
+    # an argument that spells the closing tag: inside a JSON string it closes nothing
+    ('<tool_call>\n{"name": "f", "arguments": {"x": "use </tool_call> to end \\" </tool_call>"}}\n</tool_call>',
+     (None, [("f", {"x": 'use </tool_call> to end " </tool_call>'})])),
+    # cut inside the closing tag: the call, without the tag's beginning
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_ca', (None, [("add", {"a": 1})])),
 ]
 
 
@@ -61,3 +71,60 @@ def test_which_templates_write_calls_this_server_reads():
     assert tool_format(QWEN25_TEMPLATE.read_text()) is QWEN25
     assert tool_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
     assert tool_format(None) is None
+
+
+def function(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+NESTED = {"type": "object", "properties": {"name": {"type": "string"}, "home": {"$ref": "#/$defs/Address"},
+                                           "child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+          "required": ["name", "home", "child"], "additionalProperties": False,
+          "$defs": {"Address": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                                "additionalProperties": False}}}
+
+
+def test_a_calls_schema_keeps_the_parameters_references():
+    """Definitions (pydantic writes a nested model's under $defs) and references to the parameters' root go with
+    the parameters into the call's schema: a call validates exactly when its arguments validate."""
+    schema = call_schema(function("person", NESTED)["function"])
+    good = {"name": "Ana", "home": {"city": "Oslo"}, "child": {"name": "Bo", "home": {"city": "Rome"}, "child": None}}
+    wrapped = {"name": "person", "arguments": {"name": "Ana", "home": {"city": "Oslo"},
+                                              "child": {"name": "person", "arguments": good}}}  # `#` is the arguments
+    jsonschema.validate({"name": "person", "arguments": good}, schema)
+    for bad in (wrapped, {"name": "person", "arguments": {**good, "home": {"town": "Oslo"}}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    jsonschema.validate(good, NESTED)  # (the arguments are what the parameters schema takes)
+
+
+def matcher(use: ToolUse) -> Matcher:
+    tokenizer = tiny_tokenizer()
+    constraint = use.constraint(tokenizer)
+    assert constraint is not None
+    return Matcher(constraint, tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}))
+
+
+def test_a_required_call_may_end_after_the_separator():
+    """A model that writes the separator after its last call may still end there (it was held to another call,
+    and repeated its call to the length limit)."""
+    tokenizer = tiny_tokenizer()
+    for parallel in (True, False):
+        use = ToolUse((function("add", {"type": "object", "properties": {"a": {"type": "integer"}},
+                                        "required": ["a"], "additionalProperties": False}),), "required", parallel,
+                      QWEN25)
+        grammar = matcher(use)
+        call = tokenizer.encode('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n')
+        assert grammar.legal_prefix(call) == len(call)
+        grammar.consume(call)
+        assert grammar.allowed()[tokenizer.eos_token_id], parallel
+
+
+def test_definitions_are_checked_whatever_the_choice():
+    """A definition that could not be enforced is a 400 under `auto` too, as under `required`."""
+    broken = (function("f", {"type": "objekt"}),)
+    for choice in ("auto", "required"):
+        with pytest.raises(APIError, match="cannot be enforced"):
+            ToolUse(broken, choice, True, QWEN25).constraint(tiny_tokenizer())
+    assert ToolUse((function("f", NESTED),), "auto", True, QWEN25).constraint(tiny_tokenizer()) is None
+    assert ToolUse((function("f", NESTED),), "required", True, QWEN25).constraint(tiny_tokenizer()) is not None

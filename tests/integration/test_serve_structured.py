@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -121,6 +122,12 @@ def test_max_tokens_inside_the_structure_is_length(client):
     ({"structured_outputs": {"regex": "a", "grammar": 'start: "a"'}}, "structured_outputs.grammar", "one constraint"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs.regex",
      "one constraint"),
+    # languages found empty only by a matcher, made before the request joins the queue
+    ({"structured_outputs": {"regex": r"[^\s\S]"}}, "structured_outputs.regex", "empty"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}},
+     "response_format.json_schema.schema", "empty"),
+    ({"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": {"type": "integer"}}}},
+     "response_format.json_schema", "goes with"),
 ])
 def test_bad_constraints_are_400_with_the_engines_message(server, extra, param, words):
     running, _ = server
@@ -132,18 +139,32 @@ def test_bad_constraints_are_400_with_the_engines_message(server, extra, param, 
         assert words in error["message"] and error["param"] == param, error
 
 
-def test_an_empty_language_is_400(server):
-    running, _ = server
-    reply = post(running.url, "/v1/completions", {"model": MODEL, "prompt": "hi",
-                                                  "structured_outputs": {"regex": r"[^\s\S]"}})
-    assert reply.status_code == 400 and "empty" in openai_error(reply)["message"]
-
-
-def test_text_is_the_neutral_response_format(server):
+def test_text_is_the_neutral_response_format_and_true_any_json(server):
     running, _ = server
     reply = post(running.url, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 2,
                                                        "response_format": {"type": "text"}})
     assert reply.status_code == 200
+    reply = post(running.url, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 2,
+                                                       "response_format": {"type": "json_schema", "json_schema": {
+                                                           "name": "anything", "schema": True}}})
+    assert reply.status_code == 200, reply.text
+
+
+def test_a_schema_the_grammar_engine_cannot_follow_fails_its_own_request(server):
+    """Its forced run has no end (no finite JSON satisfies it): a 400 for it, while requests decoded beside it in
+    the batch answer as they would alone."""
+    running, _ = server
+    endless = {"$defs": {"n": {"type": "object", "properties": {"n": {"$ref": "#/$defs/n"}}, "required": ["n"],
+                               "additionalProperties": False}}, "$ref": "#/$defs/n"}
+    plain = {"model": MODEL, "prompt": "the cat", "max_tokens": 12, "temperature": 0, "method": "pld"}
+    alone = post(running.url, "/v1/completions", plain).json()["choices"][0]["text"]
+    bodies = [plain, {**plain, "response_format": {"type": "json_schema",
+                                                   "json_schema": {"name": "n", "schema": endless}}}, plain]
+    with ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(lambda body: post(running.url, "/v1/completions", body), bodies))
+    assert [r.status_code for r in replies] == [200, 400, 200], [r.text for r in replies]
+    assert "cannot be followed" in openai_error(replies[1])["message"]
+    assert all(r.json()["choices"][0]["text"] == alone for r in (replies[0], replies[2]))
 
 
 def test_the_grammar_engines_vocabulary_is_built_off_the_worker(server, monkeypatch):
