@@ -56,6 +56,9 @@ class Method:
     head: str | None = None
     # runs the target's own layers or reads its hidden states: the torch backend only
     torch_only: bool = False
+    # its tree form grows the tree in the draft model's cache, which a llama.cpp draft model cannot hold
+    # (`CausalLM.grows_trees`): its chain runs on llama.cpp, its tree on torch only
+    tree_torch_only: bool = False
     # drafts from the text of earlier requests its drafter served: a server keeps one drafter per owner
     # (tenant), so that no request's drafts, rejected text or token origins carry another's text
     remembers: bool = False
@@ -113,7 +116,8 @@ METHODS: dict[str, Method] = {
         Method("ar", "plain autoregressive decoding (the baseline)", False, None, batchable=True),
         Method("draft", "an independent draft model drafts a chain (adaptive length) or an EAGLE-2-style tree; "
                "the chain also from a model with another tokenizer, translated through text",
-               True, _DRAFTERS + "draft_model_tree:build_draft_model", tree=True, choices=True, other_tokenizer=True),
+               True, _DRAFTERS + "draft_model_tree:build_draft_model", tree=True, choices=True, other_tokenizer=True,
+               tree_torch_only=True),
         Method("pld", "prompt lookup: copy what followed the last n-gram earlier (tree: every match)",
                False, _DRAFTERS + "prompt_lookup:build_prompt_lookup", tree=True, takes=("reference",), batchable=True),
         Method("rest", "retrieval (REST): the most frequent continuations of the context's longest suffix in "

@@ -34,8 +34,8 @@ ALL_METHODS = [*variant_names(), *PEERS]
 # fastest plain decoder on a CPU, when asked for: it needs llama-cpp-python and the target's GGUF)
 TORCH_METHODS = [*variant_names(), *(m for m, peer in PEERS.items() if peer.backend == "torch" and m != "llamacpp-ar")]
 # llama.cpp runs our methods only, and not the draft model's tree (it cannot grow one in its own cache)
-LLAMACPP_METHODS = [m for m in variant_names()  # the draft model's tree grows inside the draft's cache: torch only
-                    if not m.startswith("draft-tree") and not resolve(m)[0].torch_only]
+LLAMACPP_METHODS = [m for m in variant_names() if not resolve(m)[0].torch_only
+                    and not (resolve(m)[0].tree_torch_only and resolve(m)[1].tree)]
 LLAMACPP_METHODS += [m for m, peer in PEERS.items() if peer.backend == "llamacpp"]
 
 

@@ -384,4 +384,7 @@ def build_draft_model(target: CausalLM, draft: CausalLM | None, options: Drafter
                                                 draft_tokenizer=options.draft_tokenizer)
     if not options.tree:
         return DraftModelDrafter.for_models(draft, target)
+    if not draft.grows_trees:
+        raise UserError("draft-tree grows its tree in the draft model's own cache, which llama.cpp cannot hold: "
+                        "use draft (its chain) there, or --backend torch")
     return DraftModelTreeDrafter.for_models(draft, target, budget=options.budget, choices=options.choices)

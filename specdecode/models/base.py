@@ -46,6 +46,9 @@ class CausalLM(abc.ABC):
     # cache and input (`tree_mask` of cache_length + n columns), logits by `rows`, slots gathered by
     # compact(0, keep): what `engine.batch.BatchEngine` needs.
     several_sequences: bool = False
+    # True: as a draft model it can grow a token tree in its own cache (a draft model's tree drafting); llama.cpp's
+    # context holds a tree only for the one forward that verifies it
+    grows_trees: bool = True
 
     vocab_size: int  # rows of the output distribution (may exceed the tokenizer's vocabulary)
     max_context: int  # positions the model supports

@@ -82,6 +82,8 @@ DEFAULT_CONTEXT = 32768  # positions a context opens by default (the long-contex
 class LlamaCppLM(CausalLM):
     """A GGUF model in a llama.cpp context, holding one sequence."""
 
+    grows_trees = False
+
     def __init__(self, path: str | Path, n_ctx: int | None = None, threads: int | None = None,
                  max_branches: int = 64):
         lib = _llama_cpp()

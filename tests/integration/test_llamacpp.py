@@ -138,6 +138,15 @@ def test_draft_model_tree_is_a_clear_error(tiny_pair):
     engine = SpeculativeEngine(LlamaCppLM(target_path, n_ctx=128), drafter=drafter)
     with pytest.raises(UserError, match="cannot grow"):
         engine.generate([1, 2, 3, 4], GenerationConfig(max_new_tokens=8))
+    # the method's own builder refuses both tree forms before a step (a grown tree failed mid-answer, a traceback)
+    from specdecode.drafters.draft_model_tree import build_draft_model
+    from specdecode.drafters.options import DrafterOptions
+
+    draft, target = LlamaCppLM(draft_path, n_ctx=128), LlamaCppLM(target_path, n_ctx=128)
+    for options in (DrafterOptions(tree=True), DrafterOptions(tree=True, choices=((0,), (0, 0)))):
+        with pytest.raises(UserError, match="draft-tree grows its tree in the draft model's own cache"):
+            build_draft_model(target, draft, options)
+    assert build_draft_model(target, draft, DrafterOptions()) is not None  # the chain runs
 
 
 @pytest.mark.slow
