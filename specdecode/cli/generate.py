@@ -72,6 +72,9 @@ def generate(
     needs_draft = choice.loads_draft_model(target, backend.value)
     models = load_models(target, drafter if needs_draft else None, dtype=dtype.value, draft_dtype=draft_dtype.value,
                          backend=backend.value, device=backend_device(backend, device))
+    if dtype.value == "auto" and backend.value == "torch":  # the path a quantized target runs is another model
+        console.print(f"target path: {models.target.precision} (--dtype auto: the fastest here; --dtype float32 or "
+                      "bfloat16 keeps the float model)", highlight=False)
     ids = models.encode(prompt, chat=chat)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
@@ -83,7 +86,7 @@ def generate(
     engine = models.engine_for(choice)
     if as_json:
         result = engine.generate(ids, config)
-        print(json.dumps(result.summary()))
+        print(json.dumps({**result.summary(), "precision": models.target.precision}))
     else:
         result = engine.generate(ids, config, on_step=lambda event: print(event.text, end="", flush=True))
         print()

@@ -109,7 +109,8 @@ def list_models() -> None:
             state, path, size = "assembled, not converted", gguf, _gigabytes(model.size)
         else:
             installed = model.num_parts - len(missing_parts(model))
-            state = f"not fetched ({installed}/{model.num_parts} chunk packages installed)"
+            state = ("fetched, not assembled (its first use assembles it)" if installed == model.num_parts else
+                     f"not fetched ({installed}/{model.num_parts} chunk packages installed)")
             path, size = None, _gigabytes(model.size) + " (GGUF)"
         table.add_row(name, roles.get(name, ""), state, "" if path is None else str(path), size)
     Console().print(table)  # stdout: this is the command's output, not progress

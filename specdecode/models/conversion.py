@@ -17,6 +17,7 @@ import hashlib
 import importlib.metadata
 import os
 import shutil
+import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -258,7 +259,7 @@ def convert_gguf(gguf_file: Path, destination: Path, *, progress: bool = True) -
                     quantization_config=GgufConfig(dequantize=True),
                 )
                 tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-            except (ValueError, KeyError, OSError) as error:
+            except (ValueError, KeyError, OSError, RuntimeError, struct.error) as error:  # a file cut short, not GGUF
                 raise UserError(
                     f"transformers cannot load {gguf_file} as a causal LM: {first_line(error)}"
                 ) from error

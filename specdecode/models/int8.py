@@ -46,6 +46,8 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from specdecode.errors import UserError
+
 ATTENTION = "specdecode_invariant"  # the attention implementation's name in transformers' registry
 _ATTENTION_SOURCE = Path(__file__).parent / "kernels" / "attention.cpp"
 
@@ -108,8 +110,10 @@ class InvariantInt8Linear(nn.Module):
     def from_state(cls, state: dict[str, torch.Tensor]) -> InvariantInt8Linear:
         """The layer `state()` described, without quantizing anything again."""
         scales = state["weight_scales"]
-        qweight = torch._make_per_channel_quantized_tensor(
-            state["weight_int8"], scales, torch.zeros_like(scales, dtype=torch.long), 0)
+        with warnings.catch_warnings():  # (torch 2.13 marks its quantized tensors deprecated, as `_quantize_weight`)
+            warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*")
+            qweight = torch._make_per_channel_quantized_tensor(
+                state["weight_int8"], scales, torch.zeros_like(scales, dtype=torch.long), 0)
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.out_features, layer.in_features = qweight.shape
@@ -165,7 +169,13 @@ def quantize_invariant(model: PreTrainedModel, bits: int = 8, progress: bool = F
     (bits=8) or an `int4.InvariantInt4Linear` (bits=4; layers whose input size the 4-bit kernel cannot
     take stay int8) computing in float32, the other parameters (embeddings, norms) in float32, and
     attention computed row by row (`invariant_attention`). A gated MLP's two input projections become one
-    layer first (`fuse_gate_up`). progress=True: a bar over the layers (a large model takes a while)."""
+    layer first (`fuse_gate_up`). progress=True: a bar over the layers (a large model takes a while). A model with
+    projections of another kind (GPT-2's Conv1D) is refused: they would stay float, batch-dependent."""
+    from transformers.pytorch_utils import Conv1D
+
+    if any(isinstance(module, Conv1D) for module in model.modules()):
+        raise UserError(f"int{bits} replaces nn.Linear layers, and this model's projections are Conv1D layers "
+                        "(GPT-2's), which would stay float and batch-dependent: use --dtype float32 or bfloat16")
     fuse_gate_up(model)
     quantize_linears(model, bits, progress)
     model.float()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import os
+import struct
 import warnings
 from pathlib import Path
 
@@ -145,9 +146,12 @@ def _resolve_local(path: Path, progress: bool) -> Path:
 
 
 def user_gguf_dir(gguf_file: Path) -> Path:
-    """Cache folder for a user's .gguf file, keyed by its name, size and modification time."""
-    stat = gguf_file.stat()
-    return cache_dir() / "models" / f"gguf-{gguf_file.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    """Cache folder for a user's .gguf file, keyed by its name and the digest of its bytes (`models.digests`: read once
+    per version of the file; two files of one name, size and modification time, two checkpoints copied with their
+    times kept, are two models)."""
+    from specdecode.models.digests import digests
+
+    return cache_dir() / "models" / f"gguf-{gguf_file.stem}-{digests([gguf_file])[0][:16]}"
 
 
 # --- Dtypes -------------------------------------------------------------------------------------------
@@ -260,15 +264,21 @@ def load_causal_lm(
         if dtype == AUTO:
             dtype = _fastest_dtype(folder, progress)
         tokenizer = AutoTokenizer.from_pretrained(folder)
+        if len(tokenizer) <= 1:  # (transformers makes an empty one of a folder without tokenizer files)
+            raise UserError(f"{spec} holds no tokenizer (tokenizer.json, or a slow tokenizer's files)")
         # the exact quantized paths (8 or 4 bits) are prepared once per local folder (`models.prepared`)
         bits = {INT8: 8 if exact_int8 else None, INT4: 4}.get(dtype) if isinstance(dtype, str) else None
         local = folder if bits is not None and isinstance(folder, Path) else None  # hub ids are not kept
         if local is not None and bits is not None and (ready := prepared.load(local, bits)) is not None:
             return ready, tokenizer
-        model = AutoModelForCausalLM.from_pretrained(  # int8 and int4: from the checkpoint's own dtype
+        model, found = AutoModelForCausalLM.from_pretrained(  # int8 and int4: from the checkpoint's own dtype
             folder, dtype="auto" if dtype in (INT8, INT4) else dtype, attn_implementation="sdpa",
-            device_map=None if device.type == "cpu" else device,
-        ).eval().requires_grad_(False)
+            device_map=None if device.type == "cpu" else device, output_loading_info=True)
+        if found["missing_keys"]:  # else they run on random weights (a config of more layers; no causal LM head)
+            missing = sorted(found["missing_keys"])
+            raise UserError(f"{spec} lacks {len(missing)} of its causal LM's weights ({', '.join(missing[:3])}"
+                            f"{', ...' if len(missing) > 3 else ''}): not a checkpoint of this architecture")
+        model = model.eval().requires_grad_(False)
     if bits is not None:  # after the status line: quantizing has its own progress bar
         from specdecode.models.int8 import quantize_invariant
 
@@ -282,21 +292,20 @@ def load_causal_lm(
 
 @contextlib.contextmanager
 def _hub_errors(spec: str, folder: Path | str):
-    """A hub id that does not load becomes a one-line UserError; a local folder's error keeps its traceback
-    (a bug or a broken file)."""
+    """A hub id or a local folder that does not load (no weights file, an unknown architecture) becomes a one-line
+    UserError."""
     try:
         yield
+    except UserError:
+        raise
     except (OSError, ValueError) as error:
         if isinstance(folder, Path):
-            raise
+            raise UserError(f"{spec} does not load as a transformers causal LM: {first_line(error)}") from error
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes", "on"}
         raise UserError(
-            f"Could not load {spec!r} from the Hugging Face hub"
-            + (
-                " (HF_HUB_OFFLINE is set)"
-                if offline
-                else " (the hub may be unreachable from here; HF_HUB_OFFLINE=1 skips the retries)"
-            )
+            f"Could not load {spec!r} from the Hugging Face hub" + (" (HF_HUB_OFFLINE is set)" if offline else
+                                                                    " (the hub may be unreachable from here; "
+                                                                    "HF_HUB_OFFLINE=1 skips the retries)")
             + f": {first_line(error)}. Pass a local folder, a .gguf file, or one of the registered models: "
             f"{', '.join(registered_models())}."
         ) from error
@@ -320,7 +329,7 @@ def load_gguf_lm(spec: str, *, progress: bool = True, n_ctx: int | None = None):
             f"got {spec!r}"
         )
     status = console.status(f"Loading {spec} (llama.cpp)") if progress else contextlib.nullcontext()
-    with status, transformers_progress_bars(False):
+    with status, transformers_progress_bars(False), _broken_gguf(path):
         if folder is not None and (folder / "tokenizer.json").is_file():
             tokenizer = AutoTokenizer.from_pretrained(folder)  # already extracted once
         else:
@@ -328,6 +337,15 @@ def load_gguf_lm(spec: str, *, progress: bool = True, n_ctx: int | None = None):
             if not tokenizer.chat_template:
                 tokenizer.chat_template = gguf_chat_template(path)
         return LlamaCppLM(path, n_ctx=n_ctx), tokenizer
+
+
+@contextlib.contextmanager
+def _broken_gguf(path: Path):
+    """A .gguf file that does not read (cut short, not GGUF, no tokenizer in its metadata): a one-line UserError."""
+    try:
+        yield
+    except (ValueError, OSError, RuntimeError, struct.error) as error:
+        raise UserError(f"{path} does not load as a GGUF model: {first_line(error)}") from error
 
 
 # --- Drafter/target compatibility -----------------------------------------------------------------
@@ -354,12 +372,8 @@ def check_logits_cover(tokenizer: PreTrainedTokenizerBase, model: PreTrainedMode
         )
 
 
-def check_same_vocabulary(
-    target_tokenizer: PreTrainedTokenizerBase,
-    drafter_tokenizer: PreTrainedTokenizerBase,
-    target_model: PreTrainedModel,
-    drafter_model: PreTrainedModel,
-) -> None:
+def check_same_vocabulary(target_tokenizer: PreTrainedTokenizerBase, drafter_tokenizer: PreTrainedTokenizerBase,
+                          target_model: PreTrainedModel, drafter_model: PreTrainedModel) -> None:
     """Raise UserError unless the drafter shares the target's vocabulary and logits width.
 
     Token strings and ids must be identical (not just the counts). The logits may be wider than the

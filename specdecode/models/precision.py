@@ -34,6 +34,7 @@ from typing import TypeVar
 
 import torch
 
+from specdecode.errors import UserError
 from specdecode.models import dtype_choice, int4
 from specdecode.models.int8 import InvariantInt8Linear
 from specdecode.paths import mapping, read_json_cache, write_atomically
@@ -166,7 +167,10 @@ def fastest(model_key: str, hidden: int, intermediate: int, load: Callable[[str]
     products = measure_paths(hidden, intermediate)
     whole: dict[str, tuple[float, float]] = {}
     for candidate in candidates(products):
-        model = load(candidate)
+        try:
+            model = load(candidate)
+        except UserError:  # a path this model cannot take (int8 or int4 where its projections are no nn.Linear)
+            continue
         with torch.inference_mode():
             whole[candidate] = time_forwards(model)
         del model  # one path's weights in memory at a time

@@ -128,7 +128,8 @@ def test_the_method_tables_are_the_registrys():
             assert cells[3] == ("yes" if method.lossless else "**no**"), f"{name}: {method_name}'s lossless flag"
             forms = [form.strip("` ") for form in cells[1].split(",")]
             assert forms == [v for v in variant_names() if v == method_name or v.startswith(method_name + "-tree")]
-            assert cells[4] == ("torch" if method.torch_only else "torch, llama.cpp")
+            assert cells[4] == ("torch" if method.torch_only else "torch, llama.cpp (its chain)"
+                                if method.tree_torch_only else "torch, llama.cpp")
 
 
 def test_the_speedups_come_from_the_kept_runs_records(tmp_path, monkeypatch):

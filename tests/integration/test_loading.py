@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -231,6 +234,68 @@ def test_folder_without_config_is_a_user_error(tmp_path: Path) -> None:
         load_causal_lm(str(tmp_path), progress=False)
 
 
+def broken_copy(tiny_folder: Path, into: Path, drop: tuple[str, ...] = (), config: dict | None = None) -> Path:
+    shutil.copytree(tiny_folder, into)
+    for name in drop:
+        (into / name).unlink(missing_ok=True)
+    if config is not None:
+        path = into / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return into
+
+
+@pytest.mark.parametrize("drop, config, says", [
+    (("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"), None, "holds no tokenizer"),
+    (("model.safetensors",), None, "does not load as a transformers causal LM: .*no file named"),
+    ((), {"num_hidden_layers": 3, "layer_types": ["full_attention"] * 3}, "lacks .* weights"),  # random weights else
+    ((), {"model_type": "frobnicator"}, "does not load as a transformers causal LM"),
+])
+def test_a_folder_that_is_not_a_whole_causal_lm_is_a_user_error(tiny_folder: Path, tmp_path: Path, drop, config,
+                                                                 says) -> None:
+    folder = broken_copy(tiny_folder, tmp_path / "broken", drop, config)
+    with pytest.raises(UserError, match=says) as error:
+        load_causal_lm(str(folder), dtype="float32", progress=False)
+    assert "\n" not in str(error.value)
+
+
+def test_int8_and_int4_refuse_projections_that_are_not_linear_layers(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPT-2's Conv1D projections would stay float and batch-dependent under a path promised exact: refused, and
+    `auto` times only the float paths for such a model."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from conftest import tiny_tokenizer
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "gpt2"
+    end = TOKENS.index("<|im_end|>")
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(TOKENS) + 10, n_positions=128, n_embd=32, n_layer=1, n_head=2,
+                               bos_token_id=end, eos_token_id=end)).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    for dtype in ("int8", "int4"):
+        with pytest.raises(UserError, match="Conv1D"):
+            load_causal_lm(str(folder), dtype=dtype, progress=False)
+    model, _ = load_causal_lm(str(folder), dtype="auto", progress=False)
+    assert next(model.parameters()).dtype in (torch.float32, torch.bfloat16)
+
+
+def test_a_broken_gguf_file_is_a_user_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not GGUF, or cut short: one line, on either backend (`load_gguf_lm` is llama.cpp's loader)."""
+    from specdecode.models.loading import load_gguf_lm
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    whole = tmp_path / "whole.gguf"
+    write_tiny_gguf(_tiny_qwen2(vocab_size=len(TOKENS)), whole)
+    (tmp_path / "garbage.gguf").write_bytes(b"not a gguf file at all" * 100)
+    (tmp_path / "cut.gguf").write_bytes(whole.read_bytes()[:1000])
+    for name in ("garbage.gguf", "cut.gguf"):
+        with pytest.raises(UserError) as error:
+            load_causal_lm(str(tmp_path / name), dtype="float32", progress=False)
+        assert "\n" not in str(error.value) and name in str(error.value)
+        with pytest.raises(UserError, match="does not load as a GGUF model"):
+            load_gguf_lm(str(tmp_path / name), progress=False)
+
+
 def test_unreachable_hub_id_is_a_user_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import huggingface_hub.constants
 
@@ -292,6 +357,16 @@ def test_load_gguf_file_converts_once(tmp_path: Path, monkeypatch: pytest.Monkey
     load_causal_lm(str(gguf_file), progress=False)  # second load: no new conversion
     assert [converted] == list((tmp_path / "cache" / "models").iterdir())
     assert converted.stat().st_mtime_ns == modified
+
+    # a second file of the same name, size and modification time (a checkpoint copied with its times) is its own model
+    other = tmp_path / "other" / "tiny.gguf"
+    other.parent.mkdir()
+    write_tiny_gguf(_tiny_qwen2(vocab_size=len(TOKENS), seed=2), other)
+    assert other.stat().st_size == gguf_file.stat().st_size
+    os.utime(other, ns=(gguf_file.stat().st_atime_ns, gguf_file.stat().st_mtime_ns))
+    second, _ = load_causal_lm(str(other), dtype="float32", progress=False)
+    assert len(list((tmp_path / "cache" / "models").iterdir())) == 2
+    assert not torch.equal(second(ids).logits, model(ids).logits)
 
 
 # --- The real default pair --------------------------------------------------------------------------
