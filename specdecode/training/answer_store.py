@@ -221,17 +221,22 @@ class Store:
         self._file.close()
 
 
-def _without_folder(key: str) -> str:
-    """A cost key with its model folder cut to the folder's name: the same weights in another user's cache
-    (a folder of answers kept in a repository meets many) are the same target."""
+def target_identity(key: str) -> str:
+    """A cost key as the identity of its target: a registered model's folder, in each user's own cache (a folder of
+    answers kept in a repository meets many), cut to the model's name; any other folder kept whole (two checkpoints
+    of one folder name are two targets; `models.loading.resolve` makes a local folder's path absolute)."""
+    from specdecode.models.registry import registered_models
+
     parts = key.split("|")
-    return "|".join([parts[0], Path(parts[1]).name, *parts[2:]]) if len(parts) > 2 else key
+    if len(parts) > 2 and Path(parts[1]).parent.name == "models" and Path(parts[1]).name in registered_models():
+        parts[1] = Path(parts[1]).name
+    return "|".join(parts)
 
 
 def check_target(folder: Path, manifest: dict, target: dict) -> None:
     """A UserError unless a folder's answers come from this target (`describe_target`), wherever its
     weights are cached."""
-    if _without_folder(manifest.get("target_key") or "") != _without_folder(target["target_key"]):
+    if target_identity(manifest.get("target_key") or "") != target_identity(target["target_key"]):
         raise UserError(f"{folder} holds answers of {manifest.get('target')!r} ({manifest.get('dtype')}), not of "
                         f"{target['target']!r} ({target['dtype']}); pick another --out")
 

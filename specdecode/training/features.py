@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from specdecode.errors import UserError
+from specdecode.training.answer_store import target_identity
 from specdecode.training.corpus import Sequence
 
 SHARD_TOKENS = 65_536
@@ -93,7 +94,10 @@ class Writer:
                 raise UserError(f"{self.folder} holds features of an older layout that cannot be added to; "
                                 "pick an empty folder")
             for key, value in identity.items():
-                if self.manifest.get(key) != value:
+                kept = self.manifest.get(key)
+                if key == "target_key" and target_identity(kept or "") == target_identity(value or ""):
+                    continue  # (a registered target cached elsewhere)
+                if kept != value:
                     raise UserError(f"{self.folder} holds features with {key}={self.manifest.get(key)!r}, not "
                                     f"{value!r}; pick another folder")
         else:

@@ -79,12 +79,14 @@ def on_device(window: tuple[torch.Tensor, ...], device: torch.device) -> tuple[t
 
 
 def frequent_tokens(shards: list[Shard], size: int, always: list[int]) -> torch.Tensor:
-    """The `size` most frequent token ids of the data (assistant tokens counted), plus `always`, sorted."""
+    """`always` (the end-of-answer ids), and the most frequent other token ids of the data (assistant tokens counted)
+    up to `size` in all, sorted."""
     counts: Counter[int] = Counter()
     for shard in shards:
         counts.update(shard.tokens[shard.assistant].tolist())
-    chosen = {token for token, _ in counts.most_common(size)} | set(always)
-    return torch.tensor(sorted(chosen)[: max(size, len(always))], dtype=torch.long, device="cpu")  # host data
+    ranked = [token for token, _ in counts.most_common() if token not in always]
+    chosen = set(ranked[: max(size - len(set(always)), 0)]) | set(always)
+    return torch.tensor(sorted(chosen), dtype=torch.long, device="cpu")  # host data
 
 
 def windows(shards: list[Shard], length: int, shortest: int = 8, aux: bool = False) -> list[tuple[str, Window]]:

@@ -131,13 +131,22 @@ def test_a_folder_keeps_its_target_and_settings(models, sources, tmp_path):
         run_answers(models, sources, tmp_path, tokens=40, settings=answers.Settings(max_new_tokens=12, seed=1))
     manifest = json.loads((tmp_path / answer_store.MANIFEST).read_text())
     backend, folder, *rest = manifest["target_key"].split("|")
-    manifest["target_key"] = "|".join([backend, f"/home/someone/else/{Path(folder).name}", *rest])
-    (tmp_path / answer_store.MANIFEST).write_text(json.dumps(manifest))
-    run_answers(models, sources, tmp_path, tokens=30)  # the same weights in another cache: the same target
-    manifest["target_key"] = "hf|another model"
-    (tmp_path / answer_store.MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(UserError, match="holds answers of 'tiny'"):
-        run_answers(models, sources, tmp_path, tokens=40)
+    for other in (f"/home/someone/else/{Path(folder).name}", "another model"):  # a folder of the same name is another
+        manifest["target_key"] = "|".join([backend, other, *rest])
+        (tmp_path / answer_store.MANIFEST).write_text(json.dumps(manifest))
+        with pytest.raises(UserError, match="holds answers of 'tiny'"):
+            run_answers(models, sources, tmp_path, tokens=40)
+
+
+def test_a_registered_target_is_itself_in_any_cache():
+    """A registered model's folder lies in each user's own cache (a folder of answers kept in the repository meets
+    many): cut to its name; any other folder stays whole (two checkpoints saved as `checkpoint-500` are two)."""
+    name, rest = "qwen2.5-coder-1.5b-instruct", "qwen2|int4|823559680"
+    mine = answer_store.target_identity(f"hf|/root/.cache/specdecode/models/{name}|{rest}")
+    assert mine == answer_store.target_identity(f"hf|/home/ana/.cache/specdecode/models/{name}|{rest}")
+    assert mine != answer_store.target_identity(f"hf|/root/.cache/specdecode/models/{name}|qwen2|float32|1")
+    first, second = (answer_store.target_identity(f"hf|/runs/{run}/checkpoint-500|{rest}") for run in ("a", "b"))
+    assert first != second
 
 
 def test_answers_become_training_sequences(models, sources, tmp_path):

@@ -106,3 +106,16 @@ def test_held_out_sequences_stay_held_out_as_the_data_grows():
     assert 0.02 < len(held_keys) / 2000 < 0.08 and held_keys == {f"answer-{i}" for i in range(2000)
                                                                   if held_out(f"answer-{i}")}
     assert len(split(keyed(1), seed=0)[1]) == 1  # a tiny data set still shows one window
+
+
+def test_the_draft_vocabulary_keeps_the_end_of_answer_ids_within_its_size():
+    """The end-of-answer ids are the highest of a Qwen2.5 vocabulary: cutting the sorted set at `size` dropped them,
+    and a head could never draft the end of an answer."""
+    from specdecode.training.features import Shard
+    from specdecode.training.loop import frequent_tokens
+
+    tokens = torch.tensor([5, 5, 5, 7, 7, 9, 3, 1000, 1000, 1000])  # (1000: a common token above the end ids)
+    shard = Shard(tokens, torch.zeros(10, 2), torch.ones(10, dtype=torch.bool), torch.tensor([0, 10]))
+    chosen = frequent_tokens([shard], 4, [998, 999]).tolist()
+    assert chosen == [5, 998, 999, 1000]  # the two most frequent others, then the end ids: 4 in all
+    assert frequent_tokens([shard], 10, [998]).tolist() == [3, 5, 7, 9, 998, 1000]
