@@ -66,10 +66,40 @@ def write_atomically(path: Path, content: str | bytes | Callable[[Path], object]
             temporary.write_bytes(content)
         else:
             content(temporary)
+            os.chmod(temporary, 0o666 & ~_umask())  # (safetensors writes 0600: an export another user serves)
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
     return path
+
+
+def _umask() -> int:
+    """The process's file-mode creation mask, read without setting it (Linux's /proc; else the usual 022)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("Umask:"))
+        return int(line.split()[1], 8)
+    return 0o022
+
+
+@contextlib.contextmanager
+def damaged(path: Path, what: str, fix: str):
+    """What reads `path` (a file the project wrote: a manifest, a head's weights) fails as a one-line UserError naming
+    it, and `fix`, where the file does not read (cut short by a kill, a full disk, edited by hand)."""
+    from specdecode.errors import UserError
+
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as error:  # (safetensors' SafetensorError, JSON's, a shape that does not fit)
+        reason = (str(error).splitlines() or [""])[0][:160] or type(error).__name__
+        raise UserError(f"{path} ({what}) is damaged: {reason}; {fix}") from error
+
+
+def read_record(path: Path, what: str, fix: str) -> Any:
+    """The JSON of a file the project wrote (`damaged`'s one line where it does not read)."""
+    with damaged(path, what, fix):
+        return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
 def set_aside(path: Path, what: str, reason: str, then: str) -> Path:

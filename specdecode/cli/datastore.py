@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Annotated
@@ -60,6 +61,9 @@ def datastore_build(
         raise UserError(f"no such folder: {corpus_dir}")
     if out.is_dir():
         raise UserError(f"{out} is a folder; give the datastore file to write (a .npz path)")
+    existing = next(folder for folder in [out.parent, *out.parent.parents] if folder.exists())  # (the rest is made)
+    if not existing.is_dir() or not os.access(existing, os.W_OK):  # before the tokenizing, not after it
+        raise UserError(f"cannot write {out}: {existing} is no folder this user can write in")
     tokenizer = _load_tokenizer(target)
     start = time.perf_counter()
     datastore = build_datastore(corpus_dir, tokenizer, pattern=pattern, max_tokens=max_tokens)

@@ -29,7 +29,7 @@ VocabOption = Annotated[int, typer.Option(min=16, help="Draft vocabulary: the mo
 
 def _target_features(target: str, data: Path | None, tokens: int, seed: int, dtype: str = "bfloat16",
                      eagle3: bool = False, answers_folder: Path | None = None, extract: bool = True,
-                     device: torch.device | str = "auto"):
+                     device: torch.device | str = "auto", init=None):
     """(the target's transformers model on `device`, a description of it and of the data, the feature shards): the
     target's features over its own answers (`answers_folder`, from `specdecode train data`; those it kept
     while answering are read from there) and `tokens` tokens of ShareGPT and standard-library code, the
@@ -44,8 +44,12 @@ def _target_features(target: str, data: Path | None, tokens: int, seed: int, dty
     models = load_models(target, None, dtype=dtype, device=device)
     model = torch_target(models.target, "training a head").model
     layers = default_layers(model.config.num_hidden_layers) if eagle3 else None
+    if init is not None:  # (`--init`: before hours of extraction)
+        from specdecode.training.eagle3 import check_init
+
+        check_init(init, model.config, layers)
     describe: dict[str, Any] = {"target": target, "target_key": models.target.cost_key,
-                                "target_path": models.target.precision,
+                                "target_path": models.target.precision, "target_vocab_size": model.config.vocab_size,
                                 **({"aux_layers": list(layers)} if layers else {})}
     found = []  # (manifest, shards) of the features there are
     kept = None if answers_folder is None else answer_store.features_folder(answers_folder)
@@ -272,7 +276,7 @@ def train_eagle3(
         raise UserError("--no-extract learns from the features the data job kept: give --answers DIR and --tokens 0")
     start, earlier = (None, {}) if init is None else Eagle3Head.load(init)  # first: a bad folder fails at once
     model, describe, shards = _target_features(target, data, tokens, seed, dtype=dtype.value, eagle3=True,
-                                               answers_folder=answers, extract=extract, device=on)
+                                               answers_folder=answers, extract=extract, device=on, init=start)
     if init is not None:  # the head's lineage: what the head it started from learnt, and from what, and so on
         describe["init"] = {"folder": str(init), "data": earlier.get("data"), "init": earlier.get("init")}
     settings = eagle3.TrainingSettings(intermediate_size=intermediate_size, vocab_size=vocab_size, seconds=seconds,

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.errors import UserError
+from specdecode.paths import damaged, read_record, write_atomically
 
 CONFIG = "eagle3.json"
 WEIGHTS = "eagle3-{:05d}.safetensors"  # shards of at most MAX_FILE_BYTES
@@ -209,8 +210,6 @@ class Eagle3Head(nn.Module):
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        for old in folder.glob("eagle3-*.safetensors"):
-            old.unlink()
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
         for name, tensor in self.state_dict().items():
@@ -221,9 +220,13 @@ class Eagle3Head(nn.Module):
                 size = 0
             shards[-1][name] = tensor
             size += nbytes
-        for i, shard in enumerate(shards):
-            save_file(shard, str(folder / WEIGHTS.format(i + 1)))
-        (folder / CONFIG).write_text(json.dumps({"config": self.config.to_dict(), **record}, indent=1))
+        # each file whole or not at all, older shards gone before the record, written last (`heads.save_head`)
+        (folder / CONFIG).unlink(missing_ok=True)
+        written = [write_atomically(folder / WEIGHTS.format(i + 1), lambda path, part=part: save_file(part, str(path)))
+                   for i, part in enumerate(shards)]
+        for old in set(folder.glob("eagle3-*.safetensors")) - set(written):
+            old.unlink()
+        write_atomically(folder / CONFIG, json.dumps({"config": self.config.to_dict(), **record}, indent=1))
 
     @classmethod
     def load(cls, folder: Path, dtype: torch.dtype = torch.float32,
@@ -235,11 +238,13 @@ class Eagle3Head(nn.Module):
         if not (folder / CONFIG).is_file() or not files:
             raise UserError(f"{folder} holds no EAGLE-3 head ({CONFIG} and eagle3-*.safetensors); train one with "
                             "`specdecode train eagle3`")
-        record = json.loads((folder / CONFIG).read_text())
-        config = Eagle3Config.from_dict(record.pop("config"))
-        weights = {k: v for f in files for k, v in load_file(str(f)).items()}
-        head = cls(config, torch.arange(config.draft_vocab_size, device="cpu") + weights["d2t"])
-        head.load_state_dict(weights)
+        fix = "train it again (`specdecode train eagle3`)"
+        record = read_record(folder / CONFIG, "an EAGLE-3 head's record", fix)
+        with damaged(folder, "an EAGLE-3 head", fix):
+            config = Eagle3Config.from_dict(record.pop("config"))
+            weights = {k: v for f in files for k, v in load_file(str(f)).items()}
+            head = cls(config, torch.arange(config.draft_vocab_size, device="cpu") + weights["d2t"])
+            head.load_state_dict(weights)
         return head.to(device=device, dtype=dtype).eval(), record
 
 

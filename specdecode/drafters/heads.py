@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from specdecode.errors import UserError
+from specdecode.paths import damaged, read_record, write_atomically
 
 H = TypeVar("H", bound=nn.Module)  # a trained head, copied for drafting as the class it is
 
@@ -28,8 +29,9 @@ def save_head(module: nn.Module, folder: Path, weights: str, config: str, shape:
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
                for k, v in module.state_dict().items()}
-    save_file(tensors, str(folder / weights))
-    (folder / config).write_text(json.dumps({"config": shape, **record}, indent=1))
+    # each whole or not at all, the record last: a save cut short leaves the old head or a folder without one
+    write_atomically(folder / weights, lambda path: save_file(tensors, str(path)))
+    write_atomically(folder / config, json.dumps({"config": shape, **record}, indent=1))
 
 
 def load_head(folder: Path, weights: str, config: str, kind: str) -> tuple[dict, dict[str, torch.Tensor], dict]:
@@ -40,8 +42,10 @@ def load_head(folder: Path, weights: str, config: str, kind: str) -> tuple[dict,
     if not (folder / weights).is_file() or not (folder / config).is_file():
         raise UserError(f"{folder} holds no {kind} head ({weights} and {config}); train one with "
                         f"`specdecode train {kind.lower()}`")
-    record = json.loads((folder / config).read_text())
-    return record.pop("config"), load_file(str(folder / weights)), record
+    fix = f"train it again (`specdecode train {kind.lower()}`)"
+    record = read_record(folder / config, f"a {kind} head's record", fix)
+    with damaged(folder / weights, f"a {kind} head's weights", fix):
+        return record.pop("config"), load_file(str(folder / weights)), record
 
 
 RECORDS = {"eagle": "eagle.json", "eagle3": "eagle3.json", "medusa": "medusa.json"}  # kind -> its JSON record
@@ -61,10 +65,12 @@ def kind_of(folder: str | Path) -> str:
 def check_fits(folder: Path, kind: str, record: dict, hidden_size: int, vocab_size: int, target_config) -> None:
     """A one-line UserError unless a head (its `hidden_size`, and `vocab_size`: the target vocabulary it was
     trained over, or for heads that store only their draft vocabulary's ids the highest id + 1) fits the target
-    whose transformers config is `target_config`."""
+    whose transformers config is `target_config`. A record that names its target's vocabulary (`target_vocab_size`,
+    written by `specdecode train`) must name this target's."""
     target_vocab = target_config.vocab_size
+    vocab_size = record.get("target_vocab_size", vocab_size)
     fits = hidden_size == target_config.hidden_size and (
-        vocab_size == target_vocab if kind == "eagle3" else vocab_size <= target_vocab)
+        vocab_size == target_vocab if kind == "eagle3" or "target_vocab_size" in record else vocab_size <= target_vocab)
     if not fits:
         trained_for = record.get("target") or "another model"
         target = Path(str(target_config._name_or_path).rstrip("/")).name or "this target"

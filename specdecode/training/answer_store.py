@@ -28,11 +28,13 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from specdecode.errors import UserError
+from specdecode.paths import read_record
 from specdecode.training import corpus
 from specdecode.training.prompts import Settings
 
 ANSWERS = "answers.jsonl"
 PACKED = "answers-{:03d}.jsonl.xz"  # `pack`'s chunks, numbered from 0
+REMAKE = "move it away and make the answers again (`specdecode train data --out DIR`)"  # a damaged file's fix
 MANIFEST = "answers.json"
 
 
@@ -112,7 +114,7 @@ def load(folder: Path) -> tuple[dict, list[Answer]]:
     if not (folder / MANIFEST).is_file():
         raise UserError(f"{folder} holds no answers ({MANIFEST} is missing): "
                         "`specdecode train data --out DIR` makes them")
-    return json.loads((folder / MANIFEST).read_text()), read_all(folder)
+    return read_record(folder / MANIFEST, "an answers manifest", REMAKE), read_all(folder)
 
 
 def _lock(file, folder: Path) -> None:
@@ -166,7 +168,7 @@ class Store:
         self.folder.mkdir(parents=True, exist_ok=True)
         manifest_path, answers_path = self.folder / MANIFEST, self.folder / ANSWERS
         if manifest_path.is_file():
-            self.manifest = json.loads(manifest_path.read_text())
+            self.manifest = read_record(manifest_path, "an answers manifest", REMAKE)
             check_target(self.folder, self.manifest, target)
             check_settings(self.folder, settings)
         elif answers_path.is_file() and answers_path.stat().st_size:
@@ -245,7 +247,7 @@ def check_settings(folder: Path, settings: Settings) -> None:
     """A UserError if the folder holds answers made with other settings (before a model loads)."""
     if not (Path(folder) / MANIFEST).is_file():
         return
-    stored = json.loads((Path(folder) / MANIFEST).read_text()).get("settings", {})
+    stored = read_record(Path(folder) / MANIFEST, "an answers manifest", REMAKE).get("settings", {})
     for item in fields(Settings):
         if stored.get(item.name) != getattr(settings, item.name):
             raise UserError(f"{folder} holds answers made with {item.name}={stored.get(item.name)!r}, not "

@@ -90,6 +90,17 @@ def held_out_agreement(head, embed, draft_head, full_head, data: list[Window], p
     return [h / n if n else float("nan") for h, n in zip(hits, totals)]
 
 
+def check_init(init: Eagle3Head, target_config, layers) -> None:
+    """A one-line UserError unless the head to start from (`--init`) is of this target's shape and reads `layers`:
+    checked as the target loads, before any feature is extracted."""
+    config = Eagle3Config.for_target(target_config, init.config.intermediate_size, init.config.draft_vocab_size)
+    config.aux_layers = tuple(layers)
+    differ = [f"{name} {getattr(init.config, name)} (this target: {getattr(config, name)})"
+              for name in vars(config) if getattr(init.config, name) != getattr(config, name)]
+    if differ:
+        raise UserError(f"the head to start from was made for another target or other layers: {', '.join(differ)}")
+
+
 def train(target_model, shards: list[Shard], settings: TrainingSettings, layers: tuple[int, ...],
           progress: bool = True, log=print, checkpoint: Path | None = None,
           init: Eagle3Head | None = None) -> tuple[Eagle3Head, TrainingRecord]:
@@ -121,9 +132,7 @@ def train(target_model, shards: list[Shard], settings: TrainingSettings, layers:
     config.aux_layers = tuple(layers)
     head = Eagle3Head(config, vocab_ids).float().to(device)
     if init is not None:
-        if init.config != config:
-            raise UserError("the head to start from was made for another target or other layers "
-                            f"({init.config} against {config})")
+        check_init(init, target_model.config, layers)
         head.load_state_dict(init.state_dict())
     training, evaluation = split(windows(shards, settings.sequence_tokens, settings.steps + 8, aux=True), settings.seed)
     if not training:

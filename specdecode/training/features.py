@@ -30,10 +30,13 @@ import torch
 from safetensors.torch import save_file
 
 from specdecode.errors import UserError
+from specdecode.paths import damaged, read_record
 from specdecode.training.answer_store import target_identity
 from specdecode.training.corpus import Sequence
 
 SHARD_TOKENS = 65_536
+# what a damaged file's message says to do
+REBUILD = "build the features again in a new folder (`specdecode train eagle|medusa --data DIR`)"
 MANIFEST = "features.json"
 
 
@@ -89,7 +92,7 @@ class Writer:
         path = self.folder / MANIFEST
         identity = {"target_key": describe.get("target_key"), "aux_layers": list(layers) if layers else None}
         if path.is_file():
-            self.manifest = json.loads(path.read_text())
+            self.manifest = read_record(path, "a features manifest", REBUILD)
             if _older(self.manifest):
                 raise UserError(f"{self.folder} holds features of an older layout that cannot be added to; "
                                 "pick an empty folder")
@@ -164,7 +167,7 @@ def missing(folder: Path, sequences: list[Sequence]) -> list[Sequence]:
     manifest_path = Path(folder) / MANIFEST
     if not manifest_path.is_file():
         return list(sequences)
-    have = _held(json.loads(manifest_path.read_text()))
+    have = _held(read_record(manifest_path, "a features manifest", REBUILD))
     return [s for s in sequences if sequence_id(s) not in have]
 
 
@@ -172,7 +175,7 @@ def older_layout(folder: Path) -> bool:
     """Whether `folder` holds features of the layout before ids were kept per shard: built whole, used as
     they are, never added to."""
     manifest_path = Path(folder) / MANIFEST
-    return manifest_path.is_file() and _older(json.loads(manifest_path.read_text()))
+    return manifest_path.is_file() and _older(read_record(manifest_path, "a features manifest", REBUILD))
 
 
 def _older(manifest: dict) -> bool:
@@ -236,10 +239,11 @@ def load(folder: Path) -> tuple[dict, list[Shard]]:
     if not manifest_path.is_file():
         raise UserError(f"{folder} holds no features ({MANIFEST} is missing): "
                         "`specdecode train eagle|medusa --data DIR` builds them")
-    manifest = json.loads(manifest_path.read_text())
+    manifest = read_record(manifest_path, "a features manifest", REBUILD)
     shards = []
     for entry in manifest["shards"]:
-        tensors = _mapped(Path(folder) / entry["file"])
+        with damaged(Path(folder) / entry["file"], "a shard of features", REBUILD):
+            tensors = _mapped(Path(folder) / entry["file"])
         shards.append(Shard(tensors["tokens"].long(), tensors["hidden"], tensors["assistant"].bool(), tensors["starts"],
                             tensors.get("aux"), entry.get("ids")))
     return manifest, shards

@@ -189,3 +189,19 @@ def test_training_lowers_every_steps_loss_and_the_trained_head_drafts_losslessly
     assert all(carried_record.losses[0][f"step{k}"] < first[f"step{k}"] - 0.3 for k in (1, 2, 3))
     with pytest.raises(UserError, match="another target or other layers"):
         training.train(tiny_target, shards, again, (0, 1, 1), progress=False, log=lambda *_: None, init=loaded)
+
+
+def test_a_head_to_start_from_is_checked_against_the_target_by_its_fields():
+    """`train eagle3 --init`: checked as the target loads, before the features; the message names what differs."""
+    from conftest import tiny_qwen2
+    from specdecode.errors import UserError
+    from specdecode.training.eagle3 import check_init
+
+    target = tiny_qwen2(0, layers=4)
+    init = random_head(target)
+    layers = default_layers(target.config.num_hidden_layers)
+    check_init(init, target.config, layers)  # its own target: fits
+    wider = tiny_qwen2(0, layers=4, hidden=96)
+    with pytest.raises(UserError, match=r"hidden_size 64 \(this target: 96\)") as error:
+        check_init(init, wider.config, layers)
+    assert "\n" not in str(error.value) and "Eagle3Config(" not in str(error.value)

@@ -9,6 +9,7 @@ branches); the loaders themselves are not installed here (they need GPUs).
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -384,3 +385,19 @@ def test_cli_refuses_a_head_reading_layers_its_target_lacks(monkeypatch, capsys,
                        "--target", str(target_folder), str(tmp_path / "out"))
     assert code == 2 and "has 4" in " ".join(err.split()) and err.count("error:") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_cli_exports_a_head_for_the_target_its_record_names(monkeypatch, capsys, tmp_path, target_folder):
+    """Without --target the head's own target (its record's); a --target that is another model is refused (its LM
+    head rows would be baked in without a word where the shapes agree)."""
+    target = AutoModelForCausalLM.from_pretrained(target_folder)
+    config = eagle3_head.Eagle3Config.for_target(target.config, intermediate_size=16, draft_vocab_size=8)
+    eagle3_head.Eagle3Head(config, torch.arange(8)).save(tmp_path / "head", {"target": str(target_folder)})
+    code, out, err = run(monkeypatch, capsys, "export", "eagle", "--format", "vllm", "--head", str(tmp_path / "head"),
+                         str(tmp_path / "out"))
+    assert code == 0 and out.startswith(f"vllm serve {target_folder} "), err
+    other = tmp_path / "other"
+    shutil.copytree(target_folder, other)  # the same shapes, another model
+    code, _, err = run(monkeypatch, capsys, "export", "eagle", "--format", "vllm", "--head", str(tmp_path / "head"),
+                       "--target", str(other), str(tmp_path / "again"))
+    assert code == 2 and "was trained for" in err and not (tmp_path / "again").exists(), err

@@ -97,6 +97,37 @@ def test_a_head_trained_for_another_target_is_refused_in_one_line(monkeypatch, c
     assert err.count("error:") == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_a_head_whose_record_names_another_vocabulary_is_refused(models, tmp_path, kind):
+    """Medusa's and EAGLE's weights hold only their draft vocabulary's ids: a head trained over a narrower vocabulary
+    of the same width fits by its ids alone; its record's `target_vocab_size` (written by `specdecode train`) says
+    whose it is."""
+    target = models.target.model
+    head = random_eagle_head(target) if kind == "eagle" else random_medusa_heads(target)
+    head.save(tmp_path / kind, {"target": "a-narrower-model", "target_vocab_size": target.config.vocab_size - 10})
+    with pytest.raises(UserError, match="trained for a-narrower-model"):
+        models.engine(kind, head=str(tmp_path / kind))
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
+def test_a_damaged_head_is_one_line(models, own_heads, tmp_path, kind):
+    """Weights cut short (a kill or a full disk while saving, before saves were atomic) or a record that is no JSON:
+    a one-line error naming the file, never a traceback."""
+    import shutil
+
+    folder = shutil.copytree(own_heads / kind, tmp_path / kind)
+    weights = sorted(folder.glob("*.safetensors"))[0]
+    weights.write_bytes(weights.read_bytes()[:2000])
+    with pytest.raises(UserError, match="is damaged") as error:
+        models.engine(kind, head=str(folder))
+    assert weights.name in str(error.value) or folder.name in str(error.value)
+    shutil.copy(own_heads / kind / weights.name, weights)
+    record = next(folder.glob("*.json"))
+    record.write_text(record.read_text()[:50])
+    with pytest.raises(UserError, match="is damaged"):
+        models.engine(kind, head=str(folder))
+
+
 def test_generate_drafts_with_the_head_given(monkeypatch, capsys, target_folder, own_heads):
     args = ["generate", PROMPT, "--target", str(target_folder), "--dtype", "float32", "--json",
             "--max-new-tokens", "10"]

@@ -391,3 +391,18 @@ def test_a_kill_keeps_the_finished_answers_and_their_features(three_layers, sour
     stored = answer_store.load(tmp_path)[1]
     kept = features.load(answer_store.features_folder(tmp_path))[1]
     assert len(stored) >= 2 and sorted(i for s in kept for i in s.ids) == sorted(a.id for a in stored)
+
+
+def test_damaged_manifests_and_shards_are_one_line(models, sources, tmp_path):
+    """A manifest that is no JSON, a shard of features cut short: one line naming the file and what to do."""
+    run_answers(models, sources, tmp_path / "answers", tokens=20)
+    manifest = tmp_path / "answers" / answer_store.MANIFEST
+    manifest.write_text(manifest.read_text()[:40])
+    with pytest.raises(UserError, match=r"answers.json \(an answers manifest\) is damaged.*specdecode train data"):
+        answer_store.load(tmp_path / "answers")
+    sequences = [corpus.Sequence("stdlib", [1, 2, 3, 4], [False, False, True, True])]
+    features.extract(models.target.model, sequences, tmp_path / "features", {"target": "tiny"}, progress=False)
+    shard = next((tmp_path / "features").glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:20])
+    with pytest.raises(UserError, match="a shard of features.*is damaged"):
+        features.load(tmp_path / "features")

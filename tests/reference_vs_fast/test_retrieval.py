@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import VOCAB, greedy_references, greedy_runs, random_prompts, tiny_tokenizer
+from conftest import VOCAB, greedy_references, greedy_runs, random_prompts, tiny_chat_qwen2, tiny_tokenizer
 from specdecode.drafters.retrieval import (
     SEPARATOR,
     Datastore,
@@ -256,6 +256,27 @@ def test_build_from_text_files(tmp_path, monkeypatch):
         build_datastore(tmp_path / "missing", tokenizer, progress=False)
     with pytest.raises(UserError, match="passed 10 tokens"):
         build_datastore(tmp_path, tokenizer, max_tokens=10, progress=False)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "nothing.py").write_text("")
+    with pytest.raises(UserError, match="hold no text"):
+        build_datastore(tmp_path / "empty", tokenizer, progress=False)
+
+
+def test_a_datastore_of_another_tokenizer_is_refused(tmp_path):
+    """Two tokenizers of one length may give one id to other text: the datastore keeps a digest of its tokenizer's
+    tokens and ids, and a target with another refuses it (one built before the digest was kept is taken)."""
+    write_corpus(tmp_path / "corpus")
+    tokenizer = tiny_tokenizer()
+    target = HFCausalLM(tiny_chat_qwen2(vocab_size=len(tokenizer)))
+    path = build_datastore(tmp_path / "corpus", tokenizer, progress=False).save(tmp_path / "store.npz")
+    assert isinstance(build_retrieval(target, None, DrafterOptions(datastore=str(path), tokenizer=tokenizer)),
+                      RetrievalDrafter)
+    vocab = tokenizer.get_vocab()
+    first, second = sorted(vocab)[:2]  # the same tokens, two of them with each other's ids
+    other = type("Permuted", (), {"get_vocab": lambda self: {**vocab, first: vocab[second], second: vocab[first]},
+                                  "__len__": lambda self: len(tokenizer)})()
+    with pytest.raises(UserError, match="built with another tokenizer"):
+        build_retrieval(target, None, DrafterOptions(datastore=str(path), tokenizer=other))
 
 
 def test_builder_needs_a_datastore_or_a_tokenizer(store, tmp_path, target_lm, monkeypatch):
@@ -347,6 +368,10 @@ def test_cli_builds_a_datastore(monkeypatch, capsys, tmp_path, tiny_folder):
     code, _, _ = run(monkeypatch, capsys, "datastore", "build", str(tmp_path / "corpus"), str(tmp_path / "txt.npz"),
                      "--target", str(tiny_folder), "--pattern", "*.txt")
     assert code == 0 and Datastore.load(tmp_path / "txt.npz").info.files == 1
+    (tmp_path / "a-file").write_text("")
+    code, out, err = run(monkeypatch, capsys, "datastore", "build", str(tmp_path / "corpus"),
+                         str(tmp_path / "a-file" / "store.npz"), "--target", str(tiny_folder))
+    assert code == 2 and "cannot write" in err and "Traceback" not in err + out
 
 
 def test_cli_missing_folder_is_a_one_line_error(monkeypatch, capsys, tmp_path, tiny_folder):

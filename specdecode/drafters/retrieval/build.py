@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from specdecode.drafters.retrieval.datastore import FORMAT, SEPARATOR, Datastore, DatastoreInfo, open_datastore
+from specdecode.drafters.retrieval.datastore import (FORMAT, SEPARATOR, Datastore, DatastoreInfo, open_datastore,
+                                                     vocabulary_digest)
 from specdecode.drafters.retrieval.defaults import DEFAULT_MAX_TOKENS, DEFAULT_PATTERN
 from specdecode.errors import UserError
 from specdecode.paths import cache_dir, console, set_aside
@@ -101,6 +102,8 @@ def build_datastore(
                     f"--max-tokens."
                 )
             bar.advance(task, done)
+    if not tokens:
+        raise UserError(f"the files under {folder} matching {pattern} hold no text to index")
     vocab_size = len(tokenizer)
     info = DatastoreInfo(
         tokenizer=str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__),
@@ -108,6 +111,7 @@ def build_datastore(
         corpus=corpus or f"{folder} ({pattern})",
         files=documents,
         tokens=tokens,
+        vocabulary=vocabulary_digest(tokenizer),
     )
     with console.status(f"Sorting the suffixes of {tokens:,} tokens") if progress else contextlib.nullcontext():
         flat = np.concatenate(parts) if parts else np.empty(0, dtype=np.int32)

@@ -4,7 +4,9 @@ one .npz file."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import weakref
 import zipfile
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
@@ -103,6 +105,20 @@ class DatastoreInfo:
     files: int  # documents indexed (files with at least one token)
     tokens: int  # corpus tokens, separators not counted
     format: int = FORMAT
+    # a digest of the tokenizer's tokens and ids (`vocabulary_digest`; "": a datastore built before it was kept)
+    vocabulary: str = ""
+
+
+_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def vocabulary_digest(tokenizer) -> str:
+    """What tells two tokenizers' ids apart: a digest of every token and its id (two of one length may mean other
+    text by the same ids). Made once per tokenizer object."""
+    if tokenizer not in _DIGESTS:
+        pairs = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+        _DIGESTS[tokenizer] = hashlib.sha256(pairs.encode()).hexdigest()[:16]
+    return _DIGESTS[tokenizer]
 
 
 @dataclass(frozen=True)

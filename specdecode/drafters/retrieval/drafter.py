@@ -12,7 +12,7 @@ from specdecode.drafters.base import Drafter, Memory, Outcome
 from specdecode.drafters.options import check_budget
 from specdecode.drafters.retrieval.build import default_datastore
 from specdecode.drafters.retrieval.datastore import (
-    MAX_MATCH, MAX_OCCURRENCES, MIN_MATCH, SEPARATOR, Datastore, open_datastore,
+    MAX_MATCH, MAX_OCCURRENCES, MIN_MATCH, SEPARATOR, Datastore, open_datastore, vocabulary_digest,
 )
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
@@ -180,6 +180,11 @@ def build_retrieval(target: CausalLM, draft: CausalLM | None, options) -> Drafte
                 f"the datastore {options.datastore} was built for a vocabulary of {datastore.info.vocab_size} "
                 f"tokens, more than the target's {target.vocab_size}: rebuild it with the target's tokenizer"
             )
+        kept = datastore.info.vocabulary
+        if options.tokenizer is not None and kept and kept != vocabulary_digest(options.tokenizer):
+            raise UserError(f"the datastore {options.datastore} was built with another tokenizer "
+                            f"({datastore.info.tokenizer}), whose ids mean other text: rebuild it with "
+                            "`specdecode datastore build CORPUS_DIR OUT --target <your target>`")
     elif options.tokenizer is not None:
         datastore = open_datastore(default_datastore(options.tokenizer), len(options.tokenizer))
     else:
