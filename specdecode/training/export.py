@@ -38,6 +38,7 @@ import torch
 
 from specdecode.drafters.eagle3_head import Eagle3Config
 from specdecode.errors import UserError
+from specdecode.paths import write_atomically
 
 Format = Literal["vllm", "sglang"]  # the engines an export is laid out for
 FORMATS: tuple[Format, ...] = ("vllm", "sglang")
@@ -240,8 +241,8 @@ def write_weights(tensors: dict[str, torch.Tensor], out: Path) -> Exported:
 
     groups = shard(tensors, MAX_SHARD_BYTES)
     names = [WEIGHTS] if len(groups) == 1 else [SHARD.format(i + 1, len(groups)) for i in range(len(groups))]
-    for name, group in zip(names, groups):
-        save_file(group, str(out / name), metadata={"format": "pt"})
+    for name, group in zip(names, groups):  # (readable by the engine's user: `paths.write_atomically`)
+        write_atomically(out / name, lambda path, group=group: save_file(group, str(path), metadata={"format": "pt"}))
     if len(groups) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
                  "weight_map": {tensor: name for name, group in zip(names, groups) for tensor in group}}
