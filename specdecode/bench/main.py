@@ -72,6 +72,17 @@ class RecordSink:
         self.progress: Progress | None = None
         self.written = 0
 
+    @classmethod
+    def fresh(cls, out: Path, console: Console) -> RecordSink:
+        """The sink of `out`/records.jsonl; a UserError where `out` holds an earlier run's records (never written
+        over)."""
+        output_folder(out, "--out")
+        path = out / "records.jsonl"
+        if path.is_file() and path.stat().st_size:
+            raise UserError(f"{out} holds an earlier run's records ({path}); name a new --out folder, or move them "
+                            "away first")
+        return cls(path, console)
+
     def __enter__(self) -> RecordSink:
         self.file = self.path.open("w")
         return self
@@ -103,8 +114,11 @@ class RecordSink:
             self.progress = None
         self.file.close()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *exc) -> None:
         self.close()
+        if kind is KeyboardInterrupt:  # Ctrl-C: what ended is kept, and where it is said
+            self.console.print(f"[yellow]interrupted: the {self.written} runs that ended are in {self.path}; a run "
+                               "cut short writes no report")
 
 
 def run_here(setup: Setup, tasks: list[Task], config: GenerationConfig, repeats: int, levels: list[int],
@@ -200,26 +214,15 @@ def run(
     tasks = sample_tasks(categories, per_category, seed=seed, part=part)
     setup = Setup(methods, target, drafter, dtype, draft_dtype, backend, threads, datastore, device, head, step_aside)
     console = Console(stderr=True)
-    output_folder(out, "--out")
-    records_path = out / "records.jsonl"
-    if records_path.is_file() and records_path.stat().st_size:
-        raise UserError(f"{out} holds an earlier run's records ({records_path}); name a new --out folder, or move "
-                        "them away first")
     start, date = time.time(), time.strftime("%Y-%m-%d %H:%M")
-    with RecordSink(records_path, console) as sink:
-        try:
-            if ray is None:
-                outcome = run_here(setup, tasks, config, repeats, levels, engines or [], reference, sink, console,
-                                   memory, recorder)
-            else:
-                outcome = ray_shards.run(ray, setup, tasks, config, repeats, reference, sink, sink.expect, memory)
-                if not config.sampling.greedy:
-                    outcome.notes[:0] = sampling_caveat()
-        except KeyboardInterrupt:
-            sink.close()
-            console.print(f"[yellow]interrupted: the {sink.written} runs that ended are in {records_path}; a run cut "
-                          "short writes no report")
-            raise
+    with RecordSink.fresh(out, console) as sink:
+        if ray is None:
+            outcome = run_here(setup, tasks, config, repeats, levels, engines or [], reference, sink, console,
+                               memory, recorder)
+        else:
+            outcome = ray_shards.run(ray, setup, tasks, config, repeats, reference, sink, sink.expect, memory)
+            if not config.sampling.greedy:
+                outcome.notes[:0] = sampling_caveat()
     options = {"methods": ",".join(methods) or "ar", "categories": ",".join(categories),
                "per-category": per_category if per_category is not None else "all", "max-new-tokens": max_new_tokens,
                "repeats": repeats, **({"part": part} if part != "held-out" else {}),

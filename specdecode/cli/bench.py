@@ -52,8 +52,8 @@ def bench(
     seed: Annotated[int, typer.Option(help="Seeds the prompt sample and sampling.")] = 0,
     part: PartOption = "held-out",
     threads: Annotated[int, typer.Option(min=1, max=256)] = 2,
-    out: Annotated[Path | None, typer.Option(
-        help="Output folder (default: results/bench-<time>); not one that holds a run's records.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Output folder (default: results/bench-<time>; not one holding "
+                                                  "a run's records).")] = None,
     dtype: DTypeOption = DType("auto"),
     draft_dtype: DraftDTypeOption = DraftDType("auto"),
     backend: BackendOption = Backend("torch"),
@@ -95,8 +95,7 @@ def bench(
     try:
         levels = [int(level) for level in concurrency.split(",") if level.strip()]
     except ValueError:
-        raise UserError(
-            f"--concurrency takes comma-separated numbers of streams, e.g. 1,4,16, not {concurrency!r}") from None
+        raise UserError(f"--concurrency takes comma-separated stream counts (1,4,16), not {concurrency!r}") from None
     defaults = [] if engine else TORCH_METHODS if backend.value == "torch" else LLAMACPP_METHODS
     run(
         methods=_names(methods) or defaults,

@@ -6,6 +6,7 @@ head run on its own outputs for several steps as it drafts.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -222,7 +223,7 @@ class Eagle3Head(nn.Module):
             size += nbytes
         # each file whole or not at all, older shards gone before the record, written last (`heads.save_head`)
         (folder / CONFIG).unlink(missing_ok=True)
-        written = [write_atomically(folder / WEIGHTS.format(i + 1), lambda path, part=part: save_file(part, str(path)))
+        written = [write_atomically(folder / WEIGHTS.format(i + 1), functools.partial(save_file, part))
                    for i, part in enumerate(shards)]
         for old in set(folder.glob("eagle3-*.safetensors")) - set(written):
             old.unlink()

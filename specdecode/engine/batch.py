@@ -239,18 +239,11 @@ class BatchEngine:
                 continue
             logits = output.logits[row : row + len(draft) + 1]  # [len(draft) + 1, vocab]
             row += len(draft) + 1
-            try:
-                if any(ident == failed for failed, _ in self.failures):
-                    continue  # (its drafting failed)
+            if all(ident != failed for failed, _ in self.failures):  # (not where its drafting failed)
                 # (the host's seconds since the forward began: its verification read waited for the forward)
-                verified = VerifiedStep(draft, m.progress.verify(m.verifier, draft, logits), logits, len(p), spent,
-                                        self.stopwatch.now() - host_start, hidden)
-                out += self._conclude(ident, m, verified, first, alone)
-            except UserError as error:
-                self.failures.append((ident, error))
-        for ident, _ in self.failures:
-            self.remove(ident)
-        self._collect()
+                out += self._verify(ident, m, draft, logits, (len(p), spent, self.stopwatch.now() - host_start),
+                                    hidden, first, alone)
+        self._collect(gone=[ident for ident, _ in self.failures])
         tokens = sum(len(event.token_ids) for _, event, _ in out)
         self.stopwatch.measure(began, self.stopwatch.mark(), self.pace.took(tokens, self._share.took(chunked, total)))
         return out
@@ -273,6 +266,19 @@ class BatchEngine:
                 self.failures.append((ident, error))
             seconds.append(self.stopwatch.now() - start)
         return drafts, seconds
+
+    def _verify(self, ident: int, m: Member, draft: Draft, logits: torch.Tensor, spans: tuple[int, float, float],
+                hidden: torch.Tensor | None, first: int, alone: bool
+                ) -> list[tuple[int, StepEvent, GenerationResult | None]]:
+        """A sequence's draft verified on its rows of the forward and concluded (`_conclude`); `spans`: context tokens
+        fed before the draft, drafting and verification seconds. A UserError of its own (a constraint the grammar
+        engine cannot follow) ends it alone, in `failures`."""
+        try:
+            step = VerifiedStep(draft, m.progress.verify(m.verifier, draft, logits), logits, *spans, hidden)
+            return self._conclude(ident, m, step, first, alone)
+        except UserError as error:
+            self.failures.append((ident, error))
+            return []
 
     def _conclude(self, ident: int, m: Member, step: VerifiedStep, first: int, alone: bool
                   ) -> list[tuple[int, StepEvent, GenerationResult | None]]:
@@ -371,8 +377,11 @@ class BatchEngine:
         return self._share.plan(prompts, self._share.chunk(self.prefill_chunk),
                                 {i: self.members[i].chunks for i in prompts}, len(prompts) == len(self.members), wait)
 
-    def _collect(self) -> None:
-        """Squeeze the garbage out of the cache once it is GARBAGE_SHARE of it."""
+    def _collect(self, gone: list[int]) -> None:
+        """The sequences `gone` (that failed) dropped, the garbage squeezed out of the cache once it is GARBAGE_SHARE
+        of it."""
+        for ident in gone:
+            self._end(ident)
         if not self.members:  # (the ended sequences' contexts kept, if any, for the next: `_borrow`)
             if not self._ended:
                 self.target.reset()

@@ -29,6 +29,7 @@ import os
 import struct
 import warnings
 from pathlib import Path
+from typing import cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -271,9 +272,9 @@ def load_causal_lm(
         local = folder if bits is not None and isinstance(folder, Path) else None  # hub ids are not kept
         if local is not None and bits is not None and (ready := prepared.load(local, bits)) is not None:
             return ready, tokenizer
-        model, found = AutoModelForCausalLM.from_pretrained(  # int8 and int4: from the checkpoint's own dtype
-            folder, dtype="auto" if dtype in (INT8, INT4) else dtype, attn_implementation="sdpa",
-            device_map=None if device.type == "cpu" else device, output_loading_info=True)
+        model, found = cast("tuple[PreTrainedModel, dict]", AutoModelForCausalLM.from_pretrained(
+            folder, dtype="auto" if dtype in (INT8, INT4) else dtype, attn_implementation="sdpa",  # int8/int4: from
+            device_map=None if device.type == "cpu" else device, output_loading_info=True))  # the checkpoint's dtype
         if found["missing_keys"]:  # else they run on random weights (a config of more layers; no causal LM head)
             missing = sorted(found["missing_keys"])
             raise UserError(f"{spec} lacks {len(missing)} of its causal LM's weights ({', '.join(missing[:3])}"

@@ -347,8 +347,8 @@ class Worker:
                 self._fail(member, error)
             self._active.clear()
             return
-        for ident, error in self._batched().failures:  # a request's own fault (its grammar): it alone fails
-            self._fail(self._active.pop(ident), error)
+        for ident, failure in self._batched().failures:  # a request's own fault (its grammar): it alone fails
+            self._fail(self._active.pop(ident), failure)
         self._on_batch_step(len(self._active), sum(e.stats.drafted for _, e, _ in outcomes))
         for ident, event, result in outcomes:
             job = self._active.get(ident)

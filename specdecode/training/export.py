@@ -29,6 +29,7 @@ reported in `Exported.oversize` (a draft vocabulary of 32,768 on a target 1,536 
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,7 +243,7 @@ def write_weights(tensors: dict[str, torch.Tensor], out: Path) -> Exported:
     groups = shard(tensors, MAX_SHARD_BYTES)
     names = [WEIGHTS] if len(groups) == 1 else [SHARD.format(i + 1, len(groups)) for i in range(len(groups))]
     for name, group in zip(names, groups):  # (readable by the engine's user: `paths.write_atomically`)
-        write_atomically(out / name, lambda path, group=group: save_file(group, str(path), metadata={"format": "pt"}))
+        write_atomically(out / name, functools.partial(save_file, group, metadata={"format": "pt"}))
     if len(groups) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
                  "weight_map": {tensor: name for name, group in zip(names, groups) for tensor in group}}

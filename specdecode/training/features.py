@@ -98,7 +98,7 @@ class Writer:
                                 "pick an empty folder")
             for key, value in identity.items():
                 kept = self.manifest.get(key)
-                if key == "target_key" and target_identity(kept or "") == target_identity(value or ""):
+                if key == "target_key" and target_identity(str(kept or "")) == target_identity(str(value or "")):
                     continue  # (a registered target cached elsewhere)
                 if kept != value:
                     raise UserError(f"{self.folder} holds features with {key}={self.manifest.get(key)!r}, not "
