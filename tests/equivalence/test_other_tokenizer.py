@@ -331,7 +331,7 @@ def test_a_steps_tokenizer_work_does_not_grow_with_the_context():
 #
 # A target of 8 tokens over a three-letter alphabet (so every continuation's probability is enumerated
 # by goodness_of_fit.continuations) and a draft model of another tokenizer over the same letters; the
-# first two tokens of 1,500 runs of four tokens (the first step drafts up to three), chi-square at 1e-4
+# first two tokens of 1,200 runs of four tokens (the first step drafts up to three), chi-square at 1e-4
 # with power at least 0.9 against a 10% total-variation error (goodness_of_fit.assert_follows).
 
 LETTERS = ["ab ba abba", "a b ab ba", "baab abab", "bb aa ab", "aba bab a b"] * 4

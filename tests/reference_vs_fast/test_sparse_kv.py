@@ -121,7 +121,10 @@ def test_under_lookup_both_tiers_draft_and_greedy_equals_plain(tiny_target, refe
 def test_sampled_output_follows_target_distribution():
     """The first two sampled tokens follow the target's exact distribution when the second step drafts
     two tokens over a compressed cache that lacks most of the prompt (see test_self_speculative's
-    version of this test for the test's power)."""
+    version of this test for the test's power). A tiny random model barely reads what the view leaves out, so its
+    drafts are rarely turned down (about 1.5% of the runs): this checks the sparse view's sampled drafts and their
+    distributions, while a rejection's residual is held to 0.05 by the fake-model chain cases
+    (`statistical/test_engine_sampling.py`), which verify the same way."""
     vocab, runs = 3, 1200
     model = tiny_qwen2(seed=24, layers=3, hidden=32, vocab=vocab)
     with torch.no_grad():
@@ -133,6 +136,7 @@ def test_sampled_output_follows_target_distribution():
     engine.curve = CURVE
     params = SamplingParams(temperature=1.0)
     outcomes = engine_outcomes(engine, prompt, 2, params, runs, max_new_tokens=4)
+    assert outcomes.deep_drafts == runs and outcomes.corrections > 0  # it drafted every run, and was turned down
     assert_follows(outcomes.counts, continuations(model_logits(model), prompt, 2, params), "sparse-kv", tv=0.1)
 
 

@@ -45,6 +45,12 @@ FAKE_CASES = {  # kind: (drafter, sampling, runs); fakes.TARGET after fakes.PROM
     # a draft model's sampled chain, verified with its probs: 41 cells, power 0.91
     "chain": (lambda: DraftModelDrafter(FakeLM(fakes.DRAFT), num_tokens=2, adaptive=False, confidence_threshold=0),
               SamplingParams(0.8, top_p=0.9), 6600),
+    # the same chain on the draft model's default CPU path (a confidence threshold: `DraftModelDrafter._draft`, which
+    # may stop early), with top-k and top-p together (top-p after top-k: the other order moves 0.165 of the mass
+    # here): 10 cells, power 0.92
+    "chain-stops-early": (lambda: DraftModelDrafter(FakeLM(fakes.DRAFT), num_tokens=2, adaptive=False,
+                                                    confidence_threshold=0.05),
+                          SamplingParams(0.8, top_k=3, top_p=0.8), 4300),
     # a draft model's fixed-shape tree of top-k children (one-hot): 27 cells, power 0.91
     "draft-tree": (lambda: DraftModelTreeDrafter(FakeLM(fakes.DRAFT), CostCurve.linear(0.05),
                                                  choices=[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)]),

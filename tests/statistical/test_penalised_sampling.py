@@ -31,6 +31,10 @@ CASES = {  # kind: (drafter, sampling, runs); fakes.TARGET after fakes.PROMPT, f
     # a draft model's sampled chain, verified with its probs, every penalty and a bias: 61 cells, power 0.90
     "chain": (lambda: DraftModelDrafter(FakeLM(fakes.DRAFT), num_tokens=2, adaptive=False, confidence_threshold=0),
               PENALISED, 7600),
+    # the same chain on the draft model's default CPU path (a confidence threshold: `DraftModelDrafter._draft`, which
+    # may stop early): 61 cells, power 0.91
+    "chain-stops-early": (lambda: DraftModelDrafter(FakeLM(fakes.DRAFT), num_tokens=2, adaptive=False,
+                                                    confidence_threshold=0.05), PENALISED, 7600),
     # two children of the context and two of each drawn i.i.d., with probs, min-p too: 53 cells, power 0.90
     "iid-tree": (lambda: IndependentTreeDrafter(fakes.DRAFT, widths=(2, 2)),
                  SamplingParams(1.0, min_p=0.12, frequency_penalty=0.8, logit_bias=((0, -0.5),)), 7200),
