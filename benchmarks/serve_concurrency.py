@@ -9,21 +9,21 @@ loopback port (no copies of ended contexts: the same prompts come again at every
 At every level each method is sent the same prompts (a seeded sample of the held-out part of each category, or of the
 tuning part with --part tuning, chat-templated token ids over /v1/completions, greedy, streamed): `clients` threads,
 each taking the next prompt when its answer is in. Levels and repeats follow one another; within each, the methods run
-in the rows of a balanced Latin square (`bench.harness.method_order`), so neither a drifting machine nor what one
-method leaves behind favours another.
+in the next row of a balanced Latin square (`run_order`, `bench.harness.method_order`), so neither a drifting machine
+nor what one method leaves behind favours another.
 
 --variant "NAME=SERVE OPTIONS" (repeatable) starts one server per variant, each with its options added (e.g.
 --variant "1 s=--chunk-seconds 1" --variant "0.25 s=--chunk-seconds 0.25"), and runs every method on each, all
 interleaved; a row is then `method [NAME]`, compared with `ar [NAME]`.
 
-Per method and level: the total output tokens per second over the run's wall clock; each request's tokens per
-second (from sending it to its last token); time to first token; time between tokens (a streamed chunk's gap
-spread evenly over its tokens: a step that brings three tokens after 90 ms counts 30 ms three times), median and
-95th percentile; and how many answers are token for token what greedy decoding of the same prompt ids gives
-in-process (`SpeculativeEngine`, plain decoding, before the server starts). Writes to --out (default
-benchmarks/reports/serve-concurrency-<date>): records.jsonl (one line per request, with every chunk's time and
-token count, and one per run), settings.json (command, machine, date), report.md (the table, the ratios the issue
-asks for, the answers that differ) and throughput.png (tokens per second against clients).
+Per method and level: the total output tokens per second over the run's wall clock; each request's tokens per second
+(from sending it to its last token); time to first token; time between tokens (a streamed chunk's gap spread evenly
+over its tokens: a step that brings three tokens after 90 ms counts 30 ms three times) and the gaps between chunks
+(what a client waits: 90 ms once), median and 95th percentile; and how many answers are token for token what greedy
+decoding of the same prompt ids gives in-process (`SpeculativeEngine`, plain decoding, before the server starts).
+Writes to --out (default benchmarks/reports/serve-concurrency-<date>): records.jsonl (one line per request, with
+every chunk's time and token count, and one per run), settings.json (command, machine, date), report.md (the table,
+the ratios the issue asks for, the answers that differ) and throughput.png (tokens per second against clients).
 """
 
 from __future__ import annotations
@@ -116,6 +116,16 @@ def run_level(url: str, prompts: list[list[int]], method: str, clients: int, max
     return time.perf_counter() - start, answers
 
 
+def run_order(labels: list[str], repeats: int, levels: list[int]) -> list[tuple[int, int, list[str]]]:
+    """(repeat, level, the labels' order) of every run: each (repeat, level) cell takes the next row of a balanced Latin
+    square (`bench.harness.method_order`), so over the cells each label runs in each place as often, and after each
+    other label as often (what one method leaves behind in the server, its pace and cost curve, favours none)."""
+    from specdecode.bench.harness import method_order  # (torch and transformers: not for --render)
+
+    cells = [(repeat, level) for repeat in range(repeats) for level in levels]
+    return [(repeat, level, method_order(labels, row)) for row, (repeat, level) in enumerate(cells)]
+
+
 # --- Figures from the records ------------------------------------------------------------------------------
 
 
@@ -134,25 +144,34 @@ def gaps(request: dict) -> list[float]:
     return out
 
 
+def chunk_gaps(request: dict) -> list[float]:
+    """The time between a request's streamed chunks, each gap once (what a client waits between two arrivals,
+    whatever they carry: vLLM's inter-token latency); `gaps` spreads each over its tokens."""
+    times = [at for at, _ in request["chunks"]]
+    return [b - a for a, b in zip(times, times[1:])]
+
+
 def figures(requests: list[dict], runs: list[dict]) -> dict:
     """A (level, method)'s figures over its runs and requests."""
     tokens = sum(len(r["token_ids"]) for r in requests)
     wall = sum(run["wall"] for run in runs)
-    between = [g for r in requests for g in gaps(r)]
+    between, waits = [g for r in requests for g in gaps(r)], [g for r in requests for g in chunk_gaps(r)]
     first = [r["chunks"][0][0] for r in requests if r["chunks"]]
     rates = [len(r["token_ids"]) / r["seconds"] for r in requests if r["seconds"] > 0]
     return {"throughput": tokens / wall, "client": statistics.median(rates), "ttft": statistics.median(first),
             "ttft95": percentile(first, 0.95), "tbt": statistics.median(between) if between else float("nan"),
-            "tbt95": percentile(between, 0.95), "identical": sum(r["identical"] for r in requests),
+            "tbt95": percentile(between, 0.95), "gap": statistics.median(waits) if waits else float("nan"),
+            "gap95": percentile(waits, 0.95), "identical": sum(r["identical"] for r in requests),
             "requests": len(requests), "cached": sum(r.get("cached", 0) for r in requests),
             "prompt_tokens": sum(r.get("prompt_tokens", 0) for r in requests)}
 
 
-def prompt_ratio(records: list[dict], method: str, prompt: int, levels: list[int]) -> float:
-    """A prompt's median time between tokens at the most clients over at the fewest, under `method`."""
+def prompt_ratio(records: list[dict], method: str, prompt: int, levels: list[int], measure=gaps) -> float:
+    """A prompt's median time between tokens (`gaps`, or `chunk_gaps`) at the most clients over at the fewest, under
+    `method`."""
     def median(level: int) -> float:
         found = [g for r in records if r["kind"] == "request" and r["method"] == method and r["prompt"] == prompt
-                 and r["clients"] == level for g in gaps(r)]
+                 and r["clients"] == level for g in measure(r)]
         return statistics.median(found) if found else float("nan")
 
     return median(levels[-1]) / median(levels[0])
@@ -191,6 +210,25 @@ def noise_lines(records: list[dict], levels: list[int], methods: list[str]) -> l
     return lines
 
 
+def tbt_lines(table: dict, records: list[dict], levels: list[int], methods: list[str], prompts: int) -> list[str]:
+    """The time between tokens at the most clients over at the fewest, by both measures (a chunk's gap spread over its
+    tokens, `gaps`; the gaps between chunks, `chunk_gaps`): the medians' ratio, and per prompt its median's ratio over
+    `ar`'s for the same prompt, the largest (one prompt of a few noisy ones: no interval)."""
+    lines = ["", f"Time between tokens at {levels[-1]} clients over at {levels[0]}, spread over a chunk's tokens / as "
+                 "the gaps between chunks (median; per prompt over `ar`'s, the largest):", ""]
+    for method in methods:
+        ratios = []
+        for key, measure in (("tbt", gaps), ("gap", chunk_gaps)):
+            worst = max(prompt_ratio(records, method, p, levels, measure)
+                        / prompt_ratio(records, baseline(method), p, levels, measure)
+                        for p in range(prompts)) if baseline(method) in methods else float("nan")
+            ratios.append((table[(levels[-1], method)][key] / table[(levels[0], method)][key], worst))
+        (spread, spread_worst), (chunk, chunk_worst) = ratios
+        lines.append(f"- `{method}`: {spread:.2f}x / {chunk:.2f}x; per prompt, beyond `ar`'s: at most "
+                     f"{spread_worst:.2f}x / {chunk_worst:.2f}x")
+    return lines
+
+
 def render(out: Path) -> str:
     """report.md and throughput.png from `out`'s records and settings."""
     settings = json.loads((out / "settings.json").read_text())
@@ -208,25 +246,20 @@ def render(out: Path) -> str:
              f"{settings['max_tokens']} tokens at most, "
              f"greedy, streamed; {settings['repeats']} interleaved round(s); while it ran: {settings['beside']}", "",
              "| clients | method | tokens/s | over `ar` | a client's tokens/s | TTFT median / p95 (s) | "
-             "TBT median / p95 (ms) | = in-process greedy |", "|---|---|---|---|---|---|---|---|"]
+             "TBT median / p95 (ms) | chunk gap median / p95 (ms) | = in-process greedy |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for (level, method), row in table.items():
         ar = table.get((level, baseline(method)))
         over = f"{row['throughput'] / ar['throughput']:.2f}x" if ar else "-"
         lines.append(f"| {level} | `{method}` | {row['throughput']:.1f} | {over} | {row['client']:.1f} | "
                      f"{row['ttft']:.2f} / {row['ttft95']:.2f} | {row['tbt'] * 1000:.0f} / {row['tbt95'] * 1000:.0f} | "
-                     f"{row['identical']}/{row['requests']} |")
+                     f"{row['gap'] * 1000:.0f} / {row['gap95'] * 1000:.0f} | {row['identical']}/{row['requests']} |")
     if any(row["prompt_tokens"] for row in table.values()):  # (recorded since the batch shares prefixes)
         lines += ["", "Prompt tokens taken from the server's cache (a shared prefix), not fed, of all:", ""]
         lines += [f"- {level} clients, `{method}`: {row['cached']} of {row['prompt_tokens']}"
                   for (level, method), row in table.items()]
     if len(levels) > 1:  # (one level has nothing to compare its gaps with)
-        lines += ["", f"Time between tokens at {levels[-1]} clients over at {levels[0]} (median; and per prompt, its "
-                      "median's ratio over `ar`'s for the same prompt, the largest):", ""]
-        for method in methods:
-            low, high = table[(levels[0], method)]["tbt"], table[(levels[-1], method)]["tbt"]
-            worst = max(prompt_ratio(records, method, p, levels) / prompt_ratio(records, baseline(method), p, levels)
-                        for p in range(settings["prompts"])) if baseline(method) in methods else float("nan")
-            lines.append(f"- `{method}`: {high / low:.2f}x; per prompt, beyond `ar`'s: at most {worst:.2f}x")
+        lines += tbt_lines(table, records, levels, methods, settings["prompts"])
     if any(baseline(method) in methods for method in methods):
         lines += noise_lines(records, levels, methods)
     differing = [r for r in records if r["kind"] == "request" and not r["identical"]]
@@ -287,8 +320,6 @@ def first_difference(ours: list[int], theirs: list[int]) -> int | None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from specdecode.bench.harness import method_order
-
     levels = [int(c) for c in args.clients.split(",")]
     methods = [m for m in args.methods.split(",") if m]
     prompts, categories, references = prompts_and_references(args)
@@ -320,25 +351,22 @@ def run(args: argparse.Namespace) -> None:
             urls[name] = server.url
             for method in methods:  # warm-up: first forwards, the batch's path at the widest level
                 run_level(server.url, prompts[: max(levels)], method, max(levels), 8)
-        index = 0
-        for repeat in range(args.repeats):
-            for level in levels:
-                for label in method_order(list(labels), index):
-                    name, method = labels[label]
-                    wall, answers = run_level(urls[name], prompts, method, level, args.max_tokens)
-                    index += 1
-                    records.write(json.dumps({"kind": "run", "repeat": repeat, "clients": level, "method": label,
-                                              "wall": wall}) + "\n")
-                    for prompt, client, request in answers:
-                        difference = first_difference(request["token_ids"], references[prompt])
-                        records.write(json.dumps({"kind": "request", "repeat": repeat, "clients": level,
-                                                  "method": label, "prompt": prompt, "category": categories[prompt],
-                                                  "client": client, "identical": difference is None,
-                                                  "prompt_tokens": len(prompts[prompt]),
-                                                  "first_difference": difference, **request}) + "\n")
-                    records.flush()
-                    tokens = sum(len(a[2]["token_ids"]) for a in answers)
-                    print(f"{level} clients, {label}: {tokens / wall:.1f} tokens/s", flush=True)
+        for repeat, level, order in run_order(list(labels), args.repeats, levels):
+            for label in order:
+                name, method = labels[label]
+                wall, answers = run_level(urls[name], prompts, method, level, args.max_tokens)
+                records.write(json.dumps({"kind": "run", "repeat": repeat, "clients": level, "method": label,
+                                          "wall": wall}) + "\n")
+                for prompt, client, request in answers:
+                    difference = first_difference(request["token_ids"], references[prompt])
+                    records.write(json.dumps({"kind": "request", "repeat": repeat, "clients": level,
+                                              "method": label, "prompt": prompt, "category": categories[prompt],
+                                              "client": client, "identical": difference is None,
+                                              "prompt_tokens": len(prompts[prompt]),
+                                              "first_difference": difference, **request}) + "\n")
+                records.flush()
+                tokens = sum(len(a[2]["token_ids"]) for a in answers)
+                print(f"{level} clients, {label}: {tokens / wall:.1f} tokens/s", flush=True)
     records.close()
     print(render(args.out))
 

@@ -53,3 +53,23 @@ def test_a_variants_rows_are_compared_with_ar_on_its_own_server():
     found = rows(script().noise_lines(records(walls), [8], ["auto [1 s]", "ar [1 s]", "auto [q]", "ar [q]"]))
     assert found[("8", "`auto [1 s]`")][2] == "2.00" and found[("8", "`auto [q]`")][2] == "1.50"
     assert ("8", "`ar [q]`") not in found
+
+
+def test_each_method_runs_in_each_place_as_often():
+    """The rows of the Latin square turn with each (repeat, level) cell, so over whole cycles of rows (n cells for n
+    methods, 2n for an odd n) each method runs in each place as often: before, the row index moved by a run, and
+    with a cell's runs counted in whole rows it never turned (`ar` second in every run of three methods)."""
+    from collections import Counter
+
+    for labels, repeats, levels in ((["auto", "ar", "pld"], 2, [1, 2, 8]), (["auto", "ar"], 2, [1, 2, 4, 8])):
+        order = script().run_order(labels, repeats, levels)
+        assert [(repeat, level) for repeat, level, _ in order] == [(r, c) for r in range(repeats) for c in levels]
+        places = Counter((label, place) for _, _, row in order for place, label in enumerate(row))
+        assert len(set(places.values())) == 1 and len(places) == len(labels) ** 2, places
+
+
+def test_chunk_gaps_count_each_wait_once():
+    """A step that brings three tokens 90 ms after the last: one 90 ms wait, where `gaps` counts 30 ms three times."""
+    request = {"chunks": [[0.0, [1]], [0.09, [2, 3, 4]], [0.12, [5]]]}
+    assert script().chunk_gaps(request) == [0.09, 0.12 - 0.09]
+    assert script().gaps(request) == [0.03, 0.03, 0.03, 0.12 - 0.09]
