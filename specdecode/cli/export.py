@@ -26,12 +26,15 @@ def export_eagle(
 ) -> None:
     """Write an EAGLE-3 head for TARGET as the draft-model folder vLLM or SGLang loads (LlamaForCausalLMEagle3,
     with the target's LM head rows of its draft vocabulary), and print how to serve it."""
-    from specdecode.drafters.heads import ships
+    from specdecode.drafters.heads import RECORDS, kind_of, ships
     from specdecode.training.export import FILE_LIMIT, check_destination, export_eagle3, serve_commands
 
     known = check_destination(fmt, out)  # before anything loads
     if head is not None and not head.is_dir():
         raise UserError(f"no such folder: {head}")
+    if head is not None and any((head / RECORDS[kind]).is_file() for kind in ("eagle", "medusa")):
+        raise UserError(f"{head} holds {kind_of(head)} heads; the engines load EAGLE-3 heads (`specdecode train "
+                        "eagle3 --out DIR`)")
     if head is not None:
         target = head_target(head, target)
     target = target or DEFAULT_TARGET

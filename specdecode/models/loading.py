@@ -94,8 +94,8 @@ def resolve(spec: str, *, progress: bool = True) -> Path | str:
     if spec in registered_models():
         return prepare_registered(spec, progress=progress)
     path = Path(spec).expanduser()
-    if path.exists():  # (absolute: the model's name in its config and cost key whatever the working folder)
-        return _resolve_local(path.resolve(), progress)
+    if path.exists():  # (absolute, links kept: the model's name in its config and cost key whatever the working folder)
+        return _resolve_local(Path(os.path.abspath(path)), progress)
     if _looks_like_path(spec):
         raise UserError(
             f"No such file or folder: {spec}. Pass a .gguf file, a model folder, a hub id, or one of the "

@@ -347,6 +347,11 @@ def test_cli_a_folder_without_a_head_says_so(monkeypatch, capsys, tmp_path):
     code, _, err = run(monkeypatch, capsys, "export", "eagle", "--format", "sglang", "--head", str(tmp_path / "empty"),
                        str(tmp_path / "out"))
     assert code == 2 and "no EAGLE-3 head" in " ".join(err.split()) and err.count("error:") == 1, err
+    (tmp_path / "eagle").mkdir()
+    (tmp_path / "eagle" / "eagle.json").write_text("{}")  # an EAGLE-1 head's record: the kind said, not "none"
+    code, _, err = run(monkeypatch, capsys, "export", "eagle", "--format", "sglang", "--head", str(tmp_path / "eagle"),
+                       str(tmp_path / "out"))
+    assert code == 2 and "holds eagle heads" in " ".join(err.split()), err
 
 
 @pytest.fixture(scope="module")

@@ -185,7 +185,7 @@ def test_unknown_registered_name_lists_the_known_ones() -> None:
 def test_load_local_folder(tiny_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tiny_folder.parent)  # named as typed, relative: known by its absolute path (cost keys, features)
     model, tokenizer = load_causal_lm(tiny_folder.name, progress=False)
-    assert model.config._name_or_path == str(tiny_folder.resolve())
+    assert model.config._name_or_path == os.path.abspath(tiny_folder)
     assert model.dtype == torch.bfloat16
     assert not model.training
     assert not any(parameter.requires_grad for parameter in model.parameters())
