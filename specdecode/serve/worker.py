@@ -148,17 +148,14 @@ def own_cache(target: CausalLM) -> CausalLM | None:
 
 
 class Turns:
-    """The batch and the job that runs alone beside it take turns by time: whichever has had less since both were
-    there goes next, a step (or a chunk of a prompt) at a time."""
+    """The batch and the job that runs alone beside it take turns by time (`clock`: the worker's, a test's may count
+    forwards): whichever has had less since both were there goes next, a step (or a chunk of a prompt) at a time."""
 
-    def __init__(self) -> None:
-        self.seconds = {True: 0.0, False: 0.0}  # alone -> seconds since both were there
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock, self.seconds = clock, {True: 0.0, False: 0.0}  # alone -> seconds since both were there
 
     def alone_next(self) -> bool:
         return self.seconds[True] <= self.seconds[False]
-
-    def took(self, alone: bool, seconds: float) -> None:
-        self.seconds[alone] += seconds
 
 
 @dataclass
@@ -188,6 +185,7 @@ class Worker:
         max_queue: int = DEFAULT_MAX_QUEUE,
         batch_target: CausalLM | None = None,
         batch_options: dict[str, Any] | None = None,
+        clock: Callable[[], float] = time.perf_counter,  # what the turns are timed by (`Turns`)
     ):
         self.tokenizer = tokenizer
         self.factory, self._on_finish = factory, on_finish
@@ -201,7 +199,7 @@ class Worker:
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: dict[int, Job] = {}  # batch member id -> job
         self._alone: Alone | None = None  # the job that runs alone, under way
-        self._turns = Turns()
+        self._turns = Turns(clock)
         self._queued = 0  # places taken in the queue (`enter`)
         self._lock = threading.Lock()
         self._stopping = False
@@ -294,16 +292,16 @@ class Worker:
                     if not job.cancelled.is_set():
                         self._expire(job)
             if self._alone is None or not self._active:
-                self._turns = Turns()  # one of them alone: nothing owed
+                self._turns = Turns(self._turns.clock)  # one of them alone: nothing owed
             if self._alone is not None and (not self._active or self._turns.alone_next()):
                 self._timed(True, self._step_alone)
             elif self._active:
                 self._timed(False, self._step_batch)
 
     def _timed(self, alone: bool, step: Callable[[], None]) -> None:
-        start = time.perf_counter()
+        start = self._turns.clock()
         step()
-        self._turns.took(alone, time.perf_counter() - start)
+        self._turns.seconds[alone] += self._turns.clock() - start
 
     def _admit(self) -> None:
         """Start waiting jobs in arrival order: into the batch while it has room; a job that runs alone once the

@@ -16,7 +16,6 @@ import dataclasses
 import math
 import queue
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -49,13 +48,11 @@ class HeldLM(FakeLM):
         super().__init__(TARGET, max_context=1024)
         self.fed: list[int] = []  # the tokens of each forward, begun
         self.begun, self.gate = threading.Semaphore(0), threading.Semaphore(0)
-        self.pause = [0.0]  # seconds each forward takes once let go (the worker's turns are by time)
 
     def forward(self, token_ids, **options):
         self.fed.append(token_ids.numel())
         self.begun.release()
         assert self.gate.acquire(timeout=60), "the test never let the forward go on"
-        time.sleep(self.pause[0])
         return super().forward(token_ids, **options)
 
     def next_forward(self) -> int:
@@ -102,7 +99,8 @@ def own_cache(target: HeldLM) -> HeldLM:
 def worker():
     target, factory = HeldLM(), Factory()
     factory.target = target
-    running = Worker(target, LetterTokenizer(), factory, batch_target=own_cache(target))
+    # the turns timed in forwards begun, not seconds: each step is one forward, whatever the machine's load
+    running = Worker(target, LetterTokenizer(), factory, batch_target=own_cache(target), clock=lambda: len(target.fed))
     running.batch.prefill_chunk = CHUNK
     try:
         yield running, target
@@ -227,7 +225,6 @@ def test_a_job_that_runs_alone_takes_turns_with_the_batch(first, second):
     within a few forwards of its arrival, by turns with the other's steps (each on a cache of its own), not
     after the other's 60-token answer; both answers are plain decoding's."""
     with worker() as (running, target):
-        target.pause[0] = 0.02  # a forward takes longer than drafting (the turns are by time, as on a real model)
         long = under_way(running, target, first)
         short = submit(running, second, 3, 2, seed=2)
         # the step under way, then its two steps by turns with the other's (about one each)
