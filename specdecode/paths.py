@@ -73,6 +73,11 @@ def write_atomically(path: Path, content: str | bytes | Callable[[Path], object]
     return path
 
 
+def _reason(error: BaseException) -> str:
+    """Why a file did not read, in one short line: the error's first line, or its type."""
+    return (str(error).splitlines() or [""])[0][:160] or type(error).__name__
+
+
 def _umask() -> int:
     """The process's file-mode creation mask, read without setting it (Linux's /proc; else the usual 022)."""
     with contextlib.suppress(OSError, ValueError, StopIteration):
@@ -92,8 +97,7 @@ def damaged(path: Path, what: str, fix: str):
     except UserError:
         raise
     except Exception as error:  # (safetensors' SafetensorError, JSON's, a shape that does not fit)
-        reason = (str(error).splitlines() or [""])[0][:160] or type(error).__name__
-        raise UserError(f"{path} ({what}) is damaged: {reason}; {fix}") from error
+        raise UserError(f"{path} ({what}) is damaged: {_reason(error)}; {fix}") from error
 
 
 def read_record(path: Path, what: str, fix: str) -> Any:
@@ -122,8 +126,7 @@ def read_json_cache(path: Path, what: str, then: str, parse: Callable[[Any], T])
     try:
         return parse(json.loads(path.read_text(encoding="utf-8")))
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as error:
-        reason = (str(error).splitlines() or [""])[0][:160] or type(error).__name__
-        set_aside(path, what, reason, then)
+        set_aside(path, what, _reason(error), then)
         return None
 
 

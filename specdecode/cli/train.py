@@ -55,8 +55,7 @@ def _target_features(target: str, data: Path | None, tokens: int, seed: int, dty
     kept = None if answers_folder is None else answer_store.features_folder(answers_folder)
     if kept is not None and (kept / features.MANIFEST).is_file():
         manifest, shards = features.load(kept)
-        identity = answer_store.target_identity
-        same = (identity(manifest.get("target_key") or "") == identity(describe["target_key"])
+        same = (answer_store.same_target(manifest.get("target_key"), describe["target_key"])
                 and manifest.get("aux_layers") == describe.get("aux_layers"))
         if same:
             found.append((manifest, shards))
@@ -100,8 +99,7 @@ def _extracted(models, data: Path, found: list, answers_folder: Path | None, tok
         parts = ([source] if tokens else []) + answered
         features.extract(model, todo, data, describe | {"corpus": "; ".join(parts), "seed": seed}, layers=layers)
     manifest, shards = features.load(data)
-    identity = answer_store.target_identity
-    if identity(manifest.get("target_key") or "") != identity(describe["target_key"]):
+    if not answer_store.same_target(manifest.get("target_key"), describe["target_key"]):
         raise UserError(f"{data} holds features of {manifest.get('target')!r}, not of {describe['target']!r}")
     if layers is not None and tuple(manifest.get("aux_layers") or ()) != tuple(layers):
         raise UserError(f"{data} holds no inputs of the target's layers {list(layers)}: build EAGLE-3's features "

@@ -235,10 +235,15 @@ def target_identity(key: str) -> str:
     return "|".join(parts)
 
 
+def same_target(kept: object, key: object) -> bool:
+    """Whether a folder's recorded target key (`kept`) names the target of `key` (`target_identity`)."""
+    return target_identity(str(kept or "")) == target_identity(str(key or ""))
+
+
 def check_target(folder: Path, manifest: dict, target: dict) -> None:
     """A UserError unless a folder's answers come from this target (`describe_target`), wherever its
     weights are cached."""
-    if target_identity(manifest.get("target_key") or "") != target_identity(target["target_key"]):
+    if not same_target(manifest.get("target_key"), target["target_key"]):
         raise UserError(f"{folder} holds answers of {manifest.get('target')!r} ({manifest.get('dtype')}), not of "
                         f"{target['target']!r} ({target['dtype']}); pick another --out")
 

@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 
 from specdecode.errors import UserError
 from specdecode.paths import damaged, read_record
-from specdecode.training.answer_store import target_identity
+from specdecode.training.answer_store import same_target
 from specdecode.training.corpus import Sequence
 
 SHARD_TOKENS = 65_536
@@ -98,7 +98,7 @@ class Writer:
                                 "pick an empty folder")
             for key, value in identity.items():
                 kept = self.manifest.get(key)
-                if key == "target_key" and target_identity(str(kept or "")) == target_identity(str(value or "")):
+                if key == "target_key" and same_target(kept, value):
                     continue  # (a registered target cached elsewhere)
                 if kept != value:
                     raise UserError(f"{self.folder} holds features with {key}={self.manifest.get(key)!r}, not "
