@@ -58,14 +58,19 @@ class Target:
 
 
 def post(target: Target, key: str, body: dict, timeout: float = 600) -> tuple[float, dict]:
-    """(seconds, JSON answer) of a POST to /v1/completions."""
+    """(seconds, JSON answer) of a POST to /v1/completions; a streamed answer is read to its end, and its answer
+    is the last event's JSON."""
     connection = http.client.HTTPConnection(target.url.removeprefix("http://"), timeout=timeout)
     start = time.perf_counter()
     connection.request("POST", "/v1/completions", body=json.dumps(body),
                        headers={"content-type": "application/json", "authorization": f"Bearer {key}"})
     response = connection.getresponse()
-    answer = json.loads(response.read())
+    text = response.read().decode()
     seconds = time.perf_counter() - start
+    if body.get("stream") and response.status == 200:
+        events = [line.removeprefix("data: ") for line in text.splitlines() if line.startswith("data: {")]
+        text = events[-1] if events else "{}"
+    answer = json.loads(text)
     connection.close()
     if response.status != 200:
         raise RuntimeError(f"{response.status}: {answer}")
@@ -81,7 +86,8 @@ def short(target: Target, max_tokens: int = 2, method: str = "pld") -> float:
 def beside_a_stream(target: Target, method: str, tokens: int, offset: float) -> tuple[float, float, float]:
     """Key B's short request `offset` seconds into key A's streamed answer of `tokens` tokens (greedy, `method`):
     (B's seconds, A's seconds, seconds of A's answer after B's was in)."""
-    body = {"model": MODEL, "prompt": "def quicksort(items):", "max_tokens": tokens, "temperature": 0, "method": method}
+    body = {"model": MODEL, "prompt": "def quicksort(items):", "max_tokens": tokens, "temperature": 0, "method": method,
+            "stream": True}
     with ThreadPoolExecutor(1) as pool:
         a = pool.submit(post, target, target.key_a, body)
         time.sleep(offset)
