@@ -11,6 +11,7 @@ sends tools: the server cannot read calls it does not know the shape of.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -163,6 +164,23 @@ def parse_call(text: str) -> dict | None:
     return new_call(call["name"], arguments) if isinstance(arguments, dict) else None
 
 
+CUT_CALL = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(.*)', re.DOTALL)
+
+
+def cut_call(text: str, names: list[str]) -> dict | None:
+    """A call that the answer's end cut short (`{"name": "f", "arguments": {"city": "Pa`) as an OpenAI tool call
+    whose arguments are the JSON text written so far, as OpenAI returns a call cut by `max_tokens` (with
+    finish_reason "length"); None unless it names one of `names`."""
+    match = CUT_CALL.fullmatch(text)
+    if match is None:
+        return None
+    name = json.loads(match.group(1))
+    if name not in names:
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": match.group(2)}}
+
+
 def _closing(text: str, close: str) -> int:
     """Where `close` first stands in a call's text outside a JSON string (an argument may spell the tag), or -1."""
     end = text.find(close)
@@ -247,6 +265,8 @@ class CallReader:
 
     def _call(self, body: str, closed: bool = True) -> tuple[str, list[dict]]:
         call = parse_call(body.strip())
+        if call is None and not closed:
+            call = cut_call(body.strip(), self.use.names)
         form = self.use.format
         if call is None:
             return form.open + body + (form.close if closed else ""), []

@@ -67,6 +67,24 @@ def test_fed_in_pieces_reads_as_whole(text, data):
     assert (content if content.strip() or not calls else None) == whole_content
 
 
+def test_a_call_cut_short_is_a_call_with_the_arguments_written_so_far():
+    """A call the answer's end cut inside its arguments is returned as OpenAI returns one cut by `max_tokens`:
+    the call, its arguments the JSON text so far (the reply says "length"), not the tags as content; whole or fed in
+    pieces alike. Only a function the request offers: another name, or a cut before the arguments, stays text."""
+    use = ToolUse(tools=(function("add", {}),), choice="required", parallel=True, format=QWEN25)
+    cut = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": "x\\"'
+    for pieces in ([cut], [cut[:5], cut[5:20], cut[20:]]):
+        reader, content, calls = CallReader(use), "", []
+        for piece in pieces:
+            more, new = reader.feed(piece)
+            content, calls = content + more, calls + new
+        more, new = reader.finish()
+        assert (content + more, [c["function"] for c in calls + new]) == (
+            "", [{"name": "add", "arguments": '{"a": 1, "b": "x\\"'}])
+    for text in ('<tool_call>\n{"name": "sub", "arguments": {"a": 1', '<tool_call>\n{"name": "add", "argu'):
+        assert CallReader(use).read(text) == (text, [])
+
+
 def test_which_templates_write_calls_this_server_reads():
     assert tool_format(QWEN25_TEMPLATE.read_text()) is QWEN25
     assert tool_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None

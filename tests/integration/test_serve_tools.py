@@ -50,6 +50,14 @@ def ask(client, method: str = "ar", **kwargs):
                                           **kwargs)
 
 
+def parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
 def calls_of(response) -> list[tuple[str, dict]]:
     """(name, arguments) of each call, the arguments validated against the function's schema."""
     out = []
@@ -139,7 +147,7 @@ def test_an_answer_cut_by_max_tokens_says_length_even_after_calls(client):
     assert whole.choices[0].finish_reason == "tool_calls"
     full = calls_of(whole)
     cuts = range(4, whole.usage.completion_tokens, 3)
-    seen_calls = False
+    seen_calls = seen_cut = False
     for max_tokens in cuts:
         for stream in (False, True):
             if stream:
@@ -150,8 +158,17 @@ def test_an_answer_cut_by_max_tokens_says_length_even_after_calls(client):
                 count = len(indices)
             else:
                 cut = ask(client, "pld", tools=TOOLS, tool_choice="required", max_tokens=max_tokens)
-                finish, count = cut.choices[0].finish_reason, len(calls_of(cut))
-                assert calls_of(cut) == full[:count]
+                finish, calls = cut.choices[0].finish_reason, cut.choices[0].message.tool_calls or []
+                count = len(calls)
+                whole_calls = [call for call in calls if parses(call.function.arguments)]
+                assert calls[: len(whole_calls)] == whole_calls  # only the last may be cut short
+                assert [(c.function.name, json.loads(c.function.arguments)) for c in whole_calls] == \
+                    full[: len(whole_calls)]
+                if len(whole_calls) < count:  # the cut call: its name and the arguments' text written so far
+                    assert count == len(whole_calls) + 1 and calls[-1].function.name == full[count - 1][0]
+                    assert cut.choices[0].message.content is None
+                    seen_cut = True
             assert finish == "length", (max_tokens, stream)
             seen_calls = seen_calls or count > 0
     assert seen_calls  # some cut came after a whole call: the case that said "tool_calls"
+    assert seen_cut  # and some inside a call's arguments
