@@ -50,9 +50,12 @@ def check_types(owner, numbers: tuple[str, ...] = (), whole: tuple[str, ...] = (
         raise UserError(f"{type(owner).__name__}: {said}")
 
 
+GREEDY_BELOW = 1e-5  # a temperature under this decodes greedily (`SamplingParams.greedy`)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How the next token is chosen. ``temperature == 0`` means greedy decoding.
+    """How the next token is chosen. ``temperature == 0`` (or under `GREEDY_BELOW`) means greedy decoding.
 
     Temperature, top-k and top-p are applied identically to the target and draft distributions before
     speculative sampling, which is what keeps sampling lossless with respect to the *processed* target
@@ -108,7 +111,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or below `GREEDY_BELOW` (as vLLM's): the limit of sampling as the temperature falls, and
+        where dividing the logits by it would overflow float32 (a NaN row, then an id past the vocabulary)."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def counts_tokens(self) -> bool:

@@ -273,3 +273,16 @@ def test_an_engine_decodes_one_stream_at_a_time(tiny_target):
     next(iter(closed))
     closed.close()
     assert engine.generate(PROMPT, config).token_ids == want
+
+
+def test_a_temperature_too_small_to_divide_by_decodes_greedily(tiny_target, spec_engine):
+    """Logits divided by a temperature of 1e-39 overflow float32: the row was NaN and the drawn id one past the
+    vocabulary (an IndexError in the embedding). Under `GREEDY_BELOW` (1e-5, vLLM's) decoding is greedy, the limit
+    sampling tends to; just above it, sampling still divides."""
+    greedy = plain_ids(tiny_target, 12)
+    for temperature in (1e-39, 5e-324, 9.9e-6):
+        config = GenerationConfig(max_new_tokens=12, sampling=SamplingParams(temperature=temperature), seed=1)
+        assert config.sampling.greedy
+        assert SpeculativeEngine(HFCausalLM(tiny_target)).generate(PROMPT, config).token_ids == greedy
+        assert spec_engine.generate(PROMPT, config).token_ids == greedy
+    assert not SamplingParams(temperature=1e-5).greedy
