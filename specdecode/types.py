@@ -99,8 +99,9 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise UserError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not (math.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 100.0):
-            raise UserError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        # (a penalty far under 0.01 divides a logit into float32's overflow: a NaN row, an id past the vocabulary)
+        if not (math.isfinite(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 100.0):
+            raise UserError(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty}")
         ids = [token for token, _ in self.logit_bias]
         if len(set(ids)) != len(ids) or any(token < 0 for token in ids):
             raise UserError("logit_bias takes each token id (>= 0) once")

@@ -120,9 +120,9 @@ class BatchEngine:
         self._ids = itertools.count()
         self._share = PrefillShare(chunk_seconds, chunk_policy)
         self.pace = Pace()  # how fast the batch outputs tokens, what its sequences' drafting is priced at
-        # the sequences the last step ended on a UserError of their own (a constraint the grammar engine cannot
-        # follow), each with it: the others step on
-        self.failures: list[tuple[int, UserError]] = []
+        # the sequences the last step ended on a failure of their own (a UserError: a constraint the grammar engine
+        # cannot follow; or a fault in its drafting or verification), each with it: the others step on
+        self.failures: list[tuple[int, Exception]] = []
 
     @functools.cached_property
     def curve(self) -> CostCurve | LiveCurve:
@@ -251,7 +251,7 @@ class BatchEngine:
     def _draft(self, idents: list[int], members: list[Member], stepping: list[bool]) -> tuple[list[Draft], list[float]]:
         """Each sequence's draft (none while it feeds its prompt) and its drafting seconds; where the forward carries
         several sequences, each drafter is told the batch's pace first (`Pace`: all of them wait for its drafting). A
-        sequence whose drafting fails on a UserError of its own drafts nothing and joins `failures`."""
+        sequence whose drafting fails (a UserError of its own, or a fault) drafts nothing and joins `failures`."""
         pace = self.pace.per_token if len(members) > 1 else None
         drafts, seconds = [], []
         for ident, m, steps in zip(idents, members, stepping):
@@ -261,7 +261,7 @@ class BatchEngine:
             room = m.progress.room() - 1  # the step adds a token beyond its accepted drafts
             try:
                 drafts.append(m.progress.propose(m.drafter if steps else None, room))  # (`engine.forced`)
-            except UserError as error:
+            except Exception as error:  # (one request's failure is not its batch's)
                 drafts.append(Draft.empty())
                 self.failures.append((ident, error))
             seconds.append(self.stopwatch.now() - start)
@@ -271,12 +271,12 @@ class BatchEngine:
                 hidden: torch.Tensor | None, first: int, alone: bool
                 ) -> list[tuple[int, StepEvent, GenerationResult | None]]:
         """A sequence's draft verified on its rows of the forward and concluded (`_conclude`); `spans`: context tokens
-        fed before the draft, drafting and verification seconds. A UserError of its own (a constraint the grammar
-        engine cannot follow) ends it alone, in `failures`."""
+        fed before the draft, drafting and verification seconds. A failure of its own (a UserError: a constraint the
+        grammar engine cannot follow; or a fault) ends it alone, in `failures`, the other sequences going on."""
         try:
             step = VerifiedStep(draft, m.progress.verify(m.verifier, draft, logits), logits, *spans, hidden)
             return self._conclude(ident, m, step, first, alone)
-        except UserError as error:
+        except Exception as error:
             self.failures.append((ident, error))
             return []
 

@@ -118,7 +118,7 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None  # token id (as text) -> bias in [-100, 100]
-    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100.0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     min_tokens: int | None = Field(None, ge=0)  # vLLM's: no end-of-sequence or stop token id before so many
 

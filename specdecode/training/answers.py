@@ -98,7 +98,10 @@ class Answerer:
 
     def step(self) -> list[Answer]:
         ended = []
-        for ident, event, result in self.engine.step():
+        outcomes = self.engine.step()
+        if self.engine.failures:  # (a sequence's own failure, which the batch isolates for a server's other requests)
+            raise self.engine.failures[0][1]
+        for ident, event, result in outcomes:
             self.live[ident] += len(event.token_ids)
             self.generated += len(event.token_ids)
             if result is not None:

@@ -200,6 +200,41 @@ def test_removed_sequence_leaves_the_others_intact(tiny_target):
     assert target.cache_length == 0
 
 
+class Faulty(PromptLookupDrafter):
+    """Prompt lookup whose `after`-th draft raises a fault (no UserError): a bug, or a request no check foresaw."""
+
+    def __init__(self, after: int):
+        super().__init__(num_tokens=6)
+        self.after = after
+
+    def propose(self, *args, **kwargs):
+        self.after -= 1
+        if self.after < 0:
+            raise RuntimeError("a fault of this sequence's own")
+        return super().propose(*args, **kwargs)
+
+
+def test_a_sequences_fault_ends_it_alone(tiny_target):
+    """A fault in one sequence's drafting (or verification) ends that sequence, in `failures`, and the others go on
+    to plain decoding's answers: one request of a served batch cannot fail the others'. (A penalty of 1e-300
+    overflowed a row to NaN and failed every request beside it; now refused, and isolated were it not.)"""
+    prompts = repetitive_prompts(3, seed=5)
+    references = greedy_references(tiny_target, prompts, 20)
+    target = HFCausalLM(tiny_target)
+    engine = BatchEngine(target, LetterTokenizer())
+    engine.curve = FLAT
+    ids = [engine.add(p, GenerationConfig(max_new_tokens=20), Faulty(3) if i == 1 else drafter("pld"))
+           for i, p in enumerate(prompts)]
+    outputs, failed = {i: [] for i in ids}, []
+    while engine.members:
+        for ident, event, _ in engine.step():
+            outputs[ident] += event.token_ids
+        failed += engine.failures
+    assert [(ident, str(error)) for ident, error in failed] == [(ids[1], "a fault of this sequence's own")]
+    assert outputs[ids[0]] == references[0] and outputs[ids[2]] == references[2]
+    assert target.cache_length == 0
+
+
 def test_bad_input(tiny_target):
     from specdecode.drafters.draft_model import DraftModelDrafter
 

@@ -286,3 +286,12 @@ def test_a_temperature_too_small_to_divide_by_decodes_greedily(tiny_target, spec
         assert SpeculativeEngine(HFCausalLM(tiny_target)).generate(PROMPT, config).token_ids == greedy
         assert spec_engine.generate(PROMPT, config).token_ids == greedy
     assert not SamplingParams(temperature=1e-5).greedy
+
+
+def test_a_repetition_penalty_that_would_overflow_is_refused():
+    """A penalty of 1e-300 (float32's 0) divided a logit into inf: a NaN row, an id past the vocabulary, and in a
+    served batch every request beside it failed. The range is [0.01, 100]."""
+    for penalty in (1e-300, 1e-30, 0.009):
+        with pytest.raises(UserError, match=r"repetition_penalty must be in \[0.01, 100\]"):
+            SamplingParams(temperature=1.0, repetition_penalty=penalty)
+    SamplingParams(temperature=1.0, repetition_penalty=0.01)

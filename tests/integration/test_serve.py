@@ -238,6 +238,8 @@ DEEP = '{"model": "tiny", "prompt": "hi", "stop": ' + "[" * 100_000 + "]" * 100_
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"99999": 1}}, None, "out of the vocabulary"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty", "less than"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "greater"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 1e-300}, "repetition_penalty",
+     "greater than or equal to 0.01"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "min_p": 1.5}, "min_p", "less than"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
      "top_logprobs", "needs logprobs"),
