@@ -28,7 +28,9 @@ def check_prompt(target: CausalLM, prompt_ids: list[int]) -> None:
     if not prompt_ids:
         raise UserError("the prompt is empty")
     if len(prompt_ids) >= target.max_context:
-        raise UserError(f"the prompt has {len(prompt_ids)} tokens; the model's context holds {target.max_context}")
+        why = (f" (its layers attend to a window of {target.max_context} tokens, and a sequence is kept within it)"
+               if getattr(target, "window", None) == target.max_context else "")
+        raise UserError(f"the prompt has {len(prompt_ids)} tokens; the model's context holds {target.max_context}{why}")
     bad = [t for t in prompt_ids if not 0 <= t < target.vocab_size]
     if bad:
         raise UserError(f"token ids out of the vocabulary (size {target.vocab_size}): {bad[:5]}")

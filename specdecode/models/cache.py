@@ -18,7 +18,7 @@ import inspect
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 ROOM = 256  # positions a buffer is rounded up to, and the least it grows by
 
@@ -64,11 +64,27 @@ class GrowingLayer(DynamicLayer):
         return buffer
 
 
+def attention_window(config: PretrainedConfig) -> int | None:
+    """The narrowest window of the context that some layer of a model of `config` attends to; None when every layer
+    sees the whole context (a window as wide as the context is none). Mistral keeps its window in `sliding_window`
+    alone; Gemma mixes window and full layers in `layer_types`; Qwen2's window is None unless `use_sliding_window`;
+    Llama 4's chunked attention, as wide as its chunk, is one too."""
+    window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
+    kinds = set(getattr(config, "layer_types", None) or [])
+    if window is None or (kinds and kinds <= {"full_attention"}) or getattr(config, "use_sliding_window", 1) is False:
+        return None
+    context = getattr(config, "max_position_embeddings", None)
+    return None if context is not None and window >= context else int(window)
+
+
 def growing_cache(config: PretrainedConfig) -> DynamicCache:
-    """transformers' `DynamicCache` for `config`, its full-attention layers `GrowingLayer`s (sliding-window
-    and other kinds of layer stay as transformers builds them)."""
+    """transformers' `DynamicCache` for `config`, its full-attention layers `GrowingLayer`s; a model whose layers
+    attend to a window has its sequences kept within it (`HFCausalLM.max_context`), where a window layer holds what
+    a full one holds, so its window layers are `GrowingLayer`s too (transformers' drops entries past the window, which
+    cropping and moving entries by their slots cannot follow). Other kinds of layer stay as transformers builds them."""
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    kinds = (DynamicLayer, DynamicSlidingWindowLayer) if attention_window(config) is not None else (DynamicLayer,)
+    cache.layers = [GrowingLayer() if type(layer) in kinds else layer for layer in cache.layers]
     return cache
 
 

@@ -9,7 +9,7 @@ from specdecode import devices
 from specdecode.devices import to_device
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM, Entries, ForwardOutput
-from specdecode.models.cache import attention_layer, cache_keyword, growing_cache, keys_values
+from specdecode.models.cache import attention_layer, attention_window, cache_keyword, growing_cache, keys_values
 from specdecode.models.int4 import InvariantInt4Linear
 from specdecode.models.int8 import InvariantInt8Linear
 from specdecode.models.lean import QUANTIZED_LAYERS, LeanDecoder, lean_decoder
@@ -45,7 +45,10 @@ class HFCausalLM(CausalLM):
     def __init__(self, model: PreTrainedModel, eos_token_ids: frozenset[int] | None = None):
         self.model = model.eval()
         self.vocab_size = model.get_output_embeddings().out_features  # (a Linear head, int8 or not)
-        self.max_context = getattr(model.config, "max_position_embeddings", 32768)
+        # a model whose layers attend to a window has its sequences kept within the narrowest one: past it, drafts
+        # verified under masks of its own making, or entries moved by slot, would ignore the window
+        self.window = attention_window(model.config)
+        self.max_context = min(getattr(model.config, "max_position_embeddings", 32768), self.window or 1 << 62)
         self.eos_token_ids = eos_token_ids if eos_token_ids is not None else _eos_ids(model)
         self._cache = growing_cache(model.config)
         self._length = 0
