@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
+from rich.text import Text
 
 from specdecode.api import load_models
 from specdecode.bench.exactness import diagnose
@@ -53,7 +54,7 @@ def run_demo(target: str, drafter: str, dtype: str, draft_dtype: str, max_new_to
     results: dict[str, list[GenerationResult]] = {name: [] for name in engines}
     for number, (text, ids) in enumerate(zip(DEMO_PROMPTS, prompts), 1):
         console.rule(f"Prompt {number}")
-        console.print(text, highlight=False)
+        console.print(Text(text), highlight=False)  # (Text: brackets in prompts and answers are not markup)
         reference = None
         for name, engine in engines.items():
             with console.status(f"{name}: generating {max_new_tokens} tokens"):
@@ -67,7 +68,8 @@ def run_demo(target: str, drafter: str, dtype: str, draft_dtype: str, max_new_to
                 note = "identical to ar" if divergence is None else divergence.describe()
             title = (f"{name}: {result.tokens_per_second:.1f} tokens/s, {result.mean_accepted_tokens:.2f} tokens "
                      "per target forward")
-            console.print(Panel(result.text, title=title, subtitle=note or None, title_align="left"), highlight=False)
+            console.print(Panel(Text(result.text), title=Text(title), subtitle=Text(note) if note else None,
+                                title_align="left"), highlight=False)
     # all prompts of a method as one generation, so every figure comes from specdecode.metrics
     rows = [
         GenerationResult(

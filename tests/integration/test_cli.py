@@ -296,6 +296,28 @@ def test_the_demo_leaves_out_the_head_methods_no_head_ships_for(tiny_folder):
     assert demo_methods(str(tiny_folder)) == [name for name in DEMO_METHODS if name not in HEAD_METHODS]
 
 
+def test_the_demo_prints_prompts_and_answers_as_they_are(tiny_folder, monkeypatch, capsys):
+    """The demo printed text through Rich's markup: `values[i:i + window]` in its own first prompt showed as
+    `values`, `list[float]` in an answer as `list`, and a `[/b]` ended the run with a MarkupError."""
+    from specdecode import demo
+    from specdecode.engine import GenerationResult
+
+    text = "def f(values: list[float]) -> list[float]: [b]bold[/b] [/] values[i:i + window]"
+    monkeypatch.setattr(demo, "DEMO_PROMPTS", [text])
+    monkeypatch.setattr(demo, "demo_methods", lambda target: ["ar", "pld"])
+    generate = GenerationResult.__init__
+
+    def bracketed(self, *args, **kwargs):  # every answer the same bracketed text
+        generate(self, *args, **kwargs)
+        if self.text:
+            self.text = text
+    monkeypatch.setattr(GenerationResult, "__init__", bracketed)
+    monkeypatch.setenv("COLUMNS", "300")
+    demo.run_demo(str(tiny_folder), str(tiny_folder), "float32", "float32", max_new_tokens=6)
+    out = capsys.readouterr().out
+    assert out.count(text) == 3  # the prompt, and each method's answer
+
+
 def test_version(monkeypatch, capsys):
     from importlib.metadata import version
 
