@@ -206,13 +206,12 @@ def _load_llamacpp(target, drafter, progress: bool) -> Models:
     if isinstance(target, PreTrainedModel) or isinstance(drafter, PreTrainedModel):
         raise UserError("the llama.cpp backend loads .gguf files, not transformers models")
     target_lm, tokenizer = load_gguf_lm(target, progress=progress)
-    draft_lm = None
-    if drafter is not None:
+    draft_lm, other_tokenizer = None, None
+    if drafter is not None:  # one of another vocabulary is kept with its tokenizer, as on torch (`load_models`)
         draft_lm, draft_tokenizer = load_gguf_lm(drafter, progress=progress)
         if draft_tokenizer.get_vocab() != tokenizer.get_vocab() or draft_lm.vocab_size != target_lm.vocab_size:
-            raise UserError("the drafter's vocabulary differs from the target's: on the llama.cpp backend pick one "
-                            "from the same family (the torch backend drafts across tokenizers)")
-    return Models(target_lm, tokenizer, draft_lm)
+            other_tokenizer = draft_tokenizer
+    return Models(target_lm, tokenizer, draft_lm, draft_tokenizer=other_tokenizer)
 
 
 _loaded: dict[tuple, Models] = {}

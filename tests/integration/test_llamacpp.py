@@ -297,3 +297,30 @@ def test_the_server_on_llamacpp_serves_requests_one_at_a_time(tiny_pair):
         assert got == want
     finally:
         running.stop()
+
+
+def test_a_drafter_of_another_vocabulary_on_llamacpp(tiny_pair, tmp_path, monkeypatch):
+    """A drafter whose tokenizer differs is kept with it, as on torch: `auto` (the default) leaves it out and `draft`
+    translates its drafts through text, both giving plain greedy decoding's tokens. The backend refused any such
+    drafter at load, so the default method failed for every target of another family than the default drafter's."""
+    import conftest
+    from specdecode.api import load_models
+    from specdecode.drafters.other_tokenizer import OtherTokenizerDrafter
+    from specdecode.engine import GenerationConfig
+
+    model, target_path, _ = tiny_pair
+    other = list(conftest.TOKENS)
+    other[100], other[101] = other[101], other[100]  # the same tokens at other ids: another vocabulary
+    monkeypatch.setattr(conftest, "TOKENS", other)
+    write_tiny_gguf(noisy_copy(model, 0.1, 3), tmp_path / "other.gguf")
+    monkeypatch.undo()
+    models = load_models(str(target_path), str(tmp_path / "other.gguf"), backend="llamacpp", progress=False)
+    assert models.draft is not None and models.draft_tokenizer is not None
+    prompt, config = random_prompts(1, seed=2)[0], GenerationConfig(max_new_tokens=24)
+    plain = models.engine("ar").generate(prompt, config).token_ids
+    assert models.engine("auto").generate(prompt, config).token_ids == plain
+    translating = models.engine("draft")
+    assert isinstance(translating.drafter, OtherTokenizerDrafter)
+    assert translating.generate(prompt, config).token_ids == plain
+    with pytest.raises(UserError, match="needs a draft model with the target's tokenizer"):
+        models.engine("composite")
