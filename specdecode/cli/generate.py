@@ -154,25 +154,24 @@ def list_methods(
 
 
 def auto_here(target: str = DEFAULT_TARGET, drafter: str | None = DEFAULT_DRAFTER) -> str:
-    """What `auto` is made of on this machine with the default models (as `drafters.auto` composes it), read
-    from the package's files without loading a model."""
-    from pathlib import Path
-
+    """What `auto` is made of on this machine with the default models (as `drafters.auto` composes it: one shipped
+    head on torch, the draft model only where no head drafts), read from the package's files without loading a
+    model."""
+    from specdecode.drafters.auto import shipped_kind
+    from specdecode.models.dtype_choice import cached_choice
     from specdecode.models.registry import get_model
 
-    folder = Path(__file__).resolve().parents[1] / "heads" / get_model(target).name
-    kinds = [kind for kind in ("medusa", "eagle3") if (folder / kind / f"{kind}.json").is_file()]
-    trees = "".join(f", {kind} tree" for kind in kinds)
-    heads = f" ({', '.join(kinds)} ship for {target}; torch backend only)" if kinds else ""
-    fallback = f"; the draft model {drafter} as the fallback" if drafter else ""
-    from specdecode.models.dtype_choice import cached_choice
-
+    kind = shipped_kind(target)
+    copies = "prompt lookup, the suffix cache"
+    fallback = f" and the draft model {drafter}" if drafter else ""
+    on_torch = (f"{copies} and the {kind} head's tree (it ships for {target}; the draft model is not loaded)" if kind
+                else f"{copies}{fallback}")
     path = cached_choice(get_model(target).name)
     where = (f"; the target's path here: {path} (--dtype auto's choice)" if path else
              "; the target's path: --dtype auto times the candidates at the first load")
-    batch = ("; served, several requests in one batch" + (", without the draft model" if drafter else "")
-             + (f" ({kinds[0]} drafting for all of them in one call)" if kinds else ""))
-    return f"prompt lookup, the suffix cache{trees}{fallback}{heads}{batch}{where}"
+    batch = ("; served on torch, several requests in one batch, without the draft model"
+             + (f" ({kind} drafting for all of them in one call)" if kind else ""))
+    return f"on torch, {on_torch}; on llama.cpp, {copies}{fallback}{batch}{where}"
 
 
 def methods_table() -> Table:

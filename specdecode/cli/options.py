@@ -11,15 +11,16 @@ import typer
 
 from specdecode import paths
 from specdecode.errors import UserError
-from specdecode.methods import METHODS, takers
+from specdecode.methods import takers, variant_names
 
 console = paths.console  # the package's one stderr console (`paths`): messages never folded
 
 if TYPE_CHECKING:  # members computed from the registry are beyond a type checker: to it, a str enum
     class MethodName(StrEnum):
-        """A registered method's name (`specdecode.methods.METHODS`), as the command line takes it."""
+        """A registered method's name (`specdecode.methods.METHODS`), tree forms included (`pld-tree`), as the
+        command line takes it."""
 else:
-    MethodName = StrEnum("MethodName", {name: name for name in METHODS})
+    MethodName = StrEnum("MethodName", {name: name for name in variant_names()})
 
 
 class DType(StrEnum):
@@ -34,11 +35,13 @@ class DType(StrEnum):
 
 
 TargetOption = Annotated[str, typer.Option(help="Target model: registered name, .gguf file, folder or hub id.")]
-DrafterOption = Annotated[str, typer.Option(help="Draft model for --method draft (same vocabulary as the target).")]
+DrafterOption = Annotated[str, typer.Option(help=(
+    "Draft model, for draft (its chain also drafts from a model of another tokenizer), composite, and auto where no "
+    "head drafts."))]
 DTypeOption = Annotated[DType, typer.Option(help=(
     "Target's path: auto (the fastest here: the model's own forwards timed on each candidate path, once per "
-    "machine and model), bfloat16, float32, int8 (int8 weights and per-row int8 activations, computed row by row "
-    "so speculation stays exact; not the float model's output), or int4 (4-bit weights, the same exactness, "
+    "machine and model), bfloat16, float16, float32, int8 (int8 weights and per-row int8 activations, computed "
+    "row by row so speculation stays exact; not the float model's output), or int4 (4-bit weights, the same exactness, "
     "AVX2 CPUs; its kernel compiles on first use). On a GPU (--device cuda) auto is bfloat16 (float16 where the "
     "GPU lacks it), and int8 and int4, CPU kernels, are refused. Probabilities are always float32."))]
 DeviceOption = Annotated[str, typer.Option(help=(
@@ -65,8 +68,8 @@ class DraftDType(StrEnum):
 
 DraftDTypeOption = Annotated[DraftDType, typer.Option(
     help="Draft model weights: auto (default: int4 where its kernel runs, else int8; on a GPU bfloat16), int4 "
-    "(4-bit weights, AVX2 CPUs: the cheapest draft token), int8 (cheaper than bfloat16 on a CPU), bfloat16 "
-    "or float32. Lossless whatever it is: the target verifies every token.")]
+    "(4-bit weights, AVX2 CPUs: the cheapest draft token), int8 (cheaper than bfloat16 on a CPU), bfloat16, "
+    "float16 or float32. Lossless whatever it is: the target verifies every token.")]
 TreeOption = Annotated[bool, typer.Option(
     "--tree", help="Draft a token tree instead of a chain (methods with a tree form).")]
 BudgetOption = Annotated[int | None, typer.Option(

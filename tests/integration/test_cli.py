@@ -323,3 +323,20 @@ def test_version(monkeypatch, capsys):
 
     code, out, _ = run(monkeypatch, capsys, "--version")
     assert code == 0 and out.strip() == f"specdecode {version('specdecode')}"
+
+
+def test_methods_says_what_auto_loads_as_it_loads_it():
+    """`specdecode methods` listed every shipped head and the draft model as auto's parts; auto drafts with one
+    head on torch and loads the draft model only where no head drafts (`MethodChoice.loads_draft_model`)."""
+    from specdecode.cli.generate import auto_here
+    from specdecode.drafters.auto import shipped_kind
+    from specdecode.methods import choose
+    from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+    line = auto_here()
+    kind = shipped_kind(DEFAULT_TARGET)
+    assert kind is not None and not choose("auto").loads_draft_model(DEFAULT_TARGET)
+    on_torch, on_llamacpp = line.split("; on llama.cpp, ")
+    assert f"the {kind} head's tree" in on_torch and "the draft model is not loaded" in on_torch
+    assert sum(other in on_torch for other in ("medusa", "eagle3")) == 1
+    assert choose("auto").loads_draft_model(DEFAULT_TARGET, "llamacpp") and DEFAULT_DRAFTER in on_llamacpp

@@ -193,7 +193,7 @@ def test_cli_generate_on_llamacpp(tiny_pair, tiny_folder, monkeypatch, capsys):
     common = ["--target", str(target_path), "--drafter", str(draft_path), "--json", "--max-new-tokens", "12"]
     code, plain, _ = run("--method", "ar", *common)
     assert code == 0
-    for method in (["--method", "pld", "--tree"], ["--method", "draft"]):
+    for method in (["--method", "pld", "--tree"], ["--method", "pld-tree"], ["--method", "draft"]):
         code, out, _ = run(*method, *common)
         assert code == 0 and json.loads(out)["token_ids"] == json.loads(plain)["token_ids"]
     code, _, err = run("--method", "ar", "--target", str(tiny_folder))  # a folder, not a .gguf
