@@ -247,6 +247,7 @@ def generate(
     if not isinstance(prompt, str | list | tuple):
         raise UserError(f"the prompt is a text or a list of token ids, not {type(prompt).__name__}")
     choice = choose(method, tree=tree, budget=budget, head=head)  # before any model loads
+    choice.check_backend(backend)
     needs_draft = choice.loads_draft_model(target, backend)
     key = (id(target) if isinstance(target, PreTrainedModel) else target,
            (id(drafter) if isinstance(drafter, PreTrainedModel) else drafter) if needs_draft else None, str(dtype),

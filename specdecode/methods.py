@@ -261,6 +261,20 @@ class MethodChoice:
         """Its display name: `draft`, `draft-tree`, `draft-tree-fixed`."""
         return name_of(self.method, self.options)
 
+    def runs_on(self, backend: str) -> bool:
+        """Whether it runs on `backend` (llama.cpp: not a method that reads the target's layers or hidden states,
+        nor a tree grown in the draft model's cache)."""
+        torch_only = self.method.torch_only or (self.method.tree_torch_only and self.options.tree)
+        return backend != "llamacpp" or not torch_only
+
+    def check_backend(self, backend: str) -> None:
+        """A UserError, before any model loads, where it cannot run on `backend` (`runs_on`)."""
+        if self.runs_on(backend):
+            return
+        why = ("grows its tree in the draft model's own cache, which a llama.cpp model cannot hold: use its chain"
+               if not self.method.torch_only else "runs the target's own layers or reads its hidden states")
+        raise UserError(f"{self.name} {why}; run it on the torch backend (--backend torch)")
+
     def loads_draft_model(self, target, backend: str = "torch") -> bool:
         """Whether a command running it on `target` (a name or path, or a loaded model) loads the draft model:
         its method needs one, or uses one where loaded (`Method.loads_draft_model`) and, taking a head, has no

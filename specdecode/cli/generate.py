@@ -69,6 +69,7 @@ def generate(
     constraint = read_constraint(json_schema, regex, grammar)  # before any model loads
     choice = choose(method.value, tree=tree, budget=budget, choices=parse_choices(choices) if choices else None,
                     datastore=datastore, reference=read_reference(reference), head=head)
+    choice.check_backend(backend.value)
     needs_draft = choice.loads_draft_model(target, backend.value)
     models = load_models(target, drafter if needs_draft else None, dtype=dtype.value, draft_dtype=draft_dtype.value,
                          backend=backend.value, device=backend_device(backend, device))

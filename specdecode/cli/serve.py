@@ -111,6 +111,8 @@ def serve(
     from specdecode.serve.guard import uvicorn_options
 
     default, offered = _methods(method.value, methods, datastore, no_drafter, head)
+    for choice in [default, *(offered or ())]:  # (before the models load and their cost curves are measured)
+        choice.check_backend(backend.value)
     _port_free(host, port)
     guard, keys = _guard(host, allowed_host, api_key, allowed_origin, docs, max_body_mib, read_timeout)
     name = model_name or Path(target.rstrip("/")).name.removesuffix(".gguf")

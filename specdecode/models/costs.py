@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from specdecode import devices
-from specdecode.paths import cache_dir, set_aside, write_atomically
+from specdecode.paths import cache_dir, console, set_aside, write_atomically
 
 if TYPE_CHECKING:
     from specdecode.models.base import CausalLM  # whose cost_curve() imports this module
@@ -263,6 +263,8 @@ def cached(model: CausalLM, key: str) -> CostCurve:
             curve = dataclasses.replace(curve, prefill=measure_prefill(model))
             store(key, curve)
             return curve
+    console.print(f"Measuring what wider forwards cost this model on this machine (once; kept in {path})",
+                  style="dim", highlight=False)
     curve = measure(model)
     store(key, curve)
     return curve

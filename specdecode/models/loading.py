@@ -325,10 +325,9 @@ def load_gguf_lm(spec: str, *, progress: bool = True, n_ctx: int | None = None):
     elif Path(spec).expanduser().is_file() and spec.endswith(".gguf"):
         path, folder = Path(spec).expanduser(), None
     else:
-        raise UserError(
-            f"the llama.cpp backend loads .gguf files and registered models ({', '.join(registered_models())}); "
-            f"got {spec!r}"
-        )
+        got = f"no such file: {spec}" if spec.endswith(".gguf") else f"got {spec!r}"
+        raise UserError(f"the llama.cpp backend loads .gguf files and registered models "
+                        f"({', '.join(registered_models())}); {got}")
     status = console.status(f"Loading {spec} (llama.cpp)") if progress else contextlib.nullcontext()
     with status, transformers_progress_bars(False), _broken_gguf(path):
         if folder is not None and (folder / "tokenizer.json").is_file():

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from specdecode.api import Models
 from specdecode.errors import UserError
 from specdecode.methods import MethodChoice, choose, variant_names
+from specdecode.models.hf import HFCausalLM
 from specdecode.serve.engines import Engines, yield_the_cpu
 
 log = logging.getLogger("specdecode.serve")
@@ -47,9 +48,10 @@ class Offer:
         for choice in [default_choice, *named]:
             if choice.method.needs_draft_model and models.draft is None:
                 raise UserError(f"method {choice.name!r} needs the draft model, which this server has not loaded")
-        if not named:
-            named = [choice for choice in map(resolved, variant_names())
-                     if models.draft is not None or not choice.method.needs_draft_model]
+        if not named:  # (those these models run: the llama.cpp backend runs fewer)
+            backend = "torch" if isinstance(models.target, HFCausalLM) else "llamacpp"
+            named = [choice for choice in map(resolved, variant_names()) if choice.runs_on(backend)
+                     and (models.draft is not None or not choice.method.needs_draft_model)]
         return cls(default_choice, tuple({choice.name: choice for choice in named}.values()))
 
     def names(self) -> list[str]:

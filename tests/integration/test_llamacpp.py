@@ -198,6 +198,26 @@ def test_cli_generate_on_llamacpp(tiny_pair, tiny_folder, monkeypatch, capsys):
         assert code == 0 and json.loads(out)["token_ids"] == json.loads(plain)["token_ids"]
     code, _, err = run("--method", "ar", "--target", str(tiny_folder))  # a folder, not a .gguf
     assert code == 2 and "Traceback" not in err and "gguf" in err
+    code, _, err = run("--method", "ar", "--target", "/nowhere/target.gguf")  # said as a missing file
+    assert code == 2 and "no such file: /nowhere/target.gguf" in " ".join(err.split()), err
+    # a method llama.cpp cannot run is refused before anything loads (here, a target that is not there)
+    for method, words in (("eagle3", "hidden states"), ("draft-tree", "draft model's own cache")):
+        code, _, err = run("--method", method, "--target", "/nowhere/target.gguf")
+        assert code == 2 and words in " ".join(err.split()) and "--backend torch" in err, err
+
+
+def test_a_llamacpp_server_offers_what_llamacpp_runs(tiny_pair):
+    """The methods a llama.cpp server offers (and lists in its refusals) are those the backend runs."""
+    from specdecode.api import load_models
+    from specdecode.methods import choose, variant_names
+    from specdecode.serve.offer import Offer
+
+    _, target_path, draft_path = tiny_pair
+    models = load_models(str(target_path), str(draft_path), backend="llamacpp", progress=False)
+    names = Offer.resolve(models, "pld", None).names()
+    assert {"pld", "pld-tree", "draft", "auto", "composite-tree"} <= set(names)
+    assert names == [name for name in variant_names() if choose(name).runs_on("llamacpp")]
+    assert not {"eagle3", "medusa-tree", "layerskip", "sparse-kv", "draft-tree"} & set(names)
 
 
 def test_cli_bench_on_llamacpp(tiny_pair, tmp_path, monkeypatch, capsys):
