@@ -63,7 +63,7 @@ class Engines:
         # batched methods: the drafter each sequence's is made from (`Drafter.for_sequence`), by name (None: ar)
         self.prototypes: dict[str, Drafter | None] = {}
         # tenant -> (method, owner) -> engine or memory, least recent first
-        self.owned: dict[str | None, OrderedDict[tuple[str, Hashable], Kept]] = {}
+        self.owned: dict[str | None, OrderedDict[tuple[str, Hashable, str], Kept]] = {}
         self._lock = threading.Lock()  # the worker, the builders and the server's event loop share the above
         self._building: dict[str | None, tuple[tuple[str, Hashable | None], Future]] = {}  # tenant -> its build
 
@@ -136,13 +136,15 @@ class Engines:
             return self.shared.get(choice.name)
         if memory is None:
             return self.forgetful.get(choice.name)
-        kept = self._owned(choice, memory)
+        kept = self._owned(choice, memory, "alone")
         return kept if isinstance(kept, SpeculativeEngine) else None
 
-    def _owned(self, choice: MethodChoice, memory: Hashable) -> Kept | None:
-        """What is kept for an owner's jobs of a method, now the most recent of its tenant's. Under the lock."""
+    def _owned(self, choice: MethodChoice, memory: Hashable, kind: str) -> Kept | None:
+        """What is kept for an owner's jobs of a method of `kind` ("alone": its engine for jobs that run alone;
+        "batch": its `Memory` for batched ones; kept apart, so that one never replaces the other), now the most
+        recent of its tenant's. Under the lock."""
         owners = self.owned.get(_tenant(memory))
-        key = (choice.name, memory)
+        key = (choice.name, memory, kind)
         if owners is None or key not in owners:
             return None
         owners.move_to_end(key)
@@ -157,7 +159,7 @@ class Engines:
             (self.forgetful if choice.method.remembers else self.shared).setdefault(choice.name, engine)
             return
         owners = self.owned.setdefault(_tenant(memory), OrderedDict())
-        owners[(choice.name, memory)] = engine
+        owners[(choice.name, memory, "batch" if isinstance(engine, Memory) else "alone")] = engine
         held = sum(_held(e) for e in owners.values())
         while len(owners) > 1 and (len(owners) > self.memory_owners or held > self.memory_budget):
             _, dropped = owners.popitem(last=False)
@@ -188,7 +190,7 @@ class Engines:
         if owner is None:
             return Memory()
         with self._lock:
-            kept = self._owned(choice, owner)
+            kept = self._owned(choice, owner, "batch")
             if not isinstance(kept, Memory):
                 kept = Memory()
                 self._keep(choice, owner, kept)

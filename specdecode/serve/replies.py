@@ -173,7 +173,7 @@ async def chunks(jobs: list[Job], firsts: list, body: SamplingRequest, plan: Cho
             merged.put_nowait((run, first))
     pumps = [asyncio.create_task(_pump(job, run, merged)) for run, job in enumerate(jobs) if not _last(firsts[run])]
     results: dict[int, GenerationResult] = {}
-    finished = False
+    finished = failed = False
     metrics.running.inc()
     try:
         for writer in writers:
@@ -182,6 +182,7 @@ async def chunks(jobs: list[Job], firsts: list, body: SamplingRequest, plan: Cho
         while len(results) < len(jobs):
             run, item = await merged.get()
             if isinstance(item, BaseException):
+                failed = True
                 yield f"data: {json.dumps(api_error(item).body())}\n\n"
                 break
             extra = {"speculative": protocol.speculative([item])} if isinstance(item, GenerationResult) else {
@@ -211,7 +212,13 @@ async def chunks(jobs: list[Job], firsts: list, body: SamplingRequest, plan: Cho
         if not finished:  # the client went away mid-stream, or a generation failed: stop them all, free their caches
             for job in jobs:
                 job.cancelled.set()
-            metrics.cancelled.inc()
+            if not failed:  # (counted: clients that left, not failures)
+                metrics.cancelled.inc()
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _last(item) -> bool:
@@ -235,6 +242,7 @@ async def next_items(jobs: list[Job], watcher: asyncio.Task, metrics: ServerMetr
     if every.done():
         return every.result()
     every.cancel()
+    every.add_done_callback(_retrieved)  # (a cancelled gather left unread is logged as an error)
     for job in jobs:
         job.cancelled.set()
     metrics.cancelled.inc()

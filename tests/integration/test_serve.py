@@ -337,6 +337,30 @@ def test_a_client_leaving_mid_stream_stops_its_generation(server, client, models
     assert response.choices[0].text == expected(models, "pld", completion_ids(models, PROMPTS[1]), 8)
 
 
+def test_a_stream_that_fails_mid_answer_is_not_counted_as_a_client_leaving(server, monkeypatch):
+    """A streamed answer whose generation fails after its first tokens (its drafter's fault: the batch ends that
+    sequence alone) gets the error in the stream, and the count of generations stopped because the client left stays
+    as it was (it counted every stream that did not finish)."""
+    from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+
+    running, _ = server
+    before = metric(running.url, "specdecode_cancelled_requests_total")
+    propose, calls = PromptLookupDrafter.propose, []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("a drafter's fault")
+        return propose(self, *args, **kwargs)
+
+    monkeypatch.setattr(PromptLookupDrafter, "propose", failing)
+    reply = post(running.url, "/v1/completions", {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 40,
+                                                  "temperature": 0, "stream": True, "method": "pld"})
+    events = [line for line in reply.text.split("\n\n") if line.startswith("data: {")]
+    assert '"choices"' in events[0] and '"server_error"' in events[-1], reply.text
+    assert metric(running.url, "specdecode_cancelled_requests_total") == before
+
+
 def test_metrics(server, client):
     running, _ = server
     client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=16, temperature=0)

@@ -364,6 +364,6 @@ def test_a_key_pushes_out_only_its_own_owners(models):
         kept = state.engines.owned[key_identity(KEY_B)].copy()
         for user in ["a1", "a2", "a3", "a4"]:
             assert ask(running.url, KEY_A, "the cat", "suffix", user).status_code == 200
-        owners = {tenant: [owner.name for _, owner in engines] for tenant, engines in state.engines.owned.items()}
+        owners = {tenant: [owner.name for _, owner, _ in engines] for tenant, engines in state.engines.owned.items()}
         assert owners == {key_identity(KEY_A): ["a3", "a4"], key_identity(KEY_B): ["b1"]}
         assert state.engines.owned[key_identity(KEY_B)] == kept  # the same engine, its memory intact

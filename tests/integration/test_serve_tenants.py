@@ -120,7 +120,7 @@ def test_owners_beyond_the_limit_are_forgotten_least_recent_first(models):
             stream(running.url, "one two", user=user)
     finally:
         running.stop()
-    assert [owner.name for _, owner in state.engines.owned[None]] == ["a", "c"]
+    assert [owner.name for _, owner, _ in state.engines.owned[None]] == ["a", "c"]
 
 
 def test_owners_beyond_the_memory_budget_are_forgotten_least_recent_first():
@@ -203,10 +203,29 @@ def test_batched_requests_draft_from_one_prototype_built_once(models, head):
         running.stop()
         state.engines.models.drafter_for = drafter_for
     assert built == [] and state.engines.prototypes["auto"] is prototype
-    assert isinstance(state.engines.owned[None][("auto", Owner(None, "carol"))], Memory)
-    assert list(state.engines.owned[None]) == [("auto", Owner(None, "carol"))]  # the ownerless kept nothing
+    assert isinstance(state.engines.owned[None][("auto", Owner(None, "carol"), "batch")], Memory)
+    assert list(state.engines.owned[None]) == [("auto", Owner(None, "carol"), "batch")]  # the ownerless kept nothing
     suffix = choose("suffix")
     assert Job(suffix, [], None, None, None).forgets and not Job(suffix, [], None, None, None, memory="x").forgets
+
+
+def test_an_owners_request_that_runs_alone_keeps_its_batched_memory(models):
+    """An owner's batched `suffix` requests fill its `Memory`; its echo-scoring request (which runs alone) keeps an
+    engine of its own beside it. Both were kept under one key, so the request alone replaced the memory: the owner's
+    next probe no longer drafted from its earlier text."""
+    running, state = serve(models, "tenant")
+    try:
+        for _ in range(3):
+            stream(running.url, OWNER_PROMPT, user="alice")
+        scored = request(running.url, "POST", "/v1/completions", {
+            "model": MODEL, "prompt": OWNER_PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1, "user": "alice"})
+        assert scored.status_code == 200, scored.text
+        probe = stream(running.url, PROBE_PROMPT, user="alice")
+    finally:
+        running.stop()
+    kinds = sorted(kind for _, owner, kind in state.engines.owned[None] if owner.name == "alice")
+    assert kinds == ["alone", "batch"]
+    assert leaked(probe)  # her probe drafts her secret from her own memory, as before the request alone
 
 
 @pytest.mark.parametrize("memory_scope, leaks", [("tenant", False), ("server", True)])
@@ -230,7 +249,7 @@ def test_batched_auto_keeps_owners_apart(models, head, memory_scope, leaks):
             [f.result(timeout=120) for f in together]
     finally:
         running.stop()
-    memories = {owner.name: memory for (_, owner), memory in state.engines.owned[None].items()}
+    memories = {owner.name: memory for (_, owner, _), memory in state.engines.owned[None].items()}
     held = {name: memory.part("suffix", lambda: None).index.sequences() for name, memory in memories.items()}
     if leaks:
         assert {name: sorted(ids) for name, ids in held.items()} == {"server": list(range(5))}
