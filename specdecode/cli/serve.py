@@ -24,6 +24,10 @@ ApiKeyOption = Annotated[list[str] | None, typer.Option(
     help="A key clients must send as `Authorization: Bearer KEY`: one word of at least 16 characters "
          "(`openssl rand -hex 24`). One key per --api-key, repeated for several tenants; in the variable, "
          "keys separated by spaces. Required beyond loopback.")]
+MetricsKeyOption = Annotated[str | None, typer.Option(
+    envvar="SPECDECODE_METRICS_KEY", show_envvar=True,
+    help="The key /metrics answers to (its counters are every tenant's). Without it, /metrics answers to the API "
+         "key where there is one, and to no key where there are several.")]
 AllowedHostOption = Annotated[list[str] | None, typer.Option(
     help="A name clients may use in the Host header, beside the loopback names and the bound address "
          "(repeatable; '*': any). Guards against DNS rebinding.")]
@@ -59,6 +63,7 @@ def serve(
         help="Address to listen on (127.0.0.1: this machine only; anything else needs --api-key).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
     api_key: ApiKeyOption = None,
+    metrics_key: MetricsKeyOption = None,
     allowed_host: AllowedHostOption = None,
     allowed_origin: AllowedOriginOption = None,
     methods: MethodsOption = None,
@@ -114,7 +119,7 @@ def serve(
     for choice in [default, *(offered or ())]:  # (before the models load and their cost curves are measured)
         choice.check_backend(backend.value)
     _port_free(host, port)
-    guard, keys = _guard(host, allowed_host, api_key, allowed_origin, docs, max_body_mib, read_timeout)
+    guard, keys = _guard(host, allowed_host, api_key, allowed_origin, docs, max_body_mib, read_timeout, metrics_key)
     name = model_name or Path(target.rstrip("/")).name.removesuffix(".gguf")
 
     def build() -> Server:  # (off the main thread, where the event loop runs: `on_a_passing_thread`)
@@ -202,7 +207,8 @@ def _prefix_cache(gib: float, scope: str, keys: int) -> int:
     return int(gib * 2**30) // (max(1, keys) if scope == "tenant" else 1)
 
 
-def _guard(host: str, allowed_host, api_key, allowed_origin, docs: bool, max_body_mib: float, read_timeout: float):
+def _guard(host: str, allowed_host, api_key, allowed_origin, docs: bool, max_body_mib: float, read_timeout: float,
+           metrics_key: str | None = None):
     """(the server's guard, its keys): one key per --api-key, as given (a key with a space is refused; the
     environment variable is split on spaces by click), the hosts and origins allowed, the body's limits."""
     from specdecode.serve.guard import Guard
@@ -210,4 +216,5 @@ def _guard(host: str, allowed_host, api_key, allowed_origin, docs: bool, max_bod
     keys = tuple(api_key or ())
     return Guard.for_address(host, tuple(allowed_host or ()), api_keys=keys,
                              allowed_origins=tuple(allowed_origin or ()), docs=docs,
-                             max_body_bytes=int(max_body_mib * 2**20), read_seconds=read_timeout), keys
+                             max_body_bytes=int(max_body_mib * 2**20), read_seconds=read_timeout,
+                             metrics_key=metrics_key), keys

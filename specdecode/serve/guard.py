@@ -16,7 +16,8 @@ request's body and the time a client may take to send its request.
   OpenAI's clients send it, `Authorization: Bearer KEY` (401 otherwise). A key is one word of at least
   MIN_KEY_LENGTH characters. A server bound beyond loopback refuses to start without a key
   (`check_exposure`). A key's identity (a digest, never the key) is the request's tenant, which scopes
-  cross-request memory (`serve.app`).
+  cross-request memory (`serve.app`). `/metrics`, every tenant's counters, answers to `metrics_key` only
+  where one is given or there are several API keys (403 without one).
 - *Body*: refused (413) as soon as its `Content-Length`, or what has arrived of it, passes
   `max_body_bytes`; read whole within `read_seconds` (408 otherwise) before the app sees it.
 - *Head*: a connection that has not sent a whole request head within `read_seconds` of opening (or of
@@ -83,9 +84,12 @@ class Guard:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     read_seconds: float = DEFAULT_READ_SECONDS  # to send a request's head, and again its body
     docs: bool = False  # serve /docs and /openapi.json (behind the key, if any)
+    # the one key `/metrics` answers to (its counters are every tenant's); None: any key where there is one
+    # tenant, none where there are several
+    metrics_key: str | None = None
 
     def __post_init__(self) -> None:
-        for key in self.api_keys:
+        for key in self.api_keys + ((self.metrics_key,) if self.metrics_key is not None else ()):
             if any(c.isspace() for c in key):
                 raise UserError("an API key is one word, without spaces (give each key its own --api-key)")
             if len(key) < MIN_KEY_LENGTH:
@@ -128,15 +132,15 @@ class Guard:
             return True
         return origin.strip().lower().rstrip("/") in self.allowed_origins
 
-    def tenant(self, authorization: str | None) -> str | None:
-        """The identity of the key a request carries (`Authorization: Bearer KEY`), or None for none
-        that matches. Every key is compared, in constant time."""
+    def tenant(self, authorization: str | None, keys: tuple[str, ...] | None = None) -> str | None:
+        """The identity of the key a request carries (`Authorization: Bearer KEY`), or None for none of `keys`
+        (default: the API keys) that matches. Every key is compared, in constant time."""
         scheme, _, given = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not given.strip():
             return None
         given_digest = hashlib.sha256(given.strip().encode()).digest()
         found = None
-        for key in self.api_keys:
+        for key in self.api_keys if keys is None else keys:
             if hmac.compare_digest(given_digest, hashlib.sha256(key.encode()).digest()):
                 found = key_identity(key)
         return found
@@ -228,15 +232,21 @@ class GuardMiddleware:
             raise APIError(403, f"This server does not take requests from the web page at `{quoted(origin or '')}` "
                                 "(allow its origin with `specdecode serve --allowed-origin ORIGIN`).",
                            code="invalid_origin")
-        if not self.guard.api_keys or scope["path"] in PUBLIC_PATHS:
+        # /metrics counts every tenant's traffic: with several tenants, it answers only to its own key
+        metrics = scope["path"] == "/metrics" and (self.guard.metrics_key is not None or len(self.guard.api_keys) > 1)
+        if metrics and self.guard.metrics_key is None:
+            raise APIError(403, "/metrics counts every tenant's requests: with several API keys it answers only to "
+                                "its own key (`specdecode serve --metrics-key KEY`).", code="metrics_key_required")
+        if not metrics and (not self.guard.api_keys or scope["path"] in PUBLIC_PATHS):
             return None
         authorization = headers.get("authorization")
-        tenant = self.guard.tenant(authorization)
+        tenant = self.guard.tenant(authorization, (self.guard.metrics_key,) if metrics and self.guard.metrics_key
+                                   else None)
         if tenant is None:
             message = ("Incorrect API key provided." if authorization else
                        "You didn't provide an API key. Send it as `Authorization: Bearer YOUR_KEY`.")
             raise APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        return tenant
+        return None if metrics else tenant
 
     @staticmethod
     def _check_json(headers: dict[str, str]) -> None:

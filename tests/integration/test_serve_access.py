@@ -43,7 +43,7 @@ def bearer(key: str) -> dict[str, str]:
 
 
 def test_every_endpoint_but_the_page_and_health_needs_the_key(keyed):
-    for path in ["/v1/models", "/v1/methods", "/metrics"]:
+    for path in ["/v1/models", "/v1/methods"]:
         missing, wrong = get(keyed.url, path), get(keyed.url, path, bearer("key-three"))
         assert missing.status_code == wrong.status_code == 401
         assert openai_error(missing)["code"] == openai_error(wrong)["code"] == "invalid_api_key"
@@ -52,7 +52,31 @@ def test_every_endpoint_but_the_page_and_health_needs_the_key(keyed):
     refused = post(keyed.url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
     assert refused.status_code == 401
     assert get(keyed.url, "/health").status_code == get(keyed.url, "/").status_code == 200
-    assert metric(keyed.url, 'specdecode_requests_total{endpoint="/metrics",status="401"}', bearer(KEYS[0])) >= 1
+
+
+METRICS_KEY = "metrics-key-0123456789"
+
+
+@pytest.mark.parametrize("keys, metrics_key, answers", [
+    (KEYS[:1], None, {KEYS[0]: 200, "key-three-0123456789": 401, None: 401}),  # one tenant: its key
+    (KEYS, None, {KEYS[0]: 403, KEYS[1]: 403}),  # several: none of theirs (every tenant's traffic)
+    (KEYS, METRICS_KEY, {KEYS[0]: 401, METRICS_KEY: 200, None: 401}),
+    ((), METRICS_KEY, {METRICS_KEY: 200, None: 401}),
+])
+def test_metrics_answer_to_one_tenant_or_to_their_own_key(models, keys, metrics_key, answers):
+    """/metrics counts every tenant's requests (their prompts' and answers' sizes, what was accepted): a tenant's
+    key read what the others sent. With several keys it answers only to `--metrics-key`."""
+    guard = Guard(api_keys=keys, metrics_key=metrics_key)
+    running = ServerThread(create_app(Server(models, MODEL, "ar", methods=["ar"]), guard))
+    try:
+        got = {key: get(running.url, "/metrics", bearer(key) if key else None).status_code for key in answers}
+        if metrics_key is None and len(keys) > 1:
+            assert "--metrics-key" in openai_error(get(running.url, "/metrics", bearer(KEYS[0])))["message"]
+        if keys:  # the tenants' own endpoints answer to their keys as before
+            assert get(running.url, "/v1/models", bearer(keys[-1])).status_code == 200
+    finally:
+        running.stop()
+    assert got == answers
 
 
 def test_the_official_client_sends_its_key(keyed):
