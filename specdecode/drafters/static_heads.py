@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from specdecode.devices import to_device
 from specdecode.drafters.base import tensor_bytes
 from specdecode.drafters.eagle_head import EagleHead, HeadState
-from specdecode.errors import UserError
 from specdecode.models.graphs import make_runner
 from specdecode.models.static import (
     BUCKETS, DEFAULT_CAPACITY, StaticCausalLM, bucket, fits, full_mask, pack, pack_on, unpack,
@@ -95,10 +94,17 @@ class StaticFeeds:
         return out
 
     def _room(self, needed: int) -> None:
-        """A user error where the cache cannot hold `needed` entries and the widest bucket's pads after them."""
-        if needed + BUCKETS[-1] > self.capacity:
-            raise UserError(f"{self.kind}'s cache holds {self.capacity - BUCKETS[-1]} positions; this sequence "
-                            "needs more")
+        """Room for `needed` entries and the widest bucket's pads after them: the cache doubles (what it holds kept)
+        and the runners start afresh, as the target's does (`StaticCausalLM`): a head built beside a target of 4,096
+        positions follows it past them."""
+        if needed + BUCKETS[-1] <= self.capacity:
+            return
+        size = self.capacity - BUCKETS[-1]
+        while size < needed:
+            size *= 2
+        kv = self.kv.new_zeros((*self.kv.shape[:-2], size + BUCKETS[-1], self.kv.shape[-1]))
+        kv[..., : self.capacity, :] = self.kv
+        self._allocate(kv, self.features_width)
 
     def chain(self, feature: torch.Tensor, k: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A chain of k tokens drafted greedily from `feature` [d] (the head's output after the context, whose

@@ -150,6 +150,38 @@ def test_a_head_tree_prices_its_rounds_as_timed(tiny_target, round_seconds, deep
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_static_heads_cache_grows_as_the_targets(tiny_target, monkeypatch, kind):
+    """A head's static cache, sized as the target's was when the head was built (4,096 positions at first), doubles
+    when a sequence needs more, what it holds kept, as the target's does: it raised a UserError instead, mid-answer,
+    for every sequence past 4,096 tokens with eagle and eagle3 on a GPU. The outputs stay the dynamic state's, and
+    the chain runner, made afresh over the new cache, drafts past the old capacity."""
+    from conftest import random_eagle3_head
+    from specdecode.drafters.eagle3 import Eagle3State, StaticEagle3State
+
+    if kind == "eagle":
+        monkeypatch.setattr(HeadState, "quantize", False)
+        head = random_head(tiny_target, seed=6)
+        states = (HeadState(head, tiny_target), StaticHeadState(head, tiny_target, capacity=8))
+    else:
+        monkeypatch.setattr(Eagle3State, "quantize", False)
+        head = random_eagle3_head(tiny_target, seed=6)
+        states = (Eagle3State(head, tiny_target), StaticEagle3State(head, tiny_target, capacity=8))
+    d, vocab = tiny_target.config.hidden_size, tiny_target.config.vocab_size
+    generator = torch.Generator(device="cpu").manual_seed(1)
+    with torch.inference_mode():
+        start = 0
+        for n in (5, 6, 30, 1, 40):  # past 8, 16, 32 and 64 positions
+            features = torch.randn(n, d, generator=generator)
+            tokens = torch.randint(0, vocab, (n,), generator=generator)
+            dynamic, static = (state.run(features, tokens, torch.arange(start, start + n)) for state in states)
+            assert torch.allclose(static, dynamic, atol=1e-5), (static - dynamic).abs().max()
+            start += n
+        assert states[1].capacity - BUCKETS[-1] == 128 and states[1].cached == start
+        tokens, probs = states[1].chain(static[-1], 4, start)
+        assert tokens.shape == probs.shape == (4,) and states[1].cached == start + 3
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_the_static_state_runs_the_head_as_the_dynamic_one(tiny_target, monkeypatch, kind):
     """`StaticHeadState.run` and `StaticEagle3State.run` (the head's layer written out over a cache of fixed capacity
     in few kernels, feeds padded to a bucket and masked on the device) give the dynamic states' outputs (the head's

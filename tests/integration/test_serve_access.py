@@ -18,7 +18,7 @@ from specdecode.errors import UserError
 from specdecode.serve.app import Server, ServerThread, create_app
 from specdecode.serve.guard import Guard, check_exposure
 from test_demo_page import CHROMIUM, Browser
-from test_serve import get, metric, openai_error, post, request
+from test_serve import get, openai_error, post, request
 
 MODEL = "tiny"
 KEYS = ("key-one-0123456789", "key-two-0123456789")  # at least 16 characters each
