@@ -129,3 +129,34 @@ def test_the_page_reports_a_server_error(browser, page_url):
     browser.js("document.getElementById('max-tokens').value = '100000'; document.getElementById('run').click()")
     message = browser.wait_for("document.querySelector('.error')?.textContent")
     assert "maximum context length" in message
+
+
+def test_the_page_says_when_an_answer_stopped_short(browser, page_url):
+    """Stopped by the user, or its connection lost mid-answer (a read that fails, or a stream that ends without
+    [DONE]), the page says so under the partial answer: it used to keep a stopped answer's figures as if it had
+    ended, and to say only "network error". The key field is locked while a run goes on (a new key reloaded the
+    page's lists under it)."""
+    browser.call("Page.navigate", url=page_url)
+    browser.wait_for("document.querySelectorAll('#method option').length > 3")
+    slow = ("const read = ReadableStreamDefaultReader.prototype.read, held = new WeakMap(); "  # 100 bytes a read
+            "ReadableStreamDefaultReader.prototype.read = async function () { "
+            "await new Promise(r => setTimeout(r, 20)); let rest = held.get(this); "
+            "if (!rest || !rest.length) { const got = await read.call(this); if (got.done) return got; "
+            "rest = got.value; } held.set(this, rest.slice(100)); return {done: false, value: rest.slice(0, 100)}; };")
+    browser.js(slow + "document.getElementById('prompt').value = 'the cat sat on the mat'; "
+               "document.getElementById('max-tokens').value = '60'; document.getElementById('run').click()")
+    browser.wait_for("document.querySelectorAll('.tok').length > 0")
+    assert browser.js("document.getElementById('api-key').disabled")
+    browser.js("document.getElementById('stop').click()")
+    assert "stopped" in browser.wait_for("document.querySelector('.error')?.textContent")
+    assert not browser.js("document.getElementById('api-key').disabled")
+    for failing in ("throw new TypeError('network error')", "return {done: true, value: undefined}"):
+        browser.call("Page.navigate", url=page_url)
+        browser.wait_for("document.querySelectorAll('#method option').length > 3")
+        browser.js(slow + "const sliced = ReadableStreamDefaultReader.prototype.read; let calls = 0; "
+                   "ReadableStreamDefaultReader.prototype.read = async function () { "
+                   f"if (++calls > 3) {{ {failing}; }} return sliced.call(this); }}; "
+                   "document.getElementById('prompt').value = 'the cat sat on the mat'; "
+                   "document.getElementById('max-tokens').value = '60'; document.getElementById('run').click()")
+        message = browser.wait_for("document.querySelector('.error')?.textContent")
+        assert "connection to the server was lost" in message, message
