@@ -149,7 +149,7 @@ def for_drafting(head: H, lm_rows: torch.Tensor, quantize: bool = True) -> tuple
     linear = nn.Linear(lm_rows.shape[1], lm_rows.shape[0], bias=False, device=device)
     linear.weight.data = lm_rows.detach().float().contiguous()
     logits: nn.Module = linear
-    if quantize and DRAFT_BITS is not None and device.type == "cpu" and int4.available():
+    if quantize and DRAFT_BITS is not None and device.type == "cpu" and int4.usable():
         quantize_linears(drafting, DRAFT_BITS)
         logits = quantize_linears(nn.Sequential(linear), DRAFT_BITS)[0]
     return drafting, logits.eval()

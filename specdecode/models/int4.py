@@ -56,6 +56,18 @@ def available() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and _compiler() is not None
 
 
+def usable() -> bool:
+    """Whether the kernel runs here: `available`, and it compiles (a broken compiler or a build folder that cannot be
+    written leaves int8 and the float paths, which `--dtype auto` and a drafter's `auto` then choose from)."""
+    if not available():
+        return False
+    try:
+        _ops()
+    except UserError:
+        return False
+    return True
+
+
 def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
 

@@ -176,6 +176,14 @@ def quantize_invariant(model: PreTrainedModel, bits: int = 8, progress: bool = F
     if any(isinstance(module, Conv1D) for module in model.modules()):
         raise UserError(f"int{bits} replaces nn.Linear layers, and this model's projections are Conv1D layers "
                         "(GPT-2's), which would stay float and batch-dependent: use --dtype float32 or bfloat16")
+    # attention the row-by-row kernels do not compute: Gemma-2's capped scores, attention sinks
+    capped = ["attn_logit_softcapping"] if getattr(model.config, "attn_logit_softcapping", None) else []
+    if capped or any(hasattr(module, "sinks") for module in model.modules()):
+        raise UserError(f"int{bits} computes attention row by row without this model's "
+                        f"{', '.join(capped) or 'attention sinks'}: use --dtype float32 or bfloat16")
+    for name, tensor in model.state_dict().items():  # one NaN row's range would spoil a product's shared scale
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise UserError(f"the checkpoint's {name} holds NaN or infinite values: it is damaged")
     fuse_gate_up(model)
     quantize_linears(model, bits, progress)
     model.float()

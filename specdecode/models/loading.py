@@ -192,7 +192,7 @@ def draft_dtype(dtype: torch.dtype | str, device: torch.device | None = None) ->
             return device_dtype(device)
         from specdecode.models import int4
 
-        return INT4 if int4.available() else INT8
+        return INT4 if int4.usable() else INT8
     return dtype
 
 

@@ -86,7 +86,7 @@ def measure_paths(hidden: int, intermediate: int) -> dict[str, tuple[float, floa
         "float32": (lambda x: x @ weight.t()),
         "int8": InvariantInt8Linear(weight),
     }
-    if int4.available():
+    if int4.usable():
         paths["int4"] = int4.InvariantInt4Linear(weight)
     calls = {(name, rows): functools.partial(path, inputs[rows]) for name, path in paths.items() for rows in (1, 8)}
     with torch.inference_mode():

@@ -133,6 +133,42 @@ def test_a_kernel_the_cpu_lacks_is_refused():
                 pass
 
 
+def test_a_kernel_that_will_not_build_leaves_auto_the_other_paths(monkeypatch):
+    """A compiler that fails, or a build folder that cannot be written: `--dtype auto` and a drafter's `auto` choose
+    from int8 and the float paths (they failed with the kernel's build error, telling a user of --dtype int8 to use
+    --dtype int8); only an explicit int4 says the build failed."""
+    from specdecode.models import loading, precision
+
+    def broken():
+        raise UserError("could not compile the int4 kernel (a test); use --dtype int8, which needs no compiler")
+
+    monkeypatch.setattr(int4, "available", lambda: True)
+    monkeypatch.setattr(int4, "_ops", broken)
+    assert not int4.usable()
+    assert loading.draft_dtype("auto") == loading.INT8
+    assert set(precision.measure_paths(64, 128)) == {"bfloat16", "float32", "int8"}
+    with pytest.raises(UserError, match="could not compile the int4 kernel"):
+        InvariantInt4Linear(torch.randn(8, 64))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_what_the_quantized_paths_cannot_compute_exactly_is_refused(bits):
+    """A checkpoint holding a NaN (one NaN row in an int8 product's shared scale changed the other rows' logits, or
+    stopped fbgemm with a RuntimeError), and attention the row-by-row kernels do not compute (Gemma-2's capped
+    scores: the quantized model ran the model without its cap), are refused in words."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    damaged = tiny_qwen2(seed=3)
+    with torch.no_grad():
+        damaged.model.embed_tokens.weight[7, 3] = float("nan")
+    with pytest.raises(UserError, match="embed_tokens.weight holds NaN or infinite values"):
+        quantize_invariant(damaged, bits=bits)
+    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    with pytest.raises(UserError, match="attn_logit_softcapping"):
+        quantize_invariant(gemma, bits=bits)
+
+
 def test_two_models_hold_their_own_int4_variants_at_once(monkeypatch):
     """The int4 kernel variant is a setting of a model's layers (`int4.use_kernel`), not of the process: two
     models run different variants side by side, a stacked layer (the lean decoder's query, key and value product)
