@@ -156,13 +156,15 @@ def list_methods(
 
 def auto_here(target: str = DEFAULT_TARGET, drafter: str | None = DEFAULT_DRAFTER) -> str:
     """What `auto` is made of on this machine with the default models (as `drafters.auto` composes it: one shipped
-    head on torch, the draft model only where no head drafts), read from the package's files without loading a
-    model."""
-    from specdecode.drafters.auto import shipped_kind
+    head on torch, the first of medusa and eagle3 that ships, as `drafters.auto.shipped_kind` picks it; the draft model
+    only where no head drafts), read from the package's files without loading a model or importing torch."""
+    from pathlib import Path
+
     from specdecode.models.dtype_choice import cached_choice
     from specdecode.models.registry import get_model
 
-    kind = shipped_kind(target)
+    folder = Path(__file__).resolve().parents[1] / "heads" / get_model(target).name
+    kind = next((kind for kind in ("medusa", "eagle3") if (folder / kind / f"{kind}.json").is_file()), None)
     copies = "prompt lookup, the suffix cache"
     fallback = f" and the draft model {drafter}" if drafter else ""
     on_torch = (f"{copies} and the {kind} head's tree (it ships for {target}; the draft model is not loaded)" if kind

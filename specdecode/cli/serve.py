@@ -115,9 +115,7 @@ def serve(
     from specdecode.serve.app import Limits, Server, create_app
     from specdecode.serve.guard import uvicorn_options
 
-    default, offered = _methods(method.value, methods, datastore, no_drafter, head)
-    for choice in [default, *(offered or ())]:  # (before the models load and their cost curves are measured)
-        choice.check_backend(backend.value)
+    default, offered = _methods(method.value, methods, datastore, no_drafter, head, backend.value)
     _port_free(host, port)
     guard, keys = _guard(host, allowed_host, api_key, allowed_origin, docs, max_body_mib, read_timeout, metrics_key)
     name = model_name or Path(target.rstrip("/")).name.removesuffix(".gguf")
@@ -165,10 +163,11 @@ def on_a_passing_thread(build: Callable[[], T]) -> T:
     return built[0]
 
 
-def _methods(method: str, methods: str | None, datastore: Path | None, no_drafter: bool, head: Path | None = None):
-    """(the default method, the others offered or None: all), resolved before the models load: the default
-    with the datastore it retrieves from and the head it drafts with, the others with them where they take
-    them (a head: the methods of its kind)."""
+def _methods(method: str, methods: str | None, datastore: Path | None, no_drafter: bool, head: Path | None = None,
+             backend: str = "torch"):
+    """(the default method, the others offered or None: all), resolved before the models load (and their cost curves
+    are measured): the default with the datastore it retrieves from and the head it drafts with, the others with them
+    where they take them (a head: the methods of its kind); each refused where `backend` cannot run it."""
     from specdecode.methods import choose
 
     default = choose(method, datastore=datastore, head=head)
@@ -176,6 +175,8 @@ def _methods(method: str, methods: str | None, datastore: Path | None, no_drafte
         raise UserError(f"method {method!r} needs the draft model; drop --no-drafter or pick another --method")
     offered = [choose(m.strip(), datastore=datastore, head=head, only_if_taken=True)
                for m in methods.split(",") if m.strip()] if methods else None
+    for choice in [default, *(offered or ())]:
+        choice.check_backend(backend)
     if offered is not None and default.name not in [choice.name for choice in offered]:
         raise UserError(f"the default method {default.name!r} (--method) is not among --methods: add it there, or "
                         "name one of them with --method")
