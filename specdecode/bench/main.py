@@ -26,7 +26,7 @@ from specdecode.engine import GenerationConfig
 from specdecode.errors import UserError
 from specdecode.models import costs, loading
 from specdecode.drafters.heads import kind_of
-from specdecode.methods import METHODS, resolve, variant_names
+from specdecode.methods import METHODS, choose, resolve, variant_names
 from specdecode.progress import Progress
 
 ALL_METHODS = [*variant_names(), *PEERS]
@@ -34,8 +34,7 @@ ALL_METHODS = [*variant_names(), *PEERS]
 # fastest plain decoder on a CPU, when asked for: it needs llama-cpp-python and the target's GGUF)
 TORCH_METHODS = [*variant_names(), *(m for m, peer in PEERS.items() if peer.backend == "torch" and m != "llamacpp-ar")]
 # llama.cpp runs our methods only, and not the draft model's tree (it cannot grow one in its own cache)
-LLAMACPP_METHODS = [m for m in variant_names() if not resolve(m)[0].torch_only
-                    and not (resolve(m)[0].tree_torch_only and resolve(m)[1].tree)]
+LLAMACPP_METHODS = [m for m in variant_names() if choose(m).runs_on("llamacpp")]
 LLAMACPP_METHODS += [m for m, peer in PEERS.items() if peer.backend == "llamacpp"]
 
 

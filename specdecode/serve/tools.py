@@ -146,10 +146,10 @@ def tool_use(body: ChatRequest, template: str | None) -> ToolUse | None:
     return ToolUse(tools, asked, body.parallel_tool_calls is not False, form)
 
 
-def new_call(name: str, arguments: Any) -> dict:
-    """An OpenAI tool call (arguments as JSON text)."""
+def new_call(name: str, arguments: str) -> dict:
+    """An OpenAI tool call, its arguments as JSON text."""
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+            "function": {"name": name, "arguments": arguments}}
 
 
 def parse_call(text: str) -> dict | None:
@@ -161,7 +161,7 @@ def parse_call(text: str) -> dict | None:
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
     arguments = call.get("arguments", call.get("parameters", {}))
-    return new_call(call["name"], arguments) if isinstance(arguments, dict) else None
+    return new_call(call["name"], json.dumps(arguments, ensure_ascii=False)) if isinstance(arguments, dict) else None
 
 
 CUT_CALL = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(.*)', re.DOTALL)
@@ -177,8 +177,7 @@ def cut_call(text: str, names: list[str]) -> dict | None:
     name = json.loads(match.group(1))
     if name not in names:
         return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": match.group(2)}}
+    return new_call(name, match.group(2))
 
 
 def _closing(text: str, close: str) -> int:

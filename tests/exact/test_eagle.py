@@ -149,23 +149,28 @@ def test_a_head_tree_prices_its_rounds_as_timed(tiny_target, round_seconds, deep
     assert (grown >= len(depths) // 2 if deeper else grown <= 1), depths
 
 
+def dynamic_and_static(tiny_target, monkeypatch, kind: str, seed: int, capacity: int) -> tuple:
+    """A random head of `kind` ("eagle", "eagle3") as its dynamic state and its static one over `capacity` positions,
+    both float32 (the dynamic state's layers left unquantized, as the static one's always are)."""
+    from conftest import random_eagle3_head
+    from specdecode.drafters.eagle3 import Eagle3State, StaticEagle3State
+
+    if kind == "eagle":
+        monkeypatch.setattr(HeadState, "quantize", False)
+        head = random_head(tiny_target, seed=seed)
+        return HeadState(head, tiny_target), StaticHeadState(head, tiny_target, capacity=capacity)
+    monkeypatch.setattr(Eagle3State, "quantize", False)
+    head = random_eagle3_head(tiny_target, seed=seed)
+    return Eagle3State(head, tiny_target), StaticEagle3State(head, tiny_target, capacity=capacity)
+
+
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_a_static_heads_cache_grows_as_the_targets(tiny_target, monkeypatch, kind):
     """A head's static cache, sized as the target's was when the head was built (4,096 positions at first), doubles
     when a sequence needs more, what it holds kept, as the target's does: it raised a UserError instead, mid-answer,
     for every sequence past 4,096 tokens with eagle and eagle3 on a GPU. The outputs stay the dynamic state's, and
     the chain runner, made afresh over the new cache, drafts past the old capacity."""
-    from conftest import random_eagle3_head
-    from specdecode.drafters.eagle3 import Eagle3State, StaticEagle3State
-
-    if kind == "eagle":
-        monkeypatch.setattr(HeadState, "quantize", False)
-        head = random_head(tiny_target, seed=6)
-        states = (HeadState(head, tiny_target), StaticHeadState(head, tiny_target, capacity=8))
-    else:
-        monkeypatch.setattr(Eagle3State, "quantize", False)
-        head = random_eagle3_head(tiny_target, seed=6)
-        states = (Eagle3State(head, tiny_target), StaticEagle3State(head, tiny_target, capacity=8))
+    states = dynamic_and_static(tiny_target, monkeypatch, kind, seed=6, capacity=8)
     d, vocab = tiny_target.config.hidden_size, tiny_target.config.vocab_size
     generator = torch.Generator(device="cpu").manual_seed(1)
     with torch.inference_mode():
@@ -189,17 +194,7 @@ def test_the_static_state_runs_the_head_as_the_dynamic_one(tiny_target, monkeypa
     pairs wider than every bucket (run eagerly), a few more (a bucket), a tree's rounds under their masks (the last
     one's reaching past the window: eagerly again), then the speculative entries cropped and the context's next
     pairs fed over them."""
-    from conftest import random_eagle3_head
-    from specdecode.drafters.eagle3 import Eagle3State, StaticEagle3State
-
-    if kind == "eagle":
-        monkeypatch.setattr(HeadState, "quantize", False)
-        head = random_head(tiny_target, seed=5)
-        states = (HeadState(head, tiny_target), StaticHeadState(head, tiny_target, capacity=256))
-    else:
-        monkeypatch.setattr(Eagle3State, "quantize", False)
-        head = random_eagle3_head(tiny_target, seed=5)
-        states = (Eagle3State(head, tiny_target), StaticEagle3State(head, tiny_target, capacity=256))
+    states = dynamic_and_static(tiny_target, monkeypatch, kind, seed=5, capacity=256)
     assert states[1].kv.dtype == torch.float32
     d, device, vocab = tiny_target.config.hidden_size, tiny_target.device, tiny_target.config.vocab_size
     generator = torch.Generator(device="cpu").manual_seed(0)
