@@ -16,7 +16,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from specdecode.bench.harness import record_lines
+from specdecode.bench.harness import run_records
 from specdecode.errors import UserError
 
 OPEN_ENDED = ("multi-turn", "qa", "math", "translation")
@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--slim", type=Path, default=None)
     args = parser.parse_args()
     try:
-        records = record_lines(args.records)
+        records = run_records(args.records)
     except UserError as error:
         raise SystemExit(f"error: {error}") from None
     measured = rates(records)

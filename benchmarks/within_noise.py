@@ -22,13 +22,12 @@ told apart (pass --rivals to choose).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from specdecode.bench.harness import record_lines
+from specdecode.bench.harness import run_records
 from specdecode.bench.noise import interval, verdict
 from specdecode.errors import UserError
 
@@ -39,10 +38,18 @@ def load(paths: list[Path], decoding_alone: bool = False) -> dict[str, dict[str,
     """category -> method -> (file, task, repeat) -> log tokens per second; failed and warm-up runs left out
     (and with `decoding_alone`, runs without a prefill time: slimmed records, llama.cpp's rows)."""
     out: dict[str, dict[str, dict[Key, float]]] = defaultdict(lambda: defaultdict(dict))
+    seen: dict[tuple, Path] = {}
     for index, path in enumerate(paths):
-        for record in record_lines(path):
+        for record in run_records(path):
             if record["repeat"] < 0 or record["error"] or not record["seconds"]:
                 continue
+            # a run given twice (a file and its slimmed copy, the same lines in another order) would count its
+            # pairs twice: a narrower interval from the same evidence
+            run = (record["method"], record["category"], record["task_id"], record["repeat"], record["seconds"])
+            if run in seen:
+                raise UserError(f"a run is in the records twice ({record['method']} on {record['task_id']}, repeat "
+                                f"{record['repeat']}: {seen[run]} and {path}): each run counts once")
+            seen[run] = path
             tokens, seconds = sum(record["turn_lengths"]), record["seconds"]
             if decoding_alone:
                 if record.get("prefill_seconds") is None:
@@ -107,10 +114,6 @@ def main() -> None:
     for path in args.records:
         if not path.is_file():
             parser.error(f"no such file: {path}")
-    # a file given twice (or a copy of one) would count its pairs twice: a narrower interval from the same evidence
-    contents = [hashlib.sha256(path.read_bytes()).hexdigest() for path in args.records]
-    if len(set(contents)) < len(contents):
-        parser.error("a records file is given twice (or two files hold the same runs): each run counts once")
     rivals = [r.strip() for r in args.rivals.split(",") if r.strip()] if args.rivals else None
     try:
         measured = load(args.records, args.decoding_alone)

@@ -232,7 +232,7 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int | None = None,
-    stop: tuple[str, ...] = (),
+    stop: str | tuple[str, ...] | list[str] = (),  # a stop string, or several
     tree: bool = False,
     budget: int | None = None,
     backend: str = "torch",
@@ -260,7 +260,7 @@ def generate(
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
-        stop=tuple(stop),
+        stop=(stop,) if isinstance(stop, str) else tuple(stop),  # (a string's characters were each a stop string)
         seed=seed,
         constraint=constraint,
     )

@@ -109,9 +109,10 @@ METHODS: dict[str, Method] = {
     m.name: m
     for m in [
         Method("auto", "the default: one composite of what the loaded models allow, asked cheapest first and each "
-               "only while it pays on the request: prompt lookup, the suffix cache, one trained head of the "
-               "target (the one given, else Medusa; torch), the draft model as the fallback where one is "
-               "loaded; merged into one tree sized on the cost curve", False, _DRAFTERS + "auto:build_auto",
+               "only while it pays on the request: prompt lookup, the suffix cache, retrieval where a datastore "
+               "is given, one trained head of the target (the one given, else Medusa, else EAGLE-3; torch), the "
+               "draft model as the fallback where one is loaded; merged into one tree sized on the cost curve",
+               False, _DRAFTERS + "auto:build_auto",
                takes=("datastore", "reference", "head"), remembers=True, uses_draft_model=True, batchable=True),
         Method("ar", "plain autoregressive decoding (the baseline)", False, None, batchable=True),
         Method("draft", "an independent draft model drafts a chain (adaptive length) or an EAGLE-2-style tree; "
@@ -315,6 +316,10 @@ def choose(
     method does not draft from is refused, or with `only_if_taken` dropped (a server's or a benchmark's
     sources, shared by every method it runs: a head goes to the methods of its kind)."""
     method, named = resolve(spec)
+    if budget is not None and not method.tree:
+        sized = " (it sizes its tree on the cost curve)" if method.name == "auto" else ""
+        raise UserError(f"method {method.name!r} takes no budget{sized}; a budget sizes the trees of "
+                        f"{', '.join(tree_methods())}")
     options = DrafterOptions(tree=tree or named.tree, budget=budget,
                              choices=choices if choices is not None else named.choices)
     if options.tree and not method.tree:

@@ -125,6 +125,22 @@ def record_lines(path) -> list[dict]:
     return out
 
 
+# what the record of a run holds
+RUN_FIELDS = ("method", "category", "task_id", "repeat", "turn_lengths", "seconds", "error")
+
+
+def run_records(path) -> list[dict]:
+    """`record_lines` of a file of `specdecode bench` runs; a UserError for one of another kind (a served
+    concurrency run's records, say), naming the first field a line lacks."""
+    records = record_lines(path)
+    for number, record in enumerate(records, 1):
+        missing = [field for field in RUN_FIELDS if field not in record] if isinstance(record, dict) else RUN_FIELDS
+        if missing:
+            raise UserError(f"{path} is not a file of `specdecode bench` runs (its record {number} has no "
+                            f"{missing[0]!r})")
+    return records
+
+
 @dataclass
 class BenchOutcome:
     """What a benchmark run gives, on this machine or gathered from a Ray cluster's nodes."""

@@ -57,6 +57,9 @@ def export_eagle(
     exported = export_eagle3(eagle3_head.state_dict(), config, model.get_output_embeddings().weight, None, out,
                              known)  # no embedding: both engines share the target's
     console.print(f"wrote {out}: config.json, {', '.join(exported.files)}")
+    if head is not None and (head / "checkpoint.pt").is_file():  # (`specdecode train ... --seconds` ran out first)
+        console.print(f"[yellow]note:[/] {head} holds a run cut short (checkpoint.pt): this is the head so far; the "
+                      "training command carries on from it")
     for name in exported.oversize:
         console.print(f"[yellow]note:[/] {name} holds one tensor of over {FILE_LIMIT / 1e6:.0f} MB, more than the "
                       "repository takes in a file: keep this folder out of git")

@@ -28,7 +28,7 @@ def generate(
     prompt: Annotated[str, typer.Argument(help="The prompt text.")],
     method: Annotated[MethodName, typer.Option(help=(
         "Decoding method (`specdecode methods`). The default, auto, composes what the loaded models allow "
-        "(prompt lookup, the suffix cache, the target's trained heads, the draft model as a fallback) and asks "
+        "(prompt lookup, the suffix cache, one trained head of the target, the draft model as a fallback) and asks "
         "each only while it pays."
     ))] = MethodName("auto"),
     max_new_tokens: Annotated[int, typer.Option(min=1, max=1 << 20, help="Tokens to generate at most.")] = 128,

@@ -105,8 +105,8 @@ BackendOption = Annotated[Backend, typer.Option(
 ChoicesOption = Annotated[str | None, typer.Option(
     help="A fixed tree shape for --method draft --tree: JSON choices like [[0],[1],[0,0]], or 'default'.")]
 DatastoreOption = Annotated[Path | None, typer.Option(
-    help=f"A retrieval datastore for {takers('datastore')} (`specdecode datastore build`; default: the Python "
-         "standard library's, built once).")]
+    help=f"A retrieval datastore for {takers('datastore')} (`specdecode datastore build`; default for rest and "
+         "composite: the Python standard library's, built once; auto retrieves only from one given here).")]
 HeadOption = Annotated[Path | None, typer.Option(
     help=f"A trained head's folder for {takers('head')} (`specdecode train eagle3|eagle|medusa --out DIR`; its record "
          "must fit the target; default: the head shipped for the default target). A server or benchmark gives it "

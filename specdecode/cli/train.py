@@ -188,6 +188,16 @@ def _folders(**folders: Path | None) -> None:
             output_folder(folder, f"--{option}")
 
 
+def _one_kind(out: Path, kind: str) -> None:
+    """A head's --out: one that holds another kind's head is refused (both heads were then unusable: a folder holds
+    one head)."""
+    from specdecode.drafters.heads import RECORDS
+
+    others = [record for other, record in RECORDS.items() if other != kind and (out / record).is_file()]
+    if others:
+        raise UserError(f"{out} holds another kind of head ({others[0]}): give --out a folder of its own")
+
+
 def _checkpoint(out: Path) -> Path:
     """Where a training run saves where it is (`training.loop.optimise`), in its output folder."""
     out.mkdir(parents=True, exist_ok=True)
@@ -224,6 +234,7 @@ def train_eagle(
 
     on = devices.resolve(device)  # first: a device this machine lacks fails at once
     _folders(out=out, data=data)
+    _one_kind(out, "eagle")
     model, describe, shards = _target_features(target, data, tokens, seed, device=on)
     settings = eagle.TrainingSettings(intermediate_size=intermediate_size, vocab_size=vocab_size, seconds=seconds,
                                       epochs=epochs, learning_rate=learning_rate, seed=seed)
@@ -268,6 +279,7 @@ def train_eagle3(
 
     on = devices.resolve(device)  # first: a device this machine lacks fails at once
     _folders(out=out, data=data)
+    _one_kind(out, "eagle3")
     if extract and data is None:
         raise UserError("--data FOLDER is needed for the features to extract (or --no-extract)")
     if not extract and (answers is None or tokens):
@@ -307,6 +319,7 @@ def train_medusa(
 
     on = devices.resolve(device)  # first: a device this machine lacks fails at once
     _folders(out=out, data=data)
+    _one_kind(out, "medusa")
     model, describe, shards = _target_features(target, data, tokens, seed, device=on)
     settings = medusa.TrainingSettings(num_heads=heads, vocab_size=vocab_size, seconds=seconds, epochs=epochs,
                                        learning_rate=learning_rate, seed=seed)

@@ -17,7 +17,9 @@ UserErrors carrying the engine's own message.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import logging
 import re
 import weakref
 from collections.abc import Iterator
@@ -30,6 +32,7 @@ import llguidance.hf
 from specdecode.errors import UserError
 
 Kind = Literal["json_schema", "json_object", "regex", "grammar"]
+log = logging.getLogger("specdecode.constraints")
 
 # JSON as Python's json.dumps writes it (", " and ": "): no whitespace left to the model between tokens,
 # so that separators are forced (drafted for free) and a weak model cannot pad an answer with blanks.
@@ -48,51 +51,77 @@ class Constraint:
     @staticmethod
     def json_schema(schema: dict[str, Any] | bool | str, strict: bool = True) -> Constraint:
         """Output that validates against `schema` (a JSON Schema, as a dict, a bool or JSON text). `strict`: a
-        keyword the engine cannot enforce is an error; otherwise a warning, and the rest is enforced (as
+        keyword the engine cannot enforce is an error; otherwise a warning (logged), and the rest is enforced (as
         OpenAI's `strict: false`, where the schema is a hint)."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as error:
                 raise UserError(f"the JSON schema is not valid JSON: {error}") from None
+            except RecursionError:
+                raise UserError("the JSON schema nests too deeply to be read") from None
         if schema is True:  # JSON Schema's `true`: any JSON, as {}
             schema = {}
         if schema is False:
             raise UserError("the JSON schema `false` admits no output: its language is empty")
         if not isinstance(schema, dict):
             raise UserError(f"a JSON schema is a JSON object (or true), got {type(schema).__name__}")
-        options = dict(JSON_OPTIONS, lenient=not strict)
-        with refusals("json_schema"):
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)  # type: ignore[arg-type]
-        return Constraint._checked("json_schema", json.dumps(schema), grammar)
+        try:
+            text = json.dumps(schema)
+        except RecursionError:
+            raise UserError("the JSON schema nests too deeply to be read") from None
+        except (TypeError, ValueError) as error:  # a value JSON has no form for (a set, a circular reference)
+            raise UserError(f"the JSON schema is not JSON: {error}") from None
+        return _made("json_schema", text, not strict)
 
     @staticmethod
     def json_object() -> Constraint:
         """Any JSON object (OpenAI's `response_format: {"type": "json_object"}`)."""
-        grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)  # type: ignore[arg-type]
-        return Constraint._checked("json_object", '{"type": "object"}', grammar)
+        return _made("json_object", '{"type": "object"}', False)
 
     @staticmethod
     def regex(pattern: str) -> Constraint:
         """Output that matches `pattern` whole (Rust regex syntax, as llguidance reads it)."""
-        return Constraint._checked("regex", pattern, llguidance.LLMatcher.grammar_from_regex(pattern))
+        return _made("regex", pattern, False)
 
     @staticmethod
     def grammar(lark: str) -> Constraint:
         """Output in the language of a Lark grammar (its `start` rule; llguidance's Lark dialect, which also
         takes JSON schemas and regular expressions inline)."""
-        return Constraint._checked("grammar", lark, llguidance.LLMatcher.grammar_from_lark(lark))
-
-    @staticmethod
-    def _checked(kind: Kind, source: str, grammar: str) -> Constraint:
-        with refusals(kind):
-            failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-        if failed:
-            raise UserError(f"the {describe(kind)} does not compile: {one_line(messages[0])}")
-        return Constraint(kind, source, grammar)
+        return _made("grammar", lark, False)
 
     def describe(self) -> str:
         return describe(self.kind)
+
+
+CACHED_SOURCE = 1 << 16  # characters: a constraint no longer than this is compiled once and kept (`_made`)
+
+
+def _made(kind: Kind, source: str, lenient: bool) -> Constraint:
+    """The constraint of `kind` from its source text, compiled and checked; a short one compiled once and kept
+    (an agent's tools and a client's schema come back with every request, and with every prompt of one)."""
+    return _cached(kind, source, lenient) if len(source) <= CACHED_SOURCE else _compiled(kind, source, lenient)
+
+
+def _compiled(kind: Kind, source: str, lenient: bool) -> Constraint:
+    with refusals(kind):
+        if kind in ("json_schema", "json_object"):
+            options = dict(JSON_OPTIONS, lenient=lenient)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(source, overrides=options)  # type: ignore[arg-type]
+        elif kind == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(source)
+        else:
+            grammar = llguidance.LLMatcher.grammar_from_lark(source)
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if failed:
+        raise UserError(f"the {describe(kind)} does not compile: {one_line(messages[0])}")
+    if messages:  # what a lenient schema leaves unenforced (`uniqueItems`...): the output may break it
+        log.warning("the %s is enforced without what the grammar engine cannot enforce: %s", describe(kind),
+                    one_line("; ".join(messages))[:300])
+    return Constraint(kind, source, grammar)
+
+
+_cached = functools.lru_cache(maxsize=64)(_compiled)
 
 
 @contextlib.contextmanager

@@ -56,8 +56,10 @@ def kind_of(folder: str | Path) -> str:
     folder = Path(folder).expanduser()
     kinds = [kind for kind, record in RECORDS.items() if (folder / record).is_file()]
     if len(kinds) != 1:
-        raise UserError(f"{folder} holds {'no' if not kinds else 'more than one'} trained head (one of "
-                        f"{', '.join(RECORDS.values())}); write one with "
+        if kinds:
+            raise UserError(f"{folder} holds more than one trained head ({', '.join(RECORDS[k] for k in kinds)}): "
+                            "move all but one head's files to a folder of their own")
+        raise UserError(f"{folder} holds no trained head (one of {', '.join(RECORDS.values())}); write one with "
                         "`specdecode train eagle3|eagle|medusa --out DIR`")
     return kinds[0]
 

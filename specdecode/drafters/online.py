@@ -37,6 +37,10 @@ STEPS = 2  # optimiser steps after each sequence, each on it and one earlier seq
 UNROLL = 2  # draft steps of training-time test
 REPLAY_TOKENS = 8192  # the newest sequences kept for replay, about this many tokens
 MIN_TOKENS = 16  # a shorter sequence teaches nothing worth a step
+# a finished sequence's last this many tokens are learnt from, as offline training cuts its windows
+# (`training.eagle3.TrainingSettings.sequence_tokens`): a step's memory grew with the square of the whole sequence's
+# length (the head's attention mask), several GiB at 8k tokens, outside any memory budget
+LEARN_TOKENS = 512
 
 
 class OnlineAdaptation:
@@ -95,12 +99,13 @@ class OnlineAdaptation:
         self._seconds += seconds
 
     def learn(self, tokens: list[int], features: torch.Tensor) -> bool:
-        """One finished sequence's tokens and the target's features at each ([n, k d]); True if the head
-        changed (the caller rebuilds its drafting copy)."""
+        """One finished sequence's tokens and the target's features at each ([n, k d]), of which its last
+        LEARN_TOKENS are learnt from; True if the head changed (the caller rebuilds its drafting copy)."""
         n = min(len(tokens), features.shape[0])
         if n < MIN_TOKENS:
             return False
-        self.replay.append((to_device(tokens[:n], self.device), features[:n].float()))
+        first = max(0, n - LEARN_TOKENS)
+        self.replay.append((to_device(tokens[first:n], self.device), features[first:n].float()))
         while sum(len(t) for t, _ in self.replay) > self.replay_tokens and len(self.replay) > 1:
             self.replay.popleft()
         start = self._stopwatch.mark()

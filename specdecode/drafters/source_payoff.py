@@ -16,7 +16,10 @@ until the text changes character, or until its rest is over (`FIRST_REST` steps,
 failing up to `LAST_REST`), whichever comes first; then it is on trial again, its ledger fresh. The text's
 character is the band of accepted tokens per step of the whole composite (decayed): nothing copied or
 guessed, a few tokens, long runs (`BANDS`); a step that moves it to another band puts every benched source
-back on trial. A benched source still hears every verdict (`Drafter.observe`): heads keep their features
+back on trial (with every source benched nothing is drafted, so the character stays "nothing copied" and only a
+rest's end brings a source back: up to `LAST_REST` steps on text that turned copy-heavy meanwhile, for a source
+that costs enough for its rest to double; a near-free one's rest stays `FIRST_REST`, its trials paying at once). A
+benched source still hears every verdict (`Drafter.observe`): heads keep their features
 current and copy sources their index, so it drafts at once when it is back. Which sources are asked never
 changes the output: the verifier decides that.
 """

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 from collections.abc import Callable, Generator
 
 import torch
@@ -47,6 +49,19 @@ def with_auxiliary(
     full[length:, length:] = auxiliary.mask.to(mask.device)
     return (torch.cat([fed, auxiliary.tokens.to(fed.device)]),
             torch.cat([positions, auxiliary.positions.to(positions.device)]), full)
+
+
+# per model, held while an engine decodes a sequence on it: engines made from one `Models` share its target and its
+# cache, and two decoding at once (two threads, or two streams stepped in turn) wrote into each other's context
+_DECODING: weakref.WeakKeyDictionary[CausalLM, threading.Lock] = weakref.WeakKeyDictionary()
+_DECODING_GUARD = threading.Lock()
+
+
+def _hold(target: CausalLM) -> threading.Lock | None:
+    """The model's decoding lock, acquired, or None where another sequence holds it."""
+    with _DECODING_GUARD:
+        lock = _DECODING.setdefault(target, threading.Lock())
+    return lock if lock.acquire(blocking=False) else None
 
 
 class SpeculativeEngine:
@@ -184,11 +199,17 @@ class SpeculativeEngine:
         if self._busy:
             raise UserError("this engine decodes one sequence at a time: run the other stream to its end or close it "
                             "first (engine.batch.BatchEngine decodes several at once)")
+        held = _hold(self.target)
+        if held is None:
+            raise UserError("this model is decoding another sequence (an engine made from the same models): engines "
+                            "that share a model take turns, one sequence at a time; engine.batch.BatchEngine, or the "
+                            "server, decodes several at once")
         self._busy = True
         try:
             return (yield from self._decode(prompt_ids, config))
         finally:
             self._busy = False
+            held.release()
 
     def _decode(self, prompt_ids: list[int], config: GenerationConfig
                 ) -> Generator[StepEvent | Prefilled, None, GenerationResult]:

@@ -77,8 +77,8 @@ class GenerationResult:
     text: str
     steps: list[StepStats]
     seconds: float
-    # "eos" (an end-of-sequence token, or the constraint complete), "length" (max_new_tokens or the context is
-    # full) or "stop" (a stop string)
+    # "eos" (the model's end-of-sequence token, or the constraint complete), "length" (max_new_tokens or the context
+    # is full) or "stop" (a stop string, or a token of `stop_token_ids` that is not the model's end)
     finish_reason: str
     method: str
     # Tree nodes verified per step: a fixed number, "auto" (chosen each step from the cost curve),
@@ -188,7 +188,8 @@ class SequenceState:
 
     def __init__(self, prompt_ids: list[int], config: GenerationConfig, tokenizer, target: CausalLM):
         self.config, self.max_context = config, target.max_context
-        self.eos = (frozenset() if config.ignore_eos else target.eos_token_ids) | frozenset(config.stop_token_ids)
+        self.model_eos = frozenset() if config.ignore_eos else target.eos_token_ids
+        self.eos = self.model_eos | frozenset(config.stop_token_ids)
         # on the target's device, so that sampling draws there; its positions' uniforms make a draft without
         # distributions give plain decoding's sampled tokens under the seed, whatever the gate or timings chose
         # (`sampling`; docs/verification.md, "Randomness")
@@ -231,7 +232,7 @@ class SequenceState:
         hit_eos = next((i for i, t in enumerate(new) if t in self.eos), None)
         if hit_eos is not None:
             del new[hit_eos + 1 :], origins[hit_eos + 1 :]
-            self.finish_reason = "eos"
+            self.finish_reason = "eos" if new[hit_eos] in self.model_eos else "stop"
         if self.matcher is not None:  # up to where the constraint is complete: nothing may follow
             del new[self.matcher.consume(new) :], origins[len(new) :]
             if self.matcher.complete and self.finish_reason == "length":

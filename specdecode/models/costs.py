@@ -221,6 +221,8 @@ def _load(path: Path) -> tuple[CostCurve, bool]:
     a ValueError saying what is wrong with the file."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as error:  # a folder in its place, a file without read permission
+        raise ValueError(f"cannot be read ({error.strerror or error})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"not JSON ({error})") from None
     if not isinstance(data, dict) or not {"sizes", "relative", "seconds"} <= set(data):
@@ -231,9 +233,14 @@ def _load(path: Path) -> tuple[CostCurve, bool]:
         raise ValueError(f"its sizes are not positive integers in ascending order: {str(sizes)[:80]}")
     if not isinstance(relative, list) or not all(_finite(c) and c > 0 for c in relative):
         raise ValueError(f"its relative costs are not positive numbers: {str(relative)[:80]}")
-    if not all(_finite(n) and n >= 0 for n in numbers):
-        raise ValueError(f"its seconds are not numbers of at least 0: {numbers}")
-    # CostCurve refuses (ValueError) fewer than two sizes, a first size other than 1, or lengths that differ
+    if not all(_finite(n) and n >= 0 for n in numbers) or not numbers[0] > 0:
+        raise ValueError(f"its seconds are not a measured time and a number of at least 0: {numbers}")
+    # what `measure` writes, and what a LiveCurve can correct: a curve without some sizes never learns their
+    # cost (a forward wider than its last size is not timed), and one whose first size is not the unit prices
+    # every width wrong until timings arrive
+    if tuple(sizes) != SIZES or not math.isclose(relative[0], 1.0):
+        raise ValueError(f"not a curve over this version's sizes {SIZES} relative to one token")
+    # CostCurve refuses (ValueError) lengths that differ
     return CostCurve(tuple(sizes), tuple(relative), *numbers), "prefill" in data
 
 

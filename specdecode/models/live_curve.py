@@ -20,9 +20,10 @@ class LiveCurve:
     It starts from a measured curve (the prior, measured once per machine and cached) and keeps, for each
     measured size, the lower median of the latest forwards of that size (a forward of n tokens counts for
     the smallest measured size of at least n), the prior's figure counting as one of them until WINDOW
-    timings have pushed it out; no size is estimated cheaper than a narrower one. So one fast timing is
-    believed at once (a forward cannot be faster than the machine allows), while a slower figure needs two
-    timings out of three: one stall (a page fault, another process taking the core) must not price a size
+    timings have pushed it out; no size is estimated cheaper than a narrower one. So a size's first timing, if
+    faster than the prior, is believed at once (a forward cannot be faster than the machine allows; later, with
+    several timings kept, a figure moves once half of them say so), while a slower figure needs two timings out
+    of three: one stall (a page fault, another process taking the core) must not price a size
     for good, and a size the gate then stops verifying would keep that price, also in the cache. A curve
     measured in a busy moment is thus corrected within a few steps, and a quiet curve follows the machine
     when it gets busy. Sizes the gate has stopped
@@ -30,11 +31,13 @@ class LiveCurve:
     that paid recently, once every `PROBE_EVERY` forwards, and verifies that much: lossless, and a few
     percent of the time at worst.
 
-    A size never timed between two timed ones is priced on the line between them, not by the prior, and one
-    narrower than every timed size never above the narrowest timed one. The gate fills a forward up to the widest
-    size of a price, so where the prior says sizes 4 to 8 cost alike (a busy moment, or a curve flattened by the
-    rule above and stored), it verifies 8 and never 4 or 6, whose stale figures then held every wider size up
-    (and, stored, the next process's prior): a trap no timing ever left.
+    A size never timed between two timed ones is priced on the line between them, not by the prior, one
+    narrower than every timed size never above the narrowest timed one, and one wider than every timed size by
+    the prior's shape at the widest timed size's scale (the prior's seconds are one moment's: a busy one priced
+    every width the gate had not yet verified out of reach, and nothing ever timed them). The gate fills a
+    forward up to the widest size of a price, so where the prior says sizes 4 to 8 cost alike (a busy moment, or
+    a curve flattened by the rule above and stored), it verifies 8 and never 4 or 6, whose stale figures then
+    held every wider size up (and, stored, the next process's prior): a trap no timing ever left.
 
     A forward's attention reads the whole cache, so the same width costs more over a longer one (a batch of
     eight sequences holds thousands of tokens): the estimates are kept per band of cache lengths
@@ -52,8 +55,8 @@ class LiveCurve:
     def __init__(self, prior: CostCurve, on_change=None):
         self.sizes = prior.sizes
         seconds = prior.seconds or 1.0
-        self._bands = {0: _Band([[r * seconds] for r in prior.relative], [0] * len(self.sizes),
-                                [False] * len(self.sizes))}
+        figures = [r * seconds for r in prior.relative]
+        self._bands = {0: _Band([[f] for f in figures], [0] * len(self.sizes), [False] * len(self.sizes), figures)}
         self._band = 0  # where the next forwards run (`at`)
         self._forwards = 0
         self._on_change = on_change  # called with the first band's curve now and then (to cache it)
@@ -67,7 +70,7 @@ class LiveCurve:
         if band not in self._bands:
             below = self._bands[max(b for b in self._bands if b < band)]
             self._bands[band] = _Band([list(times) for times in below.times], [0] * len(self.sizes),
-                                      list(below.timed))
+                                      list(below.timed), below.prior)
         return self._bands[band]
 
     def at(self, context: int) -> None:
@@ -136,6 +139,7 @@ class _Band:
     times: list[list[float]]  # per size, the latest forwards' seconds, latest first
     last_seen: list[int]  # per size, the band's forward count when it was last timed or probed
     timed: list[bool]  # per size, whether a forward of it was ever timed (else its times are the prior's)
+    prior: list[float]  # per size, the prior's seconds (whose shape prices the sizes wider than every timed one)
     forwards: int = 0
     snapshot: CostCurve | None = None
 
@@ -143,7 +147,8 @@ class _Band:
 def _between_timed(sizes: tuple[int, ...], band: _Band) -> list[float]:
     """A band's seconds per size (`LiveCurve`): the lower median of its latest forwards; a size never timed, between
     two timed sizes, on the line between their figures; narrower than every timed size, the prior's, but never more
-    than the narrowest timed size's figure; wider than every timed size, the prior's."""
+    than the narrowest timed size's figure; wider than every timed size, the prior's shape at the widest timed size's
+    scale (the prior's seconds may be from a busy moment, or another load: only a timing says what they are now)."""
     seconds = [lower_median(times) for times in band.times]
     timed = [i for i, was in enumerate(band.timed) if was]
     for below, above in itertools.pairwise(timed):
@@ -152,6 +157,10 @@ def _between_timed(sizes: tuple[int, ...], band: _Band) -> list[float]:
             seconds[i] = seconds[below] + share * (seconds[above] - seconds[below])
     for i in range(timed[0] if timed else 0):
         seconds[i] = min(seconds[i], seconds[timed[0]])
+    if timed:
+        scale = seconds[timed[-1]] / band.prior[timed[-1]]
+        for i in range(timed[-1] + 1, len(sizes)):
+            seconds[i] = band.prior[i] * scale
     return seconds
 
 

@@ -95,6 +95,10 @@ class ToolUse:
 
 
 DEFINITIONS = ("$defs", "definitions")  # where a schema keeps the parts its references name
+ROOT_KEYWORDS = ("$id", "$schema")  # what says which resource and dialect the parameters' root is: the new root's
+VALUES = ("const", "enum", "default", "examples")  # keywords whose values are data, never schemas
+# keywords whose values map names to schemas (a property may be called "$ref")
+SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas", *DEFINITIONS)
 
 
 def call_schema(function: dict) -> dict:
@@ -103,19 +107,23 @@ def call_schema(function: dict) -> dict:
     every reference into it (`#`, `#/properties/...`) is rebased (`#/properties/arguments/...`)."""
     parameters = function.get("parameters") or {"type": "object"}
     options = dict(JSON_OPTIONS, lenient=not function.get("strict"))
-    kept = {key: _rebased(parameters[key]) for key in DEFINITIONS if key in parameters}
-    arguments = _rebased({key: value for key, value in parameters.items() if key not in DEFINITIONS})
+    moved = (*DEFINITIONS, *ROOT_KEYWORDS)
+    kept = {key: _rebased(parameters[key], key in DEFINITIONS) for key in moved if key in parameters}
+    arguments = _rebased({key: value for key, value in parameters.items() if key not in moved})
     return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": arguments},
             "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": options, **kept}
 
 
-def _rebased(schema: Any) -> Any:
-    """`schema` with each local reference into the parameters' root rebased to `#/properties/arguments`."""
+def _rebased(schema: Any, names: bool = False) -> Any:
+    """`schema` with each local reference into the parameters' root rebased to `#/properties/arguments`; `names`:
+    a map of names to schemas. Values (`const`, `enum`...) are data, kept as they are."""
     if isinstance(schema, list):
         return [_rebased(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {key: _rebased(value) for key, value in schema.items()}
+    if names:
+        return {name: _rebased(value) for name, value in schema.items()}
+    out = {key: value if key in VALUES else _rebased(value, key in SCHEMA_MAPS) for key, value in schema.items()}
     ref = schema.get("$ref")
     if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) and \
             not any(ref.startswith(f"#/{key}/") for key in DEFINITIONS):

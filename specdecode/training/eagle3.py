@@ -135,8 +135,6 @@ def train(target_model, shards: list[Shard], settings: TrainingSettings, layers:
         check_init(init, target_model.config, layers)
         head.load_state_dict(init.state_dict())
     training, evaluation = split(windows(shards, settings.sequence_tokens, settings.steps + 8, aux=True), settings.seed)
-    if not training:
-        raise UserError("the features hold no window long enough to train on")
     record = TrainingRecord(settings=vars(settings) | {"vocab": len(vocab_ids), "aux_layers": list(layers),
                                                "train_windows": len(training), "held_out_windows": len(evaluation)})
     optimise(head, lambda window: losses(head, embed, draft_head, window, settings.steps), training, settings,

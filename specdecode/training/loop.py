@@ -111,12 +111,15 @@ def held_out(key: str) -> bool:
 
 
 def split(data: list[tuple[str, Window]], seed: int) -> tuple[list[Window], list[Window]]:
-    """(training windows shuffled with `seed`, held-out windows) of (sequence key, window) pairs."""
+    """(training windows shuffled with `seed`, held-out windows) of (sequence key, window) pairs; a UserError for
+    none to train on (every sequence shorter than a window: Medusa and EAGLE saved an untrained head)."""
     training = [window for key, window in data if not held_out(key)]
     evaluation = [window for key, window in data if held_out(key)]
     random.Random(seed).shuffle(training)
     if not evaluation and len(training) > 1:  # a tiny data set: one window still shows something
         evaluation.append(training.pop())
+    if not training:
+        raise UserError("the features hold no window long enough to train on")
     return training, evaluation
 
 

@@ -10,6 +10,7 @@ hypothesis for the chain, tree and batch paths.
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import jsonschema
@@ -19,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from test_every_method import LOSSLESS, REFERENCE, folders, models, random_heads  # noqa: F401  (fixtures)
-from specdecode.constraints import Constraint
+from specdecode.constraints import Constraint, grammar
 from specdecode.drafters import heads
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
@@ -146,6 +147,34 @@ def test_bad_constraints_are_user_errors(make):
         make()
 
 
+def test_a_schema_too_deep_to_read_is_a_user_error():
+    deep: dict = {"type": "integer"}
+    for _ in range(5000):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(UserError, match="nests too deeply"):  # (it was json.dumps' RecursionError)
+        Constraint.json_schema(deep)
+
+
+def test_a_constraint_is_compiled_once(monkeypatch):
+    """An agent's tools and a client's schema come back with every request (and every prompt of one): compiled
+    once; one too long to keep, each time."""
+    compiled = []
+    real = grammar.llguidance.LLMatcher
+    def counted(*args, **kwargs):
+        compiled.append(args)
+        return real.grammar_from_json_schema(*args, **kwargs)
+
+    monkeypatch.setattr(grammar.llguidance, "LLMatcher", type("Counting", (), {
+        "grammar_from_json_schema": staticmethod(counted),
+        "validate_grammar_with_warnings": staticmethod(real.validate_grammar_with_warnings)}))
+    schema = {"type": "object", "properties": {"odd": {"type": "integer", "minimum": 17}}}
+    assert Constraint.json_schema(schema) == Constraint.json_schema(dict(schema)) and len(compiled) == 1
+    Constraint.json_schema(schema, strict=False)  # another language: compiled too
+    long = {"type": "string", "description": "x" * grammar.CACHED_SOURCE}
+    Constraint.json_schema(long), Constraint.json_schema(long)
+    assert len(compiled) == 4
+
+
 def test_an_empty_language_is_a_user_error(models):  # noqa: F811
     engine = SpeculativeEngine(models.target, models.tokenizer)
     with pytest.raises(UserError, match="empty"):
@@ -177,9 +206,11 @@ def test_a_constraint_the_grammar_engine_cannot_follow_fails_its_own_sequence_al
     assert all(results[i].token_ids == expected for i in others)
 
 
-def test_a_lenient_schema_ignores_what_it_cannot_enforce(models):  # noqa: F811
-    constraint = Constraint.json_schema({"type": "string", "format": "no-such-format", "maxLength": 3},
-                                        strict=False)
+def test_a_lenient_schema_ignores_what_it_cannot_enforce(models, caplog):  # noqa: F811
+    with caplog.at_level(logging.WARNING, logger="specdecode.constraints"):
+        constraint = Constraint.json_schema({"type": "string", "format": "no-such-format", "maxLength": 3},
+                                            strict=False)
+    assert "no-such-format" in caplog.text  # said (the warning its docstring promised was dropped)
     engine = SpeculativeEngine(models.target, models.tokenizer)
     result = constrained(engine, models.encode("the cat"), constraint)
     assert result.finish_reason == "eos" and len(json.loads(result.text)) <= 3

@@ -5,6 +5,7 @@ model (its shape only: timings on a shared machine are too noisy to assert ratio
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -17,6 +18,8 @@ from specdecode.models import costs
 from specdecode.models.costs import CostCurve
 from specdecode.models.hf import HFCausalLM
 from specdecode.tree.budget import Calibration, best_budget
+
+MEASURED = dataclasses.replace(CostCurve.linear(0.25), seconds=0.01, prefill=0.002)  # a measurement, made up
 
 CURVE = CostCurve((1, 2, 4, 8), (1.0, 1.1, 1.3, 2.1))
 
@@ -207,13 +210,13 @@ def test_cached_curve_is_measured_once(tiny_target, tmp_path, monkeypatch):
 
     def fake_measure(model, *args, **kwargs):
         calls.append(model)
-        return CostCurve((1, 2, 4), (1.0, 1.25, 1.75))
+        return MEASURED
 
     monkeypatch.setattr(costs, "measure", fake_measure)
     lm = HFCausalLM(tiny_target)
     first = costs.cached(lm, "tiny|key")
     second = costs.cached(lm, "tiny|key")
-    assert first == second == CostCurve((1, 2, 4), (1.0, 1.25, 1.75))
+    assert first == second == MEASURED
     assert len(calls) == 1
     costs.cached(lm, "another|key")  # a different model or backend is measured separately
     assert len(calls) == 2
@@ -224,16 +227,20 @@ def test_a_curve_cached_before_prefills_were_timed_gets_its_figure(tiny_target, 
     monkeypatch.setattr(costs, "measure", lambda *args, **kwargs: pytest.fail("the curve is cached"))
     monkeypatch.setattr(costs, "measure_prefill", lambda model: 0.002)
     lm = HFCausalLM(tiny_target)
-    costs.store("tiny|old", CostCurve((1, 2, 4), (1.0, 1.25, 1.75), 0.01))
+    costs.store("tiny|old", dataclasses.replace(MEASURED, prefill=0.0))
     path = next(tmp_path.glob("*.json"))
     data = json.loads(path.read_text())
     del data["prefill"]  # as written before the field existed
     path.write_text(json.dumps(data))
-    assert costs.cached(lm, "tiny|old") == CostCurve((1, 2, 4), (1.0, 1.25, 1.75), 0.01, prefill=0.002)
+    assert costs.cached(lm, "tiny|old") == MEASURED
     assert json.loads(path.read_text())["prefill"] == 0.002  # stored back: measured once
 
 
-MEASURED = CostCurve((1, 2, 4), (1.0, 1.25, 1.75), 0.01, prefill=0.002)
+
+
+def curve_file(sizes=costs.SIZES, first=1.0, seconds=0.01) -> bytes:
+    relative = [first, *MEASURED.relative[1:len(sizes)]]
+    return json.dumps({"sizes": list(sizes), "relative": relative, "seconds": seconds, "prefill": 0.002}).encode()
 
 
 @pytest.mark.parametrize("content", [
@@ -245,7 +252,14 @@ MEASURED = CostCurve((1, 2, 4), (1.0, 1.25, 1.75), 0.01, prefill=0.002)
     b'{"sizes": [1, 2, 4], "relative": [1.0, 1.25], "seconds": 0.01}',
     b'[1, 2, 4]',
     b'\xff\xfe not text',
-], ids=["cut-short", "no-sizes", "a-string", "nan", "not-from-1", "lengths-differ", "a-list", "not-utf8"])
+    # well-formed, but what no measurement writes and a LiveCurve cannot correct (edited by hand): sizes it would
+    # never learn (no forward wider than the last size is timed), a first size priced as more than itself, no
+    # measured time (every untimed width then priced at a second)
+    curve_file(sizes=costs.SIZES[:2]),
+    curve_file(first=50.0),
+    curve_file(seconds=0),
+], ids=["cut-short", "no-sizes", "a-string", "nan", "not-from-1", "lengths-differ", "a-list", "not-utf8",
+        "missing-sizes", "first-not-one", "no-seconds"])
 def test_an_unusable_cached_curve_is_moved_aside_with_a_warning_and_measured_again(tiny_target, tmp_path, monkeypatch,
                                                                                      caplog, content):
     monkeypatch.setattr(costs, "cache_root", lambda: tmp_path)
@@ -259,6 +273,19 @@ def test_an_unusable_cached_curve_is_moved_aside_with_a_warning_and_measured_aga
     assert len(calls) == 1
     aside = path.with_name(path.name + ".broken")
     assert aside.read_bytes() == content  # kept for a look
-    assert json.loads(path.read_text())["relative"] == [1.0, 1.25, 1.75]  # the new measurement, cached
+    assert json.loads(path.read_text())["relative"] == list(MEASURED.relative)  # the new measurement, cached
     [record] = caplog.records
     assert str(path) in record.getMessage() and str(aside) in record.getMessage()
+
+
+def test_a_folder_where_the_cached_curve_belongs_is_moved_aside(tiny_target, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(costs, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(costs, "measure", lambda model, *args, **kwargs: MEASURED)
+    costs.store("tiny|folder", MEASURED)
+    path = next(tmp_path.glob("*.json"))
+    path.unlink()
+    path.mkdir()  # (it was a traceback: IsADirectoryError)
+    with caplog.at_level(logging.WARNING, logger="specdecode.cache"):
+        assert costs.cached(HFCausalLM(tiny_target), "tiny|folder") == MEASURED
+    assert path.with_name(path.name + ".broken").is_dir() and path.is_file()
+    assert "cannot be read" in caplog.text

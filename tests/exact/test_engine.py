@@ -4,6 +4,7 @@ statistical tests run on (its sampled output: `statistical/test_engine_sampling.
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -53,10 +54,12 @@ def test_stop_token_ids_stop_as_eos_does_ignore_eos_or_not(tiny_target, spec_eng
     eos = next(t for t in ids[:first] if t not in stops)
     target = HFCausalLM(tiny_target)
     target.eos_token_ids = spec_engine.target.eos_token_ids = frozenset({eos})
-    for ignore_eos, end in ((False, ids.index(eos)), (True, first)):
+    # ended by the model's end "eos", by a stop token "stop" (it was "eos": read as the model's end, or a constrained
+    # output's completion)
+    for ignore_eos, end, reason in ((False, ids.index(eos), "eos"), (True, first, "stop")):
         config = GenerationConfig(max_new_tokens=40, stop_token_ids=stops, ignore_eos=ignore_eos)
         result = spec_engine.generate(PROMPT, config)
-        assert result.token_ids == ids[: end + 1] and result.finish_reason == "eos"
+        assert result.token_ids == ids[: end + 1] and result.finish_reason == reason
         batch = BatchEngine(target)
         batch.add(PROMPT, config, PromptLookupDrafter())
         assert next(r for _ in range(60) for _, _, r in batch.step() if r is not None).token_ids == ids[: end + 1]
@@ -170,6 +173,12 @@ def test_generate_takes_token_ids_as_a_list_or_a_tuple(tiny_folder):
     as_tuple = generate(tuple(ids), method="ar", target=str(tiny_folder), drafter=None, dtype="float32",
                         max_new_tokens=4)
     assert as_tuple.token_ids == as_list.token_ids
+    # a stop string given alone is one stop string (each of its characters was one: the answer cut at the first)
+    text = generate(ids, method="ar", target=str(tiny_folder), drafter=None, dtype="float32", max_new_tokens=24).text
+    at = next(i for i in range(1, len(text) - 1) if text.index(text[i:i + 2]) == i and text[i] in text[:i])
+    one, several = (generate(ids, method="ar", target=str(tiny_folder), drafter=None, dtype="float32",
+                             max_new_tokens=24, stop=given).text for given in (text[at:at + 2], (text[at:at + 2],)))
+    assert one == several == text[:at]
     with pytest.raises(UserError, match="a text or a list of token ids"):
         generate(5, method="ar", target=str(tiny_folder), drafter=None, dtype="float32")
 
@@ -256,23 +265,50 @@ def test_a_stream_left_early_goes_on_where_it_was(tiny_target):
     assert list(stopped) == [] and stopped.result is None
 
 
-def test_an_engine_decodes_one_stream_at_a_time(tiny_target):
-    """A second stream begun on an engine while another is under way is refused in words (it shared the target's
-    cache and the drafter's state, and failed deep in the model); the first goes on unharmed, and once it ends (or is
-    closed) the engine takes the next."""
-    engine = SpeculativeEngine(HFCausalLM(tiny_target), drafter=PromptLookupDrafter())
+@pytest.mark.parametrize("second, words", [("the same engine", "one sequence at a time"),
+                                            ("another engine on the model", "this model is decoding another sequence")])
+def test_an_engine_decodes_one_stream_at_a_time(tiny_target, second, words):
+    """A second stream begun on an engine, or on another engine made from the same models (they share the target
+    and its cache), while another is under way is refused in words (it shared the target's cache and the drafter's
+    state: another sequence's tokens, or a failure deep in the model); the first goes on unharmed, and once it
+    ends (or is closed) the next is taken."""
+    target = HFCausalLM(tiny_target)
     config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    engine = SpeculativeEngine(target, drafter=PromptLookupDrafter())
+    other = engine if second == "the same engine" else SpeculativeEngine(target)
     want = engine.generate(PROMPT, config).token_ids
     first = engine.stream(PROMPT, config)
     next(iter(first))
-    with pytest.raises(UserError, match="one sequence at a time"):
-        next(iter(engine.stream(PROMPT, config)))
+    with pytest.raises(UserError, match=words):
+        next(iter(other.stream(PROMPT, config)))
     list(first)
     assert first.result is not None and first.result.token_ids == want
     closed = engine.stream(PROMPT, config)
     next(iter(closed))
     closed.close()
-    assert engine.generate(PROMPT, config).token_ids == want
+    assert other.generate(PROMPT, config).token_ids == want
+
+
+def test_engines_that_share_a_model_take_turns_across_threads(tiny_target):
+    target = HFCausalLM(tiny_target)
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    plain, drafted = SpeculativeEngine(target), SpeculativeEngine(target, drafter=PromptLookupDrafter())
+    want = plain.generate(PROMPT, config).token_ids
+    answers: list = []
+    threads = [threading.Thread(target=lambda engine=engine: answers.append(run(engine, config)))
+               for engine in (plain, drafted) * 3]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(answer in (want, "refused") for answer in answers) and want in answers
+
+
+def run(engine: SpeculativeEngine, config: GenerationConfig) -> list[int] | str:
+    try:
+        return engine.generate(PROMPT, config).token_ids
+    except UserError as error:
+        return "refused" if "another sequence" in str(error) or "one sequence at a time" in str(error) else str(error)
 
 
 def test_a_temperature_too_small_to_divide_by_decodes_greedily(tiny_target, spec_engine):

@@ -44,25 +44,41 @@ def test_estimates_are_medians_of_the_latest_forwards():
         curve.observe(4, seconds)
     curve.observe(3, 2.0)  # three tokens count as a forward of the next measured size, 4
     assert curve(4) == pytest.approx(2.0)
-    assert curve(8) == pytest.approx(8.0) and curve.seconds == pytest.approx(1.0)  # untouched sizes keep the prior
+    # a narrower size untimed keeps the prior's figure; a wider one, the prior's shape at the timed scale (8 costs
+    # twice 4, whose forwards turned out half the prior's)
+    assert curve(8) == pytest.approx(4.0) and curve.seconds == pytest.approx(1.0)
     for _ in range(LiveCurve.WINDOW):
         curve.observe(1, 0.5)  # single-token forwards got faster: everything relative to them is dearer
     assert curve.seconds == pytest.approx(0.5) and curve(4) == pytest.approx(4.0)
     curve.observe(100, 1.0)  # beyond the measured sizes: ignored
-    assert curve(8) == pytest.approx(16.0)
+    assert curve(8) == pytest.approx(8.0)
 
 
 def test_one_stall_does_not_price_a_size_but_two_in_three_do():
-    """A slower figure needs two timings out of three (the prior's counting as one); a faster one is
-    believed at once."""
+    """A slower figure needs two timings out of three (the prior's counting as one); a first one faster than the
+    prior is believed at once."""
     curve = LiveCurve(CostCurve.linear(1.0, sizes=(1, 2, 4, 8)))
     curve.observe(4, 60.0)  # one stall
     assert curve(4) == pytest.approx(4.0) and curve(8) == pytest.approx(8.0)
     curve.observe(4, 50.0)  # the machine really got busy
-    assert curve(4) == pytest.approx(50.0) and curve(8) == pytest.approx(50.0)  # never cheaper than narrower
+    assert curve(4) == pytest.approx(50.0) and curve(8) == pytest.approx(100.0)  # the prior's shape, busy
     quick = LiveCurve(CostCurve.linear(1.0, sizes=(1, 2, 4, 8)))
     quick.observe(8, 5.0)  # a prior measured while busy: one quiet timing corrects it
     assert quick(8) == pytest.approx(5.0)
+
+
+def test_a_prior_measured_while_busy_does_not_price_the_widths_never_timed():
+    """The prior's seconds came from one moment (a busy one, or another process's curve in the cache); only its
+    shape is believed past the widest size timed. Priced at the prior's seconds, the widths a gate had not yet
+    verified looked five times dearer than a one-token forward said: nothing was drafted for 128 steps, and a
+    hundredfold prior never drafted at all."""
+    prior = CostCurve.linear(0.05, sizes=(1, 2, 4, 8, 16, 32, 64))
+    busy = LiveCurve(CostCurve(prior.sizes, prior.relative, seconds=5.0))
+    busy.observe(1, 1.0)  # the machine as it is now: only plain steps timed so far
+    assert busy.seconds == pytest.approx(1.0)
+    assert busy.relative == pytest.approx(prior.relative)  # not 5x dearer past one token
+    busy.observe(4, 1.5)  # a width timed dearer than the prior said: the wider ones scale with it
+    assert busy(16) == pytest.approx(prior(16) * 1.5 / prior(4))
 
 
 def test_a_size_never_timed_between_timed_ones_is_priced_on_the_line_between_them():

@@ -45,6 +45,9 @@ def test_takers_name_the_methods_that_draft_from_a_source():
     ("ar", {"tree": True}, "no tree form"),
     ("pld", {"tree": True, "choices": DEFAULT_CHOICES}, "no fixed tree shape"),
     ("pld", {"budget": 4}, "add --tree"),
+    # not "add --tree", which auto then refused as having no tree form
+    ("auto", {"budget": 8}, "'auto' takes no budget [(]it sizes its tree on the cost curve[)]"),
+    ("ar", {"budget": 8}, "'ar' takes no budget; a budget sizes the trees of draft"),
     ("draft", {"choices": DEFAULT_CHOICES}, "add --tree"),
     ("pld", {"datastore": "x.npz"}, f"--datastore applies to {takers('datastore')}, not pld"),
     ("suffix", {"reference": "a document"}, f"--reference applies to {takers('reference')}, not suffix"),

@@ -68,6 +68,27 @@ def test_a_short_sequence_teaches_nothing(tiny_target):
     assert adaptation.updates == 0
 
 
+def test_a_long_sequence_is_learnt_from_its_last_window(tiny_target, monkeypatch):
+    """A step's memory grows with the square of what it learns from (the head's attention mask): a whole 8k-token
+    sequence took GiB outside any budget. Only its last LEARN_TOKENS are learnt from, as offline windows."""
+    from specdecode.drafters import online
+
+    head = random_eagle3_head(tiny_target, vocab=60)
+    adaptation = OnlineAdaptation(head, tiny_target, steps=1)
+    seen, real = [], online.unroll
+
+    def counted(head, embed, tokens, features, steps):
+        seen.append(len(tokens))
+        return real(head, embed, tokens, features, steps)
+
+    monkeypatch.setattr(online, "unroll", counted)
+    n = online.LEARN_TOKENS + 300
+    tokens = torch.randint(0, 60, (n,)).tolist()
+    adaptation.learn(tokens, torch.zeros(n, 3 * tiny_target.config.hidden_size))
+    assert seen == [online.LEARN_TOKENS]
+    assert adaptation.replay[-1][0].tolist() == tokens[-online.LEARN_TOKENS:]
+
+
 def test_an_adapting_drafter_reports_what_it_holds(tiny_target):
     """A server caps its owners' drafters by `memory_bytes`: the learning head and its optimiser's two moments
     come on top of the drafting copies, the replay buffer grows with the text learnt from, and the target's

@@ -116,6 +116,25 @@ def test_a_calls_schema_keeps_the_parameters_references():
     jsonschema.validate(good, NESTED)  # (the arguments are what the parameters schema takes)
 
 
+ODD = {"$id": "https://example.com/odd.json", "$schema": "https://json-schema.org/draft/2020-12/schema",
+       "type": "object", "properties": {"k": {"const": {"$ref": "#/x"}}, "$ref": {"$ref": "#/$defs/X"}},
+       "required": ["k", "$ref"], "additionalProperties": False, "$defs": {"X": {"type": "integer"}}}
+
+
+def test_a_calls_schema_rebases_only_schemas():
+    """A value shaped like a reference (in `const`, `enum`...) is data, and a property may be called "$ref": both were
+    rebased (the enforced call then broke the tool's own schema); a root `$id` goes to the new root with the
+    definitions (`#/$defs/X` was looked up in the `$id` resource left without them: a 400 for a valid tool)."""
+    schema = call_schema(function("odd", ODD)["function"])
+    good = {"k": {"$ref": "#/x"}, "$ref": 7}
+    jsonschema.validate(good, ODD)
+    jsonschema.validate({"name": "odd", "arguments": good}, schema)
+    for bad in ({**good, "k": {"$ref": "#/properties/arguments/x"}}, {**good, "$ref": "7"}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"name": "odd", "arguments": bad}, schema)
+    assert matcher(ToolUse((function("odd", ODD),), "required", False, QWEN25))  # llguidance compiles it
+
+
 def matcher(use: ToolUse) -> Matcher:
     tokenizer = tiny_tokenizer()
     constraint = use.constraint(tokenizer)

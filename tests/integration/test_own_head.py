@@ -144,6 +144,23 @@ def test_generate_drafts_with_the_head_given(monkeypatch, capsys, target_folder,
     assert code == 2 and "holds no trained head" in err
 
 
+def test_training_into_another_kinds_head_folder_is_refused(monkeypatch, capsys, target_folder, own_heads, tmp_path):
+    """A folder holds one head: training another kind into it left both unusable ("holds more than one")."""
+    import shutil
+
+    mixed = tmp_path / "mixed"
+    shutil.copytree(own_heads / "eagle3", mixed)
+    before = sorted(p.name for p in mixed.iterdir())
+    code, _, err = run(monkeypatch, capsys, "train", "medusa", "--target", str(target_folder), "--out", str(mixed),
+                       "--data", str(tmp_path / "data"), "--seconds", "1")
+    assert code == 2 and "holds another kind of head (eagle3.json)" in err
+    assert sorted(p.name for p in mixed.iterdir()) == before
+    (mixed / "medusa.json").write_text("{}")
+    code, _, err = run(monkeypatch, capsys, "generate", PROMPT, "--target", str(target_folder), "--method", "eagle3",
+                       "--head", str(mixed))
+    assert code == 2 and "more than one trained head (eagle3.json, medusa.json): move all but one" in err
+
+
 def test_serve_drafts_with_the_head_given(monkeypatch, capsys, target_folder, own_heads):
     import uvicorn
 

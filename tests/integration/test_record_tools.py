@@ -63,7 +63,13 @@ def test_within_noise_refuses_what_would_mislead(tmp_path, script):
     copy = write(tmp_path / "b.jsonl", records({"ar": 10.0, "auto": 15.0, "pld": 14.0}))
     code, out, err = script("within_noise", runs)
     assert code == 0 and "| code | pld |" in out, err
-    for args, words in [((runs, runs), "given twice"), ((runs, copy), "given twice"),
+    slim = write(tmp_path / "slim.jsonl", [{key: row[key] for key in row if key != "prefill_seconds"}
+                                           for row in reversed(records({"ar": 10.0, "auto": 15.0, "pld": 14.0}))])
+    served = write(tmp_path / "served.jsonl", [{"clients": 2, "method": "auto", "tokens": 64}])
+    # the same runs in a slimmed copy, in another order (a guard on the files' bytes let those through)
+    for args, words in [((runs, runs), "a run is in the records twice"), ((runs, copy), "in the records twice"),
+                        ((runs, slim), "in the records twice"),
+                        ((served,), "not a file of `specdecode bench` runs (its record 1 has no 'category')"),
                         ((runs, "--method", "nope"), "no usable runs of nope"),
                         ((runs, "--rivals", "pld,nope"), "no usable runs of nope"),
                         ((write(tmp_path / "one.jsonl", records({"auto": 15.0})),), "no rival of auto"),

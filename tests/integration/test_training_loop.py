@@ -108,6 +108,26 @@ def test_held_out_sequences_stay_held_out_as_the_data_grows():
     assert len(split(keyed(1), seed=0)[1]) == 1  # a tiny data set still shows one window
 
 
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_features_with_no_window_to_train_on_are_a_user_error(kind, tmp_path):
+    """Every sequence shorter than a window: Medusa and EAGLE saved an untrained head ("0 steps", accuracy nan)
+    where EAGLE-3 said so."""
+    import importlib
+
+    from conftest import TOKENS, tiny_chat_qwen2
+    from specdecode.training import corpus, features
+
+    module = importlib.import_module(f"specdecode.training.{kind}")
+    model = tiny_chat_qwen2(vocab_size=len(TOKENS), seed=2, layers=3)
+    short = [corpus.Sequence("sharegpt", list(range(10 + i, 15 + i)), [False, False, True, True, True])
+             for i in range(6)]
+    features.extract(model, short, tmp_path, {"target": "tiny"}, progress=False)
+    sizes = {"intermediate_size": 32} if kind == "eagle" else {}
+    settings = module.TrainingSettings(vocab_size=64, epochs=1, **sizes)
+    with pytest.raises(UserError, match="no window long enough"):
+        module.train(model, features.load(tmp_path)[1], settings, progress=False)
+
+
 def test_the_draft_vocabulary_keeps_the_end_of_answer_ids_within_its_size():
     """The end-of-answer ids are the highest of a Qwen2.5 vocabulary: cutting the sorted set at `size` dropped them,
     and a head could never draft the end of an answer."""

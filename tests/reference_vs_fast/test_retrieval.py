@@ -3,6 +3,8 @@ trie and its pruning, datastore files, building from text, greedy equivalence an
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections import Counter
 
 import numpy as np
@@ -218,6 +220,35 @@ def test_save_load_round_trip_and_vocabulary_check(store, tmp_path):
     (tmp_path / "junk.npz").write_text("not a zip")
     with pytest.raises(UserError, match="not a retrieval datastore"):
         Datastore.load(tmp_path / "junk.npz")
+
+
+@pytest.mark.parametrize("damage", ["empty file", "lengths differ", "id past the vocabulary", "negative id",
+                                    "floats", "no tokens", "suffix outside"])
+def test_a_damaged_datastore_is_refused_in_one_line(store, tmp_path, damage):
+    """Each was a traceback (EOFError, the constructor's ValueError), or was drafted from and failed in the target's
+    embedding (ids out of range)."""
+    path = tmp_path / "store.npz"
+    tokens, suffixes = store.tokens.copy(), store.suffixes.copy()
+    if damage == "lengths differ":
+        suffixes = suffixes[:-1]
+    elif damage == "id past the vocabulary":
+        tokens[0] = 12
+    elif damage == "negative id":
+        tokens[0] = -5
+    elif damage == "floats":
+        tokens = tokens.astype(np.float32)
+    elif damage == "no tokens":
+        tokens, suffixes = tokens[:0], suffixes[:0]
+    elif damage == "suffix outside":
+        suffixes[0] = len(tokens)
+    info = np.frombuffer(json.dumps(dataclasses.asdict(store.info)).encode(), dtype=np.uint8)
+    with path.open("wb") as sink:
+        np.savez(sink, tokens=tokens, suffixes=suffixes, info=info)
+    if damage == "empty file":
+        path.write_bytes(b"")
+    with pytest.raises(UserError, match="is not a retrieval datastore") as error:
+        Datastore.load(path, vocab_size=12)
+    assert "\n" not in str(error.value)
 
 
 def test_ids_outside_the_vocabulary_are_refused():

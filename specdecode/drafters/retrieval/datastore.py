@@ -243,7 +243,10 @@ class Datastore:
             with np.load(path, allow_pickle=False) as data:
                 info = DatastoreInfo(**json.loads(data["info"].tobytes().decode()))
                 tokens, suffixes = data["tokens"], data["suffixes"]
-        except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as error:  # (a file cut short)
+            store = cls(tokens, suffixes, info)  # (arrays of other shapes: a ValueError)
+            _check_ids(tokens, suffixes, info.vocab_size)
+        # (a file cut short; an empty one: EOFError)
+        except (OSError, EOFError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as error:
             raise UserError(
                 f"{path} is not a retrieval datastore ({error}); rebuild it with `specdecode datastore build`"
             ) from None
@@ -255,7 +258,21 @@ class Datastore:
                 f"({info.tokenizer or 'unknown tokenizer'}), the target's has {vocab_size}: rebuild it with "
                 f"`specdecode datastore build CORPUS_DIR OUT --target <your target>`"
             )
-        return cls(tokens, suffixes, info)
+        return store
+
+
+def _check_ids(tokens: np.ndarray, suffixes: np.ndarray, vocab_size: int) -> None:
+    """A ValueError unless the arrays hold what `save` writes: integer token ids of the vocabulary (or SEPARATOR),
+    suffix rows within the array (an id out of range was drafted, and failed in the target's embedding)."""
+    if not (np.issubdtype(tokens.dtype, np.integer) and np.issubdtype(suffixes.dtype, np.integer)):
+        raise ValueError(f"its arrays hold {tokens.dtype} and {suffixes.dtype}, not token ids and positions")
+    if not tokens.size:
+        raise ValueError("it holds no tokens")
+    ids = tokens[tokens != SEPARATOR]
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"it holds token ids outside its vocabulary of {vocab_size}")
+    if int(suffixes.min()) < 0 or int(suffixes.max()) >= tokens.size:
+        raise ValueError("its suffix array points outside its tokens")
 
 
 @lru_cache(maxsize=4)
