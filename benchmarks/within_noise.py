@@ -7,10 +7,13 @@ Each run's tokens per second is paired with every rival's on the same prompt and
 several files are pooled, a pair never crossing files). Per category and rival: the geometric mean of
 `method / rival` over the pairs and a 90% interval for it (Student's t over the pairs' log ratios: the noise of
 the measurement on these prompts, not a claim about other prompts). The category's verdict is against its
-strongest rival (the lowest geometric mean): *ahead* where the whole interval is above 1, *level* where it holds
-1 (the gap is within noise), *behind* where it is all below 1. Beside it, the repeat noise of the run: how far
-one run of a prompt lies from the mean of its repeats (one method, the root mean square over methods and
-prompts), what two runs of the very same work differ by here.
+strongest rival (the lowest geometric mean): *ahead* where the whole interval is above 1, *behind* where it is all
+below 1, *level* where it lies within 5% of 1 either way (`bench.noise.MARGIN`: equivalence shown), *unresolved*
+where it holds 1 but reaches further (no gap found, and none up to the interval's ends ruled out). Beside it, the
+smallest gap the run would find four times in five at its noise (`bench.noise.detectable`), and under the table the
+chance that noise alone reads some category *behind*; then the repeat noise of the run: how far one run of a
+prompt lies from the mean of its repeats (one method, the root mean square over methods and prompts), what two
+runs of the very same work differ by here.
 
 `--decoding-alone`: the rates after the first token of each turn (the records' `prefill_seconds` left out),
 where the prompt's feeding is the same work for every method and its time only adds noise to the comparison.
@@ -28,7 +31,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from specdecode.bench.harness import run_records
-from specdecode.bench.noise import interval, verdict
+from specdecode.bench.noise import chance_of_a_false_behind, detectable, interval, verdict
 from specdecode.errors import UserError
 
 Key = tuple[int, str, int]  # (file, task, repeat)
@@ -80,7 +83,8 @@ def repeat_noise(measured: dict[str, dict[str, dict[Key, float]]]) -> float:
 
 def table(measured, method: str, rivals: list[str] | None) -> list[str]:
     lines = [f"| category | strongest rival | `{method}` / rival (geometric mean) | 90% interval | pairs | verdict "
-             "| every rival |", "|---|---|---|---|---|---|---|"]
+             "| gap it would find | every rival |", "|---|---|---|---|---|---|---|---|"]
+    judged = 0
     for category in sorted(measured):
         runs = measured[category]
         if method not in runs:
@@ -90,15 +94,21 @@ def table(measured, method: str, rivals: list[str] | None) -> list[str]:
         for rival in others:
             pairs = [value - runs[rival][key] for key, value in runs[method].items() if key in runs[rival]]
             if pairs:
-                rows.append((rival, len(pairs), *interval(pairs)))
+                rows.append((rival, len(pairs), *interval(pairs), detectable(pairs)))
         if not rows:
             continue
-        rival, count, mean, low, high = min(rows, key=lambda row: row[2])
-        every = ", ".join(f"{name} {math.exp(m):.2f}" for name, _, m, _, _ in sorted(rows, key=lambda row: row[2]))
-        lines.append(f"| {category} | {rival} | {math.exp(mean):.3f} | {math.exp(low):.3f}-{math.exp(high):.3f} "
-                     f"| {count} | {verdict(low, high)} | {every} |")
+        judged += len(rows)
+        rival, count, mean, low, high, gap = min(rows, key=lambda row: row[2])
+        every = ", ".join(f"{row[0]} {math.exp(row[2]):.2f}" for row in sorted(rows, key=lambda row: row[2]))
+        shown = f"{math.exp(low):.3f}-{math.exp(high):.3f}" if count > 1 else "- (one pair)"
+        found = f"{100 * (math.exp(gap) - 1):.0f}%" if count > 1 else "-"
+        lines.append(f"| {category} | {rival} | {math.exp(mean):.3f} | {shown} | {count} "
+                     f"| {verdict(low, high) if count > 1 else '-'} | {found} | {every} |")
     noise = repeat_noise(measured)
     lines.append("")
+    lines.append(f"Were every method as fast as every other, noise alone would read at least one of these "
+                 f"{judged} comparisons *behind* in {100 * chance_of_a_false_behind(judged):.0f}% of runs (more, as "
+                 "each category is judged against its slowest-looking rival): a lone *behind* is weak evidence.")
     lines.append(f"Repeat noise: one run of a prompt lies {100 * (math.exp(noise) - 1):.1f}% (root mean square, log "
                  "scale) from the mean of its repeats.")
     return lines

@@ -1,5 +1,6 @@
 """How far a measured ratio is from noise: the mean of paired log ratios and its two-sided interval at 0.9
-confidence (Student's t over the pairs), shared by the benchmark scripts that judge one method against another
+confidence (Student's t over the pairs), its reading (`verdict`), and the smallest gap a run of its size and noise
+would find (`detectable`); shared by the benchmark scripts that judge one method against another
 (`benchmarks/within_noise.py`, `benchmarks/serve_concurrency.py`)."""
 
 from __future__ import annotations
@@ -7,9 +8,20 @@ from __future__ import annotations
 import math
 import statistics
 
-# Student's t, 95th percentile, by degrees of freedom (1-30; beyond, the normal's 1.645 plus a little)
+# Student's t by degrees of freedom (1-30; beyond, the normal's quantile plus a little, `_t`): its 95th percentile
+# (each side of a 90% interval) and its 80th (a power of 0.8)
 T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
        1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
+T80 = (1.376, 1.061, 0.978, 0.941, 0.920, 0.906, 0.896, 0.889, 0.883, 0.879, 0.876, 0.873, 0.870, 0.868, 0.866,
+       0.865, 0.863, 0.862, 0.861, 0.860, 0.859, 0.858, 0.858, 0.857, 0.856, 0.856, 0.855, 0.855, 0.854, 0.854)
+# how close two methods must be shown to be to call them level: the whole interval within 5% either way (an
+# interval that merely holds 1 says no gap was found, not that there is none: with 4 pairs at the benchmark's usual
+# noise, a method 10% slower has an interval holding 1 in most runs)
+MARGIN = 0.05
+
+
+def _t(table: tuple[float, ...], normal: float, slack: float, degrees: int) -> float:
+    return table[degrees - 1] if degrees <= len(table) else normal + slack / degrees
 
 
 def interval(differences: list[float]) -> tuple[float, float, float]:
@@ -17,13 +29,34 @@ def interval(differences: list[float]) -> tuple[float, float, float]:
     mean = statistics.fmean(differences)
     if len(differences) < 2:
         return mean, -math.inf, math.inf
-    degrees = len(differences) - 1
-    quantile = T95[degrees - 1] if degrees <= len(T95) else 1.645 + 1.5 / degrees
-    half = quantile * statistics.stdev(differences) / math.sqrt(len(differences))
+    half = _t(T95, 1.645, 1.5, len(differences) - 1) * statistics.stdev(differences) / math.sqrt(len(differences))
     return mean, mean - half, mean + half
 
 
-def verdict(low: float, high: float) -> str:
-    """A log ratio's interval read: *ahead* where all of it is above 0, *behind* where all is below, else *level*
-    (the difference is within the noise of the measurement)."""
-    return "ahead" if low > 0 else "behind" if high < 0 else "level"
+def detectable(differences: list[float]) -> float:
+    """The smallest true log ratio this run would find (an interval clear of 0) four times in five: (t95 + t80)
+    times the standard error of the mean; infinite for one pair."""
+    if len(differences) < 2:
+        return math.inf
+    degrees = len(differences) - 1
+    error = statistics.stdev(differences) / math.sqrt(len(differences))
+    return (_t(T95, 1.645, 1.5, degrees) + _t(T80, 0.8416, 0.37, degrees)) * error
+
+
+def verdict(low: float, high: float, margin: float = MARGIN) -> str:
+    """A log ratio's interval read: *ahead* where all of it is above 0, *behind* where all is below, *level* where
+    all of it lies within `margin` either way (equivalence shown, as two one-sided tests), else *unresolved* (no gap
+    found, and none up to the interval's ends ruled out)."""
+    if low > 0:
+        return "ahead"
+    if high < 0:
+        return "behind"
+    bound = math.log1p(margin)
+    return "level" if -bound < low and high < bound else "unresolved"
+
+
+def chance_of_a_false_behind(comparisons: int) -> float:
+    """Where every method is as fast as every other: the chance that at least one of `comparisons` independent
+    verdicts reads *behind* by noise alone (each one-sided at 5%); a lower bound where the rival compared with is the
+    slowest-looking of several."""
+    return 1 - 0.95 ** comparisons
