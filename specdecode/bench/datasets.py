@@ -11,6 +11,7 @@ import bisect
 import functools
 import gettext
 import gzip
+import hashlib
 import json
 import random
 import sysconfig
@@ -40,13 +41,21 @@ class Task:
     # messages after the first turn's, before the model answers (the agentic category's earlier calls and results)
     history: tuple[dict, ...] = ()
     tools: tuple[dict, ...] = ()  # OpenAI function definitions the chat template renders (the agentic category's)
-    # tasks that share one (an agentic scenario's: a later task's prompt holds the earlier's answer) fall in one
-    # part of the split (`bench.samples.part_of`); None: the task alone
+    # tasks that share one fall in one part of the split (`bench.samples.part_of`): an agentic scenario's (a later
+    # task's prompt holds the earlier's answer), rows of one passage or article (named by a digest of its text), a
+    # code-edit task and the code task of its problem; None: the task alone
     group: str | None = None
+    split_with: str | None = None  # the category whose split decides this task's part (None: its own)
+    part: str | None = None  # a part fixed by the task's maker (long context's, made of one part's material)
 
     @property
     def split_group(self) -> str:
         return self.group if self.group is not None else self.task_id
+
+
+def digest(text: str) -> str:
+    """A short name of a text, the same on every machine (task ids and groups that follow content, not order)."""
+    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
 
 
 def _package_file(distribution: str, path: str):
@@ -107,9 +116,10 @@ def code_edit() -> list[Task]:
     for i, problem in enumerate(humaneval_prompts()):
         instruction = EDITS[i % len(EDITS)].format(name=problem["entry_point"])
         code = problem["prompt"] + problem["canonical_solution"]
+        # its prompt holds the problem's reference solution: in the part its code task is in
         tasks.append(Task("code-edit", problem["task_id"], (
             f"{instruction} Reply with the complete code only.\n\n```python\n{code}```",
-        )))
+        ), split_with="code"))
     return tasks
 
 
@@ -129,7 +139,7 @@ def retrieval_augmented() -> list[Task]:
         Task("rag", r["task_id"], (
             f"Answer the question from the passage, and quote the sentence of the passage that supports "
             f"your answer.\n\nPassage: {r['passage']}\n\nQuestion: {r['question']}?",
-        ))
+        ), group=f"passage/{digest(r['passage'])}")  # (a passage is asked about more than once)
         for r in _benchkit("boolq")
     ]
 
@@ -141,7 +151,8 @@ def _news_articles() -> list[str]:
 
 def summarisation() -> list[Task]:
     return [
-        Task("summarisation", f"lee_background/{i}", (f"Summarise this news article in three sentences.\n\n{a}",))
+        Task("summarisation", f"lee_background/{i}", (f"Summarise this news article in three sentences.\n\n{a}",),
+             group=f"article/{digest(a)}")  # (the corpus holds some articles twice)
         for i, a in enumerate(_news_articles())
     ]
 
@@ -161,8 +172,10 @@ def translation(folder: Path = GERMAN_CATALOGUES) -> list[Task]:
         except (OSError, ValueError):  # not a catalogue, or not UTF-8 (UnicodeDecodeError is a ValueError)
             continue
         for msgid, msgstr in catalogue.items():
+            # named by its text: a count over the catalogues installed moved sentences between the parts
+            # from one machine to another
             if isinstance(msgid, str) and isinstance(msgstr, str) and msgid and _is_sentence(msgstr):
-                sentences.setdefault(msgstr, f"{mo.stem}/{len(sentences)}")
+                sentences.setdefault(msgstr, f"de/{digest(msgstr)}")
     if not sentences:
         raise UserError(f"no German sentences found in {folder}: the translation category needs the system's "
                         "German message catalogues (Debian: they come with most packages' locales)")
@@ -233,32 +246,51 @@ DIGEST = ("Below are {count} news articles.\n\n{body}\n\nWrite a digest of these
           "giving its main news, numbered as the articles are.")
 
 
+def _long_part(index: int) -> str:
+    """The part of a documents or digest task of long context (the `index`th of its kind and length): the first for
+    tuning, the others held out. Fixed by its maker, since its material comes from that part of rag's passages or
+    summarisation's articles (drawn from both, tuning tasks held held-out passages and the other way round)."""
+    return "tuning" if index == 0 else "held-out"
+
+
+@functools.cache
+def _groups_in(category: str, part: str) -> frozenset[str]:
+    """The groups (passages, articles) of a category's tasks in `part`."""
+    from specdecode.bench.samples import part_of
+
+    return frozenset(task.split_group for task in CATEGORIES[category]() if part_of(task) == part)
+
+
 def _long_documents(length: str) -> list[Task]:
     """Numbered BoolQ passages and a question about one of them (at a seeded depth), to answer with a quote."""
     rows = {r["passage"]: r for r in _benchkit("boolq")}  # a passage asked about twice is kept once
     budget = _body_budget(length, DOCUMENTS.format(count=100, body="", question="is this a typical question"))
     tasks = []
     for index in range(LONG_TASKS_PER_KIND):
+        part = _long_part(index)
+        own = [passage for passage in rows if f"passage/{digest(passage)}" in _groups_in("rag", part)]
         rng = random.Random(f"{LONG_CONTEXT}/{length}/documents/{index}")
-        passages = _fill(list(rows), budget, rng, heading=estimated_tokens("Document 100: \n\n"))
+        passages = _fill(own, budget, rng, heading=estimated_tokens("Document 100: \n\n"))
         question = rows[rng.choice(passages)]["question"]
         body = "\n\n".join(f"Document {i + 1}: {passage}" for i, passage in enumerate(passages))
         tasks.append(Task(f"{LONG_CONTEXT}/{length}", f"long/{length}/documents/{index}", (
-            DOCUMENTS.format(count=len(passages), body=body, question=question),)))
+            DOCUMENTS.format(count=len(passages), body=body, question=question),), part=part))
     return tasks
 
 
 def _long_digests(length: str) -> list[Task]:
     """Numbered news articles (the summarisation category's) to digest in one sentence each."""
-    articles = _news_articles()
+    articles = list(dict.fromkeys(_news_articles()))  # (an article the corpus holds twice, once)
     budget = _body_budget(length, DIGEST.format(count=100, body=""))
     tasks = []
     for index in range(LONG_TASKS_PER_KIND):
+        part = _long_part(index)
+        own = [article for article in articles if f"article/{digest(article)}" in _groups_in("summarisation", part)]
         rng = random.Random(f"{LONG_CONTEXT}/{length}/digest/{index}")
-        picked = _fill(articles, budget, rng, heading=estimated_tokens("Article 100: \n\n"))
+        picked = _fill(own, budget, rng, heading=estimated_tokens("Article 100: \n\n"))
         body = "\n\n".join(f"Article {i + 1}: {article}" for i, article in enumerate(picked))
         tasks.append(Task(f"{LONG_CONTEXT}/{length}", f"long/{length}/digest/{index}", (
-            DIGEST.format(count=len(picked), body=body),)))
+            DIGEST.format(count=len(picked), body=body),), part=part))
     return tasks
 
 

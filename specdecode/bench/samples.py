@@ -35,23 +35,28 @@ TUNING_SHARE = 4  # one prompt in this many of each stratum is for tuning, the r
 
 def part_of(task: Task) -> str:
     """"tuning" or "held-out": every stratum (`_strata`) is split once and for all, disjointly, by a digest of
-    its tasks' ids: the ceil(n / TUNING_SHARE) tasks with the lowest digests are for tuning (choices such as
-    auto's sources and thresholds, A/B runs), the others for reporting. Fixed by the ids alone, so no seed or
-    sample size moves a prompt from one part to the other. Tasks of one group (`Task.group`: an agentic
-    scenario's, each holding the one before it) are ranked together, so a group falls in one part."""
-    return "tuning" if task.task_id in _tuning(task.category) else "held-out"
+    its tasks' groups (`Task.split_group`: the id, or what tasks share): the ceil(n / TUNING_SHARE) groups with the
+    lowest digests are for tuning (choices such as auto's sources and thresholds, A/B runs), the others for
+    reporting. Fixed by the ids and contents alone, so no seed, sample size or machine moves a prompt from one part
+    to the other. Tasks of one group (an agentic scenario's, each holding the one before it; rows of one passage or
+    article) fall in one part; a task split with another category (`Task.split_with`: code-edit, whose prompt holds
+    the reference solution of code's problem) falls in that category's part of its group; a task whose maker fixed
+    its part (`Task.part`: long context's, made of one part's passages or articles) is in it."""
+    if task.part is not None:
+        return task.part
+    return "tuning" if task.split_group in _tuning(task.split_with or task.category) else "held-out"
 
 
 @functools.cache
 def _tuning(stratum: str) -> frozenset[str]:
+    """The groups of a stratum's tasks that are for tuning (`part_of`)."""
     base = stratum.partition("/")[0]
     if base not in CATEGORIES:  # a task made up outside the benchmark's categories (tests): nothing to tune on
         return frozenset()
-    pool = _strata(base, _pool(base)).get(stratum, [])
+    pool = [task for task in _strata(base, _pool(base)).get(stratum, []) if task.part is None]
     groups = sorted({task.split_group for task in pool},
                     key=lambda group: hashlib.blake2b(group.encode(), digest_size=8).digest())
-    tuning = set(groups[: -(-len(groups) // TUNING_SHARE)] if len(groups) > 1 else [])
-    return frozenset(task.task_id for task in pool if task.split_group in tuning)
+    return frozenset(groups[: -(-len(groups) // TUNING_SHARE)] if len(groups) > 1 else [])
 
 
 def sample_tasks(categories: list[str], per_category: int | None, seed: int = 0, part: str = "held-out"

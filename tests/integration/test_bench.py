@@ -10,7 +10,7 @@ import pytest
 from specdecode import metrics
 from specdecode.api import load_models
 from specdecode.bench import report
-from specdecode.bench.datasets import CATEGORIES, Task
+from specdecode.bench.datasets import CATEGORIES, LONG_CONTEXT, Task
 from specdecode.bench.samples import TUNING_SHARE, part_of, sample_tasks
 from specdecode.bench.harness import Record, method_order, run_benchmark
 from specdecode.bench.runners import Output, Runner, build_runners
@@ -81,7 +81,9 @@ def test_tuning_and_reporting_draw_from_disjoint_parts_of_each_category():
         held_out = {t.task_id for t in sample_tasks([category], None, part="held-out")}
         assert tuning and held_out and not tuning & held_out, category
         assert tuning | held_out == {t.task_id for t in everything}
-        assert len(tuning) <= -(-len(everything) // TUNING_SHARE) + 3  # (rounded up per long-context length)
+        groups = {t.split_group for t in everything}
+        tuning_groups = {t.split_group for t in everything if t.task_id in tuning}
+        assert len(tuning_groups) <= -(-len(groups) // TUNING_SHARE) + 3  # (rounded up per long-context length)
         assert {part_of(t) for t in everything if t.task_id in tuning} == {"tuning"}
     for seed in range(3):
         sample = sample_tasks(["qa", "code-edit"], 4, seed=seed)
@@ -93,6 +95,33 @@ def test_tuning_and_reporting_draw_from_disjoint_parts_of_each_category():
     for task in CATEGORIES["agentic"]():
         parts.setdefault(task.task_id.partition("/")[0], set()).add(part_of(task))
     assert all(len(found) == 1 for found in parts.values()) and {"tuning", "held-out"} == set().union(*parts.values())
+
+
+def test_no_material_is_in_both_parts():
+    """The parts were split by ids, category by category: code-edit's prompt (a reference solution) was tuning where
+    the code task of its problem was held out, a passage asked about twice and an article the corpus holds twice sat
+    in both parts, long context was made of both parts' passages and articles, and a translation id was a count over
+    the machine's catalogues (another machine's split moved a third of the sentences). Now no text is in both."""
+    from specdecode.bench.datasets import digest
+
+    code = {t.task_id: part_of(t) for t in CATEGORIES["code"]()}
+    assert all(part_of(t) == code[t.task_id] for t in CATEGORIES["code-edit"]())
+    for category, field in (("rag", "Passage: "), ("summarisation", "three sentences.\n\n")):
+        texts: dict[str, set[str]] = {}
+        for task in CATEGORIES[category]():
+            body = task.turns[0].partition(field)[2].partition("\n\nQuestion:")[0]
+            texts.setdefault(body, set()).add(part_of(task))
+        assert all(len(parts) == 1 for parts in texts.values()), category
+    own = {part: {t.split_group for c in ("rag", "summarisation") for t in CATEGORIES[c]() if part_of(t) == part}
+           for part in ("tuning", "held-out")}
+    for task in CATEGORIES[LONG_CONTEXT]():
+        kind = task.task_id.split("/")[2]
+        if kind in ("documents", "digest"):
+            heading = "Document" if kind == "documents" else "Article"
+            pieces = [piece.partition(": ")[2] for piece in task.turns[0].split("\n\n") if piece.startswith(heading)]
+            groups = {f"{'passage' if kind == 'documents' else 'article'}/{digest(p)}" for p in pieces}
+            assert groups and groups <= own[part_of(task)], task.task_id
+    assert all(t.task_id == f"de/{digest(t.turns[0].rpartition(chr(10))[2])}" for t in CATEGORIES["translation"]())
 
 
 @pytest.mark.parametrize("n", range(1, 9))
