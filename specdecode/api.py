@@ -239,14 +239,20 @@ def generate(
     device: torch.device | str | None = None,
     head: str | Path | None = None,
     constraint: Constraint | None = None,
+    datastore: str | Path | None = None,
+    reference: str | None = None,
+    choices: tuple[tuple[int, ...], ...] | None = None,
 ) -> GenerationResult:
     """Generate with one method; models loaded by name are kept for the next call. `device` as in
     `load_models`; `head`: a trained head's folder for the head methods (`specdecode train KIND --out`);
     `constraint`: the language the output must belong to (`Constraint.json_schema(schema)`, `.json_object()`,
-    `.regex(pattern)`, `.grammar(lark)`), enforced losslessly under every method (docs/structured-output.md)."""
+    `.regex(pattern)`, `.grammar(lark)`), enforced losslessly under every method (docs/structured-output.md);
+    `datastore`, `reference` and `choices` as `Models.engine` takes them (a retrieval datastore's path, a document's
+    text to draft from, a fixed tree shape), for the methods that take them."""
     if not isinstance(prompt, str | list | tuple):
         raise UserError(f"the prompt is a text or a list of token ids, not {type(prompt).__name__}")
-    choice = choose(method, tree=tree, budget=budget, head=head)  # before any model loads
+    choice = choose(method, tree=tree, budget=budget, head=head, datastore=datastore, reference=reference,
+                    choices=choices)  # before any model loads
     choice.check_backend(backend)
     needs_draft = choice.loads_draft_model(target, backend)
     key = (id(target) if isinstance(target, PreTrainedModel) else target,

@@ -10,6 +10,8 @@ sees it (`Matcher.legal_draft`).
 
 from __future__ import annotations
 
+import re
+
 import llguidance
 import numpy as np
 import torch
@@ -151,7 +153,9 @@ class Matcher:
 
     def _raise_on_error(self) -> None:
         if self._engine.is_error():
-            raise UserError(f"the {self.constraint.describe()} failed: {one_line(self._engine.get_error())}")
+            # (without the parser's state, statistics and the grammar itself that the engine's message carries)
+            error = re.sub(r"<(state|grammar)>.*?</\1>|Parser: \{.*", "", self._engine.get_error(), flags=re.S)
+            raise UserError(f"the {self.constraint.describe()} failed: {one_line(error)[:300]}")
 
 
 def path_nodes(parents: list[int], node: int) -> list[int]:

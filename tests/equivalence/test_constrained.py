@@ -206,6 +206,19 @@ def test_a_constraint_the_grammar_engine_cannot_follow_fails_its_own_sequence_al
     assert all(results[i].token_ids == expected for i in others)
 
 
+def test_a_grammar_that_runs_into_a_dead_end_says_so_in_a_short_line(models):  # noqa: F811
+    """After "a" this grammar has no end; the engine's message carried its parser state, statistics and the grammar
+    (hundreds of characters, printed beside the streamed text)."""
+    from specdecode.types import SamplingParams
+
+    first = models.tokenizer.encode("a", add_special_tokens=False)[0]
+    config = GenerationConfig(max_new_tokens=10, constraint=Constraint.grammar('start: "a" x | "b"\nx: x "y"'),
+                              sampling=SamplingParams(logit_bias=((first, 100.0),)))
+    with pytest.raises(UserError, match="the grammar failed") as error:
+        SpeculativeEngine(models.target, models.tokenizer).generate(models.encode("the cat"), config)
+    assert len(str(error.value)) < 120 and "<" not in str(error.value) and "\n" not in str(error.value)
+
+
 def test_a_lenient_schema_ignores_what_it_cannot_enforce(models, caplog):  # noqa: F811
     with caplog.at_level(logging.WARNING, logger="specdecode.constraints"):
         constraint = Constraint.json_schema({"type": "string", "format": "no-such-format", "maxLength": 3},

@@ -179,6 +179,12 @@ def test_generate_takes_token_ids_as_a_list_or_a_tuple(tiny_folder):
     one, several = (generate(ids, method="ar", target=str(tiny_folder), drafter=None, dtype="float32",
                              max_new_tokens=24, stop=given).text for given in (text[at:at + 2], (text[at:at + 2],)))
     assert one == several == text[:at]
+    # the sources the command line takes (a datastore, a reference document, a tree's shape) it takes too
+    copied = generate(ids, method="pld", target=str(tiny_folder), drafter=None, dtype="float32", max_new_tokens=24,
+                      reference=text)
+    assert copied.text == text
+    with pytest.raises(UserError, match="no datastore at"):
+        generate(ids, method="rest", target=str(tiny_folder), drafter=None, datastore="/no/such/store.npz")
     with pytest.raises(UserError, match="a text or a list of token ids"):
         generate(5, method="ar", target=str(tiny_folder), drafter=None, dtype="float32")
 
