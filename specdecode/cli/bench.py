@@ -96,6 +96,9 @@ def bench(
         levels = [int(level) for level in concurrency.split(",") if level.strip()]
     except ValueError:
         raise UserError(f"--concurrency takes comma-separated stream counts (1,4,16), not {concurrency!r}") from None
+    for option, listed in (("--methods", methods), ("--categories", categories)):
+        if listed.strip() and not _names(listed):  # (it ran every default one: a far longer run than asked)
+            raise UserError(f"{option} names none: give comma-separated names, or leave it out for the defaults")
     defaults = [] if engine else TORCH_METHODS if backend.value == "torch" else LLAMACPP_METHODS
     run(
         methods=_names(methods) or defaults,

@@ -96,6 +96,8 @@ def narrow_folder(tmp_path_factory):
         ["generate", "x", "--method", "draft", "--tree", "--choices", "[[0], [300]]"],  # past the tiny vocabulary
         ["generate", "x", "--method", "draft", "--choices", "default"],
         ["bench", "--methods", "ar-tree"],
+        ["bench", "--categories", ","],  # (it ran every default category)
+        ["bench", "--methods", " , "],
         ["generate", "x", "--backend", "llamacpp", "--dtype", "int8"],
     ],
 )
