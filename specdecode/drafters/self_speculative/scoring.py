@@ -47,6 +47,8 @@ class SearchResult:
     evaluated: int  # distinct skip sets scored, one partial forward each
     seconds: float  # the search's own time (of the run that made it, when read from the cache)
     from_cache: bool = False
+    searches: int = 1  # searches that made it (`search.SETTLED`)
+    settled: bool = True  # whether a start takes it as it is (else it searches again)
 
 
 def block_influence(residual: list[torch.Tensor]) -> list[float]:
