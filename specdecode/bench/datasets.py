@@ -9,16 +9,17 @@ from __future__ import annotations
 import ast
 import bisect
 import functools
-import gettext
 import gzip
 import hashlib
 import json
 import random
 import sysconfig
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from specdecode.bench.catalogues import GERMAN_CATALOGUES, digest, german_sentences
 from specdecode.constraints import Constraint
 from specdecode.errors import UserError
 
@@ -51,11 +52,6 @@ class Task:
     @property
     def split_group(self) -> str:
         return self.group if self.group is not None else self.task_id
-
-
-def digest(text: str) -> str:
-    """A short name of a text, the same on every machine (task ids and groups that follow content, not order)."""
-    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
 
 
 def _package_file(distribution: str, path: str):
@@ -157,38 +153,20 @@ def summarisation() -> list[Task]:
     ]
 
 
-GERMAN_CATALOGUES = Path("/usr/share/locale/de/LC_MESSAGES")
-TRANSLATION_SOURCE = "German message catalogues of the system's packages (/usr/share/locale/de/LC_MESSAGES/*.mo)"
-
-
 def translation(folder: Path = GERMAN_CATALOGUES) -> list[Task]:
-    """German sentences from the system's gettext catalogues (msgstr of each German .mo file)."""
-    sentences: dict[str, str] = {}
-    for mo in sorted(folder.glob("*.mo")):
-        try:
-            with mo.open("rb") as handle:
-                # the parsed msgid -> msgstr table (gettext keeps it private: no public way to list it)
-                catalogue = vars(gettext.GNUTranslations(handle))["_catalog"]
-        except (OSError, ValueError):  # not a catalogue, or not UTF-8 (UnicodeDecodeError is a ValueError)
-            continue
-        for msgid, msgstr in catalogue.items():
-            # named by its text: a count over the catalogues installed moved sentences between the parts
-            # from one machine to another
-            if isinstance(msgid, str) and isinstance(msgstr, str) and msgid and _is_sentence(msgstr):
-                sentences.setdefault(msgstr, f"de/{digest(msgstr)}")
-    if not sentences:
-        raise UserError(f"no German sentences found in {folder}: the translation category needs the system's "
-                        "German message catalogues (Debian: they come with most packages' locales)")
-    return [
-        Task("translation", task_id, (f"Translate this German sentence into English:\n\n{german}",))
-        for german, task_id in sorted(sentences.items(), key=lambda item: item[1])
-    ]
+    """German sentences from the system's gettext catalogues (`bench.catalogues`)."""
+    return [Task("translation", ident, (f"Translate this German sentence into English:\n\n{german}",))
+            for ident, german in german_sentences(folder)]
 
 
-def _is_sentence(text: str) -> bool:
-    words = text.split()
-    return (8 <= len(words) <= 60 and text[0].isupper() and text.rstrip()[-1:] in ".!?" and "%" not in text
-            and "\n" not in text)
+TUNING_SHARE = 4  # one group in this many of each stratum is for tuning (`bench.samples.part_of`)
+
+
+def tuning_groups(groups: Iterable[str]) -> frozenset[str]:
+    """A stratum's tuning part (`bench.samples.part_of`): the ceil(n / TUNING_SHARE) of its `groups` with the lowest
+    digests (none of a single one)."""
+    ranked = sorted(set(groups), key=lambda group: hashlib.blake2b(group.encode(), digest_size=8).digest())
+    return frozenset(ranked[: -(-len(ranked) // TUNING_SHARE)] if len(ranked) > 1 else [])
 
 
 # --- Long inputs -------------------------------------------------------------------------------------
@@ -255,10 +233,11 @@ def _long_part(index: int) -> str:
 
 @functools.cache
 def _groups_in(category: str, part: str) -> frozenset[str]:
-    """The groups (passages, articles) of a category's tasks in `part`."""
-    from specdecode.bench.samples import part_of
-
-    return frozenset(task.split_group for task in CATEGORIES[category]() if part_of(task) == part)
+    """The groups (passages, articles) of a category's tasks in `part`, as `bench.samples.part_of` splits a category
+    of one stratum whose tasks fix no part."""
+    groups = {task.split_group for task in CATEGORIES[category]()}
+    tuning = tuning_groups(groups)
+    return frozenset(group for group in groups if (group in tuning) == (part == "tuning"))
 
 
 def _long_documents(length: str) -> list[Task]:

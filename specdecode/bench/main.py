@@ -14,7 +14,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 
 from specdecode import cluster, devices
 from specdecode.bench import acceptance, ray_shards, report, terminal
-from specdecode.bench.datasets import TRANSLATION_SOURCE, Task
+from specdecode.bench.catalogues import TRANSLATION_SOURCE
+from specdecode.bench.datasets import Task
 from specdecode.bench.samples import sample_tasks
 from specdecode.bench.server_process import commit
 from specdecode.bench.exactness import diagnose_divergences, sampled_fidelity

@@ -9,14 +9,14 @@ import math
 import statistics
 
 # Student's t by degrees of freedom (1-30; beyond, the normal's quantile plus a little, `_t`): its 95th percentile
-# (each side of a 90% interval) and its 80th (a power of 0.8)
+# (each side of an interval at 0.9 confidence) and its 80th (a power of 0.8)
 T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
        1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
 T80 = (1.376, 1.061, 0.978, 0.941, 0.920, 0.906, 0.896, 0.889, 0.883, 0.879, 0.876, 0.873, 0.870, 0.868, 0.866,
        0.865, 0.863, 0.862, 0.861, 0.860, 0.859, 0.858, 0.858, 0.857, 0.856, 0.856, 0.855, 0.855, 0.854, 0.854)
-# how close two methods must be shown to be to call them level: the whole interval within 5% either way (an
-# interval that merely holds 1 says no gap was found, not that there is none: with 4 pairs at the benchmark's usual
-# noise, a method 10% slower has an interval holding 1 in most runs)
+# how close two methods must be shown to be to call them level: the whole interval within this share either way (an
+# interval that merely holds 1 says no gap was found, not that there is none: with a few pairs at the benchmark's
+# noise, a method a tenth slower has an interval holding 1 in most runs, docs/results/auto.md)
 MARGIN = 0.05
 
 
@@ -57,6 +57,6 @@ def verdict(low: float, high: float, margin: float = MARGIN) -> str:
 
 def chance_of_a_false_behind(comparisons: int) -> float:
     """Where every method is as fast as every other: the chance that at least one of `comparisons` independent
-    verdicts reads *behind* by noise alone (each one-sided at 5%); a lower bound where the rival compared with is the
-    slowest-looking of several."""
+    verdicts reads *behind* by noise alone (each one-sided at a level of 0.05); a lower bound where the rival compared
+    with is the slowest-looking of several."""
     return 1 - 0.95 ** comparisons

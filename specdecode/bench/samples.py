@@ -4,10 +4,9 @@ part of each category (`part_of`), so that what tunes a method is never what rep
 from __future__ import annotations
 
 import functools
-import hashlib
 import random
 
-from specdecode.bench.datasets import CATEGORIES, LONG_CONTEXT, LONG_LENGTHS, Task
+from specdecode.bench.datasets import CATEGORIES, LONG_CONTEXT, LONG_LENGTHS, Task, tuning_groups
 from specdecode.errors import UserError
 
 
@@ -30,7 +29,6 @@ def _pool(category: str) -> list[Task]:
 
 
 PARTS = ("held-out", "tuning", "all")  # which part of each category's prompts a sample draws from (`part_of`)
-TUNING_SHARE = 4  # one prompt in this many of each stratum is for tuning, the rest held out
 
 
 def part_of(task: Task) -> str:
@@ -53,10 +51,7 @@ def _tuning(stratum: str) -> frozenset[str]:
     base = stratum.partition("/")[0]
     if base not in CATEGORIES:  # a task made up outside the benchmark's categories (tests): nothing to tune on
         return frozenset()
-    pool = [task for task in _strata(base, _pool(base)).get(stratum, []) if task.part is None]
-    groups = sorted({task.split_group for task in pool},
-                    key=lambda group: hashlib.blake2b(group.encode(), digest_size=8).digest())
-    return frozenset(groups[: -(-len(groups) // TUNING_SHARE)] if len(groups) > 1 else [])
+    return tuning_groups(task.split_group for task in _strata(base, _pool(base)).get(stratum, []) if task.part is None)
 
 
 def sample_tasks(categories: list[str], per_category: int | None, seed: int = 0, part: str = "held-out"

@@ -96,13 +96,10 @@ def bench(
         levels = [int(level) for level in concurrency.split(",") if level.strip()]
     except ValueError:
         raise UserError(f"--concurrency takes comma-separated stream counts (1,4,16), not {concurrency!r}") from None
-    for option, listed in (("--methods", methods), ("--categories", categories)):
-        if listed.strip() and not _names(listed):  # (it ran every default one: a far longer run than asked)
-            raise UserError(f"{option} names none: give comma-separated names, or leave it out for the defaults")
     defaults = [] if engine else TORCH_METHODS if backend.value == "torch" else LLAMACPP_METHODS
     run(
-        methods=_names(methods) or defaults,
-        categories=_names(categories) or DEFAULT_CATEGORIES,
+        methods=_names(methods, "methods") or defaults,
+        categories=_names(categories, "categories") or DEFAULT_CATEGORIES,
         per_category=None if full else per_category,
         max_new_tokens=max_new_tokens, repeats=repeats,
         out=out or Path("results") / time.strftime("bench-%Y%m%d-%H%M%S"),
@@ -115,10 +112,13 @@ def bench(
     )
 
 
-def _names(listed: str) -> list[str]:
-    """A comma-separated list's names, each once, in order (a category named twice would run its tasks twice
-    under the same ids)."""
-    return list(dict.fromkeys(name.strip() for name in listed.split(",") if name.strip()))
+def _names(listed: str, option: str) -> list[str]:
+    """A comma-separated list's names, each once, in order (a category named twice would run its tasks twice under
+    the same ids); a UserError for a list that names none (`--categories ,` ran every default one: a longer run)."""
+    names = list(dict.fromkeys(name.strip() for name in listed.split(",") if name.strip()))
+    if listed.strip() and not names:
+        raise UserError(f"--{option} names none: give comma-separated names, or leave it out for the defaults")
+    return names
 
 
 def step_aside_option(value: str) -> bool | None:

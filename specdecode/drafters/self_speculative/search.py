@@ -32,8 +32,8 @@ SEARCH_SECONDS = 300.0  # the builders' search budget; the result is cached, so 
 MAX_TRIALS = 400  # skip sets proposed at most per search (each costs one partial forward over the calibration)
 PATIENCE = 3  # prefix scan: steps without a better speedup before it stops
 # sets scored: a search its budget stopped before this many (a busy machine's few trials) is searched again at the
-# next start, its best kept, up to SEARCHES searches in all; its first result was cached for good (a 1.01x skip set
-# found in 11 trials on a loaded machine, the default target's)
+# next start, its best kept, up to SEARCHES searches in all; its first result was cached for good (on a loaded
+# machine, the default target's skip set of a dozen trials, barely faster than plain decoding)
 SETTLED, SEARCHES = 100, 3
 SEARCH_VERSION = 1  # part of the cache key: bump when the scoring changes
 
