@@ -10,6 +10,7 @@ transformers models (then pass `tokenizer=` too).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,6 +38,8 @@ from specdecode.models.loading import (
 from specdecode.models.static import StaticCausalLM, torch_lm
 from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET, get_model, registered_models
 from specdecode.types import SamplingParams
+
+log = logging.getLogger("specdecode")
 
 
 @dataclass
@@ -189,8 +192,13 @@ def load_models(
             check_logits_cover(draft_tokenizer, draft_model, "drafter")
             other_tokenizer = draft_tokenizer
         draft = torch_lm(draft_model, static, progress)
-    return Models(torch_lm(target_model, static, progress), target_tokenizer, draft, target_gguf=gguf_of(target),
-                  draft_tokenizer=other_tokenizer)
+    target_lm = torch_lm(target_model, static, progress)
+    if draft is not None and draft.weight_bytes_per_token >= target_lm.weight_bytes_per_token:
+        # (the gate then keeps the draft model's methods plain, which looked like a drafter that never agrees)
+        log.warning("the draft model reads as many weights a token as the target, or more: its drafts cost at least "
+                    "what they could save, so the methods that draft with it will draft little or nothing (give a "
+                    "smaller --drafter)")
+    return Models(target_lm, target_tokenizer, draft, target_gguf=gguf_of(target), draft_tokenizer=other_tokenizer)
 
 
 def gguf_of(spec) -> Path | None:

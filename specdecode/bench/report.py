@@ -185,7 +185,10 @@ def markdown(summaries: list[MethodSummary], settings: dict[str, str], notes: li
     categories = [c for c in summaries[0].cells if c != OVERALL] + [OVERALL]
     lines = ["# specdecode benchmark", ""]
     lines += [f"- {key}: {value}" for key, value in settings.items()]
-    lines += ["", f"## Leaderboard: speedup over `{reference}` (mean accepted tokens per target forward)", ""]
+    lines += ["", f"## Leaderboard: speedup over `{reference}` (mean accepted tokens per target forward)", "",
+              "Each cell: a repeat's tokens over its seconds, all its prompts pooled (a long run weighs more than a "
+              f"short one), over `{reference}`'s, as mean ± sample standard deviation over the repeats; "
+              "`benchmarks/over_peer.py` gives medians and geometric means of per-prompt ratios instead.", ""]
     lines.append("| method | " + " | ".join(categories) + f" | exact vs {reference} |")
     lines.append("|---" * (len(categories) + 2) + "|")
     for s in summaries:

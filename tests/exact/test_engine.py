@@ -189,6 +189,21 @@ def test_generate_takes_token_ids_as_a_list_or_a_tuple(tiny_folder):
         generate(5, method="ar", target=str(tiny_folder), drafter=None, dtype="float32")
 
 
+def test_a_draft_model_as_dear_as_its_target_is_named_at_load(tiny_folder, three_layers, caplog):
+    """Its drafts cost what they could save, so the gate keeps its methods plain: without a word that looked like a
+    drafter that never agrees."""
+    import logging
+
+    from specdecode.api import load_models
+
+    with caplog.at_level(logging.WARNING, logger="specdecode"):
+        load_models(str(three_layers), str(tiny_folder), dtype="float32", draft_dtype="float32", progress=False)
+    assert not caplog.records  # a smaller drafter: nothing to say
+    with caplog.at_level(logging.WARNING, logger="specdecode"):
+        load_models(str(tiny_folder), str(three_layers), dtype="float32", draft_dtype="float32", progress=False)
+    assert "the draft model reads as many weights a token as the target, or more" in caplog.text
+
+
 def test_a_config_that_is_not_one_is_a_user_error(tiny_target):
     with pytest.raises(UserError, match="config must be a GenerationConfig"):
         SpeculativeEngine(HFCausalLM(tiny_target)).generate(PROMPT, {"max_new_tokens": 4})
