@@ -24,12 +24,22 @@ def _t(table: tuple[float, ...], normal: float, slack: float, degrees: int) -> f
     return table[degrees - 1] if degrees <= len(table) else normal + slack / degrees
 
 
+def t95(degrees: int) -> float:
+    """Student's t, 95th percentile."""
+    return _t(T95, 1.645, 1.5, degrees)
+
+
+def t80(degrees: int) -> float:
+    """Student's t, 80th percentile."""
+    return _t(T80, 0.8416, 0.37, degrees)
+
+
 def interval(differences: list[float]) -> tuple[float, float, float]:
     """Mean log ratio and its interval at 0.9 confidence (t over the pairs); one pair: no interval (infinite)."""
     mean = statistics.fmean(differences)
     if len(differences) < 2:
         return mean, -math.inf, math.inf
-    half = _t(T95, 1.645, 1.5, len(differences) - 1) * statistics.stdev(differences) / math.sqrt(len(differences))
+    half = t95(len(differences) - 1) * statistics.stdev(differences) / math.sqrt(len(differences))
     return mean, mean - half, mean + half
 
 
@@ -40,7 +50,7 @@ def detectable(differences: list[float]) -> float:
         return math.inf
     degrees = len(differences) - 1
     error = statistics.stdev(differences) / math.sqrt(len(differences))
-    return (_t(T95, 1.645, 1.5, degrees) + _t(T80, 0.8416, 0.37, degrees)) * error
+    return (t95(degrees) + t80(degrees)) * error
 
 
 def verdict(low: float, high: float, margin: float = MARGIN) -> str:

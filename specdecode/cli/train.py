@@ -191,11 +191,11 @@ def _folders(**folders: Path | None) -> None:
 def _one_kind(out: Path, kind: str) -> None:
     """A head's --out: one that holds another kind's head is refused (both heads were then unusable: a folder holds
     one head)."""
-    from specdecode.drafters.heads import RECORDS
+    from specdecode.drafters.heads import RECORDS, kinds_in
 
-    others = [record for other, record in RECORDS.items() if other != kind and (out / record).is_file()]
+    others = [other for other in kinds_in(out) if other != kind]
     if others:
-        raise UserError(f"{out} holds another kind of head ({others[0]}): give --out a folder of its own")
+        raise UserError(f"{out} holds another kind of head ({RECORDS[others[0]]}): give --out a folder of its own")
 
 
 def _checkpoint(out: Path) -> Path:

@@ -51,10 +51,15 @@ def load_head(folder: Path, weights: str, config: str, kind: str) -> tuple[dict,
 RECORDS = {"eagle": "eagle.json", "eagle3": "eagle3.json", "medusa": "medusa.json"}  # kind -> its JSON record
 
 
+def kinds_in(folder: str | Path) -> list[str]:
+    """The kinds of head whose JSON record a folder holds (one, where it is a head's folder)."""
+    return [kind for kind, record in RECORDS.items() if (Path(folder).expanduser() / record).is_file()]
+
+
 def kind_of(folder: str | Path) -> str:
     """The kind of head a folder holds ("eagle", "eagle3", "medusa"), by its JSON record; a UserError if none."""
     folder = Path(folder).expanduser()
-    kinds = [kind for kind, record in RECORDS.items() if (folder / record).is_file()]
+    kinds = kinds_in(folder)
     if len(kinds) != 1:
         if kinds:
             raise UserError(f"{folder} holds more than one trained head ({', '.join(RECORDS[k] for k in kinds)}): "

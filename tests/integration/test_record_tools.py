@@ -125,8 +125,8 @@ def test_level_means_equivalence_shown_not_a_gap_missed():
     from specdecode.bench import noise
 
     for degrees in range(1, 300):
-        assert abs(noise._t(noise.T95, 1.645, 1.5, degrees) - stats.t.ppf(0.95, degrees)) < 0.003
-        assert abs(noise._t(noise.T80, 0.8416, 0.37, degrees) - stats.t.ppf(0.80, degrees)) < 0.001
+        assert abs(noise.t95(degrees) - stats.t.ppf(0.95, degrees)) < 0.003
+        assert abs(noise.t80(degrees) - stats.t.ppf(0.80, degrees)) < 0.001
     near = math.log1p(noise.MARGIN) * 0.9
     assert noise.verdict(0.01, 0.2) == "ahead" and noise.verdict(-0.2, -0.01) == "behind"
     assert noise.verdict(-near, near) == "level" and noise.verdict(-0.2, 0.01) == "unresolved"

@@ -9,7 +9,6 @@ atomically; a file that cannot be read is moved aside with a warning and the sea
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import time
@@ -145,13 +144,12 @@ def _search(kind: str, strategy: Strategy, target: CausalLM, prompts: Sequence[S
         score(())  # the baseline: the full model as its own draft
         strategy(score, stop, max_trials, seed)
     seconds = time.perf_counter() - start
-    result = SearchResult(score.best, len(score.scores), seconds)
-    if cached is not None:  # a search its budget stopped early, again: the better of the two, and what both scored
-        best = cached.best if cached.best.speedup > result.best.speedup else result.best
-        result = SearchResult(best, cached.evaluated + result.evaluated, cached.seconds + seconds,
-                              searches=cached.searches + 1)
-    settled = seconds < budget_seconds or result.evaluated >= SETTLED or result.searches >= SEARCHES
-    result = dataclasses.replace(result, settled=settled)
+    # a search its budget stopped early, again: the better of the two, and what both scored
+    earlier = cached or SearchResult(score.best, 0, 0.0, searches=0)
+    best = earlier.best if earlier.best.speedup > score.best.speedup else score.best
+    evaluated, searches = earlier.evaluated + len(score.scores), earlier.searches + 1
+    settled = seconds < budget_seconds or evaluated >= SETTLED or searches >= SEARCHES
+    result = SearchResult(best, evaluated, earlier.seconds + seconds, searches=searches, settled=settled)
     record = {"identity": identity, "best": asdict(result.best), "evaluated": result.evaluated,
               "seconds": result.seconds, "searches": result.searches, "settled": settled,
               "curve": [list(curve.sizes), list(curve.relative)], "influence": calibration.influence}
