@@ -18,7 +18,7 @@ import torch
 
 from specdecode.devices import to_device
 from specdecode.constraints.grammar import Constraint, engine_tokenizer, one_line, refusals
-from specdecode.errors import UserError
+from specdecode.errors import ConstraintError
 from specdecode.types import Draft
 
 BITS = 32  # tokens per word of a bitmask
@@ -37,7 +37,7 @@ class Matcher:
         with refusals(constraint.kind):
             self._engine = llguidance.LLMatcher(vocabulary, constraint.compiled, log_level=0)
         if self._engine.is_error():
-            raise UserError(f"the {constraint.describe()} does not compile: {one_line(self._engine.get_error())}")
+            raise ConstraintError(f"the {constraint.describe()} does not compile: {one_line(self._engine.get_error())}")
         self.eos_ids = frozenset(vocabulary.eos_tokens)  # the target's and the tokenizer's
         # every buffer llguidance writes through a pointer lives on the host, whatever the default device is
         eos = torch.zeros(vocab_size, dtype=torch.bool, device="cpu")
@@ -47,7 +47,7 @@ class Matcher:
         something = self._engine.is_accepting() or bool((unpack(bitmask, vocab_size)[0] & ~eos).any())
         if self._engine.is_error() or not something:
             reason = f" ({self._engine.stop_reason()})" if self._engine.is_error() else ""
-            raise UserError(f"the {constraint.describe()} admits no output: its language is empty{reason}")
+            raise ConstraintError(f"the {constraint.describe()} admits no output: its language is empty{reason}")
 
     @property
     def complete(self) -> bool:
@@ -83,7 +83,7 @@ class Matcher:
                 if FORBIDDEN in error:  # verification let a token the mask forbids through: ours to fix
                     raise RuntimeError(f"a token the grammar forbids was accepted: {error}")
                 # the engine stopped on the constraint itself (a limit: a schema whose forced run has no end)
-                raise UserError(f"the {self.constraint.describe()} cannot be followed: "
+                raise ConstraintError(f"the {self.constraint.describe()} cannot be followed: "
                                 f"{error.strip().splitlines()[0] if error.strip() else 'the grammar engine stopped'}")
         return len(tokens)
 
@@ -155,7 +155,7 @@ class Matcher:
         if self._engine.is_error():
             # (without the parser's state, statistics and the grammar itself that the engine's message carries)
             error = re.sub(r"<(state|grammar)>.*?</\1>|Parser: \{.*", "", self._engine.get_error(), flags=re.S)
-            raise UserError(f"the {self.constraint.describe()} failed: {one_line(error)[:300]}")
+            raise ConstraintError(f"the {self.constraint.describe()} failed: {one_line(error)[:300]}")
 
 
 def path_nodes(parents: list[int], node: int) -> list[int]:

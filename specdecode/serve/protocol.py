@@ -184,10 +184,11 @@ class SamplingRequest(BaseModel):
         except UserError as error:
             raise APIError(400, f"Invalid `{param}`: {error}", param=param) from None
 
-    def constraint_field(self) -> str | None:
-        """The field the request's constraint comes from (None: none)."""
+    def constraint_field(self) -> str:
+        """The field a generation's constraint comes from, where it has one: the response format or structured
+        outputs, else the tools (a tool call's form)."""
         asked = self._asked()
-        return asked[0][0] if asked else None
+        return asked[0][0] if asked else "tools"
 
     def _asked(self) -> list[tuple[str, Any]]:
         asked: list[tuple[str, Any]] = []

@@ -282,7 +282,7 @@ def api_error(error: BaseException) -> APIError:
     if isinstance(error, APIError):
         return error
     if isinstance(error, UserError):
-        return APIError(400, str(error))
+        return APIError(400, str(error), param=getattr(error, "param", None))
     if isinstance(error, Busy):
         return APIError(503, f"{str(error).capitalize()}; retry later.", type="server_error", code="busy",
                         headers={"Retry-After": str(NOT_READY_RETRY_SECONDS)})

@@ -299,7 +299,7 @@ class Server:
             plan.runs += [len(jobs) + i % len(each) for i in range(body.choices())]
             jobs += [Job(choice, answer.prompt_ids, config, loop, asyncio.Queue(), memory=memory, engine=engine,
                          deadline=arrival + self.limits.request_seconds, tenant=self.prefix_group(request.state.tenant),
-                         share=body.cache_prompt is not False) for config in each]
+                         share=body.cache_prompt is not False, param=body.constraint_field()) for config in each]
         for job in jobs:
             self.worker.submit(job)
         watcher = asyncio.create_task(replies.disconnected(request))
@@ -349,7 +349,7 @@ class Server:
         config = configs[0][0]
         if config.constraint is not None:
             await loop.run_in_executor(self._tokenizing, self._grammar_vocabulary, config.constraint,
-                                       body.constraint_field() or "tools")  # (none: a tool call's grammar)
+                                       body.constraint_field())
         engine = await self._engine(choice, memory, request) if self.worker.runs_alone(choice, config) else None
         return configs, engine
 

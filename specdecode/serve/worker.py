@@ -47,7 +47,7 @@ from specdecode.drafters.base import Drafter
 from specdecode.engine import GenerationConfig, GenerationResult, SpeculativeEngine, StepEvent, Stream
 from specdecode.engine.batch import BatchEngine
 from specdecode.engine.prompts import Prefilled
-from specdecode.errors import UserError
+from specdecode.errors import ConstraintError, UserError
 from specdecode.methods import MethodChoice
 from specdecode.models.base import CausalLM
 from specdecode.models.hf import HFCausalLM
@@ -119,6 +119,7 @@ class Job:
     text: str = ""
     steps: list[StepStats] = field(default_factory=list)
     expired: bool = False  # ended at its deadline
+    param: str | None = None  # the request field its constraint comes from, named in a ConstraintError's 400
 
     def past_deadline(self) -> bool:
         return time.perf_counter() > self.deadline
@@ -267,6 +268,8 @@ class Worker:
     def _fail(self, job: Job, error: BaseException) -> None:
         if not isinstance(error, (Busy, UserError)):  # the server's fault: its log says what happened
             log.error("request failed (method %s)", job.choice.name, exc_info=error)
+        if isinstance(error, ConstraintError) and error.param is None:
+            error = ConstraintError(str(error), job.param)
         self._send(job, error)
 
     def _take_incoming(self, block: bool) -> None:

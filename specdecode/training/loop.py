@@ -21,10 +21,12 @@ import contextlib
 import math
 import os
 import random
+import signal
+import threading
 import time
 import zlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -33,6 +35,7 @@ import torch
 from specdecode.devices import to_device
 from specdecode.errors import UserError
 from specdecode.models.precision import bf16_units
+from specdecode.paths import console
 from specdecode.training.features import Shard
 
 HELD_OUT = 0.05  # share of sequences kept for evaluation (`held_out`)
@@ -239,9 +242,9 @@ def optimise(module: torch.nn.Module, loss: LossFn, training: list[Window], sche
     run.start = last_saved = time.perf_counter()
     columns = [TextColumn(label), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
                TextColumn("{task.fields[loss]}"), TimeElapsedColumn()]
-    with Progress(*columns, disable=not progress) as bar:
+    with Progress(*columns, disable=not progress) as bar, _stop_between_steps(checkpoint is not None) as stopping:
         task = bar.add_task("train", total=run.total_steps, completed=run.step, loss="")
-        while run.unfinished() and time.perf_counter() - run.start <= schedule.seconds:
+        while run.unfinished() and time.perf_counter() - run.start <= schedule.seconds and not stopping():
             if not run.train_step(loss, training):
                 continue
             shown = run.log()
@@ -253,8 +256,36 @@ def optimise(module: torch.nn.Module, loss: LossFn, training: list[Window], sche
                 last_saved = time.perf_counter()
     if checkpoint is not None:
         if run.unfinished():
-            run.save()  # the time budget ran out: the next run carries on
+            run.save()  # the time budget ran out, or Ctrl-C: the next run carries on
         else:
             checkpoint.unlink(missing_ok=True)
+        if stopping():
+            console.print(f"[yellow]interrupted at step {run.step}: saved in {checkpoint}; the same command "
+                          "carries on from there[/]", highlight=False)
+            raise KeyboardInterrupt
     module.eval()
     record.steps, record.seconds = run.step, round(run.seconds(), 1)
+
+
+@contextlib.contextmanager
+def _stop_between_steps(wanted: bool) -> Iterator[Callable[[], bool]]:
+    """Ctrl-C (or `kill`) while training asks the run to stop at its step's end, where the checkpoint it then
+    saves is whole (a step cut in its middle would leave the weights and the optimiser's state apart); a second
+    one stops at once. Only where there is a checkpoint to save (`wanted`), in the main thread (signals)."""
+    if not wanted or threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    asked = threading.Event()
+
+    def ask(signum, frame) -> None:
+        if asked.is_set():
+            raise KeyboardInterrupt
+        asked.set()
+        console.print("[yellow]stopping at this step's end to save where training is (again: stop at once)[/]")
+
+    previous = {number: signal.signal(number, ask) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield asked.is_set
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)

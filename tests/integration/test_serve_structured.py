@@ -151,8 +151,8 @@ def test_text_is_the_neutral_response_format_and_true_any_json(server):
 
 
 def test_a_schema_the_grammar_engine_cannot_follow_fails_its_own_request(server):
-    """Its forced run has no end (no finite JSON satisfies it): a 400 for it, while requests decoded beside it in
-    the batch answer as they would alone."""
+    """Its forced run has no end (no finite JSON satisfies it): a 400 naming its field, while requests decoded
+    beside it in the batch answer as they would alone."""
     running, _ = server
     endless = {"$defs": {"n": {"type": "object", "properties": {"n": {"$ref": "#/$defs/n"}}, "required": ["n"],
                                "additionalProperties": False}}, "$ref": "#/$defs/n"}
@@ -164,6 +164,7 @@ def test_a_schema_the_grammar_engine_cannot_follow_fails_its_own_request(server)
         replies = list(pool.map(lambda body: post(running.url, "/v1/completions", body), bodies))
     assert [r.status_code for r in replies] == [200, 400, 200], [r.text for r in replies]
     assert "cannot be followed" in openai_error(replies[1])["message"]
+    assert openai_error(replies[1])["param"] == "response_format.json_schema.schema"  # the field it came from
     assert all(r.json()["choices"][0]["text"] == alone for r in (replies[0], replies[2]))
 
 

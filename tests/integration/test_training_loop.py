@@ -66,6 +66,42 @@ def test_a_run_killed_twice_and_carried_on_ends_like_one_run(tmp_path):
         assert torch.equal(model.state_dict()[name], tensor), name
 
 
+def test_ctrl_c_saves_at_the_steps_end_and_the_run_carries_on(tmp_path):
+    """Ctrl-C in the middle of a step lets the step end, saves it (every five minutes is all the loop does
+    otherwise) and stops; the next run ends with one uninterrupted run's weights. A second Ctrl-C stops at once."""
+    import os
+    import signal
+
+    windows = _windows()
+    whole = _model()
+    optimise(whole, _loss(whole), windows, SCHEDULE, TrainingRecord(settings={}), "whole", progress=False)
+    checkpoint = tmp_path / "checkpoint.pt"
+    for presses in (1, 2):
+        model, calls = _model(), 0
+
+        def pressed(window, model=model, presses=presses):
+            nonlocal calls
+            calls += 1
+            if calls == 7:
+                for _ in range(presses):
+                    os.kill(os.getpid(), signal.SIGINT)
+            return _loss(model)(window)
+
+        with pytest.raises(KeyboardInterrupt):
+            optimise(model, pressed, windows, SCHEDULE, TrainingRecord(settings={}), "piece", progress=False,
+                     checkpoint=checkpoint)  # saves every five minutes: only at the Ctrl-C here
+        if presses == 1:
+            assert torch.load(checkpoint, weights_only=False)["step"] == 7  # the step it was pressed in, ended
+            checkpoint_after_one = checkpoint.read_bytes()
+    assert checkpoint.read_bytes() == checkpoint_after_one  # stopped at once: nothing saved
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler put back
+    model, record = _model(), TrainingRecord(settings={})
+    optimise(model, _loss(model), windows, SCHEDULE, record, "rest", progress=False, checkpoint=checkpoint)
+    assert record.steps == 33 and not checkpoint.exists()
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+
+
 def test_a_checkpoint_of_other_settings_is_refused(tmp_path):
     windows, checkpoint = _windows(), tmp_path / "checkpoint.pt"
     model, calls = _model(), 0
