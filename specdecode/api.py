@@ -110,7 +110,7 @@ class Models:
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids of a prompt; with chat=True, as the single user turn of the chat template."""
-        if not prompt or not prompt.strip():
+        if not prompt:  # (blanks are a prompt: an indentation to carry on, as the server takes them)
             raise UserError("the prompt is empty")
         if chat:
             return self.encode_chat([{"role": "user", "content": prompt}])

@@ -34,5 +34,6 @@ class Runner:
     run: Callable[[list[int], GenerationConfig], Output]
     forget: Callable[[], None] = lambda: None  # drop what the method learnt from earlier prompts
     max_context: int | None = None  # positions its model holds, when not the target's (a llama.cpp context)
-    # an engine that applies its own chat template: called with the conversation instead of `run`
-    chat: Callable[[list[dict], GenerationConfig], Output] | None = None
+    # an engine that applies its own chat template: called with the conversation (and the tools an agentic task
+    # offers, OpenAI's definitions) instead of `run`
+    chat: Callable[[list[dict], GenerationConfig, tuple[dict, ...]], Output] | None = None

@@ -194,7 +194,7 @@ def run_task(models: Models, runner: Runner, task: Task, config: GenerationConfi
             if index == 0 and task.tools:
                 check_tools_rendered(models, task, prompt_ids)
             check_context(runner, prompt_ids, config, models.target.max_context)
-            output = runner.chat(messages, config) if runner.chat else runner.run(prompt_ids, config)
+            output = runner.chat(messages, config, task.tools) if runner.chat else runner.run(prompt_ids, config)
             record.prompt_ids.append(prompt_ids)
             record.token_ids += output.token_ids
             record.turn_lengths.append(len(output.token_ids) if output.new_tokens is None else output.new_tokens)

@@ -197,8 +197,13 @@ class OpenAIEngine:
     def complete(self, prompt_ids: list[int], config: GenerationConfig) -> Output:
         return self._stream("/completions", self._body(config) | {"prompt": prompt_ids})
 
-    def chat(self, messages: list[dict], config: GenerationConfig) -> Output:
-        return self._stream("/chat/completions", self._body(config) | {"messages": messages})
+    def chat(self, messages: list[dict], config: GenerationConfig, tools: tuple[dict, ...] = ()) -> Output:
+        """The conversation as OpenAI's API takes it: the tools offered, and each earlier call's arguments as JSON
+        text (the chat templates take them as objects, as the tasks keep them)."""
+        sent = [{**message, "tool_calls": [_as_sent(call) for call in message["tool_calls"]]}
+                if message.get("tool_calls") else message for message in messages]
+        return self._stream("/chat/completions", self._body(config) | {"messages": sent}
+                            | ({"tools": list(tools)} if tools else {}))
 
     def _stream(self, path: str, body: dict) -> Output:
         label, url = self.spec.label, self.spec.url + path
@@ -265,7 +270,7 @@ class OpenAIEngine:
         """This engine as a benchmark row (a peer: its loop is not ours to see)."""
         if self.spec.api == "chat":
             return Runner(self.spec.label, self.spec.lossless, True, lambda ids, config: self._no_ids(),
-                          chat=lambda messages, config: self._counted(self.chat, messages, config))
+                          chat=lambda messages, config, tools: self._counted(self.chat, messages, config, tools))
         return Runner(self.spec.label, self.spec.lossless, True,
                       lambda ids, config: self._counted(self.complete, ids, config))
 
@@ -365,3 +370,11 @@ def run_levels(models, engines: dict[str, OpenAIEngine], runners: dict[str, Runn
                     on_record(record)
                 runs.append(LevelRun(name, level, repeat, seconds, records, server))
     return runs
+
+
+def _as_sent(call: dict) -> dict:
+    """A tool call with its arguments as JSON text, as OpenAI's API takes them."""
+    function = call["function"]
+    if isinstance(function.get("arguments"), str):
+        return call
+    return {**call, "function": {**function, "arguments": json.dumps(function.get("arguments", {}))}}

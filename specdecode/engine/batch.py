@@ -145,6 +145,9 @@ class BatchEngine:
         share their prompts' prefixes (module docstring, *Shared prefixes*); `share` False: this one shares
         nothing, feeding its whole prompt and leaving nothing for later ones."""
         check_prompt(self.target, prompt_ids)
+        if config.echo:
+            raise UserError("the batch engine does not score prompts (echo): run this sequence alone "
+                            "(SpeculativeEngine)")
         if drafter is not None and not drafter.batchable:
             raise UserError(f"the {drafter.name} drafter cannot join a batch (it runs a model, or remembers earlier "
                             "sequences); run it alone")

@@ -56,6 +56,8 @@ class GenerationConfig:
             raise UserError("echo gives the prompt's log-probabilities: it needs logprobs")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        if not all(isinstance(s, str) and s for s in self.stop):  # (the server's 400 says the same)
+            raise UserError(f"a stop string is text that is not empty, got {list(self.stop)!r}")
 
 
 @dataclass

@@ -121,10 +121,19 @@ def create_app(server: Server, guard: Guard = Guard()) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
+    def model() -> dict:
+        return {"id": server.model_name, "object": "model", "created": 0, "owned_by": "specdecode"}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [
-            {"id": server.model_name, "object": "model", "created": 0, "owned_by": "specdecode"}]}
+        return {"object": "list", "data": [model()]}
+
+    @app.get("/v1/models/{name:path}")  # (`client.models.retrieve`; a name may hold a slash)
+    async def one_model(name: str):
+        if name != server.model_name:
+            raise APIError(404, f"The model `{protocol.quoted(name)}` does not exist; this server has "
+                                f"`{server.model_name}`.", param="model", code="model_not_found")
+        return model()
 
     @app.get("/v1/methods")
     async def methods():

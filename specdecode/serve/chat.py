@@ -51,6 +51,11 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = Field(None, max_length=MAX_NAME)  # a tool message: the call it answers
     tool_calls: list[ToolCall] | None = None  # an assistant message: the calls it made
     refusal: str | None = None  # an assistant message replayed as OpenAI returned it (not shown to the model)
+    # what else a returned message holds when a client sends it back as its SDK dumps it (`message.model_dump()`):
+    # empty here (this server returns no audio, no legacy function call, no annotations), and not shown either
+    audio: None = None
+    function_call: None = None
+    annotations: list[dict[str, Any]] | None = None
 
     @field_validator("content", mode="plain")
     @classmethod

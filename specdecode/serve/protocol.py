@@ -23,7 +23,9 @@ from specdecode.constraints import Constraint
 from specdecode.engine import GenerationResult
 from specdecode.errors import UserError
 
-MAX_STOP_STRINGS = 4  # as OpenAI's API
+# stop strings a request may give: OpenAI's API takes 4, but evaluation harnesses send a task's own (HumanEval's
+# five, and lm-evaluation-harness adds one) to /v1/completions, as vLLM takes any number
+MAX_STOP_STRINGS = 32
 MAX_BIASES = 1024  # logit_bias entries
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids entries
 COMPLETION_MAX_TOKENS = 16  # what /v1/completions generates at most when max_tokens is left out or null (OpenAI's)

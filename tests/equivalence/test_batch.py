@@ -243,6 +243,8 @@ def test_bad_input(tiny_target):
         engine.add([], GenerationConfig())
     with pytest.raises(UserError, match="cannot join a batch"):
         engine.add([1, 2], GenerationConfig(), DraftModelDrafter(HFCausalLM(tiny_qwen2(1)), **DRAFT_PRICES))
+    with pytest.raises(UserError, match="does not score prompts"):  # (was accepted, and no prompt scored)
+        engine.add([1, 2], GenerationConfig(echo=True, logprobs=1))
     assert engine.step() == []
 
 

@@ -157,6 +157,8 @@ def test_bad_input_is_a_user_error(tiny_target, prompt, config_kwargs):
     (lambda: SamplingParams(temperature="0.5"), "temperature must be a number"),
     (lambda: SamplingParams(temperature=1.0, top_k=1.5), "top_k must be a whole number"),
     (lambda: SamplingParams(min_tokens=False), "min_tokens must be a whole number"),
+    (lambda: GenerationConfig(stop=("", "x")), "stop string is text that is not empty"),  # (was dropped unsaid)
+    (lambda: GenerationConfig(stop=""), "stop string is text that is not empty"),
 ])
 def test_settings_of_the_wrong_type_are_a_user_error(settings, words):
     """A library caller's settings of the wrong type are refused in words at once (they failed deep in the decoding,

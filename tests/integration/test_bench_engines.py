@@ -131,6 +131,29 @@ def test_our_server_as_rows_equals_ar(models, our_server):
     assert "Engines over HTTP" in text and "specdecode `speculative` field" in text
 
 
+def test_agentic_tasks_sent_as_conversations_carry_their_tools(tiny_tool_folder):
+    """api=chat sends an agentic task's conversation as OpenAI's API takes it (earlier calls' arguments as JSON
+    text) with its tools, so our server renders the prompt we render and answers as `ar` does."""
+    from specdecode.bench.samples import sample_tasks
+
+    tooled = load_models(str(tiny_tool_folder), str(tiny_tool_folder), dtype="float32", progress=False)
+    running = ServerThread(create_app(Server(tooled, "tiny-tools", default_method="pld", methods=["pld", "ar"])))
+    try:
+        tasks = [t for t in sample_tasks(["agentic"], None, part="all") if t.task_id.endswith("/2")][:2]
+        engines = build_engines([f"chat=openai:{running.url}/v1;api=chat"], {"ar"},
+                                tooled.encode_chat([{"role": "user", "content": "Hello"}]))
+        runners = build_runners(tooled, []) | {"chat": engines["chat"].runner()}
+        records = run_benchmark(tooled, runners, tasks, GenerationConfig(max_new_tokens=6), repeats=1)
+    finally:
+        running.stop()
+    assert len(records) == 4 and all(r.ok for r in records), [r.error for r in records]
+    by = {(r.method, r.task_id): r for r in records}
+    for task in tasks:
+        served, plain = by["chat", task.task_id], by["ar", task.task_id]
+        assert served.engine_prompt_tokens == [len(p) for p in served.prompt_ids]  # the tools went with it
+        assert served.texts == plain.texts
+
+
 def test_concurrency_levels_on_our_server(models, our_server):
     engines = build_engines([f"ours=openai:{our_server.url}/v1"], {"ar"}, [1, 2, 3])
     runners = {"ours": engines["ours"].runner()}

@@ -54,6 +54,9 @@ def completion_ids(models, prompt: str) -> list[int]:
 def test_models_and_methods(client, server):
     running, state = server
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("another")
     methods = get(running.url, "/v1/methods").json()
     assert methods["default"] == "pld"
     assert {"ar", "pld", "draft"} <= {m["id"] for m in methods["data"]}
@@ -117,6 +120,10 @@ def test_stop_strings_and_seeded_sampling(client, models):
     response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=30, temperature=0, stop=[stop])
     assert response.choices[0].text == full[: full.index(stop)]
     assert response.choices[0].finish_reason == "stop"
+    # as many as an evaluation harness sends (HumanEval's, and lm-evaluation-harness's own), the first met ends it
+    stops = ["\nclass", "\ndef", "\n#", "\nif", "\nprint", "<|endoftext|>", stop]
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=30, temperature=0, stop=stops)
+    assert response.choices[0].text == full[: min(full.index(s) for s in stops if s in full)]
     sampled = [client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=1.0, seed=7,
                                          top_p=0.9).choices[0].text for _ in range(2)]
     assert sampled[0] == sampled[1]  # a seed reproduces a sampled answer
@@ -190,7 +197,7 @@ def openai_error(reply: Reply) -> dict:
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": [str(n) for n in range(33)]}, 400, "stop"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "empty"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "Token ids"),
     ("/v1/completions", {"model": MODEL}, 400, "prompt"),
