@@ -47,6 +47,7 @@ class Constraint:
     kind: Kind
     source: str
     compiled: str  # llguidance's grammar (JSON text), checked when made
+    lenient: bool = False  # a JSON schema's keywords the engine cannot enforce are left out (not `strict`)
 
     @staticmethod
     def json_schema(schema: dict[str, Any] | bool | str, strict: bool = True) -> Constraint:
@@ -118,7 +119,7 @@ def _compiled(kind: Kind, source: str, lenient: bool) -> Constraint:
     if messages:  # what a lenient schema leaves unenforced (`uniqueItems`...): the output may break it
         log.warning("the %s is enforced without what the grammar engine cannot enforce: %s", describe(kind),
                     one_line("; ".join(messages))[:300])
-    return Constraint(kind, source, grammar)
+    return Constraint(kind, source, grammar, lenient)
 
 
 _cached = functools.lru_cache(maxsize=64)(_compiled)

@@ -146,8 +146,7 @@ class BatchEngine:
         nothing, feeding its whole prompt and leaving nothing for later ones."""
         check_prompt(self.target, prompt_ids)
         if config.echo:
-            raise UserError("the batch engine does not score prompts (echo): run this sequence alone "
-                            "(SpeculativeEngine)")
+            raise UserError("the batch engine does not score prompts (echo): run it alone (SpeculativeEngine)")
         if drafter is not None and not drafter.batchable:
             raise UserError(f"the {drafter.name} drafter cannot join a batch (it runs a model, or remembers earlier "
                             "sequences); run it alone")

@@ -27,6 +27,7 @@ from specdecode.types import (
 from specdecode.tree import structure as tree
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: [low, high)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ class GenerationConfig:
             raise UserError(f"max_new_tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got {self.max_new_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= logprobs.MAX_TOP:
             raise UserError(f"logprobs lists 0 to {logprobs.MAX_TOP} alternatives, got {self.logprobs}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise UserError(f"a seed lies in [-2**63, 2**64), what torch's generators take; got {self.seed}")
         if self.echo and self.logprobs is None:
             raise UserError("echo gives the prompt's log-probabilities: it needs logprobs")
         if isinstance(self.stop, str):

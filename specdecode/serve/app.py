@@ -121,19 +121,13 @@ def create_app(server: Server, guard: Guard = Guard()) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
-    def model() -> dict:
-        return {"id": server.model_name, "object": "model", "created": 0, "owned_by": "specdecode"}
-
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model()]}
+        return {"object": "list", "data": [_model(server, server.model_name)]}
 
     @app.get("/v1/models/{name:path}")  # (`client.models.retrieve`; a name may hold a slash)
     async def one_model(name: str):
-        if name != server.model_name:
-            raise APIError(404, f"The model `{protocol.quoted(name)}` does not exist; this server has "
-                                f"`{server.model_name}`.", param="model", code="model_not_found")
-        return model()
+        return _model(server, name)
 
     @app.get("/v1/methods")
     async def methods():
@@ -160,3 +154,11 @@ def create_app(server: Server, guard: Guard = Guard()) -> FastAPI:
         return await server.complete(request, chat=True)
 
     return app
+
+
+def _model(server: Server, name: str) -> dict:
+    """OpenAI's model object of the model `name`, or a 404 unless it is the server's."""
+    if name != server.model_name:
+        raise APIError(404, f"The model `{protocol.quoted(name)}` does not exist; this server has "
+                            f"`{server.model_name}`.", param="model", code="model_not_found")
+    return {"id": server.model_name, "object": "model", "created": 0, "owned_by": "specdecode"}

@@ -68,8 +68,8 @@ class Limits:
 
     def config(self, body: SamplingRequest, prompt_ids: list[int], limit: int | None, context: int,
                param: str, tool_constraint: Constraint | None = None) -> GenerationConfig:
-        """The generation a tokenized request asks for, once it fits in the context; `tool_constraint`: the calls
-        its tools require (`serve.tools`), which no other constraint may join."""
+        """The generation a tokenized request asks for, once it fits in the context; `tool_constraint`: what its
+        tools ask of the answer (`serve.tools.ToolUse.constraint`, which takes in its response format)."""
         room = context - len(prompt_ids)
         if room <= 0 or (limit is not None and limit > room):
             asked = f" + {limit} to generate" if limit is not None else ""
@@ -83,11 +83,9 @@ class Limits:
         # a completion's echo: the prompt's scores with logprobs, and the engine's echo for max_tokens 0 (the prompt
         # fed alone)
         echo = bool(getattr(body, "echo", False)) and (top is not None or limit == 0)
-        constraint = body.constraint()
-        if tool_constraint is not None and constraint is not None:
-            raise APIError(400, "Give `tool_choice` required (or a function) or a response format, not both.",
-                           param="tool_choice")
-        if body.min_tokens and (tool_constraint or constraint):
+        # the tools' grammar where there is one: the calls, or (`tool_choice` auto) the calls or the formatted answer
+        constraint = tool_constraint or body.constraint()
+        if body.min_tokens and constraint:
             raise APIError(400, "`min_tokens` cannot hold open an answer a format or a required call shapes (its "
                                 "grammar may end first).", param="min_tokens")
         # a chat request that names no limit: the server's default, or min_tokens where that asks for more
@@ -102,7 +100,7 @@ class Limits:
             return GenerationConfig(max_new_tokens=most,
                                     sampling=sampling, stop=tuple(body.stop or ()), seed=body.seed,
                                     ignore_eos=bool(body.ignore_eos), stop_token_ids=tuple(body.stop_token_ids or ()),
-                                    constraint=tool_constraint or constraint, echo=echo,
+                                    constraint=constraint, echo=echo,
                                     logprobs=top if top is not None else 0 if echo else None)
         except UserError as error:
             raise APIError(400, str(error)) from None

@@ -88,7 +88,16 @@ def completion_entries(entries: Sequence[TokenLogprob | None], tokens: list[int]
         text = texts.text(token)
         out["tokens"].append(text)
         out["token_logprobs"].append(None if entry is None else entry.logprob)
-        out["top_logprobs"].append(None if entry is None else {**{texts.text(t): v for t, v in entry.top},
-                                                                text: entry.logprob})
+        out["top_logprobs"].append(None if entry is None else _by_text(entry, text, texts))
         out["text_offset"].append(offsets.take(token))
     return out
+
+
+def _by_text(entry: TokenLogprob, text: str, texts: TokenTexts) -> dict[str, float]:
+    """A completion's `top_logprobs` at one position, keyed by text as OpenAI's: where several tokens read the same
+    (byte tokens of a split character all read U+FFFD) the likeliest's figure, and the token's own at its text."""
+    top: dict[str, float] = {}
+    for token, value in sorted(entry.top, key=lambda pair: -pair[1]):
+        top.setdefault(texts.text(token), value)
+    top[text] = entry.logprob
+    return top

@@ -11,6 +11,7 @@ nothing; any other value is a 400 saying that it is not supported. Every error a
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal, TypeVar, cast
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from specdecode import metrics
 from specdecode.constraints import Constraint
 from specdecode.engine import GenerationResult
+from specdecode.engine.sequence import SEED_RANGE
 from specdecode.errors import UserError
 
 # stop strings a request may give: OpenAI's API takes 4, but evaluation harnesses send a task's own (HumanEval's
@@ -30,7 +32,6 @@ MAX_BIASES = 1024  # logit_bias entries
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids entries
 COMPLETION_MAX_TOKENS = 16  # what /v1/completions generates at most when max_tokens is left out or null (OpenAI's)
 MAX_NAME = 256  # characters of a model, method or user name (errors quote them back)
-SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: [low, high)
 MAX_CHOICES = 16  # a request's `n` at most: each sampled choice is a sequence of the batch
 MAX_PROMPTS = 64  # a completion request's prompts at most (a batch of prompts: a generation each)
 STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -287,15 +288,26 @@ def parse(raw: bytes, model: type[Request]) -> Request:
 
 
 def _invalid(error: ValidationError) -> APIError:
-    first = error.errors(include_url=False)[0]
-    loc = first["loc"]
+    """The first field's error, as OpenAI words it; of a field that takes one of several forms, the error of the
+    form the value went furthest into (a `tool_choice` object missing its `function` is that, not "should be
+    'none', 'auto' or 'required'"), and the location without pydantic's names of the forms."""
+    errors = error.errors(include_url=False)
+    field = [e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]]
+    first = max(field, key=lambda e: len([part for part in e["loc"] if not _form(part)]))
+    loc = [part for part in first["loc"] if not _form(part)]
     param = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".") or None
     if first["type"] == "extra_forbidden":
         return APIError(400, f"Unrecognized request argument supplied: {quoted(str(loc[-1]))}", param=param)
     if first["type"] == "missing":
         return APIError(400, f"Missing required parameter: `{param}`.", param=param)
-    message = first["msg"].removeprefix("Value error, ")
+    message = re.sub(r" or instance of \w+", "", first["msg"].removeprefix("Value error, "))
     return APIError(400, f"Invalid value for `{param}`: {message}", param=param)
+
+
+def _form(part: str | int) -> bool:
+    """Whether a part of pydantic's location names one form of a field that takes several (`literal['a','b']`,
+    `NamedToolChoice`, `str`) rather than a field (every field's name is lower case) or an index."""
+    return isinstance(part, str) and (part[:1].isupper() or "[" in part or part in ("str", "int", "float", "bool"))
 
 
 def finish_reason(result: GenerationResult) -> str:

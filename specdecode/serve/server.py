@@ -343,7 +343,7 @@ class Server:
         for (_, answer), prompt_ids in zip(prepared, encoded):
             answer.prompt_ids = prompt_ids
             self.limits.check_prompt(prompt_ids, context, param)
-            called = answer.tools.constraint(self.models.tokenizer) if answer.tools is not None else None
+            called = answer.tools.constraint(self.models.tokenizer, body.constraint()) if answer.tools else None
             configs.append(choice_configs(self.limits.config(body, prompt_ids, limit, context, param, called),
                                           body.choices()))
         config = configs[0][0]

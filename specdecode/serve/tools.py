@@ -68,17 +68,19 @@ class ToolUse:
     def names(self) -> list[str]:
         return [tool["function"]["name"] for tool in self.tools]
 
-    def constraint(self, tokenizer) -> Constraint | None:
+    def constraint(self, tokenizer, answer: Constraint | None = None) -> Constraint | None:
         """For `required` or a named function: the answer is one call (or several, when parallel) of the allowed
         functions, each call's arguments valid against its parameters schema, a separator after the last allowed
-        (a model that writes one there then ends); None for `auto` (its grammar is still made: a definition that
-        could not be enforced is a 400 whatever the choice). A tag that is one token of `tokenizer`'s (Qwen2.5's
+        (a model that writes one there then ends); a response format (`answer`) is then the later text answer's,
+        as OpenAI's. For `auto`, None, or with a JSON response format: those calls, one call without the tags
+        (`bare_call`), or the answer in that format (its grammar is made either way: a definition that could not
+        be enforced is a 400 whatever the choice). A tag that is one token of `tokenizer`'s (Qwen2.5's
         `<tool_call>`) is that token in the grammar, as the model writes it."""
         functions = [tool["function"] for tool in self.tools
                      if self.choice in ("auto", "required", tool["function"]["name"])]
         bodies = [f"body_{i}: %json {json.dumps(call_schema(function))}" for i, function in enumerate(functions)]
         calls = " | ".join(f"body_{i}" for i in range(len(functions)))
-        start = "start: call (SEP call)* SEP?" if self.parallel else "start: call SEP?"
+        start = "calls: call (SEP call)* SEP?" if self.parallel else "calls: call SEP?"
         form, added = self.format, set(getattr(tokenizer, "get_added_vocab", dict)())
 
         def tag(text: str) -> str:  # the special token itself, or the text
@@ -86,12 +88,22 @@ class ToolUse:
 
         before, after = form.prefix[len(form.open):], form.suffix[: -len(form.close)]
         call = f"call: {tag(form.open)} {json.dumps(before)} body {json.dumps(after)} {tag(form.close)}"
-        lark = "\n".join([start, call, f"body: {calls}", *bodies, f"SEP: {json.dumps(form.separator)}"])
+        rules = [start, call, f"body: {calls}", *bodies, f"SEP: {json.dumps(form.separator)}"]
+        joined = self.choice == "auto" and answer is not None
+        if answer is not None and joined and answer.kind not in ("json_schema", "json_object"):
+            raise APIError(400, f"With tools and `tool_choice` auto, the answer's format is a JSON schema or object, "
+                                f"not a {answer.describe()} (the calls' grammar cannot join it); give `tool_choice` "
+                                "none or required.", param="tool_choice")
+        if answer is not None and joined:
+            schema = json.loads(answer.source) | {"x-guidance": dict(JSON_OPTIONS, lenient=answer.lenient)}
+            rules += ["start: calls | body | answer", f"answer: %json {json.dumps(schema)}"]
+        else:
+            rules += ["start: calls"]
         try:
-            constraint = Constraint.grammar(lark)
+            constraint = Constraint.grammar("\n".join(rules))
         except UserError as error:
             raise APIError(400, f"The tools' parameters cannot be enforced: {error}", param="tools") from None
-        return None if self.choice == "auto" else constraint
+        return None if self.choice == "auto" and not joined else constraint
 
 
 DEFINITIONS = ("$defs", "definitions")  # where a schema keeps the parts its references name
@@ -198,15 +210,24 @@ def _closing(text: str, close: str) -> int:
 
 def _in_string(text: str) -> bool:
     """Whether JSON text ends inside a string."""
-    inside = escaped = False
-    for character in text:
+    return _scan(text)[1]
+
+
+def _scan(text: str, start: int = 0) -> tuple[list[int], bool]:
+    """The positions of JSON text's characters from `start` that stand outside its strings (quotes aside), and
+    whether the text ends inside one."""
+    outside, inside, escaped = [], False, False
+    for i in range(start, len(text)):
+        character = text[i]
         if escaped:
             escaped = False
         elif character == "\\":
             escaped = inside
         elif character == '"':
             inside = not inside
-    return inside
+        elif not inside:
+            outside.append(i)
+    return outside, inside
 
 
 class CallReader:
@@ -218,6 +239,7 @@ class CallReader:
         self.use = use
         self.buffer = ""
         self.inside = False  # within a call's opening and closing tags
+        self.bare = True  # at the answer's start or after a bare call: a bare call may come (`bare_call`)
         self.calls: list[dict] = []
         self.blank = ""  # blank text after a call, held until text that is not blank follows (else dropped)
 
@@ -227,6 +249,16 @@ class CallReader:
         content, calls = "", list[dict]()
         form = self.use.format
         while True:
+            if self.bare and not self.inside:
+                read = bare_call(self.buffer, self.use.names)
+                if isinstance(read, tuple):
+                    call, used = read
+                    self.buffer = self.buffer[used:]
+                    calls += self._take(call)
+                    continue
+                if read == MORE:  # (held until it shows whether it is a call)
+                    return content, calls
+                self.bare = False
             if not self.inside:
                 at = self.buffer.find(form.open)
                 if at < 0:  # keep what may still become the opening tag
@@ -248,6 +280,13 @@ class CallReader:
     def finish(self) -> tuple[str, list[dict]]:
         """(content, calls) left at the end: an unclosed call that parses is a call (an answer cut short)."""
         rest, self.buffer = self.buffer, ""  # (blank text held after a call is dropped)
+        if self.bare and not self.inside:  # a bare call cut short, or text that could have begun one
+            self.bare = False
+            start = rest.find("{")
+            end = _object_end(rest, start) if start >= 0 else None  # (whole, but for a fence's close)
+            call = None if start < 0 else parse_call(rest[start:end]) if end else cut_call(rest[start:].strip(),
+                                                                                          self.use.names)
+            return ("", self._take(call)) if call is not None else (self._outside(rest), [])
         if self.inside:  # (a closing tag cut short is left out)
             self.inside = False
             close = self.use.format.close
@@ -277,7 +316,68 @@ class CallReader:
         form = self.use.format
         if call is None:
             return form.open + body + (form.close if closed else ""), []
+        return "", self._take(call)
+
+    def _take(self, call: dict) -> list[dict]:
         if self.calls and not self.use.parallel:
-            return "", []  # one call only: the rest are dropped
+            return []  # one call only: the rest are dropped
         self.calls.append(call)
-        return "", [call]
+        return [call]
+
+
+MORE = "more"  # `bare_call`: the text may still become a call
+
+
+def bare_call(text: str, names: list[str]) -> tuple[dict, int] | str | None:
+    """An answer's start read as a call written without the template's tags, as small models often write them
+    under `tool_choice: auto` (`{"name": "f", "arguments": {...}}`, maybe in a ```json fence): (the call, the
+    characters it took) once whole; MORE while the text may still become one; None once it cannot (it is
+    text). A call of a function the request does not offer is text."""
+    at = len(text) - len(text.lstrip())
+    if text[at:] and len(text[at:]) < 3 and "```".startswith(text[at:]):
+        return MORE
+    fenced = text.startswith("```", at)
+    if fenced:  # ```json, or ```, then the line's end
+        at += 3
+        if text.startswith("json", at):
+            at += 4
+        elif text[at:] and "json".startswith(text[at:]):
+            return MORE
+        line = text[at:].lstrip(" \t")
+        if not line.startswith("\n"):
+            return MORE if not line else None
+        at = len(text) - len(line) + 1
+    start = at = at + len(text[at:]) - len(text[at:].lstrip())
+    for literal in ("{", '"name"', ":", '"'):
+        at += len(text[at:]) - len(text[at:].lstrip()) if literal != "{" else 0
+        if not text.startswith(literal, at):
+            return MORE if literal.startswith(text[at:]) else None
+        at += len(literal)
+    close = text.find('"', at)
+    name = text[at:] if close < 0 else text[at:close]
+    if close < 0:
+        return MORE if any(n.startswith(name) for n in names) else None
+    if name not in names:
+        return None
+    end = _object_end(text, start)
+    if end is None:
+        return MORE
+    call = parse_call(text[start:end])
+    if call is None:
+        return None
+    if fenced:
+        rest = text[end:].lstrip()
+        if not rest.startswith("```"):
+            return MORE if "```".startswith(rest) else None
+        end = len(text) - len(rest) + 3
+    return call, end
+
+
+def _object_end(text: str, start: int) -> int | None:
+    """Where the JSON object opening at `start` ends (past its closing brace), or None if it has not yet."""
+    depth = 0
+    for i in _scan(text, start)[0]:
+        depth += {"{": 1, "[": 1, "}": -1, "]": -1}.get(text[i], 0)
+        if depth == 0 and text[i] in "}]":
+            return i + 1
+    return None

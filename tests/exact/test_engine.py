@@ -159,6 +159,8 @@ def test_bad_input_is_a_user_error(tiny_target, prompt, config_kwargs):
     (lambda: SamplingParams(min_tokens=False), "min_tokens must be a whole number"),
     (lambda: GenerationConfig(stop=("", "x")), "stop string is text that is not empty"),  # (was dropped unsaid)
     (lambda: GenerationConfig(stop=""), "stop string is text that is not empty"),
+    (lambda: GenerationConfig(seed=2**64), "a seed lies in"),  # (was torch's overflow, a traceback)
+    (lambda: GenerationConfig(seed=-(2**63) - 1), "a seed lies in"),
 ])
 def test_settings_of_the_wrong_type_are_a_user_error(settings, words):
     """A library caller's settings of the wrong type are refused in words at once (they failed deep in the decoding,

@@ -165,3 +165,66 @@ def test_definitions_are_checked_whatever_the_choice():
             ToolUse(broken, choice, True, QWEN25).constraint(tiny_tokenizer())
     assert ToolUse((function("f", NESTED),), "auto", True, QWEN25).constraint(tiny_tokenizer()) is None
     assert ToolUse((function("f", NESTED),), "required", True, QWEN25).constraint(tiny_tokenizer()) is not None
+
+
+OFFERED = ToolUse((function("add", {}), function("get_weather", {})), "auto", True, QWEN25)
+BARE = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+ARGUMENTS = '{"a": 1, "b": 2}'
+BARE_CASES = [  # calls written without the tags, as small models write them under `auto`: (content, calls)
+    (BARE, (None, [("add", ARGUMENTS)])),
+    ("```json\n" + BARE + "\n```", (None, [("add", ARGUMENTS)])),
+    ("```\n" + BARE + "\n```\n```json\n" + BARE.replace("add", "get_weather") + "\n```",
+     (None, [("add", ARGUMENTS), ("get_weather", ARGUMENTS)])),
+    ('{ "name" : "add", "parameters": {"a": "}"}} then text', (" then text", [("add", '{"a": "}"}')])),
+    ('{"name": "add", "arguments": {"a": 1', (None, [("add", '{"a": 1')])),  # cut short: "length" says so
+    ("```json\n" + BARE, (None, [("add", ARGUMENTS)])),  # its fence never closed
+    # text: a function not offered, another object, another fence, a call after text
+    ('{"name": "sub", "arguments": {}}', ('{"name": "sub", "arguments": {}}', [])),
+    ('{"name": "ad"}', ('{"name": "ad"}', [])),
+    ('{"total": 5}', ('{"total": 5}', [])),
+    ("```python\nprint(1)\n```", ("```python\nprint(1)\n```", [])),
+    ("Here: " + BARE, ("Here: " + BARE, [])),
+    ("`", ("`", [])),
+]
+
+
+def test_calls_written_without_tags_are_calls_whole_or_fed_in_pieces():
+    for text, expected in BARE_CASES:
+        content, calls = CallReader(OFFERED).read(text)
+        assert (content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls]) == expected, text
+        reader, content, calls = CallReader(OFFERED), "", []
+        for character in text:  # the stream's worst case: a character a step
+            more, new = reader.feed(character)
+            content, calls = content + more, calls + new
+        more, new = reader.finish()
+        content, calls = content + more, calls + new
+        assert ((content or None) if calls else content,
+                [(c["function"]["name"], c["function"]["arguments"]) for c in calls]) == expected, text
+
+
+def test_auto_with_a_json_format_takes_the_calls_or_the_formatted_answer():
+    """OpenAI's `response_format` shapes the text answer, not the calls: under `auto` the answer is tagged calls, a
+    call without the tags, or JSON in the format; under `required` the calls alone (the format is the next turn's).
+    A regular expression or grammar cannot join the calls' grammar: a 400."""
+    from specdecode.constraints import Constraint
+
+    tokenizer = tiny_tokenizer()
+    schema = {"type": "object", "properties": {"total": {"type": "integer"}}, "required": ["total"],
+              "additionalProperties": False}
+    adds = (function("add", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                             "additionalProperties": False}),)
+    texts = {"tagged": '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>',
+             "bare": '{"name": "add", "arguments": {"a": 1}}', "answer": '{"total": 3}', "other": '{"sum": 3}',
+             "text": "It is 3."}
+    for choice, legal in (("auto", {"tagged", "bare", "answer"}), ("required", {"tagged"})):
+        constraint = ToolUse(adds, choice, True, QWEN25).constraint(tokenizer, Constraint.json_schema(schema))
+        assert constraint is not None
+        for name, text in texts.items():
+            grammar = Matcher(constraint, tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}))
+            ids = tokenizer.encode(text)
+            whole = grammar.legal_prefix(ids) == len(ids)
+            if whole:
+                grammar.consume(ids)
+            assert (whole and grammar.allowed()[tokenizer.eos_token_id]) == (name in legal), (choice, name)
+    with pytest.raises(APIError, match="cannot join"):
+        ToolUse(adds, "auto", True, QWEN25).constraint(tokenizer, Constraint.regex("[0-9]+"))

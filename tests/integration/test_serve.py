@@ -256,6 +256,14 @@ DEEP = '{"model": "tiny", "prompt": "hi", "stop": ' + "[" * 100_000 + "]" * 100_
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calls"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
      "tool_choice", "needs `tools`"),
+    # a field of several forms: the error of the form given (was "should be 'none', 'auto' or 'required'", param
+    # `tool_choice.literal['none','auto','required']`), and no class name
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x"}],
+                              "tool_choice": {"type": "function"}}, "tool_choice.function", "Missing"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x"}], "tool_choice": "any"},
+     "tool_choice", "'none', 'auto' or 'required'"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x"}], "response_format": "json"},
+     "response_format", "valid dictionary"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id",
      "tool_call_id"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_token": 8}, "max_token", "Unrecognized"),

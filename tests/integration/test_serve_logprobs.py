@@ -42,8 +42,8 @@ def engine_result(models, prompt_ids: list[int], max_tokens: int, params: Sampli
 @pytest.mark.parametrize("method", METHODS)
 def test_completion_logprobs_are_plain_decodings(client, models, method):
     ids = models.tokenizer(PROMPT)["input_ids"]
-    want = engine_result(models, ids, 16, logprobs=3)
-    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=3,
+    want = engine_result(models, ids, 16, logprobs=20)
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=20,
                                          extra_body={"method": method})
     logprobs = response.choices[0].logprobs
     assert logprobs.token_logprobs == pytest.approx([e.logprob for e in want.logprobs], abs=TOLERANCE)
@@ -51,6 +51,11 @@ def test_completion_logprobs_are_plain_decodings(client, models, method):
     # greedy: its own is the top (keys are token texts: several byte tokens read "\ufffd")
     assert all(max(top.values()) == pytest.approx(lp, abs=TOLERANCE)
                for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs))
+    for top, entry, token in zip(logprobs.top_logprobs, want.logprobs, want.token_ids):
+        likeliest: dict[str, float] = {}  # a text several tokens read keeps the likeliest's figure (was the last's)
+        for alternative, value in sorted(entry.top, key=lambda pair: -pair[1]):
+            likeliest.setdefault(models.tokenizer.decode([alternative]), value)
+        assert top == pytest.approx(likeliest | {models.tokenizer.decode([token]): entry.logprob}, abs=TOLERANCE)
     assert_offsets_point_at_the_tokens(models, response.choices[0].text, logprobs)
 
 

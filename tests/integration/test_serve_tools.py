@@ -136,8 +136,24 @@ def test_tool_choice_none_and_a_missing_function(client):
     assert none.choices[0].message.tool_calls is None
     with pytest.raises(openai.BadRequestError, match="not among"):
         ask(client, "ar", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "sub"}})
-    with pytest.raises(openai.BadRequestError, match="not both"):
-        ask(client, "ar", tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
+
+
+
+def test_a_response_format_shapes_the_text_answer_not_the_calls(client):
+    """As OpenAI's: with `required` the calls are made (the format is the later text answer's); with `auto` the
+    answer is calls or JSON in the format (an agent with tools and an output type sends both)."""
+    required = ask(client, "ar", tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
+    assert calls_of(required) and required.choices[0].finish_reason == "tool_calls"
+    schema = {"type": "object", "properties": {"total": {"type": "integer"}}, "required": ["total"],
+              "additionalProperties": False}
+    said = []
+    for method in ("ar", "pld", "suffix"):
+        answer = ask(client, method, tools=TOOLS, response_format={
+            "type": "json_schema", "json_schema": {"name": "sum", "schema": schema, "strict": True}})
+        content = answer.choices[0].message.content
+        assert calls_of(answer) or jsonschema.validate(json.loads(content), schema) is None
+        said.append((content, calls_of(answer)))
+    assert said[0] == said[1] == said[2]  # speculation changes nothing
 
 
 def test_an_answer_cut_by_max_tokens_says_length_even_after_calls(client):
