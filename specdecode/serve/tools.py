@@ -240,6 +240,7 @@ class CallReader:
         self.buffer = ""
         self.inside = False  # within a call's opening and closing tags
         self.bare = True  # at the answer's start or after a bare call: a bare call may come (`bare_call`)
+        self.fenced = False  # within a fence of bare calls
         self.calls: list[dict] = []
         self.blank = ""  # blank text after a call, held until text that is not blank follows (else dropped)
 
@@ -250,9 +251,9 @@ class CallReader:
         form = self.use.format
         while True:
             if self.bare and not self.inside:
-                read = bare_call(self.buffer, self.use.names)
+                read = bare_call(self.buffer, self.use.names, self.fenced)
                 if isinstance(read, tuple):
-                    call, used = read
+                    call, used, self.fenced = read
                     self.buffer = self.buffer[used:]
                     calls += self._take(call)
                     continue
@@ -328,17 +329,17 @@ class CallReader:
 MORE = "more"  # `bare_call`: the text may still become a call
 
 
-def bare_call(text: str, names: list[str]) -> tuple[dict, int] | str | None:
+def bare_call(text: str, names: list[str], fenced: bool = False) -> tuple[dict, int, bool] | str | None:
     """An answer's start read as a call written without the template's tags, as small models often write them
-    under `tool_choice: auto` (`{"name": "f", "arguments": {...}}`, maybe in a ```json fence): (the call, the
-    characters it took) once whole; MORE while the text may still become one; None once it cannot (it is
-    text). A call of a function the request does not offer is text."""
+    under `tool_choice: auto` (`{"name": "f", "arguments": {...}}`; in a ```json fence, several in one): (the call,
+    the characters it took, whether a fence it is in stays open for the next) once whole; MORE while the text may
+    still become one; None once it cannot (it is text). `fenced`: within a fence an earlier call opened. A call of
+    a function the request does not offer is text."""
     at = len(text) - len(text.lstrip())
-    if text[at:] and len(text[at:]) < 3 and "```".startswith(text[at:]):
+    if not fenced and text[at:] and len(text[at:]) < 3 and "```".startswith(text[at:]):
         return MORE
-    fenced = text.startswith("```", at)
-    if fenced:  # ```json, or ```, then the line's end
-        at += 3
+    if not fenced and text.startswith("```", at):  # ```json, or ```, then the line's end
+        fenced, at = True, at + 3
         if text.startswith("json", at):
             at += 4
         elif text[at:] and "json".startswith(text[at:]):
@@ -360,17 +361,17 @@ def bare_call(text: str, names: list[str]) -> tuple[dict, int] | str | None:
     if name not in names:
         return None
     end = _object_end(text, start)
-    if end is None:
-        return MORE
-    call = parse_call(text[start:end])
-    if call is None:
-        return None
-    if fenced:
-        rest = text[end:].lstrip()
-        if not rest.startswith("```"):
-            return MORE if "```".startswith(rest) else None
-        end = len(text) - len(rest) + 3
-    return call, end
+    call = None if end is None else parse_call(text[start:end])
+    if end is None or call is None:
+        return MORE if end is None else None
+    if not fenced:
+        return call, end, False
+    rest = text[end:].lstrip()  # the fence's close, or the next call in it
+    if rest.startswith("```"):
+        return call, len(text) - len(rest) + 3, False
+    if rest.startswith("{"):
+        return call, end, True
+    return MORE if "```".startswith(rest) else None
 
 
 def _object_end(text: str, start: int) -> int | None:

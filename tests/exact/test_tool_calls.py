@@ -178,6 +178,8 @@ BARE_CASES = [  # calls written without the tags, as small models write them und
     ('{ "name" : "add", "parameters": {"a": "}"}} then text', (" then text", [("add", '{"a": "}"}')])),
     ('{"name": "add", "arguments": {"a": 1', (None, [("add", '{"a": 1')])),  # cut short: "length" says so
     ("```json\n" + BARE, (None, [("add", ARGUMENTS)])),  # its fence never closed
+    ("```json\n" + BARE + "\n" + BARE + "\n```", (None, [("add", ARGUMENTS)] * 2)),  # two in one fence
+    ("```json\n" + BARE + "\n, more\n```", ("```json\n" + BARE + "\n, more\n```", [])),
     # text: a function not offered, another object, another fence, a call after text
     ('{"name": "sub", "arguments": {}}', ('{"name": "sub", "arguments": {}}', [])),
     ('{"name": "ad"}', ('{"name": "ad"}', [])),
