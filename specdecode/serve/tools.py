@@ -210,13 +210,14 @@ def _closing(text: str, close: str) -> int:
 
 def _in_string(text: str) -> bool:
     """Whether JSON text ends inside a string."""
-    return _scan(text)[1]
+    return _scan(text)[1][0]
 
 
-def _scan(text: str, start: int = 0) -> tuple[list[int], bool]:
-    """The positions of JSON text's characters from `start` that stand outside its strings (quotes aside), and
-    whether the text ends inside one."""
-    outside, inside, escaped = [], False, False
+def _scan(text: str, start: int = 0, state: tuple[bool, bool] = (False, False)
+          ) -> tuple[list[int], tuple[bool, bool]]:
+    """The positions of JSON text's characters from `start` that stand outside its strings (quotes aside), and the
+    state at its end (inside a string, after an escape in one), from which a scan of more text carries on."""
+    outside, (inside, escaped) = [], state
     for i in range(start, len(text)):
         character = text[i]
         if escaped:
@@ -227,7 +228,7 @@ def _scan(text: str, start: int = 0) -> tuple[list[int], bool]:
             inside = not inside
         elif not inside:
             outside.append(i)
-    return outside, inside
+    return outside, (inside, escaped)
 
 
 class CallReader:
@@ -241,6 +242,7 @@ class CallReader:
         self.inside = False  # within a call's opening and closing tags
         self.bare = True  # at the answer's start or after a bare call: a bare call may come (`bare_call`)
         self.fenced = False  # within a fence of bare calls
+        self.scanned: dict = {}  # how far a held bare call's object was scanned (`_object_end`)
         self.calls: list[dict] = []
         self.blank = ""  # blank text after a call, held until text that is not blank follows (else dropped)
 
@@ -251,10 +253,10 @@ class CallReader:
         form = self.use.format
         while True:
             if self.bare and not self.inside:
-                read = bare_call(self.buffer, self.use.names, self.fenced)
+                read = bare_call(self.buffer, self.use.names, self.fenced, self.scanned)
                 if isinstance(read, tuple):
                     call, used, self.fenced = read
-                    self.buffer = self.buffer[used:]
+                    self.buffer, self.scanned = self.buffer[used:], {}
                     calls += self._take(call)
                     continue
                 if read == MORE:  # (held until it shows whether it is a call)
@@ -329,12 +331,14 @@ class CallReader:
 MORE = "more"  # `bare_call`: the text may still become a call
 
 
-def bare_call(text: str, names: list[str], fenced: bool = False) -> tuple[dict, int, bool] | str | None:
+def bare_call(text: str, names: list[str], fenced: bool = False, scanned: dict | None = None
+              ) -> tuple[dict, int, bool] | str | None:
     """An answer's start read as a call written without the template's tags, as small models often write them
     under `tool_choice: auto` (`{"name": "f", "arguments": {...}}`; in a ```json fence, several in one): (the call,
     the characters it took, whether a fence it is in stays open for the next) once whole; MORE while the text may
-    still become one; None once it cannot (it is text). `fenced`: within a fence an earlier call opened. A call of
-    a function the request does not offer is text."""
+    still become one; None once it cannot (it is text). `fenced`: within a fence an earlier call opened;
+    `scanned`: where an earlier read of the same text, shorter, left its scan (a long call is then read once, not
+    again at every piece). A call of a function the request does not offer is text."""
     at = len(text) - len(text.lstrip())
     if not fenced and text[at:] and len(text[at:]) < 3 and "```".startswith(text[at:]):
         return MORE
@@ -360,7 +364,7 @@ def bare_call(text: str, names: list[str], fenced: bool = False) -> tuple[dict, 
         return MORE if any(n.startswith(name) for n in names) else None
     if name not in names:
         return None
-    end = _object_end(text, start)
+    end = _object_end(text, start, scanned)
     call = None if end is None else parse_call(text[start:end])
     if end is None or call is None:
         return MORE if end is None else None
@@ -374,11 +378,18 @@ def bare_call(text: str, names: list[str], fenced: bool = False) -> tuple[dict, 
     return MORE if "```".startswith(rest) else None
 
 
-def _object_end(text: str, start: int) -> int | None:
-    """Where the JSON object opening at `start` ends (past its closing brace), or None if it has not yet."""
-    depth = 0
-    for i in _scan(text, start)[0]:
-        depth += {"{": 1, "[": 1, "}": -1, "]": -1}.get(text[i], 0)
-        if depth == 0 and text[i] in "}]":
-            return i + 1
+def _object_end(text: str, start: int, scanned: dict | None = None) -> int | None:
+    """Where the JSON object opening at `start` ends (past its closing brace), or None if it has not yet; `scanned`
+    keeps how far a scan of the text got, for the next read of it grown."""
+    at, depth, state = (scanned or {}).get(start, (start, 0, (False, False)))
+    outside, state = _scan(text, at, state)
+    for i in outside:
+        if text[i] in "{[":
+            depth += 1
+        elif text[i] in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    if scanned is not None:
+        scanned[start] = (len(text), depth, state)
     return None

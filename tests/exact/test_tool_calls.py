@@ -187,6 +187,7 @@ BARE_CASES = [  # calls written without the tags, as small models write them und
     ("```python\nprint(1)\n```", ("```python\nprint(1)\n```", [])),
     ("Here: " + BARE, ("Here: " + BARE, [])),
     ("`", ("`", [])),
+    ('{"name": "add", "arguments": {"a": "' + "x" * 400 + '"}}', (None, [("add", '{"a": "' + "x" * 400 + '"}')])),
 ]
 
 
@@ -230,3 +231,21 @@ def test_auto_with_a_json_format_takes_the_calls_or_the_formatted_answer():
             assert (whole and grammar.allowed()[tokenizer.eos_token_id]) == (name in legal), (choice, name)
     with pytest.raises(APIError, match="cannot join"):
         ToolUse(adds, "auto", True, QWEN25).constraint(tokenizer, Constraint.regex("[0-9]+"))
+
+
+def test_a_long_call_without_tags_is_scanned_once_as_it_streams(monkeypatch):
+    """A held call is read again at every piece; its object's scan carries on where the last one stopped (a
+    write_file call of a long file, its text full of braces, was scanned whole at every piece)."""
+    from specdecode.serve import tools
+
+    scanned = []
+    real = tools._scan
+    monkeypatch.setattr(tools, "_scan", lambda text, start=0, state=(False, False): (
+        scanned.append(len(text) - start), real(text, start, state))[1])
+    content = "def f(x):\n    return {'a': [x]}\n" * 100
+    text = json.dumps({"name": "add", "arguments": {"path": "a.py", "content": content}})
+    reader, calls = CallReader(OFFERED), []
+    for at in range(0, len(text), 3):
+        calls += reader.feed(text[at:at + 3])[1]
+    assert [json.loads(c["function"]["arguments"])["content"] for c in calls] == [content]
+    assert sum(scanned) < 2 * len(text)
