@@ -1,5 +1,5 @@
 # Everything installs into .venv from the project's own files; nothing needs to be on the machine but
-# Python 3.11+ and the package registries.
+# Python 3.11+, make, a C/C++ compiler (llama.cpp, the int4 kernel) and the package registries.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
@@ -10,7 +10,9 @@ NO_AMX := '-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' '-DCMAKE_C
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
-	python3 -m venv $(VENV)
+	@python3 -c 'import sys; sys.exit(sys.version_info < (3, 11) and "specdecode needs Python 3.11 or later; python3 is " + sys.version.split()[0])'
+	# a venv made by an older python3 (a first try with the wrong one) is made afresh
+	$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || python3 -m venv --clear $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints-cpu.txt -e '.[dev]'
 	# the optional llama.cpp backend, compiled for this CPU. Built afresh (--no-cache-dir): a wheel from pip's

@@ -17,8 +17,9 @@ src="$work/llama_cpp_python-$version/vendor/llama.cpp"
 export PATH="$(dirname "$(command -v "$py")"):$PATH"  # a pip-installed cmake lands beside python
 command -v cmake >/dev/null || "$py" -m pip install --quiet cmake
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF >"$work/build.log" 2>&1
-cmake --build "$work/build" --target llama-server -j "$(nproc)" >>"$work/build.log" 2>&1 || { tail -20 "$work/build.log"; exit 1; }
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF \
+    >"$work/build.log" 2>&1 || { tail -20 "$work/build.log"; echo "cmake could not configure llama.cpp (a C/C++ compiler?): $work/build.log" >&2; exit 1; }
+cmake --build "$work/build" --target llama-server -j "$(nproc)" >>"$work/build.log" 2>&1 || { tail -20 "$work/build.log"; echo "llama-server did not build: $work/build.log" >&2; exit 1; }
 mkdir -p "$root/bin"
 cp "$work/build/bin/llama-server" "$bin"
 rm -rf "$work"

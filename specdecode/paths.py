@@ -29,9 +29,16 @@ console = Console(stderr=True, soft_wrap=True)
 
 
 def cache_dir() -> Path:
-    """Root of everything this package caches: `$SPECDECODE_CACHE`, else `~/.cache/specdecode`."""
+    """Root of everything this package caches: `$SPECDECODE_CACHE`, else `~/.cache/specdecode`; a file there is
+    the user's mistake, said in one line (every store under it would fail, each in its own words)."""
     root = os.environ.get("SPECDECODE_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "specdecode"
+    path = Path(root).expanduser() if root else Path.home() / ".cache" / "specdecode"
+    if path.exists() and not path.is_dir():
+        from specdecode.errors import UserError
+
+        raise UserError(f"the cache folder {path} is a file ({'SPECDECODE_CACHE' if root else 'the default'}): "
+                        "give SPECDECODE_CACHE a folder")
+    return path
 
 
 log = logging.getLogger("specdecode.cache")
@@ -40,7 +47,8 @@ T = TypeVar("T")
 
 def output_folder(path: Path, option: str) -> Path:
     """A folder a command writes into, made now: a file in its place or one that cannot be made is the user's
-    mistake, said in one line before any work (`errors.UserError`; imported here, as nothing else of the package)."""
+    mistake, said in one line before any work (`errors.UserError`; imported where it is raised, as nothing else of
+    the package)."""
     from specdecode.errors import UserError
 
     if path.exists() and not path.is_dir():

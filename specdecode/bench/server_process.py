@@ -58,13 +58,23 @@ def run_settings() -> dict:
 
 
 def commit() -> str:
-    """The checkout's commit, short ("unknown" outside a git checkout)."""
+    """The checkout's commit, short; where the package is not a checkout's (installed, maybe inside another
+    project's repository), its version."""
+    package = Path(__file__).resolve().parents[1]
     try:
-        found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
-                               cwd=Path(__file__).parent)
+        found = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short", "HEAD"], capture_output=True,
+                               text=True, check=False, cwd=package)
     except OSError:  # no git
+        found = None
+    lines = found.stdout.split() if found is not None and found.returncode == 0 else []
+    if len(lines) == 2 and Path(lines[0]).resolve() == package.parent:
+        return lines[1]
+    from importlib import metadata
+
+    try:
+        return f"specdecode {metadata.version('specdecode')}"
+    except metadata.PackageNotFoundError:
         return "unknown"
-    return found.stdout.strip() or "unknown"
 
 
 def parse_run_arguments(parser, argv, name: str):

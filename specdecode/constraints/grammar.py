@@ -29,6 +29,7 @@ from typing import Any, Literal
 import llguidance
 import llguidance.hf
 
+from specdecode.constraints import depth
 from specdecode.errors import UserError
 
 Kind = Literal["json_schema", "json_object", "regex", "grammar"]
@@ -105,6 +106,7 @@ def _made(kind: Kind, source: str, lenient: bool) -> Constraint:
 
 
 def _compiled(kind: Kind, source: str, lenient: bool) -> Constraint:
+    _check_depth(kind, source)
     with refusals(kind):
         if kind in ("json_schema", "json_object"):
             options = dict(JSON_OPTIONS, lenient=lenient)
@@ -123,6 +125,19 @@ def _compiled(kind: Kind, source: str, lenient: bool) -> Constraint:
 
 
 _cached = functools.lru_cache(maxsize=64)(_compiled)
+
+
+def _check_depth(kind: Kind, source: str) -> None:
+    """A UserError for a schema or grammar nested deeper than the grammar engine can check without ending the
+    process (`constraints.depth`)."""
+    try:
+        if kind == "json_schema":
+            depth.schema_depth(json.loads(source))
+        elif kind == "grammar":
+            depth.grammar_depth(source)
+    except depth.TooDeep:
+        raise UserError(f"the {describe(kind)} nests more than {depth.MAX_DEPTH} levels deep (its references or "
+                        "rules followed): the grammar engine takes no deeper one") from None
 
 
 @contextlib.contextmanager

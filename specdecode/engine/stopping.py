@@ -47,9 +47,13 @@ class TextTracker:
         return ids[:-1] if ids and ids[-1] in self.stop_ids else ids
 
     def _stop_begun(self, text: str) -> int:
-        """The length of the longest end of `text` that a stop string begins with (0: none)."""
-        return max((n for stop in self.stop for n in range(min(len(stop) - 1, len(text)), 0, -1)
-                    if stop.startswith(text[len(text) - n :])), default=0)
+        """The length of the longest end of `text` that a stop string begins with (0: none); each stop string's
+        ends tried longest first, down to the longest found so far."""
+        longest = 0
+        for stop in self.stop:
+            longest = next((n for n in range(min(len(stop) - 1, len(text)), longest, -1)
+                            if stop.startswith(text[len(text) - n :])), longest)
+        return longest
 
     def _first_stop(self, text: str, after: float = 0.0) -> int | None:
         """Where the first stop string that ends past `after` characters begins (None: none)."""

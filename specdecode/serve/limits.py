@@ -67,9 +67,9 @@ class Limits:
         return limit
 
     def config(self, body: SamplingRequest, prompt_ids: list[int], limit: int | None, context: int,
-               param: str, tool_constraint: Constraint | None = None) -> GenerationConfig:
-        """The generation a tokenized request asks for, once it fits in the context; `tool_constraint`: what its
-        tools ask of the answer (`serve.tools.ToolUse.constraint`, which takes in its response format)."""
+               param: str, constraint: Constraint | None = None) -> GenerationConfig:
+        """The generation a tokenized request asks for, once it fits in the context; `constraint`: what its answer
+        must be (`Server._constraint`: its response format, or its tools' calls)."""
         room = context - len(prompt_ids)
         if room <= 0 or (limit is not None and limit > room):
             asked = f" + {limit} to generate" if limit is not None else ""
@@ -83,8 +83,6 @@ class Limits:
         # a completion's echo: the prompt's scores with logprobs, and the engine's echo for max_tokens 0 (the prompt
         # fed alone)
         echo = bool(getattr(body, "echo", False)) and (top is not None or limit == 0)
-        # the tools' grammar where there is one: the calls, or (`tool_choice` auto) the calls or the formatted answer
-        constraint = tool_constraint or body.constraint()
         if body.min_tokens and constraint:
             raise APIError(400, "`min_tokens` cannot hold open an answer a format or a required call shapes (its "
                                 "grammar may end first).", param="min_tokens")

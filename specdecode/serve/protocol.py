@@ -28,6 +28,7 @@ from specdecode.errors import UserError
 # stop strings a request may give: OpenAI's API takes 4, but evaluation harnesses send a task's own (HumanEval's
 # five, and lm-evaluation-harness adds one) to /v1/completions, as vLLM takes any number
 MAX_STOP_STRINGS = 32
+MAX_STOP_LENGTH = 256  # characters of one: every step looks for each one's beginning at the text's end
 MAX_BIASES = 1024  # logit_bias entries
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids entries
 COMPLETION_MAX_TOKENS = 16  # what /v1/completions generates at most when max_tokens is left out or null (OpenAI's)
@@ -164,6 +165,8 @@ class SamplingRequest(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         if not all(stops):
             raise ValueError("a stop string must not be empty")
+        if max(map(len, stops), default=0) > MAX_STOP_LENGTH:
+            raise ValueError(f"a stop string has at most {MAX_STOP_LENGTH} characters")
         return stops
 
     def choices(self) -> int:

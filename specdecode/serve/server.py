@@ -230,6 +230,16 @@ class Server:
         except TemplateError as error:  # the template refuses the conversation (e.g. roles out of order)
             raise APIError(400, f"The chat template cannot render these messages: {error}", param="messages") from None
 
+    def _constraint(self, body: SamplingRequest, use: tools.ToolUse | None) -> Constraint | None:  # on the pool
+        """What a request's answers must be: its response format, or its tools' calls (under `auto`, beside the
+        format: `ToolUse.constraint`); compiled here, not on the event loop (a large schema takes a while, and
+        one longer than grammar.CACHED_SOURCE is compiled with every request), and checked (`_grammar_vocabulary`)."""
+        asked = body.constraint()
+        constraint = (use.constraint(self.models.tokenizer, asked) if use is not None else None) or asked
+        if constraint is not None:
+            self._grammar_vocabulary(constraint, body.constraint_field())
+        return constraint
+
     def _grammar_vocabulary(self, constraint: Constraint, param: str) -> None:  # on the tokenizing pool
         """The grammar engine's view of the tokenizer (`constraints.grammar.engine_tokenizer`), built here on a
         constrained request's way in: built once, it takes seconds on a large vocabulary, which on the worker
@@ -339,17 +349,13 @@ class Server:
         param = "messages" if isinstance(body, ChatRequest) else "prompt"
         context = self.models.target.max_context
         encoded = await asyncio.gather(*(loop.run_in_executor(self._tokenizing, encode) for encode, _ in prepared))
-        configs = []
         for (_, answer), prompt_ids in zip(prepared, encoded):
             answer.prompt_ids = prompt_ids
             self.limits.check_prompt(prompt_ids, context, param)
-            called = answer.tools.constraint(self.models.tokenizer, body.constraint()) if answer.tools else None
-            configs.append(choice_configs(self.limits.config(body, prompt_ids, limit, context, param, called),
-                                          body.choices()))
+        constraint = await loop.run_in_executor(self._tokenizing, self._constraint, body, prepared[0][1].tools)
+        configs = [choice_configs(self.limits.config(body, answer.prompt_ids, limit, context, param, constraint),
+                                  body.choices()) for _, answer in prepared]
         config = configs[0][0]
-        if config.constraint is not None:
-            await loop.run_in_executor(self._tokenizing, self._grammar_vocabulary, config.constraint,
-                                       body.constraint_field())
         engine = await self._engine(choice, memory, request) if self.worker.runs_alone(choice, config) else None
         return configs, engine
 

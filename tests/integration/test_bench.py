@@ -330,3 +330,19 @@ def test_an_interrupted_run_says_where_its_records_are(tmp_path, monkeypatch, ca
     assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 1
     with pytest.raises(UserError, match="holds an earlier run's records"):
         bench_main.run(**options)
+
+
+def test_the_commit_a_report_records_is_the_packages_own(monkeypatch, tmp_path):
+    """Installed inside another project's repository, the package is not that repository's: a report records its
+    version, not the enclosing project's commit (as it did)."""
+    import subprocess
+    from pathlib import Path
+
+    from specdecode.bench import server_process
+
+    root = Path(server_process.__file__).resolve().parents[2]
+    here = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root)
+    assert server_process.commit() == (here.stdout.strip() if here.returncode == 0 else server_process.commit())
+    monkeypatch.setattr(server_process.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 0, stdout=f"{tmp_path}\n3193d5a\n"))  # another repository's top level and commit
+    assert server_process.commit().startswith("specdecode ")

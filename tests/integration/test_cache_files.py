@@ -117,3 +117,14 @@ def test_a_cut_short_default_datastore_is_built_again(caplog):
         assert build.default_datastore(tokenizer, progress=False) == path
     assert path.stat().st_size > len(content)
     assert_set_aside(path, content, caplog)
+
+
+def test_a_cache_folder_that_is_a_file_is_a_user_error(tmp_path, monkeypatch):
+    """Said once, in one line (was: a store's warning, then an error blaming the model being loaded)."""
+    from specdecode.errors import UserError
+    from specdecode.paths import cache_dir
+
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "afile"))
+    with pytest.raises(UserError, match="is a file"):
+        cache_dir()

@@ -271,6 +271,7 @@ DEEP = '{"model": "tiny", "prompt": "hi", "stop": ' + "[" * 100_000 + "]" * 100_
     ("/v1/completions", {"model": MODEL, "prompt": 5}, "prompt", "string"),
     ("/v1/completions", [1, 2], None, "JSON object"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": [""]}, "stop", "empty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["a" * 257]}, "stop", "at most 256"),
 ])
 def test_client_mistakes_are_4xx_in_openai_format_without_internals(server, path, body, param, words):
     running, _ = server

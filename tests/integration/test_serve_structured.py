@@ -185,3 +185,20 @@ def test_the_grammar_engines_vocabulary_is_built_off_the_worker(server, monkeypa
     for _ in range(2):
         assert post(running.url, "/v1/completions", body).status_code == 200
     assert len(built_on) == 1 and built_on[0].startswith("specdecode-tokenize")
+
+
+def test_constraints_are_compiled_off_the_event_loop(server, monkeypatch):
+    """A large schema or a request's tools take a while to compile (and one longer than CACHED_SOURCE is compiled
+    with every request): on the event loop it held every connection up."""
+    from specdecode.constraints import grammar
+
+    running, _ = server
+    compiled_on = []
+    check = grammar._check_depth
+    monkeypatch.setattr(grammar, "_check_depth", lambda kind, source: compiled_on.append(
+        threading.current_thread().name) or check(kind, source))
+    schema = {"type": "object", "properties": {"off_the_loop": {"type": "integer"}}, "required": ["off_the_loop"]}
+    body = {"model": MODEL, "prompt": "a number", "max_tokens": 8, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}
+    assert post(running.url, "/v1/completions", body).status_code == 200
+    assert compiled_on and all(name.startswith("specdecode-tokenize") for name in compiled_on), compiled_on

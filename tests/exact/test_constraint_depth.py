@@ -1,0 +1,53 @@
+"""A constraint nested deeper than the grammar engine can check is refused in words (`constraints.depth`): the engine
+recurses once a level on the thread's stack, and a chain of a thousand `$ref`s (or of three thousand rules) in one
+request's body ended the whole process, a server with every request it held (SIGSEGV)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdecode.constraints import Constraint, depth
+from specdecode.errors import UserError
+from specdecode.serve.protocol import APIError
+from specdecode.serve.tools import QWEN25, ToolUse
+
+
+def chained(links: int) -> dict:
+    """A schema whose definitions each hold the next: `links` references deep."""
+    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(links)}
+    return {"$ref": "#/$defs/d0", "$defs": defs | {f"d{links}": {"type": "string"}}}
+
+
+def rules(count: int) -> str:
+    return "\n".join(["start: r0", *(f'r{i}: "a{i}" r{i + 1} | "b"' for i in range(count)), f'r{count}: "z"'])
+
+
+@pytest.mark.parametrize("make", [lambda: Constraint.json_schema(chained(1000)),
+                                  lambda: Constraint.grammar(rules(3000)),
+                                  lambda: Constraint.grammar(f"start: %json {chained(1000)}".replace("'", '"'))])
+def test_a_source_deeper_than_the_engine_takes_is_refused_in_words(make):
+    with pytest.raises(UserError, match=f"more than {depth.MAX_DEPTH} levels deep"):
+        make()
+
+
+def test_deep_tools_are_a_400_naming_them():
+    use = ToolUse(({"type": "function", "function": {"name": "f", "parameters": chained(1000)}},), "required", True,
+                  QWEN25)
+    with pytest.raises(APIError, match="levels deep") as refused:
+        use.constraint(None)
+    assert refused.value.param == "tools"
+
+
+def test_real_depths_pass_and_are_counted_once_a_reference():
+    """Chains as deep as real schemas go, a recursive schema (a tree's node: a rule of the engine's, not a level a
+    node), and references shared by many paths (counted once: not one walk a path) all compile."""
+    Constraint.json_schema(chained(40))
+    Constraint.grammar(rules(200))
+    tree = {"$defs": {"node": {"type": "object", "properties": {"kids": {"type": "array",
+                                                                        "items": {"$ref": "#/$defs/node"}}}}},
+            "$ref": "#/$defs/node"}
+    assert depth.schema_depth(tree) < 16
+    Constraint.json_schema(tree)
+    shared = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"},
+                                                          "b": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(40)}
+    assert depth.schema_depth({"$ref": "#/$defs/d0", "$defs": shared | {"d40": {"type": "string"}}}) < depth.MAX_DEPTH
