@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -26,6 +27,9 @@ from specdecode.serve.worker import Busy, Job, Step
 from specdecode.types import TokenLogprob
 
 NOT_READY_RETRY_SECONDS = 10
+# items a stream may hold for a client that has not read them: past it the client has stopped reading, and its
+# generations end where they are, as at their deadline (else an unread stream's answers filled memory to the end)
+BACKLOG = 1024
 
 
 @dataclass
@@ -230,6 +234,8 @@ async def _pump(job: Job, run: int, merged: asyncio.Queue) -> None:
     while True:
         item = await job.events.get()
         merged.put_nowait((run, item))
+        if merged.qsize() > BACKLOG:
+            job.deadline = -math.inf  # (read by the worker before its next step)
         if _last(item):
             return
 

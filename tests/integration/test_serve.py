@@ -664,3 +664,27 @@ def test_a_batch_of_prompts_is_checked_prompt_by_prompt(server):
             body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "echo": echo}
             reply = post(running.url, "/v1/completions", body)
             assert reply.status_code == 400 and "Token ids must lie in" in openai_error(reply)["message"], reply.text
+
+
+@pytest.mark.parametrize("backlog, ended", [(3, True), (4, False)])
+def test_a_stream_whose_client_stops_reading_ends_its_generation(monkeypatch, backlog, ended):
+    """Items a stream holds unread past BACKLOG end its generation where it is, as its deadline would (the worker
+    expires a job past its deadline: `test_serve_limits`): an unread stream's answers filled memory to the end."""
+    import asyncio
+    import math
+    from types import SimpleNamespace
+
+    from specdecode.serve import replies
+
+    monkeypatch.setattr(replies, "BACKLOG", backlog)
+
+    async def pumped():
+        job = SimpleNamespace(events=asyncio.Queue(), deadline=math.inf)
+        for item in [0, 1, 2, RuntimeError("its last item")]:  # (an error ends the pump, as a result does)
+            job.events.put_nowait(item)
+        merged: asyncio.Queue = asyncio.Queue()
+        await replies._pump(job, 0, merged)
+        return job.deadline, merged.qsize()
+
+    deadline, held = asyncio.run(pumped())
+    assert held == 4 and (deadline == -math.inf) == ended
