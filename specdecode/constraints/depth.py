@@ -66,8 +66,8 @@ NAME = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
 
 
 def grammar_depth(lark: str) -> int:
-    """The levels from a Lark grammar's `start` to its deepest rule or terminal, a `%json` schema inside counted by
-    its own depth; TooDeep past MAX_DEPTH."""
+    """The levels of a Lark grammar's longest chain of rules (or terminals) each naming the next, a `%json` schema
+    inside a rule counted by its own depth; TooDeep past MAX_DEPTH."""
     starts = [(match.group(1), match.start(), match.end()) for match in DEFINITION.finditer(lark)]
     bodies = {name: lark[end: starts[i + 1][1] if i + 1 < len(starts) else len(lark)]
               for i, (name, _, end) in enumerate(starts)}
