@@ -58,7 +58,7 @@ class Models:
 
     def require_draft(self) -> CausalLM:
         if self.draft is None:
-            raise UserError("this method needs a draft model; pass drafter=...")
+            raise UserError("this method needs a draft model: give one (--drafter, or drafter= in Python)")
         return self.draft
 
     def engine(
@@ -167,7 +167,10 @@ def load_models(
     `device`: where the torch backend runs ("auto": CUDA where torch sees one, else the CPU; "cpu", "cuda",
     "cuda:N", "mps"); the draft model goes to the target's device. None: "auto" for models loaded by name,
     and an already loaded model stays where it is. `static`: the torch backend's static-shape path, its
-    forwards captured as CUDA graphs (`models.static`); None: on a CUDA device, for the models it fits."""
+    forwards captured as CUDA graphs (`models.static`); None: on a CUDA device, for the models it fits.
+    `drafter` "none" (`--drafter none`) loads none, as None does."""
+    if isinstance(drafter, str) and drafter.strip().lower() == "none":  # (not a hub id: no model is called that)
+        drafter = None
     if backend == "llamacpp":
         if any(str(d) != "auto" for d in (dtype, draft_dtype)):
             raise UserError("dtypes choose the torch backend's precision; llama.cpp runs a .gguf file's own "

@@ -37,7 +37,7 @@ class DType(StrEnum):
 TargetOption = Annotated[str, typer.Option(help="Target model: registered name, .gguf file, folder or hub id.")]
 DrafterOption = Annotated[str, typer.Option(help=(
     "Draft model, for draft (its chain also drafts from a model of another tokenizer), composite, and auto where no "
-    "head drafts."))]
+    "head drafts; none: no draft model."))]
 DTypeOption = Annotated[DType, typer.Option(help=(
     "Target's path: auto (the fastest here: the model's own forwards timed on each candidate path, once per "
     "machine and model), bfloat16, float16, float32, int8 (int8 weights and per-row int8 activations, computed "

@@ -356,3 +356,11 @@ def test_a_repetition_penalty_that_would_overflow_is_refused():
         with pytest.raises(UserError, match=r"repetition_penalty must be in \[0.01, 100\]"):
             SamplingParams(temperature=1.0, repetition_penalty=penalty)
     SamplingParams(temperature=1.0, repetition_penalty=0.01)
+
+
+def test_a_drafter_named_none_is_no_draft_model(tiny_folder):
+    """`--drafter none` loads no draft model (it was looked up as a hub id: half a minute of retries offline)."""
+    from specdecode.api import load_models
+
+    for name in ("none", "None"):
+        assert load_models(str(tiny_folder), name, dtype="float32", progress=False).draft is None
