@@ -109,14 +109,17 @@ def list_models() -> None:
             state, path, size = "assembled, not converted", gguf, _gigabytes(model.size)
         else:
             installed = model.num_parts - len(missing_parts(model))
-            state = ("fetched, not assembled (its first use assembles it)" if installed == model.num_parts else
-                     f"not fetched ({installed}/{model.num_parts} chunk packages installed)")
+            state = ("fetched, first use assembles it" if installed == model.num_parts else
+                     f"not fetched ({installed}/{model.num_parts} chunks)")
             path, size = None, _gigabytes(model.size) + " (GGUF)"
         table.add_row(name, roles.get(name, ""), state, "" if path is None else str(path), size)
     Console().print(table)  # stdout: this is the command's output, not progress
     for name in registered_models():
         if (terms := get_model(name).terms) is not None:
             print(f"{name}: {terms}")
+    if any(missing_parts(get_model(name)) and not converted_dir(get_model(name)).is_dir()
+           for name in (DEFAULT_TARGET, DEFAULT_DRAFTER)):
+        print("`specdecode models fetch` fetches the default pair (`specdecode models fetch NAME`: another model)")
     _list_heads()
 
 
