@@ -302,14 +302,14 @@ class Server:
             for _ in range(places):
                 self.worker.leave()
             raise
-        loop, plan = asyncio.get_running_loop(), replies.Choices([], [])
+        loop, plan, field = asyncio.get_running_loop(), replies.Choices([], []), body.constraint_field()
         jobs: list[Job] = []
         for (_, answer), each in zip(prepared, configs):  # a prompt's choices: its generations, or one's copies
             plan.answers += [answer] * body.choices()
             plan.runs += [len(jobs) + i % len(each) for i in range(body.choices())]
             jobs += [Job(choice, answer.prompt_ids, config, loop, asyncio.Queue(), memory=memory, engine=engine,
                          deadline=arrival + self.limits.request_seconds, tenant=self.prefix_group(request.state.tenant),
-                         share=body.cache_prompt is not False, param=body.constraint_field()) for config in each]
+                         share=body.cache_prompt is not False, param=field) for config in each]
         for job in jobs:
             self.worker.submit(job)
         watcher = asyncio.create_task(replies.disconnected(request))

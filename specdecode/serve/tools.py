@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdecode.constraints import Constraint
+from specdecode.constraints.depth import DATA  # keywords whose values are data, never schemas
 from specdecode.constraints.grammar import JSON_OPTIONS
 from specdecode.errors import UserError
 from specdecode.serve.chat import ChatRequest, NamedToolChoice
@@ -89,13 +90,13 @@ class ToolUse:
         before, after = form.prefix[len(form.open):], form.suffix[: -len(form.close)]
         call = f"call: {tag(form.open)} {json.dumps(before)} body {json.dumps(after)} {tag(form.close)}"
         rules = [start, call, f"body: {calls}", *bodies, f"SEP: {json.dumps(form.separator)}"]
-        joined = self.choice == "auto" and answer is not None
-        if answer is not None and joined and answer.kind not in ("json_schema", "json_object"):
+        joined = answer if self.choice == "auto" else None  # (beside required or named calls: the next turn's)
+        if joined is not None and joined.kind not in ("json_schema", "json_object"):
             raise APIError(400, f"With tools and `tool_choice` auto, the answer's format is a JSON schema or object, "
-                                f"not a {answer.describe()} (the calls' grammar cannot join it); give `tool_choice` "
+                                f"not a {joined.describe()} (the calls' grammar cannot join it); give `tool_choice` "
                                 "none or required.", param="tool_choice")
-        if answer is not None and joined:
-            schema = json.loads(answer.source) | {"x-guidance": dict(JSON_OPTIONS, lenient=answer.lenient)}
+        if joined is not None:
+            schema = json.loads(joined.source) | {"x-guidance": dict(JSON_OPTIONS, lenient=joined.lenient)}
             rules += ["start: calls | body | answer", f"answer: %json {json.dumps(schema)}"]
         else:
             rules += ["start: calls"]
@@ -103,12 +104,11 @@ class ToolUse:
             constraint = Constraint.grammar("\n".join(rules))
         except UserError as error:
             raise APIError(400, f"The tools' parameters cannot be enforced: {error}", param="tools") from None
-        return None if self.choice == "auto" and not joined else constraint
+        return None if self.choice == "auto" and joined is None else constraint
 
 
 DEFINITIONS = ("$defs", "definitions")  # where a schema keeps the parts its references name
 ROOT_KEYWORDS = ("$id", "$schema")  # what says which resource and dialect the parameters' root is: the new root's
-VALUES = ("const", "enum", "default", "examples")  # keywords whose values are data, never schemas
 # keywords whose values map names to schemas (a property may be called "$ref")
 SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas", *DEFINITIONS)
 
@@ -135,7 +135,7 @@ def _rebased(schema: Any, names: bool = False) -> Any:
         return schema
     if names:
         return {name: _rebased(value) for name, value in schema.items()}
-    out = {key: value if key in VALUES else _rebased(value, key in SCHEMA_MAPS) for key, value in schema.items()}
+    out = {key: value if key in DATA else _rebased(value, key in SCHEMA_MAPS) for key, value in schema.items()}
     ref = schema.get("$ref")
     if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) and \
             not any(ref.startswith(f"#/{key}/") for key in DEFINITIONS):
