@@ -2,7 +2,8 @@
 
 Endpoints: `/v1/models`, `/v1/completions` and `/v1/chat/completions` (with `stream: true` as server-sent
 events in OpenAI's chunk format), `/v1/methods` (ours: what `method` may name, and whether each is ready),
-`/metrics` (Prometheus), `/health`, and the demonstration page at `/`.
+`/metrics` (Prometheus), `/health`, `/tokenize` and `/detokenize` (as vLLM's: a prompt's token ids by the
+server's tokenizer and chat template, and back), and the demonstration page at `/`.
 
 Beside OpenAI's fields, a request may name its `method` (default: the server's) and `top_k`; a response
 carries `speculative` next to `usage` (target forwards, drafted and accepted tokens, mean accepted tokens,
@@ -21,6 +22,7 @@ The server in modules, from the HTTP edge in:
 - `engines`: the engines and drafters the worker builds from a job's resolved method
 - `worker`: the thread that owns the models: the queue, batching, deadlines and cancellation
 - `metrics`: the Prometheus metrics
+- `tokens`: `/tokenize` and `/detokenize`
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from specdecode.serve import protocol
+from specdecode.serve import protocol, tokens
 from specdecode.serve.guard import Guard, GuardMiddleware, check_exposure, uvicorn_options
 from specdecode.serve.protocol import APIError
 from specdecode.serve.replies import api_error
@@ -74,7 +76,7 @@ class ServerThread:
 
 
 ENDPOINTS = frozenset({"/", "/health", "/metrics", "/docs", "/openapi.json", "/v1/models", "/v1/methods",
-                       "/v1/completions", "/v1/chat/completions"})
+                       "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
 
 
 def create_app(server: Server, guard: Guard = Guard()) -> FastAPI:
@@ -97,21 +99,7 @@ def create_app(server: Server, guard: Guard = Guard()) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(guard.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["authorization", "content-type"], max_age=600)
 
-    @app.exception_handler(APIError)
-    async def _api(request: Request, error: APIError):
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-    @app.exception_handler(HTTPException)
-    async def _http(request: Request, error: HTTPException):
-        path = protocol.quoted(request.url.path)
-        message = {404: f"Invalid URL ({request.method} {path}).",
-                   405: f"Method {request.method} is not allowed on {path}."}.get(error.status_code, str(error.detail))
-        return JSONResponse(APIError(error.status_code, message).body(), status_code=error.status_code,
-                            headers=error.headers)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, error: Exception):  # counted as 500 by the middleware
-        return JSONResponse(api_error(error).body(), status_code=500)
+    _error_handlers(app)
 
     @app.get("/", response_class=HTMLResponse)
     async def page():
@@ -153,7 +141,39 @@ def create_app(server: Server, guard: Guard = Guard()) -> FastAPI:
     async def chat(request: Request):
         return await server.complete(request, chat=True)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = tokens.tokenize_request(await request.body(), server.model_name)
+        _model(server, body.model)
+        return await tokens.tokenize(server, body)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = protocol.parse(await request.body(), tokens.DetokenizeRequest, {"model": server.model_name})
+        _model(server, body.model)
+        return await tokens.detokenize(server, body)
+
     return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every failure as OpenAI's error body: a client's mistake, an unknown path or method, the server's fault."""
+
+    @app.exception_handler(APIError)
+    async def _api(request: Request, error: APIError):
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, error: HTTPException):
+        path = protocol.quoted(request.url.path)
+        message = {404: f"Invalid URL ({request.method} {path}).",
+                   405: f"Method {request.method} is not allowed on {path}."}.get(error.status_code, str(error.detail))
+        return JSONResponse(APIError(error.status_code, message).body(), status_code=error.status_code,
+                            headers=error.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception):  # counted as 500 by the middleware
+        return JSONResponse(api_error(error).body(), status_code=500)
 
 
 def _model(server: Server, name: str) -> dict:

@@ -269,23 +269,24 @@ def _neutral(value: Any, neutral: tuple) -> bool:
     return any(type(value) is type(n) and value == n for n in neutral)  # True is not 1, 0.0 is not False
 
 
-Request = TypeVar("Request", bound="SamplingRequest")
+Request = TypeVar("Request", bound=BaseModel)
 
 
-def parse(raw: bytes, model: type[Request]) -> Request:
-    """A request body (JSON bytes) as `model`, or an APIError (400) saying what is wrong with it."""
+def parse(raw: bytes, model: type[Request], defaults: dict[str, Any] | None = None) -> Request:
+    """A request body (JSON bytes) as `model`, fields it leaves out taken from `defaults`, or an APIError (400)
+    saying what is wrong with it."""
     try:
         data = pydantic_core.from_json(raw, allow_inf_nan=False)  # invalid UTF-8, lone surrogates, deep nesting
     except ValueError as error:
         raise APIError(400, f"The request body is not valid JSON: {error}.") from None
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object.")
-    for name, neutral in model.NEUTRAL.items():
+    for name, neutral in getattr(model, "NEUTRAL", {}).items():
         if name in data and not _neutral(data.pop(name), neutral):
             raise APIError(400, f"`{name}` is not supported by this server; leave it out.", param=name,
                            code="unsupported_parameter")
     try:
-        return model.model_validate(data)
+        return model.model_validate((defaults or {}) | data)
     except ValidationError as error:
         raise _invalid(error) from None
 

@@ -33,8 +33,9 @@ import logging
 import math
 import os
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -213,7 +214,7 @@ class Server:
     def _encode_completion(self, prompt: str | list[int]) -> list[int]:  # on the tokenizing pool
         if isinstance(prompt, str):
             return self.models.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        return prompt  # (its ids checked by `_prepare`)
+        return prompt  # (its ids checked by `prepare`)
 
     def _check_ids(self, prompt: list[int]) -> None:
         vocab = self.models.target.vocab_size
@@ -252,7 +253,7 @@ class Server:
         except UserError as error:
             raise APIError(400, f"Invalid `{param}`: {error}", param=param) from None
 
-    def _prepare(self, body: SamplingRequest) -> list[tuple[functools.partial, replies.Answer]]:
+    def prepare(self, body: SamplingRequest) -> list[tuple[functools.partial, replies.Answer]]:
         """How each of a request's prompts is encoded (on the tokenizing pool) and how its answers are written: a
         chat's messages and tools through the template, each of a completion's texts or ids (echoed if asked)."""
         texts = self.token_texts if body.top_logprobs_asked() is not None else None
@@ -286,7 +287,7 @@ class Server:
         body = protocol.parse(raw, ChatRequest) if chat else protocol.parse(raw, CompletionRequest)
         choice = await self._method(body)
         limit = self._answer_limit(body)
-        prepared = self._prepare(body)
+        prepared = self.prepare(body)
         places = self._enter(0)
         memory = self.memory_owner(request.state.tenant, body.user)
         try:
@@ -345,19 +346,22 @@ class Server:
                        ) -> tuple[list[list[GenerationConfig]], SpeculativeEngine | None]:
         """Each prompt's generations (`choice_configs`), its tokens in its answer, once it fits; and the engine of a
         method that runs alone (None: the batch's)."""
-        loop = asyncio.get_running_loop()
         param = "messages" if isinstance(body, ChatRequest) else "prompt"
         context = self.models.target.max_context
-        encoded = await asyncio.gather(*(loop.run_in_executor(self._tokenizing, encode) for encode, _ in prepared))
-        for (_, answer), prompt_ids in zip(prepared, encoded):
+        for (_, answer), prompt_ids in zip(prepared, await self.tokenizing(*(encode for encode, _ in prepared))):
             answer.prompt_ids = prompt_ids
             self.limits.check_prompt(prompt_ids, context, param)
-        constraint = await loop.run_in_executor(self._tokenizing, self._constraint, body, prepared[0][1].tools)
+        [constraint] = await self.tokenizing(functools.partial(self._constraint, body, prepared[0][1].tools))
         configs = [choice_configs(self.limits.config(body, answer.prompt_ids, limit, context, param, constraint),
                                   body.choices()) for _, answer in prepared]
         config = configs[0][0]
         engine = await self._engine(choice, memory, request) if self.worker.runs_alone(choice, config) else None
         return configs, engine
+
+    async def tokenizing(self, *calls: Callable[[], Any]) -> list[Any]:
+        """Each call's result, run on the tokenizing pool (a tokenizer, a template or a grammar holds the loop up)."""
+        loop = asyncio.get_running_loop()
+        return list(await asyncio.gather(*(loop.run_in_executor(self._tokenizing, call) for call in calls)))
 
     def _enter(self, places: int) -> int:
         """One more place in the worker's queue for this request's generations; a 429 when it is full (the places

@@ -113,6 +113,32 @@ def test_chat_plain_and_streamed(client, models):
     assert chunks[-1].usage.completion_tokens == response.usage.completion_tokens
 
 
+def test_tokenize_gives_what_a_request_feeds_and_detokenize_reads_it_back(server, models):
+    running, state = server
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat"}]
+    context = models.target.max_context
+    for body, ids in [({"prompt": "the cat sat"}, completion_ids(models, "the cat sat")),
+                      ({"model": MODEL, "prompt": [5, 6, 7]}, [5, 6, 7]),
+                      ({"messages": messages}, models.encode_chat(messages))]:
+        reply = post(running.url, "/tokenize", body)
+        assert reply.status_code == 200, reply.text
+        assert reply.json() == {"count": len(ids), "max_model_len": context, "tokens": ids}
+    ids = completion_ids(models, "the cat sat")
+    reply = post(running.url, "/detokenize", {"tokens": ids})
+    assert reply.status_code == 200 and reply.json() == {"prompt": models.tokenizer.decode(ids)}
+    for path, body, status, param in [
+            ("/tokenize", {"model": "gpt-9", "prompt": "hi"}, 404, "model"),
+            ("/tokenize", {"prompt": ["a", "b"]}, 400, "prompt"),
+            ("/tokenize", {"prompt": ""}, 400, "prompt"),
+            ("/tokenize", {"messages": []}, 400, "messages"),
+            ("/tokenize", "{not json", 400, None),
+            ("/detokenize", {"tokens": [models.target.vocab_size]}, 400, "tokens"),
+            ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]"),
+            ("/detokenize", {"tokens": "abc"}, 400, "tokens")]:
+        reply = post(running.url, path, body)
+        assert reply.status_code == status and openai_error(reply)["param"] == param, (path, body, reply.text)
+
+
 def test_stop_strings_and_seeded_sampling(client, models):
     ids = completion_ids(models, PROMPTS[0])
     full = expected(models, "pld", ids, 30)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -188,3 +189,10 @@ def test_an_answer_cut_by_max_tokens_says_length_even_after_calls(client):
             seen_calls = seen_calls or count > 0
     assert seen_calls  # some cut came after a whole call: the case that said "tool_calls"
     assert seen_cut  # and some inside a call's arguments
+
+
+def test_tokenize_counts_the_tools_the_template_writes(client, models):
+    url = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    reply = httpx.post(url + "/tokenize", json={"messages": ASK, "tools": TOOLS}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["tokens"] == models.encode_chat(ASK, TOOLS) != models.encode_chat(ASK)
