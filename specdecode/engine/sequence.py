@@ -27,7 +27,9 @@ from specdecode.types import (
 from specdecode.tree import structure as tree
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20
-SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: [low, high)
+# a 64-bit signed integer, as OpenAI's: torch's generators take [-2**63, 2**64) but read a negative seed s as
+# s + 2**64, so the wider range would give two seeds one stream
+SEED_RANGE = (-(2**63), 2**63)
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ class GenerationConfig:
         if self.logprobs is not None and not 0 <= self.logprobs <= logprobs.MAX_TOP:
             raise UserError(f"logprobs lists 0 to {logprobs.MAX_TOP} alternatives, got {self.logprobs}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
-            raise UserError(f"a seed lies in [-2**63, 2**64), what torch's generators take; got {self.seed}")
+            raise UserError(f"a seed lies in [-2**63, 2**63), a 64-bit signed integer; got {self.seed}")
         if self.echo and self.logprobs is None:
             raise UserError("echo gives the prompt's log-probabilities: it needs logprobs")
         if isinstance(self.stop, str):

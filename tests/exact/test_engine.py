@@ -160,6 +160,7 @@ def test_bad_input_is_a_user_error(tiny_target, prompt, config_kwargs):
     (lambda: GenerationConfig(stop=("", "x")), "stop string is text that is not empty"),  # (was dropped unsaid)
     (lambda: GenerationConfig(stop=""), "stop string is text that is not empty"),
     (lambda: GenerationConfig(seed=2**64), "a seed lies in"),  # (was torch's overflow, a traceback)
+    (lambda: GenerationConfig(seed=2**64 - 1), "a seed lies in"),  # (torch's stream of seed -1)
     (lambda: GenerationConfig(seed=-(2**63) - 1), "a seed lies in"),
 ])
 def test_settings_of_the_wrong_type_are_a_user_error(settings, words):

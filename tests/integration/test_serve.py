@@ -254,7 +254,7 @@ DEEP = '{"model": "tiny", "prompt": "hi", "stop": ' + "[" * 100_000 + "]" * 100_
      "messages[0].content", "text part"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content", "text only"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": 2**64}, "seed", "less than"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": 2**63}, "seed", "less than"),
     ("/v1/completions", b'{"model": "tiny", "prompt": "\xff\xfe"}', None, "not valid JSON"),  # invalid UTF-8
     ("/v1/completions", DEEP, None, "not valid JSON"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "8"}, "max_tokens", "integer"),

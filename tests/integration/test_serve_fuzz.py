@@ -37,7 +37,7 @@ COMMON = {
     "top_p": st.floats(0.05, 1),
     "top_k": st.integers(0, 5),
     "stop": st.none() | words | st.lists(words, max_size=4),
-    "seed": st.integers(-(2**63), 2**64 - 1),
+    "seed": st.integers(-(2**63), 2**63 - 1),
     "n": st.integers(1, 3),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
