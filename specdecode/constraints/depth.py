@@ -46,6 +46,14 @@ def schema_depth(schema: Any) -> int:
     return height(schema, 0, frozenset())
 
 
+def too_deep(schema: Any) -> bool:
+    """Whether `schema` nests more than MAX_DEPTH levels (`schema_depth`)."""
+    try:
+        return schema_depth(schema) > MAX_DEPTH
+    except TooDeep:
+        return True
+
+
 def _pointed(schema: Any, ref: str) -> Any:
     """The part of `schema` a local reference (`#/$defs/name`) points at (None where it points at nothing)."""
     node = schema

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdecode.constraints import Constraint
-from specdecode.constraints.depth import DATA  # keywords whose values are data, never schemas
+from specdecode.constraints import depth
 from specdecode.constraints.grammar import JSON_OPTIONS
 from specdecode.errors import UserError
 from specdecode.serve.chat import ChatRequest, NamedToolChoice
@@ -135,7 +135,7 @@ def _rebased(schema: Any, names: bool = False) -> Any:
         return schema
     if names:
         return {name: _rebased(value) for name, value in schema.items()}
-    out = {key: value if key in DATA else _rebased(value, key in SCHEMA_MAPS) for key, value in schema.items()}
+    out = {key: value if key in depth.DATA else _rebased(value, key in SCHEMA_MAPS) for key, value in schema.items()}
     ref = schema.get("$ref")
     if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) and \
             not any(ref.startswith(f"#/{key}/") for key in DEFINITIONS):
@@ -159,6 +159,11 @@ def tool_use(body: ChatRequest, template: str | None) -> ToolUse | None:
         raise APIError(400, f"This model's chat template writes no tool calls this server can read (it reads "
                             f"{families}'s); leave `tools` out.", param="tools", code="tools_unsupported")
     tools = tuple(tool.model_dump(exclude_none=True) for tool in body.tools)
+    for i, tool in enumerate(tools):  # (the grammar's own check would not say which tool)
+        if depth.too_deep(call_schema(tool["function"])):
+            raise APIError(400, f"The parameters of `{quoted(tool['function']['name'])}` nest more than "
+                                f"{depth.MAX_DEPTH} levels deep: the grammar engine takes no deeper ones.",
+                           param=f"tools[{i}].function.parameters")
     named = choice.function.name if isinstance(choice, NamedToolChoice) else None
     if named is not None and named not in [tool["function"]["name"] for tool in tools]:
         raise APIError(400, f"`tool_choice` names `{quoted(named)}`, which is not among `tools`.", param="tool_choice")

@@ -9,7 +9,8 @@ import pytest
 from specdecode.constraints import Constraint, depth
 from specdecode.errors import UserError
 from specdecode.serve.protocol import APIError
-from specdecode.serve.tools import QWEN25, ToolUse
+from specdecode.serve.chat import ChatRequest
+from specdecode.serve.tools import QWEN25, ToolUse, tool_use
 
 
 def chained(links: int) -> dict:
@@ -36,6 +37,15 @@ def test_deep_tools_are_a_400_naming_them():
     with pytest.raises(APIError, match="levels deep") as refused:
         use.constraint(None)
     assert refused.value.param == "tools"
+
+
+def test_a_deep_tool_is_named_with_its_place_among_the_tools():
+    tools = [{"type": "function", "function": {"name": name, "parameters": chained(links)}}
+             for name, links in [("shallow", 3), ("deep", 1000)]]
+    body = ChatRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools})
+    with pytest.raises(APIError, match=f"parameters of `deep` nest more than {depth.MAX_DEPTH}") as refused:
+        tool_use(body, f"{{% if tools %}}{QWEN25.open} {QWEN25.close}{{% endif %}}")
+    assert refused.value.param == "tools[1].function.parameters"
 
 
 def test_real_depths_pass_and_are_counted_once_a_reference():
