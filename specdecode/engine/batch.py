@@ -58,9 +58,10 @@ from specdecode.engine.sequence import (
     GenerationConfig, GenerationResult, SequenceState, StepEvent, VerifiedStep, after_prefill, conclude,
 )
 from specdecode.engine.pacing import Pace, PrefillShare
-from specdecode.engine.slots import (Held, SavedContexts, Slots, attention_inputs, forward_inputs, longest_prefix,
-                                     waiting)
+from specdecode.engine.slots import (Held, SavedContexts, Slots, attention_inputs, doubled, forward_inputs,
+                                     longest_prefix, waiting)
 from specdecode.errors import UserError
+from specdecode.models import holding
 from specdecode.models.base import CausalLM, Entries
 from specdecode.models.costs import CHUNK_SECONDS, CostCurve, prefill_chunk
 from specdecode.models.live_curve import LiveCurve
@@ -123,6 +124,8 @@ class BatchEngine:
         # the sequences the last step ended on a failure of their own (a UserError: a constraint the grammar engine
         # cannot follow; or a fault in its drafting or verification), each with it: the others step on
         self.failures: list[tuple[int, Exception]] = []
+        self.cache = holding.Holder(target, "this model is decoding another sequence (an engine made from the same "
+                                    "models): build the batch on `target.sibling()`, a cache of its own, beside them")
 
     @functools.cached_property
     def curve(self) -> CostCurve | LiveCurve:
@@ -150,10 +153,11 @@ class BatchEngine:
         if drafter is not None and not drafter.batchable:
             raise UserError(f"the {drafter.name} drafter cannot join a batch (it runs a model, or remembers earlier "
                             "sequences); run it alone")
-        if self.gate:
-            _ = self.curve  # measured (once per model and machine) while the cache is empty
+        self.cache.take()  # to its last sequence (`models.holding`: an engine on the same model wrote into its context)
         if not self.members and not self._ended:
             self.target.reset()
+        if self.gate:
+            _ = self.curve  # measured (once per model and machine) while the cache is empty
         if drafter is not None:
             drafter.begin(list(prompt_ids))
         ident = next(self._ids)
@@ -168,6 +172,7 @@ class BatchEngine:
         if not self.members:  # (and nothing kept: the request may have failed in a forward)
             self.target.reset()
             self._ended.clear()
+            self.cache.let_go()
 
     def step(self) -> list[tuple[int, StepEvent, GenerationResult | None]]:
         """One forward for the sequences in the batch: (id, event, result if it ended) for each that stepped.
@@ -318,13 +323,8 @@ class BatchEngine:
             for h in self._ended[: -self.keep_ended]:  # (pushed out by newer ones: copied while their slots hold)
                 self.saved.save(self.target, h)
             del self._ended[: -self.keep_ended]
-        if self._doubled:
-            self._recount()
-
-    def _recount(self) -> None:
-        """Count the slots held more than once again (at a sequence's end or start, not at every step)."""
-        held = [m.slots.tensor for m in self.members.values()]
-        self._doubled = sum(map(len, held)) - len(torch.unique(torch.cat(held))) if held else 0
+        if self._doubled:  # (counted again at a sequence's end or start, not at every step)
+            self._doubled = doubled([m.slots for m in self.members.values()])
 
     def _borrow(self) -> None:
         """Each sequence yet to feed its prompt (that shares: `add`'s `share`) takes the slots of the longest prefix of
@@ -358,7 +358,7 @@ class BatchEngine:
                 self.target.compact(0, m.slots.tensor.tolist())  # (none: emptied)
                 m.slots = Slots(torch.arange(len(m.slots)))
         if taken:
-            self._recount()
+            self._doubled = doubled([m.slots for m in self.members.values()])
 
     def _drop_ended(self) -> None:
         """The ended sequences' contexts leave the cache (squeezed out, or the cache emptied): copied out of it first,
@@ -380,13 +380,13 @@ class BatchEngine:
                                 {i: self.members[i].chunks for i in prompts}, len(prompts) == len(self.members), wait)
 
     def _collect(self, gone: list[int]) -> None:
-        """The sequences `gone` (that failed) dropped, the garbage squeezed out of the cache once it is GARBAGE_SHARE
-        of it."""
+        """The sequences `gone` (failed) dropped; the garbage squeezed out of the cache once it is GARBAGE_SHARE."""
         for ident in gone:
             self._end(ident)
         if not self.members:  # (the ended sequences' contexts kept, if any, for the next: `_borrow`)
             if not self._ended:
                 self.target.reset()
+                self.cache.let_go()
             return
         # (counted, not gathered: a step's host work must not grow with the contexts the batch holds)
         garbage = self.target.cache_length - sum(len(m.slots) for m in self.members.values()) + self._doubled

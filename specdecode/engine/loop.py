@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-import threading
-import weakref
 from collections.abc import Callable, Generator
 
 import torch
@@ -22,6 +20,7 @@ from specdecode.engine import forced
 from specdecode.engine.penalties import TokenHistory
 from specdecode.constraints import Matcher
 from specdecode.errors import UserError
+from specdecode.models import holding
 from specdecode.models.base import CausalLM
 from specdecode.models.costs import MIN_CHUNK, CostCurve, prefill_chunk
 from specdecode.models.live_curve import LiveCurve
@@ -49,19 +48,6 @@ def with_auxiliary(
     full[length:, length:] = auxiliary.mask.to(mask.device)
     return (torch.cat([fed, auxiliary.tokens.to(fed.device)]),
             torch.cat([positions, auxiliary.positions.to(positions.device)]), full)
-
-
-# per model, held while an engine decodes a sequence on it: engines made from one `Models` share its target and its
-# cache, and two decoding at once (two threads, or two streams stepped in turn) wrote into each other's context
-_DECODING: weakref.WeakKeyDictionary[CausalLM, threading.Lock] = weakref.WeakKeyDictionary()
-_DECODING_GUARD = threading.Lock()
-
-
-def _hold(target: CausalLM) -> threading.Lock | None:
-    """The model's decoding lock, acquired, or None where another sequence holds it."""
-    with _DECODING_GUARD:
-        lock = _DECODING.setdefault(target, threading.Lock())
-    return lock if lock.acquire(blocking=False) else None
 
 
 class SpeculativeEngine:
@@ -199,24 +185,22 @@ class SpeculativeEngine:
         if self._busy:
             raise UserError("this engine decodes one sequence at a time: run the other stream to its end or close it "
                             "first (engine.batch.BatchEngine decodes several at once)")
-        held = _hold(self.target)
-        if held is None:
-            raise UserError("this model is decoding another sequence (an engine made from the same models): engines "
-                            "that share a model take turns, one sequence at a time; engine.batch.BatchEngine, or the "
-                            "server, decodes several at once")
+        release = holding.take(self.target, self, "this model is decoding another sequence (an engine made from the "
+                               "same models, or a batch): engines that share a model take turns, one sequence at a "
+                               "time; engine.batch.BatchEngine, or the server, decodes several at once")
         self._busy = True
         try:
             return (yield from self._decode(prompt_ids, config))
         finally:
             self._busy = False
-            held.release()
+            release()
 
     def _decode(self, prompt_ids: list[int], config: GenerationConfig
                 ) -> Generator[StepEvent | Prefilled, None, GenerationResult]:
         check_prompt(self.target, prompt_ids)
+        self.target.reset()
         if self.gate and self.drafter is not None:
             _ = self.curve  # measured (once per model and machine) before the target's cache is in use
-        self.target.reset()
         if self.drafter is not None:
             self.drafter.begin(list(prompt_ids), forget=self._forget)
             self._forget = False
@@ -267,8 +251,13 @@ class SpeculativeEngine:
         on_step: Callable[[StepEvent], None] | None = None,
     ) -> GenerationResult:
         stream = self.stream(prompt_ids, config)
-        for event in stream:
-            if on_step is not None:
-                on_step(event)
+        try:
+            for event in stream:
+                if on_step is not None:
+                    on_step(event)
+        finally:
+            # an exception out of on_step, or Ctrl-C, frees the engine and its model now, not when the traceback
+            # that holds the suspended stream goes (a notebook keeps the last one)
+            stream.close()
         assert stream.result is not None
         return stream.result

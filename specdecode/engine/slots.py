@@ -42,6 +42,12 @@ class Slots:
 WAIT_SHARE = 0.5  # a prompt waits for an earlier one that will hold this share of what it has left to feed, or more
 
 
+def doubled(slots: list[Slots]) -> int:
+    """The slots held by more than one of `slots`, counted once for each holder beyond the first."""
+    held = [s.tensor for s in slots]
+    return sum(map(len, held)) - len(torch.unique(torch.cat(held))) if held else 0
+
+
 def common_prefix(a: list[int], b: list[int], limit: int) -> int:
     """How many tokens two lists share from their start, `limit` at most. Galloping, in slices compared at C speed: the
     work grows with the tokens shared, not with the lists (a waiting prompt is matched again at every step)."""

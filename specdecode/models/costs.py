@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from specdecode import devices
+from specdecode.models import holding
 from specdecode.paths import cache_dir, console, set_aside, write_atomically
 
 if TYPE_CHECKING:
@@ -258,20 +259,30 @@ def cached(model: CausalLM, key: str) -> CostCurve:
     warning naming both (`paths.set_aside`), and the curve measured again.
     """
     path = _path(key)
-    if path.exists():
-        try:
-            curve, has_prefill = _load(path)
-        except ValueError as error:
-            set_aside(path, "cost curve", str(error), "measuring the curve again")
-        else:
-            if has_prefill:
-                return curve
-            # a curve cached before prefills were timed: its figure now
-            curve = dataclasses.replace(curve, prefill=measure_prefill(model))
-            store(key, curve)
+    curve, has_prefill = _stored(path)
+    if curve is not None and has_prefill:
+        return curve
+    # once any sequence that decodes on the model is done (a measurement empties its cache); then read again, since
+    # another thread may have measured it meanwhile
+    with holding.measuring(model):
+        curve, has_prefill = _stored(path)
+        if curve is not None and has_prefill:
             return curve
-    console.print(f"Measuring what wider forwards cost this model on this machine (once; kept in {path})",
-                  style="dim", highlight=False)
-    curve = measure(model)
+        if curve is not None:  # a curve cached before prefills were timed: its figure now
+            curve = dataclasses.replace(curve, prefill=measure_prefill(model))
+        else:
+            console.print(f"Measuring what wider forwards cost this model on this machine (once; kept in {path})",
+                          style="dim", highlight=False)
+            curve = measure(model)
     store(key, curve)
     return curve
+
+
+def _stored(path: Path) -> tuple[CostCurve | None, bool]:
+    """The curve cached at `path` (None: none, or none that reads as a curve) and whether its prefill was timed."""
+    if path.exists():
+        try:
+            return _load(path)
+        except ValueError as error:
+            set_aside(path, "cost curve", str(error), "measuring the curve again")
+    return None, False

@@ -17,6 +17,7 @@ from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.engine.batch import BatchEngine
 from specdecode.errors import UserError
+from specdecode.models import costs
 from specdecode.models.hf import HFCausalLM
 from specdecode.types import SamplingParams
 
@@ -313,6 +314,73 @@ def test_an_engine_decodes_one_stream_at_a_time(tiny_target, second, words):
     next(iter(closed))
     closed.close()
     assert other.generate(PROMPT, config).token_ids == want
+
+
+def test_an_exception_out_of_on_step_frees_the_engine_while_its_traceback_lives(tiny_target):
+    """A callback that raises (or Ctrl-C between steps): the engine and its model take the next generation at once,
+    though the traceback (which holds the generation's frames) is kept, as a notebook keeps the last one."""
+    target = HFCausalLM(tiny_target)
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    engine = SpeculativeEngine(target, drafter=PromptLookupDrafter())
+    want = engine.generate(PROMPT, config).token_ids
+
+    def interrupt(event):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as interrupted:
+        engine.generate(PROMPT, config, on_step=interrupt)
+    assert interrupted.value.__traceback__ is not None  # (kept alive here)
+    assert engine.generate(PROMPT, config).token_ids == want
+    assert SpeculativeEngine(target).generate(PROMPT, config).token_ids == want
+
+
+def test_a_batch_on_a_model_takes_turns_with_its_engines(tiny_target):
+    """A BatchEngine holds its target's cache from its first sequence to its last: an engine on the same model is
+    refused meanwhile (it wrote into the batch's context: wrong tokens for both), a batch is refused while an engine
+    decodes, and either takes the model once the other is done."""
+    target = HFCausalLM(tiny_target)
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    engine = SpeculativeEngine(target)
+    want = engine.generate(PROMPT, config).token_ids
+    batch = BatchEngine(target, gate=False)
+    ident = batch.add(PROMPT, config)
+    ids = [t for _, event, _ in batch.step() for t in event.token_ids]
+    with pytest.raises(UserError, match="this model is decoding another sequence"):
+        engine.generate(PROMPT, config)
+    while batch.members:
+        ids += [t for i, event, _ in batch.step() if i == ident for t in event.token_ids]
+    assert ids == want
+    stream = engine.stream(PROMPT, config)
+    next(iter(stream))
+    with pytest.raises(UserError, match="sibling"):
+        batch.add(PROMPT, config)
+    stream.close()
+    batch.add(PROMPT, config)
+    batch.remove(ident + 1)
+    assert engine.generate(PROMPT, config).token_ids == want
+
+
+def test_a_cost_curve_is_measured_once_the_sequence_on_the_model_is_done(tiny_target, real_measure, tmp_path,
+                                                                         monkeypatch):
+    """The first measurement of a model's cost curve (asked for as an engine's drafter is built) empties the model's
+    cache: made while another thread decoded on it, it ended that generation in an error or changed its tokens. It
+    waits for the sequence to end; asked for in the thread whose stream is paused part-way, it is refused in words."""
+    target = HFCausalLM(tiny_target)
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    want = SpeculativeEngine(target).generate(PROMPT, config).token_ids
+    stream = SpeculativeEngine(target).stream(PROMPT, config)
+    events = [next(iter(stream))]
+    monkeypatch.setattr(costs, "cache_root", lambda: tmp_path)  # (a curve not measured yet)
+    with pytest.raises(UserError, match="finish or close that stream first"):
+        target.cost_curve()
+    measuring = threading.Thread(target=target.cost_curve)
+    measuring.start()
+    measuring.join(timeout=1)
+    assert measuring.is_alive()  # waiting for the stream's end
+    events += list(stream)
+    measuring.join()
+    assert [t for event in events for t in event.token_ids] == want
+    assert len(list(tmp_path.glob("*.json"))) == 1  # then measured
 
 
 def test_engines_that_share_a_model_take_turns_across_threads(tiny_target):
