@@ -10,7 +10,9 @@ transformers models (then pass `tokenizer=` too).
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,6 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from specdecode import devices
 from specdecode.constraints import Constraint
 from specdecode.engine import GenerationConfig, GenerationResult, SpeculativeEngine
+from specdecode.engine.prompts import token_ids
 from specdecode.errors import UserError
 from specdecode.drafters.base import Drafter
 from specdecode.methods import MethodChoice, choose
@@ -33,6 +36,7 @@ from specdecode.models.loading import (
     gguf_path,
     load_causal_lm,
     load_gguf_lm,
+    resolve_dtype,
     same_vocabulary,
 )
 from specdecode.models.static import StaticCausalLM, torch_lm
@@ -225,7 +229,18 @@ def _load_llamacpp(target, drafter, progress: bool) -> Models:
     return Models(target_lm, tokenizer, draft_lm, draft_tokenizer=other_tokenizer)
 
 
+# `generate`'s models by how they were asked for (models passed in are not kept: they are the caller's), and its
+# engines (a method that remembers earlier requests, suffix decoding, remembers earlier calls; a head is read once)
 _loaded: dict[tuple, Models] = {}
+_engines: collections.OrderedDict[tuple, SpeculativeEngine] = collections.OrderedDict()
+KEPT_ENGINES = 8
+_LOADING = threading.Lock()  # (threads that make the first call load the models once)
+
+
+def _kept_as(spec: Any) -> Any:
+    """How a model's name is known among the kept models: a local path as its full path (with or without a trailing
+    slash, it is one folder)."""
+    return str(Path(spec).resolve()) if isinstance(spec, str) and Path(spec).exists() else spec
 
 
 def generate(
@@ -254,7 +269,9 @@ def generate(
     reference: str | None = None,
     choices: tuple[tuple[int, ...], ...] | None = None,
 ) -> GenerationResult:
-    """Generate with one method; models loaded by name are kept for the next call. `device` as in
+    """Generate with one method; models loaded by name are kept for the next call, and so is each method's engine (the
+    last KEPT_ENGINES used: a method that remembers earlier requests, suffix decoding, remembers earlier calls; models
+    passed in are the caller's to keep, and are not). `device` as in
     `load_models`; `head`: a trained head's folder for the head methods (`specdecode train KIND --out`);
     `constraint`: the language the output must belong to (`Constraint.json_schema(schema)`, `.json_object()`,
     `.regex(pattern)`, `.grammar(lark)`), enforced losslessly under every method (docs/structured-output.md);
@@ -262,23 +279,36 @@ def generate(
     text to draft from, a fixed tree shape), for the methods that take them."""
     if not isinstance(prompt, str | list | tuple):
         raise UserError(f"the prompt is a text or a list of token ids, not {type(prompt).__name__}")
+    if chat and not isinstance(prompt, str):
+        raise UserError("chat=True puts a text in the chat template; token ids are fed as they are (drop chat=True)")
     choice = choose(method, tree=tree, budget=budget, head=head, datastore=datastore, reference=reference,
                     choices=choices)  # before any model loads
     choice.check_backend(backend)
     needs_draft = choice.loads_draft_model(target, backend)
-    key = (id(target) if isinstance(target, PreTrainedModel) else target,
-           (id(drafter) if isinstance(drafter, PreTrainedModel) else drafter) if needs_draft else None, str(dtype),
-           str(draft_dtype), backend, str(device))
-    if key not in _loaded:
-        _loaded[key] = load_models(target, drafter if needs_draft else None, tokenizer=tokenizer, dtype=dtype,
-                                   draft_dtype=draft_dtype, backend=backend, device=device)
-    models = _loaded[key]
-    ids = list(prompt) if isinstance(prompt, list | tuple) else models.encode(prompt, chat=chat)
+    kept = not any(isinstance(model, PreTrainedModel) for model in (target, drafter))
+    # (a tokenizer given is keyed by its id, which its kept models hold on to: no other object can take it)
+    key = (_kept_as(target), _kept_as(drafter) if needs_draft else None, id(tokenizer) if tokenizer else None,
+           *(str(resolve_dtype(d)) for d in (dtype, draft_dtype)), backend, str(device or "auto"))
+    with _LOADING:
+        models = _loaded.get(key) if kept else None
+        if models is None:
+            models = load_models(target, drafter if needs_draft else None, tokenizer=tokenizer, dtype=dtype,
+                                 draft_dtype=draft_dtype, backend=backend, device=device)
+            if kept:
+                _loaded[key] = models
+        engine = _engines.pop((key, choice), None) if kept else None
+        if engine is None:
+            engine = models.engine_for(choice)
+        if kept:  # (the latest used last: the least recently used goes first)
+            _engines[(key, choice)] = engine
+            while len(_engines) > KEPT_ENGINES:
+                _engines.popitem(last=False)
+    ids = models.encode(prompt, chat=chat) if isinstance(prompt, str) else token_ids(prompt)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
-        stop=(stop,) if isinstance(stop, str) else tuple(stop),  # (a string's characters were each a stop string)
+        stop=cast("tuple[str, ...]", stop),  # (GenerationConfig takes one text, or a list, too)
         seed=seed,
         constraint=constraint,
     )
-    return models.engine_for(choice).generate(ids, config)
+    return engine.generate(ids, config)

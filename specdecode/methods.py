@@ -315,6 +315,10 @@ def choose(
     otherwise. A datastore, reference or trained head (a folder written by `specdecode train KIND --out`) the
     method does not draft from is refused, or with `only_if_taken` dropped (a server's or a benchmark's
     sources, shared by every method it runs: a head goes to the methods of its kind)."""
+    if not isinstance(spec, str):
+        raise UserError(f"a method is named by a string (`specdecode methods`), got {spec!r}")
+    if not isinstance(tree, bool):
+        raise UserError(f"tree is True or False, got {tree!r}")
     method, named = resolve(spec)
     if budget is not None and not method.tree:
         sized = " (it sizes its tree on the cost curve)" if method.name == "auto" else ""

@@ -25,8 +25,9 @@ Glossary (used the same way everywhere in specdecode):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -38,16 +39,36 @@ def check_types(owner, numbers: tuple[str, ...] = (), whole: tuple[str, ...] = (
     """A UserError naming the fields of a settings object (a dataclass a library caller fills) whose values are not
     numbers (`numbers`: int or float) or whole numbers (`whole`; in `optional` also None); True and False are
     neither (a string such as "0.5", a float of tokens, failed deep in the decoding, after the prompt's prefill)."""
-    def fits(value, kinds) -> bool:
-        return isinstance(value, kinds) and not isinstance(value, bool)
-
     wrong = [(name, kinds) for names, kinds in ((numbers, (int, float)), (whole, int)) for name in names
-             if not (fits(getattr(owner, name), kinds) or (name in optional and getattr(owner, name) is None))]
+             if not ((is_number if kinds == (int, float) else is_whole)(getattr(owner, name))
+                     or (name in optional and getattr(owner, name) is None))]
     if wrong:
         said = "; ".join(f"{name} must be {'a number' if kinds == (int, float) else 'a whole number'}"
                          f"{' or None' if name in optional else ''}, got {getattr(owner, name)!r}"
                          for name, kinds in wrong)
         raise UserError(f"{type(owner).__name__}: {said}")
+
+
+def frozen_items(owner, name: str, fits: Callable[[Any], bool], what: str) -> None:
+    """Field `name` of a frozen settings object made a tuple of its items (a caller's list changed after the checks
+    then changes nothing: a NaN bias slipped past them so), each of which must `fits`; a UserError saying `what`
+    they must be otherwise."""
+    value = getattr(owner, name)
+    try:
+        items = tuple(value.items() if isinstance(value, Mapping) else value)
+    except TypeError:
+        items = None
+    if items is None or isinstance(value, str | bytes) or not all(map(fits, items)):
+        raise UserError(f"{type(owner).__name__}: {name} must be {what}, got {value!r}")
+    object.__setattr__(owner, name, items)
+
+
+def is_whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 GREEDY_BELOW = 1e-5  # a temperature under this decodes greedily (`SamplingParams.greedy`)
@@ -102,6 +123,9 @@ class SamplingParams:
         # (a penalty far under 0.01 divides a logit into float32's overflow: a NaN row, an id past the vocabulary)
         if not (math.isfinite(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 100.0):
             raise UserError(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty}")
+        frozen_items(self, "logit_bias", lambda pair: isinstance(pair, tuple | list) and len(pair) == 2 and
+                     is_whole(pair[0]) and is_number(pair[1]), "(token id, bias) pairs or a {token id: bias} mapping")
+        object.__setattr__(self, "logit_bias", tuple((token, float(bias)) for token, bias in self.logit_bias))
         ids = [token for token, _ in self.logit_bias]
         if len(set(ids)) != len(ids) or any(token < 0 for token in ids):
             raise UserError("logit_bias takes each token id (>= 0) once")

@@ -15,18 +15,24 @@ One option per engine: a label, `openai:` and the API's base URL (ending in /v1)
 - `lossless=false`: do not compare its output at all;
 - `stats=auto|vllm|sglang|response|none`: where its speculative figures are read (`bench.engine_stats`);
   auto: vLLM's /metrics or SGLang's /get_server_info when the engine answers them, else the response's
-  own fields (ours, llama-server), which are always read when present.
+  own fields (ours, llama-server), which are always read when present;
+- `api_key_env=VAR`: the environment variable holding the engine's API key, sent as `Authorization: Bearer`
+  (read from the environment, so that no key lands in the command line or the records);
+- `timeout=SECONDS`: a request's limit (default TIMEOUT), past which it is a failure, however the engine
+  keeps its stream alive.
 
 Every request streams (`stream: true`, `stream_options.include_usage`): tokens are counted from `usage`
 (the engine's count of token ids, never re-tokenised text), the time to the first token and the pace
-after it from the stream. Token ids are kept where the engine streams them (ours: `specdecode.tokens`;
-vLLM: `token_ids` with `return_token_ids`); otherwise outputs are compared as text.
+after it from the stream; an answer that did not end (no finish_reason), that the engine cut short, or whose
+count disagrees with its streamed ids or `max_tokens`, is a failure (`bench.event_stream`). Token ids are kept
+where the engine streams them (ours: `specdecode.tokens`; vLLM: `token_ids` with `return_token_ids`); otherwise
+outputs are compared as text.
 """
 
 from __future__ import annotations
 
-import functools
 import json
+import os
 import re
 import time
 import urllib.error
@@ -34,17 +40,18 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from specdecode.bench import engine_stats
+from specdecode.bench import engine_stats, event_stream
 from specdecode.bench.base import Output, Runner
 from specdecode.bench.engine_stats import ServerStats
 from specdecode.engine import GenerationConfig
 from specdecode.errors import UserError
 
-SYNTAX = "LABEL=openai:URL[;model=NAME][;api=completions|chat][;extra_body=JSON][;reference=LABEL][;lossless=false]"
+SYNTAX = ("LABEL=openai:URL[;model=NAME][;api=completions|chat][;extra_body=JSON][;reference=LABEL][;lossless=false]"
+          "[;api_key_env=VAR][;timeout=SECONDS]")
 LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-KEYS = {"model", "api", "extra_body", "reference", "lossless", "stats"}
+KEYS = {"model", "api", "extra_body", "reference", "lossless", "stats", "api_key_env", "timeout"}
 STATS = ("auto", "vllm", "sglang", "response", "none")
-TIMEOUT = 3600.0  # seconds for one request (a long answer on a CPU)
+TIMEOUT = 3600.0  # seconds for one request (a long answer on a CPU), by default
 PROBE_TIMEOUT = 10.0  # seconds for the engine to answer a GET
 
 
@@ -58,6 +65,8 @@ class EngineSpec:
     reference: str | None = None
     lossless: bool = True
     stats: str = "auto"
+    api_key_env: str | None = None  # the environment variable that holds the engine's API key
+    timeout: float = TIMEOUT
 
     @property
     def root(self) -> str:
@@ -106,9 +115,16 @@ def parse_engine(option: str) -> EngineSpec:
         raise UserError(f"--engine {label}: stats must be one of {', '.join(STATS)}")
     if fields.get("lossless", "true") not in ("true", "false"):
         raise UserError(f"--engine {label}: lossless must be true or false")
+    try:
+        timeout = float(fields.get("timeout", TIMEOUT))
+    except ValueError:
+        timeout = 0.0
+    if not 0 < timeout < float("inf"):
+        raise UserError(f"--engine {label}: timeout is a request's limit in seconds, not {fields['timeout']!r}")
     return EngineSpec(label, url, fields.get("model") or None, fields.get("api", "completions"),
                       fields.get("extra_body", {}), fields.get("reference") or None,
-                      fields.get("lossless", "true") == "true", fields.get("stats", "auto"))
+                      fields.get("lossless", "true") == "true", fields.get("stats", "auto"),
+                      fields.get("api_key_env") or None, timeout)
 
 
 class OpenAIEngine:
@@ -135,7 +151,8 @@ class OpenAIEngine:
     def _get(self, path: str, base: str, timeout: float = PROBE_TIMEOUT) -> bytes:
         url = base + path
         try:
-            with urllib.request.urlopen(url, timeout=timeout) as response:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=self._headers({})),
+                                        timeout=timeout) as response:
                 return response.read()
         except urllib.error.HTTPError as error:
             raise UserError(f"engine {self.spec.label}: {url} answered HTTP {error.code}{_message(error)}") from None
@@ -207,53 +224,36 @@ class OpenAIEngine:
 
     def _stream(self, path: str, body: dict) -> Output:
         label, url = self.spec.label, self.spec.url + path
-        request = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
-        pieces: list[str] = []
-        ids: list[int] | None = []  # None once a chunk with text comes without its ids
-        usage: dict | None = None
-        final: dict = {}
-        first = None
+        request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=self._headers(
+            {"Content-Type": "application/json", "Accept": "text/event-stream"}))
         start = time.perf_counter()
         try:
-            with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
-                for line in response:
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        break
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        raise UserError(f"engine {label} failed mid-answer:{_error_text(chunk)}")
-                    for choice in chunk.get("choices") or []:
-                        piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
-                        piece_ids = _chunk_ids(chunk, choice)
-                        if piece or piece_ids:
-                            first = first if first is not None else time.perf_counter() - start
-                            pieces.append(piece or "")
-                            ids = None if ids is None or piece_ids is None else ids + piece_ids
-                    usage = chunk.get("usage") or usage
-                    final.update({key: chunk[key] for key in ("speculative", "timings") if chunk.get(key)})
+            with urllib.request.urlopen(request, timeout=self.spec.timeout) as response:
+                answer = event_stream.read(response, label, url, start, start + self.spec.timeout)
         except urllib.error.HTTPError as error:
             raise UserError(f"engine {label}: {url} answered HTTP {error.code}{_message(error)}") from None
         except (TimeoutError, urllib.error.URLError, ConnectionError) as error:
             raise UserError(f"engine {label}: cannot reach {url} ({getattr(error, 'reason', error)})") from None
-        except ValueError:
-            raise UserError(f"engine {label}: {url} streamed something other than JSON events") from None
         seconds = time.perf_counter() - start
-        if not usage or not isinstance(usage.get("completion_tokens"), int):
-            raise UserError(f"engine {label}: the stream carries no token counts (`usage` with "
-                            "stream_options.include_usage): tokens per second cannot be measured from it")
-        new_tokens = usage["completion_tokens"]
+        new_tokens = event_stream.counted(answer, label, body["max_tokens"])
         server = None
-        if "speculative" in final:
-            server = engine_stats.from_specdecode(final["speculative"], new_tokens)
-        elif "timings" in final:
-            server = engine_stats.from_llama_timings(final["timings"])
-        return Output(ids if ids is not None else [], seconds, None, first if new_tokens else None,
-                      text="".join(pieces), new_tokens=new_tokens, server=server,
-                      prompt_tokens=usage.get("prompt_tokens"))
+        if "speculative" in answer.final:
+            server = engine_stats.from_specdecode(answer.final["speculative"], new_tokens)
+        elif "timings" in answer.final:
+            server = engine_stats.from_llama_timings(answer.final["timings"])
+        return Output(answer.ids if answer.ids is not None else [], seconds, None,
+                      answer.first if new_tokens else None, text="".join(answer.pieces), new_tokens=new_tokens,
+                      server=server, prompt_tokens=(answer.usage or {}).get("prompt_tokens"))
+
+    def _headers(self, headers: dict[str, str]) -> dict[str, str]:
+        """`headers` with the engine's key (`;api_key_env=VAR`: read from the environment, never written down)."""
+        if self.spec.api_key_env is None:
+            return headers
+        key = os.environ.get(self.spec.api_key_env)
+        if not key:
+            raise UserError(f"engine {self.spec.label}: api_key_env={self.spec.api_key_env}, but that environment "
+                            "variable is not set")
+        return headers | {"Authorization": f"Bearer {key}"}
 
     def _counted(self, request, *args) -> Output:
         """One request with the engine's counters read before and after it (alone, at concurrency 1)."""
@@ -278,26 +278,9 @@ class OpenAIEngine:
         raise AssertionError("an api=chat engine is called with the conversation")
 
 
-def _chunk_ids(chunk: dict, choice: dict) -> list[int] | None:
-    """The token ids a streamed chunk carries: ours in `specdecode.tokens`, vLLM's in the choice's
-    `token_ids` (with `return_token_ids`); None when it carries none."""
-    ours = chunk.get("specdecode")
-    if isinstance(ours, dict) and isinstance(ours.get("tokens"), list):
-        return [t["id"] for t in ours["tokens"]]
-    if isinstance(choice.get("token_ids"), list):
-        return list(choice["token_ids"])
-    return None
-
-
-def _error_text(body: dict) -> str:
-    error = body.get("error")
-    message = error.get("message") if isinstance(error, dict) else error
-    return f" {str(message)[:300]}" if message else ""
-
-
 def _message(error: urllib.error.HTTPError) -> str:
     try:
-        return ":" + _error_text(json.loads(error.read()))
+        return ":" + event_stream.error_text(json.loads(error.read()))
     except (ValueError, OSError):
         return ""
 
@@ -352,9 +335,19 @@ def run_levels(models, engines: dict[str, OpenAIEngine], runners: dict[str, Runn
                 before = engine.counters()
                 start = time.perf_counter()
                 configs = [task_config(config, repeat, index) for index in range(len(tasks))]
-                with ThreadPoolExecutor(level) as pool:
-                    records = list(pool.map(functools.partial(run_task, models, runners[name]), tasks, configs,
-                                            [repeat] * len(tasks)))
+                pool = ThreadPoolExecutor(level)
+                futures = [pool.submit(run_task, models, runners[name], task, each, repeat)
+                           for task, each in zip(tasks, configs)]
+                try:
+                    records = [future.result() for future in futures]
+                except KeyboardInterrupt:  # the runs that ended are kept; those under way are not waited for
+                    for future in futures:
+                        if future.done() and not future.cancelled() and future.exception() is None:
+                            future.result().concurrency = level
+                            on_record(future.result())
+                    raise
+                finally:
+                    pool.shutdown(wait=False, cancel_futures=True)
                 seconds = time.perf_counter() - start
                 after = engine.counters()
                 engine.per_request_counters = True

@@ -48,6 +48,10 @@ class Matcher:
         if self._engine.is_error() or not something:
             reason = f" ({self._engine.stop_reason()})" if self._engine.is_error() else ""
             raise ConstraintError(f"the {constraint.describe()} admits no output: its language is empty{reason}")
+        forced = self.forced()  # (a tokenizer that cannot spell what the grammar forces: forced tokens it refuses)
+        if self._engine.validate_tokens(forced) < len(forced):
+            raise ConstraintError(f"the {constraint.describe()} begins with text this model's tokenizer cannot "
+                                  "write: its language is empty for this model")
 
     @property
     def complete(self) -> bool:

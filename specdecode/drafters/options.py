@@ -23,6 +23,8 @@ DEFAULT_CHOICES: tuple[tuple[int, ...], ...] = (
 
 def check_budget(budget: int | None) -> None:
     """A budget set by hand: None (chosen from the cost curve) or 1 .. MAX_FIXED_BUDGET nodes."""
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)):
+        raise UserError(f"the tree budget is a whole number of nodes, got {budget!r}")
     if budget is not None and not 1 <= budget <= MAX_FIXED_BUDGET:
         raise UserError(f"the tree budget must be between 1 and {MAX_FIXED_BUDGET} nodes, got {budget}")
 

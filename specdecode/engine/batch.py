@@ -147,7 +147,7 @@ class BatchEngine:
         (`Method.verifier`), exact verification by default. `tenant`: sequences of the same one (None is one too)
         share their prompts' prefixes (module docstring, *Shared prefixes*); `share` False: this one shares
         nothing, feeding its whole prompt and leaving nothing for later ones."""
-        check_prompt(self.target, prompt_ids)
+        prompt_ids = check_prompt(self.target, prompt_ids)
         if config.echo:
             raise UserError("the batch engine does not score prompts (echo): run it alone (SpeculativeEngine)")
         if drafter is not None and not drafter.batchable:

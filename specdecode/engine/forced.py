@@ -85,7 +85,7 @@ def with_forced(draft: Draft, already: int, forced: list[int] | None = None) -> 
     parents = None
     if draft.parents is not None:  # the tree hangs from the run's last token
         inner = draft.parents.cpu()
-        parents = torch.cat([torch.arange(-1, f - 1), torch.where(inner >= 0, inner + f, f - 1)])
+        parents = torch.cat([torch.arange(-1, f - 1, device="cpu"), torch.where(inner >= 0, inner + f, f - 1)])
     scores = None
     if draft.scores is not None:  # the run is near-certain: the gate keeps it whenever it keeps anything
         scores = torch.cat([torch.ones(f, dtype=draft.scores.dtype, device=draft.scores.device), draft.scores])

@@ -26,7 +26,7 @@ def riders(raw: torch.Tensor, rows: torch.Tensor, top: int) -> tuple[torch.Tenso
     [n + 1, top] their tokens)."""
     logprobs = raw.float().log_softmax(-1)  # [n + 1, vocab]
     chosen = logprobs.gather(-1, rows.argmax(-1, keepdim=True)).squeeze(-1)  # [n + 1]
-    values, tokens = logprobs.topk(top, dim=-1)  # [n + 1, top] each
+    values, tokens = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)  # [n + 1, top] each
     return chosen, values, tokens
 
 
@@ -47,7 +47,7 @@ def emitted(raw: torch.Tensor, verdict: Verdict, top: int) -> tuple[TokenLogprob
     index = torch.tensor(at, device=raw.device)  # [m]
     logprobs = raw.index_select(0, index).float().log_softmax(-1)  # [m, vocab]
     tokens = torch.tensor(verdict.tokens, device=raw.device)  # [m]
-    values, alternatives = logprobs.topk(top, dim=-1)  # [m, top] each
+    values, alternatives = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)  # [m, top] each
     chosen_, values_, alternatives_ = to_host(logprobs.gather(-1, tokens[:, None]).squeeze(-1), values, alternatives)
     return _entries(list(verdict.tokens), chosen_, values_, alternatives_)
 
@@ -56,6 +56,6 @@ def of_prompt(logits: torch.Tensor, following: list[int], top: int) -> tuple[Tok
     """The entries of prompt tokens `following` ([m] ids), each scored by the row before it. logits: [m, vocab]."""
     logprobs = logits.float().log_softmax(-1)  # [m, vocab]
     tokens = torch.tensor(following, device=logits.device)  # [m]
-    values, alternatives = logprobs.topk(top, dim=-1)  # [m, top] each
+    values, alternatives = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)  # [m, top] each
     chosen, values_, alternatives_ = to_host(logprobs.gather(-1, tokens[:, None]).squeeze(-1), values, alternatives)
     return _entries(following, chosen, values_, alternatives_)

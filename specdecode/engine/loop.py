@@ -11,7 +11,7 @@ from specdecode import devices
 from specdecode.devices import to_device
 from specdecode.drafters.base import Drafter
 from specdecode.engine.payoff import StepAside
-from specdecode.engine.prompts import Prefilled, check_prompt, prefill
+from specdecode.engine.prompts import Prefilled, check_prompt, prefill, token_ids
 from specdecode.engine.sequence import (
     GenerationConfig, GenerationResult, SequenceState, StepEvent, Stream, VerifiedStep, after_prefill, conclude,
     draft_inputs, verify_draft,
@@ -183,8 +183,8 @@ class SpeculativeEngine:
                 ) -> Generator[StepEvent | Prefilled, None, GenerationResult]:
         """`_decode`, one sequence at a time: the target's cache and the drafter hold one sequence's state."""
         if self._busy:
-            raise UserError("this engine decodes one sequence at a time: run the other stream to its end or close it "
-                            "first (engine.batch.BatchEngine decodes several at once)")
+            raise UserError("this engine is decoding another sequence (another thread's, or a stream not run to its "
+                            "end nor closed): it decodes one at a time (engine.batch.BatchEngine decodes several)")
         release = holding.take(self.target, self, "this model is decoding another sequence (an engine made from the "
                                "same models, or a batch): engines that share a model take turns, one sequence at a "
                                "time; engine.batch.BatchEngine, or the server, decodes several at once")
@@ -242,7 +242,7 @@ class SpeculativeEngine:
         """Generate step by step: iterate the returned Stream for StepEvents, then read `.result`."""
         if config is not None and not isinstance(config, GenerationConfig):
             raise UserError(f"config must be a GenerationConfig, got {type(config).__name__}")
-        return Stream(self._events(list(prompt_ids), config or GenerationConfig()))
+        return Stream(self._events(token_ids(prompt_ids), config or GenerationConfig()))
 
     def generate(
         self,

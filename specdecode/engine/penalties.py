@@ -85,7 +85,9 @@ class TokenHistory:
         short = self.params.min_tokens - self.count
         if short <= 0 or self.ends is None:
             return rows
-        depths = torch.arange(1, len(draft) + 1) if draft.parents is None else structure.depths(draft.parents)
-        offsets = torch.cat([torch.zeros(1, dtype=torch.long), depths])  # [n + 1] the row's position past the output's
+        parents = draft.parents
+        depths = torch.arange(1, len(draft) + 1, device="cpu") if parents is None else structure.depths(parents)
+        # [n + 1] the row's position past the output's
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long, device="cpu"), depths])
         early = to_device(offsets, rows.device) < short  # [n + 1]
         return rows.masked_fill(early[:, None] & self.ends[None, :], float("-inf"))

@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Generator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,8 +25,38 @@ class Prefilled:
     total: int
 
 
-def check_prompt(target: CausalLM, prompt_ids: list[int]) -> None:
-    """A UserError for a prompt the target cannot take."""
+def token_ids(prompt: Any) -> list[int]:
+    """A prompt as a list of token ids (Python's, numpy's or a tensor's integers; a tensor of one row too); a
+    UserError for anything else, saying what it is (text, several prompts, numbers that are not ids)."""
+    if isinstance(prompt, str | bytes):
+        raise UserError("the prompt is token ids here: encode a text first (`models.encode(text)`)")
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() == 2 and prompt.shape[0] == 1:  # (a tokenizer's `return_tensors="pt"`)
+            prompt = prompt[0]
+        if prompt.dim() != 1:
+            raise UserError(f"the prompt is one row of token ids, got a tensor of shape {tuple(prompt.shape)}")
+        prompt = prompt.tolist()
+    try:
+        items = list(prompt)
+    except TypeError:
+        raise UserError(f"the prompt is a list of token ids, not {type(prompt).__name__}") from None
+    ids = []
+    for item in items:
+        try:
+            if isinstance(item, bool):
+                raise TypeError
+            ids.append(operator.index(item))
+        except (TypeError, RuntimeError):  # (a tensor of several numbers: RuntimeError)
+            if isinstance(item, list | tuple | torch.Tensor | str):
+                raise UserError("the prompt is one text or one list of token ids, not several "
+                                "(engine.batch.BatchEngine decodes several prompts at once)") from None
+            raise UserError(f"token ids are whole numbers, got {item!r}") from None
+    return ids
+
+
+def check_prompt(target: CausalLM, prompt: Any) -> list[int]:
+    """The prompt's token ids (`token_ids`), or a UserError for a prompt the target cannot take."""
+    prompt_ids = token_ids(prompt)
     if not prompt_ids:
         raise UserError("the prompt is empty")
     if len(prompt_ids) >= target.max_context:
@@ -34,6 +66,7 @@ def check_prompt(target: CausalLM, prompt_ids: list[int]) -> None:
     bad = [t for t in prompt_ids if not 0 <= t < target.vocab_size]
     if bad:
         raise UserError(f"token ids out of the vocabulary (size {target.vocab_size}): {bad[:5]}")
+    return prompt_ids
 
 
 def prefill_spans(prompt_length: int, chunk: int) -> list[tuple[int, int]]:

@@ -22,7 +22,7 @@ from specdecode.engine.stopping import TextTracker
 from specdecode.errors import UserError
 from specdecode.models.base import CausalLM
 from specdecode.types import (
-    Draft, SamplingParams, StepStats, TokenLogprob, TokenOrigin, Verdict, check_types,
+    Draft, SamplingParams, StepStats, TokenLogprob, TokenOrigin, Verdict, check_types, frozen_items, is_whole,
 )
 from specdecode.tree import structure as tree
 
@@ -59,10 +59,14 @@ class GenerationConfig:
             raise UserError(f"a seed lies in [-2**63, 2**63), a 64-bit signed integer; got {self.seed}")
         if self.echo and self.logprobs is None:
             raise UserError("echo gives the prompt's log-probabilities: it needs logprobs")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        if not all(isinstance(s, str) and s for s in self.stop):  # (the server's 400 says the same)
-            raise UserError(f"a stop string is text that is not empty, got {list(self.stop)!r}")
+        if isinstance(self.stop, str) or self.stop is None:
+            object.__setattr__(self, "stop", (self.stop,) if self.stop is not None else ())
+        frozen_items(self, "stop", lambda s: isinstance(s, str) and bool(s),  # (the server's 400 says the same)
+                     "texts (a stop string is text that is not empty)")
+        frozen_items(self, "stop_token_ids", lambda t: is_whole(t) and t >= 0, "token ids (whole numbers >= 0)")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise UserError(f"a constraint is made by Constraint.json_schema, .json_object, .regex or .grammar, got "
+                            f"{self.constraint!r}")
 
 
 @dataclass

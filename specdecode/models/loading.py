@@ -158,7 +158,8 @@ def user_gguf_dir(gguf_file: Path) -> Path:
 # --- Dtypes -------------------------------------------------------------------------------------------
 
 
-def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
+    """A dtype by any of its names (bf16...), int8, int4 or auto; a UserError for another."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype.lower() == INT4:
@@ -212,7 +213,7 @@ def _fastest_dtype(folder: Path | str, progress: bool) -> torch.dtype | str:
             console.print(f"Choosing the target's path on this machine (once): timing its {path} forwards")
         return HFCausalLM(load_causal_lm(str(folder), dtype=path, progress=False)[0])
 
-    return _resolve_dtype(fastest(str(folder), config.hidden_size, intermediate, load))
+    return resolve_dtype(fastest(str(folder), config.hidden_size, intermediate, load))
 
 
 # --- Step 4: load (and quantize) ----------------------------------------------------------------------
@@ -252,7 +253,7 @@ def load_causal_lm(
     folder, in bf16), a local model folder, or a Hugging Face hub id.
     """
     device = devices.resolve(device)
-    dtype = _resolve_dtype(dtype)
+    dtype = resolve_dtype(dtype)
     if device.type != "cpu":
         if dtype in (INT8, INT4):
             devices.refuse_off_cpu(device, f"dtype {dtype}", "use --dtype bfloat16, float16 or float32 there")

@@ -21,6 +21,7 @@ from conftest import (
     tiny_tokenizer, wrong_device_trap,
 )
 from specdecode.api import load_models
+from specdecode.constraints import Constraint
 from specdecode.drafters import heads
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.methods import choose, resolve, variant_names
@@ -125,9 +126,13 @@ def test_no_tensor_lands_on_the_wrong_device(variant, models, plain, random_head
     engine = models.engine_for(choose(variant, reference=reference, only_if_taken=True))
     prompts, references = plain
     sampled = GenerationConfig(max_new_tokens=12, sampling=SamplingParams(temperature=0.8, top_p=0.9), seed=1)
+    held_open = GenerationConfig(max_new_tokens=12, sampling=SamplingParams(min_tokens=6))
+    constrained = GenerationConfig(max_new_tokens=12, constraint=Constraint.regex(r"(the|a) (cat|dog) sat on the mat"))
     with wrong_device_trap():
         greedy = engine.generate(prompts[0], GenerationConfig(max_new_tokens=12))
         engine.generate(prompts[1], sampled)
+        engine.generate(prompts[1], held_open)  # (min_tokens: the rows held open)
+        engine.generate(prompts[0], constrained)  # (a forced run, a tree hung from it)
     if resolve(variant)[0].lossless:
         assert greedy.token_ids == references[0][:12]
 

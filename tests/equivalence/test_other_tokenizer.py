@@ -437,3 +437,15 @@ def test_the_server_serves_a_drafter_with_another_tokenizer(folders):
         assert response.model_extra["speculative"]["method"] == "draft"
     finally:
         running.stop()
+
+
+def test_a_schema_the_tokenizer_cannot_write_is_refused_in_words(folders):
+    """This target's tokenizer has no `{` or `"`: the grammar engine's first forced run skipped them, and the first
+    token it forced was refused as it was taken (a RuntimeError: the server's 500). Now a UserError at once."""
+    from specdecode.constraints import Constraint
+
+    models = load_models(str(folders[0]), None, dtype="float32", progress=False)
+    schema = Constraint.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    with pytest.raises(UserError, match="tokenizer cannot write"):
+        models.engine("ar").generate(models.encode("the cat sat"), GenerationConfig(max_new_tokens=8,
+                                                                                    constraint=schema))

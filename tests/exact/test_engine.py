@@ -3,9 +3,11 @@ statistical tests run on (its sampled output: `statistical/test_engine_sampling.
 
 from __future__ import annotations
 
+import collections
 import copy
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -163,12 +165,88 @@ def test_bad_input_is_a_user_error(tiny_target, prompt, config_kwargs):
     (lambda: GenerationConfig(seed=2**64), "a seed lies in"),  # (was torch's overflow, a traceback)
     (lambda: GenerationConfig(seed=2**64 - 1), "a seed lies in"),  # (torch's stream of seed -1)
     (lambda: GenerationConfig(seed=-(2**63) - 1), "a seed lies in"),
+    (lambda: GenerationConfig(stop=[5]), "stop must be texts"),  # (was a TypeError in the decoding)
+    (lambda: GenerationConfig(stop_token_ids=[-1]), "stop_token_ids must be token ids"),
+    (lambda: GenerationConfig(constraint="json"), "a constraint is made by Constraint"),
+    (lambda: SamplingParams(logit_bias=[(5, float("nan"))]), "a logit_bias value must be in"),
+    (lambda: SamplingParams(logit_bias=[5, 1.0]), "logit_bias must be"),
+    (lambda: SamplingParams(logit_bias={5.5: 1.0}), "logit_bias must be"),
 ])
 def test_settings_of_the_wrong_type_are_a_user_error(settings, words):
     """A library caller's settings of the wrong type are refused in words at once (they failed deep in the decoding,
     after the prompt's prefill: a float of tokens in a slice, a float top_k in torch.topk)."""
     with pytest.raises(UserError, match=words):
         settings()
+
+
+def test_generate_loads_once_for_threads_and_spellings_and_keeps_its_engines(tiny_folder, monkeypatch):
+    """Threads making the first call load the models once (they loaded them once each), a folder with a trailing
+    slash is the same folder, and a method's engine is kept (a suffix memory remembers earlier calls; a head is read
+    once), the least recently used going first."""
+    from specdecode import api
+
+    monkeypatch.setattr(api, "_loaded", {})
+    monkeypatch.setattr(api, "_engines", collections.OrderedDict())
+    loads = []
+    load_models = api.load_models
+    monkeypatch.setattr(api, "load_models", lambda *args, **kwargs: loads.append(args) or load_models(*args, **kwargs))
+    ids, settings = PROMPT[:12], {"drafter": None, "dtype": "float32", "max_new_tokens": 4}
+    answers = []
+
+    def call():
+        try:
+            answers.append(api.generate(ids, method="ar", target=str(tiny_folder), **settings).token_ids)
+        except UserError as error:  # (the kept engine, or the model, decoding another thread's sequence)
+            answers.append("refused" if "another sequence" in str(error) else str(error))
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(answers) == 4 and len({str(a) for a in answers} - {"refused"}) == 1
+    api.generate(ids, method="suffix", target=str(tiny_folder) + "/", **settings | {"dtype": "fp32"})
+    assert len(loads) == 1 and len(api._engines) == 2
+    for budget in range(1, api.KEPT_ENGINES + 1):
+        api.generate(ids, method="pld-tree", budget=budget, target=str(tiny_folder), **settings)
+    assert len(api._engines) == api.KEPT_ENGINES and len(loads) == 1
+
+
+def test_settings_keep_their_own_copies_and_take_none_and_mappings():
+    """A caller's list changed after the checks changes nothing (a NaN bias appended so made every token the same),
+    OpenAI's {id: bias} mapping is taken as pairs, and no stop strings may be None."""
+    bias, stops = [(5, 1.0)], ["x"]
+    sampling, config = SamplingParams(logit_bias=bias), GenerationConfig(stop=stops)
+    bias.append((7, float("nan")))
+    stops.append(5)
+    assert sampling.logit_bias == ((5, 1.0),) and config.stop == ("x",)
+    assert SamplingParams(logit_bias={5: 1, 9: -2.5}).logit_bias == ((5, 1.0), (9, -2.5))
+    assert GenerationConfig(stop=None).stop == () and GenerationConfig(stop="x").stop == ("x",)
+
+
+@pytest.mark.parametrize("prompt, words", [
+    ("the cat", "encode a text first"),
+    ([[1, 2], [3, 4]], "not several"),
+    (["the", "cat"], "not several"),
+    ([1.0, 2.0], "token ids are whole numbers, got 1.0"),
+    (torch.ones(2, 3, dtype=torch.long), "one row of token ids"),
+    (7, "a list of token ids, not int"),
+])
+def test_a_prompt_that_is_not_token_ids_is_refused_in_words(tiny_target, prompt, words):
+    """(Was a TypeError from a comparison, or torch's error from the embedding.)"""
+    engine = SpeculativeEngine(HFCausalLM(tiny_target))
+    with pytest.raises(UserError, match=words):
+        engine.generate(prompt, GenerationConfig(max_new_tokens=2))
+    with pytest.raises(UserError, match=words):
+        BatchEngine(HFCausalLM(tiny_target)).add(prompt, GenerationConfig(max_new_tokens=2))
+
+
+def test_a_prompt_may_be_a_tensor_or_numpy_ids(tiny_target):
+    engine = SpeculativeEngine(HFCausalLM(tiny_target))
+    config = GenerationConfig(max_new_tokens=4)
+    want = engine.generate(PROMPT, config).token_ids
+    assert engine.generate(torch.tensor([PROMPT]), config).token_ids == want  # (a tokenizer's return_tensors="pt")
+    assert engine.generate(np.array(PROMPT), config).token_ids == want
 
 
 def test_generate_takes_token_ids_as_a_list_or_a_tuple(tiny_folder):
@@ -193,6 +271,16 @@ def test_generate_takes_token_ids_as_a_list_or_a_tuple(tiny_folder):
         generate(ids, method="rest", target=str(tiny_folder), drafter=None, datastore="/no/such/store.npz")
     with pytest.raises(UserError, match="a text or a list of token ids"):
         generate(5, method="ar", target=str(tiny_folder), drafter=None, dtype="float32")
+    assert generate(ids, method="ar", target=str(tiny_folder), drafter=None, dtype="float32", max_new_tokens=24,
+                    stop=None).text == text
+    # the caller's mistakes in words, before a model loads (were an AttributeError or a TypeError deep inside, or
+    # nothing: chat=True over token ids, tree="yes", a budget of 3.5 nodes)
+    for mistake, words in [({"method": None}, "a method is named by a string"), ({"tree": "yes"}, "tree is True"),
+                           ({"method": "pld", "tree": True, "budget": "8"}, "whole number of nodes"),
+                           ({"method": "pld", "tree": True, "budget": 3.5}, "whole number of nodes"),
+                           ({"chat": True}, "drop chat=True")]:
+        with pytest.raises(UserError, match=words):
+            generate(ids, **{"method": "ar", "target": "/no/such/model", "drafter": None} | mistake)
 
 
 def test_a_draft_model_as_dear_as_its_target_is_named_at_load(tiny_folder, three_layers, caplog):
@@ -292,7 +380,7 @@ def test_a_stream_left_early_goes_on_where_it_was(tiny_target):
     assert list(stopped) == [] and stopped.result is None
 
 
-@pytest.mark.parametrize("second, words", [("the same engine", "one sequence at a time"),
+@pytest.mark.parametrize("second, words", [("the same engine", "decodes one at a time"),
                                             ("another engine on the model", "this model is decoding another sequence")])
 def test_an_engine_decodes_one_stream_at_a_time(tiny_target, second, words):
     """A second stream begun on an engine, or on another engine made from the same models (they share the target
@@ -402,7 +490,7 @@ def run(engine: SpeculativeEngine, config: GenerationConfig) -> list[int] | str:
     try:
         return engine.generate(PROMPT, config).token_ids
     except UserError as error:
-        return "refused" if "another sequence" in str(error) or "one sequence at a time" in str(error) else str(error)
+        return "refused" if "another sequence" in str(error) else str(error)
 
 
 def test_a_temperature_too_small_to_divide_by_decodes_greedily(tiny_target, spec_engine):

@@ -4,6 +4,8 @@ each engine's speculative figures on recorded samples (tests/fixtures/), and for
 
 from __future__ import annotations
 
+import email.message
+import http.client
 import importlib.util
 import json
 import os
@@ -17,7 +19,7 @@ import pytest
 
 from conftest import TOKENS, noisy_copy, tiny_chat_qwen2, tiny_tokenizer, write_tiny_gguf
 from specdecode.api import load_models
-from specdecode.bench import engine_stats, report
+from specdecode.bench import engine_stats, event_stream, report
 from specdecode.bench.datasets import Task
 from specdecode.bench.harness import run_benchmark
 from specdecode.bench.openai_engines import build_engines, parse_engine, run_levels
@@ -25,6 +27,7 @@ from specdecode.bench.runners import build_runners
 from specdecode.engine import GenerationConfig
 from specdecode.errors import UserError
 from specdecode.serve.app import Server, ServerThread, create_app
+from specdecode.serve.guard import Guard
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FIXTURES = Path(__file__).parents[1] / "fixtures"
@@ -174,6 +177,83 @@ def test_engine_without_usage_is_a_clear_error(models, monkeypatch, our_server):
                         lambda self, config: real(self, config) | {"stream_options": {"include_usage": False}})
     with pytest.raises(UserError, match="no token counts"):
         build_engines([f"x=openai:{our_server.url}/v1"], set(), [1, 2, 3])
+
+
+def test_a_server_behind_a_key_is_benched_with_the_key_from_the_environment(models, monkeypatch):
+    key = "sekrit-sekrit-sekrit-1234"
+    running = ServerThread(create_app(Server(models, "tiny", "ar", methods=["ar"]), Guard(api_keys=(key,))))
+    try:
+        with pytest.raises(UserError, match="HTTP 401"):
+            build_engines([f"x=openai:{running.url}/v1"], set(), [1, 2, 3])
+        option = f"x=openai:{running.url}/v1;api_key_env=BENCH_TEST_KEY"
+        with pytest.raises(UserError, match="BENCH_TEST_KEY, but that environment variable is not set"):
+            build_engines([option], set(), [1, 2, 3])
+        monkeypatch.setenv("BENCH_TEST_KEY", key)
+        engine = build_engines([option], set(), [1, 2, 3])["x"]
+        assert engine.complete([1, 2, 3], CONFIG).new_tokens > 0
+    finally:
+        running.stop()
+
+
+class Response:
+    """A streamed answer as urllib gives it: its content type and its lines (then, maybe, a broken connection)."""
+
+    def __init__(self, lines: list[bytes], kind: str = "text/event-stream", breaks: bool = False):
+        self.headers = email.message.Message()
+        self.headers["Content-Type"] = kind
+        self.lines, self.breaks = lines, breaks
+
+    def __iter__(self):
+        yield from self.lines
+        if self.breaks:
+            raise http.client.IncompleteRead(b"")
+
+
+def events(*chunks) -> list[bytes]:
+    return [b"data: " + json.dumps(chunk).encode() + b"\n" for chunk in chunks]
+
+
+def text(piece: str, finish=None, ids=None) -> dict:
+    choice = {"index": 0, "text": piece, "finish_reason": finish} | ({"token_ids": ids} if ids is not None else {})
+    return {"choices": [choice]}
+
+
+def usage(tokens: int) -> dict:
+    return {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": tokens}}
+
+
+@pytest.mark.parametrize("response, says", [
+    (Response(events(text("a", "stop"), usage(1))), None),
+    (Response(events(text("a"), text("b"), usage(2))), "ended before the answer did (2 tokens arrived"),
+    (Response(events(text("a"), usage(1)) + [b"data: [DONE]\n"]), "ended before the answer did"),
+    (Response(events(text("a"), text("b")), breaks=True), "broke mid-answer"),
+    (Response(events(text("a", "stop"), usage(50))), "counts 50 tokens in an answer of at most max_tokens 4"),
+    (Response(events(text("a", ids=[1]), text("b", "stop", ids=[2]), usage(3))), "streamed 2 token ids"),
+    (Response(events(text("a", "length"), usage(1))), "cut the answer at 1 of 4 tokens"),
+    (Response(events(text("a"), {"error": {"message": "out of memory mid-answer"}})), "out of memory mid-answer"),
+    (Response([b"data: null\n"]), "not a JSON object"),
+    (Response([b"data: {oops\n"]), "something other than JSON events"),
+    (Response(events(usage(1)), kind="application/json"), "answered application/json, not a stream of events"),
+])
+def test_an_answer_counts_only_once_it_ended_whole(response, says):
+    """A stream that broke off, an answer the engine cut short or whose count is impossible, an engine's error:
+    each a failure saying which (they were fast successes: 3 tokens of 100 asked, or 50 times the tokens sent)."""
+    def counted():
+        answer = event_stream.read(response, "x", "http://h/v1/completions", 0.0, float("inf"))
+        return event_stream.counted(answer, "x", 4)
+
+    if says is None:
+        assert counted() == 1
+    else:
+        with pytest.raises(UserError, match=re.escape(says)):
+            counted()
+
+
+def test_a_stream_kept_alive_without_an_answer_ends_at_the_request_limit(monkeypatch):
+    pings = Response([b": ping\n"] * 3 + events(text("a", "stop"), usage(1)))
+    monkeypatch.setattr(event_stream.time, "perf_counter", iter([10.0, 20.0, 40.0, 80.0]).__next__)
+    with pytest.raises(UserError, match="no whole answer within 30 s"):
+        event_stream.read(pings, "x", "http://h/v1/completions", 0.0, 30.0)
 
 
 def test_the_command_line(tiny_folder, our_server, tmp_path, monkeypatch, capsys):
