@@ -16,6 +16,7 @@ from specdecode import cluster, devices
 from specdecode.bench import acceptance, ray_shards, report, terminal
 from specdecode.bench.catalogues import TRANSLATION_SOURCE
 from specdecode.bench.datasets import Task
+from specdecode.bench.own_prompts import read_prompts
 from specdecode.bench.samples import sample_tasks
 from specdecode.bench.server_process import commit
 from specdecode.bench.exactness import diagnose_divergences, sampled_fidelity
@@ -191,6 +192,7 @@ def run(
     engines: list[str] | None = None, concurrency: list[int] | None = None, reference: str = "ar",
     ray: str | None = None, device: str | None = None, head: str | None = None, memory: str = "prompt",
     record_acceptance: Path | None = None, part: str = "held-out", step_aside: bool | None = None,
+    prompts: Path | None = None,
 ) -> Path:
     """The benchmark on this machine, or with `ray` (a Ray cluster's address) on the cluster's nodes, each
     running every method on its share of the tasks; either way one records file, report and plots.
@@ -211,7 +213,11 @@ def run(
         raise UserError(f"the reference {reference!r} is not a row of this run; rows: {', '.join(rows)}")
     config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p),
                               seed=seed)
-    tasks = sample_tasks(categories, per_category, seed=seed, part=part)
+    own = read_prompts(prompts) if prompts is not None else []  # (every one of them, whatever the part)
+    tasks = sample_tasks(categories, per_category, seed=seed, part=part) + own
+    if not tasks:
+        raise UserError("no prompt to run: name --categories, or give --prompts FILE")
+    shown = categories + list(dict.fromkeys(task.category for task in own))
     setup = Setup(methods, target, drafter, dtype, draft_dtype, backend, threads, datastore, device, head, step_aside)
     console = Console(stderr=True)
     start, date = time.time(), time.strftime("%Y-%m-%d %H:%M")
@@ -224,6 +230,7 @@ def run(
             if not config.sampling.greedy:
                 outcome.notes[:0] = sampling_caveat()
     options = {"methods": ",".join(methods) or "ar", "categories": ",".join(categories),
+               **({"prompts": prompts} if prompts is not None else {}),
                "per-category": per_category if per_category is not None else "all", "max-new-tokens": max_new_tokens,
                "repeats": repeats, **({"part": part} if part != "held-out" else {}),
                "temperature": temperature, "top-k": top_k, "top-p": top_p, "seed": seed,
@@ -251,8 +258,9 @@ def run(
             else f"{backend}, {outcome.precision} (the GGUF file's own), {outcome.threads}"),
         "machine" if len(outcome.machines) == 1 else f"machines ({len(outcome.machines)} Ray nodes, each ratio "
                                                       "within one node)": "; ".join(outcome.machines),
-        "tasks": f"{len(tasks)} ({', '.join(f'{c}: {sum(t.category == c for t in tasks)}' for c in categories)}), "
-                 f"seeded sample of each category's {part} part, chat template for every method",
+        "tasks": f"{len(tasks)} ({', '.join(f'{c}: {sum(t.category == c for t in tasks)}' for c in shown)}), "
+                 f"seeded sample of each category's {part} part{f', every prompt of {prompts}' if own else ''}, "
+                 "chat template for every method",
         "translation data": TRANSLATION_SOURCE,
         "wall time": f"{time.time() - start:.0f} s",
     }

@@ -83,6 +83,10 @@ def bench(
         "pip install 'specdecode\\[ray]'."))] = None,
     record_acceptance: RecordAcceptanceOption = None,
     step_aside: StepAsideOption = "auto",
+    prompts: Annotated[Path | None, typer.Option(help=(
+        "Your own prompts, every one run beside the --categories named (with --prompts alone, none of them): "
+        ".jsonl, a line each {\"prompt\": TEXT} or {\"turns\": [TEXT, ...]} with an optional \"id\" and "
+        "\"category\"; any other file, one prompt a line (docs/benchmarking.md)."))] = None,
 ) -> None:
     """Spec-Bench-style evaluation: every method and peer on every category, interleaved and repeated."""
     from specdecode.bench.datasets import DEFAULT_CATEGORIES
@@ -99,7 +103,7 @@ def bench(
     defaults = [] if engine else TORCH_METHODS if backend.value == "torch" else LLAMACPP_METHODS
     run(
         methods=_names(methods, "methods") or defaults,
-        categories=_names(categories, "categories") or DEFAULT_CATEGORIES,
+        categories=_names(categories, "categories") or ([] if prompts is not None else DEFAULT_CATEGORIES),
         per_category=None if full else per_category,
         max_new_tokens=max_new_tokens, repeats=repeats,
         out=out or Path("results") / time.strftime("bench-%Y%m%d-%H%M%S"),
@@ -108,7 +112,7 @@ def bench(
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         datastore=str(datastore) if datastore else None, head=str(head) if head else None,
         engines=engine or [], concurrency=levels, reference=reference, ray=ray, memory=memory,
-        record_acceptance=record_acceptance, part=part, step_aside=step_aside_option(step_aside),
+        record_acceptance=record_acceptance, part=part, step_aside=step_aside_option(step_aside), prompts=prompts,
     )
 
 
