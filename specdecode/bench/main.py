@@ -13,7 +13,7 @@ from rich.markdown import Markdown
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from specdecode import cluster, devices
-from specdecode.bench import acceptance, ray_shards, report, terminal
+from specdecode.bench import acceptance, ray_shards, render, report, terminal
 from specdecode.bench.catalogues import TRANSLATION_SOURCE
 from specdecode.bench.datasets import Task
 from specdecode.bench.own_prompts import read_prompts
@@ -282,12 +282,24 @@ def write_report(out: Path, outcome: BenchOutcome, settings: dict[str, str], ref
     (out / "report.md").write_text(text)
     # what the run was, for the tables rendered from its records (scripts/method-table)
     (out / "settings.json").write_text(json.dumps(settings, indent=1, default=str) + "\n")
+    render.save_outcome(out, outcome.lossless, outcome.references, reference, outcome.notes)  # (for --render)
     report.plots(summaries, out)
+    return show(out, summaries, reference, outcome.notes, console)
+
+
+def rerender(folder: Path) -> Path:
+    """`specdecode bench --render DIR`: the report of a run's folder written again from its records (`bench.render`)."""
+    summaries, reference, notes = render.render(folder)
+    return show(folder, summaries, reference, notes, Console(stderr=True))
+
+
+def show(out: Path, summaries: list, reference: str, notes: list[str], console: Console) -> Path:
+    """The leaderboard and the remarks on the terminal; what was written where."""
     screen = Console()  # stdout: the command's output; 80 columns are enough, report.md has it all
     for table in [*terminal.leaderboard(summaries, reference, screen.width), terminal.per_method(summaries, reference)]:
         screen.print(table)
         screen.print()
-    if found := report.remarks(summaries, outcome.notes):
+    if found := report.remarks(summaries, notes):
         screen.print(Markdown("\n".join(found)))
     console.print(f"wrote {out / 'records.jsonl'}, {out / 'report.md'} (every figure, the engines' tables), "
                   f"{out / 'speedup.png'}, {out / 'acceptance_by_position.png'}")

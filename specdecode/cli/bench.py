@@ -87,10 +87,17 @@ def bench(
         "Your own prompts, every one run beside the --categories named (with --prompts alone, none of them): "
         ".jsonl, a line each {\"prompt\": TEXT} or {\"turns\": [TEXT, ...]} with an optional \"id\" and "
         "\"category\"; any other file, one prompt a line (docs/benchmarking.md)."))] = None,
+    render: Annotated[Path | None, typer.Option(help=(
+        "Write the report of an earlier run's --out folder again from its records (a run stopped with Ctrl-C "
+        "wrote none), and run nothing."))] = None,
 ) -> None:
     """Spec-Bench-style evaluation: every method and peer on every category, interleaved and repeated."""
     from specdecode.bench.datasets import DEFAULT_CATEGORIES
-    from specdecode.bench.main import LLAMACPP_METHODS, TORCH_METHODS, run
+    from specdecode.bench.main import LLAMACPP_METHODS, TORCH_METHODS, rerender, run
+
+    if render is not None:
+        rerender(render)
+        return
 
     # --quick's sizes, or the defaults, where the command line gives none
     per_category = per_category or (1 if quick else 2)

@@ -1,5 +1,6 @@
 """`specdecode bench --prompts FILE`: a user's own prompts as tasks (`bench.own_prompts`), read strictly (a line
-that is not a prompt is named), and run and reported as the benchmark's categories are."""
+that is not a prompt is named), and run and reported as the benchmark's categories are; `--render DIR`: a run's
+report written again from its folder (`bench.render`)."""
 
 from __future__ import annotations
 
@@ -79,3 +80,17 @@ def test_the_command_line_runs_and_reports_them(tiny_folder, tmp_path, monkeypat
     assert f"--prompts {prompts}" in report and "own: 2" in report
     code, out = run("--prompts", str(tmp_path / "nowhere.jsonl"), "--out", str(tmp_path / "refused"))
     assert code == 2 and "no such file" in out and "Traceback" not in out
+
+    # --render: the report written again from the folder, the same; from the records alone (a run stopped with
+    # Ctrl-C writes no report, nor what its rows were), with a note saying what it lacks
+    (tmp_path / "run" / "report.md").rename(tmp_path / "first.md")
+    code, out = run("--render", str(tmp_path / "run"))
+    assert code == 0, out
+    assert (tmp_path / "run" / "report.md").read_text() == (tmp_path / "first.md").read_text()
+    for name in ("report.md", "settings.json", "outcome.json"):
+        (tmp_path / "run" / name).unlink()
+    code, out = run("--render", str(tmp_path / "run"))
+    again = (tmp_path / "run" / "report.md").read_text()
+    assert code == 0 and "a run stopped before its end" in again and "| pld |" in again, out
+    code, out = run("--render", str(tmp_path / "refused"))
+    assert code == 2 and "no records.jsonl there" in out
