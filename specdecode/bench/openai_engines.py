@@ -231,7 +231,9 @@ class OpenAIEngine:
             with urllib.request.urlopen(request, timeout=self.spec.timeout) as response:
                 answer = event_stream.read(response, label, url, start, start + self.spec.timeout)
         except urllib.error.HTTPError as error:
-            raise UserError(f"engine {label}: {url} answered HTTP {error.code}{_message(error)}") from None
+            hint = " (an engine that serves chat only: add ;api=chat)" if error.code == 404 and path == "/completions" \
+                else ""
+            raise UserError(f"engine {label}: {url} answered HTTP {error.code}{_message(error)}{hint}") from None
         except (TimeoutError, urllib.error.URLError, ConnectionError) as error:
             raise UserError(f"engine {label}: cannot reach {url} ({getattr(error, 'reason', error)})") from None
         seconds = time.perf_counter() - start
