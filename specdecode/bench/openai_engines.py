@@ -231,9 +231,10 @@ class OpenAIEngine:
             with urllib.request.urlopen(request, timeout=self.spec.timeout) as response:
                 answer = event_stream.read(response, label, url, start, start + self.spec.timeout)
         except urllib.error.HTTPError as error:
-            hint = " (an engine that serves chat only: add ;api=chat)" if error.code == 404 and path == "/completions" \
-                else ""
-            raise UserError(f"engine {label}: {url} answered HTTP {error.code}{_message(error)}{hint}") from None
+            said = _message(error)  # (a 404 that names no model: a path the engine does not serve)
+            chat_only = error.code == 404 and path == "/completions" and "model" not in said.lower()
+            hint = " (an engine that serves chat only: add ;api=chat)" if chat_only else ""
+            raise UserError(f"engine {label}: {url} answered HTTP {error.code}{said}{hint}") from None
         except (TimeoutError, urllib.error.URLError, ConnectionError) as error:
             raise UserError(f"engine {label}: cannot reach {url} ({getattr(error, 'reason', error)})") from None
         seconds = time.perf_counter() - start
