@@ -25,6 +25,7 @@ Glossary (used the same way everywhere in specdecode):
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -49,10 +50,11 @@ def check_types(owner, numbers: tuple[str, ...] = (), whole: tuple[str, ...] = (
         raise UserError(f"{type(owner).__name__}: {said}")
 
 
-def frozen_items(owner, name: str, fits: Callable[[Any], bool], what: str) -> None:
-    """Field `name` of a frozen settings object made a tuple of its items (a caller's list changed after the checks
-    then changes nothing: a NaN bias slipped past them so), each of which must `fits`; a UserError saying `what`
-    they must be otherwise."""
+def frozen_items(owner, name: str, fits: Callable[[Any], bool], what: str,
+                 convert: Callable[[Any], Any] = lambda item: item) -> None:
+    """Field `name` of a frozen settings object made a tuple of its items, each `convert`ed (a caller's list changed
+    after the checks then changes nothing: a NaN bias slipped past them so), each of which must `fits`; a UserError
+    saying `what` they must be otherwise."""
     value = getattr(owner, name)
     try:
         items = tuple(value.items() if isinstance(value, Mapping) else value)
@@ -60,15 +62,17 @@ def frozen_items(owner, name: str, fits: Callable[[Any], bool], what: str) -> No
         items = None
     if items is None or isinstance(value, str | bytes) or not all(map(fits, items)):
         raise UserError(f"{type(owner).__name__}: {name} must be {what}, got {value!r}")
-    object.__setattr__(owner, name, items)
+    object.__setattr__(owner, name, tuple(map(convert, items)))
 
 
-def is_whole(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def is_whole(value: Any, integral: type = int) -> bool:
+    """An int (with `numbers.Integral`: numpy's too), not a bool."""
+    return isinstance(value, integral) and not isinstance(value, bool)
 
 
-def is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+def is_number(value: Any, real: type | tuple = (int, float)) -> bool:
+    """An int or a float (with `numbers.Real`: numpy's too), not a bool."""
+    return isinstance(value, real) and not isinstance(value, bool)
 
 
 GREEDY_BELOW = 1e-5  # a temperature under this decodes greedily (`SamplingParams.greedy`)
@@ -124,8 +128,9 @@ class SamplingParams:
         if not (math.isfinite(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 100.0):
             raise UserError(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty}")
         frozen_items(self, "logit_bias", lambda pair: isinstance(pair, tuple | list) and len(pair) == 2 and
-                     is_whole(pair[0]) and is_number(pair[1]), "(token id, bias) pairs or a {token id: bias} mapping")
-        object.__setattr__(self, "logit_bias", tuple((token, float(bias)) for token, bias in self.logit_bias))
+                     is_whole(pair[0], numbers.Integral) and is_number(pair[1], numbers.Real),
+                     "(token id, bias) pairs or a {token id: bias} mapping",
+                     lambda pair: (int(pair[0]), float(pair[1])))
         ids = [token for token, _ in self.logit_bias]
         if len(set(ids)) != len(ids) or any(token < 0 for token in ids):
             raise UserError("logit_bias takes each token id (>= 0) once")

@@ -53,7 +53,7 @@ def read(response, label: str, url: str, start: float, deadline: float) -> Answe
 def _take(answer: Answer, chunk, label: str, start: float) -> None:
     if not isinstance(chunk, dict):
         raise UserError(f"engine {label} streamed an event that is not a JSON object: {json.dumps(chunk)[:80]}")
-    if "error" in chunk:
+    if chunk.get("error"):
         raise UserError(f"engine {label} failed mid-answer:{error_text(chunk)}")
     for choice in chunk.get("choices") or []:
         if not isinstance(choice, dict):
@@ -75,6 +75,8 @@ def counted(answer: Answer, label: str, max_tokens: int) -> int:
     if answer.finish is None:
         raise UserError(f"engine {label}: the stream ended before the answer did ({arrived}, no finish_reason): the "
                         "connection dropped, or the engine stopped")
+    if answer.finish == "abort":  # (vLLM's and SGLang's, for a request they gave up)
+        raise UserError(f"engine {label} aborted the answer ({arrived})")
     usage = answer.usage
     if not usage or not isinstance(usage.get("completion_tokens"), int):
         raise UserError(f"engine {label}: the stream carries no token counts (`usage` with "

@@ -229,10 +229,10 @@ def run(
             outcome = ray_shards.run(ray, setup, tasks, config, repeats, reference, sink, sink.expect, memory)
             if not config.sampling.greedy:
                 outcome.notes[:0] = sampling_caveat()
-    options = {"methods": ",".join(methods) or "ar", "categories": ",".join(categories),
-               **({"prompts": prompts} if prompts is not None else {}),
-               "per-category": per_category if per_category is not None else "all", "max-new-tokens": max_new_tokens,
-               "repeats": repeats, **({"part": part} if part != "held-out" else {}),
+    sampled = {"categories": ",".join(categories), "per-category": per_category if per_category is not None else "all",
+               **({"part": part} if part != "held-out" else {})} if categories else {}  # (none: --prompts alone)
+    options = {"methods": ",".join(methods) or "ar", **sampled, **({"prompts": prompts} if prompts is not None else {}),
+               "max-new-tokens": max_new_tokens, "repeats": repeats,
                "temperature": temperature, "top-k": top_k, "top-p": top_p, "seed": seed,
                # what the run ran on, so the line reproduces it
                "backend": backend, "target": target, "drafter": drafter, "dtype": dtype, "draft-dtype": draft_dtype,
@@ -259,8 +259,8 @@ def run(
         "machine" if len(outcome.machines) == 1 else f"machines ({len(outcome.machines)} Ray nodes, each ratio "
                                                       "within one node)": "; ".join(outcome.machines),
         "tasks": f"{len(tasks)} ({', '.join(f'{c}: {sum(t.category == c for t in tasks)}' for c in shown)}), "
-                 f"seeded sample of each category's {part} part{f', every prompt of {prompts}' if own else ''}, "
-                 "chat template for every method",
+                 + ", ".join([f"seeded sample of each category's {part} part"] * bool(categories)
+                             + [f"every prompt of {prompts}"] * bool(own) + ["chat template for every method"]),
         "translation data": TRANSLATION_SOURCE,
         "wall time": f"{time.time() - start:.0f} s",
     }

@@ -102,6 +102,9 @@ def parse_engine(option: str) -> EngineSpec:
                 raise UserError(f"--engine {label}: extra_body is not valid JSON ({error.msg})") from None
             if not isinstance(value, dict):
                 raise UserError(f"--engine {label}: extra_body must be a JSON object")
+            if several := {"n", "best_of"} & set(value):  # (one answer a request: usage would count every choice's)
+                raise UserError(f"--engine {label}: extra_body's {sorted(several)[0]} asks for several answers; "
+                                "the bench reads one a request")
             if rest[end:end + 1] not in ("", ";"):
                 raise UserError(f"--engine {label}: expected ';' after extra_body's JSON")
             position = end + 1

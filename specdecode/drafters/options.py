@@ -3,6 +3,7 @@ registry and the command line validate a user's options without importing torch.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 from specdecode.errors import UserError
@@ -45,5 +46,12 @@ class DrafterOptions:
         if self.budget is not None and not self.tree:
             raise UserError("a budget applies to token trees; add --tree")
         check_budget(self.budget)
+        if self.choices is not None:  # (kept as tuples: a caller's lists, hashed with the options, were a TypeError)
+            try:
+                choices = tuple(tuple(operator.index(rank) for rank in path) for path in self.choices)
+            except TypeError:
+                raise UserError(f"tree choices are paths of whole-number ranks, e.g. [[0], [1], [0, 0]], got "
+                                f"{self.choices!r}") from None
+            object.__setattr__(self, "choices", choices)
         if self.choices is not None and not self.tree:
             raise UserError("tree choices apply to token trees; add --tree")

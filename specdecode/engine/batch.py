@@ -153,17 +153,17 @@ class BatchEngine:
         if drafter is not None and not drafter.batchable:
             raise UserError(f"the {drafter.name} drafter cannot join a batch (it runs a model, or remembers earlier "
                             "sequences); run it alone")
-        self.cache.take()  # to its last sequence (`models.holding`: an engine on the same model wrote into its context)
-        if not self.members and not self._ended:
-            self.target.reset()
-        if self.gate:
-            _ = self.curve  # measured (once per model and machine) while the cache is empty
-        if drafter is not None:
-            drafter.begin(list(prompt_ids))
+        with self.cache.taken(kept=lambda: self.members or self._ended):  # (to its last sequence: `models.holding`)
+            if not self.members and not self._ended:
+                self.target.reset()
+            if self.gate:
+                _ = self.curve  # measured (once per model and machine) while the cache is empty
+            state = SequenceState(prompt_ids, config, self.tokenizer, self.target)
+            if drafter is not None:
+                drafter.begin(list(prompt_ids))
         ident = next(self._ids)
-        method = method or (drafter.name if drafter else "ar")
-        state = SequenceState(prompt_ids, config, self.tokenizer, self.target)
-        self.members[ident] = Member(state, drafter, method, verifier, Slots(), tenant=tenant, share=share)
+        self.members[ident] = Member(state, drafter, method or (drafter.name if drafter else "ar"), verifier, Slots(),
+                                     tenant=tenant, share=share)
         return ident
 
     def remove(self, ident: int) -> None:

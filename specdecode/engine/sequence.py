@@ -6,6 +6,7 @@ both engines take for each sequence: its forward's inputs (`draft_inputs`), its 
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field, replace
@@ -63,7 +64,8 @@ class GenerationConfig:
             object.__setattr__(self, "stop", (self.stop,) if self.stop is not None else ())
         frozen_items(self, "stop", lambda s: isinstance(s, str) and bool(s),  # (the server's 400 says the same)
                      "texts (a stop string is text that is not empty)")
-        frozen_items(self, "stop_token_ids", lambda t: is_whole(t) and t >= 0, "token ids (whole numbers >= 0)")
+        frozen_items(self, "stop_token_ids", lambda t: is_whole(t, numbers.Integral) and t >= 0,
+                     "token ids (whole numbers >= 0)", int)
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise UserError(f"a constraint is made by Constraint.json_schema, .json_object, .regex or .grammar, got "
                             f"{self.constraint!r}")

@@ -262,18 +262,14 @@ def cached(model: CausalLM, key: str) -> CostCurve:
     curve, has_prefill = _stored(path)
     if curve is not None and has_prefill:
         return curve
-    # once any sequence that decodes on the model is done (a measurement empties its cache); then read again, since
-    # another thread may have measured it meanwhile
-    with holding.measuring(model):
-        curve, has_prefill = _stored(path)
-        if curve is not None and has_prefill:
-            return curve
+    # on a cache no sequence holds (a measurement empties it: `holding.measuring`)
+    with holding.measuring(model) as measured:
         if curve is not None:  # a curve cached before prefills were timed: its figure now
-            curve = dataclasses.replace(curve, prefill=measure_prefill(model))
+            curve = dataclasses.replace(curve, prefill=measure_prefill(measured))
         else:
             console.print(f"Measuring what wider forwards cost this model on this machine (once; kept in {path})",
                           style="dim", highlight=False)
-            curve = measure(model)
+            curve = measure(measured)
     store(key, curve)
     return curve
 

@@ -40,6 +40,8 @@ class HFCausalLM(CausalLM):
     masks). Quantized models of the Llama family run through `models.lean` (transformers' arithmetic, bit for
     bit, without its machinery); the rest through transformers' forward."""
 
+    SPARE_CACHE = True  # a sibling's cache grows as it is fed: one costs nothing up front (`holding.measuring`)
+
     several_sequences = True
 
     def __init__(self, model: PreTrainedModel, eos_token_ids: frozenset[int] | None = None):

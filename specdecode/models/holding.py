@@ -2,15 +2,15 @@
 sequences decoding on it at once (two threads, two streams stepped in turn, an engine beside a batch) wrote into each
 other's context, and so did the first measurement of the model's cost curve, which an engine's drafter asks for as it
 is built. So the cache has one holder at a time: a sequence's engine, or a batch from its first sequence to its last,
-takes it without waiting (`take`: refused in words while another holds it), and a measurement waits for it
-(`measuring`). A model's `sibling()` has a cache, and so a holder, of its own."""
+takes it without waiting (`take`: refused in words while another holds it), and a measurement runs beside a holder
+on a sibling (`measuring`). A model's `sibling()` has a cache, and so a holder, of its own."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from specdecode.errors import UserError
 
@@ -57,6 +57,17 @@ class Holder:
         if self._release is None:
             self._release = take(self.model, self, self.refusal)
 
+    @contextlib.contextmanager
+    def taken(self, kept: Callable[[], object]) -> Iterator[None]:
+        """`take`, then what follows: where it fails and the holder `kept` nothing in the cache, let go again."""
+        self.take()
+        try:
+            yield
+        except BaseException:
+            if not kept():
+                self.let_go()
+            raise
+
     def let_go(self) -> None:
         if self._release is not None:
             self._release()
@@ -64,20 +75,24 @@ class Holder:
 
 
 @contextlib.contextmanager
-def measuring(model) -> Iterator[None]:
-    """`model`'s cache for a measurement, which empties it: once its holder lets it go, unless this thread holds it
-    with the cache empty (an engine's generation about to begin); a sequence this thread holds part-way (a stream
-    paused while another engine is built) is a UserError rather than lost."""
+def measuring(model) -> Iterator:
+    """The model to measure `model`'s cost on, which a measurement empties: `model` itself where this thread holds it
+    with its cache empty (an engine's generation about to begin) or nobody holds it (held for the measurement); a
+    sibling over a cache of its own (`SPARE_CACHE`: one that grows, costing nothing up front) where a sequence holds
+    it, in another thread or paused in this one; never a wait (a stream paused on another thread would wait for
+    the waiting one). A model without such a sibling is then a UserError."""
     hold = _hold(model)
-    if hold.thread == threading.get_ident():
-        if model.cache_length:
-            raise UserError("measuring this model's cost curve (once, as an engine is built) would overwrite the "
-                            "sequence this thread decodes on it: finish or close that stream first")
-        yield
-        return
-    with hold.lock:
+    if hold.thread == threading.get_ident() and not model.cache_length:
+        yield model
+    elif hold.lock.acquire(blocking=False):
         hold.thread = threading.get_ident()
         try:
-            yield
+            yield model
         finally:
             hold.thread = None
+            hold.lock.release()
+    elif getattr(model, "SPARE_CACHE", False):
+        yield model.sibling()
+    else:
+        raise UserError("this model's cost curve is measured once, on first use, over its cache, which a sequence "
+                        "holds now (another thread's, or a paused stream): build the engine before it or after it")

@@ -220,6 +220,8 @@ class StaticCausalLM(HFCausalLM):
     "graphs"). `capacity`: cache positions to allocate first (default: the model's context, at most
     DEFAULT_CAPACITY); it doubles when a sequence needs more, which drops what the runner captured."""
 
+    SPARE_CACHE = False  # a sibling allocates a whole cache of the capacity (`holding.measuring`)
+
     def __init__(self, model: PreTrainedModel, eos_token_ids: frozenset[int] | None = None, *,
                  runner: str = "eager", capacity: int | None = None, backend: str = "inductor"):
         super().__init__(model, eos_token_ids)

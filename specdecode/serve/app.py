@@ -143,9 +143,9 @@ def create_app(server: Server, guard: Guard = Guard()) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        body = tokens.tokenize_request(await request.body(), server.model_name)
+        body, asked = tokens.tokenize_request(await request.body(), server.model_name)
         _model(server, body.model)
-        return await tokens.tokenize(server, body)
+        return await tokens.tokenize(server, body, asked)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, Field
@@ -26,23 +27,67 @@ class DetokenizeRequest(BaseModel):
     NEUTRAL: ClassVar[dict[str, tuple]] = {}
 
 
-def tokenize_request(raw: bytes, model_name: str) -> ChatRequest | CompletionRequest:
-    """The body of a /tokenize request: a chat's (it has `messages`) or a completion's."""
+@dataclass(frozen=True)
+class Asked:
+    """vLLM's fields of a /tokenize request beside the prompt or messages (the defaults: what a completion or chat
+    request feeds): special tokens around a text prompt, the assistant's turn opened after the messages, or the last
+    message continued instead, and each token's text in the answer."""
+
+    add_special_tokens: bool | None = None  # None: a completion's True, a chat's False (its template writes them)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+
+def tokenize_request(raw: bytes, model_name: str) -> tuple[ChatRequest | CompletionRequest, Asked]:
+    """The body of a /tokenize request: a chat's (it has `messages`) or a completion's, and vLLM's fields beside."""
     try:
-        chat = "messages" in json.loads(raw)
-    except (ValueError, TypeError):  # (protocol.parse says what is wrong with it)
-        chat = False
-    kind: type[ChatRequest | CompletionRequest] = ChatRequest if chat else CompletionRequest
-    return protocol.parse(raw, kind, {"model": model_name})
+        data = json.loads(raw)
+    except ValueError:  # (protocol.parse says what is wrong with it)
+        data = None
+    asked = Asked()
+    if isinstance(data, dict):
+        for name in [name for name in data if name in Asked.__dataclass_fields__]:
+            if not isinstance(value := data.pop(name), bool):
+                raise APIError(400, f"`{name}` is true or false.", param=name)
+            asked = replace(asked, **{name: value})
+        raw = json.dumps(data).encode()
+    kind: type[ChatRequest | CompletionRequest] = ChatRequest if isinstance(data, dict) and "messages" in data \
+        else CompletionRequest
+    return protocol.parse(raw, kind, {"model": model_name}), asked
 
 
-async def tokenize(server: Server, body: ChatRequest | CompletionRequest) -> dict[str, Any]:
-    """The prompt's token ids, how many, and the context they must fit in with the answer."""
+async def tokenize(server: Server, body: ChatRequest | CompletionRequest, asked: Asked) -> dict[str, Any]:
+    """The prompt's token ids, how many, and the context they must fit in with the answer (and each token's text)."""
     prepared = server.prepare(body)
     if len(prepared) > 1:
         raise APIError(400, "Give one prompt to tokenize.", param="prompt")
-    [ids] = await server.tokenizing(prepared[0][0])
-    return {"count": len(ids), "max_model_len": server.models.target.max_context, "tokens": ids}
+    tokenizer, encode = server.models.tokenizer, prepared[0][0]
+    if isinstance(body, ChatRequest) and (asked.add_generation_prompt, asked.continue_final_message,
+                                          asked.add_special_tokens) != (True, False, None):
+        messages, offered = encode.args  # (`Server.prepare`'s: the template's messages and the tools offered)
+        encode = functools.partial(_chat_ids, tokenizer, messages, offered, asked)
+    elif isinstance(body, CompletionRequest) and isinstance(text := body.prompts()[0], str) \
+            and asked.add_special_tokens is False:
+        encode = functools.partial(lambda: tokenizer(text, add_special_tokens=False)["input_ids"])
+    [ids] = await server.tokenizing(encode)
+    answer = {"count": len(ids), "max_model_len": server.models.target.max_context, "tokens": ids}
+    if asked.return_token_strs:
+        answer["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+    return answer
+
+
+def _chat_ids(tokenizer, messages: list[dict], offered: list[dict] | None, asked: Asked) -> list[int]:
+    """A conversation's ids as the template writes them with vLLM's fields (on the tokenizing pool)."""
+    from jinja2 import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=offered, tokenize=False,
+                                             add_generation_prompt=asked.add_generation_prompt,
+                                             continue_final_message=asked.continue_final_message)
+    except (TemplateError, ValueError) as error:
+        raise APIError(400, f"The chat template cannot render these messages: {error}", param="messages") from None
+    return tokenizer(text, add_special_tokens=bool(asked.add_special_tokens))["input_ids"]
 
 
 async def detokenize(server: Server, body: DetokenizeRequest) -> dict[str, Any]:

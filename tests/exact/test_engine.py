@@ -21,6 +21,7 @@ from specdecode.engine.batch import BatchEngine
 from specdecode.errors import UserError
 from specdecode.models import costs
 from specdecode.models.hf import HFCausalLM
+from specdecode.models.static import StaticCausalLM
 from specdecode.types import SamplingParams
 
 PROMPT = random_prompts(1, seed=11)[0]
@@ -221,6 +222,10 @@ def test_settings_keep_their_own_copies_and_take_none_and_mappings():
     stops.append(5)
     assert sampling.logit_bias == ((5, 1.0),) and config.stop == ("x",)
     assert SamplingParams(logit_bias={5: 1, 9: -2.5}).logit_bias == ((5, 1.0), (9, -2.5))
+    # numpy's numbers (a tokenizer's arrays), kept as Python's
+    assert SamplingParams(logit_bias=((np.int64(5), np.float32(2.0)),)).logit_bias == ((5, 2.0),)
+    assert GenerationConfig(stop_token_ids=tuple(np.array([50, 7]))).stop_token_ids == (50, 7)
+    assert type(GenerationConfig(stop_token_ids=[np.int64(3)]).stop_token_ids[0]) is int
     assert GenerationConfig(stop=None).stop == () and GenerationConfig(stop="x").stop == ("x",)
 
 
@@ -275,7 +280,11 @@ def test_generate_takes_token_ids_as_a_list_or_a_tuple(tiny_folder):
                     stop=None).text == text
     # the caller's mistakes in words, before a model loads (were an AttributeError or a TypeError deep inside, or
     # nothing: chat=True over token ids, tree="yes", a budget of 3.5 nodes)
+    as_lists = generate(ids, method="draft", tree=True, choices=[[0], [0, 0]], target=str(tiny_folder),
+                        drafter=str(tiny_folder), dtype="float32", max_new_tokens=4)  # (was unhashable: a TypeError)
+    assert as_lists.token_ids == as_list.token_ids
     for mistake, words in [({"method": None}, "a method is named by a string"), ({"tree": "yes"}, "tree is True"),
+                           ({"method": "draft", "tree": True, "choices": [[0], ["x"]]}, "paths of whole-number"),
                            ({"method": "pld", "tree": True, "budget": "8"}, "whole number of nodes"),
                            ({"method": "pld", "tree": True, "budget": 3.5}, "whole number of nodes"),
                            ({"chat": True}, "drop chat=True")]:
@@ -446,29 +455,40 @@ def test_a_batch_on_a_model_takes_turns_with_its_engines(tiny_target):
     batch.add(PROMPT, config)
     batch.remove(ident + 1)
     assert engine.generate(PROMPT, config).token_ids == want
+    with pytest.raises(UserError, match="out of the vocabulary"):  # (a sequence refused lets go of the model)
+        batch.add(PROMPT, GenerationConfig(stop_token_ids=(10**6,)))
+    assert engine.generate(PROMPT, config).token_ids == want
 
 
-def test_a_cost_curve_is_measured_once_the_sequence_on_the_model_is_done(tiny_target, real_measure, tmp_path,
-                                                                         monkeypatch):
-    """The first measurement of a model's cost curve (asked for as an engine's drafter is built) empties the model's
-    cache: made while another thread decoded on it, it ended that generation in an error or changed its tokens. It
-    waits for the sequence to end; asked for in the thread whose stream is paused part-way, it is refused in words."""
+def test_a_cost_curve_measured_while_a_sequence_holds_the_model_leaves_it_alone(tiny_target, real_measure, tmp_path,
+                                                                                monkeypatch):
+    """The first measurement of a model's cost curve (asked for as an engine's drafter is built) empties the cache it
+    runs on: made on the model's while a sequence decoded there (another thread's, or a paused stream), it ended that
+    generation in an error or changed its tokens. It runs on a sibling then (a cache of its own), never waiting for
+    the sequence (a stream paused on another thread would wait for the waiting one); a static-path model, whose
+    sibling allocates a whole cache, is refused in words."""
     target = HFCausalLM(tiny_target)
     config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
     want = SpeculativeEngine(target).generate(PROMPT, config).token_ids
-    stream = SpeculativeEngine(target).stream(PROMPT, config)
-    events = [next(iter(stream))]
-    monkeypatch.setattr(costs, "cache_root", lambda: tmp_path)  # (a curve not measured yet)
-    with pytest.raises(UserError, match="finish or close that stream first"):
-        target.cost_curve()
-    measuring = threading.Thread(target=target.cost_curve)
-    measuring.start()
-    measuring.join(timeout=1)
-    assert measuring.is_alive()  # waiting for the stream's end
-    events += list(stream)
-    measuring.join()
-    assert [t for event in events for t in event.token_ids] == want
-    assert len(list(tmp_path.glob("*.json"))) == 1  # then measured
+    for where in ("this thread", "another thread"):
+        stream = SpeculativeEngine(target).stream(PROMPT, config)
+        events = [next(iter(stream))]
+        monkeypatch.setattr(costs, "cache_root", lambda folder=tmp_path / where: folder)  # (a curve not measured yet)
+        if where == "this thread":
+            target.cost_curve()
+        else:
+            measuring = threading.Thread(target=target.cost_curve)
+            measuring.start()
+            measuring.join()
+        events += list(stream)
+        assert [t for event in events for t in event.token_ids] == want
+        assert len(list((tmp_path / where).glob("*.json"))) == 1  # measured
+    static = StaticCausalLM(tiny_target)
+    stream = SpeculativeEngine(static).stream(PROMPT, config)
+    next(iter(stream))
+    monkeypatch.setattr(costs, "cache_root", lambda: tmp_path / "static")
+    with pytest.raises(UserError, match="measured once, on first use"):
+        static.cost_curve()
 
 
 def test_engines_that_share_a_model_take_turns_across_threads(tiny_target):

@@ -49,7 +49,9 @@ def test_engine_option_syntax():
                       ("x=openai:h:8080", "URL"), ("x=openai:http://h/v1;modle=m", "unknown field 'modle'"),
                       ("x=openai:http://h/v1;extra_body={bad", "JSON"),
                       ("x=openai:http://h/v1;extra_body=[1]", "object"),
-                      ("x=openai:http://h/v1;api=grpc", "api"), ("x=openai:http://h/v1;stats=x", "stats")]:
+                      ("x=openai:http://h/v1;api=grpc", "api"), ("x=openai:http://h/v1;stats=x", "stats"),
+                      ('x=openai:http://h/v1;extra_body={"n":2}', "asks for several answers"),
+                      ("x=openai:http://h/v1;timeout=-1", "timeout is a request's limit")]:
         with pytest.raises(UserError, match=says):
             parse_engine(bad)
 
@@ -231,6 +233,8 @@ def usage(tokens: int) -> dict:
     (Response(events(text("a", ids=[1]), text("b", "stop", ids=[2]), usage(3))), "streamed 2 token ids"),
     (Response(events(text("a", "length"), usage(1))), "cut the answer at 1 of 4 tokens"),
     (Response(events(text("a"), {"error": {"message": "out of memory mid-answer"}})), "out of memory mid-answer"),
+    (Response(events(text("a", "stop") | {"error": None}, usage(1))), None),
+    (Response(events(text("a", "abort"), usage(1))), "aborted the answer"),
     (Response([b"data: null\n"]), "not a JSON object"),
     (Response([b"data: {oops\n"]), "something other than JSON events"),
     (Response(events(usage(1)), kind="application/json"), "answered application/json, not a stream of events"),

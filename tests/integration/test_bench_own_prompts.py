@@ -40,12 +40,22 @@ def test_a_jsonl_file_and_a_text_file_become_tasks(tmp_path):
     ([{"prompt": " "}], "not blank"),
     ([{"turns": []}], "not blank"),
     ([{"prompt": "a", "category": "code"}], "not one of the benchmark's"),
+    ([{"prompt": "a", "category": "overall"}], "the report's column of every prompt"),
     ([{"prompt": "a", "id": "x"}, {"prompt": "b", "id": "x"}], "the id 'x' comes twice"),
     ([{"prompt": "a", "id": True}], "an id is a text or a whole number"),
 ])
 def test_what_is_not_a_prompt_is_named(tmp_path, lines, says):
     with pytest.raises(UserError, match=says):
         read_prompts(write(tmp_path / "mine.jsonl", lines))
+
+
+def test_json_lines_by_any_of_their_names_and_with_a_byte_order_mark(tmp_path):
+    for name in ("a.ndjson", "b.JSONL"):
+        assert read_prompts(write(tmp_path / name, [{"prompt": "hi"}]))[0].turns == ("hi",)
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "hi"}).encode())
+    assert read_prompts(tmp_path / "bom.jsonl")[0].turns == ("hi",)
+    with pytest.raises(UserError, match="give JSON Lines"):  # (its lines were read as text prompts)
+        read_prompts(write(tmp_path / "c.json", [{"prompt": "hi"}]))
 
 
 def test_a_missing_or_binary_file_is_one_line(tmp_path):
@@ -77,7 +87,7 @@ def test_the_command_line_runs_and_reports_them(tiny_folder, tmp_path, monkeypat
         ("ar", "1"), ("ar", "two"), ("pld", "1"), ("pld", "two")]
     assert all(r["category"] == "own" for r in records)
     report = (tmp_path / "run" / "report.md").read_text()
-    assert f"--prompts {prompts}" in report and "own: 2" in report
+    assert f"--prompts {prompts}" in report and "own: 2" in report and "--categories" not in report
     code, out = run("--prompts", str(tmp_path / "nowhere.jsonl"), "--out", str(tmp_path / "refused"))
     assert code == 2 and "no such file" in out and "Traceback" not in out
 

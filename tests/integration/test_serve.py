@@ -123,6 +123,18 @@ def test_tokenize_gives_what_a_request_feeds_and_detokenize_reads_it_back(server
         reply = post(running.url, "/tokenize", body)
         assert reply.status_code == 200, reply.text
         assert reply.json() == {"count": len(ids), "max_model_len": context, "tokens": ids}
+    # vLLM's fields: a text without special tokens, the conversation without the assistant's turn opened, each
+    # token's text
+    text_alone = models.tokenizer("the cat sat", add_special_tokens=False)["input_ids"]
+    closed = models.tokenizer(models.tokenizer.apply_chat_template(messages, tokenize=False),
+                              add_special_tokens=False)["input_ids"]
+    for body, ids in [({"prompt": "the cat sat", "add_special_tokens": False}, text_alone),
+                      ({"messages": messages, "add_generation_prompt": False}, closed)]:
+        assert post(running.url, "/tokenize", body).json()["tokens"] == ids
+    strs = post(running.url, "/tokenize", {"prompt": "the cat sat", "return_token_strs": True}).json()["token_strs"]
+    assert strs == models.tokenizer.convert_ids_to_tokens(completion_ids(models, "the cat sat"))
+    reply = post(running.url, "/tokenize", {"prompt": "x", "return_token_strs": "yes"})
+    assert reply.status_code == 400 and openai_error(reply)["param"] == "return_token_strs"
     ids = completion_ids(models, "the cat sat")
     reply = post(running.url, "/detokenize", {"tokens": ids})
     assert reply.status_code == 200 and reply.json() == {"prompt": models.tokenizer.decode(ids)}
