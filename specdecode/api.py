@@ -287,7 +287,8 @@ def generate(
     needs_draft = choice.loads_draft_model(target, backend)
     kept = not any(isinstance(model, PreTrainedModel) for model in (target, drafter))
     # (a tokenizer given is keyed by its id, which its kept models hold on to: no other object can take it)
-    key = (_kept_as(target), _kept_as(drafter) if needs_draft else None, id(tokenizer) if tokenizer else None,
+    key = (_kept_as(target), _kept_as(drafter) if needs_draft else None,
+           id(tokenizer) if tokenizer is not None else None,
            *(str(resolve_dtype(d)) for d in (dtype, draft_dtype)), backend, str(device or "auto"))
     with _LOADING:
         models = _loaded.get(key) if kept else None
