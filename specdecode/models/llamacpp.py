@@ -110,6 +110,10 @@ class LlamaCppLM(CausalLM):
         params.n_seq_max = max_branches + 1
         params.n_threads = params.n_threads_batch = threads
         params.kv_unified = True  # a token may belong to several sequences (tree branches)
+        # no flash attention: over a cache compacted around a tree's rejected nodes it sums in another order than over
+        # the same context fed afresh (logits 1e-3 apart, a near-tie flipped: a tree method's greedy output parted
+        # from plain decoding's), without it 1e-6; its speed on a CPU was the same within noise (docs/backends.md)
+        params.flash_attn_type = 0
         params.no_perf = True
         self._ctx = lib.llama_init_from_model(self._model, params)
         if not self._ctx:

@@ -77,14 +77,15 @@ def test_tree_nodes_match_sequential_paths_and_compaction(tiny_pair):
     for node, tokens_on_path in paths.items():
         fresh.reset()
         expected = fresh.forward(torch.tensor(prefix + tokens_on_path), num_logits=1).logits[0]
-        torch.testing.assert_close(logits[node + 1], expected, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(logits[node + 1], expected, atol=1e-4, rtol=1e-4)
     # keep the path c -> d (nodes 2, 3): the cache continues like a fresh prefill of prefix + [9, 10]
     lm.compact(len(prefix), [2, 3])
     assert lm.cache_length == len(prefix) + 2
     fresh.reset()
     fresh.forward(torch.tensor(prefix + [9, 10]))
+    # (as tight as the float arithmetic allows: with flash attention it was 1e-3 apart, a near-tie's flip)
     torch.testing.assert_close(lm.forward(torch.tensor([4])).logits, fresh.forward(torch.tensor([4])).logits,
-                               atol=2e-3, rtol=2e-3)
+                               atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["pld", "pld-tree", "draft", "draft-fixed-length"])
