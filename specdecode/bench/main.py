@@ -185,6 +185,17 @@ def sampling_caveat() -> list[str]:
             "proven by tests/statistical/)."]
 
 
+def drawn(categories: list[str], per_category: int | None, seed: int, part: str, prompts: Path | None
+          ) -> tuple[list[Task], list[str], bool]:
+    """A run's tasks: a sample of each category's `part`, then every prompt of `prompts` (whatever the part: a user's
+    own prompts tune nothing of ours); the categories the report names; whether `prompts` gave any."""
+    own = read_prompts(prompts) if prompts is not None else []
+    tasks = sample_tasks(categories, per_category, seed=seed, part=part) + own
+    if not tasks:
+        raise UserError("no prompt to run: name --categories, or give --prompts FILE")
+    return tasks, categories + list(dict.fromkeys(task.category for task in own)), bool(own)
+
+
 def run(
     methods: list[str], categories: list[str], per_category: int | None, max_new_tokens: int, repeats: int,
     out: Path, target: str, drafter: str, dtype: str, draft_dtype: str, threads: int, backend: str,
@@ -213,14 +224,9 @@ def run(
         raise UserError(f"the reference {reference!r} is not a row of this run; rows: {', '.join(rows)}")
     config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p),
                               seed=seed)
-    own = read_prompts(prompts) if prompts is not None else []  # (every one of them, whatever the part)
-    tasks = sample_tasks(categories, per_category, seed=seed, part=part) + own
-    if not tasks:
-        raise UserError("no prompt to run: name --categories, or give --prompts FILE")
-    shown = categories + list(dict.fromkeys(task.category for task in own))
+    tasks, shown, own = drawn(categories, per_category, seed, part, prompts)
     setup = Setup(methods, target, drafter, dtype, draft_dtype, backend, threads, datastore, device, head, step_aside)
-    console = Console(stderr=True)
-    start, date = time.time(), time.strftime("%Y-%m-%d %H:%M")
+    console, start, date = Console(stderr=True), time.time(), time.strftime("%Y-%m-%d %H:%M")
     with RecordSink.fresh(out, console) as sink:
         if ray is None:
             outcome = run_here(setup, tasks, config, repeats, levels, engines or [], reference, sink, console,

@@ -29,6 +29,29 @@ PartOption = Annotated[str, typer.Option(help=(
     "tuning runs draw from; never reported as a result) or all. The split is fixed by the prompts' ids "
     "(docs/benchmarking.md)."))]
 
+EngineOption = Annotated[list[str] | None, typer.Option(help=(
+    "An OpenAI-compatible engine as one more row (repeatable): LABEL=openai:URL[;model=NAME][;api=completions|chat]"
+    "[;extra_body=JSON][;reference=LABEL][;lossless=false][;stats=auto|vllm|sglang|response|none]"
+    "[;api_key_env=VAR][;timeout=SECONDS], e.g. "
+    "'llama-draft=openai:http://127.0.0.1:8081/v1;extra_body={\"cache_prompt\":false}'. With --engine and no "
+    "--methods, only ar runs of ours."))]
+MemoryOption = Annotated[str, typer.Option(help=(
+    "What methods that learn across prompts (suffix, auto) keep between prompts: prompt (nothing: each prompt is "
+    "a fresh request without a memory owner, as the server serves one; the default, what results report), or "
+    "repeat (what the earlier prompts of the same repeat taught them, each repeat starting afresh: a warmed "
+    "memory, for a labelled comparison)."))]
+RayOption = Annotated[str | None, typer.Option(help=(
+    "Share the prompts out over a Ray cluster's nodes, each running every method on its share (ratios stay "
+    "within a node): auto, ray://HOST:PORT, HOST:PORT, or local (a Ray started on this machine). Needs "
+    "pip install 'specdecode\\[ray]'."))]
+PromptsOption = Annotated[Path | None, typer.Option(help=(
+    "Your own prompts, every one run beside the --categories named (with --prompts alone, none of them): "
+    ".jsonl, a line each {\"prompt\": TEXT} or {\"turns\": [TEXT, ...]} with an optional \"id\" and "
+    "\"category\"; any other file, one prompt a line (docs/benchmarking.md)."))]
+RenderOption = Annotated[Path | None, typer.Option(help=(
+    "Write the report of an earlier run's --out folder again from its records (a run stopped with Ctrl-C "
+    "wrote none), and run nothing."))]
+
 
 def bench(
     methods: Annotated[str, typer.Option(
@@ -62,34 +85,18 @@ def bench(
     head: HeadOption = None,
     target: TargetOption = DEFAULT_TARGET,
     drafter: DrafterOption = DEFAULT_DRAFTER,
-    engine: Annotated[list[str] | None, typer.Option(help=(
-        "An OpenAI-compatible engine as one more row (repeatable): LABEL=openai:URL[;model=NAME][;api=completions|chat]"
-        "[;extra_body=JSON][;reference=LABEL][;lossless=false][;stats=auto|vllm|sglang|response|none], e.g. "
-        "'llama-draft=openai:http://127.0.0.1:8081/v1;extra_body={\"cache_prompt\":false}'. With --engine and no "
-        "--methods, only ar runs of ours."))] = None,
+    engine: EngineOption = None,
     concurrency: Annotated[str, typer.Option(help=(
         "Comma-separated client streams at once for the --engine rows, e.g. 1,4,16 (1: the interleaved run).")
     )] = "1",
     reference: Annotated[str, typer.Option(help=(
         "The row speedups and exactness are measured against: ar, or an --engine label."))] = "ar",
-    memory: Annotated[str, typer.Option(help=(
-        "What methods that learn across prompts (suffix, auto) keep between prompts: prompt (nothing: each prompt is "
-        "a fresh request without a memory owner, as the server serves one; the default, what results report), or "
-        "repeat (what the earlier prompts of the same repeat taught them, each repeat starting afresh: a warmed "
-        "memory, for a labelled comparison)."))] = "prompt",
-    ray: Annotated[str | None, typer.Option(help=(
-        "Share the prompts out over a Ray cluster's nodes, each running every method on its share (ratios stay "
-        "within a node): auto, ray://HOST:PORT, HOST:PORT, or local (a Ray started on this machine). Needs "
-        "pip install 'specdecode\\[ray]'."))] = None,
+    memory: MemoryOption = "prompt",
+    ray: RayOption = None,
     record_acceptance: RecordAcceptanceOption = None,
     step_aside: StepAsideOption = "auto",
-    prompts: Annotated[Path | None, typer.Option(help=(
-        "Your own prompts, every one run beside the --categories named (with --prompts alone, none of them): "
-        ".jsonl, a line each {\"prompt\": TEXT} or {\"turns\": [TEXT, ...]} with an optional \"id\" and "
-        "\"category\"; any other file, one prompt a line (docs/benchmarking.md)."))] = None,
-    render: Annotated[Path | None, typer.Option(help=(
-        "Write the report of an earlier run's --out folder again from its records (a run stopped with Ctrl-C "
-        "wrote none), and run nothing."))] = None,
+    prompts: PromptsOption = None,
+    render: RenderOption = None,
 ) -> None:
     """Spec-Bench-style evaluation: every method and peer on every category, interleaved and repeated."""
     from specdecode.bench.datasets import DEFAULT_CATEGORIES
