@@ -120,12 +120,18 @@ class Models:
             return self.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
-    def encode_chat(self, messages: list[dict], tools: list[Any] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[Any] | None = None, *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, add_special_tokens: bool = False) -> list[int]:
         """Token ids of a conversation in the chat template, ready for the assistant's next turn; `tools`: OpenAI's
-        function definitions, which the template renders its own way."""
+        function definitions, which the template renders its own way. vLLM's /tokenize fields: the assistant's turn
+        not opened, the last message continued instead, the tokenizer's own special tokens around the template's."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise UserError("this tokenizer has no chat template; drop --chat")
-        ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+        ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message,
+                                                 tokenize=not add_special_tokens)
+        if add_special_tokens:  # (the rendered text)
+            ids = self.tokenizer(ids, add_special_tokens=True)["input_ids"]
         if isinstance(ids, Mapping):  # a BatchEncoding (newer transformers)
             ids = ids["input_ids"]
         return list(cast("list[int]", ids))  # one conversation, tokenized: its ids

@@ -211,9 +211,9 @@ class Server:
     def _check_bytes(self, texts: list[str], param: str) -> None:
         check_prompt_bytes(texts, self.prompt_bytes, self.models.target.max_context, param, self.prompt_tokens)
 
-    def _encode_completion(self, prompt: str | list[int]) -> list[int]:  # on the tokenizing pool
+    def _encode_completion(self, prompt: str | list[int], special: bool = True) -> list[int]:  # on the tokenizing pool
         if isinstance(prompt, str):
-            return self.models.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            return self.models.tokenizer(prompt, add_special_tokens=special)["input_ids"]
         return prompt  # (its ids checked by `prepare`)
 
     def _check_ids(self, prompt: list[int]) -> None:
@@ -221,11 +221,11 @@ class Server:
         if any(not 0 <= t < vocab for t in prompt):
             raise APIError(400, f"Token ids must lie in [0, {vocab}).", param="prompt")
 
-    def _encode_chat(self, messages: list[dict], offered: list[dict] | None) -> list[int]:  # on the tokenizing pool
+    def _encode_chat(self, messages: list[dict], offered: list[dict] | None, **template) -> list[int]:  # on the pool
         from jinja2 import TemplateError
 
         try:
-            return self.models.encode_chat(messages, offered)
+            return self.models.encode_chat(messages, offered, **template)
         except UserError as error:
             raise APIError(400, str(error), param="messages") from None
         except TemplateError as error:  # the template refuses the conversation (e.g. roles out of order)

@@ -62,32 +62,21 @@ async def tokenize(server: Server, body: ChatRequest | CompletionRequest, asked:
     prepared = server.prepare(body)
     if len(prepared) > 1:
         raise APIError(400, "Give one prompt to tokenize.", param="prompt")
-    tokenizer, encode = server.models.tokenizer, prepared[0][0]
-    if isinstance(body, ChatRequest) and (asked.add_generation_prompt, asked.continue_final_message,
-                                          asked.add_special_tokens) != (True, False, None):
-        messages, offered = encode.args  # (`Server.prepare`'s: the template's messages and the tools offered)
-        encode = functools.partial(_chat_ids, tokenizer, messages, offered, asked)
-    elif isinstance(body, CompletionRequest) and isinstance(text := body.prompts()[0], str) \
-            and asked.add_special_tokens is False:
-        encode = functools.partial(lambda: tokenizer(text, add_special_tokens=False)["input_ids"])
+    encode = prepared[0][0]  # (`Server.prepare`'s, with vLLM's fields)
+    if isinstance(body, ChatRequest):
+        if asked.add_generation_prompt and asked.continue_final_message:
+            raise APIError(400, "Give add_generation_prompt or continue_final_message, not both.",
+                           param="continue_final_message")
+        encode = functools.partial(encode, add_generation_prompt=asked.add_generation_prompt,
+                                   continue_final_message=asked.continue_final_message,
+                                   add_special_tokens=bool(asked.add_special_tokens))
+    elif asked.add_special_tokens is not None:
+        encode = functools.partial(encode, special=asked.add_special_tokens)
     [ids] = await server.tokenizing(encode)
     answer = {"count": len(ids), "max_model_len": server.models.target.max_context, "tokens": ids}
     if asked.return_token_strs:
-        answer["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+        answer["token_strs"] = server.models.tokenizer.convert_ids_to_tokens(ids)
     return answer
-
-
-def _chat_ids(tokenizer, messages: list[dict], offered: list[dict] | None, asked: Asked) -> list[int]:
-    """A conversation's ids as the template writes them with vLLM's fields (on the tokenizing pool)."""
-    from jinja2 import TemplateError
-
-    try:
-        text = tokenizer.apply_chat_template(messages, tools=offered, tokenize=False,
-                                             add_generation_prompt=asked.add_generation_prompt,
-                                             continue_final_message=asked.continue_final_message)
-    except (TemplateError, ValueError) as error:
-        raise APIError(400, f"The chat template cannot render these messages: {error}", param="messages") from None
-    return tokenizer(text, add_special_tokens=bool(asked.add_special_tokens))["input_ids"]
 
 
 async def detokenize(server: Server, body: DetokenizeRequest) -> dict[str, Any]:
