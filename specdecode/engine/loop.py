@@ -88,6 +88,10 @@ class SpeculativeEngine:
         self._step_aside = step_aside
         self._forget = False  # the drafter forgets earlier sequences at its next begin (`forget`)
         self._busy = False  # a sequence is being decoded (`_events`)
+        # the target's cache, held while a sequence decodes on it (`models.holding`)
+        self._cache = holding.Holder(target, "this model is decoding another sequence (an engine made from the same "
+                                     "models, or a batch): engines that share a model take turns, one sequence at a "
+                                     "time; engine.batch.BatchEngine, or the server, decodes several at once")
 
     @functools.cached_property
     def step_aside(self) -> StepAside | None:
@@ -185,15 +189,13 @@ class SpeculativeEngine:
         if self._busy:
             raise UserError("this engine is decoding another sequence (another thread's, or a stream not run to its "
                             "end nor closed): it decodes one at a time (engine.batch.BatchEngine decodes several)")
-        release = holding.take(self.target, self, "this model is decoding another sequence (an engine made from the "
-                               "same models, or a batch): engines that share a model take turns, one sequence at a "
-                               "time; engine.batch.BatchEngine, or the server, decodes several at once")
+        self._cache.take()
         self._busy = True
         try:
             return (yield from self._decode(prompt_ids, config))
         finally:
             self._busy = False
-            release()
+            self._cache.let_go()
 
     def _decode(self, prompt_ids: list[int], config: GenerationConfig
                 ) -> Generator[StepEvent | Prefilled, None, GenerationResult]:

@@ -2,8 +2,8 @@
 sequences decoding on it at once (two threads, two streams stepped in turn, an engine beside a batch) wrote into each
 other's context, and so did the first measurement of the model's cost curve, which an engine's drafter asks for as it
 is built. So the cache has one holder at a time: a sequence's engine, or a batch from its first sequence to its last,
-takes it without waiting (`take`: refused in words while another holds it), and a measurement runs beside a holder
-on a sibling (`measuring`). A model's `sibling()` has a cache, and so a holder, of its own."""
+takes it without waiting (`Holder.take`: refused in words while another holds it), and a measurement runs beside a
+holder on a sibling (`measuring`). A model's `sibling()` has a cache, and so a holder, of its own."""
 
 from __future__ import annotations
 
@@ -30,21 +30,6 @@ def _hold(model: object) -> Hold:
         return _HOLDS.setdefault(model, Hold())
 
 
-def take(model: object, holder: object, refusal: str) -> weakref.finalize:
-    """`model`'s cache, held for `holder` until the returned finalizer is called (once; or `holder` is collected); a
-    UserError saying `refusal` while another holds it."""
-    hold = _hold(model)
-    if not hold.lock.acquire(blocking=False):
-        raise UserError(refusal)
-    hold.thread = threading.get_ident()
-
-    def release() -> None:
-        hold.thread = None
-        hold.lock.release()
-
-    return weakref.finalize(holder, release)
-
-
 class Holder:
     """One holder of `model`'s cache (an engine, a batch): `take` it (a UserError saying `refusal` while another holds
     it), `let_go` of it; let go of too when the holder is collected. Either, done twice, is done once."""
@@ -54,8 +39,20 @@ class Holder:
         self._release: weakref.finalize | None = None
 
     def take(self) -> None:
-        if self._release is None:
-            self._release = take(self.model, self, self.refusal)
+        """The cache, held until `let_go` (or this holder is collected); a UserError saying `refusal` while another
+        holds it."""
+        if self._release is not None:
+            return
+        hold = _hold(self.model)
+        if not hold.lock.acquire(blocking=False):
+            raise UserError(self.refusal)
+        hold.thread = threading.get_ident()
+
+        def release() -> None:
+            hold.thread = None
+            hold.lock.release()
+
+        self._release = weakref.finalize(self, release)
 
     @contextlib.contextmanager
     def taken(self, kept: Callable[[], object]) -> Iterator[None]:
