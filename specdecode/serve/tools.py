@@ -14,12 +14,12 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 from specdecode.constraints import Constraint
 from specdecode.constraints import depth
 from specdecode.constraints.grammar import JSON_OPTIONS
 from specdecode.errors import UserError
+from specdecode.serve.call_schemas import call_schema
 from specdecode.serve.chat import ChatRequest, NamedToolChoice
 from specdecode.serve.protocol import APIError, quoted
 
@@ -105,42 +105,6 @@ class ToolUse:
         except UserError as error:
             raise APIError(400, f"The tools' parameters cannot be enforced: {error}", param="tools") from None
         return None if self.choice == "auto" and joined is None else constraint
-
-
-DEFINITIONS = ("$defs", "definitions")  # where a schema keeps the parts its references name
-ROOT_KEYWORDS = ("$id", "$schema")  # what says which resource and dialect the parameters' root is: the new root's
-# keywords whose values map names to schemas (a property may be called "$ref")
-SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas", *DEFINITIONS)
-
-
-def call_schema(function: dict) -> dict:
-    """The JSON schema of one call of `function` as the template family writes it: its name, then its arguments. The
-    parameters schema becomes the `arguments` property of a new root, so its definitions move up to that root and
-    every reference into it (`#`, `#/properties/...`) is rebased (`#/properties/arguments/...`)."""
-    parameters = function.get("parameters") or {"type": "object"}
-    options = dict(JSON_OPTIONS, lenient=not function.get("strict"))
-    moved = (*DEFINITIONS, *ROOT_KEYWORDS)
-    kept = {key: _rebased(parameters[key], key in DEFINITIONS) for key in moved if key in parameters}
-    arguments = _rebased({key: value for key, value in parameters.items() if key not in moved})
-    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": arguments},
-            "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": options, **kept}
-
-
-def _rebased(schema: Any, names: bool = False) -> Any:
-    """`schema` with each local reference into the parameters' root rebased to `#/properties/arguments`; `names`:
-    a map of names to schemas. Values (`const`, `enum`...) are data, kept as they are."""
-    if isinstance(schema, list):
-        return [_rebased(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    if names:
-        return {name: _rebased(value) for name, value in schema.items()}
-    out = {key: value if key in depth.DATA else _rebased(value, key in SCHEMA_MAPS) for key, value in schema.items()}
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) and \
-            not any(ref.startswith(f"#/{key}/") for key in DEFINITIONS):
-        out["$ref"] = "#/properties/arguments" + ref[1:]
-    return out
 
 
 def tool_use(body: ChatRequest, template: str | None) -> ToolUse | None:
@@ -294,21 +258,21 @@ class CallReader:
             end = _object_end(rest, start) if start >= 0 else None  # (whole, but for a fence's close)
             call = None if start < 0 else parse_call(rest[start:end]) if end else cut_call(rest[start:].strip(),
                                                                                           self.use.names)
-            return ("", self._take(call)) if call is not None else (self._outside(rest), [])
+            return ("", self._take(call)) if call is not None else (self._cut(rest), [])
         if self.inside:  # (a closing tag cut short is left out)
             self.inside = False
             close = self.use.format.close
             cut = next((n for n in range(min(len(close) - 1, len(rest)), 0, -1) if close.startswith(rest[-n:])), 0)
             return self._call(rest[: len(rest) - cut], closed=False)
-        return self._outside(rest), []
+        return self._cut(rest), []
 
     def read(self, text: str) -> tuple[str | None, list[dict]]:
-        """A whole answer: (content, or None when it is blank beside calls; the calls)."""
+        """A whole answer: (content, or None when it is blank beside calls or under a forced choice; the calls)."""
         content, calls = self.feed(text)
         more, last = self.finish()
         content += more
         calls += last
-        return (None if calls and not content.strip() else content), calls
+        return (None if (calls or self.use.choice != "auto") and not content.strip() else content), calls
 
     def _outside(self, text: str) -> str:
         if self.calls and not text.strip():
@@ -323,8 +287,13 @@ class CallReader:
             call = cut_call(body.strip(), self.use.names)
         form = self.use.format
         if call is None:
-            return form.open + body + (form.close if closed else ""), []
+            return (form.open + body + form.close, []) if closed else (self._cut(form.open + body), [])
         return "", self._take(call)
+
+    def _cut(self, text: str) -> str:
+        """An answer's end cut short where no call reads: content, but under `required` or a named function the
+        grammar wrote nothing but calls, so it is the beginning of a call, not text for the user (none)."""
+        return self._outside(text) if self.use.choice == "auto" else ""
 
     def _take(self, call: dict) -> list[dict]:
         if self.calls and not self.use.parallel:

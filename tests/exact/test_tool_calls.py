@@ -5,6 +5,7 @@ pieces (hypothesis), which is what keeps streamed calls equal to whole ones. And
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -15,7 +16,8 @@ import pytest
 from conftest import QWEN25_TEMPLATE, tiny_tokenizer
 from specdecode.constraints.matcher import Matcher
 from specdecode.serve.protocol import APIError
-from specdecode.serve.tools import QWEN25, CallReader, ToolUse, call_schema, tool_format
+from specdecode.serve.call_schemas import call_schema
+from specdecode.serve.tools import QWEN25, CallReader, ToolUse, tool_format
 
 USE = ToolUse(tools=(), choice="auto", parallel=True, format=QWEN25)
 ONE = ToolUse(tools=(), choice="auto", parallel=False, format=QWEN25)
@@ -70,7 +72,8 @@ def test_fed_in_pieces_reads_as_whole(text, data):
 def test_a_call_cut_short_is_a_call_with_the_arguments_written_so_far():
     """A call the answer's end cut inside its arguments is returned as OpenAI returns one cut by `max_tokens`:
     the call, its arguments the JSON text so far (the reply says "length"), not the tags as content; whole or fed in
-    pieces alike. Only a function the request offers: another name, or a cut before the arguments, stays text."""
+    pieces alike. Only a function the request offers: under `auto`, another name or a cut before the arguments stays
+    text; under `required` or a named function (the grammar writes nothing but calls) it is neither text nor a call."""
     use = ToolUse(tools=(function("add", {}),), choice="required", parallel=True, format=QWEN25)
     cut = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": "x\\"'
     for pieces in ([cut], [cut[:5], cut[5:20], cut[20:]]):
@@ -81,8 +84,17 @@ def test_a_call_cut_short_is_a_call_with_the_arguments_written_so_far():
         more, new = reader.finish()
         assert (content + more, [c["function"] for c in calls + new]) == (
             "", [{"name": "add", "arguments": '{"a": 1, "b": "x\\"'}])
-    for text in ('<tool_call>\n{"name": "sub", "arguments": {"a": 1', '<tool_call>\n{"name": "add", "argu'):
-        assert CallReader(use).read(text) == (text, [])
+    auto = ToolUse(tools=use.tools, choice="auto", parallel=True, format=QWEN25)
+    for text in ('<tool_call>\n{"name": "sub", "arguments": {"a": 1', '<tool_call>\n{"name": "add", "argu',
+                 '{"name": "ad', CALL + '\n<tool_call>\n{"na'):
+        for forced in (use, replace(use, choice="add")):
+            for pieces in ([text], [text[:7], text[7:]]):
+                reader = CallReader(forced)
+                read = [reader.feed(piece) for piece in pieces] + [reader.finish()]
+                assert "".join(content for content, _ in read) == "" and CallReader(forced).read(text)[0] is None
+                assert [c["function"]["name"] for _, calls in read for c in calls] == ["add"] * text.startswith(CALL)
+        whole = CallReader(auto).read(text)
+        assert whole[0] == text[len(CALL):] if text.startswith(CALL) else whole == (text, []), text
 
 
 def test_which_templates_write_calls_this_server_reads():

@@ -159,11 +159,12 @@ def test_a_response_format_shapes_the_text_answer_not_the_calls(client):
 
 def test_an_answer_cut_by_max_tokens_says_length_even_after_calls(client):
     """OpenAI's `finish_reason` is "length" for an answer `max_tokens` cut short, calls read before the cut or
-    not: "tool_calls" would tell the client its calls are whole when the last may be missing."""
+    not: "tool_calls" would tell the client its calls are whole when the last may be missing. Under `required` no cut,
+    even one before a call's arguments, leaves the call's beginning as content."""
     whole = ask(client, "ar", tools=TOOLS, tool_choice="required")
     assert whole.choices[0].finish_reason == "tool_calls"
     full = calls_of(whole)
-    cuts = range(4, whole.usage.completion_tokens, 3)
+    cuts = range(2, whole.usage.completion_tokens, 3)
     seen_calls = seen_cut = False
     for max_tokens in cuts:
         for stream in (False, True):
@@ -173,10 +174,12 @@ def test_an_answer_cut_by_max_tokens_says_length_even_after_calls(client):
                 finish = chunks[-1].choices[0].finish_reason
                 indices = {d.index for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []}
                 count = len(indices)
+                assert not any(c.choices[0].delta.content for c in chunks if c.choices), max_tokens
             else:
                 cut = ask(client, "pld", tools=TOOLS, tool_choice="required", max_tokens=max_tokens)
                 finish, calls = cut.choices[0].finish_reason, cut.choices[0].message.tool_calls or []
                 count = len(calls)
+                assert cut.choices[0].message.content is None, max_tokens
                 whole_calls = [call for call in calls if parses(call.function.arguments)]
                 assert calls[: len(whole_calls)] == whole_calls  # only the last may be cut short
                 assert [(c.function.name, json.loads(c.function.arguments)) for c in whole_calls] == \
