@@ -3,7 +3,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
-NO_AMX := '-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' '-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'
+MACHINE := $(shell uname -m)
+# AMX left out of llama.cpp (see setup); the flags are x86's, which other CPUs' compilers refuse
+NO_AMX := $(if $(filter x86_64 amd64,$(MACHINE)),'-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' \
+	'-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16')
 
 .PHONY: setup models llama-server chromium demo test test-peers test-gated test-fast bench bench-engines
 
