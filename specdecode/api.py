@@ -240,7 +240,10 @@ def _load_llamacpp(target, drafter, progress: bool) -> Models:
 _loaded: dict[tuple, Models] = {}
 _engines: collections.OrderedDict[tuple, SpeculativeEngine] = collections.OrderedDict()
 KEPT_ENGINES = 8
-_LOADING = threading.Lock()  # (threads that make the first call load the models once)
+_LOADING = threading.Lock()  # (threads that make the first call load the models once; it guards the two above)
+# one call at a time on each kept models' cache: threads calling `generate` at once take turns (an engine of theirs
+# would refuse a second sequence), and no other code holds these models, so a turn always ends
+_turns: dict[tuple, threading.Lock] = {}
 
 
 def _kept_as(spec: Any) -> Any:
@@ -277,8 +280,8 @@ def generate(
 ) -> GenerationResult:
     """Generate with one method; models loaded by name are kept for the next call, and so is each method's engine (the
     last KEPT_ENGINES used: a method that remembers earlier requests, suffix decoding, remembers earlier calls; models
-    passed in are the caller's to keep, and are not). `device` as in
-    `load_models`; `head`: a trained head's folder for the head methods (`specdecode train KIND --out`);
+    passed in are the caller's to keep, and are not). Threads calling it at once on the same models take turns.
+    `device` as in `load_models`; `head`: a trained head's folder for the head methods (`specdecode train KIND --out`);
     `constraint`: the language the output must belong to (`Constraint.json_schema(schema)`, `.json_object()`,
     `.regex(pattern)`, `.grammar(lark)`), enforced losslessly under every method (docs/structured-output.md);
     `datastore`, `reference` and `choices` as `Models.engine` takes them (a retrieval datastore's path, a document's
@@ -303,13 +306,7 @@ def generate(
                                  draft_dtype=draft_dtype, backend=backend, device=device)
             if kept:
                 _loaded[key] = models
-        engine = _engines.pop((key, choice), None) if kept else None
-        if engine is None:
-            engine = models.engine_for(choice)
-        if kept:  # (the latest used last: the least recently used goes first)
-            _engines[(key, choice)] = engine
-            while len(_engines) > KEPT_ENGINES:
-                _engines.popitem(last=False)
+        turn = _turns.setdefault(key, threading.Lock()) if kept else threading.Lock()
     ids = models.encode(prompt, chat=chat) if isinstance(prompt, str) else token_ids(prompt)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
@@ -318,4 +315,14 @@ def generate(
         seed=seed,
         constraint=constraint,
     )
-    return engine.generate(ids, config)
+    with turn:  # (an engine is built in its models' turn: a first measurement of its cost runs on their cache)
+        with _LOADING:
+            engine = _engines.pop((key, choice), None) if kept else None
+        if engine is None:
+            engine = models.engine_for(choice)
+        if kept:
+            with _LOADING:  # (the latest used last: the least recently used goes first)
+                _engines[(key, choice)] = engine
+                while len(_engines) > KEPT_ENGINES:
+                    _engines.popitem(last=False)
+        return engine.generate(ids, config)
