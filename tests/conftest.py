@@ -406,6 +406,25 @@ def tiny_tool_folder(tmp_path_factory: pytest.TempPathFactory):
     return folder
 
 
+TOOL_MODEL = "tiny-tools"  # the name `tool_servers` serve the tiny tool model under
+
+
+@pytest.fixture(scope="session")
+def tool_servers(tiny_tool_folder):
+    """The tiny tool model (`tiny_tool_folder`) served as TOOL_MODEL, by a server per method, each its default
+    (lm-eval names no method): {method: base URL ending in /v1}; the clients' tests share them
+    (`test_serve_clients.py`, `test_serve_responses.py`)."""
+    from specdecode.api import load_models
+    from specdecode.serve.app import Server, ServerThread, create_app
+
+    models = load_models(str(tiny_tool_folder), str(tiny_tool_folder), dtype="float32", progress=False)
+    running = {m: ServerThread(create_app(Server(models, TOOL_MODEL, default_method=m, methods=[m])))
+               for m in ("ar", "auto")}
+    yield {m: r.url + "/v1" for m, r in running.items()}
+    for r in running.values():
+        r.stop()
+
+
 @pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory: pytest.TempPathFactory):
     """A local model folder: tiny random Qwen2 with more logits rows than tokens, like Qwen2.5."""

@@ -1,9 +1,10 @@
 """`specdecode serve`: an OpenAI-compatible HTTP server over the speculative engine.
 
 Endpoints: `/v1/models`, `/v1/completions` and `/v1/chat/completions` (with `stream: true` as server-sent
-events in OpenAI's chunk format), `/v1/methods` (ours: what `method` may name, and whether each is ready),
-`/metrics` (Prometheus), `/health`, `/tokenize` and `/detokenize` (as vLLM's: a prompt's token ids by the
-server's tokenizer and chat template, and back), and the demonstration page at `/`.
+events in OpenAI's chunk format), `/v1/responses` (OpenAI's Responses API, stateless, on the chat path: `responses`),
+`/v1/methods` (ours: what `method` may name, and whether each is ready), `/metrics` (Prometheus), `/health`,
+`/tokenize` and `/detokenize` (as vLLM's: a prompt's token ids by the server's tokenizer and chat template, and
+back), and the demonstration page at `/`.
 
 Beside OpenAI's fields, a request may name its `method` (default: the server's) and `top_k`; a response
 carries `speculative` next to `usage` (target forwards, drafted and accepted tokens, mean accepted tokens,
@@ -18,6 +19,8 @@ The server in modules, from the HTTP edge in:
 - `server`: the server's state and a request's way through it (`Server`); several users at once
 - `limits`: what one request may cost (`Limits`), and the checks of a request against it and the context
 - `replies`: a finished or streamed generation as the client gets it, and a failure as an OpenAI error
+- `responses`: a /v1/responses request as the chat request that runs it; `response_objects`: its answer as a
+  Response object or Responses' streamed events
 - `offer`: the methods offered, each resolved once at start-up, and their preparation
 - `engines`: the engines and drafters the worker builds from a job's resolved method
 - `worker`: the thread that owns the models: the queue, batching, deadlines and cancellation
@@ -37,7 +40,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from specdecode.serve import protocol, tokens
+from specdecode.serve import protocol, responses, tokens
 from specdecode.serve.guard import Guard, GuardMiddleware, check_exposure, uvicorn_options
 from specdecode.serve.protocol import APIError
 from specdecode.serve.replies import api_error
@@ -76,7 +79,7 @@ class ServerThread:
 
 
 ENDPOINTS = frozenset({"/", "/health", "/metrics", "/docs", "/openapi.json", "/v1/models", "/v1/methods",
-                       "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
+                       "/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"})
 
 
 def create_app(server: Server, guard: Guard = Guard()) -> FastAPI:
@@ -140,6 +143,10 @@ def create_app(server: Server, guard: Guard = Guard()) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         return await server.complete(request, chat=True)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        return await responses.create(server, request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -115,6 +115,12 @@ def choice_configs(config: GenerationConfig, count: int) -> list[GenerationConfi
     return [dataclasses.replace(config, seed=seed) for seed in seeds]
 
 
+def check_ids(prompt: list[int], vocab: int) -> None:
+    """Refuse a completion's prompt of token ids that are not the model's."""
+    if any(not 0 <= t < vocab for t in prompt):
+        raise APIError(400, f"Token ids must lie in [0, {vocab}).", param="prompt")
+
+
 def prompt_byte_limit(tokenizer, context: int) -> int | None:
     """Above this many UTF-8 bytes a prompt cannot fit in `context` tokens, whatever it says: no token
     stands for more bytes than its own text in the vocabulary (a byte-level symbol, a SentencePiece `▁`

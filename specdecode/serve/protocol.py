@@ -288,10 +288,10 @@ def parse(raw: bytes, model: type[Request], defaults: dict[str, Any] | None = No
     try:
         return model.model_validate((defaults or {}) | data)
     except ValidationError as error:
-        raise _invalid(error) from None
+        raise invalid(error) from None
 
 
-def _invalid(error: ValidationError) -> APIError:
+def invalid(error: ValidationError) -> APIError:
     """The first field's error, as OpenAI words it; of a field that takes one of several forms, the error of the
     form the value went furthest into (a `tool_choice` object missing its `function` is that, not "should be
     'none', 'auto' or 'required'"), and the location without pydantic's names of the forms."""

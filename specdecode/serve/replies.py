@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import json
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -156,20 +156,42 @@ class Chunks:
         return [{"index": self.index, "delta": delta, "finish_reason": finish, "logprobs": scores}]
 
 
+class Reply:
+    """How a request's generations are written: here the chat and completion endpoints' bodies (`response`) and
+    server-sent events (`chunks`); /v1/responses' are `serve.response_objects`'."""
+
+    def whole(self, outcomes: list[tuple[GenerationResult, list[TokenLogprob]]], plan: Choices) -> dict:
+        return response(outcomes, plan)
+
+    def stream(self, jobs: list[Job], firsts: list, body: SamplingRequest, plan: Choices, metrics: ServerMetrics
+               ) -> AsyncIterator[str]:
+        return chunks(jobs, firsts, body, plan, metrics)
+
+
+DEFAULT = Reply()  # the chat and completion endpoints' way
+
+
 async def chunks(jobs: list[Job], firsts: list, body: SamplingRequest, plan: Choices, metrics: ServerMetrics
                  ) -> AsyncIterator[str]:
-    """A streamed request's events from each generation's first item on (`firsts`: each generation's, or None where
-    none was read yet), then `[DONE]`: each generation's items go to the choices that read it (`plan`); a client that
-    leaves mid-stream cancels the jobs."""
+    """A streamed request's server-sent events: its chunks (`chunk_bodies`), then `[DONE]`."""
+    async with contextlib.aclosing(chunk_bodies(jobs, firsts, body, plan, metrics)) as bodies:
+        async for each in bodies:
+            yield "data: [DONE]\n\n" if each is None else f"data: {json.dumps(each)}\n\n"
+
+
+async def chunk_bodies(jobs: list[Job], firsts: list, body: SamplingRequest, plan: Choices, metrics: ServerMetrics
+                       ) -> AsyncGenerator[dict | None, None]:
+    """A streamed request's chunks from each generation's first item on (`firsts`: each generation's, or None where
+    none was read yet), then None (the end; a failure's error body ends it instead): each generation's items go to
+    the choices that read it (`plan`); a client that leaves mid-stream cancels the jobs."""
     answer = plan.answers[0]
     ident, created = protocol.new_id("chatcmpl" if answer.chat else "cmpl"), protocol.now()
     writers = [Chunks(each, index) for index, each in enumerate(plan.answers)]
     served = [[index for index, read in enumerate(plan.runs) if read == run] for run in range(len(jobs))]
 
-    def chunk(choices: list[dict], **extra) -> str:
-        body_ = {"id": ident, "object": "chat.completion.chunk" if answer.chat else "text_completion",
-                 "created": created, "model": answer.model_name, "choices": choices, **extra}
-        return f"data: {json.dumps(body_)}\n\n"
+    def chunk(choices: list[dict], **extra) -> dict:
+        return {"id": ident, "object": "chat.completion.chunk" if answer.chat else "text_completion",
+                "created": created, "model": answer.model_name, "choices": choices, **extra}
 
     merged: asyncio.Queue = asyncio.Queue()  # (generation, item) as they come
     for run, first in enumerate(firsts):
@@ -187,7 +209,7 @@ async def chunks(jobs: list[Job], firsts: list, body: SamplingRequest, plan: Cho
             run, item = await merged.get()
             if isinstance(item, BaseException):
                 failed = True
-                yield f"data: {json.dumps(api_error(item).body())}\n\n"
+                yield api_error(item).body()
                 break
             extra = {"speculative": protocol.speculative([item])} if isinstance(item, GenerationResult) else {
                 "specdecode": step_payload(item)}  # (the same for every choice the generation serves)
@@ -208,7 +230,7 @@ async def chunks(jobs: list[Job], firsts: list, body: SamplingRequest, plan: Cho
             if body.include_usage():
                 yield chunk([], usage=plan.usage([results[run] for run in range(len(jobs))]))
             finished = True
-            yield "data: [DONE]\n\n"
+            yield None
     finally:
         metrics.running.dec()
         for pump in pumps:

@@ -51,7 +51,7 @@ from specdecode.serve import protocol, replies, tools
 from specdecode.serve.chat import ChatRequest
 from specdecode.serve.engines import Engines, Owner
 from specdecode.serve.guard import ClientGone
-from specdecode.serve.limits import Limits, check_prompt_bytes, choice_configs, prompt_byte_limit
+from specdecode.serve.limits import Limits, check_ids, check_prompt_bytes, choice_configs, prompt_byte_limit
 from specdecode.serve.metrics import ServerMetrics
 from specdecode.serve.offer import Offer, Preparation
 from specdecode.serve.logprobs import TokenTexts
@@ -216,11 +216,6 @@ class Server:
             return self.models.tokenizer(prompt, add_special_tokens=special)["input_ids"]
         return prompt  # (its ids checked by `prepare`)
 
-    def _check_ids(self, prompt: list[int]) -> None:
-        vocab = self.models.target.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise APIError(400, f"Token ids must lie in [0, {vocab}).", param="prompt")
-
     def _encode_chat(self, messages: list[dict], offered: list[dict] | None, **template) -> list[int]:  # on the pool
         from jinja2 import TemplateError
 
@@ -272,7 +267,7 @@ class Server:
             if isinstance(prompt, str):
                 self._check_bytes([prompt], "prompt")
             else:
-                self._check_ids(prompt)  # (before the echo decodes them)
+                check_ids(prompt, self.models.target.vocab_size)  # (before the echo decodes them)
             echo = None
             if body.echo:
                 echo = prompt if isinstance(prompt, str) else str(self.models.tokenizer.decode(prompt))
@@ -283,8 +278,13 @@ class Server:
     async def complete(self, request: Request, chat: bool) -> Response:
         """One request to /v1/completions or /v1/chat/completions, from its body to its response."""
         arrival = time.perf_counter()
-        raw = await request.body()
-        body = protocol.parse(raw, ChatRequest) if chat else protocol.parse(raw, CompletionRequest)
+        body = protocol.parse(await request.body(), ChatRequest if chat else CompletionRequest)
+        return await self.answer(request, body, arrival)
+
+    async def answer(self, request: Request, body: SamplingRequest, arrival: float,
+                     reply: replies.Reply = replies.DEFAULT) -> Response:
+        """A parsed request (that arrived at `arrival`), from its method to its response, as `reply` writes it: the
+        chat and completion endpoints' bodies and chunks, or /v1/responses' (`serve.responses`)."""
         choice = await self._method(body)
         limit = self._answer_limit(body)
         prepared = self.prepare(body)
@@ -326,7 +326,7 @@ class Server:
             if body.stream:
                 watcher.cancel()  # the streaming response watches the connection from here
                 finished = True
-                return StreamingResponse(replies.chunks(jobs, items, body, plan, self.metrics),
+                return StreamingResponse(reply.stream(jobs, items, body, plan, self.metrics),
                                          media_type="text/event-stream")
             self.metrics.running.inc()
             try:
@@ -334,7 +334,7 @@ class Server:
             finally:
                 self.metrics.running.dec()
             finished = True
-            return JSONResponse(replies.response(outcomes, plan))
+            return JSONResponse(reply.whole(outcomes, plan))
         finally:
             watcher.cancel()
             if not finished:  # the client left, or the request failed: stop the generations

@@ -11,17 +11,15 @@ The agent runs on the real pair too (`test_real_models.py`, beside the pair's ot
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import pytest
 from pydantic import BaseModel, Field
 
-from specdecode.api import load_models
-from specdecode.serve.app import Server, ServerThread, create_app
-
-MODEL = "tiny-tools"
+from conftest import TOOL_MODEL as MODEL
 METHODS = ["ar", "auto"]
 SMALL = Annotated[int, Field(ge=0, le=99)]
 
@@ -32,27 +30,37 @@ def folder(tiny_tool_folder):
 
 
 @pytest.fixture(scope="module")
-def models(folder):
-    return load_models(str(folder), str(folder), dtype="float32", progress=False)
+def servers(tool_servers):
+    """One server per method (METHODS), each its default: {method: base URL ending in /v1}."""
+    assert set(tool_servers) == set(METHODS)
+    return tool_servers
 
 
-@pytest.fixture(scope="module")
-def servers(models):
-    """One server per method, each its default (lm-eval names no method): {method: base URL ending in /v1}."""
-    running = {m: ServerThread(create_app(Server(models, MODEL, default_method=m, methods=[m]))) for m in METHODS}
-    yield {m: r.url + "/v1" for m, r in running.items()}
-    for r in running.values():
-        r.stop()
+class Final(BaseModel):
+    """An agent's last answer in a form whose grammar ends it (`run_agent`'s `shaped`)."""
+
+    total: SMALL
+    city: Literal["Paris", "Oslo", "Rome"]
 
 
-def run_agent(url: str, model: str, turns: int = 4, max_tokens: int = 120) -> tuple[str, list[tuple]]:
+def run_agent(url: str, model: str, turns: int = 4, max_tokens: int = 120, responses: bool = False,
+              shaped: bool = False) -> tuple[Any, list[tuple]]:
     """The Agents SDK's loop with two function tools: the model must call at least one (`required`), the tool runs,
-    its result goes back, and the next turn (the SDK resets the choice to auto) answers in text."""
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    its result goes back, and the next turn (the SDK resets the choice to auto) answers in text. `responses`: through
+    the SDK's default model class, `OpenAIResponsesModel` (/v1/responses), instead of `OpenAIChatCompletionsModel`.
+    `shaped`: once a tool has run, no tool may be called and the answer is a `Final`: the SDK refuses a Response that
+    `max_output_tokens` cut short (`incomplete`), as a random model's free text always is, where a schema's grammar
+    ends the answer."""
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, RunHooks, Runner,
+                        function_tool, set_tracing_disabled)
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)
     called: list[tuple] = []
+
+    class ToAnswer(RunHooks):
+        async def on_tool_end(self, context, agent, tool, result):
+            agent.model_settings = dataclasses.replace(agent.model_settings, tool_choice="none")
 
     @function_tool
     def add(a: SMALL, b: SMALL) -> int:
@@ -67,10 +75,13 @@ def run_agent(url: str, model: str, turns: int = 4, max_tokens: int = 120) -> tu
         return f"sunny in {city}"
 
     client = AsyncOpenAI(base_url=url, api_key="none", max_retries=0)
+    kind = OpenAIResponsesModel if responses else OpenAIChatCompletionsModel
     agent = Agent(name="helper", instructions="Answer with the tools.", tools=[add, get_weather],
-                  model=OpenAIChatCompletionsModel(model=model, openai_client=client),
+                  model=kind(model=model, openai_client=client), output_type=Final if shaped else None,
+                  reset_tool_choice=not shaped,  # (shaped: `ToAnswer` sets it)
                   model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=max_tokens))
-    result = Runner.run_sync(agent, "What is 2 + 3, and what is the weather in Paris?", max_turns=turns)
+    result = Runner.run_sync(agent, "What is 2 + 3, and what is the weather in Paris?", max_turns=turns,
+                             hooks=ToAnswer() if shaped else None)
     return result.final_output, called
 
 

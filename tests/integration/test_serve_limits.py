@@ -98,10 +98,10 @@ def address(url: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def raw_post(url: str, body: bytes) -> socket.socket:
-    """A connection that has sent one POST to /v1/completions and reads nothing yet."""
+def raw_post(url: str, body: bytes, path: str = "/v1/completions") -> socket.socket:
+    """A connection that has sent one POST to `path` and reads nothing yet."""
     connection = socket.create_connection(address(url), timeout=60)
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
     connection.sendall(head + body)
     return connection
@@ -124,12 +124,16 @@ def completion(method: str, max_tokens: int, stream: bool = False, **extra) -> d
 # --- Clients that leave -----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "responses"])
 @pytest.mark.parametrize("streaming", [False, True], ids=["plain", "streamed"])
 @pytest.mark.parametrize("method", ["pld", "draft"], ids=["batched", "alone"])
-def test_a_client_that_leaves_stops_its_generation_within_one_step(models, method, streaming):
+def test_a_client_that_leaves_stops_its_generation_within_one_step(models, method, streaming, endpoint):
     drafter = GatedDrafter(batchable=method == "pld")
     with serving(models, drafter) as (running, state):
-        connection = raw_post(running.url, json.dumps(completion(method, 50, streaming)).encode())
+        body = completion(method, 50, streaming) if endpoint == "completions" else {
+            "model": MODEL, "input": "the cat sat", "max_output_tokens": 50, "temperature": 0, "method": method,
+            "stream": streaming}
+        connection = raw_post(running.url, json.dumps(body).encode(), f"/v1/{endpoint}")
         drafter.wait_for_step()
         if streaming:  # the first step's tokens reach the client; the second step begins
             drafter.gate.release()
@@ -144,7 +148,7 @@ def test_a_client_that_leaves_stops_its_generation_within_one_step(models, metho
         reply = post(running.url, "/v1/completions", completion("ar", 4))
         assert reply.status_code == 200, reply.text
         assert drafter.steps == steps_when_it_left == (2 if streaming else 1)
-        assert metric(running.url, 'specdecode_requests_total{endpoint="/v1/completions",status="499"}') == (
+        assert metric(running.url, f'specdecode_requests_total{{endpoint="/v1/{endpoint}",status="499"}}') == (
             0 if streaming else 1)  # a streamed answer had begun (200)
 
 
