@@ -40,6 +40,12 @@ class ResponsesReply(replies.Reply):
         self.echoed, self.param = echoed, param
         self.ident, self.created = new_id("resp"), protocol.now()
 
+    @property
+    def forced(self) -> bool:
+        """Whether the answer is calls alone (`tool_choice` required or a named function): no text, so no message
+        item, even an empty one."""
+        return bool(self.echoed.get("tools")) and self.echoed.get("tool_choice") not in ("auto", "none")
+
     def response(self, model: str, output: list[dict], status: str, usage: dict | None = None,
                  speculative: dict | None = None, error: dict | None = None) -> dict:
         cut = {"reason": "max_output_tokens"} if status == "incomplete" else None
@@ -57,7 +63,7 @@ class ResponsesReply(replies.Reply):
         if message["content"] is not None and (message["content"] or not calls):
             entries = (choice["logprobs"] or {}).get("content") or []
             output.append(text_item(message["content"], entries, "completed" if calls else status))
-        output += [call_item(call, "completed") for call in calls]
+        output += [call_item(call, cut_or_completed(call)) for call in calls]
         return self.response(chat["model"], output, status, usage(chat["usage"]), chat["speculative"])
 
     async def stream(self, jobs: list[Job], firsts: list, body: SamplingRequest, plan: replies.Choices,
@@ -141,16 +147,16 @@ class Events:
         out = [self.event("response.output_item.added", output_index=index, item=item)]
         where = {"item_id": item["id"], "output_index": index}
         out.append(self.event("response.function_call_arguments.delta", **where, delta=arguments))
-        item["arguments"], item["status"] = arguments, "completed"
+        item["arguments"], item["status"] = arguments, cut_or_completed(call)
         out.append(self.event("response.function_call_arguments.done", **where, arguments=arguments,
                               name=item["name"]))
         return out + [self.event("response.output_item.done", output_index=index, item=item)]
 
     def end(self) -> list[str]:
-        """The last events: the text's item closed (an empty one where the answer has no item at all), then the
-        Response, completed or incomplete."""
+        """The last events: the text's item closed (an empty one where the answer has no item at all and could have
+        had text), then the Response, completed or incomplete."""
         status = _status(self.finish)
-        out = self.text("", []) if not self.output else []
+        out = self.text("", []) if not self.output and not self.reply.forced else []
         out += self.close(status)
         whole = self.reply.response(self.model, self.output, status, self.usage, self.speculative)
         return out + [self.event(f"response.{status}", response=whole)]
@@ -184,6 +190,16 @@ def call_item(call: dict, status: str) -> dict:
     """A chat tool call (`serve.tools.new_call`) as a function_call output item."""
     return {"type": "function_call", "id": new_id("fc"), "call_id": call["id"], "name": call["function"]["name"],
             "arguments": call["function"]["arguments"], "status": status}
+
+
+def cut_or_completed(call: dict) -> str:
+    """A call's item status: "incomplete" for a call the length limit cut short (its arguments the JSON text written
+    so far, `serve.tools.cut_call`), else "completed"."""
+    try:
+        json.loads(call["function"]["arguments"])
+    except json.JSONDecodeError:
+        return "incomplete"
+    return "completed"
 
 
 def usage(chat: dict) -> dict:

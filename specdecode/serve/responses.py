@@ -204,7 +204,10 @@ class ResponsesRequest(BaseModel):
             return None
         tools = []
         for index, tool in enumerate(self.tools):
-            kind = tool.get("type") if isinstance(tool, dict) else None
+            if not isinstance(tool, dict):
+                raise APIError(400, 'A tool is an object: {"type": "function", "name": ..., "parameters": ...}.',
+                               param=f"tools[{index}]")
+            kind = tool.get("type")
             if kind != "function":
                 raise APIError(400, f"Only function tools are supported (`type: function`), not "
                                     f"{protocol.quoted(str(kind))!r}: this server runs no built-in tools.",

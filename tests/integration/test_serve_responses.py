@@ -145,6 +145,32 @@ def test_function_calls_and_their_outputs(tool_servers, choice):
     assert calls["auto"] == calls["ar"]
 
 
+def test_a_call_cut_by_the_length_limit_is_an_incomplete_item(tool_servers):
+    """A call cut inside its arguments is its item with the arguments written so far, status "incomplete" (a whole
+    call before it "completed"), whole and streamed alike; the response is incomplete."""
+    url = tool_servers["auto"]
+    request = {"input": "What is the weather in Paris?", "tools": [ADD, WEATHER], "tool_choice": "required",
+               "temperature": 0, "max_output_tokens": 120}
+    whole = client(url).responses.create(model=MODEL, **request)
+    seen = 0
+    for limit in range(8, whole.usage.output_tokens, 4):
+        cut = client(url).responses.create(model=MODEL, **request | {"max_output_tokens": limit})
+        items = [item for item in cut.output if item.type == "function_call"]
+        streamed_items = [e.item for e in streamed(url, **request | {"max_output_tokens": limit})[0]
+                          if e.type == "response.output_item.done"]
+        assert cut.status == "incomplete" and all(item.type == "function_call" for item in cut.output)
+        assert [item.type for item in streamed_items] == [item.type for item in cut.output]  # (no empty message)
+        for each in (items, streamed_items):
+            for item in each:
+                try:
+                    json.loads(item.arguments)
+                    assert item.status == "completed"
+                except json.JSONDecodeError:
+                    assert item.status == "incomplete" and item is each[-1]
+                    seen += 1
+    assert seen  # some limit fell inside a call's arguments
+
+
 def test_the_agents_sdk_with_its_default_responses_model(tool_servers):
     answers = {method: run_agent(url, MODEL, responses=True, shaped=True) for method, url in tool_servers.items()}
     final, called = answers["ar"]
@@ -194,6 +220,7 @@ REFUSED = [  # (the request's fields beside BASE's, the field its 400 names)
     ({"tools": [ADD | {"defer_loading": True}]}, "tools[0].defer_loading"),
     ({"tools": [ADD | {"name": "no spaces"}]}, "tools[0].name"),
     ({"tools": [ADD], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice"),
+    ({"tools": [1]}, "tools[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
      "input[0].content[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0]"),
