@@ -43,12 +43,17 @@ PLAIN: dict = {}
 
 
 def plain(loaded, prompt: tuple[int, ...], params: SamplingParams) -> list[TokenLogprob]:
-    """Plain greedy decoding's entries (made once per prompt and parameters)."""
+    """Plain greedy decoding's entries (made once per prompt and parameters), themselves checked against forwards
+    without a cache: plain decoding shares the code that reads them (`engine.logprobs.riders`), so a mistake there
+    (the raw row's argmax for the emitted token's figure, under a penalty or a bias) would be in both sides alike."""
     if (prompt, params) in PLAIN:
         return PLAIN[prompt, params]
     engine = SpeculativeEngine(loaded.target, loaded.tokenizer)
     result = engine.generate(list(prompt), GenerationConfig(max_new_tokens=20, sampling=params, logprobs=TOP))
     assert result.logprobs is not None
+    sequence = list(prompt) + result.token_ids
+    assert_close(result.logprobs, [plain_logprobs(loaded.target.model, sequence[: len(prompt) + i + 1])
+                                   for i in range(result.new_tokens)], f"plain {params}")
     PLAIN[prompt, params] = result.logprobs
     return result.logprobs
 

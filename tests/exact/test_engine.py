@@ -16,13 +16,14 @@ import fakes
 from fakes import FakeLM
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+from specdecode.drafters.base import Drafter
 from specdecode.engine import GenerationConfig, SpeculativeEngine
 from specdecode.engine.batch import BatchEngine
 from specdecode.errors import UserError
 from specdecode.models import costs
 from specdecode.models.hf import HFCausalLM
 from specdecode.models.static import StaticCausalLM
-from specdecode.types import SamplingParams
+from specdecode.types import Draft, SamplingParams
 
 PROMPT = random_prompts(1, seed=11)[0]
 
@@ -542,3 +543,31 @@ def test_a_drafter_named_none_is_no_draft_model(tiny_folder):
 
     for name in ("none", "None"):
         assert load_models(str(tiny_folder), name, dtype="float32", progress=False).draft is None
+
+
+class Overdrafter(Drafter):
+    """Drafts the next `width` tokens of a known greedy output, however few it is asked for: a drafter that ignores
+    `max_tokens` must not carry the output past `max_new_tokens` (the engine's own cut is the guard)."""
+
+    name = "overdrafter"
+    batchable = True
+
+    def __init__(self, prompt: list[int], output: list[int], width: int = 5):
+        self.prompt, self.output, self.width = prompt, output, width
+
+    def propose(self, context, max_tokens, params, generator) -> Draft:
+        done = len(context) - len(self.prompt)
+        return Draft(tokens=torch.tensor(self.output[done : done + self.width]))
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3, 7])
+def test_a_draft_longer_than_asked_never_carries_the_output_past_max_new_tokens(tiny_target, limit):
+    want = plain_ids(tiny_target, 20)
+    config = GenerationConfig(max_new_tokens=limit, ignore_eos=True)
+    engine = SpeculativeEngine(HFCausalLM(tiny_target), drafter=Overdrafter(PROMPT, want))
+    result = engine.generate(PROMPT, config)
+    assert result.token_ids == want[:limit] and result.finish_reason == "length"
+    assert result.target_forwards < limit or limit == 1  # (drafts were taken: the cut is what held the length)
+    batch = BatchEngine(HFCausalLM(tiny_target), gate=False)
+    batch.add(PROMPT, config, Overdrafter(PROMPT, want))
+    assert next(r for _ in range(20) for _, _, r in batch.step() if r is not None).token_ids == want[:limit]

@@ -120,3 +120,18 @@ def test_a_stop_token_id_that_ends_the_output_leaves_its_text_out(tokenizer):
         deltas = [tracker.update(ids[:n], n - 1) for n in range(1, len(ids) + 1)]
         assert "".join(d for d, _ in deltas) + tracker.finish(ids) == want == tracker.text
         assert all(keep is None for _, keep in deltas)
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 4])
+def test_a_stop_string_keeps_the_ids_up_to_the_one_that_completes_it_wherever_a_step_begins(tokenizer, step):
+    """A speculative step adds several ids at once: the ids kept end with the one that completes the stop string,
+    whichever of the step's ids it is (the step's first, last or one between), never one past it."""
+    ids = tokenizer("one two three four five six", add_special_tokens=False)["input_ids"]
+    end = next(n for n in range(1, len(ids) + 1) if "four" in tokenizer.decode(ids[:n]))  # the completing id's count
+    for first in range(max(0, end - step), end):  # each place of the completing id within a step of `step` ids
+        tracker = TextTracker(tokenizer, stop=["four"])
+        if first:
+            assert tracker.update(ids[:first], 0)[1] is None
+        text, keep = tracker.update(ids[: first + step], first)
+        assert keep == end, (first, step)
+        assert tracker.text == tokenizer.decode(ids[:end]).split("four")[0]

@@ -103,3 +103,22 @@ def test_bad_sampling_params_are_user_errors(kwargs):
 
     with pytest.raises(UserError):
         SamplingParams(**kwargs)
+
+
+def test_top_k_keeps_the_tokens_tied_with_the_kth():
+    """Ties at the k-th logit are all kept (as plain decoding keeps them: the rule does not depend on how topk
+    breaks ties, which may differ between shapes and devices)."""
+    kept = logits_to_probs(torch.tensor([[2.0, 1.0, 1.0, 0.0, 1.0, -1.0]]), SamplingParams(temperature=1.0, top_k=2))
+    assert (kept > 0).tolist() == [[True, True, True, False, True, False]]
+
+
+def test_a_draft_token_the_target_gives_no_chance_is_never_accepted(monkeypatch):
+    """Even at a uniform of exactly 0 (a draw of one in 2**24), acceptance is u * q < p, never u * q <= p: a token of
+    zero target probability (cut by top-k, top-p or a grammar) is rejected, for a sampled draft and a one-hot one."""
+    target_probs = torch.tensor([[0.0, 0.5, 0.5, 0, 0, 0], [1.0 / V] * V])
+    zeros = torch.zeros
+    monkeypatch.setattr(torch, "rand", lambda *size, generator=None, **kwargs: zeros(*size, **kwargs))
+    for draft_probs in (torch.tensor([[0.5, 0.5, 0, 0, 0, 0]]), None):
+        verdict = verify_speculative_sampling(target_probs, torch.tensor([0]), draft_probs,
+                                              torch.Generator().manual_seed(0))
+        assert verdict.num_accepted == 0 and verdict.tokens[0] in (1, 2)
