@@ -144,9 +144,7 @@ def create_app(server: Server, guard: Guard = Guard()) -> FastAPI:
     async def chat(request: Request):
         return await server.complete(request, chat=True)
 
-    @app.post("/v1/responses")
-    async def create_response(request: Request):
-        return await responses.create(server, request)
+    _responses_routes(app, server)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -161,6 +159,19 @@ def create_app(server: Server, guard: Guard = Guard()) -> FastAPI:
         return await tokens.detokenize(server, body)
 
     return app
+
+
+def _responses_routes(app: FastAPI, server: Server) -> None:
+    """/v1/responses (`serve.responses`), and a 404 for a stored response's routes: none is stored."""
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        return await responses.create(server, request)
+
+    @app.api_route("/v1/responses/{rest:path}", methods=["GET", "POST", "DELETE"])
+    async def stored_response(rest: str):  # (retrieve, cancel, delete, input_items: a stored response's)
+        raise APIError(404, "This server stores no responses (a Response says `store: false`): there is none to "
+                            "retrieve, cancel or delete.", code="not_found")
 
 
 def _error_handlers(app: FastAPI) -> None:

@@ -87,6 +87,9 @@ class Events:
         self.finish: str | None = None
         self.usage: dict | None = None
         self.speculative: dict | None = None
+        # steps that wrote no text yet (an incomplete character, the end token, a call being read), with their
+        # log-probabilities and tokens: a delta of their own once a message item is open, else none
+        self.held: list[tuple[list[dict], dict | None]] = []
 
     def read(self, chunk: dict | None) -> list[str]:
         """The events of a chat chunk (None: the stream's end; an error body: its failure)."""
@@ -103,16 +106,19 @@ class Events:
         self.speculative = chunk.get("speculative", self.speculative)
         for choice in chunk["choices"]:
             delta = choice["delta"]
-            if delta.get("content"):
-                entries = (choice["logprobs"] or {}).get("content") or []
-                out += self.text(delta["content"], entries, chunk.get("specdecode"))
+            entries, tokens = (choice["logprobs"] or {}).get("content") or [], chunk.get("specdecode")
+            if delta.get("content") or (self.message is not None and (entries or tokens is not None)):
+                out += self.text(delta.get("content") or "", entries, tokens)
+            elif entries or tokens is not None:
+                self.held.append((entries, tokens))
             for call in delta.get("tool_calls", []):
                 out += self.close("completed") + self.call(call)
             self.finish = choice["finish_reason"] or self.finish
         return out
 
     def text(self, text: str, entries: list[dict], tokens: dict | None = None) -> list[str]:
-        """A piece of the answer's text, in the message item being written (opened first if need be)."""
+        """A piece of the answer's text, in the message item being written (opened first if need be: the steps held
+        until then first, each its own delta); a step that wrote no text is a delta of none."""
         out = []
         if self.message is None:
             self.message = text_item("", [], "in_progress")
@@ -122,7 +128,10 @@ class Events:
             self.output.append(self.message)
             out.append(self.event("response.content_part.added", **self._where(), part=part))
             self.message["content"].append(part)
-        if text:
+            held, self.held = self.held, []
+            for earlier, their_tokens in held:
+                out += self.text("", earlier, their_tokens)
+        if text or entries or tokens is not None:
             part = self.message["content"][0]
             part["text"] += text
             part["logprobs"] += entries

@@ -50,9 +50,16 @@ TEXT_PARTS = ("input_text", "output_text")
 MEDIA_PARTS = ("input_image", "input_file", "input_audio")
 ITEM_KEYS = {  # what an input item may hold: Responses' fields, and what a client replays of an output item
     "message": {"type", "role", "content", "id", "status", "phase"},
-    "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
-    "function_call_output": {"type", "call_id", "output", "id", "status"},
+    "function_call": {"type", "call_id", "name", "arguments", "id", "status", "caller", "namespace"},
+    "function_call_output": {"type", "call_id", "output", "id", "status", "caller", "name", "namespace"},
 }
+# what a replayed call item's fields must be here, null aside (a pydantic dump writes the output types' every field):
+# called directly by the model (not by a program the server ran), from no tool namespace
+ITEM_VALUES = {"caller": ({"type": "direct"},), "namespace": ()}
+# `include` entries OpenAI defines; all but the log-probabilities' ask for output this server never makes
+INCLUDES = (LOGPROBS, "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+            "message.input_image.image_url", "computer_call_output.output.image_url", "code_interpreter_call.outputs",
+            "reasoning.encrypted_content")
 
 
 class ResponsesRequest(BaseModel):
@@ -113,9 +120,13 @@ class ResponsesRequest(BaseModel):
         try:
             return ChatRequest.model_validate({key: value for key, value in chat.items() if value is not None})
         except ValidationError as error:
-            failure = protocol.invalid(error)
-            failure.param = self.param(failure.param)
-            raise failure from None
+            raise self.renamed(protocol.invalid(error)) from None
+
+    def renamed(self, error: APIError) -> APIError:
+        """`error` naming the Responses fields: its `param`, and each chat field its message names in backquotes."""
+        error.message = re.sub(r"`([^`]+)`", lambda name: f"`{self.param(name.group(1))}`", error.message)
+        error.param = self.param(error.param)
+        return error
 
     def echoed(self) -> dict:
         """The request's fields a Response repeats, OpenAI's defaults where left out."""
@@ -123,7 +134,8 @@ class ResponsesRequest(BaseModel):
                 "metadata": self.metadata or {}, "parallel_tool_calls": self.parallel_tool_calls is not False,
                 "temperature": 1.0 if self.temperature is None else self.temperature,
                 "top_p": 1.0 if self.top_p is None else self.top_p, "tool_choice": self.tool_choice or "auto",
-                "tools": self.tools or [], "text": {"format": {"type": "text"}} | (self.text or {}),
+                "tools": self.tools or [],
+                "text": {"format": {"type": "text"}} | {k: v for k, v in (self.text or {}).items() if v is not None},
                 "top_logprobs": self.top_logprobs or 0, "truncation": "disabled", "user": self.user,
                 "store": False, "background": False, "previous_response_id": None, "reasoning": None}
 
@@ -160,6 +172,10 @@ class ResponsesRequest(BaseModel):
         if effort not in (None, "none"):
             raise APIError(400, "This server's models have no reasoning effort to set; leave `reasoning` out.",
                            param="reasoning.effort", code="unsupported_parameter")
+        for index, entry in enumerate(self.include or ()):
+            if entry not in INCLUDES:
+                raise APIError(400, f"{protocol.quoted(entry)!r} is not an `include` value; the values: "
+                                    f"{', '.join(INCLUDES)}.", param=f"include[{index}]")
         if (self.text or {}).get("verbosity") not in (None, "medium"):
             raise APIError(400, "This server's models have no verbosity to set; leave `text.verbosity` out.",
                            param="text.verbosity", code="unsupported_parameter")
@@ -178,12 +194,17 @@ class ResponsesRequest(BaseModel):
         items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
         if not items:
             raise APIError(400, "`input` holds no items.", param="input")
+        called: set = set()  # the calls' ids so far, which an output answers
         for index, item in enumerate(items):
             where = "input" if isinstance(self.input, str) else f"input[{index}]"
             kind = _item_type(item, where)
             if kind == "message":
                 add(_message(item, where), where)
             elif kind == "function_call":
+                if item.get("status") == "incomplete":
+                    raise APIError(400, "A call the length limit cut short (`status: incomplete`) has no whole "
+                                        "arguments to send back; leave it out.", param=f"{where}.status")
+                called.add(item.get("call_id"))
                 call = {"id": _string(item, "call_id", where), "type": "function",
                         "function": {"name": _string(item, "name", where),
                                      "arguments": _string(item, "arguments", where)}}
@@ -194,6 +215,9 @@ class ResponsesRequest(BaseModel):
                 self._origins[f"messages[{len(messages) - 1}].tool_calls[{len(calls)}]"] = where
                 calls.append(call)
             else:
+                if item.get("call_id") not in called:
+                    raise APIError(400, f"No `function_call` item before it has the `call_id` "
+                                        f"{protocol.quoted(str(item.get('call_id')))!r}.", param=f"{where}.call_id")
                 add({"role": "tool", "tool_call_id": _string(item, "call_id", where),
                      "content": _text(item.get("output"), f"{where}.output")}, where)
         return messages
@@ -217,6 +241,8 @@ class ResponsesRequest(BaseModel):
 
     def _tool_choice(self) -> str | dict | None:
         choice = self.tool_choice
+        if choice == "auto" and not self.tools:  # (Responses' default, which a client sends with no tools)
+            return None
         if choice is None or isinstance(choice, str):
             return choice  # (checked by chat's: none, auto or required)
         if choice.get("type") == "function" and set(choice) == {"type", "name"}:
@@ -242,6 +268,7 @@ RENAMED = [  # chat's fields, as regular expressions, and the Responses fields t
     (r"tool_choice\.function", "tool_choice"),
     (r"response_format\.json_schema", "text.format"),
     (r"response_format", "text.format"),
+    (r"json_schema(?=\.)", "text.format"),  # (a message's `json_schema.schema`)
     (r"max_completion_tokens|max_tokens", "max_output_tokens"),
     (r"logprobs", "include"),
     (r"messages", "input"),
@@ -261,6 +288,10 @@ def _item_type(item: Any, where: str) -> str:
     if extra := sorted(set(item) - ITEM_KEYS[kind]):
         raise APIError(400, f"Unrecognized request argument supplied: {protocol.quoted(extra[0])}",
                        param=f"{where}.{extra[0]}")
+    for key, allowed in ITEM_VALUES.items():
+        if item.get(key) is not None and item[key] not in allowed:
+            raise APIError(400, f"`{where}.{key}` is not supported here: {', '.join(map(str, allowed)) or 'null'} "
+                                "only.", param=f"{where}.{key}", code="unsupported_parameter")
     return kind
 
 
@@ -307,5 +338,4 @@ async def create(server: Server, request: Request) -> Response:
     try:
         return await server.answer(request, chat, arrival, ResponsesReply(body.echoed(), body.param))
     except APIError as error:
-        error.param = body.param(error.param)
-        raise
+        raise body.renamed(error) from None

@@ -7,6 +7,7 @@ under plain decoding (`ar`) and `auto` alike, greedily; streamed events in order
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -136,7 +137,7 @@ def test_function_calls_and_their_outputs(tool_servers, choice):
         streamed_calls = [e.item for e in streamed(url, **request)[0] if e.type == "response.output_item.done"]
         assert [(item.name, item.arguments) for item in streamed_calls] == [(i.name, i.arguments) for i in made]
         # the next turn: the calls and their outputs as input items
-        turn = [{"role": "user", "content": request["input"]}, *[item.model_dump(exclude_none=True) for item in made],
+        turn = [{"role": "user", "content": request["input"]}, *[item.model_dump() for item in made],
                 *[{"type": "function_call_output", "call_id": item.call_id, "output": "sunny"} for item in made]]
         answer = client(url).responses.create(model=MODEL, input=turn, tools=[ADD, WEATHER], temperature=0,
                                               max_output_tokens=16)
@@ -200,6 +201,19 @@ def test_log_probabilities_are_the_chat_endpoints(tool_servers):
     ours = [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in part.logprobs or []]
     theirs = [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in chat.choices[0].logprobs.content]
     assert ours == theirs and len(ours) == 8
+    # streamed: every token's, steps that wrote no text (an incomplete character) included, each on a delta, and
+    # every token's `specdecode` entry; the same figures as the whole answer's
+    for limit in (8, 24):
+        request = {"input": MESSAGES, "temperature": 0, "max_output_tokens": limit, "top_logprobs": 2,
+                   "include": ["message.output_text.logprobs"]}
+        whole = client(url).responses.create(model=MODEL, **request)
+        events, final = streamed(url, **request)
+        deltas = [e for e in events if e.type == "response.output_text.delta"]
+        for answer in (whole, final):
+            assert answer.usage is not None and len(answer.output[0].content[0].logprobs or []) == limit
+        assert final.output[0].content[0].logprobs == whole.output[0].content[0].logprobs
+        assert sum(len(e.logprobs) for e in deltas) == limit
+        assert sum(len(e.model_extra["specdecode"]["tokens"]) for e in deltas) == limit
 
 
 BASE = {"model": MODEL, "input": "Hi.", "max_output_tokens": 4}
@@ -233,6 +247,12 @@ REFUSED = [  # (the request's fields beside BASE's, the field its 400 names)
     ({"input": [{"type": "function_call", "call_id": 1, "name": "add", "arguments": "{}"}]}, "input[0].call_id"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "add", "arguments": "not json"}]},
      "input[0].arguments"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "add", "arguments": '{"a": 1', "status":
+                 "incomplete"}]}, "input[0].status"),  # (the server's own cut call: its arguments are not whole)
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "add", "arguments": "{}", "caller": {
+        "type": "program", "caller_id": "x"}}]}, "input[0].caller"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "5"}]}, "input[0].call_id"),  # no call
+    ({"include": ["message.output_text.logprob"]}, "include[0]"),  # (a typo: no log-probabilities, said so)
     ({"input": []}, "input"),
     ({"max_output_tokens": 100000}, "max_output_tokens"),
     ({"temperature": 3}, "temperature"),
@@ -247,11 +267,16 @@ REFUSED = [  # (the request's fields beside BASE's, the field its 400 names)
 def test_what_is_refused_is_a_400_naming_its_field(tool_servers, fields, param):
     reply = httpx.post(tool_servers["ar"] + "/responses", json=BASE | fields, timeout=60)
     assert reply.status_code == 400, reply.text
-    assert reply.json()["error"]["param"] == param, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param, reply.text
+    # the message names Responses' fields too, never the chat request's it became
+    assert not re.search(r"`(messages|response_format|max_completion_tokens|tools\[\d+\]\.function)\b",
+                         error["message"]), error["message"]
 
 
 def test_fields_that_change_nothing_are_accepted(tool_servers):
     ignored = {"store": True, "prompt_cache_key": "k", "safety_identifier": "u", "service_tier": "auto",
+               "tools": [], "tool_choice": "auto", "text": {"format": None},  # (an agent without tools sends these)
                "include": ["reasoning.encrypted_content"], "truncation": "disabled", "reasoning": {"summary": "auto"},
                "stream_options": {"include_obfuscation": False}, "parallel_tool_calls": False}
     plain = httpx.post(tool_servers["ar"] + "/responses", json=BASE | {"temperature": 0}, timeout=60).json()
@@ -259,6 +284,7 @@ def test_fields_that_change_nothing_are_accepted(tool_servers):
     assert reply.status_code == 200, reply.text
     assert Response.model_validate(reply.json()).output_text == Response.model_validate(plain).output_text
     assert reply.json()["store"] is False  # nothing was stored
+    assert reply.json()["text"] == {"format": {"type": "text"}}
 
 
 def test_chat_chunks_become_events_the_client_parses():
@@ -295,3 +321,12 @@ def test_chat_chunks_become_events_the_client_parses():
     parsed = [adapter.validate_python(json.loads(text.split("data: ", 1)[1])) for text in texts]
     assert [e.type for e in parsed[-2:]] == ["error", "response.failed"]
     assert parsed[-2].param == "input" and parsed[-1].response.error.message == "Too long."
+
+
+def test_a_stored_response_is_a_404_that_says_none_is_stored(tool_servers):
+    import openai
+
+    responses = client(tool_servers["ar"]).responses
+    for call in (responses.retrieve, responses.delete, responses.cancel, responses.input_items.list):
+        with pytest.raises(openai.NotFoundError, match="stores no responses"):
+            call("resp_1")
