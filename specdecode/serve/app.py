@@ -168,7 +168,7 @@ def _responses_routes(app: FastAPI, server: Server) -> None:
     async def create_response(request: Request):
         return await responses.create(server, request)
 
-    @app.api_route("/v1/responses/{rest:path}", methods=["GET", "POST", "DELETE"])
+    @app.api_route("/v1/responses/{rest:path}", methods=["GET", "POST", "DELETE"], include_in_schema=False)
     async def stored_response(rest: str):  # (retrieve, cancel, delete, input_items: a stored response's)
         raise APIError(404, "This server stores no responses (a Response says `store: false`): there is none to "
                             "retrieve, cancel or delete.", code="not_found")
