@@ -27,17 +27,17 @@ from collections.abc import AsyncIterator, Callable
 from specdecode.engine import GenerationResult
 from specdecode.serve import protocol, replies
 from specdecode.serve.metrics import ServerMetrics
-from specdecode.serve.protocol import SamplingRequest
+from specdecode.serve.protocol import APIError, SamplingRequest
 from specdecode.serve.worker import Job
 from specdecode.types import TokenLogprob
 
 
 class ResponsesReply(replies.Reply):
-    """How a Responses request's generation is written: `echoed`, the request's fields a Response repeats; `param`,
-    the Responses field a chat field came from (a streamed error names it)."""
+    """How a Responses request's generation is written: `echoed`, the request's fields a Response repeats; `renamed`,
+    an error naming the Responses fields its chat fields came from (a streamed error names them)."""
 
-    def __init__(self, echoed: dict, param: Callable[[str | None], str | None]):
-        self.echoed, self.param = echoed, param
+    def __init__(self, echoed: dict, renamed: Callable[[APIError], APIError]):
+        self.echoed, self.renamed = echoed, renamed
         self.ident, self.created = new_id("resp"), protocol.now()
 
     @property
@@ -77,7 +77,12 @@ class ResponsesReply(replies.Reply):
 
 class Events:
     """A streamed chat answer's chunks (`replies.chunk_bodies`) as Responses' events; the output items as they stand
-    (`output`), the text's message item while it is being written (`message`)."""
+    (`output`), the text's message item while it is being written (`message`).
+
+    The items are the whole Response's, whatever steps the text came in (a speculative step may carry a call and the
+    text after it): one message item with all the text, then the calls. So under `auto` a call's events wait for the
+    message item's end (the stream's end); under a forced choice, whose answer is calls alone, each is sent as it
+    closes. Text that is blank so far is held, since beside calls it is no item at all."""
 
     def __init__(self, reply: ResponsesReply, model: str):
         self.reply, self.model = reply, model
@@ -87,9 +92,10 @@ class Events:
         self.finish: str | None = None
         self.usage: dict | None = None
         self.speculative: dict | None = None
-        # steps that wrote no text yet (an incomplete character, the end token, a call being read), with their
-        # log-probabilities and tokens: a delta of their own once a message item is open, else none
-        self.held: list[tuple[list[dict], dict | None]] = []
+        # steps before the message item opens (blank text, an incomplete character, a call being read), with their
+        # log-probabilities and tokens: a delta each once it opens; none if it never does
+        self.held: list[tuple[str, list[dict], dict | None]] = []
+        self.calls: list[dict] = []  # (under `auto`: sent after the message item)
 
     def read(self, chunk: dict | None) -> list[str]:
         """The events of a chat chunk (None: the stream's end; an error body: its failure)."""
@@ -106,13 +112,17 @@ class Events:
         self.speculative = chunk.get("speculative", self.speculative)
         for choice in chunk["choices"]:
             delta = choice["delta"]
-            entries, tokens = (choice["logprobs"] or {}).get("content") or [], chunk.get("specdecode")
-            if delta.get("content") or (self.message is not None and (entries or tokens is not None)):
-                out += self.text(delta.get("content") or "", entries, tokens)
-            elif entries or tokens is not None:
-                self.held.append((entries, tokens))
+            text, tokens = delta.get("content") or "", chunk.get("specdecode")
+            entries = (choice["logprobs"] or {}).get("content") or []
+            if text.strip() or (self.message is not None and (text or entries or tokens is not None)):
+                out += self.text(text, entries, tokens)
+            elif text or entries or tokens is not None:
+                self.held.append((text, entries, tokens))
             for call in delta.get("tool_calls", []):
-                out += self.close("completed") + self.call(call)
+                if self.reply.forced:
+                    out += self.call(call)
+                else:
+                    self.calls.append(call)
             self.finish = choice["finish_reason"] or self.finish
         return out
 
@@ -129,8 +139,8 @@ class Events:
             out.append(self.event("response.content_part.added", **self._where(), part=part))
             self.message["content"].append(part)
             held, self.held = self.held, []
-            for earlier, their_tokens in held:
-                out += self.text("", earlier, their_tokens)
+            for earlier in held:
+                out += self.text(*earlier)
         if text or entries or tokens is not None:
             part = self.message["content"][0]
             part["text"] += text
@@ -162,18 +172,21 @@ class Events:
         return out + [self.event("response.output_item.done", output_index=index, item=item)]
 
     def end(self) -> list[str]:
-        """The last events: the text's item closed (an empty one where the answer has no item at all and could have
-        had text), then the Response, completed or incomplete."""
+        """The last events: the text's item closed (opened first, with what was held, where the answer has neither
+        text nor calls and could have had text), the calls held, then the Response, completed or incomplete."""
         status = _status(self.finish)
-        out = self.text("", []) if not self.output and not self.reply.forced else []
-        out += self.close(status)
+        opens = self.message is None and not self.output and not self.calls and not self.reply.forced
+        out = self.text("", []) if opens else []
+        out += self.close("completed" if self.calls else status)
+        for call in self.calls:
+            out += self.call(call)
         whole = self.reply.response(self.model, self.output, status, self.usage, self.speculative)
         return out + [self.event(f"response.{status}", response=whole)]
 
     def fail(self, error: dict) -> list[str]:
         """A failure mid-stream: an `error` event as the chat stream's error body says it, and `response.failed`."""
-        out = [self.event("error", code=error.get("code"), message=error["message"],
-                          param=self.reply.param(error.get("param")))]
+        said = self.reply.renamed(APIError(400, error["message"], param=error.get("param")))
+        out = [self.event("error", code=error.get("code"), message=said.message, param=said.param)]
         code = "server_error" if error.get("type") == "server_error" else "invalid_prompt"
         failed = self.reply.response(self.model, self.output, "failed", self.usage, self.speculative,
                                      error={"code": code, "message": error["message"]})

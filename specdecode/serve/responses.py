@@ -123,8 +123,15 @@ class ResponsesRequest(BaseModel):
             raise self.renamed(protocol.invalid(error)) from None
 
     def renamed(self, error: APIError) -> APIError:
-        """`error` naming the Responses fields: its `param`, and each chat field its message names in backquotes."""
-        error.message = re.sub(r"`([^`]+)`", lambda name: f"`{self.param(name.group(1))}`", error.message)
+        """`error` naming the Responses fields: its `param`, and each chat field its message names in backquotes
+        (its `param`, or a path into a field only the chat request has: never a bare name, which may be a
+        client's own, as a function called `max_tokens`)."""
+
+        def field(name: re.Match) -> str:
+            chat = name.group(1)
+            return f"`{self.param(chat) if chat == error.param or CHAT_PATH.match(chat) else chat}`"
+
+        error.message = re.sub(r"`([^`]+)`", field, error.message)
         error.param = self.param(error.param)
         return error
 
@@ -204,7 +211,7 @@ class ResponsesRequest(BaseModel):
                 if item.get("status") == "incomplete":
                     raise APIError(400, "A call the length limit cut short (`status: incomplete`) has no whole "
                                         "arguments to send back; leave it out.", param=f"{where}.status")
-                called.add(item.get("call_id"))
+                called.add(_string(item, "call_id", where))
                 call = {"id": _string(item, "call_id", where), "type": "function",
                         "function": {"name": _string(item, "name", where),
                                      "arguments": _string(item, "arguments", where)}}
@@ -215,7 +222,7 @@ class ResponsesRequest(BaseModel):
                 self._origins[f"messages[{len(messages) - 1}].tool_calls[{len(calls)}]"] = where
                 calls.append(call)
             else:
-                if item.get("call_id") not in called:
+                if _string(item, "call_id", where) not in called:
                     raise APIError(400, f"No `function_call` item before it has the `call_id` "
                                         f"{protocol.quoted(str(item.get('call_id')))!r}.", param=f"{where}.call_id")
                 add({"role": "tool", "tool_call_id": _string(item, "call_id", where),
@@ -263,13 +270,16 @@ class ResponsesRequest(BaseModel):
         return {"type": "json_schema", "json_schema": {key: value for key, value in form.items() if key != "type"}}
 
 
+# a path into a field of the chat request that the Responses request does not have (`messages[2].content`)
+CHAT_PATH = re.compile(r"(messages\[\d+\]|tools\[\d+\]\.function|response_format|tool_choice\.function|json_schema)"
+                       r"[.\[]|messages\[\d+\]$")
 RENAMED = [  # chat's fields, as regular expressions, and the Responses fields they come from
     (r"tools\[(\d+)\]\.function", r"tools[\1]"),
     (r"tool_choice\.function", "tool_choice"),
     (r"response_format\.json_schema", "text.format"),
     (r"response_format", "text.format"),
     (r"json_schema(?=\.)", "text.format"),  # (a message's `json_schema.schema`)
-    (r"max_completion_tokens|max_tokens", "max_output_tokens"),
+    (r"(?:max_completion_tokens|max_tokens)", "max_output_tokens"),
     (r"logprobs", "include"),
     (r"messages", "input"),
 ]
@@ -280,6 +290,8 @@ def _item_type(item: Any, where: str) -> str:
     if not isinstance(item, dict):
         raise APIError(400, "An input item is an object.", param=where)
     kind = item.get("type", "message")
+    if not isinstance(kind, str):
+        raise APIError(400, "An input item's `type` is a string.", param=f"{where}.type")
     if kind == "item_reference":
         raise APIError(400, STATELESS, param=f"{where}.type", code="unsupported_parameter")
     if kind not in ITEM_KEYS:
@@ -336,6 +348,6 @@ async def create(server: Server, request: Request) -> Response:
     body = protocol.parse(await request.body(), ResponsesRequest)
     chat = body.chat()
     try:
-        return await server.answer(request, chat, arrival, ResponsesReply(body.echoed(), body.param))
+        return await server.answer(request, chat, arrival, ResponsesReply(body.echoed(), body.renamed))
     except APIError as error:
         raise body.renamed(error) from None

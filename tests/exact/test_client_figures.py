@@ -167,18 +167,40 @@ def test_the_benchmarks_time_to_first_token_is_per_turn():
 
 
 def test_an_engines_first_token_is_timed_at_its_first_piece(monkeypatch):
+    """The clock reads the second that the line being read arrived in: the first piece's, 1 s."""
     lines = [b"data: " + json.dumps(each).encode() + b"\n" for each in (
         {"choices": [{"index": 0, "text": "a", "finish_reason": None}]},
         {"choices": [{"index": 0, "text": "b", "finish_reason": "stop"}]},
         {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}})]
+    now = [0.0]
 
     class Response:
         headers = NS(get_content_type=lambda: "text/event-stream")
 
         def __iter__(self):
-            return iter(lines)
+            for second, line in enumerate(lines, 1):
+                now[0] = float(second)
+                yield line
 
-    clock = iter(range(1, 100))
-    monkeypatch.setattr(event_stream.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(event_stream.time, "perf_counter", lambda: now[0])
     answer = event_stream.read(Response(), "x", "http://h", 0.0, float("inf"))
-    assert answer.first == 2.0  # (1: the first line's deadline check; 2: its piece)
+    assert answer.first == 1.0 and answer.pieces == ["a", "b"]
+
+
+@pytest.mark.parametrize("cuts", [(), (5,), (14, 40), tuple(range(1, 120, 7)), tuple(range(1, 120))])
+def test_a_streamed_responses_items_are_the_whole_ones_wherever_the_steps_fall(cuts):
+    """Text, a call, text again: one message item with all the text, then the call, whole or streamed, whether the
+    call and the text after it come in one step (a speculative one) or several (plain decoding's)."""
+    text = "Let me check. " + CALL % "Oslo" + "It is sunny."
+    use = ToolUse((WEATHER,), "auto", True, QWEN25)
+    writer = replies.Chunks(replies.Answer(chat=True, model_name="m", tools=use))
+    pieces = [text[a:b] for a, b in zip((0, *cuts), (*cuts, len(text))) if a < b]
+    chunks = [{"choices": choice} for piece in pieces for choice in writer.step(step(piece))]
+    chunks += [{"choices": choice} for choice in writer.last(NS(finish_reason="eos"))] + [None]
+    events = Events(ResponsesReply({"tools": [WEATHER], "tool_choice": "auto"}, lambda error: error), "m")
+    final = [json.loads(e.split("data: ", 1)[1]) for chunk in chunks for e in events.read(chunk)][-1]["response"]
+    expected = whole(text, "eos", tools=[WEATHER])
+    assert [(i["type"], i.get("status")) for i in final["output"]] == [(i["type"], i.get("status"))
+                                                                        for i in expected["output"]]
+    assert final["output"][0]["content"][0]["text"] == expected["output"][0]["content"][0]["text"]
+    assert [i.get("arguments") for i in final["output"]] == [i.get("arguments") for i in expected["output"]]

@@ -253,6 +253,9 @@ REFUSED = [  # (the request's fields beside BASE's, the field its 400 names)
         "type": "program", "caller_id": "x"}}]}, "input[0].caller"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "5"}]}, "input[0].call_id"),  # no call
     ({"include": ["message.output_text.logprob"]}, "include[0]"),  # (a typo: no log-probabilities, said so)
+    ({"input": [{"type": "function_call", "call_id": ["x"], "name": "add", "arguments": "{}"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call_output", "call_id": {"a": 1}, "output": "5"}]}, "input[0].call_id"),
+    ({"input": [{"type": ["message"], "role": "user", "content": "x"}]}, "input[0].type"),
     ({"input": []}, "input"),
     ({"max_output_tokens": 100000}, "max_output_tokens"),
     ({"temperature": 3}, "temperature"),
@@ -274,6 +277,14 @@ def test_what_is_refused_is_a_400_naming_its_field(tool_servers, fields, param):
                          error["message"]), error["message"]
 
 
+def test_a_clients_own_names_in_a_message_are_not_renamed(tool_servers):
+    """A message names the Responses fields where it names the chat request's, but a client's own name that spells
+    a chat field (a function called `max_tokens`) stays as the client wrote it."""
+    reply = httpx.post(tool_servers["ar"] + "/responses", json=BASE | {
+        "tools": [ADD], "tool_choice": {"type": "function", "name": "max_tokens"}}, timeout=60)
+    assert reply.status_code == 400 and "`max_tokens`" in reply.json()["error"]["message"], reply.text
+
+
 def test_fields_that_change_nothing_are_accepted(tool_servers):
     ignored = {"store": True, "prompt_cache_key": "k", "safety_identifier": "u", "service_tier": "auto",
                "tools": [], "tool_choice": "auto", "text": {"format": None},  # (an agent without tools sends these)
@@ -288,8 +299,9 @@ def test_fields_that_change_nothing_are_accepted(tool_servers):
 
 
 def test_chat_chunks_become_events_the_client_parses():
-    """`Events` on chat chunks written by hand: text, a call, text again, then the end; and a failure mid-stream (an
-    error body, as a chat stream ends with one) as an `error` event naming the Responses field, then
+    """`Events` on chat chunks written by hand: text, a call, text again, then the end (one message item with all the
+    text, then the call, as the whole Response has them); and a failure mid-stream (an error body, as a chat stream
+    ends with one) as an `error` event naming the Responses field, in its `param` and its message, then
     `response.failed`."""
     from pydantic import TypeAdapter
     from openai.types.responses import ResponseStreamEvent
@@ -311,16 +323,20 @@ def test_chat_chunks_become_events_the_client_parses():
     assert all(text.startswith(f"event: {event.type}\n") for text, event in zip(texts, parsed))
     check_order(parsed)
     final = parsed[-1].response
-    assert [item.type for item in final.output] == ["message", "function_call", "message"]
+    assert [item.type for item in final.output] == ["message", "function_call"]
     assert final.output_text == "Let me add.Done." and final.usage.total_tokens == 7 and final.status == "completed"
 
-    failing = Events(ResponsesReply({"tools": [], "tool_choice": "auto", "parallel_tool_calls": True},
-                                    lambda p: {"messages": "input"}.get(p, p)), MODEL)
-    error = {"error": {"message": "Too long.", "type": "invalid_request_error", "param": "messages", "code": None}}
+    def renamed(error):
+        error.param, error.message = "input", error.message.replace("`messages`", "`input`")
+        return error
+
+    failing = Events(ResponsesReply({"tools": [], "tool_choice": "auto", "parallel_tool_calls": True}, renamed), MODEL)
+    error = {"error": {"message": "`messages` too long.", "type": "invalid_request_error", "param": "messages",
+                       "code": None}}
     texts = failing.read(chunk({"content": "Hi"})) + failing.read(error)
     parsed = [adapter.validate_python(json.loads(text.split("data: ", 1)[1])) for text in texts]
     assert [e.type for e in parsed[-2:]] == ["error", "response.failed"]
-    assert parsed[-2].param == "input" and parsed[-1].response.error.message == "Too long."
+    assert parsed[-2].param == "input" and parsed[-2].message == "`input` too long."
 
 
 def test_a_stored_response_is_a_404_that_says_none_is_stored(tool_servers):

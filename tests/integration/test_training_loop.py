@@ -77,27 +77,31 @@ def test_ctrl_c_saves_at_the_steps_end_and_the_run_carries_on(tmp_path):
     whole = _model()
     optimise(whole, _loss(whole), windows, SCHEDULE, TrainingRecord(settings={}), "whole", progress=False)
     checkpoint = tmp_path / "checkpoint.pt"
-    gc.collect()  # (a Ctrl-C that lands in a finaliser the collector runs is reported there and lost)
-    for presses in (1, 2):
-        model, calls = _model(), 0
+    gc.collect()  # (a Ctrl-C that lands in a finaliser the collector runs is reported there and lost: none runs)
+    gc.disable()
+    try:
+        for presses in (1, 2):
+            model, calls = _model(), 0
 
-        def pressed(window, model=model, presses=presses):
-            nonlocal calls
-            calls += 1
-            if calls == 7:
-                for _ in range(presses):
-                    os.kill(os.getpid(), signal.SIGINT)
-            return _loss(model)(window)
+            def pressed(window, model=model, presses=presses):
+                nonlocal calls
+                calls += 1
+                if calls == 7:
+                    for _ in range(presses):
+                        os.kill(os.getpid(), signal.SIGINT)
+                return _loss(model)(window)
 
-        with pytest.raises(KeyboardInterrupt):
-            optimise(model, pressed, windows, SCHEDULE, TrainingRecord(settings={}), "piece", progress=False,
-                     checkpoint=checkpoint)  # saves every five minutes: only at the Ctrl-C here
-        if presses == 1:
-            assert torch.load(checkpoint, weights_only=False)["step"] == 7  # the step it was pressed in, ended
-            checkpoint_after_one = checkpoint.read_bytes()
-            checkpoint.unlink()
-        else:
-            assert not checkpoint.exists()  # stopped at once: nothing saved
+            with pytest.raises(KeyboardInterrupt):
+                optimise(model, pressed, windows, SCHEDULE, TrainingRecord(settings={}), "piece", progress=False,
+                         checkpoint=checkpoint)  # saves every five minutes: only at the Ctrl-C here
+            if presses == 1:
+                assert torch.load(checkpoint, weights_only=False)["step"] == 7  # the step it was pressed in, ended
+                checkpoint_after_one = checkpoint.read_bytes()
+                checkpoint.unlink()
+            else:
+                assert not checkpoint.exists()  # stopped at once: nothing saved
+    finally:
+        gc.enable()
     checkpoint.write_bytes(checkpoint_after_one)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler put back
     model, record = _model(), TrainingRecord(settings={})
