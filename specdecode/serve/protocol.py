@@ -343,8 +343,9 @@ def speculative(runs: list[GenerationResult]) -> dict:
     }
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+def new_id(prefix: str, separator: str = "-") -> str:
+    """A new object's id as OpenAI writes it: `chatcmpl-...`; the Responses API's with "_" (`resp_...`)."""
+    return f"{prefix}{separator}{uuid.uuid4().hex[:24]}"
 
 
 def now() -> int:

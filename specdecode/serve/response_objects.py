@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 from specdecode.engine import GenerationResult
@@ -38,13 +37,7 @@ class ResponsesReply(replies.Reply):
 
     def __init__(self, echoed: dict, renamed: Callable[[APIError], APIError]):
         self.echoed, self.renamed = echoed, renamed
-        self.ident, self.created = new_id("resp"), protocol.now()
-
-    @property
-    def forced(self) -> bool:
-        """Whether the answer is calls alone (`tool_choice` required or a named function): no text, so no message
-        item, even an empty one."""
-        return bool(self.echoed.get("tools")) and self.echoed.get("tool_choice") not in ("auto", "none")
+        self.ident, self.created = protocol.new_id("resp", "_"), protocol.now()
 
     def response(self, model: str, output: list[dict], status: str, usage: dict | None = None,
                  speculative: dict | None = None, error: dict | None = None) -> dict:
@@ -68,7 +61,8 @@ class ResponsesReply(replies.Reply):
 
     async def stream(self, jobs: list[Job], firsts: list, body: SamplingRequest, plan: replies.Choices,
                      metrics: ServerMetrics) -> AsyncIterator[str]:
-        events = Events(self, plan.answers[0].model_name)
+        use = plan.answers[0].tools
+        events = Events(self, plan.answers[0].model_name, calls_only=use is not None and use.calls_only)
         async with contextlib.aclosing(replies.chunk_bodies(jobs, firsts, body, plan, metrics)) as chunks:
             async for chunk in chunks:
                 for event in events.read(chunk):
@@ -82,10 +76,11 @@ class Events:
     The items are the whole Response's, whatever steps the text came in (a speculative step may carry a call and the
     text after it): one message item with all the text, then the calls. So under `auto` a call's events wait for the
     message item's end (the stream's end); under a forced choice, whose answer is calls alone, each is sent as it
-    closes. Text that is blank so far is held, since beside calls it is no item at all."""
+    closes. Text that is blank so far is held, since beside calls it is no item at all. `calls_only`: the answer is
+    calls alone (`tools.ToolUse.calls_only`), so no message item, even an empty one."""
 
-    def __init__(self, reply: ResponsesReply, model: str):
-        self.reply, self.model = reply, model
+    def __init__(self, reply: ResponsesReply, model: str, calls_only: bool = False):
+        self.reply, self.model, self.calls_only = reply, model, calls_only
         self.sequence = 0
         self.output: list[dict] = []
         self.message: dict | None = None
@@ -119,7 +114,7 @@ class Events:
             elif text or entries or tokens is not None:
                 self.held.append((text, entries, tokens))
             for call in delta.get("tool_calls", []):
-                if self.reply.forced:
+                if self.calls_only:
                     out += self.call(call)
                 else:
                     self.calls.append(call)
@@ -175,7 +170,7 @@ class Events:
         """The last events: the text's item closed (opened first, with what was held, where the answer has neither
         text nor calls and could have had text), the calls held, then the Response, completed or incomplete."""
         status = _status(self.finish)
-        opens = self.message is None and not self.output and not self.calls and not self.reply.forced
+        opens = self.message is None and not self.output and not self.calls and not self.calls_only
         out = self.text("", []) if opens else []
         out += self.close("completed" if self.calls else status)
         for call in self.calls:
@@ -205,13 +200,14 @@ class Events:
 def text_item(text: str, entries: list[dict], status: str) -> dict:
     """The answer's text as an output message item; `entries`: its tokens' log-probabilities, as chat's."""
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": entries}
-    return {"type": "message", "id": new_id("msg"), "role": "assistant", "status": status, "content": [part]}
+    return {"type": "message", "id": protocol.new_id("msg", "_"), "role": "assistant", "status": status,
+            "content": [part]}
 
 
 def call_item(call: dict, status: str) -> dict:
     """A chat tool call (`serve.tools.new_call`) as a function_call output item."""
-    return {"type": "function_call", "id": new_id("fc"), "call_id": call["id"], "name": call["function"]["name"],
-            "arguments": call["function"]["arguments"], "status": status}
+    return {"type": "function_call", "id": protocol.new_id("fc", "_"), "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
 
 
 def cut_or_completed(call: dict) -> str:
@@ -236,6 +232,3 @@ def usage(chat: dict) -> dict:
 def _status(finish: str | None) -> str:
     return "incomplete" if finish == "length" else "completed"
 
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"

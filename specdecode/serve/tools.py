@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 
 from specdecode.constraints import Constraint
@@ -21,7 +20,7 @@ from specdecode.constraints.grammar import JSON_OPTIONS
 from specdecode.errors import UserError
 from specdecode.serve.call_schemas import call_schema
 from specdecode.serve.chat import ChatRequest, NamedToolChoice
-from specdecode.serve.protocol import APIError, quoted
+from specdecode.serve.protocol import APIError, new_id, quoted
 
 
 @dataclass(frozen=True)
@@ -64,6 +63,11 @@ class ToolUse:
     choice: str
     parallel: bool
     format: ToolFormat
+
+    @property
+    def calls_only(self) -> bool:
+        """`required` or a named function: the grammar writes nothing but calls (`constraint`), so no text."""
+        return self.choice != "auto"
 
     @property
     def names(self) -> list[str]:
@@ -137,7 +141,7 @@ def tool_use(body: ChatRequest, template: str | None) -> ToolUse | None:
 
 def new_call(name: str, arguments: str) -> dict:
     """An OpenAI tool call, its arguments as JSON text."""
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+    return {"id": new_id("call", "_"), "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
 
@@ -272,7 +276,7 @@ class CallReader:
         more, last = self.finish()
         content += more
         calls += last
-        return (None if (calls or self.use.choice != "auto") and not content.strip() else content), calls
+        return (None if (calls or self.use.calls_only) and not content.strip() else content), calls
 
     def _outside(self, text: str) -> str:
         if self.calls and not text.strip():
@@ -293,7 +297,7 @@ class CallReader:
     def _cut(self, text: str) -> str:
         """An answer's end cut short where no call reads: content, but under `required` or a named function the
         grammar wrote nothing but calls, so it is the beginning of a call, not text for the user (none)."""
-        return self._outside(text) if self.use.choice == "auto" else ""
+        return "" if self.use.calls_only else self._outside(text)
 
     def _take(self, call: dict) -> list[dict]:
         if self.calls and not self.use.parallel:
