@@ -207,12 +207,14 @@ class ResponsesRequest(BaseModel):
             kind = _item_type(item, where)
             if kind == "message":
                 add(_message(item, where), where)
-            elif kind == "function_call":
-                if item.get("status") == "incomplete":
-                    raise APIError(400, "A call the length limit cut short (`status: incomplete`) has no whole "
-                                        "arguments to send back; leave it out.", param=f"{where}.status")
-                called.add(_string(item, "call_id", where))
-                call = {"id": _string(item, "call_id", where), "type": "function",
+                continue
+            if kind == "function_call" and item.get("status") == "incomplete":
+                raise APIError(400, "A call the length limit cut short (`status: incomplete`) has no whole arguments "
+                                    "to send back; leave it out.", param=f"{where}.status")
+            call_id = _string(item, "call_id", where)  # (a call's, or the call an output answers)
+            if kind == "function_call":
+                called.add(call_id)
+                call = {"id": call_id, "type": "function",
                         "function": {"name": _string(item, "name", where),
                                      "arguments": _string(item, "arguments", where)}}
                 last = messages[-1] if messages else None
@@ -222,10 +224,10 @@ class ResponsesRequest(BaseModel):
                 self._origins[f"messages[{len(messages) - 1}].tool_calls[{len(calls)}]"] = where
                 calls.append(call)
             else:
-                if _string(item, "call_id", where) not in called:
+                if call_id not in called:
                     raise APIError(400, f"No `function_call` item before it has the `call_id` "
-                                        f"{protocol.quoted(str(item.get('call_id')))!r}.", param=f"{where}.call_id")
-                add({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+                                        f"{protocol.quoted(call_id)!r}.", param=f"{where}.call_id")
+                add({"role": "tool", "tool_call_id": call_id,
                      "content": _text(item.get("output"), f"{where}.output")}, where)
         return messages
 
