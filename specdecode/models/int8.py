@@ -133,6 +133,15 @@ class InvariantInt8Linear(nn.Module):
         qweight, _ = torch.ops.quantized.linear_unpack(self._packed)
         return qweight.dequantize()
 
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """`weight[ids]` ([k] output channels -> [k, in] float32), dequantizing those rows alone: a head's draft
+        vocabulary is a fifth of a 151,936-row LM head, whose float32 copy whole would take four times its int8
+        bytes for a moment."""
+        qweight, _ = torch.ops.quantized.linear_unpack(self._packed)
+        ids = ids.to(torch.long)
+        scales = qweight.q_per_channel_scales()[ids].to(torch.float32)  # (zero points are 0: symmetric)
+        return qweight.int_repr()[ids].to(torch.float32) * scales[:, None]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         return self.rows(x.reshape(-1, self.in_features).float()).reshape(*x.shape[:-1], self.out_features)
 

@@ -249,16 +249,16 @@ def test_int4_weights_round_trip():
     assert float(worst.max()) < 0.25  # no block lost: each within a fraction of its own range
 
 
-@needs_int4
-def test_a_heads_rows_of_an_int4_lm_head_are_its_weights_rows():
-    """`weight_rows` (a head's draft vocabulary read from an int4 LM head, those rows alone dequantized) is
-    `weight[ids]` bitwise, and `heads.lm_head_rows` takes it where the head has it, `weight[ids]` elsewhere."""
+@pytest.mark.parametrize("bits", BITS)
+def test_a_heads_rows_of_a_quantized_lm_head_are_its_weights_rows(bits):
+    """`weight_rows` (a head's draft vocabulary read from an int8 or int4 LM head, those rows alone dequantized)
+    is `weight[ids]` bitwise, and `heads.lm_head_rows` takes it where the head has it, `weight[ids]` elsewhere."""
     from specdecode.drafters.heads import lm_head_rows
 
     g = torch.Generator().manual_seed(2)
     linear = torch.nn.Linear(96, 50, bias=False).requires_grad_(False)
     linear.weight.copy_(torch.randn(50, 96, generator=g))
-    quantized = InvariantInt4Linear.from_linear(linear)
+    quantized = LAYERS[bits].from_linear(linear)
     ids = torch.tensor([49, 0, 7, 7, 23])
     assert torch.equal(quantized.weight_rows(ids), quantized.weight[ids])
     for head in (quantized, linear):
