@@ -175,6 +175,7 @@ class ResponsesRequest(BaseModel):
             raise APIError(400, "This server does not truncate a conversation: one longer than the context is a 400. "
                                 "Leave `truncation` out, or `disabled`.", param="truncation",
                            code="unsupported_parameter")
+        _known(self.reasoning or {}, {"effort", "summary", "generate_summary"}, "reasoning")
         effort = (self.reasoning or {}).get("effort")
         if effort not in (None, "none"):
             raise APIError(400, "This server's models have no reasoning effort to set; leave `reasoning` out.",
@@ -262,10 +263,7 @@ class ResponsesRequest(BaseModel):
     def _format(self) -> dict | None:
         """`text.format` as chat's `response_format`."""
         text = self.text or {}
-        if set(text) - {"format", "verbosity"}:
-            extra = sorted(set(text) - {"format", "verbosity"})[0]
-            raise APIError(400, f"Unrecognized request argument supplied: {protocol.quoted(extra)}",
-                           param=f"text.{extra}")
+        _known(text, {"format", "verbosity"}, "text")
         form = text.get("format")
         if not isinstance(form, dict) or form.get("type") != "json_schema":
             return form
@@ -287,6 +285,13 @@ RENAMED = [  # chat's fields, as regular expressions, and the Responses fields t
 ]
 
 
+def _known(fields: dict, known: set[str] | frozenset[str], where: str) -> None:
+    """A 400 naming the first of an object's `fields` that is not `known`, as OpenAI's for an unknown argument."""
+    if extra := sorted(set(fields) - known):
+        raise APIError(400, f"Unrecognized request argument supplied: {protocol.quoted(extra[0])}",
+                       param=f"{where}.{extra[0]}")
+
+
 def _item_type(item: Any, where: str) -> str:
     """An input item's type (a message's may be left out), once its fields are those of its type."""
     if not isinstance(item, dict):
@@ -299,9 +304,7 @@ def _item_type(item: Any, where: str) -> str:
     if kind not in ITEM_KEYS:
         raise APIError(400, f"Input items of type {protocol.quoted(str(kind))!r} are not supported: this server reads "
                             f"{', '.join(ITEM_KEYS)} items.", param=f"{where}.type", code="unsupported_parameter")
-    if extra := sorted(set(item) - ITEM_KEYS[kind]):
-        raise APIError(400, f"Unrecognized request argument supplied: {protocol.quoted(extra[0])}",
-                       param=f"{where}.{extra[0]}")
+    _known(item, ITEM_KEYS[kind], where)
     for key, allowed in ITEM_VALUES.items():
         if item.get(key) is not None and item[key] not in allowed:
             raise APIError(400, f"`{where}.{key}` is not supported here: {', '.join(map(str, allowed)) or 'null'} "

@@ -224,6 +224,7 @@ REFUSED = [  # (the request's fields beside BASE's, the field its 400 names)
     ({"background": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+    ({"reasoning": {"summary": "auto", "efort": "low"}}, "reasoning.efort"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"max_tool_calls": 2}, "max_tool_calls"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
