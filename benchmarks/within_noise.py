@@ -10,10 +10,12 @@ the measurement on these prompts, not a claim about other prompts). The category
 strongest rival (the lowest geometric mean): *ahead* where the whole interval is above 1, *behind* where it is all
 below 1, *level* where it lies within 5% of 1 either way (`bench.noise.MARGIN`: equivalence shown), *unresolved*
 where it holds 1 but reaches further (no gap found, and none up to the interval's ends ruled out). Beside it, the
-smallest gap the run would find four times in five at its noise (`bench.noise.detectable`), and under the table the
-chance that noise alone reads some category *behind*; then the repeat noise of the run: how far one run of a
-prompt lies from the mean of its repeats (one method, the root mean square over methods and prompts), what two
-runs of the very same work differ by here.
+smallest gap the run would find four times in five at its noise (`bench.noise.detectable`), and the one-sided
+p-value of *behind* against that rival after Holm's step-down over every rival in every category (`bench.noise.holm`:
+below 0.05, a *behind* that stands with the chance of any false one in the family under 5%); under the table the
+chance that noise alone reads some category *behind* unadjusted, and how many comparisons stand after Holm; then
+the repeat noise of the run: how far one run of a prompt lies from the mean of its repeats (one method, the root
+mean square over methods and prompts), what two runs of the very same work differ by here.
 
 `--decoding-alone`: the rates after the first token of each turn (the records' `prefill_seconds` left out),
 where the prompt's feeding is the same work for every method and its time only adds noise to the comparison.
@@ -31,7 +33,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from specdecode.bench.harness import run_records
-from specdecode.bench.noise import chance_of_a_false_behind, detectable, interval, verdict
+from specdecode.bench.noise import chance_of_a_false_behind, detectable, holm, interval, p_behind, verdict
 from specdecode.errors import UserError
 
 Key = tuple[int, str, int]  # (file, task, repeat)
@@ -83,8 +85,8 @@ def repeat_noise(measured: dict[str, dict[str, dict[Key, float]]]) -> float:
 
 def table(measured, method: str, rivals: list[str] | None) -> list[str]:
     lines = [f"| category | strongest rival | `{method}` / rival (geometric mean) | 90% interval | pairs | verdict "
-             "| gap it would find | every rival |", "|---|---|---|---|---|---|---|---|"]
-    judged = 0
+             "| gap it would find | every rival | *behind*: Holm's p |", "|---|---|---|---|---|---|---|---|---|"]
+    judged: dict[str, list[tuple]] = {}  # category -> (rival, pairs, mean, low, high, gap, p of behind)
     for category in sorted(measured):
         runs = measured[category]
         if method not in runs:
@@ -94,21 +96,28 @@ def table(measured, method: str, rivals: list[str] | None) -> list[str]:
         for rival in others:
             pairs = [value - runs[rival][key] for key, value in runs[method].items() if key in runs[rival]]
             if pairs:
-                rows.append((rival, len(pairs), *interval(pairs), detectable(pairs)))
-        if not rows:
-            continue
-        judged += len(rows)
-        rival, count, mean, low, high, gap = min(rows, key=lambda row: row[2])
+                rows.append((rival, len(pairs), *interval(pairs), detectable(pairs), p_behind(pairs)))
+        if rows:
+            judged[category] = rows
+    # the family: every rival in every category, so that picking the slowest-looking rival is paid for
+    family = [row for rows in judged.values() for row in rows]
+    adjusted = dict(zip(map(id, family), holm([row[-1] for row in family])))
+    for category, rows in judged.items():
+        rival, count, mean, low, high, gap, _ = shown = min(rows, key=lambda row: row[2])
         every = ", ".join(f"{row[0]} {math.exp(row[2]):.2f}" for row in sorted(rows, key=lambda row: row[2]))
-        shown = f"{math.exp(low):.3f}-{math.exp(high):.3f}" if count > 1 else "- (one pair)"
+        interval_shown = f"{math.exp(low):.3f}-{math.exp(high):.3f}" if count > 1 else "- (one pair)"
         found = f"{100 * (math.exp(gap) - 1):.0f}%" if count > 1 else "-"
-        lines.append(f"| {category} | {rival} | {math.exp(mean):.3f} | {shown} | {count} "
-                     f"| {verdict(low, high) if count > 1 else '-'} | {found} | {every} |")
+        lines.append(f"| {category} | {rival} | {math.exp(mean):.3f} | {interval_shown} | {count} "
+                     f"| {verdict(low, high) if count > 1 else '-'} | {found} | {every} "
+                     f"| {adjusted[id(shown)]:.3f} |")
     noise = repeat_noise(measured)
+    standing = sum(p < 0.05 for p in adjusted.values())
     lines.append("")
     lines.append(f"Were every method as fast as every other, noise alone would read at least one of these "
-                 f"{judged} comparisons *behind* in {100 * chance_of_a_false_behind(judged):.0f}% of runs (more, as "
-                 "each category is judged against its slowest-looking rival): a lone *behind* is weak evidence.")
+                 f"{len(family)} comparisons *behind* in {100 * chance_of_a_false_behind(len(family)):.0f}% of runs "
+                 "(more, as each category is judged against its slowest-looking rival): a lone *behind* is weak "
+                 f"evidence. Holm's step-down over all {len(family)} (every rival in every category) keeps that chance "
+                 f"below 5%: {standing} of them *behind* at that level.")
     lines.append(f"Repeat noise: one run of a prompt lies {100 * (math.exp(noise) - 1):.1f}% (root mean square, log "
                  "scale) from the mean of its repeats.")
     return lines

@@ -1,6 +1,7 @@
 """How far a measured ratio is from noise: the mean of paired log ratios and its two-sided interval at 0.9
-confidence (Student's t over the pairs), its reading (`verdict`), and the smallest gap a run of its size and noise
-would find (`detectable`); shared by the benchmark scripts that judge one method against another
+confidence (Student's t over the pairs), its reading (`verdict`), the smallest gap a run of its size and noise
+would find (`detectable`), and a one-sided p-value for *behind* (`p_behind`) with Holm's adjustment over a family of
+comparisons (`holm`); shared by the benchmark scripts that judge one method against another
 (`benchmarks/within_noise.py`, `benchmarks/serve_concurrency.py`)."""
 
 from __future__ import annotations
@@ -70,3 +71,51 @@ def chance_of_a_false_behind(comparisons: int) -> float:
     verdicts reads *behind* by noise alone (each one-sided at a level of 0.05); a lower bound where the rival compared
     with is the slowest-looking of several."""
     return 1 - 0.95 ** comparisons
+
+
+def t_tail(t: float, degrees: int) -> float:
+    """P(T > t) for Student's t with a whole number of degrees of freedom, from the finite series in cos(atan(t /
+    sqrt(degrees))) that the t distribution has for whole degrees (Abramowitz and Stegun 26.7.3-4): no library
+    needed, exact to rounding."""
+    if degrees < 1:
+        raise ValueError("Student's t needs at least one degree of freedom")
+    theta = math.atan(abs(t) / math.sqrt(degrees))
+    cos2, term = math.cos(theta) ** 2, 1.0
+    if degrees % 2:  # odd: (2 / pi) (theta + sin cos (1 + 2/3 cos^2 + 2*4/(3*5) cos^4 + ...))
+        series = 0.0
+        for k in range(1, (degrees - 1) // 2 + 1):
+            series += term
+            term *= cos2 * (2 * k) / (2 * k + 1)
+        within = 2 / math.pi * (theta + math.sin(theta) * math.cos(theta) * series)
+    else:  # even: sin (1 + 1/2 cos^2 + 1*3/(2*4) cos^4 + ...)
+        series = 0.0
+        for k in range(1, degrees // 2 + 1):
+            series += term
+            term *= cos2 * (2 * k - 1) / (2 * k)
+        within = math.sin(theta) * series
+    tail = (1 - within) / 2  # P(|T| > |t|) / 2
+    return tail if t >= 0 else 1 - tail
+
+
+def p_behind(differences: list[float]) -> float:
+    """The one-sided p-value of *behind*: how often a method no slower than its rival would show a mean log ratio
+    this low or lower (t over the pairs); 1 for one pair, or for pairs that do not vary."""
+    if len(differences) < 2:
+        return 1.0
+    spread = statistics.stdev(differences)
+    mean = statistics.fmean(differences)
+    if spread == 0:
+        return 0.0 if mean < 0 else 1.0
+    return t_tail(-mean / (spread / math.sqrt(len(differences))), len(differences) - 1)
+
+
+def holm(p_values: list[float]) -> list[float]:
+    """Holm's step-down adjustment of a family's p-values, in their order: an adjusted p below a level says the
+    comparison holds at that level with the chance of any false finding in the family kept below it, whatever
+    the comparisons' dependence."""
+    order = sorted(range(len(p_values)), key=p_values.__getitem__)
+    adjusted, running = [1.0] * len(p_values), 0.0
+    for rank, index in enumerate(order):
+        running = max(running, min(1.0, (len(p_values) - rank) * p_values[index]))
+        adjusted[index] = running
+    return adjusted
