@@ -282,6 +282,21 @@ def test_the_batch_gate_shares_the_forward():
     assert cut_batch([tree, scored(4, 0.9)], FLAT, pending=2)[0] is tree
 
 
+@pytest.mark.parametrize("scores", [(0.2, 0.95, 0.1), (0.9, 0.9, 0.1)], ids=["child-above-parent", "tied"])
+def test_the_batch_gate_keeps_every_kept_nodes_parent(scores):
+    """Whatever a drafter's scores say (a child above its parent, a parent and child tied), the cut keeps a tree
+    closed under ancestors, at every batch size: a child kept without its parent made the step's tree selection
+    refuse, and the step failed every sequence in the batch."""
+    steep = CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.3, 2.0, 3.5, 7.0, 14.0, 28.0))
+    tree = Draft(tokens=torch.arange(3), parents=torch.tensor([-1, 0, -1]), scores=torch.tensor(scores))
+    for others in range(1, 8):
+        kept = cut_batch([tree] + [scored(2, 0.3)] * others, steep, pending=1 + others)[0]
+        tokens = kept.tokens.tolist()
+        assert 1 not in tokens or 0 in tokens, (others, tokens)
+        if kept.parents is not None:
+            assert all(parent < index for index, parent in enumerate(kept.parents.tolist())), (others, tokens)
+
+
 def test_prompt_tokens_fed_beside_the_decoding_do_not_make_drafts_look_cheap():
     """A step that also feeds prompt tokens (a long prompt's chunk, a short prompt whole) prices the drafts as the
     decoding sequences' own forward plus what the drafts add: counted in the whole forward, the prompt's tokens

@@ -305,3 +305,23 @@ def test_tokens_beyond_the_widest_size_cost_at_least_a_prompt_token():
     assert CostCurve((1, 2, 4), (1.0, 2.0, 2.0), seconds=0.1)(6) == 2.0  # (no prefill measured: as before)
     steep = CostCurve((1, 2, 4), (1.0, 2.0, 4.0), seconds=0.1, prefill=0.05)
     assert steep(6) == pytest.approx(6.0)  # the last segment's slope where it is the steeper
+
+
+def test_the_stored_curve_is_the_first_bands_and_a_new_band_starts_from_the_nearest_below():
+    """What goes to the cache for the next process is the band of short caches (where the prior is measured),
+    not the band a long conversation is in; a band met first starts from the nearest band below it, not the first."""
+    sizes = (1, 2, 4, 8)
+    prior = CostCurve(sizes, (1.0, 1.1, 1.3, 1.8), 0.01)
+    stored: list[CostCurve] = []
+    curve = LiveCurve(prior, on_change=stored.append)
+    for _ in range(200):  # short caches: fast
+        curve.observe(1, 0.01, context=100)
+    curve.at(5000)  # a long cache: every forward ten times slower
+    while curve._forwards < 256:
+        curve.observe(1, 0.1)
+    assert stored and stored[-1].seconds == pytest.approx(0.01)
+    fresh = LiveCurve(prior)
+    for _ in range(5):
+        fresh.observe(1, 0.05, context=1500)  # the second band, timed at 0.05 s
+    fresh.at(3000)  # the third, met first
+    assert fresh.seconds == pytest.approx(0.05)

@@ -90,3 +90,14 @@ def test_holm_pays_for_picking_the_slowest_looking_rival(tmp_path):
     assert float(rows["code"][8]) > 0.2 and float(rows["rag"][8]) < 0.001
     assert rows["rag"][5] == "behind" and "13 (every rival in every category)" in lines[-2]
     assert "1 of them *behind* at that level" in lines[-2]
+
+
+def test_detectable_gap_and_the_chance_of_a_false_behind_by_hand():
+    import statistics
+
+    from specdecode.bench import noise
+
+    pair = [0.0, 0.1]  # one degree of freedom: t95 6.314, t80 1.376
+    assert math.isclose(noise.detectable(pair), (6.314 + 1.376) * statistics.stdev(pair) / math.sqrt(2))
+    assert math.isclose(noise.chance_of_a_false_behind(1), 0.05)  # one comparison: its own 5%
+    assert math.isclose(noise.chance_of_a_false_behind(3), 1 - 0.95 ** 3)  # independent one-sided 5% tests

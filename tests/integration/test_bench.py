@@ -346,3 +346,23 @@ def test_the_commit_a_report_records_is_the_packages_own(monkeypatch, tmp_path):
     monkeypatch.setattr(server_process.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
         a, 0, stdout=f"{tmp_path}\n3193d5a\n"))  # another repository's top level and commit
     assert server_process.commit().startswith("specdecode ")
+
+
+def test_the_decoding_alone_table_and_an_engine_rows_own_reference():
+    """The report's "Decoding alone" table gives each category's own decoding speedup in its column (not the overall
+    one in every column); a row with its own plain run (`references`: an engine's, whose tokenizer may differ) is
+    checked for exactness against that run, not against the report's reference."""
+    def cell(speedup: float) -> report.Cell:
+        return report.Cell((10.0, 0.0), (1.0, 0.0), None, 1, 0, decode_speedup=(speedup, 0.0))
+
+    rows = [report.MethodSummary("m", {"code": cell(1.5), "qa": cell(3.0), report.OVERALL: cell(2.0)}, None)]
+    table = report.markdown(rows, {}, [], "ar").split("## Decoding alone")[1].split("##")[0]
+    assert next(line for line in table.splitlines() if line.startswith("| m |")) == "| m | 1.50x | 3.00x | 2.00x |"
+
+    def run(method: str, tokens: tuple[int, ...]) -> Record:
+        return Record(method, "code", "t", 0, token_ids=list(tokens), turn_lengths=[len(tokens)], seconds=1.0)
+
+    records = [run("ar", (1, 2, 3)), run("eng-ar", (7, 8, 9)), run("eng", (7, 8, 9))]
+    summaries = {s.method: s for s in report.summarise(records, {"ar": True, "eng-ar": False, "eng": True}, "ar",
+                                                       {"eng": "eng-ar"})}
+    assert summaries["eng"].exact == (1, 1) and summaries["eng"].reference == "eng-ar"

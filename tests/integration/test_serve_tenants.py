@@ -89,6 +89,26 @@ def test_a_second_client_sees_nothing_of_the_first(models, memory_scope, user, l
     assert leaked(after) == leaks
 
 
+@pytest.mark.parametrize("memory_scope, user", [("request", "alice"), ("tenant", None)])
+def test_ownerless_requests_that_run_alone_see_nothing_of_earlier_ones(models, memory_scope, user):
+    """Requests without an owner that run alone (a server holding one sequence: `--max-batch 1`, as a backend
+    without a batch) share one engine, which forgets before each: the last client's drafts are a fresh server's.
+    (The batched path builds each request its own drafter, so the tests above never reach the alone path's forget.)"""
+    def traffic_alone(requests: list[str]) -> list[list[dict]]:
+        state = Server(models, MODEL, default_method="suffix", methods=["suffix"], memory_scope=memory_scope,
+                       max_batch=1)
+        running = ServerThread(create_app(state, Guard()))
+        try:
+            assert state.worker.batch is None  # every job runs alone
+            return [stream(running.url, prompt, None, user) for prompt in requests]
+        finally:
+            running.stop()
+
+    [alone] = traffic_alone([PROBE_PROMPT])
+    *_, after = traffic_alone([OWNER_PROMPT] * 3 + [PROBE_PROMPT])
+    assert not leaked(after) and after == alone
+
+
 def test_an_owner_keeps_its_memory_and_other_users_do_not_see_it(models):
     [bob_alone] = traffic(models, "tenant", [(PROBE_PROMPT, None, "bob")])
     *_, alice, bob, anonymous = traffic(models, "tenant", [(OWNER_PROMPT, None, "alice")] * 3 + [
