@@ -178,7 +178,8 @@ def load_models(
     "cuda:N", "mps"); the draft model goes to the target's device. None: "auto" for models loaded by name,
     and an already loaded model stays where it is. `static`: the torch backend's static-shape path, its
     forwards captured as CUDA graphs (`models.static`); None: on a CUDA device, for the models it fits.
-    `drafter` "none" (`--drafter none`) loads none, as None does."""
+    `drafter` "none" (`--drafter none`) loads none, as None does. `progress` False: no status line, progress bar or
+    note of a one-time measurement (the models' cost curves, measured on first use) on the console."""
     if isinstance(drafter, str) and drafter.strip().lower() == "none":  # (not a hub id: no model is called that)
         drafter = None
     if backend == "llamacpp":
@@ -188,7 +189,7 @@ def load_models(
         if device is not None:
             devices.refuse_off_cpu(devices.resolve(device), "the llama.cpp backend as shipped",
                                    "use --backend torch there (llama-cpp-python built with CUDA is not set up)")
-        return _load_llamacpp(target, drafter, progress)
+        return _quiet(_load_llamacpp(target, drafter, progress), progress)
     if backend != "torch":
         raise UserError(f"unknown backend {backend!r}; choose torch or llamacpp")
     asked = None if device is None else devices.resolve(device)
@@ -211,7 +212,16 @@ def load_models(
         log.warning("the draft model reads as many weights a token as the target, or more: its drafts cost at least "
                     "what they could save, so the methods that draft with it will draft little or nothing (give a "
                     "smaller --drafter)")
-    return Models(target_lm, target_tokenizer, draft, target_gguf=gguf_of(target), draft_tokenizer=other_tokenizer)
+    return _quiet(Models(target_lm, target_tokenizer, draft, target_gguf=gguf_of(target),
+                         draft_tokenizer=other_tokenizer), progress)
+
+
+def _quiet(models: Models, progress: bool) -> Models:
+    """`models` whose one-time measurements on first use print nothing where `progress` is off."""
+    for lm in (models.target, models.draft):
+        if lm is not None:
+            lm.quiet = not progress
+    return models
 
 
 def gguf_of(spec) -> Path | None:

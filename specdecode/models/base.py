@@ -49,6 +49,9 @@ class CausalLM(abc.ABC):
     # True: as a draft model it can grow a token tree in its own cache (a draft model's tree drafting); llama.cpp's
     # context holds a tree only for the one forward that verifies it
     grows_trees: bool = True
+    # True: a one-time measurement on first use (the cost curve: `models.costs.cached`) prints no line, as
+    # `load_models(progress=False)` asks
+    quiet: bool = False
 
     vocab_size: int  # rows of the output distribution (may exceed the tokenizer's vocabulary)
     max_context: int  # positions the model supports

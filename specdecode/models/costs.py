@@ -267,8 +267,9 @@ def cached(model: CausalLM, key: str) -> CostCurve:
         if curve is not None:  # a curve cached before prefills were timed: its figure now
             curve = dataclasses.replace(curve, prefill=measure_prefill(measured))
         else:
-            console.print(f"Measuring what wider forwards cost this model on this machine (once; kept in {path})",
-                          style="dim", highlight=False)
+            if not model.quiet:
+                console.print(f"Measuring what wider forwards cost this model on this machine (once; kept in {path})",
+                              style="dim", highlight=False)
             curve = measure(measured)
     store(key, curve)
     return curve

@@ -222,6 +222,18 @@ def test_cached_curve_is_measured_once(tiny_target, tmp_path, monkeypatch):
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize("progress", [True, False])
+def test_the_first_measurement_says_so_only_where_progress_is_on(tiny_folder, tmp_path, monkeypatch, capsys, progress):
+    from specdecode.api import load_models
+
+    monkeypatch.setattr(costs, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(costs, "measure", lambda *args, **kwargs: MEASURED)
+    models = load_models(str(tiny_folder), None, dtype="float32", progress=progress)
+    capsys.readouterr()
+    assert costs.cached(models.target, "tiny|first") == MEASURED
+    assert ("Measuring what wider forwards cost" in capsys.readouterr().err) is progress
+
+
 def test_a_curve_cached_before_prefills_were_timed_gets_its_figure(tiny_target, tmp_path, monkeypatch):
     monkeypatch.setattr(costs, "cache_root", lambda: tmp_path)
     monkeypatch.setattr(costs, "measure", lambda *args, **kwargs: pytest.fail("the curve is cached"))
