@@ -224,6 +224,14 @@ def _quiet(models: Models, progress: bool) -> Models:
     return models
 
 
+def _prompt_ids(prompt) -> list[int]:
+    """A prompt that is not a text as its token ids, as the engines take them (a list or tuple, a tensor of one row,
+    numpy's integers); a UserError that names both kinds of prompt for what is neither."""
+    if not (isinstance(prompt, list | tuple | torch.Tensor) or hasattr(prompt, "__array__")):  # (numpy's arrays)
+        raise UserError(f"the prompt is a text or a list of token ids, not {type(prompt).__name__}")
+    return token_ids(prompt)
+
+
 def gguf_of(spec) -> Path | None:
     """The GGUF file a target spec names, if any."""
     if not isinstance(spec, str):
@@ -263,7 +271,7 @@ def _kept_as(spec: Any) -> Any:
 
 
 def generate(
-    prompt: str | list[int] | tuple[int, ...],
+    prompt: str | list[int] | tuple[int, ...] | torch.Tensor | Any,  # Any: numpy's integers
     *,
     method: str = "auto",  # the composite that fits the loaded models (docs/methods/index.md)
     target: str | PreTrainedModel = DEFAULT_TARGET,
@@ -296,9 +304,8 @@ def generate(
     `.regex(pattern)`, `.grammar(lark)`), enforced losslessly under every method (docs/structured-output.md);
     `datastore`, `reference` and `choices` as `Models.engine` takes them (a retrieval datastore's path, a document's
     text to draft from, a fixed tree shape), for the methods that take them."""
-    if not isinstance(prompt, str | list | tuple):
-        raise UserError(f"the prompt is a text or a list of token ids, not {type(prompt).__name__}")
-    if chat and not isinstance(prompt, str):
+    ids = None if isinstance(prompt, str) else _prompt_ids(prompt)  # before any model loads
+    if chat and ids is not None:
         raise UserError("chat=True puts a text in the chat template; token ids are fed as they are (drop chat=True)")
     choice = choose(method, tree=tree, budget=budget, head=head, datastore=datastore, reference=reference,
                     choices=choices)  # before any model loads
@@ -317,7 +324,7 @@ def generate(
             if kept:
                 _loaded[key] = models
         turn = _turns.setdefault(key, threading.Lock()) if kept else threading.Lock()
-    ids = models.encode(prompt, chat=chat) if isinstance(prompt, str) else token_ids(prompt)
+    ids = models.encode(cast(str, prompt), chat=chat) if ids is None else ids
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),

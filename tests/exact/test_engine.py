@@ -256,7 +256,7 @@ def test_a_prompt_may_be_a_tensor_or_numpy_ids(tiny_target):
     assert engine.generate(np.array(PROMPT), config).token_ids == want
 
 
-def test_generate_takes_token_ids_as_a_list_or_a_tuple(tiny_folder):
+def test_generate_takes_token_ids_as_a_list_a_tuple_a_tensor_or_numpys(tiny_folder):
     from specdecode.api import generate
 
     ids = PROMPT[:12]
@@ -276,8 +276,13 @@ def test_generate_takes_token_ids_as_a_list_or_a_tuple(tiny_folder):
     assert copied.text == text
     with pytest.raises(UserError, match="no datastore at"):
         generate(ids, method="rest", target=str(tiny_folder), drafter=None, datastore="/no/such/store.npz")
-    with pytest.raises(UserError, match="a text or a list of token ids"):
-        generate(5, method="ar", target=str(tiny_folder), drafter=None, dtype="float32")
+    for neither in (5, {1: "a"}, b"ab"):
+        with pytest.raises(UserError, match="a text or a list of token ids"):
+            generate(neither, method="ar", target=str(tiny_folder), drafter=None, dtype="float32")
+    # a tensor of one row (a tokenizer's return_tensors="pt") and numpy's integers, as the engines take them
+    for row in (torch.tensor([ids]), np.array(ids)):
+        assert generate(row, method="ar", target=str(tiny_folder), drafter=None, dtype="float32",
+                        max_new_tokens=24).text == text
     assert generate(ids, method="ar", target=str(tiny_folder), drafter=None, dtype="float32", max_new_tokens=24,
                     stop=None).text == text
     # the caller's mistakes in words, before a model loads (were an AttributeError or a TypeError deep inside, or
