@@ -66,7 +66,7 @@ test-peers: models llama-server
 test-gated: models
 	$(PY) -m pytest -m gated $(PYTEST_ARGS)
 
-# Tiny models only: no model download, a minute or two.
+# Tiny models only, no model download.
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 

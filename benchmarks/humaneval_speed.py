@@ -3,9 +3,10 @@
     python benchmarks/humaneval_speed.py [--prompts 10] [--max-new-tokens 128] [--repeats 2] [--out results/x.json]
 
 Runs, on the same chat-templated HumanEval prompts (the first of the held-out part, `bench.samples.part_of`),
-greedy, bf16, 2 threads:
-  ours:  ar (the reference), draft (the 0.5B drafter), pld (prompt lookup)
-  peers: transformers generate() plain, with assistant_model= (the 0.5B), with prompt_lookup_num_tokens=10
+greedy, the target in bfloat16 (the drafter at its `auto` dtype), 2 threads, the methods of `METHODS`:
+  ours:  ar (the reference), draft and draft-tree (the 0.5B drafter), pld and pld-tree (prompt lookup)
+  peers: transformers generate() plain (hf-plain), with assistant_model= (the 0.5B; hf-assisted), with
+         prompt_lookup_num_tokens=10 (hf-prompt-lookup)
 through the benchmark's harness (`specdecode.bench`): order of methods changing for every prompt and
 repeat, a warm-up excluded, tokens counted from ids. Prints tokens/s and speedup over our ar (mean over
 repeats), mean accepted tokens, and whether each output equals ar's, with the target's logit margin

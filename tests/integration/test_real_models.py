@@ -160,7 +160,9 @@ def test_plain_decoding_equals_transformers_generate_on_real_target(models):
 def test_an_agent_calls_the_same_tools_under_auto(models):
     """The OpenAI Agents SDK against `specdecode serve` on the pair (`test_serve_clients.run_agent`): the same tool
     calls with the same arguments, and the same final answer, under `auto` as under `ar` (the int8 path: greedy
-    speculation is plain decoding token for token, where bfloat16 would leave near-ties to chance)."""
+    speculation is plain decoding token for token, where bfloat16 would leave near-ties to chance); and the same
+    through the SDK's default model class (/v1/responses), streamed. (The model's last turn is empty: after the two
+    tools' outputs it ends its answer at once, as plain decoding of the chat template's prompt does.)"""
     from test_serve_clients import METHODS, run_agent
 
     from specdecode.serve.app import Server, ServerThread, create_app
@@ -169,6 +171,8 @@ def test_an_agent_calls_the_same_tools_under_auto(models):
     try:
         answers = {m: run_agent(r.url + "/v1", "real", max_tokens=64) for m, r in running.items()}
         assert answers["ar"][1] and answers["auto"] == answers["ar"]
+        assert run_agent(running["auto"].url + "/v1", "real", max_tokens=64, responses=True,
+                         streamed=True) == answers["ar"]
     finally:
         for r in running.values():
             r.stop()

@@ -44,13 +44,15 @@ class Final(BaseModel):
 
 
 def run_agent(url: str, model: str, turns: int = 4, max_tokens: int = 120, responses: bool = False,
-              shaped: bool = False) -> tuple[Any, list[tuple]]:
+              shaped: bool = False, streamed: bool = False) -> tuple[Any, list[tuple]]:
     """The Agents SDK's loop with two function tools: the model must call at least one (`required`), the tool runs,
     its result goes back, and the next turn (the SDK resets the choice to auto) answers in text. `responses`: through
     the SDK's default model class, `OpenAIResponsesModel` (/v1/responses), instead of `OpenAIChatCompletionsModel`.
     `shaped`: once a tool has run, no tool may be called and the answer is a `Final`: the SDK refuses a Response that
     `max_output_tokens` cut short (`incomplete`), as a random model's free text always is, where a schema's grammar
-    ends the answer."""
+    ends the answer. `streamed`: the SDK's streamed run (`Runner.run_streamed`), its events read to the end."""
+    import asyncio
+
     from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, RunHooks, Runner,
                         function_tool, set_tracing_disabled)
     from openai import AsyncOpenAI
@@ -80,9 +82,17 @@ def run_agent(url: str, model: str, turns: int = 4, max_tokens: int = 120, respo
                   model=kind(model=model, openai_client=client), output_type=Final if shaped else None,
                   reset_tool_choice=not shaped,  # (shaped: `ToAnswer` sets it)
                   model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=max_tokens))
-    result = Runner.run_sync(agent, "What is 2 + 3, and what is the weather in Paris?", max_turns=turns,
-                             hooks=ToAnswer() if shaped else None)
-    return result.final_output, called
+    question, hooks = "What is 2 + 3, and what is the weather in Paris?", ToAnswer() if shaped else None
+    if not streamed:
+        return Runner.run_sync(agent, question, max_turns=turns, hooks=hooks).final_output, called
+
+    async def run() -> Any:
+        result = Runner.run_streamed(agent, question, max_turns=turns, hooks=hooks)
+        kinds = {event.type async for event in result.stream_events()}
+        assert "raw_response_event" in kinds  # (the model's own stream, not one event at the end)
+        return result.final_output
+
+    return asyncio.run(run()), called
 
 
 def test_an_agent_runs_to_its_final_answer_the_same_under_auto(servers):

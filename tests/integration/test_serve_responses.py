@@ -179,6 +179,8 @@ def test_the_agents_sdk_with_its_default_responses_model(tool_servers):
     assert final.city in ("Paris", "Oslo", "Rome") and 0 <= final.total <= 99
     assert answers["auto"] == answers["ar"]
     assert run_agent(tool_servers["ar"], MODEL, shaped=True) == answers["ar"]  # the chat endpoint's, the same
+    # the SDK's streamed run reads the Responses events as they come, and ends with the same calls and answer
+    assert run_agent(tool_servers["auto"], MODEL, responses=True, shaped=True, streamed=True) == answers["ar"]
 
 
 def test_a_json_schema_format_gives_json_valid_against_it(tool_servers):
