@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.models.static import BACK, pack, unpack
+from specdecode.models.hf import HFCausalLM
+from specdecode.models.static import BACK, StaticCausalLM, pack, unpack
 
 
 def dense(start: int, n: int, width: int, tree_mask: torch.Tensor | None, capacity: int) -> torch.Tensor:
@@ -55,3 +56,18 @@ def test_the_unpacked_mask_positions_and_slots_are_the_forwards_description(star
                         positions.tolist() + list(range(start + n, start + width))
                     assert got_positions.tolist() == want
                     assert torch.equal(mask, dense(start, n, width, tree_mask, capacity)), (n, width, pending)
+
+def test_a_static_cache_that_doubles_keeps_what_it_held(tiny_target):
+    """Past its first capacity the static cache doubles; the sequence it held must survive the move: greedy
+    tokens and logits stay the dynamic path's (no test grows a static cache otherwise: every one allocates 256+)."""
+    static = StaticCausalLM(tiny_target, capacity=16)  # 16 + 64 slots: the 18th token's forward doubles it
+    dynamic = HFCausalLM(tiny_target)
+    prompt = torch.arange(1, 11)
+    ours, theirs = static.forward(prompt, num_logits=1).logits, dynamic.forward(prompt, num_logits=1).logits
+    for _ in range(30):
+        token = theirs.argmax(-1)
+        assert torch.equal(ours.argmax(-1), token)
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+        ours, theirs = static.forward(token.view(1)).logits, dynamic.forward(token.view(1)).logits
+    assert static.decoder.capacity > 80  # it did double
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)

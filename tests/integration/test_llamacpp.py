@@ -345,3 +345,59 @@ def test_a_drafter_of_another_vocabulary_on_llamacpp(tiny_pair, tmp_path, monkey
     assert translating.generate(prompt, config).token_ids == plain
     with pytest.raises(UserError, match="needs a draft model with the target's tokenizer"):
         models.engine("composite")
+
+
+def test_compaction_to_a_path_through_a_later_sibling(tmp_path):
+    """As test_tree_nodes_match_sequential_paths_and_compaction, keeping a -> e: e is a's second child, so a's first
+    branch (b's leaf) does not hold it; only the deepest accepted node's branch does (the existing test keeps c -> d,
+    where every branch of c holds d)."""
+    write_tiny_gguf(tiny_chat_qwen2(vocab_size=len(TOKENS), seed=5), tmp_path / "target.gguf")
+    path = tmp_path / "target.gguf"
+    prefix = [3, 14, 15, 92, 65]
+    parents = torch.tensor([-1, 0, -1, 2, 0])  # a, b (of a), c, d (of c), e (of a)
+    tokens = torch.tensor([7, 8, 9, 10, 11])
+    lm = LlamaCppLM(path, n_ctx=128)
+    lm.forward(torch.tensor(prefix[:-1]))
+    positions, mask = structure.verification_inputs(parents, num_pending=1, context_length=len(prefix))
+    lm.forward(torch.cat([torch.tensor(prefix[-1:]), tokens]), positions=positions, tree_mask=mask)
+    lm.compact(len(prefix), [0, 4])
+    fresh = LlamaCppLM(path, n_ctx=128)
+    fresh.forward(torch.tensor(prefix + [7, 11]))
+    torch.testing.assert_close(lm.forward(torch.tensor([4])).logits, fresh.forward(torch.tensor([4])).logits,
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_a_tree_after_a_whole_prompt_longer_than_one_decode(tmp_path):
+    """test_trees_after_a_prompt_longer_than_one_decode as it meant: the prompt fed whole with the first step's tree
+    (a prefill chunk of 4096, as a fast machine's curve gives), so that LlamaCppLM.forward peels the shared prefix
+    (the tests' fixed curve makes chunks of 256: the first step carried 190 tokens, and the peel never ran)."""
+    from specdecode.drafters.lookahead import LookaheadDrafter
+    from specdecode.drafters.prompt_lookup import PromptLookupTreeDrafter
+    from specdecode.models.llamacpp import MAX_BATCH, LlamaCppLM
+
+    model = tiny_qwen2(seed=7, vocab=VOCAB, max_positions=1024)
+    write_tiny_gguf(model, tmp_path / "long.gguf")
+    target = LlamaCppLM(tmp_path / "long.gguf", n_ctx=1024)
+    phrase = random_prompts(1, seed=3, low=40, high=41, vocab=VOCAB)[0]
+    prompt = (phrase * 20)[:MAX_BATCH + 190]
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    reference = SpeculativeEngine(target).generate(prompt, config).token_ids
+    for drafter in (PromptLookupTreeDrafter(CostCurve.linear(0.5), max_ngram=3, num_tokens=5),
+                    LookaheadDrafter(max_context=1024)):
+        engine = SpeculativeEngine(target, drafter=drafter)
+        engine.prefill_chunk = 4096
+        peeled = []
+        forward = target.forward
+
+        def watched(token_ids, peeled=peeled, forward=forward, **kwargs):
+            if kwargs.get("tree_mask") is not None and token_ids.numel() > MAX_BATCH:
+                peeled.append(token_ids.numel())
+            return forward(token_ids, **kwargs)
+
+        target.forward = watched
+        try:
+            result = engine.generate(prompt, config)
+        finally:
+            del target.forward
+        assert peeled, drafter.name  # the first step's tree rode with the whole prompt
+        assert result.token_ids == reference, drafter.name
