@@ -63,29 +63,39 @@ def test_logits_match_transformers(tiny_pair):
     assert lm.cache_length == 7 and lm.vocab_size == VOCAB
 
 
+PREFIX = [3, 14, 15, 92, 65]
+PARENTS = torch.tensor([-1, 0, -1, 2, 0])  # a, b (of a), c, d (of c), e (of a)
+NODES = torch.tensor([7, 8, 9, 10, 11])
+PATHS = {0: [7], 1: [7, 8], 2: [9], 3: [9, 10], 4: [7, 11]}  # each node's tokens from the root
+
+
+def tree_fed(path) -> tuple[LlamaCppLM, torch.Tensor]:
+    """A model that has fed PREFIX and then the tree (PARENTS, NODES) in one forward, and that forward's logits."""
+    lm = LlamaCppLM(path, n_ctx=128)
+    lm.forward(torch.tensor(PREFIX[:-1]))
+    positions, mask = structure.verification_inputs(PARENTS, num_pending=1, context_length=len(PREFIX))
+    return lm, lm.forward(torch.cat([torch.tensor(PREFIX[-1:]), NODES]), positions=positions, tree_mask=mask).logits
+
+
 def test_tree_nodes_match_sequential_paths_and_compaction(tiny_pair):
     _, path, _ = tiny_pair
-    prefix = [3, 14, 15, 92, 65]
-    parents = torch.tensor([-1, 0, -1, 2, 0])  # a, b (of a), c, d (of c), e (of a)
-    tokens = torch.tensor([7, 8, 9, 10, 11])
-    lm = LlamaCppLM(path, n_ctx=128)
-    lm.forward(torch.tensor(prefix[:-1]))
-    positions, mask = structure.verification_inputs(parents, num_pending=1, context_length=len(prefix))
-    logits = lm.forward(torch.cat([torch.tensor(prefix[-1:]), tokens]), positions=positions, tree_mask=mask).logits
+    _, logits = tree_fed(path)
     fresh = LlamaCppLM(path, n_ctx=128)
-    paths = {0: [7], 1: [7, 8], 2: [9], 3: [9, 10], 4: [7, 11]}
-    for node, tokens_on_path in paths.items():
+    for node, tokens_on_path in PATHS.items():
         fresh.reset()
-        expected = fresh.forward(torch.tensor(prefix + tokens_on_path), num_logits=1).logits[0]
+        expected = fresh.forward(torch.tensor(PREFIX + tokens_on_path), num_logits=1).logits[0]
         torch.testing.assert_close(logits[node + 1], expected, atol=1e-4, rtol=1e-4)
-    # keep the path c -> d (nodes 2, 3): the cache continues like a fresh prefill of prefix + [9, 10]
-    lm.compact(len(prefix), [2, 3])
-    assert lm.cache_length == len(prefix) + 2
-    fresh.reset()
-    fresh.forward(torch.tensor(prefix + [9, 10]))
-    # (as tight as the float arithmetic allows: with flash attention it was 1e-3 apart, a near-tie's flip)
-    torch.testing.assert_close(lm.forward(torch.tensor([4])).logits, fresh.forward(torch.tensor([4])).logits,
-                               atol=1e-4, rtol=1e-4)
+    # keep the path c -> d (nodes 2, 3), whose every branch holds d, and a -> e (0, 4), where a's first branch (b's
+    # leaf) does not hold e: the cache continues like a fresh prefill of PREFIX and the path's tokens
+    for kept in ([2, 3], [0, 4]):
+        lm, _ = tree_fed(path)
+        lm.compact(len(PREFIX), kept)
+        assert lm.cache_length == len(PREFIX) + 2
+        fresh.reset()
+        fresh.forward(torch.tensor(PREFIX + PATHS[kept[-1]]))
+        # (as tight as the float arithmetic allows: with flash attention it was 1e-3 apart, a near-tie's flip)
+        torch.testing.assert_close(lm.forward(torch.tensor([4])).logits, fresh.forward(torch.tensor([4])).logits,
+                                   atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["pld", "pld-tree", "draft", "draft-fixed-length"])
@@ -345,26 +355,6 @@ def test_a_drafter_of_another_vocabulary_on_llamacpp(tiny_pair, tmp_path, monkey
     assert translating.generate(prompt, config).token_ids == plain
     with pytest.raises(UserError, match="needs a draft model with the target's tokenizer"):
         models.engine("composite")
-
-
-def test_compaction_to_a_path_through_a_later_sibling(tmp_path):
-    """As test_tree_nodes_match_sequential_paths_and_compaction, keeping a -> e: e is a's second child, so a's first
-    branch (b's leaf) does not hold it; only the deepest accepted node's branch does (the existing test keeps c -> d,
-    where every branch of c holds d)."""
-    write_tiny_gguf(tiny_chat_qwen2(vocab_size=len(TOKENS), seed=5), tmp_path / "target.gguf")
-    path = tmp_path / "target.gguf"
-    prefix = [3, 14, 15, 92, 65]
-    parents = torch.tensor([-1, 0, -1, 2, 0])  # a, b (of a), c, d (of c), e (of a)
-    tokens = torch.tensor([7, 8, 9, 10, 11])
-    lm = LlamaCppLM(path, n_ctx=128)
-    lm.forward(torch.tensor(prefix[:-1]))
-    positions, mask = structure.verification_inputs(parents, num_pending=1, context_length=len(prefix))
-    lm.forward(torch.cat([torch.tensor(prefix[-1:]), tokens]), positions=positions, tree_mask=mask)
-    lm.compact(len(prefix), [0, 4])
-    fresh = LlamaCppLM(path, n_ctx=128)
-    fresh.forward(torch.tensor(prefix + [7, 11]))
-    torch.testing.assert_close(lm.forward(torch.tensor([4])).logits, fresh.forward(torch.tensor([4])).logits,
-                               atol=1e-4, rtol=1e-4)
 
 
 def test_a_tree_after_a_whole_prompt_longer_than_one_decode(tmp_path):
