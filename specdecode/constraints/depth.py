@@ -27,7 +27,7 @@ def schema_depth(schema: Any) -> int:
     heights: dict[str, int] = {}
 
     def height(node: Any, level: int, on_the_way: frozenset[str]) -> int:
-        if level > MAX_DEPTH:
+        if level >= MAX_DEPTH:  # this node is the root's (level + 1)-th level
             raise TooDeep
         parts = node if isinstance(node, list) else [v for k, v in node.items() if k not in DATA] \
             if isinstance(node, dict) else []
@@ -39,7 +39,7 @@ def schema_depth(schema: Any) -> int:
             if ref not in heights:
                 heights[ref] = height(_pointed(schema, ref), level + 1, on_the_way | {ref})
             deepest = max(deepest, heights[ref])
-            if level + deepest > MAX_DEPTH:
+            if level + 1 + deepest > MAX_DEPTH:
                 raise TooDeep
         return 1 + deepest
 
@@ -97,14 +97,14 @@ def grammar_depth(lark: str) -> int:
     heights: dict[str, int] = {}
 
     def height(name: str, level: int, on_the_way: frozenset[str]) -> int:
-        if level > MAX_DEPTH:
+        if level >= MAX_DEPTH:
             raise TooDeep
         if name not in heights:
             deepest = inner.get(name, 0)
             for other in leads[name] - on_the_way:
                 deepest = max(deepest, height(other, level + 1, on_the_way | {name}))
             heights[name] = 1 + deepest
-        if level + heights[name] > MAX_DEPTH + 1:
+        if level + heights[name] > MAX_DEPTH:
             raise TooDeep
         return heights[name]
 

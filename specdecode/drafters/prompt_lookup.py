@@ -201,9 +201,11 @@ class PromptLookupDrafter(Drafter):
         """Compare the open proposals with what the output turned out to be."""
         still_open = []
         for bucket, source, at in self._open:
-            judged = min(JUDGED, ids.shape[0] - at, at - source)
+            # a copy from `source` could offer no more than the `at - source` tokens that stood after it
+            window = min(JUDGED, at - source)
+            judged = min(window, ids.shape[0] - at)
             right = match_length_forward(ids, source, at, judged)
-            if right < judged or judged == JUDGED:
+            if right < judged or judged == window:
                 self._acceptance.record(bucket, right, judged)
                 if right < judged and right >= RUNNING:
                     self._stopped = source + right

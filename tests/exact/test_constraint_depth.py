@@ -61,3 +61,30 @@ def test_real_depths_pass_and_are_counted_once_a_reference():
     shared = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"},
                                                           "b": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(40)}
     assert depth.schema_depth({"$ref": "#/$defs/d0", "$defs": shared | {"d40": {"type": "string"}}}) < depth.MAX_DEPTH
+
+
+def nested(levels: int) -> dict:
+    """A schema `levels` deep with no reference: arrays of arrays."""
+    schema: dict = {"type": "string"}
+    for _ in range(levels - 1):
+        schema = {"items": schema}
+    return schema
+
+
+@pytest.mark.parametrize("measure, make", [(depth.schema_depth, nested), (depth.schema_depth, chained),
+                                           (depth.grammar_depth, rules)])
+def test_the_limit_is_exactly_max_depth_levels(measure, make, monkeypatch):
+    """Around the limit, a source is refused exactly when it nests more than MAX_DEPTH levels (its depth as counted
+    without the limit), whether its levels are nested parts, references followed or rules."""
+    sizes = range(depth.MAX_DEPTH // 3 - 4, depth.MAX_DEPTH + 4) if make is chained else \
+        range(depth.MAX_DEPTH - 4, depth.MAX_DEPTH + 4)
+    with monkeypatch.context() as unlimited:
+        unlimited.setattr(depth, "MAX_DEPTH", 10 ** 6)
+        levels = {size: measure(make(size)) for size in sizes}
+    assert min(levels.values()) < depth.MAX_DEPTH < max(levels.values())
+    for size, count in levels.items():
+        if count > depth.MAX_DEPTH:
+            with pytest.raises(depth.TooDeep):
+                measure(make(size))
+        else:
+            assert measure(make(size)) == count

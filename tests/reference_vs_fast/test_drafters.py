@@ -249,3 +249,22 @@ def test_a_draft_model_is_priced_by_measurement_or_by_the_caller(tiny_target):
     target = HFCausalLM(tiny_target)
     chain = DraftModelDrafter.for_models(draft, target)
     assert chain.draft_cost == pytest.approx(costs.draft_cost(draft, target)) and chain.curve == target.cost_curve()
+
+
+def test_prompt_lookup_judges_copies_from_a_short_loop():
+    """An output looping with a period shorter than the judged window copies fewer tokens than the window:
+    each such proposal is judged once the output has gone as far as it could offer, so the proposals left
+    to judge stay a period's worth however long the loop runs (they piled up, and judging them grew with every step),
+    and a loop that keeps repeating raises what later copies score."""
+    drafter = PromptLookupDrafter(max_ngram=3)
+    loop = [5, 6, 7, 8]
+    context = [1, 2, 3] + loop * 2
+    first = drafter.propose(context, 8, SamplingParams(), None)
+    assert first.tokens.tolist() == loop
+    for _ in range(60):
+        context += loop[:1]
+        loop = loop[1:] + loop[:1]
+        drafter.propose(context, 8, SamplingParams(), None)
+    assert len(drafter._open) <= len(loop)  # those the output has not yet gone a period past
+    later = drafter.propose(context, 8, SamplingParams(), None)
+    assert later.scores[-1] > first.scores[-1]
