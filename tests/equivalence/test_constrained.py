@@ -175,6 +175,22 @@ def test_a_constraint_is_compiled_once(monkeypatch):
     assert len(compiled) == 4
 
 
+def test_the_grammar_engines_view_of_a_tokenizer_is_kept_per_vocabulary_and_end_tokens():
+    """Two models may share one tokenizer object with other logits or other end tokens (a chat model whose end is
+    `<|im_end|>`, a base one whose end is `<|endoftext|>`): each gets a view with its own, built once."""
+    from conftest import TOKENS, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    chat, base = frozenset({TOKENS.index("<|im_end|>")}), frozenset({TOKENS.index("<|endoftext|>")})
+    view = grammar.engine_tokenizer(tokenizer, len(TOKENS), chat)
+    assert grammar.engine_tokenizer(tokenizer, len(TOKENS), chat) is view
+    other_end = grammar.engine_tokenizer(tokenizer, len(TOKENS), base)
+    padded = grammar.engine_tokenizer(tokenizer, len(TOKENS) + 64, chat)
+    end_of_text = TOKENS.index("<|endoftext|>")
+    assert end_of_text in other_end.eos_tokens and end_of_text not in view.eos_tokens
+    assert padded.vocab_size == len(TOKENS) + 64 and view.vocab_size == len(TOKENS)
+
+
 def test_an_empty_language_is_a_user_error(models):  # noqa: F811
     engine = SpeculativeEngine(models.target, models.tokenizer)
     with pytest.raises(UserError, match="empty"):
