@@ -80,15 +80,26 @@ def recorded_drafts(engine: SpeculativeEngine, prompt: list[int], params, max_ne
 def test_a_tree_grown_on_the_device_is_the_one_grown_on_the_host(tiny_target, kind, static, params):
     """Growing the same number of rounds (every round pays here, up to the depth), the device's tree has the
     host's nodes, in the host's order, with the host's scores, at every step of a whole generation."""
+    assert_grown_alike(tiny_target, kind, static, params, budget=12)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_whole_tree_grown_on_the_device_is_the_one_grown_on_the_host(tiny_target, kind):
+    """As above with a budget that keeps every node grown (3 + 4 * 9): the deepest nodes' tokens and scores, which
+    a budget of 12 prunes, come of the draft's masks over four levels of ancestors."""
+    assert_grown_alike(tiny_target, kind, False, GREEDY, budget=3 + (DEPTH - 1) * 9)
+
+
+def assert_grown_alike(tiny_target, kind: str, static: bool, params, budget: int) -> None:
     runs = []
     for on_host in (True, False):
         target_lm = lm(tiny_target, static)
-        tree = drafter(kind, target_lm, on_host, static)
+        tree = drafter(kind, target_lm, on_host, static, budget=budget)
         tree.rounds = DEPTH - 1
         runs.append(recorded_drafts(SpeculativeEngine(target_lm, drafter=tree, gate=False), PROMPT, params))
     (host_output, host), (device_output, device) = runs
     assert host_output == device_output and len(host) == len(device)
-    assert max(len(parents or []) for _, parents, _ in host) == 12  # full trees: the budget's nodes
+    assert max(len(parents or []) for _, parents, _ in host) == budget  # full trees: the budget's nodes
     for (tokens, parents, scores), (d_tokens, d_parents, d_scores) in zip(host, device):
         assert (tokens, parents) == (d_tokens, d_parents)
         assert scores == pytest.approx(d_scores, rel=1e-5)
