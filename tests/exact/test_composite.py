@@ -27,6 +27,7 @@ from specdecode.methods import DrafterOptions
 from specdecode.models.costs import CostCurve
 from specdecode.models.hf import HFCausalLM
 from specdecode.tree import structure
+from specdecode.tree.trie import best_path
 from specdecode.types import Draft, SamplingParams, StepStats, Verdict
 from specdecode.verify.tree import verify_tree_greedy
 
@@ -88,6 +89,26 @@ def test_merge_by_hand():
     # deeper than allowed: left out, with everything under it
     shallow = merge([a, c], [a.scores, c.scores], max_depth=1)
     assert shallow.tokens == [1, 5] and shallow.mappings == [[0, DROPPED, DROPPED], [0, 1, DROPPED]]
+
+
+def test_a_sibling_repeated_within_one_draft_is_one_proposal():
+    """A sampled tree may draw a token twice under one parent: its score is the best of the two (one proposal), not
+    the two combined as separate drafts' would be, nor the later one's."""
+    sampled = tree([7, 7, 8], [-1, -1, 0], [0.6, 0.3, 0.2])
+    for combine in ("max", "noisy-or"):
+        merged = merge([sampled], [sampled.scores], combine=combine)
+        assert merged.tokens == [7, 8] and merged.mappings == [[0, 0, 1]]
+        assert merged.scores == pytest.approx([0.6, 0.2])
+    other = chain([7], [0.5])
+    both = merge([sampled, other], [sampled.scores, other.scores], combine="noisy-or")
+    assert both.scores[0] == pytest.approx(1 - 0.4 * 0.5)  # across drafts, combined
+
+
+def test_a_chain_from_a_tree_follows_the_best_child_and_the_earlier_of_equals():
+    parents = torch.tensor([-1, -1, 0, 0, 1, 3])
+    scores = torch.tensor([0.5, 0.5, 0.2, 0.4, 0.5, 0.3])
+    assert best_path(parents, scores).tolist() == [0, 3, 5]  # nodes 0 and 1 tie: the earlier
+    assert best_path(parents, torch.tensor([0.5, 0.6, 0.2, 0.4, 0.5, 0.3])).tolist() == [1, 4]
 
 
 def test_merge_caps_a_child_by_its_parent():
