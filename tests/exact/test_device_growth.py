@@ -342,7 +342,7 @@ def test_a_device_tree_drops_what_the_distribution_excluded():
     assert tokens.tolist() == [5, 6] and parents is None and mask.tolist() == [[True, False], [False, True]]
     tree.add(torch.tensor([[0.5, 0.0], [1.0, 0.0]]), torch.tensor([[8, 9], [10, 11]]))
     sizes = layer_sizes(3, 2, 2, 1)
-    assert sizes == [3, 4]
+    assert sizes == [3, 4] and layer_sizes(3, 3, 4, 2) == [3, 9, 12]  # a round expands no more nodes than it has
     assert read_tree(*tree.nodes(), sizes) == ([5, 6, 8, 10], [-1, -1, 0, 1], pytest.approx([0.6, 0.4, 0.3, 0.4]),
                                                [0, 2])
 
