@@ -261,6 +261,21 @@ def test_drafter_proposes_a_scored_chain_and_a_tree():
     assert len(tree.propose([1, 2, 3], 8, SamplingParams(), None)) == 0 and tree.index.size == 4
 
 
+@pytest.mark.parametrize("own_weight", [1.0, 2.0, 4.0])
+def test_at_equal_length_the_own_match_outweighs_a_shared_one_by_own_weight(own_weight):
+    """An earlier request and this one both hold the context's last three tokens, each followed by something else:
+    the two continuations' first tokens score in the ratio `own_weight` (their rates are the same priors)."""
+    drafter = SuffixDrafter(CURVE, tree=True, min_shared_match=1, own_weight=own_weight)
+    earlier = [5, 1, 2, 3, 4, 4]
+    drafter.begin(earlier)
+    drafter.propose(earlier, 8, SamplingParams(), None)
+    current = [1, 2, 3, 7, 7, 6, 1, 2, 3]
+    drafter.begin(current)
+    draft = drafter.propose(current, 8, SamplingParams(), None)
+    roots = {int(draft.tokens[i]): float(draft.scores[i]) for i in (draft.parents == -1).nonzero().flatten()}
+    assert set(roots) == {4, 7} and roots[7] / roots[4] == pytest.approx(own_weight)
+
+
 def test_steps_it_hears_only_in_part_are_taken_from_the_next_context():
     """A composite tells a source it did not ask only the step's first token: two such steps in a row must not index
     a text with the second step's first token glued to the first's, and the next draft's context completes the
