@@ -156,3 +156,22 @@ def test_every_drafter_hears_of_what_it_proposed_and_nothing_else(target):
     own, verdict = own_part(hung, Verdict(num_drafted=5, num_accepted=3, tokens=(1, 2, 5, 9), path=(0, 1, 2)))
     assert own.tokens.tolist() == [5, 6, 7] and own.parents is not None and own.parents.tolist() == [-1, -1, 0]
     assert (verdict.num_drafted, verdict.num_accepted, verdict.tokens, verdict.path) == (3, 1, (5, 9), (0,))
+
+
+def test_what_the_grammar_forbids_is_cut_from_a_draft_before_the_target_sees_it():
+    """Greedy: a forbidden token goes with everything after it (its subtree in a tree). Sampling a draft with its
+    distributions: the first forbidden token of each path stays (the verifier rejects it and draws from the
+    residual), what hangs under it goes. Either way nothing the grammar allows is cut."""
+    tokenizer = tiny_tokenizer()
+    a, b, c = (tokenizer.convert_tokens_to_ids(letter) for letter in "abc")
+    matcher = Matcher(Constraint.regex("[ab]+"), tokenizer, VOCAB, frozenset({tokenizer.eos_token_id}))
+    chain = Draft(tokens=torch.tensor([a, b, c, a]))
+    assert matcher.legal_draft(chain, sampled=False).tokens.tolist() == [a, b]
+    assert matcher.legal_draft(chain, sampled=True).tokens.tolist() == [a, b, c]
+    allowed = Draft(tokens=torch.tensor([b, a, a]))
+    assert matcher.legal_draft(allowed, sampled=False) is allowed
+    # a tree: a, c under the context; b and c under a; a under c (nodes 0..4)
+    tree = Draft(tokens=torch.tensor([a, c, b, c, a]), parents=torch.tensor([-1, -1, 0, 0, 1]))
+    greedy, sampled = matcher.legal_draft(tree, sampled=False), matcher.legal_draft(tree, sampled=True)
+    assert greedy.tokens.tolist() == [a, b] and greedy.parents.tolist() == [-1, 0]
+    assert sampled.tokens.tolist() == [a, c, b, c] and sampled.parents.tolist() == [-1, -1, 0, 0]
