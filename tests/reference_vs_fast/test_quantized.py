@@ -247,6 +247,20 @@ def test_int4_weights_round_trip():
     blocks = weight.reshape(40, 3, 32)
     worst = (grid.reshape(40, 3, 32) - blocks).abs().amax(dim=2) / blocks.abs().amax(dim=2)  # [40, 3]
     assert float(worst.max()) < 0.25  # no block lost: each within a fraction of its own range
+    # each block's multiplier: of the rounded ideal one and its neighbours, the one that reconstructs it best (the
+    # smallest at a tie), each error computed as the quantizer computes it
+    def error(values: torch.Tensor, step: torch.Tensor) -> float:
+        return float((values - (values / step).round().clamp(-8, 7) * step).square().sum())
+
+    for row in range(40):
+        for block in range(3):
+            values = blocks[row, block]
+            extreme = float(values[values.abs().argmax()])
+            ideal = extreme / 7 if extreme > 0 else -extreme / 8
+            rounded = round(ideal / float(scales[row]))
+            choices = sorted({min(max(rounded + shift, 1), 15) for shift in (-1, 0, 1)})
+            errors = {group: error(values, scales[row] * group) for group in choices}
+            assert int(groups[row, block]) == min(choices, key=lambda group: (errors[group], group))
 
 
 @pytest.mark.parametrize("bits", BITS)
