@@ -19,6 +19,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from specdecode.bench.server_process import commit
 from specdecode.models.registry import DEFAULT_TARGET
 from specdecode.paths import cache_dir
 
@@ -195,8 +196,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(cache_dir() / "models" / DEFAULT_TARGET)
-    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}; tokenizer {len(tokenizer)} tokens, "
-          f"logits {VOCAB}")
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}; commit {commit()}; tokenizer {len(tokenizer)} "
+          f"tokens, logits {VOCAB}")
     print(f"{'engine':<14} {'case':<6} {'vocab s':>7} {'compile s':>9} {'median ms':>9} {'mean ms':>7} "
           f"{'max ms':>7} {'answer ms':>9}")
     for name, engine in ENGINES.items():

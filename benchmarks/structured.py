@@ -24,6 +24,7 @@ from specdecode.bench.samples import sample_tasks
 from specdecode.bench.harness import Record, method_order, run_task
 from specdecode.bench.runners import Setup
 from specdecode.bench.scripts import save_report
+from specdecode.bench.server_process import commit
 from specdecode.bench.structured import valid
 from specdecode.engine import GenerationConfig
 from specdecode.models.registry import DEFAULT_DRAFTER, DEFAULT_TARGET
@@ -132,7 +133,8 @@ def main() -> None:
     setup = Setup(methods=methods, target=args.target, drafter=args.drafter, dtype=args.dtype, threads=args.threads)
     tasks = first_of_each_kind(sample_tasks(["structured"], None), args.per_kind)
     started = time.strftime("%Y-%m-%d")
-    header = {"date": started, "CPU capability": torch.backends.cpu.get_cpu_capability(), "target": args.target,
+    header = {"date": started, "CPU capability": torch.backends.cpu.get_cpu_capability(), "commit": commit(),
+              "target": args.target,
               "dtype": args.dtype, "tasks": str(len(tasks)), "max new tokens": str(args.max_new_tokens),
               "repeats": str(args.repeats), "command": "python benchmarks/structured.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "out")}

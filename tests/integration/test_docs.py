@@ -13,6 +13,7 @@ README and of docs/methods/index.md is the registry's.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import re
 import shutil
@@ -106,6 +107,28 @@ def test_every_serve_option_is_on_the_serving_page():
     missing = [option for option in options if option != "--help" and not re.search(
         rf"{re.escape(option)}(?![\w-])", text)]
     assert not missing, f"options of `specdecode serve` missing from docs/serving.md: {missing}"
+
+
+def run_tables(text: str) -> list[tuple[int, list[str]]]:
+    """Each two-column table of a page's runs (`| | |` over key-value rows): its line and its keys."""
+    lines, found = text.splitlines(), []
+    for at, line in enumerate(lines):
+        if line.strip() == "| | |":
+            keys = []
+            for row in itertools.takewhile(lambda row: row.startswith("|"), lines[at + 2:]):
+                keys.append(row.split("|")[1].strip())
+            found.append((at + 1, keys))
+    return found
+
+
+def test_every_dated_run_says_its_commit_and_command():
+    """A run's table that gives its date gives the commit and the command it ran (a figure without them cannot be
+    rerun); where the commit was not recorded at the time, the row says so."""
+    missing = [f"{page.relative_to(REPO)}:{at}" for page in sorted(DOCS.rglob("*.md"))
+               for at, keys in run_tables(page.read_text()) if "date" in keys
+               and not {"commit", "command"} <= set(keys)]
+    assert not missing, f"run tables without a commit or command row: {missing}"
+    assert run_tables("x\n| | |\n|---|---|\n| date | d |\n| commit | c |\n\n| a | b |") == [(2, ["date", "commit"])]
 
 
 def test_every_method_is_documented():
