@@ -24,12 +24,25 @@ from specdecode.types import Draft, SamplingParams, Verdict
 UNSEEN = -1  # in `SyncedCache.seen`: a drafted token the draft model holds whose value the host has not read
 
 
-def common_prefix_length(a: list[int], b: list[int]) -> int:
+def common_prefix_length(a: list[int], b: list[int], near_end: int = 64) -> int:
+    """How many leading tokens `a` and `b` share. Called once a step on the whole context, so the lists are
+    compared a slice at a time (in C, not a Python loop over every token): the first difference is
+    usually among the last few (the draft the target rejected), so the prefix before the last `near_end`
+    is checked whole, and a difference before it is found by halving."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    lo, hi = 0, max(0, n - near_end)  # a[:lo] == b[:lo] is known; the first difference lies at or after lo
+    if a[:hi] != b[:hi]:
+        while hi - lo > near_end:  # keep a[:lo] == b[:lo] and a[:hi] != b[:hi]
+            mid = (lo + hi) // 2
+            if a[lo:mid] == b[lo:mid]:
+                lo = mid
+            else:
+                hi = mid
+    else:
+        lo, hi = hi, n
+    while lo < hi and a[lo] == b[lo]:
+        lo += 1
+    return lo
 
 
 class SyncedCache:
@@ -54,9 +67,9 @@ class SyncedCache:
         """Put the drafted tokens' values, as verification read them, in place of their UNSEEN marks: `verdict`
         judges the drafter's own tokens alone (`engine.forced.own_part`), which hold those places in turn."""
         drafted = list(verdict.tokens[: verdict.num_accepted]) + list(verdict.rejected)
-        start = next((i for i, token in enumerate(self.seen) if token == UNSEEN), None)
-        if start is None:
-            return
+        start = len(self.seen)  # the marks are the tail of `seen`: a draft appends them, `sync` crops before them
+        while start > 0 and self.seen[start - 1] == UNSEEN:
+            start -= 1
         for i, token in enumerate(drafted[: len(self.seen) - start]):
             self.seen[start + i] = token
 

@@ -124,6 +124,29 @@ def test_a_draft_model_learns_only_from_what_it_drafted(target):
     assert not any(forced_steps)  # ...and it heard of its own part of each draft only (`engine.forced.own_part`)
 
 
+def test_a_draft_model_reads_back_every_token_it_drafted(target):
+    """Without a grammar too: after every verdict, each place the draft model fed a drafted token into its cache
+    without reading it (`UNSEEN`) holds that token's value, as verification read it, in its own place, so the next
+    step's sync keeps the cache exactly as far as it agrees with the context."""
+    prompt = tiny_tokenizer().encode("the cat sat")
+    draft_model = FakeLM(ContextLogits(VOCAB, seed=9, scale=3.0))
+    drafter = DraftModelDrafter(draft_model, num_tokens=3, adaptive=False, confidence_threshold=0.0)
+    observe, marks_filled = drafter.observe, []
+
+    def observe_and_check(outcome) -> None:
+        marks_filled.append(UNSEEN in drafter._cache.seen)
+        observe(outcome)
+        held = [entry.token for entry in draft_model.cache]
+        assert drafter._cache.seen == held[: len(drafter._cache.seen)], (drafter._cache.seen, held)
+
+    drafter.observe = observe_and_check  # type: ignore[method-assign]
+    config = GenerationConfig(max_new_tokens=40)
+    result = SpeculativeEngine(target, tiny_tokenizer(), drafter=drafter).generate(prompt, config)
+    plain = SpeculativeEngine(target, tiny_tokenizer()).generate(prompt, config)
+    assert result.token_ids == plain.token_ids
+    assert sum(marks_filled) >= 3  # the draft model did feed unread tokens, and the check above saw them read
+
+
 def test_every_drafter_hears_of_what_it_proposed_and_nothing_else(target):
     """Under a grammar the engine puts the forced run ahead of a token-only drafter's draft; `observe` then gets
     the drafter's own draft (what it proposed, as the gate kept it) and the verdict on it, never the run: what a

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdecode.drafters.draft_model import best_draft_length
+from specdecode.drafters.draft_model import best_draft_length, common_prefix_length
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, find_continuation, find_starts
 from specdecode.types import SamplingParams
 
@@ -22,6 +22,18 @@ def slow_find_continuation(context: list[int], ngram: int, max_tokens: int) -> l
         if context[start : start + ngram] == tail:
             return context[start + ngram : start + ngram + max_tokens]
     return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(shared=st.lists(st.integers(0, 3), max_size=300), a=st.lists(st.integers(0, 3), max_size=20),
+       b=st.lists(st.integers(0, 3), max_size=20), near_end=st.sampled_from([1, 3, 64]))
+def test_common_prefix_length_is_the_plain_loops(shared, a, b, near_end):
+    """The draft model's sync compares slices rather than tokens: the length equals a token-by-token loop's
+    wherever the first difference falls (a long shared prefix with short tails, as in decoding; a small
+    `near_end` sends most differences through the halving)."""
+    first, second = shared + a, shared + b
+    plain = next((i for i, (x, y) in enumerate(zip(first, second)) if x != y), min(len(first), len(second)))
+    assert common_prefix_length(first, second, near_end) == plain
 
 
 @settings(max_examples=300, deadline=None)
