@@ -17,6 +17,8 @@ written by hand (`kernels/int4.cpp`, compiled on first use by torch's extension 
   One row takes the channels one at a time; several rows go in tiles of up to 8, each met by a group of
   2 or 4 channels whose products accumulate in registers, so each unpacked block and each loaded row
   serves a whole tile or group;
+  with many rows (a prompt's prefill), AVX-512 VNNI first unpacks a few channels' weights into int8
+  panels that every tile then reads, rather than unpacking them again for each tile;
 - the products run on the best of three variants the CPU has (`KERNELS`, chosen at run time; per model,
   `use_kernel` runs another, as tests and measurements that compare them do): AVX2's
   u8 x s8 pair products take three instructions per 32 products and row, AVX-VNNI's dot-product
@@ -49,6 +51,9 @@ _SOURCE = KERNEL_SOURCES / "int4.cpp"
 # (AVX2: three instructions per 32 products and row; AVX-VNNI: one per 32; AVX-512 VNNI: one per 64)
 KERNELS = ("avx2", "avx-vnni", "avx512-vnni")
 ROW_SLICE_BYTES = 1 << 19  # the quantized rows one kernel call takes at most: about half an L2 cache
+# rows from which the AVX-512 VNNI variant unpacks weights into panels once rather than once per tile of rows
+# (fewer rows: the panels' stores and loads cost more than the repeated unpacking saves)
+PANEL_ROWS = 48
 
 
 def available() -> bool:
@@ -72,6 +77,22 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
 
 
+@functools.cache
+def _inlining_flags() -> list[str]:
+    """GCC stops inlining once a file has grown by its unit budget, and the 4-bit kernel's many template
+    instances reach it: its `reduce` would then stay a call, and the accumulators it reads would live on the
+    stack rather than in registers inside the products' loops. A larger budget keeps every instance inlined
+    (Clang has no such budget and no such flag)."""
+    compiler = _compiler()
+    if compiler is None:
+        return []
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [] if "clang" in version.lower() else ["--param=inline-unit-growth=400"]
+
+
 COMPILE_ERRORS = (RuntimeError, OSError, subprocess.CalledProcessError)  # what a failed `compile_kernel` raises
 
 
@@ -92,7 +113,8 @@ def compile_kernel(name: str, source: Path, what: str):
     cpp_extension.load(
         name=name, sources=[str(source)], is_python_module=False, verbose=False,
         # OpenMP for at::parallel_for (the soname resolves to the libgomp torch has loaded: one thread pool)
-        extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
+        extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", *_inlining_flags()],
+        extra_ldflags=["-fopenmp"],
     )
     return getattr(torch.ops, name)
 
@@ -320,7 +342,7 @@ class InvariantInt4Linear(nn.Module):
         if rows.shape[0] <= step:
             number = self.kernel.number
             return _ops().linear(rows, self.nibbles, self.groups, self.scales, self.weight_sums, self.bias,
-                                   _best() if number is None else number)
+                                   _best() if number is None else number, PANEL_ROWS)
         return torch.cat([self.rows(rows[i : i + step]) for i in range(0, rows.shape[0], step)])
 
     def extra_repr(self) -> str:

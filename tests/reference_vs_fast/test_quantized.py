@@ -93,9 +93,10 @@ def int4_reference(layer: InvariantInt4Linear, x: torch.Tensor) -> torch.Tensor:
 @needs_int4
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**16), blocks=st.integers(1, 9), out_features=st.integers(1, 70),
-       rows=st.integers(1, 20), offset=st.floats(-20.0, 20.0), constant_row=st.booleans())
+       rows=st.integers(1, 60), offset=st.floats(-20.0, 20.0), constant_row=st.booleans())
 # the kernel's tilings: groups of 2 or 4 channels and their leftovers (1, 3, 17 channels), tiles of up to
-# 8 rows (2..8 rows in one tile; 9, 13, 17, 20 in tiles of unequal size), blocks in whole and half pairs
+# 8 rows (2..8 rows in one tile; 9, 13, 17, 20 in tiles of unequal size), blocks in whole and half pairs;
+# then the panels of many rows
 @example(seed=1, blocks=1, out_features=1, rows=2, offset=0.0, constant_row=False)
 @example(seed=2, blocks=3, out_features=3, rows=5, offset=1.0, constant_row=True)
 @example(seed=3, blocks=2, out_features=17, rows=6, offset=-3.0, constant_row=False)
@@ -105,6 +106,10 @@ def int4_reference(layer: InvariantInt4Linear, x: torch.Tensor) -> torch.Tensor:
 @example(seed=7, blocks=3, out_features=33, rows=13, offset=-1.0, constant_row=False)
 @example(seed=8, blocks=2, out_features=70, rows=17, offset=5.0, constant_row=True)
 @example(seed=9, blocks=1, out_features=3, rows=20, offset=0.0, constant_row=False)
+# from 48 rows AVX-512 VNNI reads panels of 4 unpacked channels (17, 19: one channel left over) in tiles of 6
+@example(seed=10, blocks=3, out_features=17, rows=48, offset=0.5, constant_row=True)
+@example(seed=11, blocks=2, out_features=19, rows=53, offset=-2.0, constant_row=False)
+@example(seed=12, blocks=5, out_features=70, rows=100, offset=1.0, constant_row=False)
 def test_every_int4_kernel_computes_the_exact_reference(seed, blocks, out_features, rows, offset, constant_row):
     """Each variant of the 4-bit kernel this CPU runs (AVX2, AVX-VNNI, AVX-512 VNNI) gives, bitwise, the
     plain computation of `int4_reference`: the instructions differ, the integer sums cannot."""
@@ -182,7 +187,7 @@ def test_two_models_hold_their_own_int4_variants_at_once(monkeypatch):
             return True
 
         @staticmethod
-        def linear(rows, nibbles, groups, scales, weight_sums, bias, number):  # rows [m, in] -> [m, out]
+        def linear(rows, nibbles, groups, scales, weight_sums, bias, number, panel_from):  # [m, in] -> [m, out]
             asked.append(number)
             return rows.new_zeros(rows.shape[0], nibbles.shape[0])
 
@@ -341,11 +346,13 @@ def test_a_fused_gate_and_up_projection_is_the_two_layers_bitwise(bits):
 
 
 @pytest.mark.parametrize("bits", BITS)
-def test_a_model_scores_a_token_the_same_in_any_forward(bits):
+@pytest.mark.parametrize("length", [10, 60])
+def test_a_model_scores_a_token_the_same_in_any_forward(bits, length):
     """The tiny Qwen2 with every Linear quantized: the logits of the last prompt token and of each following
-    token are bitwise equal whether the tokens come one per forward or all in one."""
+    token are bitwise equal whether the tokens come one per forward or all in one (a prompt of 60 is fed in
+    4-bit panels on AVX-512 VNNI, `int4.PANEL_ROWS`, the tokens after it in tiles)."""
     model = quantize_invariant(tiny_qwen2(seed=3, layers=2), bits=bits)
-    prompt = random_prompts(1, seed=4, low=10, high=11)[0]
+    prompt = random_prompts(1, seed=4, low=length, high=length + 1)[0]
     continuation = [5, 17, 42, 8, 60, 3]
     one_by_one = HFCausalLM(model)
     rows = [one_by_one.forward(torch.tensor(prompt), num_logits=1).logits[0]]

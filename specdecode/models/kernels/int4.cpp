@@ -12,7 +12,9 @@
 // One row takes the channels one at a time (weight bandwidth bounds it). Several rows go in tiles of up to
 // 8 rows, each met by a group of 2 or 4 channels: each channel's pair of blocks is unpacked once and each
 // row's activations loaded once for the whole group, the group x tile sums accumulating in registers
-// (multiply-adds bound it).
+// (multiply-adds bound it). With many rows (a prompt's prefill) AVX-512 VNNI unpacks each channel's
+// weights once into int8 panels that every tile of rows then reads, instead of unpacking them again for
+// each tile (`unpack_panel`); the 256-bit variants gain nothing from it and keep the tiles.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,6 +26,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -256,6 +259,39 @@ void dot_tile_avx512vnni(const uint8_t* nibbles, const uint8_t* groups, const ui
   reduce<C * R>(acc, sums);
 }
 
+// Many rows: C channels' weights unpacked once into an int8 panel, which every tile of rows then reads as it
+// reads the activations (`dot_tile_*` unpacks them again for each tile). panel[(p * C + c) * 64 + j] is
+// channel c's weight for input 64 p + j (the activations' order: a pair's first block, then its second).
+inline void unpack_panel(const uint8_t* nibbles, const uint8_t* groups, int64_t nib_stride, int64_t group_stride,
+                         int64_t k, int C, int8_t* panel) {
+  for (int c = 0; c < C; ++c)
+    for (int64_t p = 0; p < k / (2 * kBlock); ++p) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + c * nib_stride + 32 * p));
+      int8_t* out = panel + (p * C + c) * 2 * kBlock;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), unpack_first(groups + c * group_stride, p, raw));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + kBlock), unpack_second(groups + c * group_stride, p, raw));
+    }
+}
+
+using PanelFn = void (*)(const int8_t*, const uint8_t*, int64_t, int32_t*);
+
+// sums[c * R + r] = sum_k panel's w8[c, k] u[r, k], for C channels of a panel and R rows
+template <int C, int R>
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vnni")))
+void panel_dot_avx512vnni(const int8_t* panel, const uint8_t* u, int64_t k, int32_t* sums) {
+  __m512i acc[C * R];
+  for (int i = 0; i < C * R; ++i) acc[i] = _mm512_setzero_si512();
+  for (int64_t p = 0; p < k / (2 * kBlock); ++p) {
+    __m512i w[C];
+    for (int c = 0; c < C; ++c) w[c] = _mm512_loadu_si512(panel + (p * C + c) * 2 * kBlock);
+    for (int r = 0; r < R; ++r) {
+      const __m512i a = _mm512_loadu_si512(u + r * k + 2 * kBlock * p);
+      for (int c = 0; c < C; ++c) acc[c * R + r] = _mm512_dpbusd_epi32(acc[c * R + r], a, w[c]);
+    }
+  }
+  reduce<C * R>(acc, sums);
+}
+
 enum Kernel : int64_t { kAvx2 = 0, kAvxVnni = 1, kAvx512Vnni = 2 };
 
 bool supported(int64_t kernel) {
@@ -323,9 +359,19 @@ const Tiling& tiling_of(int64_t kernel) {
   }
 }
 
+// The panel functions: kPanelFns[0][R - 1] one channel and R rows (the channels a panel of kPanelChannels
+// leaves over), kPanelFns[1][R - 1] kPanelChannels channels (24 accumulators of 32 registers at 6 rows)
+constexpr int kPanelChannels = 4, kPanelRows = 6;
+template <int C>
+constexpr std::array<PanelFn, kPanelRows> panel_fns() {
+  return {panel_dot_avx512vnni<C, 1>, panel_dot_avx512vnni<C, 2>, panel_dot_avx512vnni<C, 3>,
+          panel_dot_avx512vnni<C, 4>, panel_dot_avx512vnni<C, 5>, panel_dot_avx512vnni<C, 6>};
+}
+const std::array<PanelFn, kPanelRows> kPanelFns[2] = {panel_fns<1>(), panel_fns<kPanelChannels>()};
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& groups,
                        const at::Tensor& scales, const at::Tensor& weight_sums, const c10::optional<at::Tensor>& bias,
-                       int64_t kernel) {
+                       int64_t kernel, int64_t panel_from) {
   if (kernel < 0) kernel = best_kernel();
   TORCH_CHECK(supported(kernel), "int4_linear: this CPU lacks the instructions of kernel ", kernel);
   const Tiling& tiles_of = tiling_of(kernel);
@@ -372,6 +418,38 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& nibbles, const at:
     });
     return out;
   }
+  if (kernel == kAvx512Vnni && m >= panel_from) {  // many rows: unpacked panels (`unpack_panel`)
+    const int C = kPanelChannels;
+    const int64_t row_tiles = (m + kPanelRows - 1) / kPanelRows;
+    const int64_t channel_tile = C * std::max<int64_t>(1, kChannelTile / C);
+    const int64_t tiles = (n + channel_tile - 1) / channel_tile;
+    // a task's channels are unpacked first, panel by panel; then each tile of rows meets all its panels while
+    // its activations are in cache
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      std::vector<int8_t> unpacked(channel_tile * padded);
+      int32_t sums[4 * kRowTile];
+      for (int64_t c0 = begin * channel_tile; c0 < std::min(n, end * channel_tile); c0 += channel_tile) {
+        const int64_t c1 = std::min(n, c0 + channel_tile);
+        for (int64_t c = c0; c < c1;) {
+          const int channels = c1 - c >= C ? C : 1;
+          unpack_panel(np + c * nib_stride, gp + c * group_stride, nib_stride, group_stride, padded, channels,
+                       unpacked.data() + (c - c0) * padded);
+          c += channels;
+        }
+        for (int64_t t = 0; t < row_tiles; ++t) {
+          const int64_t r0 = t * m / row_tiles;
+          const int rows = static_cast<int>((t + 1) * m / row_tiles - r0);
+          for (int64_t c = c0; c < c1;) {
+            const int channels = c1 - c >= C ? C : 1;
+            kPanelFns[channels == C][rows - 1](unpacked.data() + (c - c0) * padded, up + r0 * padded, padded, sums);
+            rescale(sums, c, channels, r0, rows);
+            c += channels;
+          }
+        }
+      }
+    });
+    return out;
+  }
   // rows in equal tiles; each group of channels meets every row tile while its weights are in cache
   const int64_t row_tiles = (m + kRowTile - 1) / kRowTile;
   const int largest = static_cast<int>((m + row_tiles - 1) / row_tiles);  // the others hold as many or one fewer
@@ -397,8 +475,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& nibbles, const at:
 }  // namespace
 
 TORCH_LIBRARY(specdecode_int4, m) {
-  // kernel: 0 AVX2, 1 AVX-VNNI, 2 AVX-512 VNNI, -1 the best this CPU has (all give the same output)
-  m.def("linear(Tensor x, Tensor nibbles, Tensor groups, Tensor scales, Tensor weight_sums, Tensor? bias, int kernel=-1) -> Tensor");
+  // kernel: 0 AVX2, 1 AVX-VNNI, 2 AVX-512 VNNI, -1 the best this CPU has (all give the same output);
+  // panel_from: the rows from which AVX-512 VNNI reads unpacked panels (the same output again)
+  m.def("linear(Tensor x, Tensor nibbles, Tensor groups, Tensor scales, Tensor weight_sums, Tensor? bias, int kernel=-1, int panel_from=48) -> Tensor");
   m.def("supported(int kernel) -> bool", &supported);
 }
 
