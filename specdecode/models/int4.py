@@ -337,13 +337,15 @@ class InvariantInt4Linear(nn.Module):
         197 times a token)."""
         # The kernel meets every row with each group of channels, so a long prefill's rows would stream from
         # memory once per group: they go in slices of rows that stay in cache (each row's result is its own,
-        # so slicing changes no bit of it).
+        # so slicing changes no bit of it), of equal size and at least `step` (up to twice it): no short last
+        # slice falls below PANEL_ROWS.
         step = max(8, ROW_SLICE_BYTES // self.in_features // 8 * 8)
-        if rows.shape[0] <= step:
-            number = self.kernel.number
-            return _ops().linear(rows, self.nibbles, self.groups, self.scales, self.weight_sums, self.bias,
-                                   _best() if number is None else number, PANEL_ROWS)
-        return torch.cat([self.rows(rows[i : i + step]) for i in range(0, rows.shape[0], step)])
+        m, number = rows.shape[0], self.kernel.number
+        slices = max(1, m // step)
+        parts = [_ops().linear(rows[i * m // slices : (i + 1) * m // slices], self.nibbles, self.groups, self.scales,
+                               self.weight_sums, self.bias, _best() if number is None else number, PANEL_ROWS)
+                 for i in range(slices)]
+        return parts[0] if slices == 1 else torch.cat(parts)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

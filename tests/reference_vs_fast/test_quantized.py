@@ -229,13 +229,24 @@ def test_an_avx512_variant_runs_only_where_aten_runs_avx512(monkeypatch):
 @needs_int4
 def test_a_long_input_in_slices_of_rows_is_the_whole_call(monkeypatch):
     """A long prefill goes to the kernel in slices of rows that stay in cache: the result is bitwise the
-    one-call result, slice edges anywhere (uneven last slice included)."""
+    one-call result, slice edges anywhere. The slices are of equal size (within a row) and none is shorter
+    than the slice size asked for, so no short last slice misses the panels (`int4.PANEL_ROWS`)."""
     torch.manual_seed(5)
     layer = InvariantInt4Linear.from_linear(torch.nn.Linear(256, 96))
     x = torch.randn(3, 29, 256)
     whole = layer(x)
-    monkeypatch.setattr(int4, "ROW_SLICE_BYTES", 256 * 16)  # slices of 16 rows: 87 rows in 6 calls
+    ops, sizes = int4._ops(), []
+
+    class Recording:
+        @staticmethod
+        def linear(rows, *args):
+            sizes.append(rows.shape[0])
+            return ops.linear(rows, *args)
+
+    monkeypatch.setattr(int4, "_ops", lambda: Recording)
+    monkeypatch.setattr(int4, "ROW_SLICE_BYTES", 256 * 16)  # slices of 16 rows or more: 87 rows in 5 calls
     assert torch.equal(layer(x), whole)
+    assert len(sizes) == 5 and sum(sizes) == 87 and min(sizes) >= 16 and max(sizes) - min(sizes) <= 1
 
 
 @needs_int4
