@@ -275,7 +275,8 @@ inline void unpack_panel(const uint8_t* nibbles, const uint8_t* groups, int64_t 
 
 using PanelFn = void (*)(const int8_t*, const uint8_t*, int64_t, int32_t*);
 
-// sums[c * R + r] = sum_k panel's w8[c, k] u[r, k], for C channels of a panel and R rows
+// sums[r * C + c] = sum_k panel's w8[c, k] u[r, k], for C channels of a panel and R rows (row-major: a row's
+// C sums side by side, as its outputs lie)
 template <int C, int R>
 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vnni")))
 void panel_dot_avx512vnni(const int8_t* panel, const uint8_t* u, int64_t k, int32_t* sums) {
@@ -286,7 +287,7 @@ void panel_dot_avx512vnni(const int8_t* panel, const uint8_t* u, int64_t k, int3
     for (int c = 0; c < C; ++c) w[c] = _mm512_loadu_si512(panel + (p * C + c) * 2 * kBlock);
     for (int r = 0; r < R; ++r) {
       const __m512i a = _mm512_loadu_si512(u + r * k + 2 * kBlock * p);
-      for (int c = 0; c < C; ++c) acc[c * R + r] = _mm512_dpbusd_epi32(acc[c * R + r], a, w[c]);
+      for (int c = 0; c < C; ++c) acc[r * C + c] = _mm512_dpbusd_epi32(acc[r * C + c], a, w[c]);
     }
   }
   reduce<C * R>(acc, sums);
@@ -419,7 +420,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& nibbles, const at:
     return out;
   }
   if (kernel == kAvx512Vnni && m >= panel_from) {  // many rows: unpacked panels (`unpack_panel`)
-    const int C = kPanelChannels;
+    constexpr int C = kPanelChannels;
+    static_assert(C == 4, "the panels' rescaling takes four channels at a time");
     const int64_t row_tiles = (m + kPanelRows - 1) / kPanelRows;
     const int64_t channel_tile = C * std::max<int64_t>(1, kChannelTile / C);
     const int64_t tiles = (n + channel_tile - 1) / channel_tile;
@@ -442,7 +444,21 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& nibbles, const at:
           for (int64_t c = c0; c < c1;) {
             const int channels = c1 - c >= C ? C : 1;
             kPanelFns[channels == C][rows - 1](unpacked.data() + (c - c0) * padded, up + r0 * padded, padded, sums);
-            rescale(sums, c, channels, r0, rows);
+            if (channels == 1) {
+              rescale(sums, c, 1, r0, rows);  // (one channel: its sums in row order either way)
+              c += channels;
+              continue;
+            }
+            // `rescale`'s operations, four channels at a time (the panels' sums are row-major): each lane does
+            // the scalar operations in their order (no fused multiply-adds), so each output is bitwise the same
+            const __m128 scale = _mm_loadu_ps(sp + c), wsum = _mm_loadu_ps(wsp + c);
+            for (int r = 0; r < rows; ++r) {
+              const __m128 sum = _mm_cvtepi32_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sums + r * C)));
+              __m128 y = _mm_mul_ps(scale, _mm_add_ps(_mm_mul_ps(_mm_set1_ps(stepp[r0 + r]), sum),
+                                                      _mm_mul_ps(_mm_set1_ps(lowp[r0 + r]), wsum)));
+              if (bp) y = _mm_add_ps(y, _mm_loadu_ps(bp + c));
+              _mm_storeu_ps(op + (r0 + r) * n + c, y);
+            }
             c += channels;
           }
         }
